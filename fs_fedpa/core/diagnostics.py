@@ -1,0 +1,103 @@
+"""Round diagnostics from factors only (§3.3): E_agg, E_init and the aggregate's spectrum.
+
+Nothing here forms a ``(d, k)`` matrix: a Frobenius norm of a product is taken as
+``||B A||_F = ||R_B A||_F`` with ``B = Q_B R_B`` a reduced QR, which costs ``O(d r^2 + r^2 k)``
+and, unlike the Gram expansion ``tr(B^T B A A^T)``, does not lose half the digits to
+cancellation when the product is small next to its factors (E_agg of an exact
+reconstruction is ~0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from fs_fedpa.core._checks import check_factor_lists, check_finite, compute_dtype, normalized_weights
+
+
+def factored_norm(B: Tensor, A: Tensor) -> Tensor:
+    """``||B A||_F`` for ``B: (*, d, r)``, ``A: (*, r, k)`` without forming ``B A``; returns ``(*)``."""
+    if B.shape[-1] != A.shape[-2]:
+        raise ValueError(f"B has {B.shape[-1]} columns but A has {A.shape[-2]} rows")
+    cdtype = compute_dtype(B.dtype)
+    R_B = torch.linalg.qr(B.to(cdtype), mode="r").R  # (*, min(d, r), r)
+    return torch.linalg.matrix_norm(R_B @ A.to(cdtype))
+
+
+def aggregation_error(
+    Bs: Sequence[Tensor],
+    As: Sequence[Tensor],
+    B_g: Tensor,
+    A_g: Tensor,
+    weights: Sequence[float] | Tensor | None = None,
+    relative: bool = False,
+) -> Tensor:
+    """E_agg = ``||B_g A_g - sum_i w_i B_i A_i||_F`` (§3.3, Eq. aggregation error).
+
+    Holds for any global factors: FedPA's reconstruction, FedIT's averaged factors, FlexLoRA's
+    SVD. The difference is itself a product, ``[B_cat, -B_g] [A_cat; A_g]``, so its norm is a
+    :func:`factored_norm` of rank ``r_tot + R_g``.
+
+    Args:
+        Bs, As: client factors ``(*, d, r_i)``, ``(*, r_i, k)``; ``weights`` as in ``reconstruct``
+            (default uniform, the paper's 1/N).
+        B_g, A_g: global factors ``(*, d, R)``, ``(*, R, k)``.
+        relative: divide by ``||sum_i w_i B_i A_i||_F`` (0 stays 0).
+
+    Returns: ``(*)`` tensor in float32 (float64 for float64 inputs).
+    """
+    ranks, _, _ = check_factor_lists([*Bs, B_g], [*As, A_g])
+    w = normalized_weights(weights, len(Bs))
+    cdtype = compute_dtype(B_g.dtype)
+    sw = [wi**0.5 for wi in w]
+    B_cat = torch.cat([B.to(cdtype) * s for B, s in zip(Bs, sw)], dim=-1)
+    A_cat = torch.cat([A.to(cdtype) * s for A, s in zip(As, sw)], dim=-2)
+    check_finite(B_cat, "client B factors")
+    check_finite(A_cat, "client A factors")
+    err = factored_norm(torch.cat([B_cat, -B_g.to(cdtype)], dim=-1), torch.cat([A_cat, A_g.to(cdtype)], dim=-2))
+    if not relative:
+        return err
+    ideal = factored_norm(B_cat, A_cat)
+    return torch.where(ideal > 0, err / ideal.clamp_min(torch.finfo(cdtype).tiny), torch.zeros_like(err))
+
+
+def initialization_error(starts: Sequence[Tensor], ends: Sequence[Tensor], eps: float = 1e-8) -> float:
+    """Relative factor-level initialisation error (§3.3, Eq. initialization error).
+
+    ``E_init(Y) = 1/N sum_i ||Y_i^(t+1,0) - Y_i^(t)||_F / (||Y_i^(t+1,0)||_F + eps)`` for one factor
+    kind Y in {B, A}: ``starts[i]`` is client i's factor at the start of round t+1, ``ends[i]``
+    the one it had at the end of round t. Zero for FedPA-LoRA, which keeps its factors.
+    """
+    if len(starts) == 0 or len(starts) != len(ends):
+        raise ValueError(f"need one start and one end per client, got {len(starts)} and {len(ends)}")
+    if eps <= 0:
+        raise ValueError(f"eps(={eps}) must be > 0")
+    total = 0.0
+    for i, (start, end) in enumerate(zip(starts, ends)):
+        if start.shape != end.shape:
+            raise ValueError(f"client {i}: start {tuple(start.shape)} and end {tuple(end.shape)} differ in shape")
+        cdtype = compute_dtype(start.dtype)
+        s, e = start.to(cdtype), end.to(cdtype)
+        total += float(torch.linalg.vector_norm(s - e) / (torch.linalg.vector_norm(s) + eps))
+    return total / len(starts)
+
+
+def aggregate_spectrum(
+    Bs: Sequence[Tensor], As: Sequence[Tensor], weights: Sequence[float] | Tensor | None = None
+) -> Tensor:
+    """Singular values ``(*, min(d, k, r_tot))`` of ``sum_i w_i B_i A_i``, descending, from its QR core.
+
+    :func:`fs_fedpa.reconstruct` with ``return_spectrum=True`` gives the same values for free
+    during aggregation; this is the stand-alone form.
+    """
+    from fs_fedpa.core.reconstruct import reconstruct
+
+    _, _, S = reconstruct(Bs, As, rank=1, weights=weights, mode="reduced", return_spectrum=True)
+    return S
+
+
+def payload_bytes(tensors: Sequence[Tensor]) -> int:
+    """Bytes on the wire for a list of tensors (numel x element size), for up/downlink accounting."""
+    return sum(t.numel() * t.element_size() for t in tensors)
