@@ -1,0 +1,103 @@
+"""E_agg, E_init and the aggregate spectrum against dense float64 computations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fs_fedpa import aggregate_spectrum, aggregation_error, factored_norm, initialization_error, reconstruct
+from fs_fedpa.core.diagnostics import payload_bytes
+from tests.factories import client_factors, dense_aggregate, optimal_error
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    d=st.integers(1, 48),
+    k=st.integers(1, 48),
+    ranks=st.lists(st.integers(1, 6), min_size=1, max_size=5),
+    R=st.integers(1, 8),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_aggregation_error_of_any_global_factors_equals_the_dense_norm(d, k, ranks, R, seed):
+    # Prepare: arbitrary global factors (as FedIT or a stale global would have)
+    Bs, As = client_factors(seed, d, k, ranks)
+    g = torch.Generator().manual_seed(seed + 1)
+    B_g = torch.randn(d, R, generator=g, dtype=torch.float64)
+    A_g = torch.randn(R, k, generator=g, dtype=torch.float64)
+    weights = [1.0 + i for i in range(len(ranks))]
+    # Execute
+    err = aggregation_error(Bs, As, B_g, A_g, weights=weights)
+    rel = aggregation_error(Bs, As, B_g, A_g, weights=weights, relative=True)
+    # Assert
+    X = dense_aggregate(Bs, As, weights)
+    dense = torch.linalg.matrix_norm(B_g @ A_g - X)
+    torch.testing.assert_close(err, dense, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(rel, dense / torch.linalg.matrix_norm(X), rtol=1e-9, atol=1e-12)
+
+
+def test_aggregation_error_of_the_reconstruction_is_the_spectral_tail():
+    Bs, As = client_factors(3, 64, 48, [4, 4, 4, 4])
+    B_g, A_g, S = reconstruct(Bs, As, 6, return_spectrum=True)
+    torch.testing.assert_close(aggregation_error(Bs, As, B_g, A_g), S[6:].pow(2).sum().sqrt())
+    assert float(aggregation_error(Bs, As, B_g, A_g)) == pytest.approx(optimal_error(dense_aggregate(Bs, As), 6))
+
+
+def test_aggregation_error_is_tiny_for_an_exact_reconstruction_in_float32():
+    """The QR route keeps digits that the Gram expansion tr(B^T B A A^T) would lose (sqrt(eps) ~ 3e-4)."""
+    Bs, As = client_factors(4, 256, 256, [4, 4, 4], dtype=torch.float32)
+    B_g, A_g = reconstruct(Bs, As, 12)
+    assert float(aggregation_error(Bs, As, B_g, A_g, relative=True)) < 1e-5
+
+
+def test_aggregation_error_of_fedit_averaging_is_positive():
+    Bs, As = client_factors(5, 32, 32, [4, 4, 4])
+    B_avg, A_avg = sum(Bs) / 3, sum(As) / 3
+    dense = torch.linalg.matrix_norm(B_avg @ A_avg - dense_aggregate(Bs, As))
+    torch.testing.assert_close(aggregation_error(Bs, As, B_avg, A_avg), dense)
+    assert float(dense) > 0
+
+
+def test_factored_norm_equals_the_dense_norm_batched():
+    Bs, As = client_factors(6, 20, 30, [3])
+    B = torch.stack([Bs[0], 2 * Bs[0]])
+    A = torch.stack([As[0], As[0]])
+    torch.testing.assert_close(factored_norm(B, A), torch.linalg.matrix_norm(B @ A))
+
+
+def test_initialization_error_follows_the_papers_formula():
+    g = torch.Generator().manual_seed(0)
+    starts = [torch.randn(6, 2, generator=g), torch.randn(6, 4, generator=g)]
+    ends = [torch.randn(6, 2, generator=g), starts[1].clone()]
+    expected = (float((starts[0] - ends[0]).norm() / (starts[0].norm() + 1e-8)) + 0.0) / 2
+    assert initialization_error(starts, ends) == pytest.approx(expected, rel=1e-6)
+    assert initialization_error(starts, [s.clone() for s in starts]) == 0.0  # FedPA keeps its factors
+
+
+def test_spectrum_helper_equals_dense_singular_values():
+    Bs, As = client_factors(7, 30, 20, [2, 3])
+    S = aggregate_spectrum(Bs, As, weights=[2.0, 1.0])
+    torch.testing.assert_close(S, torch.linalg.svdvals(dense_aggregate(Bs, As, [2.0, 1.0]))[:5])
+
+
+def test_payload_bytes():
+    assert payload_bytes([torch.zeros(4, 3), torch.zeros(2, dtype=torch.float16)]) == 4 * 3 * 4 + 2 * 2
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: initialization_error([torch.zeros(2, 2)], []), r"need one start and one end per client, got 1 and 0"),
+        (lambda: initialization_error([torch.zeros(2, 2)], [torch.zeros(2, 3)]), r"client 0: start \(2, 2\) and end \(2, 3\)"),
+        (lambda: initialization_error([torch.zeros(2)], [torch.zeros(2)], eps=0), r"eps\(=0\) must be > 0"),
+        (lambda: factored_norm(torch.zeros(3, 2), torch.zeros(3, 3)), r"B has 2 columns but A has 3 rows"),
+        (
+            lambda: aggregation_error([torch.full((3, 2), float("nan"))], [torch.zeros(2, 3)], torch.zeros(3, 1), torch.zeros(1, 3)),
+            r"client B factors contains NaN or Inf",
+        ),
+    ],
+)
+def test_diagnostics_validation(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
