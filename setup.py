@@ -5,7 +5,54 @@ FederatedScope itself is deliberately not a dependency: it is not on PyPI in a u
 says how to install it from GitHub.
 """
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+from setuptools.command.editable_wheel import editable_wheel
+
+PTH = "fs_fedpa.pth"
+
+
+class build_py_with_pth(build_py):
+    """Also put fs_fedpa.pth at the root of the wheel, i.e. into site-packages.
+
+    Its one line imports fs_fedpa._boot at interpreter start, which registers the plugin with
+    FederatedScope before FS builds its config. Editable installs (PEP 660) take it too.
+    """
+
+    def run(self):
+        super().run()
+        self.copy_file(PTH, str(Path(self.build_lib) / PTH), preserve_mode=0)
+
+    def get_outputs(self, include_bytecode=True):
+        return [*super().get_outputs(include_bytecode), str(Path(self.build_lib) / PTH)]
+
+
+class editable_wheel_with_pth(editable_wheel):
+    """``pip install -e .``: the editable wheel carries fs_fedpa.pth beside setuptools' own .pth.
+
+    .pth files run in name order, so ``__editable__.fs_fedpa-*.pth`` (which makes the checkout
+    importable) runs before ``fs_fedpa.pth``.
+    """
+
+    def _select_strategy(self, name, tag, build_lib):
+        strategy = super()._select_strategy(name, tag, build_lib)
+        line = Path(PTH).read_bytes()
+
+        class WithPth:
+            def __enter__(self):
+                strategy.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return strategy.__exit__(*exc)
+
+            def __call__(self, wheel, files, mapping):
+                strategy(wheel, files, mapping)
+                wheel.writestr(PTH, line)
+
+        return WithPth()
 
 setup(
     name="fs_fedpa",
@@ -24,4 +71,5 @@ setup(
     ],
     extras_require={"test": ["pytest>=7", "hypothesis>=6.80"]},
     license="Apache-2.0",
+    cmdclass={"build_py": build_py_with_pth, "editable_wheel": editable_wheel_with_pth},
 )

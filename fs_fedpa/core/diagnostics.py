@@ -48,19 +48,29 @@ def aggregation_error(
 
     Returns: ``(*)`` tensor in float32 (float64 for float64 inputs).
     """
-    ranks, _, _ = check_factor_lists([*Bs, B_g], [*As, A_g])
-    w = normalized_weights(weights, len(Bs))
-    cdtype = compute_dtype(B_g.dtype)
-    sw = [wi**0.5 for wi in w]
+    check_factor_lists([*Bs, B_g], [*As, A_g])
+    B_cat, A_cat = _weighted_cat(Bs, As, weights, compute_dtype(B_g.dtype))
+    err = factored_norm(torch.cat([B_cat, -B_g.to(B_cat.dtype)], dim=-1), torch.cat([A_cat, A_g.to(A_cat.dtype)], dim=-2))
+    if not relative:
+        return err
+    ideal = factored_norm(B_cat, A_cat)
+    return torch.where(ideal > 0, err / ideal.clamp_min(torch.finfo(ideal.dtype).tiny), torch.zeros_like(err))
+
+
+def aggregate_norm(Bs: Sequence[Tensor], As: Sequence[Tensor], weights: Sequence[float] | Tensor | None = None) -> Tensor:
+    """``||sum_i w_i B_i A_i||_F`` from the factors: the scale E_agg is relative to."""
+    _, dtype, _ = check_factor_lists(Bs, As)
+    return factored_norm(*_weighted_cat(Bs, As, weights, compute_dtype(dtype)))
+
+
+def _weighted_cat(Bs, As, weights, cdtype) -> tuple[Tensor, Tensor]:
+    """``B_cat = [sqrt(w_i) B_i]``, ``A_cat = [sqrt(w_i) A_i]`` so that ``B_cat A_cat = sum_i w_i B_i A_i``."""
+    sw = [w**0.5 for w in normalized_weights(weights, len(Bs))]
     B_cat = torch.cat([B.to(cdtype) * s for B, s in zip(Bs, sw)], dim=-1)
     A_cat = torch.cat([A.to(cdtype) * s for A, s in zip(As, sw)], dim=-2)
     check_finite(B_cat, "client B factors")
     check_finite(A_cat, "client A factors")
-    err = factored_norm(torch.cat([B_cat, -B_g.to(cdtype)], dim=-1), torch.cat([A_cat, A_g.to(cdtype)], dim=-2))
-    if not relative:
-        return err
-    ideal = factored_norm(B_cat, A_cat)
-    return torch.where(ideal > 0, err / ideal.clamp_min(torch.finfo(cdtype).tiny), torch.zeros_like(err))
+    return B_cat, A_cat
 
 
 def initialization_error(starts: Sequence[Tensor], ends: Sequence[Tensor], eps: float = 1e-8) -> float:

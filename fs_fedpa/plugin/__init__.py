@@ -1,0 +1,1 @@
+"""FederatedScope glue: the only part of fs_fedpa that imports ``federatedscope``."""

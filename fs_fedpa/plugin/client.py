@@ -1,0 +1,226 @@
+"""FedPA client for FederatedScope: keeps its own factors and local tensors, trains toward a reference.
+
+Per round (Alg. 1 l.7-12): load the client's *own* factors (never the server's) and local
+tensors into the model, whether or not FS shares one model object between clients; train with
+the method's alignment term; stash the trained factors and local tensors; upload the factors
+(effective, ``s_i B_i``) and any shared non-LoRA tensors. Local tensors never leave the client.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from federatedscope.core.auxiliaries.utils import add_prefix_to_path, merge_dict_of_results
+from federatedscope.core.message import Message
+from federatedscope.core.workers import Client
+from torch import Tensor
+
+from fs_fedpa import lora
+from fs_fedpa.core.adaptive import lam_direction, lam_grad, lam_loss, normalized_factor_grads
+from fs_fedpa.core.diagnostics import initialization_error
+from fs_fedpa.core.penalty import product_penalty
+from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainables
+from fs_fedpa.plugin.payload import decode_factors, decode_tensors, encode_factors
+from fs_fedpa.plugin.trainer import install_alignment_hook
+
+logger = logging.getLogger(__name__)
+
+
+class FedPAClient(Client):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self._cfg is None:  # FS builds an unconfigured client to list message handlers
+            return
+        self.method = build_method(self._cfg, self.model)
+        self.layers = lora.lora_layers(self.model)
+        self.local_names, self.shared_names = non_lora_trainables(self.model, self._cfg.personalization.local_param)
+        params = dict(self.model.named_parameters())
+        # Snapshot now: with share_local_model, other clients' training overwrites the model's copy.
+        self.local_tensors = {n: params[n].detach().clone() for n in self.local_names}
+        self.factors: dict[str, tuple[Tensor, Tensor]] | None = None  # raw (B_i, A_i), kept across rounds
+        self.reference: dict[str, tuple[Tensor, Tensor]] = {}  # in the local factors' scale
+        self._live: dict[str, tuple[Tensor, Tensor]] = {}
+        self.lam = self.method.cfg.lam
+        self._lam_pending = False
+        self._penalty_sum: Tensor | None = None
+        self._penalty_steps = 0
+        self._e_init: dict[str, float] = {}
+        self._rounds_trained = 0
+        install_alignment_hook(self.trainer, self)
+
+    @property
+    def index(self) -> int:
+        """0-based position in the rank plan (FS client ids start at 1)."""
+        return self.ID - 1
+
+    # ----------------------------------------------------------------------------------- training
+    def callback_funcs_for_model_para(self, message: Message):
+        self.state = message.state
+        self._enter_round(message.content)
+        sample_size, _, results = self.trainer.train()
+        upload = self._leave_round()
+        logger.info(
+            self._monitor.format_eval_res(results, rnd=self.state, role=f"Client #{self.ID}", return_raw=True)
+        )
+        self.comm_manager.send(
+            Message(
+                msg_type="model_para",
+                sender=self.ID,
+                receiver=[message.sender],
+                state=self.state,
+                timestamp=self._gen_timestamp(init_timestamp=message.timestamp, instance_number=sample_size),
+                content=(sample_size, upload),
+            )
+        )
+
+    def _enter_round(self, payload: dict) -> None:
+        received = decode_factors(payload["lora"])
+        if self.factors is None:
+            self.factors = self._initial_factors()
+        if self.method.keeps_factors:
+            start = self.factors  # local factor preservation: bit-identical to the end of last round
+        else:
+            start = self._to_raw(self.method.start_round(received, self.index))
+        self._e_init = self._init_error(start, self.factors)
+        lora.set_factors(self.model, start)
+        self._load_tensors(decode_tensors(payload.get("shared", {})))
+        self._load_tensors(self.local_tensors)
+        self._live = lora.get_factors(self.model)
+        device = next(iter(self._live.values()))[0].device
+        scales = lora.scaling(self.model)
+        self.reference = {n: ((B / scales[n]).to(device), A.to(device)) for n, (B, A) in received.items()}
+        self.lam = self.method.cfg.lam
+        self._lam_pending = self.method.cfg.adaptive_lam != "none"
+        self._penalty_sum, self._penalty_steps = None, 0
+
+    def _leave_round(self) -> dict:
+        self.factors = lora.copy_factors(self._live)
+        params = dict(self.model.named_parameters())
+        self.local_tensors = {n: params[n].detach().clone() for n in self.local_names}
+        self._rounds_trained += 1
+        term = float(self._penalty_sum) / self._penalty_steps if self._penalty_steps else 0.0
+        return {
+            "lora": encode_factors(lora.effective(self.factors, lora.scaling(self.model))),
+            "shared": {n: params[n].detach().cpu().clone() for n in self.shared_names},
+            "stats": {"alignment_loss": term, "lam": float(self.lam), **self._e_init},
+        }
+
+    def alignment_term(self, ctx) -> Tensor | None:
+        """lam/2 * sum of the method's alignment term over LoRA modules, for the trainer hook (train only)."""
+        if not self.reference:
+            return None
+        if self._lam_pending and not getattr(ctx, "skip_this_batch", False):
+            self.lam = self._adaptive_lam(ctx.loss_batch)
+            self._lam_pending = False
+        term = self.method.alignment(self._live, self.reference, self.lam)
+        if term is not None:
+            value = term.detach()
+            self._penalty_sum = value if self._penalty_sum is None else self._penalty_sum + value
+            self._penalty_steps += 1
+        return term
+
+    def _adaptive_lam(self, task_loss: Tensor) -> float:
+        """lam_i^(t) from the first mini-batch of the round (Appendix F)."""
+        cfg = self.method.cfg
+        if cfg.adaptive_lam == "loss":
+            return lam_loss(task_loss.detach(), cfg.lam, cfg.adaptive_alpha)
+        Bs = [B for B, _ in self._live.values()]
+        As = [A for _, A in self._live.values()]
+        g_f = normalized_factor_grads(*_grads(task_loss, Bs, As), Bs, As)
+        penalty = torch.stack([product_penalty(B, A, *self.reference[n]) for n, (B, A) in self._live.items()]).sum()
+        if cfg.adaptive_lam == "grad":
+            return lam_grad(g_f.norm(), penalty.detach().sqrt(), cfg.adaptive_alpha, cfg.lam_min, cfg.lam_max)
+        g_r = normalized_factor_grads(*_grads(penalty, Bs, As), Bs, As)
+        return lam_direction(g_f, g_r, cfg.lam)
+
+    # --------------------------------------------------------------------------------- evaluation
+    def callback_funcs_for_evaluate(self, message: Message):
+        """Paper protocol (global rank-R_i reference + own local tensors) and, with fedpa.eval_local, the
+        client's own preserved factors, reported as ``local.<split>_<metric>``."""
+        self.state = message.state
+        payload = message.content
+        if self.factors is None:
+            self.factors = self._initial_factors()
+        lora.set_factors(self.model, self._to_raw(decode_factors(payload["lora"])))
+        self._load_tensors(decode_tensors(payload.get("shared", {})))
+        self._load_tensors(self.local_tensors)
+        metrics = self._evaluate_splits()
+        if self.method.cfg.eval_local:
+            lora.set_factors(self.model, self.factors)
+            # FS derives the split from the text before the first "_" and the metric from the text after
+            # "<split>_", so the protocol goes in front: local.test_acc, local.test_total, ...
+            metrics.update({f"local.{key}": value for key, value in self._evaluate_splits().items()})
+
+        formatted = self._monitor.format_eval_res(
+            metrics, rnd=self.state, role=f"Client #{self.ID}", forms=["raw"], return_raw=True
+        )
+        logger.info(formatted)
+        self._monitor.update_best_result(self.best_results, formatted["Results_raw"], results_type=f"client #{self.ID}")
+        self.history_results = merge_dict_of_results(self.history_results, formatted["Results_raw"])
+        self.comm_manager.send(
+            Message(
+                msg_type="metrics",
+                sender=self.ID,
+                receiver=[message.sender],
+                state=self.state,
+                timestamp=message.timestamp,
+                content=metrics,
+            )
+        )
+
+    def _evaluate_splits(self) -> dict:
+        metrics = {}
+        for split in self._cfg.eval.split:
+            metrics.update(**self.trainer.evaluate(target_data_split_name=split))
+        return metrics
+
+    def callback_funcs_for_finish(self, message: Message):
+        """Never load the server's model (its factors have rank R_g); save this client's own state."""
+        logger.info(f"================= client {self.ID} received finish message =================")
+        if self._cfg.federate.save_to and self.factors is not None:
+            torch.save(self.local_state(), add_prefix_to_path(f"fedpa_client_{self.ID}_", self._cfg.federate.save_to))
+        self._monitor.finish_fl()
+
+    def local_state(self) -> dict:
+        """Everything this client keeps across rounds (raw factors, local tensors), on the CPU."""
+        return {
+            "round": self.state,
+            "client": self.ID,
+            "rank": self.method.plan.client_ranks[self.index],
+            "factors": lora.copy_factors(self.factors, "cpu"),
+            "local": {n: t.detach().cpu().clone() for n, t in self.local_tensors.items()},
+        }
+
+    # ------------------------------------------------------------------------------------ helpers
+    def _initial_factors(self) -> dict[str, tuple[Tensor, Tensor]]:
+        """Alg. 1 l.4 from the global initialisation that server and clients draw from one seed."""
+        return self._to_raw(self.method.client_init(global_init(self._cfg, self.model, self.method), self.index))
+
+    def _to_raw(self, factors: dict[str, tuple[Tensor, Tensor]]) -> dict[str, tuple[Tensor, Tensor]]:
+        """Effective ``(s B, A)`` to the raw factors PEFT stores at that rank."""
+        return {n: (B / lora.scaling_for_rank(self.layers[n], B.shape[1]), A) for n, (B, A) in factors.items()}
+
+    def _load_tensors(self, tensors: dict[str, Tensor]) -> None:
+        if not tensors:
+            return
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, value in tensors.items():
+                params[name].copy_(value)
+
+    def _init_error(self, start, previous) -> dict[str, float]:
+        """E_init(B), E_init(A) of this client for the first LoRA module (§3.3; the paper plots one module)."""
+        if self._rounds_trained == 0:
+            return {}
+        name = next(iter(start))
+        return {
+            "e_init_B": initialization_error([start[name][0]], [previous[name][0]]),
+            "e_init_A": initialization_error([start[name][1]], [previous[name][1]]),
+        }
+
+
+def _grads(loss: Tensor, Bs: list[Tensor], As: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+    grads = torch.autograd.grad(loss, Bs + As, retain_graph=True, allow_unused=True)
+    grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, Bs + As)]
+    return grads[: len(Bs)], grads[len(Bs) :]

@@ -1,0 +1,66 @@
+"""What the FedPA client and server both derive from an FS config and a model."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from fs_fedpa.core.ranks import RankPlan
+from fs_fedpa.lora import lora_layers
+from fs_fedpa.methods import FederatedMethod, get_method
+from fs_fedpa.plugin.config import fedpa_config
+
+
+def build_method(cfg, model: nn.Module) -> FederatedMethod:
+    """The configured method with its rank plan; checks every rank against every adapted layer."""
+    fedpa = fedpa_config(cfg)
+    layers = lora_layers(model)
+    if not layers:
+        raise ValueError(
+            f"federate.method {cfg.federate.method!r} needs a model with PEFT LoRA modules "
+            "(e.g. llm.adapter.use: True with adapter_method: lora); this model has none"
+        )
+    adapter_rank = max(int(layer.r[layer.active_adapters[0]]) for layer in layers.values())
+    n = cfg.federate.client_num
+    plan = RankPlan.build(
+        n,
+        adapter_rank,
+        client_ranks=fedpa.per_client("client_ranks", n),
+        reference_ranks=fedpa.per_client("reference_ranks", n),
+    )
+    for name, (d, k) in layer_shapes(model).items():
+        plan.check_layer(d, k, name)
+    return get_method(cfg.federate.method.lower())(fedpa, plan)
+
+
+def layer_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """``name -> (d, k)`` = (out_features, in_features) of every LoRA-adapted layer."""
+    return {name: (int(layer.out_features), int(layer.in_features)) for name, layer in lora_layers(model).items()}
+
+
+def global_init(cfg, model: nn.Module, method: FederatedMethod) -> dict[str, tuple[Tensor, Tensor]]:
+    """(B_g^(0), A_g^(0)), identical on the server and every client: all draw from the same seed."""
+    return method.init_global(layer_shapes(model), torch.Generator().manual_seed(fedpa_seed(cfg, method)))
+
+
+def fedpa_seed(cfg, method: FederatedMethod) -> int:
+    return method.cfg.seed if method.cfg.seed >= 0 else int(cfg.seed)
+
+
+def non_lora_trainables(model: nn.Module, local_patterns) -> tuple[list[str], list[str]]:
+    """Names of trainable non-LoRA parameters: ``(local, shared)`` by ``personalization.local_param``.
+
+    Local ones (e.g. a classifier head) never leave the client; shared ones are averaged.
+    """
+    lora = {id(p) for factors in _lora_params(model) for p in factors}
+    local, shared = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad and id(p) not in lora:
+            (local if any(pat in name for pat in local_patterns) else shared).append(name)
+    return local, shared
+
+
+def _lora_params(model: nn.Module):
+    for layer in lora_layers(model).values():
+        adapter = layer.active_adapters[0]
+        yield layer.lora_A[adapter].weight, layer.lora_B[adapter].weight

@@ -1,0 +1,67 @@
+"""The ``fedpa`` CN node of FederatedScope's config, derived from :class:`fs_fedpa.config.FedPAConfig`.
+
+Its check runs on every merge and at ``freeze()``: invalid values fail with the dataclass's
+message before any data or model is built. Checks that need ``federate.*`` run only when the
+run selects a method of this plugin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from fs_fedpa.config import FedPAConfig
+
+PLUGIN_METHODS = ("fedpa",)
+
+# FS features whose message formats or update rules FedPA does not speak (yet).
+_UNSUPPORTED = (
+    ("federate.use_ss", lambda c: c.federate.use_ss, "secret sharing"),
+    ("federate.online_aggr", lambda c: c.federate.online_aggr, "online aggregation"),
+    ("federate.process_num", lambda c: c.federate.process_num > 1, "multi-process standalone (process_num > 1)"),
+    ("asyn.use", lambda c: c.asyn.use, "asynchronous training"),
+    ("quantization.method", lambda c: c.quantization.method != "none", "uplink quantization"),
+    ("aggregator.robust_rule", lambda c: c.aggregator.robust_rule not in ("", "fedavg"), "robust aggregation rules"),
+    ("model.model_num_per_trainer", lambda c: c.model.model_num_per_trainer != 1, "several models per trainer"),
+)
+
+
+def extend_fedpa_cfg(cfg) -> None:
+    """Add ``cfg.fedpa`` with FedPAConfig's defaults and register its check (FS ``register_config`` hook)."""
+    from federatedscope.core.configs.config import CN
+
+    cfg.fedpa = CN()
+    defaults = FedPAConfig()
+    for f in fields(FedPAConfig):
+        setattr(cfg.fedpa, f.name, getattr(defaults, f.name))
+    cfg.register_cfg_check_fun(check_fedpa_cfg)
+
+
+def fedpa_config(cfg) -> FedPAConfig:
+    """The validated dataclass for an FS config (raises ValueError naming the bad key)."""
+    return FedPAConfig(**{f.name: _plain(cfg.fedpa[f.name]) for f in fields(FedPAConfig)})
+
+
+def check_fedpa_cfg(cfg) -> None:
+    fedpa = fedpa_config(cfg)
+    if cfg.federate.method.lower() not in PLUGIN_METHODS:
+        return
+    for key, bad, what in _UNSUPPORTED:
+        if bad(cfg):
+            raise ValueError(f"federate.method {cfg.federate.method!r} does not support {what}; unset {key}")
+    if cfg.federate.client_num > 0:
+        fedpa.check_clients(cfg.federate.client_num, _adapter_rank(cfg))
+
+
+def _adapter_rank(cfg) -> int | None:
+    """r of ``llm.adapter.args`` when the run uses FS-LLM's adapter, else None (plugin models decide)."""
+    try:
+        args = cfg.llm.adapter.args[0] if cfg.llm.adapter.use else {}
+    except (AttributeError, IndexError, KeyError):
+        return None
+    r = args.get("r") if isinstance(args, dict) else None
+    return r if isinstance(r, int) and r > 0 else None
+
+
+def _plain(value):
+    """CN lists/tuples to plain lists (yacs may hand back tuples after merge_from_list)."""
+    return list(value) if isinstance(value, tuple) else value

@@ -1,0 +1,58 @@
+"""Message payloads between the FedPA server and clients: flat string-keyed dicts of tensors.
+
+FS's gRPC transport serialises nested dicts of tensors (not tuples), so factors travel as
+``{"<module>|B": B, "<module>|A": A}``. A payload is ``{"lora": ..., "shared": ..., "stats": ...}``:
+LoRA factors, non-LoRA tensors that are averaged (e.g. a non-local head), and floats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from fs_fedpa.core.diagnostics import payload_bytes
+
+Factors = dict[str, tuple[Tensor, Tensor]]
+SEP = "|"
+
+
+def encode_factors(factors: Mapping[str, tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
+    out = {}
+    for name, (B, A) in factors.items():
+        out[f"{name}{SEP}B"] = B.detach().cpu().clone()
+        out[f"{name}{SEP}A"] = A.detach().cpu().clone()
+    return out
+
+
+def decode_factors(flat: Mapping[str, object]) -> Factors:
+    """Inverse of :func:`encode_factors`; accepts what a transport made of the tensors (lists, arrays)."""
+    from federatedscope.core.auxiliaries.utils import param2tensor
+
+    names: dict[str, dict[str, Tensor]] = {}
+    for key, value in flat.items():
+        name, _, part = key.rpartition(SEP)
+        if part not in ("A", "B") or not name:
+            raise ValueError(f"malformed factor key {key!r}: expected '<module>{SEP}A' or '<module>{SEP}B'")
+        names.setdefault(name, {})[part] = _tensor(param2tensor(value))
+    missing = [n for n, parts in names.items() if set(parts) != {"A", "B"}]
+    if missing:
+        raise ValueError(f"modules {missing[:3]} lack their A or B factor")
+    return {n: (parts["B"], parts["A"]) for n, parts in names.items()}
+
+
+def decode_tensors(flat: Mapping[str, object]) -> dict[str, Tensor]:
+    from federatedscope.core.auxiliaries.utils import param2tensor
+
+    return {k: _tensor(param2tensor(v)) for k, v in flat.items()}
+
+
+def nbytes(payload: Mapping[str, object]) -> int:
+    """Bytes of every tensor in a payload (factors and shared tensors; stats are negligible)."""
+    tensors = [v for part in ("lora", "shared") for v in payload.get(part, {}).values()]
+    return payload_bytes([t for t in tensors if isinstance(t, Tensor)])
+
+
+def _tensor(value: object) -> Tensor:
+    return value if isinstance(value, Tensor) else torch.as_tensor(value)

@@ -1,0 +1,197 @@
+"""FedPA server for FederatedScope: product-space aggregation and one downlink message per client.
+
+FS has no aggregator registry, so the server installs :class:`FedPAAggregator` itself (in both
+``self.aggregator``, used for saving, and ``self.aggregators[0]``, used for aggregation). The
+server keeps the global factors (effective, rank R_g) and writes them into its own model after
+every aggregation, so that FS's server-side evaluation and checkpoints see the global adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+
+import torch
+from federatedscope.core.aggregators import Aggregator
+from federatedscope.core.message import Message
+from federatedscope.core.workers import Server
+from torch import Tensor
+
+from fs_fedpa import lora
+from fs_fedpa.core.diagnostics import aggregate_norm, aggregation_error
+from fs_fedpa.plugin.common import build_method, fedpa_seed, global_init, non_lora_trainables
+from fs_fedpa.plugin.payload import decode_factors, decode_tensors, encode_factors, nbytes
+
+logger = logging.getLogger(__name__)
+
+DIAGNOSTICS_FILE = "fedpa_diagnostics.jsonl"
+
+
+class FedPAServer(Server):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self._cfg is None:
+            return
+        self.method = build_method(self._cfg, self.model)
+        self.layers = lora.lora_layers(self.model)
+        _, self.shared_names = non_lora_trainables(self.model, self._cfg.personalization.local_param)
+        self.global_factors = global_init(self._cfg, self.model, self.method)  # (B_g^(0), A_g^(0)), rank r_g
+        self.generator = torch.Generator().manual_seed(fedpa_seed(self._cfg, self.method) + 1)  # sketches
+        self.aggregator = FedPAAggregator(self)
+        self.aggregators[0] = self.aggregator
+        self._down_bytes: dict[int, int] = {}
+        self._totals = {"up": 0, "down": 0}
+
+    # ---------------------------------------------------------------------------------- downlink
+    def broadcast_model_para(self, msg_type="model_para", sample_client_num=-1, filter_unseen_clients=True):
+        """As FS's broadcast (same sampling and bookkeeping), but each receiver gets its own rank-R_i reference."""
+        if filter_unseen_clients:
+            self.sampler.change_state(self.unseen_clients_id, "unseen")
+        if sample_client_num > 0:
+            receivers = self.sampler.sample(size=sample_client_num)
+        else:
+            receivers = list(self.comm_manager.neighbors.keys())
+            if msg_type == "model_para":
+                self.sampler.change_state(receivers, "working")
+        params = dict(self.model.named_parameters())
+        shared = {n: params[n].detach().cpu().clone() for n in self.shared_names}
+        rnd = self.state - 1 if msg_type == "evaluate" else self.state  # FS: evaluation closes a round
+        for client_id in receivers:
+            payload = {"lora": encode_factors(self.method.downlink(self.global_factors, client_id - 1)), "shared": shared}
+            if msg_type == "model_para":
+                self._down_bytes[client_id] = nbytes(payload)
+            self.comm_manager.send(
+                Message(
+                    msg_type=msg_type,
+                    sender=self.ID,
+                    receiver=[client_id],
+                    state=min(rnd, self.total_round_num),
+                    timestamp=self.cur_timestamp,
+                    content=payload,
+                )
+            )
+        if filter_unseen_clients:
+            self.sampler.change_state(self.unseen_clients_id, "seen")
+
+    # ---------------------------------------------------------------------------------- aggregation
+    def install_global(self, global_factors, shared: dict[str, Tensor]) -> None:
+        """Adopt new global factors and write them (raw, at rank R_g) and the averaged shared tensors into the model."""
+        self.global_factors = global_factors
+        raw = {n: (B / lora.scaling_for_rank(self.layers[n], B.shape[1]), A) for n, (B, A) in global_factors.items()}
+        lora.set_factors(self.model, raw)
+        if shared:
+            params = dict(self.model.named_parameters())
+            with torch.no_grad():
+                for name, value in shared.items():
+                    params[name].copy_(value)
+
+    def record_round(self, record: dict) -> None:
+        """Append one JSON line per round to ``<outdir>/fedpa_diagnostics.jsonl``."""
+        self._totals["up"] += sum(record["bytes_up"].values())
+        self._totals["down"] += sum(record["bytes_down"].values())
+        record.update(bytes_up_total=self._totals["up"], bytes_down_total=self._totals["down"])
+        if self.method.cfg.diagnostics:
+            with open(os.path.join(self._cfg.outdir, DIAGNOSTICS_FILE), "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+        logger.info(
+            f"[fedpa] round {record['round']}: E_agg={record['e_agg']:.4g} (rel {record['e_agg_rel']:.3g}), "
+            f"alignment={record['alignment_loss_mean']:.4g}, up {sum(record['bytes_up'].values())} B, "
+            f"down {sum(record['bytes_down'].values())} B"
+        )
+
+    def save_checkpoint(self, path: str, cur_round: int) -> None:
+        """FS's checkpoint format (``cur_round``, trainable ``model`` state with the global adapter) plus
+        ``fedpa``: the effective global factors and the rank plan."""
+        plan = self.method.plan
+        torch.save(
+            {
+                "cur_round": cur_round,
+                "model": self.model.state_dict(),
+                "fedpa": {
+                    "method": self.method.name,
+                    "global": lora.copy_factors(self.global_factors, "cpu"),
+                    "client_ranks": list(plan.client_ranks),
+                    "reference_ranks": list(plan.reference_ranks),
+                    "R_g": plan.R_g,
+                },
+            },
+            path,
+        )
+
+
+class FedPAAggregator(Aggregator):
+    """``aggregate(agg_info)`` for the FedPA server: decode (copies), reconstruct, install, record."""
+
+    def __init__(self, server: FedPAServer):
+        super().__init__()
+        self.server = server
+
+    def aggregate(self, agg_info):
+        server = self.server
+        clients = [client_id for client_id, _ in agg_info["staleness"]]
+        feedback = agg_info["client_feedback"]
+        # decode_* clone every tensor: nothing below can alter what a client sent
+        uploads = [decode_factors(content["lora"]) for _, content in feedback]
+        shared = [decode_tensors(content.get("shared", {})) for _, content in feedback]
+        stats = [content.get("stats", {}) for _, content in feedback]
+        weights = [1.0] * len(feedback) if server._cfg.federate.ignore_weight else [float(n) for n, _ in feedback]
+        if sum(weights) <= 0:
+            weights = [1.0] * len(feedback)
+
+        new_global, spectra = server.method.aggregate(uploads, weights, [c - 1 for c in clients], server.generator)
+        averaged = _weighted_mean(shared, weights)
+        record = _round_record(server, uploads, weights, clients, new_global, spectra, stats, feedback)
+        server.install_global(new_global, averaged)
+        server.record_round(record)
+        return {}  # the model is already updated; FS merges this empty dict into its state
+
+    def save_model(self, path, cur_round=-1):
+        self.server.save_checkpoint(path, cur_round)
+
+    def load_model(self, path):
+        raise NotImplementedError("resuming a FedPA run is not supported yet")
+
+
+def _weighted_mean(tensors: list[dict[str, Tensor]], weights: list[float]) -> dict[str, Tensor]:
+    if not tensors or not tensors[0]:
+        return {}
+    total = sum(weights)
+    return {k: sum(w / total * t[k].double() for w, t in zip(weights, tensors)).to(tensors[0][k].dtype) for k in tensors[0]}
+
+
+def _round_record(server, uploads, weights, clients, new_global, spectra, stats, feedback) -> dict:
+    """Diagnostics of one aggregation, from factors only (no d x k matrix)."""
+    errors, norms = {}, {}
+    for name, (B_g, A_g) in new_global.items():
+        Bs = [u[name][0] for u in uploads]
+        As = [u[name][1] for u in uploads]
+        errors[name] = float(aggregation_error(Bs, As, B_g, A_g, weights=weights))
+        norms[name] = float(aggregate_norm(Bs, As, weights=weights))
+    probe = next(iter(new_global))
+    e_agg = math.sqrt(sum(e**2 for e in errors.values()))
+    ideal = math.sqrt(sum(n**2 for n in norms.values()))
+    terms = [s.get("alignment_loss", 0.0) for s in stats]
+    per_client = lambda key: {str(c): s[key] for c, s in zip(clients, stats) if key in s}  # noqa: E731
+    return {
+        "round": server.state,
+        "method": server.method.name,
+        "svd": server.method.cfg.svd,
+        "clients": clients,
+        "weights": weights,
+        "R_g": server.method.plan.R_g,
+        "e_agg": e_agg,
+        "e_agg_rel": e_agg / ideal if ideal > 0 else 0.0,
+        "probe_module": probe,
+        "e_agg_probe": errors[probe],
+        "spectrum_probe": [float(s) for s in spectra.get(probe, torch.zeros(0))],
+        "alignment_loss": dict(zip(map(str, clients), terms)),
+        "alignment_loss_mean": sum(terms) / len(terms) if terms else 0.0,
+        "lam": per_client("lam"),
+        "e_init_B": per_client("e_init_B"),
+        "e_init_A": per_client("e_init_A"),
+        "upload_ranks": {str(c): sorted({B.shape[1] for B, _ in u.values()}) for c, u in zip(clients, uploads)},
+        "bytes_up": {str(c): nbytes(content) for c, (_, content) in zip(clients, feedback)},
+        "bytes_down": {str(c): server._down_bytes.get(c, 0) for c in clients},
+    }

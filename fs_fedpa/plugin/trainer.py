@@ -1,0 +1,23 @@
+"""The alignment term as an FS train hook: works with FS-LLM's stock ``llmtrainer`` and any trainer
+built on ``GeneralTorchTrainer`` (the plugin's classification trainer included).
+
+The hook runs last in ``on_batch_forward``, after FS has set ``ctx.loss_task`` (task loss plus any
+FS regularizer), and adds the client's lam/2 * penalty to it. It is registered for training only:
+evaluation forwards never pay for, nor report, the penalty.
+"""
+
+from __future__ import annotations
+
+from federatedscope.core.trainers.context import CtxVar
+from federatedscope.core.trainers.enums import LIFECYCLE
+
+
+def install_alignment_hook(trainer, client) -> None:
+    """Register ``client.alignment_term(ctx)`` as an additive loss term in ``trainer``'s training hooks."""
+
+    def _hook_on_batch_forward_fedpa_alignment(ctx):
+        term = client.alignment_term(ctx)
+        if term is not None:
+            ctx.loss_task = CtxVar(ctx.loss_task + term, LIFECYCLE.BATCH)
+
+    trainer.register_hook_in_train(new_hook=_hook_on_batch_forward_fedpa_alignment, trigger="on_batch_forward")

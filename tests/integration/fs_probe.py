@@ -1,0 +1,116 @@
+"""Run one FederatedScope job in this process with spies on the FedPA workers; save what they saw.
+
+Used by the integration tests as ``python -m tests.integration.fs_probe CFG.yaml OUT.pt [opts ...]``
+in a subprocess (FS changes process-wide state, e.g. ``torch.set_num_threads(1)``). The spies
+only copy what passes through the plugin's own seams; they change nothing:
+
+- ``enter``: per client and round, the factors the model trains from and the ranks it received;
+- ``leave``: per client and round, the factors it keeps and the keys/ranks of its upload;
+- ``aggregate``: per round, an independent decode of the uploads, their weights and clients, and
+  the global factors the server adopted;
+- ``loss_gap``: ``loss_task - loss_batch`` of every training batch (the added alignment term);
+- ``final``: every client's kept factors and the server's global factors at the end.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def _copy(factors):
+    return {n: (B.detach().cpu().clone(), A.detach().cpu().clone()) for n, (B, A) in factors.items()}
+
+
+def main(cfg_file: str, out: str, opts: list[str]) -> None:
+    from federatedscope.core.auxiliaries.data_builder import get_data
+    from federatedscope.core.auxiliaries.logging import update_logger
+    from federatedscope.core.auxiliaries.runner_builder import get_runner
+    from federatedscope.core.auxiliaries.utils import setup_seed
+    from federatedscope.core.auxiliaries.worker_builder import get_client_cls, get_server_cls
+    from federatedscope.core.configs.config import global_cfg
+
+    from fs_fedpa import lora
+    from fs_fedpa.plugin import client as client_mod
+    from fs_fedpa.plugin import server as server_mod
+    from fs_fedpa.plugin.payload import decode_factors
+
+    record = {"enter": [], "leave": [], "aggregate": [], "loss_gap": []}
+    Client, Aggregator = client_mod.FedPAClient, server_mod.FedPAAggregator
+
+    orig_init, orig_enter, orig_leave = Client.__init__, Client._enter_round, Client._leave_round
+    orig_aggregate = Aggregator.aggregate
+
+    def init(self, *args, **kwargs):
+        orig_init(self, *args, **kwargs)
+        if self._cfg is not None:
+            def gap(ctx):
+                record["loss_gap"].append(float((ctx.loss_task - ctx.loss_batch).detach()))
+
+            self.trainer.register_hook_in_train(new_hook=gap, trigger="on_batch_forward")
+
+    def enter(self, payload):
+        orig_enter(self, payload)
+        received = decode_factors(payload["lora"])
+        record["enter"].append({
+            "client": self.ID,
+            "round": self.state,
+            "start": _copy(lora.get_factors(self.model)),
+            "received_ranks": sorted({B.shape[1] for B, _ in received.values()}),
+        })
+
+    def leave(self):
+        upload = orig_leave(self)
+        record["leave"].append({
+            "client": self.ID,
+            "round": self.state,
+            "end": _copy(self.factors),
+            "upload_keys": sorted(upload["lora"]) + sorted(upload["shared"]),
+            "upload_ranks": sorted({B.shape[1] for B, _ in decode_factors(upload["lora"]).values()}),
+        })
+        return upload
+
+    def aggregate(self, agg_info):
+        uploads = [_copy(decode_factors(content["lora"])) for _, content in agg_info["client_feedback"]]
+        weights = [float(n) for n, _ in agg_info["client_feedback"]]
+        clients = [c for c, _ in agg_info["staleness"]]
+        result = orig_aggregate(self, agg_info)
+        record["aggregate"].append({
+            "round": self.server.state,
+            "uploads": uploads,
+            "weights": weights,
+            "clients": clients,
+            "global": _copy(self.server.global_factors),
+        })
+        return result
+
+    Client.__init__, Client._enter_round, Client._leave_round = init, enter, leave
+    Aggregator.aggregate = aggregate
+
+    cfg = global_cfg.clone()
+    cfg.merge_from_file(cfg_file)
+    cfg.merge_from_list(opts)
+    update_logger(cfg, clear_before_add=True)
+    setup_seed(cfg.seed)
+    data, modified = get_data(config=cfg.clone(), client_cfgs=None)
+    cfg.merge_from_other_cfg(modified)
+    cfg.freeze()
+    runner = get_runner(
+        data=data,
+        server_class=get_server_cls(cfg),
+        client_class=get_client_cls(cfg),
+        config=cfg.clone(),
+        client_configs=None,
+    )
+    runner.run()
+    record["final"] = {
+        "clients": {cid: _copy(c.factors) for cid, c in runner.client.items() if c.factors is not None},
+        "global": _copy(runner.server.global_factors),
+        "outdir": cfg.outdir,
+    }
+    torch.save(record, out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])

@@ -1,0 +1,205 @@
+"""FedPA-LoRA selected by name in stock FederatedScope-LLM, on a tiny random Llama and synthetic data."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration.conftest import fedpa_cfg, probe
+from tests.integration.tiny_assets import dump_yaml, fs_env, outdir_of, read_eval_results, run_fs
+
+pytestmark = pytest.mark.integration
+
+
+def _product(factors):
+    return {n: B.double() @ A.double() for n, (B, A) in factors.items()}
+
+
+def _dense_optimum(Bs, As, weights, rank):
+    """Independent reference: SVD of the dense weighted aggregate, truncated to ``rank``."""
+    total = sum(weights)
+    X = sum(w / total * (B.double() @ A.double()) for w, B, A in zip(weights, Bs, As))
+    U, S, Vh = torch.linalg.svd(X, full_matrices=False)
+    return (U[:, :rank] * S[:rank]) @ Vh[:rank]
+
+
+def _diagnostics(outdir):
+    with open(Path(outdir) / "fedpa_diagnostics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+# ------------------------------------------------------------------------ FS's own entry points
+
+
+def test_main_py_runs_fedpa_and_writes_one_diagnostics_record_per_round(tiny_llm, tmp_path):
+    # Prepare: FS's main.py as a file, exactly as `python federatedscope/main.py --cfg X` from a checkout
+    import federatedscope
+
+    cfg = fedpa_cfg(tiny_llm, tmp_path)
+    main_py = Path(federatedscope.__file__).parent / "main.py"
+    cfg_file = dump_yaml(cfg, tmp_path / "fedpa.yaml")
+    # Execute
+    proc = subprocess.run(
+        [sys.executable, str(main_py), "--cfg", cfg_file, "fedpa.lam", "2.0"],
+        cwd=tmp_path, env=fs_env(), capture_output=True, text=True, timeout=300,
+    )
+    # Assert
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    outdir = outdir_of(cfg)
+    records = _diagnostics(outdir)
+    assert [r["round"] for r in records] == [0, 1, 2]
+    assert all(r["method"] == "fedpa" and r["lam"] == {"1": 2.0, "2": 2.0, "3": 2.0} for r in records)
+    assert {"e_agg", "spectrum_probe", "alignment_loss", "bytes_up", "bytes_down", "bytes_up_total"} <= set(records[0])
+    rounds = [row for row in read_eval_results(outdir) if "Results_weighted_avg" in row]
+    assert rounds and "local.test_loss" in rounds[-1]["Results_weighted_avg"]
+
+
+def test_module_entry_point_accepts_cli_overrides(tiny_llm, tmp_path):
+    cfg = fedpa_cfg(tiny_llm, tmp_path, **{"federate.total_round_num": 1})
+    proc = run_fs(cfg, tmp_path, extra_opts=["fedpa.svd", "randomized", "fedpa.oversample", "2"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert _diagnostics(outdir_of(cfg))[0]["svd"] == "randomized"
+
+
+@pytest.mark.parametrize(
+    "opts,message",
+    [
+        (["fedpa.rank", "4"], "Non-existent key: fedpa.rank"),
+        (["fedpa.lam", "-1.0"], "fedpa.lam(=-1.0) must be a finite number >= 0"),
+        (["fedpa.svd", "qr"], "fedpa.svd(='qr') must be one of ('reduced', 'randomized', 'dense')"),
+        (["fedpa.client_ranks", "[2,4]"], "fedpa.client_ranks has 2 values for federate.client_num(=3) clients"),
+        (["fedpa.reg", "b", "fedpa.client_ranks", "[2,4,8]"], "fedpa.reg 'b' compares factors"),
+        (["federate.use_ss", "True"], "does not support secret sharing"),
+    ],
+)
+def test_bad_fedpa_config_fails_with_a_clear_error(tiny_llm, tmp_path, opts, message):
+    proc = run_fs(fedpa_cfg(tiny_llm, tmp_path), tmp_path, extra_opts=opts, timeout=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+
+
+def test_fedpa_yaml_fails_loudly_without_the_plugin(tiny_llm, tmp_path):
+    # Prepare: `python -S` skips site processing, so fs_fedpa.pth never runs; PYTHONPATH still finds FS
+    import site
+
+    cfg = fedpa_cfg(tiny_llm, tmp_path)
+    paths = os.pathsep.join(site.getsitepackages())
+    # Execute
+    proc = run_fs(cfg, tmp_path, python_args=["-S"], env={"PYTHONPATH": paths}, timeout=120)
+    # Assert: the fedpa section is unknown to a plugin-less FS, instead of a silent FedAvg run
+    assert proc.returncode != 0
+    assert "Non-existent config key: fedpa" in proc.stderr or "Non-existent key: fedpa" in proc.stderr
+
+
+# ------------------------------------------------------------------------ what the workers do
+
+
+@pytest.fixture(scope="module")
+def shared_run(tiny_llm, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("shared")
+    return probe(fedpa_cfg(tiny_llm, tmp), tmp)
+
+
+@pytest.mark.parametrize("share_local_model", [True, False])
+def test_clients_start_each_round_from_their_own_factors_bit_for_bit(tiny_llm, tmp_path, share_local_model, shared_run):
+    run = shared_run if share_local_model else probe(
+        fedpa_cfg(tiny_llm, tmp_path, **{"federate.share_local_model": False}), tmp_path
+    )
+    ends = {(r["client"], r["round"]): r["end"] for r in run["leave"]}
+    checked = 0
+    for entry in run["enter"]:
+        previous = ends.get((entry["client"], entry["round"] - 1))
+        if previous is None:
+            continue
+        for name, (B, A) in entry["start"].items():
+            assert torch.equal(B, previous[name][0]) and torch.equal(A, previous[name][1])
+        checked += 1
+    assert checked == 6  # 3 clients x rounds 1, 2
+
+
+def test_server_global_is_the_dense_optimum_of_the_uploads(shared_run):
+    for agg in shared_run["aggregate"]:
+        for name, (B_g, A_g) in agg["global"].items():
+            Bs = [u[name][0] for u in agg["uploads"]]
+            As = [u[name][1] for u in agg["uploads"]]
+            rank = B_g.shape[1]
+            expected = _dense_optimum(Bs, As, agg["weights"], rank)
+            got = B_g.double() @ A_g.double()
+            assert torch.linalg.matrix_norm(got - expected) <= 1e-5 * (1 + torch.linalg.matrix_norm(expected))
+
+
+def test_dense_and_reduced_runs_give_the_same_global_adapter(tiny_llm, tmp_path, shared_run):
+    dense = probe(fedpa_cfg(tiny_llm, tmp_path, **{"fedpa.svd": "dense"}), tmp_path)
+    reduced_products = _product(shared_run["final"]["global"])
+    for name, P in _product(dense["final"]["global"]).items():
+        assert torch.linalg.matrix_norm(P - reduced_products[name]) <= 1e-5 * (1 + torch.linalg.matrix_norm(P))
+
+
+def test_penalty_changes_training_and_lambda_zero_trains_on_the_task_loss_alone(tiny_llm, tmp_path, shared_run):
+    # Prepare / Execute
+    plain = probe(fedpa_cfg(tiny_llm, tmp_path, **{"fedpa.lam": 0.0}), tmp_path)
+    # Assert: with lam = 0 nothing is added to the loss; with lam > 0 a positive term is
+    assert plain["loss_gap"] and all(gap == 0.0 for gap in plain["loss_gap"])
+    assert any(gap > 0 for gap in shared_run["loss_gap"])
+    # and the trained factors differ
+    a, b = plain["final"]["clients"][1], shared_run["final"]["clients"][1]
+    assert any(not torch.equal(a[n][0], b[n][0]) for n in a)
+
+
+def test_heterogeneous_client_and_reference_ranks(tiny_llm, tmp_path):
+    cfg = fedpa_cfg(tiny_llm, tmp_path, **{"fedpa.client_ranks": [2, 4, 8], "fedpa.reference_ranks": [1, 2, 4]})
+    run = probe(cfg, tmp_path)
+    upload_ranks = {r["client"]: r["upload_ranks"] for r in run["leave"]}
+    assert upload_ranks == {1: [2], 2: [4], 3: [8]}
+    received = {(r["client"], r["round"]): r["received_ranks"] for r in run["enter"] if r["round"] > 0}
+    assert {c: ranks for (c, _), ranks in received.items()} == {1: [1], 2: [2], 3: [4]}
+    assert {B.shape[1] for B, _ in run["final"]["global"].values()} == {4}  # R_g = max R_i
+    records = _diagnostics(run["final"]["outdir"])
+    assert records[-1]["bytes_down"]["1"] < records[-1]["bytes_down"]["3"]  # downlink cost grows with R_i
+
+
+def test_clients_not_sampled_keep_their_factors(tiny_llm, tmp_path):
+    # Prepare / Execute: 2 of 3 clients per round; every client is still evaluated every round
+    cfg = fedpa_cfg(tiny_llm, tmp_path, **{"federate.sample_client_num": 2, "federate.total_round_num": 4})
+    run = probe(cfg, tmp_path)
+    # Assert
+    sampled = {agg["round"]: set(agg["clients"]) for agg in run["aggregate"]}
+    assert all(len(c) == 2 for c in sampled.values())
+    ends = {(r["client"], r["round"]): r["end"] for r in run["leave"]}
+    idle_after_training = 0
+    for client in (1, 2, 3):
+        rounds = sorted(rnd for c, rnd in ends if c == client)
+        if not rounds:
+            continue
+        last = ends[(client, rounds[-1])]
+        # a later start (if any) and the final state both equal the factors of its last round
+        for entry in run["enter"]:
+            if entry["client"] == client and entry["round"] > rounds[0]:
+                previous = ends[(client, max(r for r in rounds if r < entry["round"]))]
+                assert all(torch.equal(entry["start"][n][0], previous[n][0]) for n in previous)
+        final = run["final"]["clients"][client]
+        assert all(torch.equal(final[n][0], last[n][0]) and torch.equal(final[n][1], last[n][1]) for n in last)
+        idle_after_training += rounds[-1] < 3
+    assert idle_after_training >= 1  # some client sat out the last round(s) after training
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_local_tensors_never_leave_the_client(tiny_llm, tmp_path, local):
+    # Prepare: train the RMSNorm weights too (PEFT modules_to_save); local or shared by local_param
+    args = [{"adapter_package": "peft", "adapter_method": "lora", "r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+             "modules_to_save": ["norm"]}]
+    overrides = {"llm.adapter.args": args, "federate.total_round_num": 2}
+    if local:
+        overrides["personalization.local_param"] = ["norm"]
+    # Execute
+    run = probe(fedpa_cfg(tiny_llm, tmp_path, **overrides), tmp_path)
+    # Assert
+    keys = [k for r in run["leave"] for k in r["upload_keys"]]
+    has_norm = any("norm" in k for k in keys)
+    assert has_norm is (not local)
