@@ -20,20 +20,88 @@ ADAPTIVE_CHOICES = ("none", "loss", "grad", "direction")
 class FedPAConfig:
     """FedPA-LoRA options (the ``fedpa:`` section of an FS yaml)."""
 
-    lam: float = field(default=1.0, metadata={"help": "lambda: weight of the alignment term lam/2 * ||B_i A_i - B_g,i A_g,i||_F^2 (>= 0); lambda_0 of the adaptive rules"})
-    reg: Literal["product", "b", "a", "both", "none"] = field(default="product", metadata={"help": "alignment term: 'product' (FedPA-LoRA), factor-wise ablations 'b', 'a', 'both' (need R_i == r_i), or 'none'"})
-    svd: Literal["reduced", "randomized", "dense"] = field(default="reduced", metadata={"help": "server reconstruction: 'reduced' (exact QR + core SVD), 'randomized' (sketch of width R_g + oversample), 'dense' (forms the d x k aggregate; comparison only)"})
-    oversample: int = field(default=8, metadata={"help": "p, sketch oversampling of svd: randomized (>= 0; the Halko bound needs >= 2)"})
-    client_ranks: list[int] = field(default_factory=list, metadata={"help": "r_i per client, or one rank per group with group_sizes; empty: every client uses llm.adapter.args r"})
-    reference_ranks: list[int] = field(default_factory=list, metadata={"help": "R_i per client, or one per group with group_sizes; empty: R_g for everyone"})
-    group_sizes: list[int] = field(default_factory=list, metadata={"help": "sizes of contiguous client groups (sum = client_num) for group-wise client_ranks / reference_ranks, e.g. [7, 7, 6] with client_ranks [2, 4, 16]"})
-    adaptive_lam: Literal["none", "loss", "grad", "direction"] = field(default="none", metadata={"help": "adaptive lambda rule of Appendix F: 'loss' (F.1), 'grad' (F.2), 'direction' (F.3), or 'none' (fixed lam)"})
+    lam: float = field(
+        default=1.0,
+        metadata={
+            "help": (
+                "lambda: weight of the alignment term lam/2 * ||B_i A_i - B_g,i A_g,i||_F^2 (>= 0); "
+                "lambda_0 of the adaptive rules"
+            )
+        },
+    )
+    reg: Literal["product", "b", "a", "both", "none"] = field(
+        default="product",
+        metadata={
+            "help": (
+                "alignment term: 'product' (FedPA-LoRA), factor-wise ablations 'b', 'a', 'both' (need R_i "
+                "== r_i), or 'none'"
+            )
+        },
+    )
+    svd: Literal["reduced", "randomized", "dense"] = field(
+        default="reduced",
+        metadata={
+            "help": (
+                "server reconstruction: 'reduced' (exact QR + core SVD), 'randomized' (sketch of width R_g "
+                "+ oversample), 'dense' (forms the d x k aggregate; comparison only)"
+            )
+        },
+    )
+    oversample: int = field(
+        default=8, metadata={"help": "p, sketch oversampling of svd: randomized (>= 0; the Halko bound needs >= 2)"}
+    )
+    client_ranks: list[int] = field(
+        default_factory=list,
+        metadata={
+            "help": (
+                "r_i per client, or one rank per group with group_sizes; empty: every client uses llm.adapter.args r"
+            )
+        },
+    )
+    reference_ranks: list[int] = field(
+        default_factory=list,
+        metadata={"help": "R_i per client, or one per group with group_sizes; empty: R_g for everyone"},
+    )
+    group_sizes: list[int] = field(
+        default_factory=list,
+        metadata={
+            "help": (
+                "sizes of contiguous client groups (sum = client_num) for group-wise client_ranks / "
+                "reference_ranks, e.g. [7, 7, 6] with client_ranks [2, 4, 16]"
+            )
+        },
+    )
+    adaptive_lam: Literal["none", "loss", "grad", "direction"] = field(
+        default="none",
+        metadata={
+            "help": (
+                "adaptive lambda rule of Appendix F: 'loss' (F.1), 'grad' (F.2), 'direction' (F.3), or "
+                "'none' (fixed lam)"
+            )
+        },
+    )
     adaptive_alpha: float = field(default=1.0, metadata={"help": "alpha of the 'loss' and 'grad' rules (>= 0)"})
     lam_min: float = field(default=0.0, metadata={"help": "lower clip of the 'grad' rule (>= 0)"})
     lam_max: float = field(default=10.0, metadata={"help": "upper clip of the 'grad' rule (> lam_min)"})
-    eval_local: bool = field(default=True, metadata={"help": "also evaluate each client's own preserved factors, reported as local.<split>_<metric> beside the paper protocol's <split>_<metric>"})
-    diagnostics: bool = field(default=True, metadata={"help": "write per-round diagnostics (E_agg, spectrum, penalty, bytes) to <outdir>/fedpa_diagnostics.jsonl"})
-    seed: int = field(default=-1, metadata={"help": "seed of the global initialisation and the randomized sketch; -1: use the top-level seed"})
+    eval_local: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "also evaluate each client's own preserved factors, reported as local.<split>_<metric> "
+                "beside the paper protocol's <split>_<metric>"
+            )
+        },
+    )
+    diagnostics: bool = field(
+        default=True,
+        metadata={
+            "help": "write per-round diagnostics (E_agg, spectrum, penalty, bytes) to <outdir>/fedpa_diagnostics.jsonl"
+        },
+    )
+    seed: int = field(
+        default=-1,
+        metadata={"help": "seed of the global initialisation and the randomized sketch; -1: use the top-level seed"},
+    )
 
     def __post_init__(self) -> None:
         self.lam = _number(self.lam, "lam", minimum=0.0)
@@ -56,7 +124,10 @@ class FedPAConfig:
             raise ValueError("fedpa.eval_local and fedpa.diagnostics must be True or False")
         self.seed = _integer(self.seed, "seed", minimum=-1)
         if self.adaptive_lam != "none" and self.reg != "product":
-            raise ValueError(f"fedpa.adaptive_lam(={self.adaptive_lam!r}) adapts the product penalty; it needs fedpa.reg 'product', got {self.reg!r}")
+            raise ValueError(
+                f"fedpa.adaptive_lam(={self.adaptive_lam!r}) adapts the product penalty; it needs fedpa.reg "
+                f"'product', got {self.reg!r}"
+            )
 
     def per_client(self, which: Literal["client_ranks", "reference_ranks"], num_clients: int) -> list[int]:
         """Expand ``client_ranks``/``reference_ranks`` to one value per client ([] if unset)."""
@@ -69,20 +140,35 @@ class FedPAConfig:
             return list(values)
         if self.group_sizes:
             if len(values) != len(self.group_sizes):
-                raise ValueError(f"fedpa.{which} has {len(values)} values but fedpa.group_sizes names {len(self.group_sizes)} groups")
+                raise ValueError(
+                    f"fedpa.{which} has {len(values)} values but fedpa.group_sizes names {len(self.group_sizes)} "
+                    f"groups"
+                )
             if sum(self.group_sizes) != num_clients:
-                raise ValueError(f"fedpa.group_sizes {self.group_sizes} sum to {sum(self.group_sizes)}, not federate.client_num(={num_clients})")
+                raise ValueError(
+                    f"fedpa.group_sizes {self.group_sizes} sum to {sum(self.group_sizes)}, not "
+                    f"federate.client_num(={num_clients})"
+                )
             return expand_groups(values, num_clients, sizes=self.group_sizes)
-        raise ValueError(f"fedpa.{which} has {len(values)} values for federate.client_num(={num_clients}) clients; give one per client, or one per group with fedpa.group_sizes")
+        raise ValueError(
+            f"fedpa.{which} has {len(values)} values for federate.client_num(={num_clients}) clients; give one "
+            f"per client, or one per group with fedpa.group_sizes"
+        )
 
     def check_clients(self, num_clients: int, adapter_rank: int | None = None) -> None:
         """Cross-checks that need the federation size: lengths, R_i <= R_g, factor-wise regs need R_i == r_i."""
         r = self.per_client("client_ranks", num_clients) or ([adapter_rank] * num_clients if adapter_rank else [])
         R = self.per_client("reference_ranks", num_clients)
         if self.reg in ("b", "a", "both") and r and R and any(ri != Ri for ri, Ri in zip(r, R)):
-            raise ValueError(f"fedpa.reg {self.reg!r} compares factors, so it needs reference_ranks == client_ranks; got r_i={r}, R_i={R}")
+            raise ValueError(
+                f"fedpa.reg {self.reg!r} compares factors, so it needs reference_ranks == client_ranks; got "
+                f"r_i={r}, R_i={R}"
+            )
         if self.reg in ("b", "a", "both") and r and not R and len(set(r)) > 1:
-            raise ValueError(f"fedpa.reg {self.reg!r} compares factors, so it needs R_i == r_i; with heterogeneous client_ranks {r} set reference_ranks equal to them")
+            raise ValueError(
+                f"fedpa.reg {self.reg!r} compares factors, so it needs R_i == r_i; with heterogeneous "
+                f"client_ranks {r} set reference_ranks equal to them"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -43,7 +43,9 @@ def check_factor_lists(Bs: Sequence[Tensor], As: Sequence[Tensor]) -> tuple[list
         if not isinstance(B, Tensor) or not isinstance(A, Tensor):
             raise ValueError(f"client {i}: B and A must be torch tensors, got {type(B).__name__}, {type(A).__name__}")
         if B.ndim < 2 or A.ndim < 2:
-            raise ValueError(f"client {i}: B and A must have at least 2 dims, got shapes {tuple(B.shape)}, {tuple(A.shape)}")
+            raise ValueError(
+                f"client {i}: B and A must have at least 2 dims, got shapes {tuple(B.shape)}, {tuple(A.shape)}"
+            )
         if not B.is_floating_point() or not A.is_floating_point():
             raise ValueError(f"client {i}: factors must be real floating point, got {B.dtype}, {A.dtype}")
         if B.shape[-1] != A.shape[-2]:

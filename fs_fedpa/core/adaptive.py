@@ -33,11 +33,16 @@ def normalized_factor_grads(
     """
     n = len(grads_B)
     if not (n == len(grads_A) == len(Bs) == len(As)) or n == 0:
-        raise ValueError(f"need the same non-zero number of grads_B, grads_A, Bs, As; got {n}, {len(grads_A)}, {len(Bs)}, {len(As)}")
+        raise ValueError(
+            f"need the same non-zero number of grads_B, grads_A, Bs, As; got {n}, {len(grads_A)}, {len(Bs)}, {len(As)}"
+        )
     parts = []
     for gB, gA, B, A in zip(grads_B, grads_A, Bs, As):
         if gB.shape != B.shape or gA.shape != A.shape:
-            raise ValueError(f"gradient shapes {tuple(gB.shape)}, {tuple(gA.shape)} differ from factors {tuple(B.shape)}, {tuple(A.shape)}")
+            raise ValueError(
+                f"gradient shapes {tuple(gB.shape)}, {tuple(gA.shape)} differ from factors {tuple(B.shape)}, "
+                f"{tuple(A.shape)}"
+            )
         parts.append((gB.float() / (torch.linalg.vector_norm(A.float()) + eps)).flatten())
         parts.append((gA.float() / (torch.linalg.vector_norm(B.float()) + eps)).flatten())
     return torch.cat(parts)

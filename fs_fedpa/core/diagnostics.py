@@ -50,14 +50,18 @@ def aggregation_error(
     """
     check_factor_lists([*Bs, B_g], [*As, A_g])
     B_cat, A_cat = _weighted_cat(Bs, As, weights, compute_dtype(B_g.dtype))
-    err = factored_norm(torch.cat([B_cat, -B_g.to(B_cat.dtype)], dim=-1), torch.cat([A_cat, A_g.to(A_cat.dtype)], dim=-2))
+    err = factored_norm(
+        torch.cat([B_cat, -B_g.to(B_cat.dtype)], dim=-1), torch.cat([A_cat, A_g.to(A_cat.dtype)], dim=-2)
+    )
     if not relative:
         return err
     ideal = factored_norm(B_cat, A_cat)
     return torch.where(ideal > 0, err / ideal.clamp_min(torch.finfo(ideal.dtype).tiny), torch.zeros_like(err))
 
 
-def aggregate_norm(Bs: Sequence[Tensor], As: Sequence[Tensor], weights: Sequence[float] | Tensor | None = None) -> Tensor:
+def aggregate_norm(
+    Bs: Sequence[Tensor], As: Sequence[Tensor], weights: Sequence[float] | Tensor | None = None
+) -> Tensor:
     """``||sum_i w_i B_i A_i||_F`` from the factors: the scale E_agg is relative to."""
     _, dtype, _ = check_factor_lists(Bs, As)
     return factored_norm(*_weighted_cat(Bs, As, weights, compute_dtype(dtype)))

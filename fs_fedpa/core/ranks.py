@@ -46,7 +46,9 @@ class RankPlan:
         check_positive_int(self.global_rank, "global_rank")
         for i, R in enumerate(self.reference_ranks):
             if R > self.global_rank:
-                raise ValueError(f"reference_ranks[{i}](={R}) > R_g(={self.global_rank}): a reference cannot exceed the global rank")
+                raise ValueError(
+                    f"reference_ranks[{i}](={R}) > R_g(={self.global_rank}): a reference cannot exceed the global rank"
+                )
 
     @classmethod
     def build(

@@ -60,9 +60,7 @@ class FedPAClient(Client):
         self._enter_round(message.content)
         sample_size, _, results = self.trainer.train()
         upload = self._leave_round()
-        logger.info(
-            self._monitor.format_eval_res(results, rnd=self.state, role=f"Client #{self.ID}", return_raw=True)
-        )
+        logger.info(self._monitor.format_eval_res(results, rnd=self.state, role=f"Client #{self.ID}", return_raw=True))
         self.comm_manager.send(
             Message(
                 msg_type="model_para",
@@ -156,7 +154,9 @@ class FedPAClient(Client):
             metrics, rnd=self.state, role=f"Client #{self.ID}", forms=["raw"], return_raw=True
         )
         logger.info(formatted)
-        self._monitor.update_best_result(self.best_results, formatted["Results_raw"], results_type=f"client #{self.ID}")
+        self._monitor.update_best_result(
+            self.best_results, formatted["Results_raw"], results_type=f"client #{self.ID}"
+        )
         self.history_results = merge_dict_of_results(self.history_results, formatted["Results_raw"])
         self.comm_manager.send(
             Message(

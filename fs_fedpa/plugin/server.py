@@ -59,7 +59,10 @@ class FedPAServer(Server):
         shared = {n: params[n].detach().cpu().clone() for n in self.shared_names}
         rnd = self.state - 1 if msg_type == "evaluate" else self.state  # FS: evaluation closes a round
         for client_id in receivers:
-            payload = {"lora": encode_factors(self.method.downlink(self.global_factors, client_id - 1)), "shared": shared}
+            payload = {
+                "lora": encode_factors(self.method.downlink(self.global_factors, client_id - 1)),
+                "shared": shared,
+            }
             if msg_type == "model_para":
                 self._down_bytes[client_id] = nbytes(payload)
             self.comm_manager.send(
@@ -77,7 +80,7 @@ class FedPAServer(Server):
 
     # ---------------------------------------------------------------------------------- aggregation
     def install_global(self, global_factors, shared: dict[str, Tensor]) -> None:
-        """Adopt new global factors and write them (raw, at rank R_g) and the averaged shared tensors into the model."""
+        """Adopt new global factors; write them (raw, rank R_g) and the averaged shared tensors into the model."""
         self.global_factors = global_factors
         raw = {n: (B / lora.scaling_for_rank(self.layers[n], B.shape[1]), A) for n, (B, A) in global_factors.items()}
         lora.set_factors(self.model, raw)
@@ -158,7 +161,9 @@ def _weighted_mean(tensors: list[dict[str, Tensor]], weights: list[float]) -> di
     if not tensors or not tensors[0]:
         return {}
     total = sum(weights)
-    return {k: sum(w / total * t[k].double() for w, t in zip(weights, tensors)).to(tensors[0][k].dtype) for k in tensors[0]}
+    return {
+        k: sum(w / total * t[k].double() for w, t in zip(weights, tensors)).to(tensors[0][k].dtype) for k in tensors[0]
+    }
 
 
 def _round_record(server, uploads, weights, clients, new_global, spectra, stats, feedback) -> dict:

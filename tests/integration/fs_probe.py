@@ -45,6 +45,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
     def init(self, *args, **kwargs):
         orig_init(self, *args, **kwargs)
         if self._cfg is not None:
+
             def gap(ctx):
                 record["loss_gap"].append(float((ctx.loss_task - ctx.loss_batch).detach()))
 
@@ -53,22 +54,26 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
     def enter(self, payload):
         orig_enter(self, payload)
         received = decode_factors(payload["lora"])
-        record["enter"].append({
-            "client": self.ID,
-            "round": self.state,
-            "start": _copy(lora.get_factors(self.model)),
-            "received_ranks": sorted({B.shape[1] for B, _ in received.values()}),
-        })
+        record["enter"].append(
+            {
+                "client": self.ID,
+                "round": self.state,
+                "start": _copy(lora.get_factors(self.model)),
+                "received_ranks": sorted({B.shape[1] for B, _ in received.values()}),
+            }
+        )
 
     def leave(self):
         upload = orig_leave(self)
-        record["leave"].append({
-            "client": self.ID,
-            "round": self.state,
-            "end": _copy(self.factors),
-            "upload_keys": sorted(upload["lora"]) + sorted(upload["shared"]),
-            "upload_ranks": sorted({B.shape[1] for B, _ in decode_factors(upload["lora"]).values()}),
-        })
+        record["leave"].append(
+            {
+                "client": self.ID,
+                "round": self.state,
+                "end": _copy(self.factors),
+                "upload_keys": sorted(upload["lora"]) + sorted(upload["shared"]),
+                "upload_ranks": sorted({B.shape[1] for B, _ in decode_factors(upload["lora"]).values()}),
+            }
+        )
         return upload
 
     def aggregate(self, agg_info):
@@ -76,13 +81,15 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         weights = [float(n) for n, _ in agg_info["client_feedback"]]
         clients = [c for c, _ in agg_info["staleness"]]
         result = orig_aggregate(self, agg_info)
-        record["aggregate"].append({
-            "round": self.server.state,
-            "uploads": uploads,
-            "weights": weights,
-            "clients": clients,
-            "global": _copy(self.server.global_factors),
-        })
+        record["aggregate"].append(
+            {
+                "round": self.server.state,
+                "uploads": uploads,
+                "weights": weights,
+                "clients": clients,
+                "global": _copy(self.server.global_factors),
+            }
+        )
         return result
 
     Client.__init__, Client._enter_round, Client._leave_round = init, enter, leave

@@ -47,7 +47,11 @@ def test_main_py_runs_fedpa_and_writes_one_diagnostics_record_per_round(tiny_llm
     # Execute
     proc = subprocess.run(
         [sys.executable, str(main_py), "--cfg", cfg_file, "fedpa.lam", "2.0"],
-        cwd=tmp_path, env=fs_env(), capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+        env=fs_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     # Assert
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -107,9 +111,13 @@ def shared_run(tiny_llm, tmp_path_factory):
 
 
 @pytest.mark.parametrize("share_local_model", [True, False])
-def test_clients_start_each_round_from_their_own_factors_bit_for_bit(tiny_llm, tmp_path, share_local_model, shared_run):
-    run = shared_run if share_local_model else probe(
-        fedpa_cfg(tiny_llm, tmp_path, **{"federate.share_local_model": False}), tmp_path
+def test_clients_start_each_round_from_their_own_factors_bit_for_bit(
+    tiny_llm, tmp_path, share_local_model, shared_run
+):
+    run = (
+        shared_run
+        if share_local_model
+        else probe(fedpa_cfg(tiny_llm, tmp_path, **{"federate.share_local_model": False}), tmp_path)
     )
     ends = {(r["client"], r["round"]): r["end"] for r in run["leave"]}
     checked = 0
@@ -192,8 +200,16 @@ def test_clients_not_sampled_keep_their_factors(tiny_llm, tmp_path):
 @pytest.mark.parametrize("local", [True, False])
 def test_local_tensors_never_leave_the_client(tiny_llm, tmp_path, local):
     # Prepare: train the RMSNorm weights too (PEFT modules_to_save); local or shared by local_param
-    args = [{"adapter_package": "peft", "adapter_method": "lora", "r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
-             "modules_to_save": ["norm"]}]
+    args = [
+        {
+            "adapter_package": "peft",
+            "adapter_method": "lora",
+            "r": 4,
+            "lora_alpha": 8,
+            "lora_dropout": 0.0,
+            "modules_to_save": ["norm"],
+        }
+    ]
     overrides = {"llm.adapter.args": args, "federate.total_round_num": 2}
     if local:
         overrides["personalization.local_param"] = ["norm"]
@@ -203,3 +219,47 @@ def test_local_tensors_never_leave_the_client(tiny_llm, tmp_path, local):
     keys = [k for r in run["leave"] for k in r["upload_keys"]]
     has_norm = any("norm" in k for k in keys)
     assert has_norm is (not local)
+
+
+def test_checkpoints_hold_the_global_adapter_and_every_clients_own_state(tiny_llm, tmp_path):
+    # Prepare: heterogeneous ranks, best round chosen by the clients' own factors' val loss
+    ckpt = tmp_path / "fedpa.ckpt"
+    overrides = {
+        "federate.save_to": str(ckpt),
+        "fedpa.client_ranks": [2, 4, 8],
+        "eval.best_res_update_round_wise_key": "local.val_loss",
+    }
+    # Execute
+    run = probe(fedpa_cfg(tiny_llm, tmp_path, **overrides), tmp_path)
+    # Assert: the final server checkpoint carries the final global factors, FS's model state at rank R_g
+    final = torch.load(tmp_path / "final_fedpa.ckpt", weights_only=False)
+    assert final["fedpa"]["client_ranks"] == [2, 4, 8] and final["fedpa"]["R_g"] == 8
+    for name, (B, A) in run["final"]["global"].items():
+        assert torch.equal(final["fedpa"]["global"][name][0], B) and torch.equal(final["fedpa"]["global"][name][1], A)
+    lora_B = [v for k, v in final["model"].items() if "lora_B" in k]
+    assert lora_B and all(t.shape[1] == 8 for t in lora_B)
+    # and each client's file its own final factors, of its own rank
+    for client, rank in zip((1, 2, 3), (2, 4, 8)):
+        state = torch.load(tmp_path / f"fedpa_client_{client}_fedpa.ckpt", weights_only=False)
+        assert state["rank"] == rank
+        for name, (B, A) in run["final"]["clients"][client].items():
+            assert torch.equal(state["factors"][name][0], B) and B.shape[1] == rank
+
+
+def test_server_side_evaluation_uses_the_global_adapter(tiny_llm, tmp_path):
+    cfg = fedpa_cfg(tiny_llm, tmp_path, **{"federate.make_global_eval": True, "federate.total_round_num": 2})
+    proc = run_fs(cfg, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [r for r in read_eval_results(outdir_of(cfg)) if "Results_raw" in r and r.get("Round") != "Final"]
+    assert rows and "test_avg_loss" in rows[-1]["Results_raw"]
+
+
+def test_every_yaml_config_loads_into_fs_with_the_plugin():
+    from federatedscope.core.configs.config import global_cfg
+
+    configs = sorted((Path(__file__).resolve().parents[2] / "yaml_configs").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        cfg = global_cfg.clone()
+        cfg.merge_from_file(str(path))
+        assert cfg.federate.method == "fedpa", path.name

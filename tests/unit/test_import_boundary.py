@@ -22,13 +22,17 @@ def test_bare_import_loads_nothing_heavy():
 
 
 def test_core_loads_torch_only():
-    loaded = _loaded_after("import fs_fedpa.core.reconstruct, fs_fedpa.core.penalty, fs_fedpa.core.ranks, "
-                           "fs_fedpa.core.diagnostics, fs_fedpa.core.adaptive")
+    loaded = _loaded_after(
+        "import fs_fedpa.core.reconstruct, fs_fedpa.core.penalty, fs_fedpa.core.ranks, "
+        "fs_fedpa.core.diagnostics, fs_fedpa.core.adaptive"
+    )
     assert loaded == {"torch": True, "transformers": False, "peft": False, "federatedscope": False}
 
 
 def test_public_names_resolve_lazily():
     code = "import fs_fedpa\nassert callable(fs_fedpa.reconstruct) and callable(fs_fedpa.product_penalty)"
     assert _loaded_after(code)["torch"] is True
-    out = subprocess.run([sys.executable, "-c", "import fs_fedpa; fs_fedpa.nope"], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", "import fs_fedpa; fs_fedpa.nope"], cwd=ROOT, capture_output=True, text=True
+    )
     assert "module 'fs_fedpa' has no attribute 'nope'" in out.stderr

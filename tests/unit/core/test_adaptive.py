@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -50,8 +51,10 @@ def test_direction_rule_stays_in_zero_to_two_lam0(seed, n, lam0):
     g_f, g_r = torch.randn(n, generator=g), torch.randn(n, generator=g)
     lam = lam_direction(g_f, g_r, lam0)
     assert 0 <= lam <= 2 * lam0
-    cos = float(torch.nn.functional.cosine_similarity(g_f.double(), g_r.double(), dim=0))
-    assert lam == pytest.approx(lam0 * (1 - cos), rel=1e-6, abs=1e-6 * lam0)  # eps = 1e-8 in the denominator
+    # Eq. (F.3) with its eps = 1e-8, evaluated independently in numpy float64
+    f, r = g_f.double().numpy(), g_r.double().numpy()
+    expected = lam0 * (1 - float(f @ r) / (float(np.linalg.norm(f) * np.linalg.norm(r)) + 1e-8))
+    assert lam == pytest.approx(expected, rel=1e-9, abs=1e-12)
 
 
 def test_direction_rule_extremes():
@@ -71,7 +74,9 @@ def test_direction_rule_extremes():
         (lambda: lam_direction(torch.ones(2), torch.ones(3)), r"g_f \(2,\) and g_r \(3,\) differ in shape"),
         (lambda: normalized_factor_grads([], [], [], []), r"need the same non-zero number"),
         (
-            lambda: normalized_factor_grads([torch.ones(2, 2)], [torch.ones(2, 3)], [torch.ones(3, 2)], [torch.ones(2, 3)]),
+            lambda: normalized_factor_grads(
+                [torch.ones(2, 2)], [torch.ones(2, 3)], [torch.ones(3, 2)], [torch.ones(2, 3)]
+            ),
             r"gradient shapes",
         ),
     ],

@@ -89,11 +89,16 @@ def test_payload_bytes():
     "call,match",
     [
         (lambda: initialization_error([torch.zeros(2, 2)], []), r"need one start and one end per client, got 1 and 0"),
-        (lambda: initialization_error([torch.zeros(2, 2)], [torch.zeros(2, 3)]), r"client 0: start \(2, 2\) and end \(2, 3\)"),
+        (
+            lambda: initialization_error([torch.zeros(2, 2)], [torch.zeros(2, 3)]),
+            r"client 0: start \(2, 2\) and end \(2, 3\)",
+        ),
         (lambda: initialization_error([torch.zeros(2)], [torch.zeros(2)], eps=0), r"eps\(=0\) must be > 0"),
         (lambda: factored_norm(torch.zeros(3, 2), torch.zeros(3, 3)), r"B has 2 columns but A has 3 rows"),
         (
-            lambda: aggregation_error([torch.full((3, 2), float("nan"))], [torch.zeros(2, 3)], torch.zeros(3, 1), torch.zeros(1, 3)),
+            lambda: aggregation_error(
+                [torch.full((3, 2), float("nan"))], [torch.zeros(2, 3)], torch.zeros(3, 1), torch.zeros(1, 3)
+            ),
             r"client B factors contains NaN or Inf",
         ),
     ],

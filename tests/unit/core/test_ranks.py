@@ -96,9 +96,15 @@ def test_expand_groups_gives_the_papers_three_resource_groups():
         (dict(num_clients=3, rank=4, client_ranks=[2, 4]), r"len\(client_ranks\)\(=2\) != number of clients\(=3\)"),
         (dict(num_clients=2, rank=4, client_ranks=[2, 0]), r"client_ranks\[1\]\(=0\) must be a positive int"),
         (dict(num_clients=2, rank=4, client_ranks=[2, -1]), r"client_ranks\[1\]\(=-1\) must be a positive int"),
-        (dict(num_clients=2, rank=4, reference_ranks=[2, 2.5]), r"reference_ranks\[1\]\(=2.5\) must be a positive int"),
+        (
+            dict(num_clients=2, rank=4, reference_ranks=[2, 2.5]),
+            r"reference_ranks\[1\]\(=2.5\) must be a positive int",
+        ),
         (dict(num_clients=2, rank=4, reference_ranks=[1, 2, 3]), r"len\(reference_ranks\)\(=3\) != number of clients"),
-        (dict(num_clients=2, rank=4, reference_ranks=[2, 8], global_rank=4), r"reference_ranks\[1\]\(=8\) > R_g\(=4\)"),
+        (
+            dict(num_clients=2, rank=4, reference_ranks=[2, 8], global_rank=4),
+            r"reference_ranks\[1\]\(=8\) > R_g\(=4\)",
+        ),
         (dict(num_clients=0, rank=4), r"num_clients\(=0\) must be a positive int"),
         (dict(num_clients=2, rank=0), r"rank\(=0\) must be a positive int"),
         (dict(num_clients=2, rank=2, client_ranks="24"), r"client_ranks must be a list of ints"),
@@ -120,7 +126,10 @@ def test_plan_rejects_ranks_larger_than_the_layer():
 @pytest.mark.parametrize(
     "call,match",
     [
-        (lambda: expand_groups([2, 4], 5, sizes=[2, 2]), r"group sizes \[2, 2\] sum to 4, not to the number of clients\(=5\)"),
+        (
+            lambda: expand_groups([2, 4], 5, sizes=[2, 2]),
+            r"group sizes \[2, 2\] sum to 4, not to the number of clients\(=5\)",
+        ),
         (lambda: expand_groups([2, 4, 8], 2), r"3 groups for 2 clients"),
         (lambda: expand_groups([], 2), r"values is empty"),
         (lambda: expand_groups([2, 4], 4, sizes=[4]), r"len\(sizes\)\(=1\) != number of groups\(=2\)"),

@@ -208,7 +208,9 @@ def test_adapter_reconstruction_groups_modules_and_keeps_order():
         B_g, A_g = out[name]
         assert B_g.shape == (shapes[name[-1]][0], 4)
         assert abs(excess_error(Bs, As, weights, B_g, A_g, 4)) <= 1e-10
-        torch.testing.assert_close(spectra[name], torch.linalg.svdvals(dense_aggregate(Bs, As, weights))[: spectra[name].numel()])
+        torch.testing.assert_close(
+            spectra[name], torch.linalg.svdvals(dense_aggregate(Bs, As, weights))[: spectra[name].numel()]
+        )
 
 
 # ---------------------------------------------------------------------------------------------- bad input

@@ -1,0 +1,1 @@
+"""Command-line helpers (``python -m fs_fedpa.tools.<name>``)."""

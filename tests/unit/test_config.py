@@ -1,0 +1,68 @@
+"""FedPAConfig: every invalid value gets a clear error; the docs table lists every key."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from fs_fedpa.config import FedPAConfig, describe
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(lam=-1.0), r"fedpa.lam\(=-1.0\) must be a finite number >= 0"),
+        (dict(lam=float("nan")), r"fedpa.lam\(=nan\)"),
+        (dict(lam="1"), r"fedpa.lam\(='1'\)"),
+        (dict(reg="l2"), r"fedpa.reg\(='l2'\) must be one of"),
+        (dict(svd="qr"), r"fedpa.svd\(='qr'\) must be one of"),
+        (dict(oversample=-1), r"fedpa.oversample\(=-1\) must be an int >= 0"),
+        (dict(client_ranks=[2, 0]), r"fedpa.client_ranks\[1\]\(=0\) must be an int >= 1"),
+        (dict(reference_ranks="4"), r"fedpa.reference_ranks\(='4'\) must be a list"),
+        (dict(group_sizes=[3, -1]), r"fedpa.group_sizes\[1\]\(=-1\)"),
+        (dict(adaptive_lam="cos"), r"fedpa.adaptive_lam\(='cos'\) must be one of"),
+        (dict(adaptive_lam="grad", reg="b"), r"adapts the product penalty; it needs fedpa.reg 'product'"),
+        (dict(lam_min=2.0, lam_max=1.0), r"fedpa.lam_max\(=1.0\) must be > fedpa.lam_min\(=2.0\)"),
+        (dict(eval_local="yes"), r"must be True or False"),
+        (dict(seed=-2), r"fedpa.seed\(=-2\) must be an int >= -1"),
+    ],
+)
+def test_invalid_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FedPAConfig(**kwargs)
+
+
+def test_per_client_ranks_and_groups():
+    assert FedPAConfig().per_client("client_ranks", 3) == []
+    assert FedPAConfig(client_ranks=[2, 4, 8]).per_client("client_ranks", 3) == [2, 4, 8]
+    cfg = FedPAConfig(client_ranks=[2, 4, 16], reference_ranks=[1, 2, 4], group_sizes=[7, 7, 6])
+    assert cfg.per_client("client_ranks", 20) == [2] * 7 + [4] * 7 + [16] * 6
+    assert cfg.per_client("reference_ranks", 20)[-1] == 4
+
+
+@pytest.mark.parametrize(
+    "kwargs,n,match",
+    [
+        (dict(client_ranks=[2, 4]), 3, r"fedpa.client_ranks has 2 values for federate.client_num\(=3\) clients"),
+        (dict(client_ranks=[2, 4], group_sizes=[1, 1, 1]), 3, r"has 2 values but fedpa.group_sizes names 3 groups"),
+        (dict(client_ranks=[2, 4], group_sizes=[1, 1]), 3, r"group_sizes \[1, 1\] sum to 2, not federate.client_num"),
+        (dict(reg="a", client_ranks=[2, 4, 4], reference_ranks=[2, 2, 4]), 3, r"needs reference_ranks == client_ranks"),
+        (dict(reg="both", client_ranks=[2, 4, 4]), 3, r"set reference_ranks equal to them"),
+    ],
+)
+def test_client_checks(kwargs, n, match):
+    with pytest.raises(ValueError, match=match):
+        FedPAConfig(**kwargs).check_clients(n, adapter_rank=4)
+
+
+def test_docs_table_lists_every_key_with_its_default():
+    text = DOCS.read_text(encoding="utf-8")
+    rows = dict(re.findall(r"^\| `([a-z_]+)` \| `([^`]*)` \|", text, flags=re.M))
+    for key, default, _ in describe():
+        assert key in rows, f"docs/config.md misses fedpa.{key}"
+        assert rows[key] == default, f"docs/config.md gives fedpa.{key} default {rows[key]}, code has {default}"
+    assert set(rows) == {key for key, _, _ in describe()}
