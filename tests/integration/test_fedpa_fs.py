@@ -243,7 +243,8 @@ def test_checkpoints_hold_the_global_adapter_and_every_clients_own_state(tiny_ll
         state = torch.load(tmp_path / f"fedpa_client_{client}_fedpa.ckpt", weights_only=False)
         assert state["rank"] == rank
         for name, (B, A) in run["final"]["clients"][client].items():
-            assert torch.equal(state["factors"][name][0], B) and B.shape[1] == rank
+            assert torch.equal(state["factors"][name][0], B) and torch.equal(state["factors"][name][1], A)
+            assert B.shape[1] == rank
 
 
 def test_server_side_evaluation_uses_the_global_adapter(tiny_llm, tmp_path):

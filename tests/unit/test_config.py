@@ -50,7 +50,7 @@ def test_per_client_ranks_and_groups():
         (dict(client_ranks=[2, 4]), 3, r"fedpa.client_ranks has 2 values for federate.client_num\(=3\) clients"),
         (dict(client_ranks=[2, 4], group_sizes=[1, 1, 1]), 3, r"has 2 values but fedpa.group_sizes names 3 groups"),
         (dict(client_ranks=[2, 4], group_sizes=[1, 1]), 3, r"group_sizes \[1, 1\] sum to 2, not federate.client_num"),
-        (dict(reg="a", client_ranks=[2, 4, 4], reference_ranks=[2, 2, 4]), 3, r"needs reference_ranks == client_ranks"),
+        (dict(reg="a", client_ranks=[2, 4, 4], reference_ranks=[2, 2, 4]), 3, r"needs reference_ranks =="),
         (dict(reg="both", client_ranks=[2, 4, 4]), 3, r"set reference_ranks equal to them"),
     ],
 )

@@ -50,7 +50,7 @@ def test_set_factors_at_another_rank_computes_the_scaled_product(rslora):
     lora.set_factors(model, factors)
     # Assert: PEFT's forward now adds x (s B A)^T with s = alpha / r (alpha / sqrt(r) for rsLoRA)
     expected = 0
-    for (name, (B, A)), r in zip(factors.items(), (2, 7)):
+    for (B, A), r in zip(factors.values(), (2, 7)):
         s = 8 / r**0.5 if rslora else 8 / r
         expected = expected + (x @ (s * B @ A).T).sum(-1)
     torch.testing.assert_close(_delta(model, x), expected, rtol=1e-5, atol=1e-5)
@@ -85,3 +85,4 @@ def test_copy_factors_detaches_and_clones():
     copied = lora.copy_factors(live)
     for name, (B, A) in copied.items():
         assert not B.requires_grad and B.data_ptr() != live[name][0].data_ptr()
+        assert not A.requires_grad and torch.equal(A, live[name][1].detach())
