@@ -7,7 +7,7 @@ The server never forms the dense ``(d, k)`` aggregate in ``reduced`` and ``rando
     A_cat = [s_1 A_1; ...; s_N A_N]      (r_tot, k)       so B_cat @ A_cat = sum_i w_i B_i A_i
 
 (the paper's ``1/sqrt(N)`` is the uniform case). ``reduced`` takes reduced QR factorisations
-``B_cat = Q_B R_B`` and ``A_cat^T = Q_A R_A``, the SVD of the small core ``H = R_B R_A^T = U S V^T``
+``B_cat = Q_B R_B`` and ``A_cat^T = Q_A R_A`` (Householder, Q kept in compact form and applied), the SVD of the small core ``H = R_B R_A^T = U S V^T``
 and returns ``B_g = Q_B U_R S_R``, ``A_g = (Q_A V_R)^T``: by Eckart-Young this is exactly the best
 rank-R_g approximation of the aggregate, at ``O(d r_tot^2 + r_tot^3)`` instead of ``O(d^2 k)``.
 ``randomized`` replaces the two QRs by a Gaussian sketch of width ``l = min(R_g + p, r_tot)``
@@ -79,9 +79,10 @@ def reconstruct(
     # B_cat is built transposed, (*, r_tot, d), so that B_cat = Bt.mT is column-major for LAPACK.
     Bt = torch.cat([B.mT for B in Bs], dim=-2).to(cdtype) * scale[:, None]
     Ac = torch.cat(list(As), dim=-2).to(cdtype) * scale[:, None]
-    if not (bool(torch.isfinite(Bt).all()) and bool(torch.isfinite(Ac).all())):
-        raise ValueError(f"{first_nonfinite_client(Bs, As)} contains NaN or Inf")
-    B_g, A_g, S = _reconstruct_cat(Bt.mT, Ac, rank, mode, oversample, generator)
+    try:
+        B_g, A_g, S = _reconstruct_cat(Bt.mT, Ac, rank, mode, oversample, generator)
+    except _NonFinite:
+        raise ValueError(f"{first_nonfinite_client(Bs, As)} contains NaN or Inf") from None
     out = (B_g.to(dtype), A_g.to(dtype))
     return (*out, S) if return_spectrum else out
 
@@ -146,13 +147,14 @@ def reconstruct_adapter(
         Ac = torch.stack([torch.cat([u[n][1] for u in uploads], dim=-2) for n in group]).to(cdtype)
         Bt.mul_(scale[:, None])
         Ac.mul_(scale[:, None])
-        if not (bool(torch.isfinite(Bt).all()) and bool(torch.isfinite(Ac).all())):
+        try:
+            B_g, A_g, S = _reconstruct_cat(Bt.mT, Ac, rank, mode, oversample, generator)
+        except _NonFinite:
             for n in group:
                 where = first_nonfinite_client([u[n][0] for u in uploads], [u[n][1] for u in uploads])
                 if where != "the weighted factors":
-                    raise ValueError(f"module {n!r}: {where} contains NaN or Inf")
-            raise ValueError(f"modules {group}: weighted factors contain NaN or Inf")
-        B_g, A_g, S = _reconstruct_cat(Bt.mT, Ac, rank, mode, oversample, generator)
+                    raise ValueError(f"module {n!r}: {where} contains NaN or Inf") from None
+            raise ValueError(f"modules {group}: weighted factors contain NaN or Inf") from None
         B_g, A_g = B_g.to(dtype), A_g.to(dtype)
         for j, n in enumerate(group):
             result[n] = (B_g[j], A_g[j])
@@ -176,29 +178,42 @@ def _column_scale(w: list[float], ranks: list[int], dtype: torch.dtype, device: 
     return sw.repeat_interleave(torch.tensor(ranks)).to(device)
 
 
+class _NonFinite(ValueError):
+    """NaN/Inf reached the reconstruction; the public entry points name the client it came from."""
+
+
 def _reconstruct_cat(
     B_cat: Tensor, A_cat: Tensor, rank: int, mode: str, oversample: int, generator: torch.Generator | None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Core on pre-weighted factors ``B_cat: (*, d, m)``, ``A_cat: (*, m, k)``; returns ``(B_g, A_g, S)``."""
+    """Core on pre-weighted factors ``B_cat: (*, d, m)``, ``A_cat: (*, m, k)``; returns ``(B_g, A_g, S)``.
+
+    NaN or Inf anywhere in the factors propagates into the small matrix that is decomposed (the QR
+    core, the sketch's projection or the dense aggregate), so checking that matrix alone catches
+    them without another pass over the uploads.
+    """
+    d, k = B_cat.shape[-2], A_cat.shape[-1]
     if mode == "reduced":
-        Q_B, R_B = torch.linalg.qr(B_cat)  # (*, d, p), (*, p, m)
-        Q_A, R_A = torch.linalg.qr(A_cat.mT)  # (*, k, q), (*, q, m)
-        U, S, Vh = torch.linalg.svd(R_B @ R_A.mT, full_matrices=False)  # core H: (*, p, q)
+        # Householder QR kept in LAPACK's compact form: Q_B and Q_A are applied (ormqr), never formed.
+        hB, tauB = torch.geqrf(B_cat)  # R_B in the upper triangle of the first p = min(d, m) rows
+        hA, tauA = torch.geqrf(A_cat.mT)
+        R_B = hB[..., : min(d, hB.shape[-1]), :].triu()  # (*, p, m)
+        R_A = hA[..., : min(k, hA.shape[-1]), :].triu()  # (*, q, m)
+        U, S, Vh = _svd(R_B @ R_A.mT)  # core H: (*, p, q)
         n = min(rank, S.shape[-1])
-        B_g = Q_B @ (U[..., :n] * S[..., None, :n])
-        A_g = Vh[..., :n, :] @ Q_A.mT
+        B_g = torch.ormqr(hB, tauB, _pad_rows(U[..., :n] * S[..., None, :n], d))  # Q_B U S: (*, d, n)
+        A_g = torch.ormqr(hA, tauA, _pad_rows(Vh[..., :n, :].mT, k)).mT  # (Q_A V)^T: (*, n, k)
     elif mode == "randomized":
         ell = min(rank + oversample, B_cat.shape[-1])
         gen_device = generator.device if generator is not None else B_cat.device
-        shape = (*A_cat.shape[:-2], A_cat.shape[-1], ell)
+        shape = (*A_cat.shape[:-2], k, ell)
         Omega = torch.randn(shape, generator=generator, device=gen_device, dtype=A_cat.dtype).to(A_cat.device)
         Q, _ = torch.linalg.qr(B_cat @ (A_cat @ Omega))  # range finder: (*, d, l)
-        U, S, Vh = torch.linalg.svd((Q.mT @ B_cat) @ A_cat, full_matrices=False)  # (*, l, k)
+        U, S, Vh = _svd((Q.mT @ B_cat) @ A_cat)  # (*, l, k)
         n = min(rank, S.shape[-1])
         B_g = Q @ (U[..., :n] * S[..., None, :n])
         A_g = Vh[..., :n, :]
     else:  # dense: the (d, k) aggregate, for comparison only
-        U, S, Vh = torch.linalg.svd(B_cat @ A_cat, full_matrices=False)
+        U, S, Vh = _svd(B_cat @ A_cat)
         n = min(rank, S.shape[-1])
         B_g = U[..., :n] * S[..., None, :n]
         A_g = Vh[..., :n, :]
@@ -206,3 +221,16 @@ def _reconstruct_cat(
         B_g = torch.cat([B_g, B_g.new_zeros((*B_g.shape[:-1], rank - n))], dim=-1)
         A_g = torch.cat([A_g, A_g.new_zeros((*A_g.shape[:-2], rank - n, A_g.shape[-1]))], dim=-2)
     return B_g, A_g, S
+
+
+def _svd(M: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    if not bool(torch.isfinite(M).all()):
+        raise _NonFinite("NaN or Inf in the factors")
+    return torch.linalg.svd(M, full_matrices=False)
+
+
+def _pad_rows(X: Tensor, rows: int) -> Tensor:
+    """``[X; 0]`` with ``rows`` rows in all: the input of a full Householder Q that stands for the reduced one."""
+    if X.shape[-2] == rows:
+        return X
+    return torch.cat([X, X.new_zeros((*X.shape[:-2], rows - X.shape[-2], X.shape[-1]))], dim=-2)

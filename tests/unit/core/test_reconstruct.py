@@ -248,6 +248,16 @@ def test_bad_input_raises_value_error_naming_the_problem(kwargs, match):
         reconstruct(args.pop("Bs"), args.pop("As"), **args)
 
 
+@pytest.mark.parametrize("mode", ["reduced", "randomized", "dense"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_factors_are_named_in_every_mode(mode, bad):
+    Bs, As = client_factors(1, 16, 12, [3, 2, 4])
+    As[2] = As[2].clone()
+    As[2][1, 5] = bad
+    with pytest.raises(ValueError, match=r"A of client 2 contains NaN or Inf"):
+        reconstruct(Bs, As, 2, mode=mode, generator=torch.Generator().manual_seed(0))
+
+
 def test_adapter_rejects_clients_with_different_modules():
     Bs, As = client_factors(0, 8, 6, [2, 2])
     with pytest.raises(ValueError, match=r"client 1 uploads different modules than client 0: missing \['v'\]"):

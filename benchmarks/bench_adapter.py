@@ -1,0 +1,108 @@
+"""A whole adapter per round: product-space reconstruction vs plain two-factor averaging (FedIT).
+
+RoBERTa-large shapes: 24 layers x {query, value}, d = k = 1024, N = 10 clients, r = R_g = 4, uploads
+arriving as separate per-module tensors (one dict per client, as FS hands them to the aggregator).
+Goals (issue "package foundation"): reduced <= 2.0x and randomized <= 1.5x of two-factor averaging.
+
+Three implementations of the averaging baseline are timed, all on the same uploads:
+  stacked  - per module, torch.stack the N uploads and take the weighted sum (the fastest we found);
+  loop     - per module, a running sum of w_i * B_i and w_i * A_i;
+  fs-style - per state-dict key, per client: avg += w_i * param (FS ClientsAvgAggregator's loop shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from _common import client_factors, fmt, median_time
+
+from fs_fedpa import reconstruct, reconstruct_adapter
+
+MODULES = [f"layer.{i}.attention.self.{m}" for i in range(24) for m in ("query", "value")]
+
+
+def uploads_for(n: int, d: int, r: int) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    per_module = {name: client_factors(n, d, d, r, seed=j) for j, name in enumerate(MODULES)}
+    return [{name: (Bs[i], As[i]) for name, (Bs, As) in per_module.items()} for i in range(n)]
+
+
+def average_stacked(uploads, w):
+    out = {}
+    for name in uploads[0]:
+        B = torch.einsum("n,ndr->dr", w, torch.stack([u[name][0] for u in uploads]))
+        A = torch.einsum("n,nrk->rk", w, torch.stack([u[name][1] for u in uploads]))
+        out[name] = (B, A)
+    return out
+
+
+def average_loop(uploads, w):
+    out = {}
+    for name in uploads[0]:
+        B = sum(wi * u[name][0] for wi, u in zip(w.tolist(), uploads))
+        A = sum(wi * u[name][1] for wi, u in zip(w.tolist(), uploads))
+        out[name] = (B, A)
+    return out
+
+
+def average_fs_style(state_dicts, w):
+    avg = {}
+    for key in state_dicts[0]:
+        for i, sd in enumerate(state_dicts):
+            if i == 0:
+                avg[key] = sd[key] * w[i]
+            else:
+                avg[key] += sd[key] * w[i]
+    return avg
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=10)
+    parser.add_argument("--rank", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=9)
+    args = parser.parse_args()
+    n, r, d = args.clients, args.rank, args.dim
+    uploads = uploads_for(n, d, r)
+    state_dicts = [
+        {f"{name}.lora_{part}.weight": t for name, (B, A) in u.items() for part, t in (("B", B), ("A", A))}
+        for u in uploads
+    ]
+    w = torch.full((n,), 1.0 / n)
+    gen = torch.Generator().manual_seed(0)
+    rep = args.repeats
+    t = {
+        "avg stacked": median_time(lambda: average_stacked(uploads, w), rep),
+        "avg loop": median_time(lambda: average_loop(uploads, w), rep),
+        "avg fs-style": median_time(lambda: average_fs_style(state_dicts, w.tolist()), rep),
+        "reduced": median_time(lambda: reconstruct_adapter(uploads, r), rep),
+        "randomized p=8": median_time(lambda: reconstruct_adapter(uploads, r, mode="randomized", generator=gen), rep),
+        "randomized p=2": median_time(
+            lambda: reconstruct_adapter(uploads, r, mode="randomized", oversample=2, generator=gen), rep
+        ),
+        "randomized p=0": median_time(
+            lambda: reconstruct_adapter(uploads, r, mode="randomized", oversample=0, generator=gen), rep
+        ),
+    }
+    one = [(u[MODULES[0]][0], u[MODULES[0]][1]) for u in uploads]
+    t_dense_one = median_time(lambda: reconstruct([B for B, _ in one], [A for _, A in one], r, mode="dense"), 2)
+    t["dense (48 x one module)"] = 48 * t_dense_one
+
+    print(f"\nwhole adapter: {len(MODULES)} modules of {d}x{d}, N={n}, r=R_g={r}, {torch.get_num_threads()} threads")
+    for name, value in t.items():
+        print(f"  {name:26s} {fmt(value)}")
+    best_avg = min(t["avg stacked"], t["avg loop"])
+    print()
+    print(
+        f"ratio reduced / two-factor averaging (fastest: {best_avg * 1e3:.2f} ms): "
+        f"{t['reduced'] / best_avg:.2f}x (goal <= 2.0x)"
+    )
+    print(f"ratio randomized(p=8) / two-factor averaging: {t['randomized p=8'] / best_avg:.2f}x (goal <= 1.5x)")
+    print(f"ratio randomized(p=0) / two-factor averaging: {t['randomized p=0'] / best_avg:.2f}x")
+    print(f"ratio reduced / fs-style averaging loop: {t['reduced'] / t['avg fs-style']:.2f}x")
+    print(f"ratio dense / reduced: {t['dense (48 x one module)'] / t['reduced']:.0f}x")
+
+
+if __name__ == "__main__":
+    main()
