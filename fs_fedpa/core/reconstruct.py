@@ -7,9 +7,10 @@ The server never forms the dense ``(d, k)`` aggregate in ``reduced`` and ``rando
     A_cat = [s_1 A_1; ...; s_N A_N]      (r_tot, k)       so B_cat @ A_cat = sum_i w_i B_i A_i
 
 (the paper's ``1/sqrt(N)`` is the uniform case). ``reduced`` takes reduced QR factorisations
-``B_cat = Q_B R_B`` and ``A_cat^T = Q_A R_A`` (Householder, Q kept in compact form and applied), the SVD of the small core ``H = R_B R_A^T = U S V^T``
-and returns ``B_g = Q_B U_R S_R``, ``A_g = (Q_A V_R)^T``: by Eckart-Young this is exactly the best
-rank-R_g approximation of the aggregate, at ``O(d r_tot^2 + r_tot^3)`` instead of ``O(d^2 k)``.
+``B_cat = Q_B R_B`` and ``A_cat^T = Q_A R_A`` (Householder; each Q stays in compact form and is
+applied, never formed), the SVD of the small core ``H = R_B R_A^T = U S V^T``, and returns
+``B_g = Q_B U_R S_R``, ``A_g = (Q_A V_R)^T``: by Eckart-Young this is exactly the best rank-R_g
+approximation of the aggregate, at ``O(d r_tot^2 + r_tot^3)`` instead of ``O(d^2 k)``.
 ``randomized`` replaces the two QRs by a Gaussian sketch of width ``l = min(R_g + p, r_tot)``
 applied through the factored form (Appendix G.1.2, Halko et al. 2011, Alg. 4.1 + 5.1), at
 ``O(N d r l)``. ``dense`` forms the aggregate and takes its SVD; it exists only as the
