@@ -55,4 +55,5 @@ def nbytes(payload: Mapping[str, object]) -> int:
 
 
 def _tensor(value: object) -> Tensor:
-    return value if isinstance(value, Tensor) else torch.as_tensor(value)
+    """A fresh tensor: standalone FS hands over the sender's objects, and nobody may alter what a client sent."""
+    return value.detach().clone() if isinstance(value, Tensor) else torch.as_tensor(value)
