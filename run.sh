@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # fs_fedpa entry point.
 #   ./run.sh test [pytest args]   install what the tests need (CPU torch, the package) and run them
-#   ./run.sh                      the main job: FedPA-LoRA on SST-2 (arrives with the tasks issue)
+#   ./run.sh [--data GLUE_DIR]    the main job: FedPA-LoRA on real SST-2 with the embedded MiniLM, on CPU
+#                                 (GLUE_DIR holds SST-2/train.tsv and SST-2/dev.tsv; or set FS_FEDPA_DATA)
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
@@ -12,6 +13,26 @@ ensure_torch() {
     echo "[run.sh] installing torch==2.13.0 (CPU build)"
     "$PY" -m pip install --quiet "torch==2.13.0"
   fi
+}
+
+ensure_federatedscope() {
+  if "$PY" -c "import federatedscope" >/dev/null 2>&1; then
+    return
+  fi
+  echo "[run.sh] FederatedScope is not importable; trying its llm branch from GitHub (without its pins)"
+  if "$PY" -m pip install --quiet --no-deps "federatedscope @ git+https://github.com/alibaba/FederatedScope.git@llm" \
+      && "$PY" -m pip install --quiet "protobuf==3.20.3" accelerate sentencepiece scikit-learn scipy pandas grpcio \
+         fvcore iopath pympler matplotlib dill; then
+    return
+  fi
+  cat >&2 <<MSG
+[run.sh] Could not install FederatedScope (no network?). Install its llm branch yourself, then rerun:
+    git clone -b llm https://github.com/alibaba/FederatedScope.git   # or copy a checkout here
+    pip install --no-deps ./FederatedScope
+    pip install "protobuf==3.20.3" accelerate sentencepiece scikit-learn scipy pandas grpcio fvcore iopath pympler matplotlib dill
+(docs/install.md has the details.)
+MSG
+  exit 1
 }
 
 install_package() {
@@ -27,12 +48,15 @@ case "${1:-main}" in
     # Tests import the checkout, not the installed copy (rootdir conftest puts it first on sys.path).
     exec "$PY" -m pytest "$@"
     ;;
-  main)
-    echo "[run.sh] the main job (FedPA-LoRA on SST-2) arrives with the tasks issue; use './run.sh test' for now." >&2
-    exit 2
+  main | --data)
+    [ "${1:-}" = main ] && shift
+    ensure_torch
+    install_package demo
+    ensure_federatedscope
+    exec "$PY" -m fs_fedpa.tools.sst2_demo "$@"
     ;;
   *)
-    echo "usage: ./run.sh [test [pytest args]]" >&2
+    echo "usage: ./run.sh [--data GLUE_DIR] | ./run.sh test [pytest args]" >&2
     exit 2
     ;;
 esac

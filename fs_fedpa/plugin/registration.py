@@ -8,6 +8,7 @@ registers into an FS dict while FS iterates it.
 
 from __future__ import annotations
 
+from fs_fedpa.plugin import seqcls
 from fs_fedpa.plugin.config import PLUGIN_METHODS, extend_fedpa_cfg
 
 _done = False
@@ -25,7 +26,12 @@ def _worker(method: str):
 # (kind, key, callable): kind names federatedscope.register.register_<kind>
 REGISTRY = (
     ("config", "fedpa", extend_fedpa_cfg),
+    ("config", "fedpa_seqcls", seqcls.extend_seqcls_cfg),
     ("worker", "fedpa", _worker),
+    ("data", "fedpa_glue", seqcls.load_glue_data),
+    ("model", "fedpa_seqcls", seqcls.build_seqcls_model),
+    ("trainer", "fedpa_seqcls", seqcls.seqcls_trainer),
+    *(("metric", f"fedpa_{name}", fn) for name, fn in seqcls.METRICS),
 )
 
 

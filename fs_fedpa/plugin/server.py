@@ -35,6 +35,8 @@ class FedPAServer(Server):
         if self._cfg is None:
             return
         self.method = build_method(self._cfg, self.model)
+        if self.method.cfg.num_threads > 0:  # FS's standalone runner has just pinned torch to 1 thread
+            torch.set_num_threads(self.method.cfg.num_threads)
         self.layers = lora.lora_layers(self.model)
         _, self.shared_names = non_lora_trainables(self.model, self._cfg.personalization.local_param)
         self.global_factors = global_init(self._cfg, self.model, self.method)  # (B_g^(0), A_g^(0)), rank r_g

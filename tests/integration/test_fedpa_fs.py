@@ -258,9 +258,17 @@ def test_server_side_evaluation_uses_the_global_adapter(tiny_llm, tmp_path):
 def test_every_yaml_config_loads_into_fs_with_the_plugin():
     from federatedscope.core.configs.config import global_cfg
 
-    configs = sorted((Path(__file__).resolve().parents[2] / "yaml_configs").glob("*.yaml"))
-    assert configs
+    configs = sorted((Path(__file__).resolve().parents[2] / "yaml_configs").rglob("*.yaml"))
+    assert len(configs) > 40
     for path in configs:
         cfg = global_cfg.clone()
         cfg.merge_from_file(str(path))
         assert cfg.federate.method == "fedpa", path.name
+
+
+def test_paper_configs_are_what_the_generator_writes():
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "scripts/make_paper_configs.py", "--check"], cwd=root, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout

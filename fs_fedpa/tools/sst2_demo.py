@@ -1,0 +1,100 @@
+"""The main job: FedPA-LoRA on real SST-2 with the embedded MiniLM backbone, through stock FederatedScope.
+
+``python -m fs_fedpa.tools.sst2_demo --data <GLUE dir>`` runs ``python -m federatedscope.main`` on
+``yaml_configs/fedpa_sst2_minilm_cpu.yaml`` in a subprocess, shows its progress as it goes, and ends with
+the final SST-2 dev accuracy under both evaluation protocols and where the logs and diagnostics are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CFG_NAME = Path("yaml_configs") / "fedpa_sst2_minilm_cpu.yaml"  # in the repo (./run.sh runs from its root)
+DEFAULT_CFG = CFG_NAME if CFG_NAME.is_file() else Path(__file__).resolve().parents[2] / CFG_NAME
+PROGRESS = re.compile(r"Starting a new training round|Server: Training is finished|\[fedpa\] round|'Role': 'Server #'")
+
+
+def find_glue_dir(given: str | None) -> Path:
+    """The GLUE folder from ``--data`` or ``FS_FEDPA_DATA``; exits with a plain message when it is missing."""
+    value = given or os.environ.get("FS_FEDPA_DATA")
+    hint = (
+        "Pass the folder that holds GLUE in its standard layout (it must contain SST-2/train.tsv and "
+        "SST-2/dev.tsv):\n  ./run.sh --data /path/to/glue\nor set FS_FEDPA_DATA=/path/to/glue."
+    )
+    if not value:
+        sys.exit(f"No GLUE data folder given. {hint}")
+    root = Path(value).expanduser().resolve()
+    if (root / "glue" / "SST-2").is_dir() and not (root / "SST-2").is_dir():
+        root = root / "glue"  # accept the parent of glue/ too (e.g. shared/data)
+    missing = [p for p in (root / "SST-2" / "train.tsv", root / "SST-2" / "dev.tsv") if not p.is_file()]
+    if missing:
+        sys.exit(f"{', '.join(map(str, missing))} not found. {hint}")
+    return root
+
+
+def final_accuracy(outdir: Path) -> dict[str, float]:
+    """The last round's weighted-average metrics from FS's eval_results.log."""
+    last = {}
+    for line in (outdir / "eval_results.log").read_text().splitlines():
+        line = re.sub(r"np\.\w+\(([^()]*)\)", r"\1", line).replace("nan", "None")
+        try:
+            row = ast.literal_eval(line)
+        except (ValueError, SyntaxError):
+            continue
+        if isinstance(row, dict) and "Results_weighted_avg" in row:
+            last = row["Results_weighted_avg"]
+    return last
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", help="GLUE folder (or set FS_FEDPA_DATA)")
+    parser.add_argument("--cfg", default=str(DEFAULT_CFG), help="FS yaml (default: the MiniLM CPU config)")
+    parser.add_argument("--outdir", default="exp", help="FS outdir")
+    parser.add_argument("opts", nargs="*", help="extra FS overrides, KEY VALUE ...")
+    args = parser.parse_args(argv)
+    root = find_glue_dir(args.data)
+    cmd = [sys.executable, "-m", "federatedscope.main", "--cfg", args.cfg, "data.root", str(root),
+           "outdir", args.outdir, *args.opts]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    print(f"[fs_fedpa] FedPA-LoRA on SST-2 from {root}\n[fs_fedpa] {' '.join(cmd)}", flush=True)
+    start = time.time()
+    log_lines: list[str] = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+        for line in proc.stdout:
+            log_lines.append(line)
+            if PROGRESS.search(line):
+                print(f"[{time.time() - start:6.0f}s] {line.strip()[:240]}", flush=True)
+    if proc.returncode != 0:
+        sys.stdout.write("".join(log_lines[-40:]))
+        print(f"[fs_fedpa] FederatedScope exited with {proc.returncode}", file=sys.stderr)
+        return proc.returncode
+    outdir = _outdir_from_log(log_lines) or Path(args.outdir)
+    metrics = final_accuracy(outdir)
+    print(f"\n[fs_fedpa] finished in {time.time() - start:.0f} s")
+    paper, own = metrics.get("val_acc", float("nan")), metrics.get("local.val_acc", float("nan"))
+    print(f"final SST-2 dev accuracy (global reference + local head, paper protocol): {paper:.4f}")
+    print(f"final SST-2 dev accuracy (each client's own factors + local head):       {own:.4f}")
+    print(f"logs and results: {outdir}  (eval_results.log, exp_print.log)")
+    print(f"FedPA diagnostics: {outdir / 'fedpa_diagnostics.jsonl'}")
+    return 0
+
+
+def _outdir_from_log(lines: list[str]) -> Path | None:
+    """FS prints the outdir it chose (it adds sub_exp_<time> when the folder exists already)."""
+    for line in lines:
+        match = re.search(r"the output dir is (\S+)", line) or re.search(r"outdir: (\S+)", line)
+        if match and Path(match.group(1)).is_dir():
+            return Path(match.group(1))
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
