@@ -24,7 +24,7 @@ from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainable
 from fs_fedpa.plugin.payload import decode_factors, decode_tensors, encode_factors
 from fs_fedpa.plugin.trainer import install_alignment_hook
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
 
 class FedPAClient(Client):

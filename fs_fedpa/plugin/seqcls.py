@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
 SUFFIX_DATA = "@glue"
 SUFFIX_MODEL = "@seqcls_llm"

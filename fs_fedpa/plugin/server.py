@@ -24,7 +24,7 @@ from fs_fedpa.core.diagnostics import aggregate_norm, aggregation_error
 from fs_fedpa.plugin.common import build_method, fedpa_seed, global_init, non_lora_trainables
 from fs_fedpa.plugin.payload import decode_factors, decode_tensors, encode_factors, nbytes
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
 DIAGNOSTICS_FILE = "fedpa_diagnostics.jsonl"
 
@@ -43,6 +43,8 @@ class FedPAServer(Server):
         self.generator = torch.Generator().manual_seed(fedpa_seed(self._cfg, self.method) + 1)  # sketches
         self.aggregator = FedPAAggregator(self)
         self.aggregators[0] = self.aggregator
+        if self._cfg.federate.save_to:  # FS saves only after training: a missing folder would lose the run
+            os.makedirs(os.path.dirname(os.path.abspath(self._cfg.federate.save_to)), exist_ok=True)
         self._down_bytes: dict[int, int] = {}
         self._totals = {"up": 0, "down": 0}
 

@@ -18,7 +18,33 @@ from pathlib import Path
 
 CFG_NAME = Path("yaml_configs") / "fedpa_sst2_minilm_cpu.yaml"  # in the repo (./run.sh runs from its root)
 DEFAULT_CFG = CFG_NAME if CFG_NAME.is_file() else Path(__file__).resolve().parents[2] / CFG_NAME
-PROGRESS = re.compile(r"Starting a new training round|Server: Training is finished|\[fedpa\] round|'Role': 'Server #'")
+ROUND = re.compile(r"Starting (?:a new )?training(?: round)? \(Round #(\d+)\)")
+CLIENT = re.compile(
+    r"'Role': 'Client #(\d+)', 'Round': (\d+), 'Results_raw': \{.*?'train_acc': (?:np\.float64\()?([\d.]+)"
+)
+SERVER = re.compile(r"'Role': 'Server #', 'Round': (\d+), 'Results_weighted_avg': \{(.*?)\}")
+CLIENT_EVAL = re.compile(
+    r"'Role': 'Client #(\d+)', 'Round': (\d+), 'Results_raw': \{[^}]*?'val_acc': ([\d.]+)[^}]*?'val_total': (\d+)"
+)
+METRIC = re.compile(r"'((?:local\.)?val_acc)': (?:np\.float64\()?([\d.]+)")
+
+
+def progress(line: str, rounds: int) -> str | None:
+    """A short progress line for the FS log lines that mark progress, else None."""
+    if match := ROUND.search(line):
+        return f"round {int(match.group(1)) + 1}/{rounds}: local training on every client"
+    if match := CLIENT.search(line):
+        return f"  client {match.group(1)}: train accuracy {float(match.group(3)):.3f}"
+    if match := SERVER.search(line):
+        accs = dict(METRIC.findall(match.group(2)))
+        paper, own = accs.get("val_acc"), accs.get("local.val_acc")
+        if paper:
+            return f"  dev accuracy after round {int(match.group(1)) + 1}: {float(paper):.4f} (paper protocol)" + (
+                f", {float(own):.4f} (clients' own factors)" if own else ""
+            )
+    if "[fedpa] round" in line:
+        return "  " + line.split("INFO: ", 1)[-1].strip().replace("\x1b[0m", "")
+    return None
 
 
 def find_glue_dir(given: str | None) -> Path:
@@ -61,30 +87,62 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("opts", nargs="*", help="extra FS overrides, KEY VALUE ...")
     args = parser.parse_args(argv)
     root = find_glue_dir(args.data)
-    cmd = [sys.executable, "-m", "federatedscope.main", "--cfg", args.cfg, "data.root", str(root),
-           "outdir", args.outdir, *args.opts]
+    save_to = str(Path(args.outdir) / "fedpa_sst2_minilm_cpu.ckpt")
+    cmd = [
+        sys.executable,
+        "-m",
+        "federatedscope.main",
+        "--cfg",
+        args.cfg,
+        "data.root",
+        str(root),
+        "outdir",
+        args.outdir,
+        "federate.save_to",
+        save_to,
+        *args.opts,
+    ]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     print(f"[fs_fedpa] FedPA-LoRA on SST-2 from {root}\n[fs_fedpa] {' '.join(cmd)}", flush=True)
     start = time.time()
     log_lines: list[str] = []
+    rounds = _rounds(args.cfg, args.opts)
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
         for line in proc.stdout:
             log_lines.append(line)
-            if PROGRESS.search(line):
-                print(f"[{time.time() - start:6.0f}s] {line.strip()[:240]}", flush=True)
+            if (shown := progress(line, rounds)) is not None:
+                print(f"[{time.time() - start:5.0f}s] {shown}", flush=True)
     if proc.returncode != 0:
         sys.stdout.write("".join(log_lines[-40:]))
         print(f"[fs_fedpa] FederatedScope exited with {proc.returncode}", file=sys.stderr)
         return proc.returncode
     outdir = _outdir_from_log(log_lines) or Path(args.outdir)
+    shards = {}
+    for line in log_lines:  # the last evaluation of each client, paper protocol
+        if match := CLIENT_EVAL.search(line):
+            shards[int(match.group(1))] = (float(match.group(3)), int(match.group(4)))
     metrics = final_accuracy(outdir)
     print(f"\n[fs_fedpa] finished in {time.time() - start:.0f} s")
     paper, own = metrics.get("val_acc", float("nan")), metrics.get("local.val_acc", float("nan"))
     print(f"final SST-2 dev accuracy (global reference + local head, paper protocol): {paper:.4f}")
     print(f"final SST-2 dev accuracy (each client's own factors + local head):       {own:.4f}")
+    if shards:
+        per_client = ", ".join(f"client {c}: {acc:.3f} on {n}" for c, (acc, n) in sorted(shards.items()))
+        print(f"  (weighted over the clients' dev shards, which follow their LDA-skewed train labels; {per_client})")
     print(f"logs and results: {outdir}  (eval_results.log, exp_print.log)")
     print(f"FedPA diagnostics: {outdir / 'fedpa_diagnostics.jsonl'}")
+    print(f"checkpoints (global adapter, each client's own state): {Path(save_to).parent}")
     return 0
+
+
+def _rounds(cfg_file: str, opts: list[str]) -> int:
+    import yaml
+
+    for key, value in zip(opts[::2], opts[1::2]):
+        if key == "federate.total_round_num":
+            return int(value)
+    with open(cfg_file) as f:
+        return int(yaml.safe_load(f)["federate"]["total_round_num"])
 
 
 def _outdir_from_log(lines: list[str]) -> Path | None:
