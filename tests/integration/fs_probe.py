@@ -70,7 +70,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
                 "client": self.ID,
                 "round": self.state,
                 "end": _copy(self.factors),
-            "local": {n: t.detach().cpu().clone() for n, t in self.local_tensors.items()},
+                "local": {n: t.detach().cpu().clone() for n, t in self.local_tensors.items()},
                 "upload_keys": sorted(upload["lora"]) + sorted(upload["shared"]),
                 "upload_ranks": sorted({B.shape[1] for B, _ in decode_factors(upload["lora"]).values()}),
             }

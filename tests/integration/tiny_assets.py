@@ -112,10 +112,7 @@ def fs_llm_yaml(tmpdir, model_dir, data_file, **overrides) -> dict:
         },
     }
     for key, value in overrides.items():
-        if "." in key:
-            set_dotted(cfg, key, value)
-        else:
-            cfg[key] = value
+        set_dotted(cfg, key, value)
     return cfg
 
 
@@ -342,8 +339,5 @@ def fs_glue_yaml(tmpdir, model_dir, glue_root, **overrides) -> dict:
         "fedpa": {"lam": 1.0},
     }
     for key, value in overrides.items():
-        if "." in key:
-            set_dotted(cfg, key, value)
-        else:
-            cfg[key] = value
+        set_dotted(cfg, key, value)
     return cfg
