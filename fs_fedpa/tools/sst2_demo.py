@@ -23,9 +23,9 @@ CLIENT = re.compile(
     r"'Role': 'Client #(\d+)', 'Round': (\d+), 'Results_raw': \{.*?'train_acc': (?:np\.float64\()?([\d.]+)"
 )
 SERVER = re.compile(r"'Role': 'Server #', 'Round': (\d+), 'Results_weighted_avg': \{(.*?)\}")
-CLIENT_EVAL = re.compile(
-    r"'Role': 'Client #(\d+)', 'Round': (\d+), 'Results_raw': \{[^}]*?'val_acc': ([\d.]+)[^}]*?'val_total': (\d+)"
-)
+CLIENT_EVAL = re.compile(r"'Role': 'Client #(\d+)', 'Round': \d+, 'Results_raw': \{([^}]*'val_total'[^}]*)\}")
+SHARD = re.compile(r"'val_(acc|total)': (?:np\.float64\()?([\d.]+)")  # 'local.val_acc' has no quote before val_
+DIAGNOSTICS = re.compile(r"\[fedpa\] round (\d+): ([^\x1b]*)")
 METRIC = re.compile(r"'((?:local\.)?val_acc)': (?:np\.float64\()?([\d.]+)")
 
 
@@ -42,8 +42,8 @@ def progress(line: str, rounds: int) -> str | None:
             return f"  dev accuracy after round {int(match.group(1)) + 1}: {float(paper):.4f} (paper protocol)" + (
                 f", {float(own):.4f} (clients' own factors)" if own else ""
             )
-    if "[fedpa] round" in line:
-        return "  " + line.split("INFO: ", 1)[-1].strip().replace("\x1b[0m", "")
+    if match := DIAGNOSTICS.search(line):  # the server counts rounds from 0
+        return f"  aggregation of round {int(match.group(1)) + 1}: {match.group(2).strip()}"
     return None
 
 
@@ -117,10 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[fs_fedpa] FederatedScope exited with {proc.returncode}", file=sys.stderr)
         return proc.returncode
     outdir = _outdir_from_log(log_lines) or Path(args.outdir)
-    shards = {}
-    for line in log_lines:  # the last evaluation of each client, paper protocol
-        if match := CLIENT_EVAL.search(line):
-            shards[int(match.group(1))] = (float(match.group(3)), int(match.group(4)))
+    shards = client_shards(log_lines)
     metrics = final_accuracy(outdir)
     print(f"\n[fs_fedpa] finished in {time.time() - start:.0f} s")
     paper, own = metrics.get("val_acc", float("nan")), metrics.get("local.val_acc", float("nan"))
@@ -133,6 +130,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"FedPA diagnostics: {outdir / 'fedpa_diagnostics.jsonl'}")
     print(f"checkpoints (global adapter, each client's own state): {Path(save_to).parent}")
     return 0
+
+
+def client_shards(lines: list[str]) -> dict[int, tuple[float, int]]:
+    """``client -> (val_acc, val_total)`` of each client's last evaluation (paper protocol), from FS's log."""
+    shards = {}
+    for line in lines:
+        if match := CLIENT_EVAL.search(line):  # FS orders the metric keys arbitrarily
+            values = dict(SHARD.findall(match.group(2)))
+            shards[int(match.group(1))] = (float(values["acc"]), int(float(values["total"])))
+    return shards
 
 
 def _rounds(cfg_file: str, opts: list[str]) -> int:

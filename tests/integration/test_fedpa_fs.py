@@ -272,3 +272,21 @@ def test_paper_configs_are_what_the_generator_writes():
         [sys.executable, "scripts/make_paper_configs.py", "--check"], cwd=root, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stdout
+
+
+@pytest.mark.parametrize(
+    "rule,low,high",
+    [("loss", 0.0, 2.0), ("grad", 0.0, 10.0), ("direction", 0.0, 4.0)],
+)
+def test_adaptive_lambda_rules_set_a_per_client_lambda_in_range(tiny_llm, tmp_path, rule, low, high):
+    # Prepare: lam_0 = 2; ranges of Appendix F: (0, lam_0], [lam_min, lam_max], [0, 2 lam_0]
+    cfg = fedpa_cfg(
+        tiny_llm, tmp_path, **{"fedpa.adaptive_lam": rule, "fedpa.lam": 2.0, "federate.total_round_num": 2}
+    )
+    # Execute
+    proc = run_fs(cfg, tmp_path)
+    # Assert
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lams = [lam for record in _diagnostics(outdir_of(cfg)) for lam in record["lam"].values()]
+    assert len(lams) == 6 and all(low <= lam <= high for lam in lams)
+    assert any(lam != 2.0 for lam in lams)  # the rule, not the fixed lambda, set them

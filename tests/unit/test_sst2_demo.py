@@ -1,0 +1,59 @@
+"""The main job's reading of FS's log lines (FS orders metric keys arbitrarily) and its data-folder checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from fs_fedpa.tools.sst2_demo import client_shards, find_glue_dir, progress
+
+EVAL_A = (
+    "(client:156) INFO: {'Role': 'Client #2', 'Round': 7, 'Results_raw': {'val_avg_loss': 0.46, "
+    "'val_total': 626, 'val_acc': 0.776358, 'local.val_acc': 0.9, 'local.val_total': 626}}"
+)
+EVAL_B = (
+    "(client:156) INFO: {'Role': 'Client #1', 'Round': 7, 'Results_raw': {'local.val_acc': 0.5, "
+    "'val_acc': 1.0, 'val_loss': 0.3, 'val_total': 61}}"
+)
+TRAIN = (
+    "(client:63) INFO: {'Role': 'Client #3', 'Round': 0, 'Results_raw': {'train_total': 800, 'train_acc': 0.87125}}"
+)
+SERVER = (
+    "(server:616) INFO: {'Role': 'Server #', 'Round': 1, 'Results_weighted_avg': {'val_loss': np.float64(3.1), "
+    "'local.val_acc': np.float64(0.69), 'val_acc': np.float64(0.7012)}, 'Results_avg': {}}"
+)
+
+
+def test_progress_lines():
+    assert (
+        progress("INFO: ----------- Starting training (Round #0) -------------", 8)
+        == "round 1/8: local training on every client"
+    )
+    assert (
+        progress("INFO: Starting a new training round (Round #3) ---", 8)
+        == "round 4/8: local training on every client"
+    )
+    assert progress(TRAIN, 8) == "  client 3: train accuracy 0.871"
+    assert (
+        progress(SERVER, 8) == "  dev accuracy after round 2: 0.7012 (paper protocol), 0.6900 (clients' own factors)"
+    )
+    assert (
+        progress("\x1b[0mINFO: [fedpa] round 2: E_agg=0.1 (rel 0.04)\x1b[0m", 8)
+        == "  aggregation of round 3: E_agg=0.1 (rel 0.04)"
+    )
+    assert progress("some other line", 8) is None
+
+
+def test_client_shards_read_the_paper_protocol_whatever_the_key_order():
+    assert client_shards([TRAIN, EVAL_A, EVAL_B]) == {2: (0.776358, 626), 1: (1.0, 61)}
+
+
+def test_missing_glue_folder_says_what_to_pass(tmp_path, monkeypatch):
+    monkeypatch.delenv("FS_FEDPA_DATA", raising=False)
+    with pytest.raises(SystemExit, match=r"(?s)No GLUE data folder given.*\./run.sh --data /path/to/glue"):
+        find_glue_dir(None)
+    with pytest.raises(SystemExit, match=r"(?s)SST-2/train.tsv.*not found"):
+        find_glue_dir(str(tmp_path))
+    (tmp_path / "glue" / "SST-2").mkdir(parents=True)
+    for name in ("train.tsv", "dev.tsv"):
+        (tmp_path / "glue" / "SST-2" / name).write_text("sentence\tlabel\n")
+    assert find_glue_dir(str(tmp_path)) == tmp_path / "glue"  # the parent of glue/ is accepted
