@@ -54,6 +54,7 @@ class editable_wheel_with_pth(editable_wheel):
 
         return WithPth()
 
+
 setup(
     name="fs_fedpa",
     version="0.1.0",
