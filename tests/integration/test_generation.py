@@ -40,22 +40,37 @@ def test_merged_weights_are_base_plus_the_global_product(tiny_llm, trained):
     assert not torch.equal(W, W0)
 
 
-def test_gsm8k_cli_runs_on_the_checkpoint(tiny_llm, trained):
-    data = trained["tmp"] / "gsm8k.jsonl"
-    rows = [{"question": f"What is {i} plus {i}?", "answer": f"{i}+{i}={2 * i}\n#### {2 * i}"} for i in range(3)]
-    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    out = trained["tmp"] / "results.json"
+def _run_cli(task: str, model: str, ckpt, data, out, *extra: str) -> dict:
     cmd = [
         sys.executable,
         "-m",
         "fs_fedpa.tools.eval_generation",
-        "gsm8k",
+        task,
         "--base",
-        tiny_llm["model"],
+        model,
         "--ckpt",
-        str(trained["ckpt"]),
+        str(ckpt),
         "--data",
         str(data),
+        "--out",
+        str(out),
+        *extra,
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=fs_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_gsm8k_cli_runs_on_the_checkpoint(tiny_llm, trained):
+    data = trained["tmp"] / "gsm8k.jsonl"
+    rows = [{"question": f"What is {i} plus {i}?", "answer": f"{i}+{i}={2 * i}\n#### {2 * i}"} for i in range(3)]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    result = _run_cli(
+        "gsm8k",
+        tiny_llm["model"],
+        trained["ckpt"],
+        data,
+        trained["tmp"] / "results.json",
         "--shots-from",
         str(data),
         "--shots",
@@ -64,12 +79,7 @@ def test_gsm8k_cli_runs_on_the_checkpoint(tiny_llm, trained):
         "3",
         "--max-new-tokens",
         "4",
-        "--out",
-        str(out),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=fs_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    )
     assert len(result["items"]) == 3 and 0.0 <= result["exact_match"] <= 1.0
 
 
@@ -95,26 +105,15 @@ def test_humaneval_cli_runs_on_the_checkpoint(tiny_llm, trained):
     data = ROOT.parent / "shared" / "data" / "humaneval" / "HumanEval.jsonl.gz"
     if not data.is_file():
         pytest.skip(f"no HumanEval data at {data}")
-    out = trained["tmp"] / "humaneval.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "fs_fedpa.tools.eval_generation",
+    result = _run_cli(
         "humaneval",
-        "--base",
         tiny_llm["model"],
-        "--ckpt",
-        str(trained["ckpt"]),
-        "--data",
-        str(data),
+        trained["ckpt"],
+        data,
+        trained["tmp"] / "humaneval.json",
         "--limit",
         "2",
         "--max-new-tokens",
         "4",
-        "--out",
-        str(out),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=fs_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    )
     assert len(result["items"]) == 2 and result["pass@1"] == 0.0  # a random tiny model writes no working code
