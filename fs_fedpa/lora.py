@@ -90,6 +90,11 @@ def effective(factors: Mapping[str, tuple[Tensor, Tensor]], scales: Mapping[str,
     return {name: (B * scales[name], A) for name, (B, A) in factors.items()}
 
 
+def from_effective(layers: Mapping[str, nn.Module], factors: Mapping[str, tuple[Tensor, Tensor]]) -> Factors:
+    """Inverse of :func:`effective` at each factor's own rank: ``(B / s(r), A)`` for PEFT's ``s(r)`` of that module."""
+    return {name: (B / scaling_for_rank(layers[name], B.shape[1]), A) for name, (B, A) in factors.items()}
+
+
 def copy_factors(factors: Mapping[str, tuple[Tensor, Tensor]], device: torch.device | str | None = None) -> Factors:
     """Detached clones (optionally moved): what a client stashes and what goes on the wire."""
     return {n: (B.detach().to(device, copy=True), A.detach().to(device, copy=True)) for n, (B, A) in factors.items()}

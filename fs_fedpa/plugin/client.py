@@ -79,7 +79,7 @@ class FedPAClient(Client):
         if self.method.keeps_factors:
             start = self.factors  # local factor preservation: bit-identical to the end of last round
         else:
-            start = self._to_raw(self.method.start_round(received, self.index))
+            start = lora.from_effective(self.layers, self.method.start_round(received, self.index))
         self._e_init = self._init_error(start, self.factors)
         lora.set_factors(self.model, start)
         self._load_tensors(decode_tensors(payload.get("shared", {})))
@@ -140,7 +140,7 @@ class FedPAClient(Client):
         payload = message.content
         if self.factors is None:
             self.factors = self._initial_factors()
-        lora.set_factors(self.model, self._to_raw(decode_factors(payload["lora"])))
+        lora.set_factors(self.model, lora.from_effective(self.layers, decode_factors(payload["lora"])))
         self._load_tensors(decode_tensors(payload.get("shared", {})))
         self._load_tensors(self.local_tensors)
         metrics = self._evaluate_splits()
@@ -195,11 +195,9 @@ class FedPAClient(Client):
     # ------------------------------------------------------------------------------------ helpers
     def _initial_factors(self) -> dict[str, tuple[Tensor, Tensor]]:
         """Alg. 1 l.4 from the global initialisation that server and clients draw from one seed."""
-        return self._to_raw(self.method.client_init(global_init(self._cfg, self.model, self.method), self.index))
-
-    def _to_raw(self, factors: dict[str, tuple[Tensor, Tensor]]) -> dict[str, tuple[Tensor, Tensor]]:
-        """Effective ``(s B, A)`` to the raw factors PEFT stores at that rank."""
-        return {n: (B / lora.scaling_for_rank(self.layers[n], B.shape[1]), A) for n, (B, A) in factors.items()}
+        return lora.from_effective(
+            self.layers, self.method.client_init(global_init(self._cfg, self.model, self.method), self.index)
+        )
 
     def _load_tensors(self, tensors: dict[str, Tensor]) -> None:
         if not tensors:

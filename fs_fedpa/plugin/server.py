@@ -86,8 +86,7 @@ class FedPAServer(Server):
     def install_global(self, global_factors, shared: dict[str, Tensor]) -> None:
         """Adopt new global factors; write them (raw, rank R_g) and the averaged shared tensors into the model."""
         self.global_factors = global_factors
-        raw = {n: (B / lora.scaling_for_rank(self.layers[n], B.shape[1]), A) for n, (B, A) in global_factors.items()}
-        lora.set_factors(self.model, raw)
+        lora.set_factors(self.model, lora.from_effective(self.layers, global_factors))
         if shared:
             params = dict(self.model.named_parameters())
             with torch.no_grad():

@@ -86,3 +86,18 @@ def test_copy_factors_detaches_and_clones():
     for name, (B, A) in copied.items():
         assert not B.requires_grad and B.data_ptr() != live[name][0].data_ptr()
         assert not A.requires_grad and torch.equal(A, live[name][1].detach())
+
+
+def test_from_effective_inverts_effective_at_any_rank():
+    model = _peft_model()
+    layers = lora.lora_layers(model)
+    g = torch.Generator().manual_seed(3)
+    raw = {
+        n: (torch.randn(layer.out_features, 3, generator=g), torch.randn(3, layer.in_features, generator=g))
+        for n, layer in layers.items()
+    }
+    scales = {n: lora.scaling_for_rank(layer, 3) for n, layer in layers.items()}  # alpha / 3
+    back = lora.from_effective(layers, lora.effective(raw, scales))
+    for n, (B, A) in raw.items():
+        torch.testing.assert_close(back[n][0], B) and torch.testing.assert_close(back[n][1], A)
+    assert scales[next(iter(scales))] == pytest.approx(8 / 3)
