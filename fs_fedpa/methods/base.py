@@ -37,6 +37,10 @@ class FederatedMethod:
     def __init__(self, cfg: FedPAConfig, plan: RankPlan):
         self.cfg = cfg
         self.plan = plan
+        self.check_plan()
+
+    def check_plan(self) -> None:
+        """Raise ValueError if the rank plan does not suit the method (default: any plan)."""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -75,7 +79,9 @@ class FederatedMethod:
 
 
 def get_method(name: str) -> type[FederatedMethod]:
-    import fs_fedpa.methods.fedpa  # noqa: F401  (registers)
+    import fs_fedpa.methods.fedit  # noqa: F401  (each module registers its method)
+    import fs_fedpa.methods.fedpa  # noqa: F401
+    import fs_fedpa.methods.flexlora  # noqa: F401
 
     if name not in METHODS:
         raise ValueError(f"unknown federated method {name!r}; known: {sorted(METHODS)}")

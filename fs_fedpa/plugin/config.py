@@ -11,7 +11,7 @@ from dataclasses import fields
 
 from fs_fedpa.config import FedPAConfig
 
-PLUGIN_METHODS = ("fedpa",)
+PLUGIN_METHODS = ("fedit", "fedpa", "flexlora")  # == sorted(fs_fedpa.methods.METHODS); no torch import here
 
 # FS features whose message formats or update rules FedPA does not speak (yet).
 _UNSUPPORTED = (

@@ -99,5 +99,6 @@ def test_from_effective_inverts_effective_at_any_rank():
     scales = {n: lora.scaling_for_rank(layer, 3) for n, layer in layers.items()}  # alpha / 3
     back = lora.from_effective(layers, lora.effective(raw, scales))
     for n, (B, A) in raw.items():
-        torch.testing.assert_close(back[n][0], B) and torch.testing.assert_close(back[n][1], A)
+        torch.testing.assert_close(back[n][0], B)
+        torch.testing.assert_close(back[n][1], A)
     assert scales[next(iter(scales))] == pytest.approx(8 / 3)

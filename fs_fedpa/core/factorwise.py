@@ -1,0 +1,38 @@
+"""Factor-wise aggregation (FedIT and the other factor-averaging baselines), in plain torch."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from torch import Tensor
+
+from fs_fedpa.core._checks import normalized_weights
+
+
+def average_factors(
+    uploads: Sequence[Mapping[str, tuple[Tensor, Tensor]]], weights: Sequence[float] | Tensor | None = None
+) -> dict[str, tuple[Tensor, Tensor]]:
+    """``(sum_i w_i B_i, sum_i w_i A_i)`` per module (FedIT): the product generally differs from
+    ``sum_i w_i B_i A_i`` by the cross terms ``B_i A_j`` (the aggregation mismatch of §3.1).
+
+    Args:
+        uploads: one ``{module: (B_i: (d, r), A_i: (r, k))}`` per client; every client must use the same
+            rank per module (factors of different ranks cannot be averaged).
+        weights: ``w_i >= 0``, normalised; ``None`` is uniform.
+    """
+    if not uploads:
+        raise ValueError("uploads is empty")
+    w = normalized_weights(weights, len(uploads))
+    out = {}
+    for name in uploads[0]:
+        shapes = {(tuple(u[name][0].shape), tuple(u[name][1].shape)) for u in uploads}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"module {name!r}: factor-wise averaging needs equal shapes, got {sorted(shapes)}; "
+                "clients of different ranks need a product-space method (fedpa, flexlora)"
+            )
+        out[name] = (
+            sum(wi * u[name][0] for wi, u in zip(w, uploads)),
+            sum(wi * u[name][1] for wi, u in zip(w, uploads)),
+        )
+    return out

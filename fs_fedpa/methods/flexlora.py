@@ -1,0 +1,22 @@
+"""FlexLoRA [Bai et al., 2024]: the server takes the truncated SVD of the averaged products; clients restart
+from the global factors at their own rank every round. Paper: arxiv.org/abs/2402.11505
+
+Same server as FedPA-LoRA (the SVD optimum, computed without the dense matrix unless ``fedpa.svd: dense``,
+which is FlexLoRA's own route), without local factor preservation and without alignment: the
+factor-level initialisation mismatch E_init of §3.2 is what remains.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from fs_fedpa.methods.base import Factors
+from fs_fedpa.methods.fedpa import FedPA
+
+
+class FlexLoRA(FedPA):
+    name = "flexlora"
+    keeps_factors = False
+
+    def alignment(self, local: Factors, reference: Factors, lam: float) -> Tensor | None:
+        return None
