@@ -54,12 +54,16 @@ def scaling_for_rank(layer: nn.Module, r: int) -> float:
     return alpha / math.sqrt(r) if layer.use_rslora.get(adapter, False) else alpha / r
 
 
-def set_factors(model: nn.Module, factors: Mapping[str, tuple[Tensor, Tensor]], *, trainable: bool = True) -> None:
+def set_factors(
+    model: nn.Module, factors: Mapping[str, tuple[Tensor, Tensor]], *, trainable: bool | tuple[bool, bool] = True
+) -> None:
     """Replace the LoRA weights of the named modules by copies of ``(B, A)``, whatever their rank.
 
     The copies take the device and dtype of the weights they replace; PEFT's ``r`` and
     ``scaling`` follow the new rank, so ``W_0 + (alpha/r) B A`` is what the model computes.
+    ``trainable`` sets ``requires_grad`` of both factors, or of (B, A) separately.
     """
+    train_B, train_A = (trainable, trainable) if isinstance(trainable, bool) else trainable
     layers = lora_layers(model)
     unknown = sorted(set(factors) - set(layers))
     if unknown:
@@ -76,9 +80,9 @@ def set_factors(model: nn.Module, factors: Mapping[str, tuple[Tensor, Tensor]], 
                     f"({lin_B.weight.shape[0]} x {lin_A.weight.shape[1]})"
                 )
             old = lin_A.weight
-            lin_A.weight = nn.Parameter(A.detach().to(old.device, old.dtype, copy=True), requires_grad=trainable)
+            lin_A.weight = nn.Parameter(A.detach().to(old.device, old.dtype, copy=True), requires_grad=train_A)
             lin_B.weight = nn.Parameter(
-                B.detach().to(lin_B.weight.device, lin_B.weight.dtype, copy=True), requires_grad=trainable
+                B.detach().to(lin_B.weight.device, lin_B.weight.dtype, copy=True), requires_grad=train_B
             )
             lin_A.out_features = lin_B.in_features = r
             layer.r[adapter] = r

@@ -5,8 +5,9 @@ product is the update the model applies (see ``fs_fedpa.lora``). A method decide
 
 - ``init_global``: the server's factors before round 1 (Alg. 1 l.2);
 - ``client_init``: what a client starts from when it has no factors yet (Alg. 1 l.4);
-- ``keeps_factors`` / ``start_round``: whether a client trains on from its own factors, or from
-  what (given what) it received;
+- ``keeps`` / ``start_round``: which factors a client keeps from its last round, and what it takes
+  from what it received; ``trainable``: which factors it trains this round;
+- ``before_upload``: what it makes of its factors before sending them (e.g. a rotation);
 - ``aggregate``: what the server makes of the uploads;
 - ``downlink``: what the server sends to one client;
 - ``alignment``: the extra loss term of local training, if any.
@@ -32,7 +33,7 @@ class FederatedMethod:
     """Defaults shared by the methods; a method overrides what differs."""
 
     name: ClassVar[str] = ""
-    keeps_factors: ClassVar[bool] = False
+    keeps: ClassVar[tuple[bool, bool]] = (False, False)  # (B, A) kept from the client's previous round
 
     def __init__(self, cfg: FedPAConfig, plan: RankPlan):
         self.cfg = cfg
@@ -73,15 +74,27 @@ class FederatedMethod:
         """Factors a client that does not keep its own trains from: the received ones at its rank r_i."""
         return {n: truncate_factors(B, A, self.plan.client_ranks[client]) for n, (B, A) in received.items()}
 
+    def trainable(self, rnd: int) -> tuple[bool, bool]:
+        """Whether (B, A) are trained in round ``rnd``."""
+        return True, True
+
+    def before_upload(self, local: Factors, received: Factors, rnd: int) -> Factors:
+        """The factors a client uploads, from its trained ones and what it received this round."""
+        return local
+
     def alignment(self, local: Factors, reference: Factors, lam: float) -> Tensor | None:
         """Extra local loss for factors ``local`` (live parameters) and a fixed ``reference``; None for none."""
         return None
 
 
 def get_method(name: str) -> type[FederatedMethod]:
-    import fs_fedpa.methods.fedit  # noqa: F401  (each module registers its method)
-    import fs_fedpa.methods.fedpa  # noqa: F401
-    import fs_fedpa.methods.flexlora  # noqa: F401
+    import importlib
+    import pkgutil
+
+    import fs_fedpa.methods as package
+
+    for module in pkgutil.iter_modules(package.__path__):  # each method module registers itself
+        importlib.import_module(f"fs_fedpa.methods.{module.name}")
 
     if name not in METHODS:
         raise ValueError(f"unknown federated method {name!r}; known: {sorted(METHODS)}")

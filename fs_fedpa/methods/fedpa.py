@@ -19,7 +19,7 @@ from fs_fedpa.methods.base import Factors, FederatedMethod
 
 class FedPA(FederatedMethod):
     name = "fedpa"
-    keeps_factors = True  # §4.1: the received factors are only a reference
+    keeps = (True, True)  # §4.1: the received factors are only a reference
 
     def aggregate(
         self, uploads: Sequence[Factors], weights: Sequence[float], clients: Sequence[int], generator: torch.Generator

@@ -16,7 +16,7 @@ from fs_fedpa.methods.fedpa import FedPA
 
 class FlexLoRA(FedPA):
     name = "flexlora"
-    keeps_factors = False
+    keeps = (False, False)
 
     def alignment(self, local: Factors, reference: Factors, lam: float) -> Tensor | None:
         return None

@@ -47,6 +47,7 @@ class FedPAClient(Client):
         self._penalty_steps = 0
         self._e_init: dict[str, float] = {}
         self._rounds_trained = 0
+        self._received: dict[str, tuple[Tensor, Tensor]] = {}
         install_alignment_hook(self.trainer, self)
 
     @property
@@ -76,12 +77,16 @@ class FedPAClient(Client):
         received = decode_factors(payload["lora"])
         if self.factors is None:
             self.factors = self._initial_factors()
-        if self.method.keeps_factors:
+        keep_B, keep_A = self.method.keeps
+        if keep_B and keep_A:
             start = self.factors  # local factor preservation: bit-identical to the end of last round
         else:
-            start = lora.from_effective(self.layers, self.method.start_round(received, self.index))
+            got = lora.from_effective(self.layers, self.method.start_round(received, self.index))
+            kept = self.factors
+            start = {n: (kept[n][0] if keep_B else B, kept[n][1] if keep_A else A) for n, (B, A) in got.items()}
         self._e_init = self._init_error(start, self.factors)
-        lora.set_factors(self.model, start)
+        self._received = received
+        lora.set_factors(self.model, start, trainable=self.method.trainable(self.state))
         self._load_tensors(decode_tensors(payload.get("shared", {})))
         self._load_tensors(self.local_tensors)
         self._live = lora.get_factors(self.model)
@@ -99,7 +104,11 @@ class FedPAClient(Client):
         self._rounds_trained += 1
         term = float(self._penalty_sum) / self._penalty_steps if self._penalty_steps else 0.0
         return {
-            "lora": encode_factors(lora.effective(self.factors, lora.scaling(self.model))),
+            "lora": encode_factors(
+                self.method.before_upload(
+                    lora.effective(self.factors, lora.scaling(self.model)), self._received, self.state
+                )
+            ),
             "shared": {n: params[n].detach().cpu().clone() for n in self.shared_names},
             "stats": {"alignment_loss": term, "lam": float(self.lam), **self._e_init},
         }

@@ -11,7 +11,16 @@ from dataclasses import fields
 
 from fs_fedpa.config import FedPAConfig
 
-PLUGIN_METHODS = ("fedit", "fedpa", "flexlora")  # == sorted(fs_fedpa.methods.METHODS); no torch import here
+PLUGIN_METHODS = (
+    "fedit",
+    "fedpa",
+    "fedrot_lora",
+    "fedsa_lora",
+    "ffa_lora",
+    "flexlora",
+    "hetlora",
+    "rolora",
+)  # == sorted(fs_fedpa.methods.METHODS); no torch import here
 
 # FS features whose message formats or update rules FedPA does not speak (yet).
 _UNSUPPORTED = (

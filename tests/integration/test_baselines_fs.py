@@ -49,3 +49,67 @@ def test_flexlora_restarts_clients_from_the_global_factors(tiny_llm, tmp_path):
             torch.testing.assert_close(scale * B @ A, B_g @ A_g)  # same product, rank r_i = R_g here
     # no alignment term is added
     assert all(gap == 0.0 for gap in flex["loss_gap"])
+
+
+def test_ffa_lora_never_changes_A(tiny_llm, tmp_path):
+    run = probe(fedpa_cfg(tiny_llm, tmp_path, **{"federate.method": "ffa_lora"}), tmp_path)
+    first = run["enter"][0]["start"]
+    for record in run["enter"] + [{"start": r["end"]} for r in run["leave"]]:
+        for name, (_, A) in record["start"].items():
+            assert torch.equal(A, first[name][1])
+    assert any(not torch.equal(r["end"][n][0], first[n][0]) for r in run["leave"] for n in first)  # B trains
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_fedsa_lora_clients_keep_their_own_B(tiny_llm, tmp_path, share):
+    cfg = fedpa_cfg(tiny_llm, tmp_path, **{"federate.method": "fedsa_lora", "federate.share_local_model": share})
+    run = probe(cfg, tmp_path)
+    ends = {(r["client"], r["round"]): r["end"] for r in run["leave"]}
+    for entry in run["enter"]:
+        previous = ends.get((entry["client"], entry["round"] - 1))
+        if previous is None:
+            continue
+        for name, (B, A) in entry["start"].items():
+            assert torch.equal(B, previous[name][0])  # its own B ...
+            assert not torch.equal(A, previous[name][1])  # ... and the global A
+    final = run["final"]["clients"]
+    name = next(iter(final[1]))
+    assert not torch.equal(final[1][name][0], final[2][name][0])
+
+
+def test_rolora_trains_B_then_A(tiny_llm, tmp_path):
+    run = probe(fedpa_cfg(tiny_llm, tmp_path, **{"federate.method": "rolora"}), tmp_path)
+    starts = {(e["client"], e["round"]): e["start"] for e in run["enter"]}
+    for leave in run["leave"]:
+        start = starts[(leave["client"], leave["round"])]
+        frozen = 1 if leave["round"] % 2 == 0 else 0  # round 0: A frozen, round 1: B frozen
+        for name, factors in leave["end"].items():
+            assert torch.equal(factors[frozen], start[name][frozen])
+            assert not torch.equal(factors[1 - frozen], start[name][1 - frozen])
+
+
+def test_fedrot_lora_rotation_preserves_each_clients_product(tiny_llm, tmp_path):
+    run = probe(fedpa_cfg(tiny_llm, tmp_path, **{"federate.method": "fedrot_lora"}), tmp_path)
+    ends = {(r["client"], r["round"]): r["end"] for r in run["leave"]}
+    for agg in run["aggregate"]:
+        for client, upload in zip(agg["clients"], agg["uploads"]):
+            for name, (B, A) in upload.items():
+                B_raw, A_raw = ends[(client, agg["round"])][name]
+                expected = (8 / B_raw.shape[1]) * B_raw.double() @ A_raw.double()  # PEFT alpha / r
+                torch.testing.assert_close(B.double() @ A.double(), expected, atol=1e-5, rtol=1e-5)
+                assert not torch.equal(A, A_raw)  # it was rotated
+
+
+def test_hetlora_pads_to_the_largest_rank_and_truncates_back(tiny_llm, tmp_path):
+    cfg = fedpa_cfg(tiny_llm, tmp_path, **{"federate.method": "hetlora", "fedpa.client_ranks": [2, 4, 8]})
+    run = probe(cfg, tmp_path)
+    assert {r["client"]: r["upload_ranks"] for r in run["leave"]} == {1: [2], 2: [4], 3: [8]}
+    assert all(B.shape[1] == 8 for agg in run["aggregate"] for B, _ in agg["global"].values())
+    for entry in run["enter"]:
+        if entry["round"] > 0:
+            B_g = run["aggregate"][entry["round"] - 1]["global"]
+            for name, (B, A) in entry["start"].items():
+                r = B.shape[1]
+                scale = 8 / r
+                torch.testing.assert_close(scale * B, B_g[name][0][:, :r])  # the first r_i columns
+                torch.testing.assert_close(A, B_g[name][1][:r])

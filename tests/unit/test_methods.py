@@ -78,10 +78,37 @@ def test_product_space_methods_reach_the_svd_optimum_with_heterogeneous_ranks(na
         assert float(torch.linalg.matrix_norm(X - B @ A)) == pytest.approx(optimal_error(X, 5), abs=1e-9)
 
 
-def test_only_fedpa_keeps_factors_and_aligns():
+def test_what_each_method_keeps_trains_and_aligns():
     local = {n: (B.requires_grad_(), A.requires_grad_()) for n, (B, A) in _uploads([2])[0].items()}
     reference = _uploads([2], seed=1)[0]
+    keeps = {"fedpa": (True, True), "fedsa_lora": (True, False)}
+    trains = {"ffa_lora": [(True, False)] * 2, "rolora": [(True, False), (False, True)]}
     for name in PLUGIN_METHODS:
         method = _method(name, [2])
-        assert method.keeps_factors is (name == "fedpa")
+        assert method.keeps == keeps.get(name, (False, False)), name
+        assert [method.trainable(0), method.trainable(1)] == trains.get(name, [(True, True)] * 2), name
         assert (method.alignment(local, reference, 1.0) is not None) is (name == "fedpa")
+
+
+def test_fedrot_rotation_keeps_each_product_and_moves_factors_toward_the_global():
+    method = _method("fedrot_lora", [3, 3])
+    local, received = _uploads([3])[0], _uploads([3], seed=5)[0]
+    for rnd, factor in ((0, 1), (1, 0)):  # A aligned in even rounds, B in odd ones
+        rotated = method.before_upload(local, received, rnd)
+        for n, (B, A) in rotated.items():
+            torch.testing.assert_close(B @ A, local[n][0] @ local[n][1])
+            before = torch.linalg.matrix_norm(local[n][factor] - received[n][factor])
+            assert torch.linalg.matrix_norm((B, A)[factor] - received[n][factor]) <= before
+
+
+def test_hetlora_pads_averages_and_truncates_back():
+    uploads, w = _uploads([2, 4]), [1.0, 1.0]
+    method = _method("hetlora", [2, 4])
+    global_, _ = method.aggregate(uploads, w, [1, 2], torch.Generator())
+    for n, (B, A) in global_.items():
+        assert B.shape[1] == 4 and A.shape[0] == 4
+        torch.testing.assert_close(B[:, :2], 0.5 * (uploads[0][n][0] + uploads[1][n][0][:, :2]))
+        torch.testing.assert_close(B[:, 2:], 0.5 * uploads[1][n][0][:, 2:])  # the rank-2 client padded zeros
+        torch.testing.assert_close(A[2:], 0.5 * uploads[1][n][1][2:])
+    start = method.start_round(global_, 0)
+    assert all(B.shape[1] == 2 and A.shape[0] == 2 for B, A in start.values())
