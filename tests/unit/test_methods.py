@@ -47,7 +47,10 @@ def test_contract_ranks_of_init_downlink_and_aggregate(name):
     init = method.init_global(SHAPES, gen)
     # Execute
     client = method.client_init(init, 1)
-    global_, _ = method.aggregate(_uploads([4, 4, 4]), [1.0, 2.0, 3.0], [1, 2, 3], gen)
+    uploads = _uploads([4, 4, 4])
+    if name == "ffa_lora":  # its clients never change their shared, frozen A
+        uploads = [{n: (B, uploads[0][n][1]) for n, (B, _) in u.items()} for u in uploads]
+    global_, _ = method.aggregate(uploads, [1.0, 2.0, 3.0], [1, 2, 3], gen)
     down = method.downlink(global_, 0)
     # Assert
     assert all(B.shape[1] == 4 and A.shape[0] == 4 for B, A in client.values())
@@ -61,6 +64,15 @@ def test_fedit_averages_each_factor():
     for n, (B, A) in global_.items():
         torch.testing.assert_close(B, 0.25 * uploads[0][n][0] + 0.75 * uploads[1][n][0])
         torch.testing.assert_close(A, 0.25 * uploads[0][n][1] + 0.75 * uploads[1][n][1])
+
+
+def test_ffa_lora_keeps_the_frozen_A_exactly_and_rejects_a_changed_one():
+    uploads = _uploads([3, 3])
+    shared = [{n: (B, uploads[0][n][1]) for n, (B, _) in u.items()} for u in uploads]
+    global_, _ = _method("ffa_lora", [3, 3]).aggregate(shared, [1.0, 2.0], [1, 2], torch.Generator())
+    assert all(torch.equal(A, uploads[0][n][1]) for n, (_, A) in global_.items())
+    with pytest.raises(ValueError, match="FFA-LoRA clients uploaded different A; A must stay frozen"):
+        _method("ffa_lora", [3, 3]).aggregate(uploads, [1.0, 2.0], [1, 2], torch.Generator())
 
 
 def test_fedit_refuses_heterogeneous_ranks():
