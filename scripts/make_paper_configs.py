@@ -75,6 +75,23 @@ RANK_SWEEP = {2: (2e-2, 5.0), 4: (2e-2, 5.0), 8: (2e-2, 2.0), 16: (2e-2, 1.0), 2
 LAMBDA_SWEEP = (0.01, 0.1, 1.0, 2.0, 5.0, 10.0)  # Figure 4: MNLI, N=3, r=R=4, beta in {100, 0.5}
 REFERENCE_SWEEP = (1, 2, 4, 8)  # Figure 5: MNLI, N=3, r=4, beta in {100, 0.5}
 
+# Baselines: learning rates of the same tables (FedDPA-LoRA, Ravan and Fed-PLoRA are not implemented)
+BASELINE_LR = {  # homogeneous GLUE, columns FedIT, FlexLoRA, FFA-LoRA, RoLoRA, FedRot-LoRA, FedSA-LoRA
+    "sst2": dict(fedit=1e-2, flexlora=1e-2, ffa_lora=2e-2, rolora=1e-2, fedrot_lora=1e-2, fedsa_lora=2e-2),
+    "qnli": dict(fedit=1e-2, flexlora=1e-2, ffa_lora=2e-2, rolora=5e-3, fedrot_lora=5e-3, fedsa_lora=1e-3),
+    "qqp": dict(fedit=1e-2, flexlora=5e-3, ffa_lora=2e-2, rolora=2e-2, fedrot_lora=5e-3, fedsa_lora=2e-2),
+    "rte": dict(fedit=1e-2, flexlora=1e-2, ffa_lora=2e-2, rolora=5e-3, fedrot_lora=1e-2, fedsa_lora=1e-3),
+    "mnli": dict(fedit=1e-2, flexlora=5e-3, ffa_lora=2e-2, rolora=5e-3, fedrot_lora=1e-2, fedsa_lora=1e-2),
+}
+BASELINE_LR_HETERO = {  # heterogeneous GLUE: FlexLoRA, HetLoRA
+    "sst2": dict(flexlora=1e-2, hetlora=2e-2),
+    "qnli": dict(flexlora=1e-2, hetlora=1e-2),
+    "qqp": dict(flexlora=1e-2, hetlora=1e-2),
+    "rte": dict(flexlora=1e-2, hetlora=1e-2),
+    "mnli": dict(flexlora=5e-3, hetlora=2e-2),
+}
+BASELINE_LR_GSM8K = dict(fedit=5e-3, flexlora=5e-3, ffa_lora=5e-3, rolora=1e-3, fedrot_lora=5e-3)
+
 GENERATION = {
     **RUN,
     "federate": {
@@ -215,6 +232,23 @@ def configs() -> dict[str, dict]:
             "fedpa.lam": 0.1,
         },
     )
+    for task, rates in BASELINE_LR.items():
+        for method, lr in rates.items():
+            name = f"{method}_{task}"
+            cfg = glue(task, name, lr, GLUE_HOMOGENEOUS[task][1], **{"federate.method": method})[1]
+            out[f"baselines/{name}.yaml"] = cfg
+    for task, rates in BASELINE_LR_HETERO.items():
+        for method, lr in rates.items():
+            name = f"{method}_{task}_hetero"
+            changes = {**hetero, "federate.method": method}
+            out[f"baselines/{name}.yaml"] = glue(task, name, lr, GLUE_HETEROGENEOUS[task][1], **changes)[1]
+    for method, lr in BASELINE_LR_GSM8K.items():
+        name = f"{method}_gsm8k_llama3"
+        out[f"baselines/{name}.yaml"] = merged(
+            GENERATION,
+            expname=name,
+            **{"federate.method": method, "train.optimizer.lr": lr, "federate.save_to": f"exp/{name}.ckpt"},
+        )
     return out
 
 

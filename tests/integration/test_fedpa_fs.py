@@ -258,12 +258,31 @@ def test_server_side_evaluation_uses_the_global_adapter(tiny_llm, tmp_path):
 def test_every_yaml_config_loads_into_fs_with_the_plugin():
     from federatedscope.core.configs.config import global_cfg
 
+    from fs_fedpa.plugin.config import PLUGIN_METHODS
+
     configs = sorted((Path(__file__).resolve().parents[2] / "yaml_configs").rglob("*.yaml"))
-    assert len(configs) > 40
+    assert len(configs) > 90
     for path in configs:
         cfg = global_cfg.clone()
         cfg.merge_from_file(str(path))
-        assert cfg.federate.method == "fedpa", path.name
+        assert cfg.federate.method in PLUGIN_METHODS, path.name
+
+
+def test_baseline_configs_differ_from_fedpa_only_in_method_and_learning_rate():
+    import yaml
+
+    root = Path(__file__).resolve().parents[2] / "yaml_configs"
+
+    def comparable(path):
+        cfg = yaml.safe_load(path.read_text())
+        for section, key in (("federate", "method"), ("federate", "save_to"), ("train", "optimizer")):
+            cfg[section].pop(key)
+        cfg.pop("expname")
+        return cfg
+
+    for path in sorted((root / "baselines").glob("*_sst2*.yaml")):
+        fedpa = root / ("paper/fedpa_sst2_hetero.yaml" if "hetero" in path.name else "fedpa_sst2.yaml")
+        assert comparable(path) == comparable(fedpa), path.name
 
 
 def test_paper_configs_are_what_the_generator_writes():
