@@ -14,6 +14,7 @@ from fs_fedpa.config import FedPAConfig
 PLUGIN_METHODS = (
     "fedit",
     "fedpa",
+    "fedpa_no_preservation",
     "fedrot_lora",
     "fedsa_lora",
     "ffa_lora",

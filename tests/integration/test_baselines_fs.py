@@ -113,3 +113,9 @@ def test_hetlora_pads_to_the_largest_rank_and_truncates_back(tiny_llm, tmp_path)
                 scale = 8 / r
                 torch.testing.assert_close(scale * B, B_g[name][0][:, :r])  # the first r_i columns
                 torch.testing.assert_close(A, B_g[name][1][:r])
+
+
+def test_fedpa_without_preservation_restarts_from_the_reference_and_still_aligns(tiny_llm, tmp_path):
+    run = probe(fedpa_cfg(tiny_llm, tmp_path, **{"federate.method": "fedpa_no_preservation"}), tmp_path)
+    assert all(v > 0 for r in _records(run)[1:] for v in r["e_init_B"].values())
+    assert any(gap > 0 for gap in run["loss_gap"])
