@@ -13,7 +13,6 @@ protocol (``<metric>``) and the clients' own factors (``local.<metric>``, FedPA-
 from __future__ import annotations
 
 import argparse
-import ast
 import csv
 import json
 import re
@@ -23,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-_NP = re.compile(r"np\.\w+\(([^()]*)\)")
+from fs_fedpa.tools.fs_results import weighted_avg_by_round
 
 
 def run_one(cfg: str, method: str, seed: int, out: Path, opts: list[str], total_rounds: int | None) -> dict:
@@ -65,18 +64,11 @@ def run_one(cfg: str, method: str, seed: int, out: Path, opts: list[str], total_
                 )
     if proc.returncode != 0:
         raise RuntimeError(f"{method} seed {seed} failed (exit {proc.returncode}); see {out / 'fs.log'}")
-    rounds = {}
-    for line in (out / "run" / "eval_results.log").read_text().splitlines():
-        try:
-            row = ast.literal_eval(_NP.sub(r"\1", line).replace("nan", "None"))
-        except (ValueError, SyntaxError):
-            continue
-        if isinstance(row, dict) and isinstance(row.get("Round"), int) and "Results_weighted_avg" in row:
-            rounds[row["Round"]] = row["Results_weighted_avg"]
+    rounds = weighted_avg_by_round(out / "run" / "eval_results.log")
     result = {
         "method": method,
         "seed": seed,
-        "rounds": {str(r): m for r, m in sorted(rounds.items())},
+        "rounds": {str(r): m for r, m in rounds.items()},
         "seconds": round(time.time() - start, 1),
     }
     done.write_text(json.dumps(result))

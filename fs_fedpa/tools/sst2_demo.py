@@ -8,13 +8,14 @@ the final SST-2 dev accuracy under both evaluation protocols and where the logs 
 from __future__ import annotations
 
 import argparse
-import ast
 import os
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from fs_fedpa.tools.fs_results import weighted_avg_by_round
 
 CFG_NAME = Path("yaml_configs") / "fedpa_sst2_minilm_cpu.yaml"  # in the repo (./run.sh runs from its root)
 DEFAULT_CFG = CFG_NAME if CFG_NAME.is_file() else Path(__file__).resolve().parents[2] / CFG_NAME
@@ -67,16 +68,8 @@ def find_glue_dir(given: str | None) -> Path:
 
 def final_accuracy(outdir: Path) -> dict[str, float]:
     """The last round's weighted-average metrics from FS's eval_results.log."""
-    last = {}
-    for line in (outdir / "eval_results.log").read_text().splitlines():
-        line = re.sub(r"np\.\w+\(([^()]*)\)", r"\1", line).replace("nan", "None")
-        try:
-            row = ast.literal_eval(line)
-        except (ValueError, SyntaxError):
-            continue
-        if isinstance(row, dict) and "Results_weighted_avg" in row:
-            last = row["Results_weighted_avg"]
-    return last
+    rounds = weighted_avg_by_round(outdir / "eval_results.log")
+    return rounds[max(rounds)] if rounds else {}
 
 
 def main(argv: list[str] | None = None) -> int:

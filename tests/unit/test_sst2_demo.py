@@ -57,3 +57,16 @@ def test_missing_glue_folder_says_what_to_pass(tmp_path, monkeypatch):
     for name in ("train.tsv", "dev.tsv"):
         (tmp_path / "glue" / "SST-2" / name).write_text("sentence\tlabel\n")
     assert find_glue_dir(str(tmp_path)) == tmp_path / "glue"  # the parent of glue/ is accepted
+
+
+def test_eval_results_are_read_per_round_despite_numpy_reprs(tmp_path):
+    from fs_fedpa.tools.fs_results import weighted_avg_by_round
+
+    log = tmp_path / "eval_results.log"
+    log.write_text(
+        "{'Role': 'Server #', 'Round': 1, 'Results_weighted_avg': {'val_acc': np.float64(0.8)}}\n"
+        "{'Role': 'Server #', 'Round': 0, 'Results_weighted_avg': {'val_acc': np.float64(0.6), "
+        "'z': np.float64(nan)}}\n"
+        "{'Role': 'Server #', 'Round': 'Final', 'Results_raw': {'client_best_individual': {}}}\n"
+    )
+    assert weighted_avg_by_round(log) == {0: {"val_acc": 0.6, "z": None}, 1: {"val_acc": 0.8}}
