@@ -39,6 +39,8 @@ def matthews_corr(y_true, y_pred) -> float:
 def pearson(x, y) -> float:
     a, b = _pair(x, y)
     a, b = a.astype(np.float64) - a.mean(), b.astype(np.float64) - b.mean()
+    # rescale first: products of tiny deviations (e.g. 1e-203) would underflow to 0
+    a, b = (v / np.abs(v).max() if np.abs(v).max() > 0 else v for v in (a, b))
     denominator = np.sqrt((a @ a) * (b @ b))
     return 0.0 if denominator == 0 else float(a @ b / denominator)
 
