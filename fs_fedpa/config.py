@@ -83,6 +83,15 @@ class FedPAConfig:
     adaptive_alpha: float = field(default=1.0, metadata={"help": "alpha of the 'loss' and 'grad' rules (>= 0)"})
     lam_min: float = field(default=0.0, metadata={"help": "lower clip of the 'grad' rule (>= 0)"})
     lam_max: float = field(default=10.0, metadata={"help": "upper clip of the 'grad' rule (> lam_min)"})
+    rotation_strength: float = field(
+        default=1.0,
+        metadata={
+            "help": (
+                "FedRot-LoRA's alignment strength in [0, 1]: the rotation nearest (1 - strength) I + strength R "
+                "(1: hard Procrustes rotation)"
+            )
+        },
+    )
     eval_local: bool = field(
         default=True,
         metadata={
@@ -129,6 +138,9 @@ class FedPAConfig:
         self.lam_max = _number(self.lam_max, "lam_max", minimum=0.0)
         if not self.lam_max > self.lam_min:
             raise ValueError(f"fedpa.lam_max(={self.lam_max}) must be > fedpa.lam_min(={self.lam_min})")
+        self.rotation_strength = _number(self.rotation_strength, "rotation_strength", minimum=0.0)
+        if self.rotation_strength > 1.0:
+            raise ValueError(f"fedpa.rotation_strength(={self.rotation_strength}) must be in [0, 1]")
         if not isinstance(self.eval_local, bool) or not isinstance(self.diagnostics, bool):
             raise ValueError("fedpa.eval_local and fedpa.diagnostics must be True or False")
         self.num_threads = _integer(self.num_threads, "num_threads", minimum=0)

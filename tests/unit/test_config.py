@@ -27,6 +27,8 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "config.md"
         (dict(adaptive_lam="cos"), r"fedpa.adaptive_lam\(='cos'\) must be one of"),
         (dict(adaptive_lam="grad", reg="b"), r"adapts the product penalty; it needs fedpa.reg 'product'"),
         (dict(lam_min=2.0, lam_max=1.0), r"fedpa.lam_max\(=1.0\) must be > fedpa.lam_min\(=2.0\)"),
+        (dict(rotation_strength=1.5), r"fedpa.rotation_strength\(=1.5\) must be in \[0, 1\]"),
+        (dict(rotation_strength=-0.1), r"fedpa.rotation_strength\(=-0.1\) must be a finite number >= 0"),
         (dict(eval_local="yes"), r"must be True or False"),
         (dict(seed=-2), r"fedpa.seed\(=-2\) must be an int >= -1"),
     ],
