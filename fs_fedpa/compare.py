@@ -1,13 +1,19 @@
-"""Run a grid of federated methods x seeds through FederatedScope and tabulate them side by side.
+"""Run a grid of federated methods x seeds x config overrides through FederatedScope; tabulate and plot it.
 
-    python -m fs_fedpa.compare --cfg yaml_configs/fedpa_sst2_minilm_cpu.yaml --methods fedpa fedit flexlora \\
-        --seeds 0 1 2 --out exp/compare_sst2 [--metric val_acc] [KEY VALUE ...]
+    python -m fs_fedpa.compare --cfg yaml_configs/compare_sst2_minilm_cpu.yaml --methods fedpa fedit flexlora \\
+        [--cell fedpa_lam0 fedpa fedpa.lam 0] --seeds 0 1 2 --out exp/compare_sst2 [--metric val_acc] [KEY VALUE ...]
 
+A *cell* is a name, a ``federate.method`` and FS overrides of its own: ``--methods m`` adds the cell ``m`` with
+none, ``--cell NAME METHOD [KEY VALUE ...]`` one with overrides (an ablation, another λ, heterogeneous ranks).
 Each run is one ``python -m federatedscope.main`` subprocess with ``federate.method``, ``seed``, ``outdir`` and
-``expname`` set, so every method shares the config, the data split (FS seeds it with 12345) and the evaluation
-protocol. A run that finished (its ``result.json`` exists) is skipped when the command is repeated. The table
-(``results.md``, ``results.csv``) gives mean +- std over seeds of the final and the best round, for the paper
-protocol (``<metric>``) and the clients' own factors (``local.<metric>``, FedPA-style methods only).
+``expname`` set, so every cell shares the config, the data split (FS seeds it with 12345) and the evaluation
+protocol. A finished run (its ``result.json`` exists) is skipped when the command is repeated; the report is
+always rebuilt from the runs' files: FS's ``eval_results.log`` and the plugin's ``fedpa_diagnostics.jsonl``.
+
+Written to ``--out``: ``results.md`` and ``results.csv`` (mean ± std over seeds of the final and the best round
+for the paper protocol ``<metric>`` and the clients' own factors ``local.<metric>``, with E_agg, E_init,
+communication and time), ``runs.json`` (every run's curves and diagnostics) and the figures of
+:mod:`fs_fedpa.tools.plots`.
 """
 
 from __future__ import annotations
@@ -16,39 +22,63 @@ import argparse
 import csv
 import json
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fs_fedpa.tools.fs_results import weighted_avg_by_round
 
+DIAGNOSTICS_FILE = "fedpa_diagnostics.jsonl"  # fs_fedpa.plugin.server writes it (not imported: no torch here)
 
-def run_one(cfg: str, method: str, seed: int, out: Path, opts: list[str], total_rounds: int | None) -> dict:
-    """One FS run in ``out``; returns (and stores) its per-round weighted-average metrics."""
-    done = out / "result.json"
-    if done.is_file():
-        return json.loads(done.read_text())
+
+@dataclass(frozen=True)
+class Cell:
+    name: str
+    method: str
+    opts: tuple[str, ...] = field(default=())
+
+
+def parse_cells(methods: list[str], cells: list[list[str]]) -> list[Cell]:
+    out = [Cell(m, m) for m in methods]
+    for spec in cells:
+        if len(spec) < 2 or len(spec) % 2:
+            raise SystemExit(f"--cell needs NAME METHOD and KEY VALUE pairs, got {' '.join(spec)!r}")
+        out.append(Cell(spec[0], spec[1], tuple(spec[2:])))
+    names = [c.name for c in out]
+    if len(set(names)) != len(names) or not out:
+        raise SystemExit(f"cell names must be unique and at least one is needed, got {names}")
+    if bad := [n for n in names if not re.fullmatch(r"[A-Za-z0-9_.+-]+", n)]:
+        raise SystemExit(f"cell names become folder names; use letters, digits and _.+- only: {bad}")
+    return out
+
+
+def _option(opts: list[str], key: str) -> str | None:
+    return dict(zip(opts[::2], opts[1::2])).get(key)
+
+
+def _rounds_in(cfg: str) -> str | None:
+    """``federate.total_round_num`` of the yaml, for the progress lines (None if it cannot be read)."""
+    try:
+        import yaml
+
+        return str(yaml.safe_load(Path(cfg).read_text())["federate"]["total_round_num"])
+    except Exception:
+        return None
+
+
+def run_one(cfg: str, cell: Cell, seed: int, out: Path, opts: list[str], total_rounds: str | None) -> float | None:
+    """One FS run in ``out`` (skipped if it finished before); returns its wall time, None if skipped."""
+    if (out / "result.json").is_file():
+        return None
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "federatedscope.main",
-        "--cfg",
-        cfg,
-        "federate.method",
-        method,
-        "seed",
-        str(seed),
-        "outdir",
-        str(out),
-        "expname",
-        "run",
-        "federate.save_to",
-        "",
-        *opts,
-    ]
+    shutil.rmtree(out / "run", ignore_errors=True)  # left by a killed run; FS would nest a sub_exp_* beside it
+    fs_opts = ["federate.method", cell.method, "seed", str(seed), "outdir", str(out), "expname", "run"]
+    cmd = [sys.executable, "-m", "federatedscope.main", "--cfg", cfg, "federate.save_to", "", *opts, *cell.opts]
+    cmd += fs_opts
     start = time.time()
     with (
         open(out / "fs.log", "w") as log,
@@ -58,82 +88,170 @@ def run_one(cfg: str, method: str, seed: int, out: Path, opts: list[str], total_
             log.write(line)
             if match := re.search(r"Starting (?:a new )?training(?: round)? \(Round #(\d+)\)", line):
                 total = f"/{total_rounds}" if total_rounds else ""
-                print(
-                    f"    {method} seed {seed}: round {int(match.group(1)) + 1}{total} ({time.time() - start:.0f} s)",
-                    flush=True,
-                )
+                done = int(match.group(1)) + 1
+                print(f"    {cell.name} seed {seed}: round {done}{total} ({time.time() - start:.0f} s)", flush=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"{method} seed {seed} failed (exit {proc.returncode}); see {out / 'fs.log'}")
-    rounds = weighted_avg_by_round(out / "run" / "eval_results.log")
-    result = {
-        "method": method,
-        "seed": seed,
-        "rounds": {str(r): m for r, m in rounds.items()},
-        "seconds": round(time.time() - start, 1),
-    }
-    done.write_text(json.dumps(result))
-    return result
+        raise RuntimeError(f"{cell.name} seed {seed} failed (exit {proc.returncode}); see {out / 'fs.log'}")
+    seconds = round(time.time() - start, 1)
+    result = {"cell": cell.name, "method": cell.method, "opts": list(cell.opts), "seed": seed, "seconds": seconds}
+    (out / "result.json").write_text(json.dumps(result))
+    return seconds
 
 
-def summarize(results: list[dict], metric: str, larger_is_better: bool) -> list[dict]:
-    """Per method: mean and std over seeds of the final and the best round of ``metric`` and ``local.metric``."""
+def _mean(values) -> float | None:
+    values = [v for v in values if isinstance(v, (int, float))]
+    return statistics.mean(values) if values else None
+
+
+def collect(out: Path) -> dict:
+    """A finished run: its ``result.json`` plus per-round metrics and compact diagnostics read from its files."""
+    run = json.loads((out / "result.json").read_text())
+    run.setdefault("cell", run.get("method"))
+    run["rounds"] = {int(r): m for r, m in weighted_avg_by_round(out / "run" / "eval_results.log").items()}
+    diagnostics = []
+    path = out / "run" / DIAGNOSTICS_FILE
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        d = json.loads(line)
+        diagnostics.append(
+            {
+                "round": d["round"],
+                "e_agg": d["e_agg"],
+                "e_agg_rel": d["e_agg_rel"],
+                "e_agg_probe": d["e_agg_probe"],
+                "e_init_B": _mean(d["e_init_B"].values()),
+                "e_init_A": _mean(d["e_init_A"].values()),
+                "spectrum_probe": d["spectrum_probe"],
+                "probe_module": d["probe_module"],
+                "bytes_total": d["bytes_up_total"] + d["bytes_down_total"],
+            }
+        )
+    run["diagnostics"] = diagnostics
+    return run
+
+
+def _stat(values: list[float]) -> tuple[float, float] | None:
+    return (statistics.mean(values), statistics.pstdev(values)) if values else None
+
+
+def summarize(runs: list[dict], metric: str, larger_is_better: bool) -> list[dict]:
+    """Per cell: mean and std over seeds of the final and best ``metric`` / ``local.metric``, of E_agg (relative)
+    and E_init averaged over rounds, of the total bytes and of the wall time."""
     rows = []
-    for method in dict.fromkeys(r["method"] for r in results):
-        row = {"method": method, "seeds": 0}
+    for cell in dict.fromkeys(r["cell"] for r in runs):
+        group = [r for r in runs if r["cell"] == cell]
+        row = {"cell": cell, "method": group[0]["method"], "seeds": len(group)}
         for key in (metric, f"local.{metric}"):
-            finals, bests = [], []
-            for r in results:
-                series = [m[key] for m in r["rounds"].values() if r["method"] == method and m.get(key) is not None]
-                if series:
-                    finals.append(series[-1])
-                    bests.append(max(series) if larger_is_better else min(series))
-            row["seeds"] = max(row["seeds"], len(finals))
-            for name, values in (("final", finals), ("best", bests)):
-                row[f"{key} {name}"] = (statistics.mean(values), statistics.pstdev(values)) if values else None
+            series = [[m[key] for _, m in sorted(r["rounds"].items()) if m.get(key) is not None] for r in group]
+            series = [s for s in series if s]
+            row[f"{key} final"] = _stat([s[-1] for s in series])
+            row[f"{key} best"] = _stat([max(s) if larger_is_better else min(s) for s in series])
+        for key in ("e_agg_rel", "e_init_B", "e_init_A"):
+            row[key] = _stat([v for r in group if (v := _mean(d[key] for d in r["diagnostics"])) is not None])
+        row["MiB"] = _stat([r["diagnostics"][-1]["bytes_total"] / 2**20 for r in group if r["diagnostics"]])
+        row["minutes"] = _stat([r["seconds"] / 60 for r in group if r.get("seconds")])
         rows.append(row)
     return rows
 
 
+def columns(metric: str) -> list[str]:
+    return [
+        *(f"{k} {s}" for k in (metric, f"local.{metric}") for s in ("final", "best")),
+        "e_agg_rel",
+        "e_init_B",
+        "e_init_A",
+        "MiB",
+        "minutes",
+    ]
+
+
+def _fmt(v: tuple[float, float] | None, column: str) -> str:
+    if v is None:
+        return "–"
+    if column.startswith("e_"):
+        return f"{v[0]:.2e} ± {v[1]:.1e}"
+    digits = 1 if column in ("MiB", "minutes") else 4
+    return f"{v[0]:.{digits}f} ± {v[1]:.{digits}f}"
+
+
 def write_table(rows: list[dict], metric: str, out: Path, protocol_note: str) -> str:
-    columns = [f"{k} {s}" for k in (metric, f"local.{metric}") for s in ("final", "best")]
-    fmt = lambda v: "–" if v is None else f"{v[0]:.4f} ± {v[1]:.4f}"  # noqa: E731
-    lines = [f"| method | seeds | {' | '.join(columns)} |", "|---|---|" + "---|" * len(columns)]
-    lines += [f"| {r['method']} | {r['seeds']} | " + " | ".join(fmt(r[c]) for c in columns) + " |" for r in rows]
+    cols = columns(metric)
+    lines = [f"| cell | method | seeds | {' | '.join(cols)} |", "|---|---|---|" + "---|" * len(cols)]
+    lines += [
+        f"| {r['cell']} | {r['method']} | {r['seeds']} | " + " | ".join(_fmt(r[c], c) for c in cols) + " |"
+        for r in rows
+    ]
     text = protocol_note + "\n\n" + "\n".join(lines) + "\n"
     (out / "results.md").write_text(text)
     with open(out / "results.csv", "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["method", "seeds", *[f"{c} {p}" for c in columns for p in ("mean", "std")]])
+        writer.writerow(["cell", "method", "seeds", *[f"{c} {p}" for c in cols for p in ("mean", "std")]])
         for r in rows:
-            writer.writerow([r["method"], r["seeds"], *[x for c in columns for x in (r[c] or ("", ""))]])
+            writer.writerow([r["cell"], r["method"], r["seeds"], *[x for c in cols for x in (r[c] or ("", ""))]])
     return text
+
+
+def protocol_note(metric: str, cfg: str, cells: list[Cell], seeds: list[int], opts: list[str]) -> str:
+    overrides = "; ".join(f"`{c.name}`: {' '.join(c.opts)}" for c in cells if c.opts)
+    return "\n".join(
+        [
+            f"Config `{cfg}`{' with ' + ' '.join(opts) if opts else ''}; seeds {seeds}; mean ± std over seeds.",
+            f"- `{metric}` (paper protocol): each client evaluates on its own dev shard, FedPA-style methods with "
+            f"the global reference product plus the client's local tensors, the others with the model they hold "
+            f"after the round; weighted by shard size.",
+            f"- `local.{metric}`: each client's own preserved factors (methods that keep factors; – otherwise).",
+            "- `e_agg_rel`: ||B_g A_g - sum_i w_i B_i A_i||_F / ||sum_i w_i B_i A_i||_F over all LoRA modules, "
+            "mean over rounds; `e_init_B`, `e_init_A`: relative change of a client's factor between the end of a "
+            "round and the start of the next (§3.3), first LoRA module, mean over clients and rounds.",
+            "- `MiB`: uplink + downlink payloads of the whole run; `minutes`: wall time of one run.",
+            *([f"- Cell overrides: {overrides}."] if overrides else []),
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cfg", required=True, help="the FS yaml every run shares")
-    parser.add_argument("--methods", nargs="+", required=True, help="federate.method values")
+    parser.add_argument("--methods", nargs="*", default=[], help="federate.method values, each a cell")
+    parser.add_argument(
+        "--cell", nargs="+", action="append", default=[], metavar="ARG", help="NAME METHOD [KEY VALUE ...]"
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
-    parser.add_argument("--out", required=True, help="folder of the runs and the table")
+    parser.add_argument("--out", required=True, help="folder of the runs, the table and the plots")
     parser.add_argument("--metric", default="val_acc", help="FS metric to tabulate (e.g. val_acc, val_avg_loss)")
+    parser.add_argument("--no-plots", action="store_true", help="write the table only")
     parser.add_argument("opts", nargs="*", help="FS overrides for every run, KEY VALUE ...")
     args = parser.parse_args(argv)
+    if not Path(args.cfg).is_file():
+        raise SystemExit(f"--cfg {args.cfg}: no such file")
+    if len(args.opts) % 2:
+        raise SystemExit(f"overrides come in KEY VALUE pairs, got {args.opts}")
+    cells = parse_cells(args.methods, args.cell)
     out = Path(args.out)
     larger = not args.metric.endswith("loss")
-    rounds = None
-    if "federate.total_round_num" in args.opts:
-        rounds = int(args.opts[args.opts.index("federate.total_round_num") + 1])
-    grid = [(m, s) for m in args.methods for s in args.seeds]
-    results = []
-    for i, (method, seed) in enumerate(grid, start=1):
-        print(f"[{i}/{len(grid)}] {method}, seed {seed}", flush=True)
-        results.append(run_one(args.cfg, method, seed, out / "runs" / f"{method}_s{seed}", args.opts, rounds))
-    note = (
-        f"`{args.metric}`: paper protocol (global reference product + each client's local tensors, on its own "
-        f"shard); `local.{args.metric}`: each client's own factors. Weighted over clients; mean ± std over seeds "
-        f"{args.seeds}; config `{args.cfg}` {' '.join(args.opts)}."
-    )
-    print(write_table(summarize(results, args.metric, larger), args.metric, out, note))
+    grid = [(c, s) for s in args.seeds for c in cells]  # seed-major: every cell has a result early
+    times: list[float] = []
+    for i, (cell, seed) in enumerate(grid, start=1):
+        rounds = (
+            _option(list(cell.opts), "federate.total_round_num")
+            or _option(args.opts, "federate.total_round_num")
+            or _rounds_in(args.cfg)
+        )
+        eta = f", about {statistics.mean(times) * (len(grid) - i + 1) / 60:.0f} min left" if times else ""
+        print(f"[{i}/{len(grid)}] {cell.name}, seed {seed}{eta}", flush=True)
+        seconds = run_one(args.cfg, cell, seed, out / "runs" / f"{cell.name}_s{seed}", args.opts, rounds)
+        if seconds is None:
+            print("    finished before; skipped", flush=True)
+        else:
+            times.append(seconds)
+    runs = [collect(out / "runs" / f"{c.name}_s{s}") for c, s in grid]
+    (out / "runs.json").write_text(json.dumps(runs))
+    note = protocol_note(args.metric, args.cfg, cells, args.seeds, args.opts)
+    print(write_table(summarize(runs, args.metric, larger), args.metric, out, note))
+    if not args.no_plots:
+        from fs_fedpa.tools.plots import plot_all
+
+        for path in plot_all(runs, args.metric, out):
+            print(f"wrote {path}")
     return 0
 
 

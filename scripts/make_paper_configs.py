@@ -199,6 +199,28 @@ def configs() -> dict[str, dict]:
             out[f"paper/{name}.yaml"] = glue(
                 "mnli", name, lr, BETA_SWEEP[beta][1], **mnli3, **split, **{"fedpa.reference_ranks": [R] * 3}
             )[1]
+    # Table 5, component ablation: MNLI, N=3, beta=0.5; "local head" is personalization.local_param [classifier]
+    lr, lam = BETA_SWEEP[0.5]
+    no_head = {"personalization.local_param": []}
+    fedit_lr, flex_lr = BASELINE_LR["mnli"]["fedit"], BASELINE_LR["mnli"]["flexlora"]
+    ablation = {  # name: (method, lr, changes)
+        "fedit_nohead": ("fedit", fedit_lr, no_head),
+        "fedit_head": ("fedit", fedit_lr, {}),
+        "flexlora_nohead": ("flexlora", flex_lr, no_head),
+        "flexlora_head": ("flexlora", flex_lr, {}),
+        "fedpa_nopres_nohead": ("fedpa_no_preservation", lr, no_head),
+        "fedpa_nopres_head": ("fedpa_no_preservation", lr, {}),
+        "fedpa_nohead": ("fedpa", lr, no_head),
+        "fedpa_reg_b": ("fedpa", lr, {"fedpa.reg": "b"}),
+        "fedpa_reg_a": ("fedpa", lr, {"fedpa.reg": "a"}),
+        "fedpa_reg_both": ("fedpa", lr, {"fedpa.reg": "both"}),
+        "fedpa_full": ("fedpa", lr, {}),
+        "fedpa_noreg": ("fedpa", lr, {"fedpa.reg": "none"}),  # not a row of Table 5: the lam = 0 end
+    }
+    for tag, (method, rate, changes) in ablation.items():
+        name = f"{tag}_mnli"
+        changes = {**mnli3, "data.splitter_args": [{"alpha": 0.5}], "federate.method": method, **changes}
+        out[f"ablation/{name}.yaml"] = glue("mnli", name, rate, lam, **changes)[1]
     gsm = {"expname": "fedpa_gsm8k_llama3", "federate.save_to": "exp/fedpa_gsm8k_llama3.ckpt"}
     out["fedpa_gsm8k_llama3.yaml"] = merged(GENERATION, **gsm)
     out["paper/fedpa_gsm8k_llama3_hetero.yaml"] = merged(

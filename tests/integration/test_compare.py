@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
+import yaml
 
 from tests.conftest import ROOT
 from tests.integration.conftest import fedpa_cfg
@@ -14,34 +16,55 @@ from tests.integration.tiny_assets import dump_yaml, fs_env
 pytestmark = pytest.mark.integration
 
 
-def test_micro_grid_writes_the_table_and_skips_finished_runs(tiny_llm, tmp_path):
-    # Prepare
+def test_micro_grid_writes_the_table_and_plots_and_skips_finished_runs(tiny_llm, tmp_path):
+    # Prepare: FedPA and a FedIT cell with an override of its own, two seeds each
     cfg = dump_yaml(fedpa_cfg(tiny_llm, tmp_path, **{"federate.total_round_num": 2}), tmp_path / "base.yaml")
-    cmd = [
-        sys.executable,
-        "-m",
-        "fs_fedpa.compare",
-        "--cfg",
-        cfg,
-        "--methods",
-        "fedpa",
-        "fedit",
-        "--seeds",
-        "0",
-        "1",
-        "--out",
-        str(tmp_path / "cmp"),
-        "--metric",
-        "val_avg_loss",
-    ]
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, "-m", "fs_fedpa.compare", "--cfg", cfg, "--methods", "fedpa"]
+    cmd += ["--cell", "fedit_fast", "fedit", "train.optimizer.lr", "0.05", "--seeds", "0", "1"]
+    cmd += ["--out", str(out), "--metric", "val_avg_loss"]
     # Execute
     first = subprocess.run(cmd, cwd=ROOT, env=fs_env(), capture_output=True, text=True, timeout=600)
     second = subprocess.run(cmd, cwd=ROOT, env=fs_env(), capture_output=True, text=True, timeout=600)
-    # Assert
+    # Assert: progress of every run, then nothing re-run
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert first.stdout.count("round 2") == 4  # progress of every run
-    assert second.returncode == 0 and "round 1" not in second.stdout  # nothing re-run
-    table = (tmp_path / "cmp" / "results.md").read_text()
-    assert "| fedpa | 2 |" in table and "| fedit | 2 |" in table and "paper protocol" in table
-    rows = (tmp_path / "cmp" / "results.csv").read_text().splitlines()
-    assert len(rows) == 3 and rows[0].startswith("method,seeds,val_avg_loss final mean")
+    assert first.stdout.count("round 2/2") == 4 and "[4/4]" in first.stdout
+    assert second.returncode == 0 and "round 1" not in second.stdout and second.stdout.count("skipped") == 4
+    table = (out / "results.md").read_text()
+    assert "| fedpa | fedpa | 2 |" in table and "| fedit_fast | fedit | 2 |" in table
+    assert "paper protocol" in table and "train.optimizer.lr 0.05" in table
+    rows = (out / "results.csv").read_text().splitlines()
+    assert len(rows) == 3 and rows[0].startswith("cell,method,seeds,val_avg_loss final mean")
+    # the cell's override reached FS, the others did not get it
+    lrs = {c: yaml.safe_load((out / "runs" / f"{c}_s1" / "run" / "config.yaml").read_text()) for c in runs_of(out)}
+    assert lrs["fedit_fast"]["train"]["optimizer"]["lr"] == 0.05 and lrs["fedpa"]["train"]["optimizer"]["lr"] != 0.05
+    # diagnostics collected per run: FedPA clients keep their factors (E_init 0), FedIT clients do not
+    runs = {(r["cell"], r["seed"]): r for r in json.loads((out / "runs.json").read_text())}
+    for seed in (0, 1):
+        fedpa, fedit = runs["fedpa", seed]["diagnostics"], runs["fedit_fast", seed]["diagnostics"]
+        assert [d["round"] for d in fedpa] == [0, 1] and fedpa[1]["e_init_B"] == 0.0 and fedpa[1]["e_init_A"] == 0.0
+        assert fedit[1]["e_init_A"] > 0 and fedit[1]["bytes_total"] > fedit[0]["bytes_total"] > 0
+        assert fedpa[0]["spectrum_probe"] and fedpa[0]["e_agg_probe"] >= 0
+    for name in ("accuracy", "mismatch", "spectrum", "bytes"):
+        png = out / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000, name
+
+
+def runs_of(out):
+    return sorted({p.name.rsplit("_s", 1)[0] for p in (out / "runs").iterdir()})
+
+
+def test_bad_cells_are_refused_before_any_run(tmp_path):
+    from fs_fedpa.compare import main
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("federate: {total_round_num: 1}\n")
+    for argv, match in (
+        (["--cell", "x", "fedpa", "fedpa.lam"], "KEY VALUE pairs"),
+        (["--methods", "fedpa", "--cell", "fedpa", "fedpa", "fedpa.lam", "0"], "unique"),
+        (["--cell", "a/b", "fedpa"], "folder names"),
+    ):
+        with pytest.raises(SystemExit, match=match):
+            main(["--cfg", str(cfg), "--out", str(tmp_path / "o"), *argv])
+    with pytest.raises(SystemExit, match="no such file"):
+        main(["--cfg", str(tmp_path / "missing.yaml"), "--out", str(tmp_path / "o"), "--methods", "fedpa"])

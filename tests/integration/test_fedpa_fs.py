@@ -285,6 +285,49 @@ def test_baseline_configs_differ_from_fedpa_only_in_method_and_learning_rate():
         assert comparable(path) == comparable(fedpa), path.name
 
 
+def test_ablation_configs_are_the_rows_of_table_5():
+    import yaml
+
+    root = Path(__file__).resolve().parents[2] / "yaml_configs" / "ablation"
+
+    def flat(node, prefix=""):
+        if isinstance(node, dict):
+            return {k: v for key, sub in node.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
+        return {prefix[:-1]: node}
+
+    def diff(name):
+        cfg, full = (flat(yaml.safe_load((root / f"{n}_mnli.yaml").read_text())) for n in (name, "fedpa_full"))
+        ignored = ("expname", "federate.save_to")
+        return {k: cfg.get(k) for k in cfg.keys() | full.keys() if cfg.get(k) != full.get(k) and k not in ignored}
+
+    head = {"personalization.local_param": []}
+    fedit = {"federate.method": "fedit", "train.optimizer.lr": 0.01}
+    flex = {"federate.method": "flexlora", "train.optimizer.lr": 0.005}
+    nopres = {"federate.method": "fedpa_no_preservation"}
+    expected = {
+        "fedit_nohead": {**fedit, **head},
+        "fedit_head": fedit,
+        "flexlora_nohead": {**flex, **head},
+        "flexlora_head": flex,
+        "fedpa_nopres_nohead": {**nopres, **head},
+        "fedpa_nopres_head": nopres,
+        "fedpa_nohead": head,
+        "fedpa_reg_b": {"fedpa.reg": "b"},
+        "fedpa_reg_a": {"fedpa.reg": "a"},
+        "fedpa_reg_both": {"fedpa.reg": "both"},
+        "fedpa_noreg": {"fedpa.reg": "none"},
+    }
+    assert sorted(p.name for p in root.glob("*.yaml")) == sorted(f"{n}_mnli.yaml" for n in [*expected, "fedpa_full"])
+    for name, changes in expected.items():
+        assert diff(name) == changes, name
+    full = yaml.safe_load((root / "fedpa_full_mnli.yaml").read_text())
+    assert (full["data"]["type"], full["federate"]["client_num"], full["data"]["splitter_args"]) == (
+        "mnli@glue",
+        3,
+        [{"alpha": 0.5}],
+    )
+
+
 def test_paper_configs_are_what_the_generator_writes():
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
