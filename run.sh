@@ -3,6 +3,8 @@
 #   ./run.sh test [pytest args]   install what the tests need (CPU torch, the package) and run them
 #   ./run.sh [--data GLUE_DIR]    the main job: FedPA-LoRA on real SST-2 with the embedded MiniLM, on CPU
 #                                 (GLUE_DIR holds SST-2/train.tsv and SST-2/dev.tsv; or set FS_FEDPA_DATA)
+#   ./run.sh compare --data GLUE_DIR [--out DIR]
+#                                 the CPU reference comparison of every method (docs/compare.md)
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
@@ -55,8 +57,15 @@ case "${1:-main}" in
     ensure_federatedscope
     exec "$PY" -m fs_fedpa.tools.sst2_demo "$@"
     ;;
+  compare)
+    shift
+    ensure_torch
+    install_package demo
+    ensure_federatedscope
+    exec "$PY" -m fs_fedpa.tools.sst2_compare "$@"
+    ;;
   *)
-    echo "usage: ./run.sh [--data GLUE_DIR] | ./run.sh test [pytest args]" >&2
+    echo "usage: ./run.sh [--data GLUE_DIR] | ./run.sh compare --data GLUE_DIR | ./run.sh test [pytest args]" >&2
     exit 2
     ;;
 esac

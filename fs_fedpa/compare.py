@@ -198,7 +198,8 @@ def protocol_note(metric: str, cfg: str, cells: list[Cell], seeds: list[int], op
             f"- `{metric}` (paper protocol): each client evaluates on its own dev shard, FedPA-style methods with "
             f"the global reference product plus the client's local tensors, the others with the model they hold "
             f"after the round; weighted by shard size.",
-            f"- `local.{metric}`: each client's own preserved factors (methods that keep factors; – otherwise).",
+            f"- `local.{metric}`: each client's own factors as it last trained them (those it continues from, for "
+            f"methods that keep factors); – where `fedpa.eval_local` is off.",
             "- `e_agg_rel`: ||B_g A_g - sum_i w_i B_i A_i||_F / ||sum_i w_i B_i A_i||_F over all LoRA modules, "
             "mean over rounds; `e_init_B`, `e_init_A`: relative change of a client's factor between the end of a "
             "round and the start of the next (§3.3), first LoRA module, mean over clients and rounds.",
