@@ -21,6 +21,7 @@ from torch import Tensor
 
 from fs_fedpa import lora
 from fs_fedpa.core.diagnostics import aggregate_norm, aggregation_error
+from fs_fedpa.core.uploads import upload_problem
 from fs_fedpa.plugin.common import build_method, fedpa_seed, global_init, non_lora_trainables
 from fs_fedpa.plugin.payload import decode_factors, decode_tensors, encode_factors, nbytes
 
@@ -138,20 +139,56 @@ class FedPAAggregator(Aggregator):
         server = self.server
         clients = [client_id for client_id, _ in agg_info["staleness"]]
         feedback = agg_info["client_feedback"]
+        bytes_up = {str(c): nbytes(content) for c, (_, content) in zip(clients, feedback)}
+        kept, dropped = [], {}
+        for client_id, (size, content) in zip(clients, feedback):
+            if problem := self._problem(client_id, size, content):
+                dropped[str(client_id)] = problem
+                logger.warning(f"[fedpa] round {server.state}: dropped the upload of client #{client_id}: {problem}")
+            else:
+                kept.append((client_id, size, content))
+        if not kept:
+            logger.warning(
+                f"[fedpa] round {server.state}: every upload was dropped; the global adapter stays as it was"
+            )
+            server.record_round(_empty_record(server, clients, dropped, bytes_up))
+            return {}
+        clients = [c for c, _, _ in kept]
         # decode_* clone every tensor: nothing below can alter what a client sent
-        uploads = [decode_factors(content["lora"]) for _, content in feedback]
-        shared = [decode_tensors(content.get("shared", {})) for _, content in feedback]
-        stats = [content.get("stats", {}) for _, content in feedback]
-        weights = [1.0] * len(feedback) if server._cfg.federate.ignore_weight else [float(n) for n, _ in feedback]
+        uploads = [decode_factors(content["lora"]) for _, _, content in kept]
+        shared = [decode_tensors(content.get("shared", {})) for _, _, content in kept]
+        stats = [content.get("stats", {}) for _, _, content in kept]
+        weights = [1.0] * len(kept) if server._cfg.federate.ignore_weight else [float(n) for _, n, _ in kept]
         if sum(weights) <= 0:
-            weights = [1.0] * len(feedback)
+            weights = [1.0] * len(kept)
 
         new_global, spectra = server.method.aggregate(uploads, weights, [c - 1 for c in clients], server.generator)
         averaged = _weighted_mean(shared, weights)
-        record = _round_record(server, uploads, weights, clients, new_global, spectra, stats, feedback)
+        record = _round_record(server, uploads, weights, clients, new_global, spectra, stats)
+        record.update(dropped=dropped, bytes_up=bytes_up)
         server.install_global(new_global, averaged)
         server.record_round(record)
         return {}  # the model is already updated; FS merges this empty dict into its state
+
+    def _problem(self, client_id: int, size, content) -> str | None:
+        """Why the upload of ``client_id`` cannot be aggregated (None if it can)."""
+        server = self.server
+        if not isinstance(size, (int, float)) or not math.isfinite(size) or size < 0:
+            return f"sample size {size!r} is not a finite number >= 0"
+        if not isinstance(content, dict) or "lora" not in content:
+            return f"payload of type {type(content).__name__} has no 'lora' factors"
+        try:
+            factors = decode_factors(content["lora"])
+            shared = decode_tensors(content.get("shared", {}))
+        except (ValueError, TypeError, AttributeError) as err:
+            return f"undecodable payload ({err})"
+        if not 1 <= client_id <= len(server.method.plan.client_ranks):
+            return f"client id {client_id} is not in the rank plan"
+        shapes = {n: (B.shape[0], A.shape[1]) for n, (B, A) in server.global_factors.items()}
+        params = dict(server.model.named_parameters())
+        shared_shapes = {n: tuple(params[n].shape) for n in server.shared_names}
+        rank = server.method.plan.client_ranks[client_id - 1]
+        return upload_problem(factors, shapes, rank, shared, shared_shapes)
 
     def save_model(self, path, cur_round=-1):
         self.server.save_checkpoint(path, cur_round)
@@ -169,7 +206,7 @@ def _weighted_mean(tensors: list[dict[str, Tensor]], weights: list[float]) -> di
     }
 
 
-def _round_record(server, uploads, weights, clients, new_global, spectra, stats, feedback) -> dict:
+def _round_record(server, uploads, weights, clients, new_global, spectra, stats) -> dict:
     """Diagnostics of one aggregation, from factors only (no d x k matrix)."""
     errors, norms = {}, {}
     for name, (B_g, A_g) in new_global.items():
@@ -200,6 +237,31 @@ def _round_record(server, uploads, weights, clients, new_global, spectra, stats,
         "e_init_B": per_client("e_init_B"),
         "e_init_A": per_client("e_init_A"),
         "upload_ranks": {str(c): sorted({B.shape[1] for B, _ in u.values()}) for c, u in zip(clients, uploads)},
-        "bytes_up": {str(c): nbytes(content) for c, (_, content) in zip(clients, feedback)},
+        "bytes_down": {str(c): server._down_bytes.get(c, 0) for c in clients},
+    }
+
+
+def _empty_record(server, clients, dropped, bytes_up) -> dict:
+    """The diagnostics of a round whose uploads were all dropped: nothing aggregated, E_agg 0."""
+    return {
+        "round": server.state,
+        "method": server.method.name,
+        "svd": server.method.cfg.svd,
+        "clients": [],
+        "weights": [],
+        "R_g": server.method.plan.R_g,
+        "e_agg": 0.0,
+        "e_agg_rel": 0.0,
+        "probe_module": next(iter(server.global_factors)),
+        "e_agg_probe": 0.0,
+        "spectrum_probe": [],
+        "alignment_loss": {},
+        "alignment_loss_mean": 0.0,
+        "lam": {},
+        "e_init_B": {},
+        "e_init_A": {},
+        "upload_ranks": {},
+        "dropped": dropped,
+        "bytes_up": bytes_up,
         "bytes_down": {str(c): server._down_bytes.get(c, 0) for c in clients},
     }

@@ -54,8 +54,9 @@ def fedpa_cfg(tiny_llm, tmp_path: Path, **overrides) -> dict:
     return fs_llm_yaml(tmp_path, tiny_llm["model"], tiny_llm["data"], **(defaults | overrides))
 
 
-def probe(cfg: dict, tmp_path: Path, *opts: str, timeout: float = 300) -> dict:
-    """Run ``tests.integration.fs_probe`` on ``cfg`` in a subprocess and load what its spies recorded."""
+def probe(cfg: dict, tmp_path: Path, *opts: str, timeout: float = 300, env: dict | None = None) -> dict:
+    """Run ``tests.integration.fs_probe`` on ``cfg`` in a subprocess and load what its spies recorded
+    (``env``: extra environment, e.g. ``FS_PROBE_CORRUPT``)."""
     import torch
 
     cfg_file = dump_yaml(cfg, tmp_path / "probe.yaml")
@@ -63,10 +64,11 @@ def probe(cfg: dict, tmp_path: Path, *opts: str, timeout: float = 300) -> dict:
     proc = subprocess.run(
         [sys.executable, "-m", "tests.integration.fs_probe", cfg_file, str(out), *opts],
         cwd=ROOT,
-        env=fs_env(),
+        env=fs_env(env),
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+    (tmp_path / "probe.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"FS run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return torch.load(out, weights_only=False)

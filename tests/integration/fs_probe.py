@@ -10,10 +10,15 @@ only copy what passes through the plugin's own seams; they change nothing:
   the global factors the server adopted;
 - ``loss_gap``: ``loss_task - loss_batch`` of every training batch (the added alignment term);
 - ``final``: every client's kept factors and the server's global factors at the end.
+
+One deliberate fault, for the reliability tests: ``FS_PROBE_CORRUPT="client:round:kind,..."`` makes that
+client's upload of that round carry a NaN (``kind`` nan) or an A with one row too many (``kind`` shape), after
+the spy recorded it.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -21,6 +26,25 @@ import torch
 
 def _copy(factors):
     return {n: (B.detach().cpu().clone(), A.detach().cpu().clone()) for n, (B, A) in factors.items()}
+
+
+def _corrupt(upload: dict, client: int, rnd: int) -> dict:
+    faults = dict(
+        ((int(c), int(r)), kind)
+        for c, r, kind in (f.split(":") for f in os.environ.get("FS_PROBE_CORRUPT", "").split(",") if f)
+    )
+    kind = faults.get((client, rnd))
+    if kind is None:
+        return upload
+    lora = dict(upload["lora"])
+    key = sorted(k for k in lora if k.endswith("B" if kind == "nan" else "A"))[0]
+    bad = lora[key].clone()
+    if kind == "nan":
+        bad[0, 0] = float("nan")
+    else:
+        bad = torch.cat([bad, bad[:1]])
+    lora[key] = bad
+    return {**upload, "lora": lora}
 
 
 def main(cfg_file: str, out: str, opts: list[str]) -> None:
@@ -75,7 +99,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
                 "upload_ranks": sorted({B.shape[1] for B, _ in decode_factors(upload["lora"]).values()}),
             }
         )
-        return upload
+        return _corrupt(upload, self.ID, self.state)
 
     def aggregate(self, agg_info):
         uploads = [_copy(decode_factors(content["lora"])) for _, content in agg_info["client_feedback"]]

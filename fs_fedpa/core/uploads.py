@@ -1,0 +1,45 @@
+"""Checks of a client's upload before the server aggregates it: the right modules, shapes and finite values."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+
+def upload_problem(
+    factors: Mapping[str, tuple[Tensor, Tensor]],
+    shapes: Mapping[str, tuple[int, int]],
+    rank: int,
+    shared: Mapping[str, Tensor] | None = None,
+    shared_shapes: Mapping[str, tuple[int, ...]] | None = None,
+) -> str | None:
+    """Why this upload cannot be aggregated, or None if it can.
+
+    ``factors[name] = (B: (d, r), A: (r, k))`` must name exactly the modules of ``shapes[name] = (d, k)``, at
+    the client's rank ``r = rank``, with finite values; ``shared`` tensors, if the run has any, must match
+    ``shared_shapes`` and be finite too.
+    """
+    if missing := sorted(shapes.keys() - factors.keys()):
+        return f"LoRA modules missing from the upload: {missing[:3]}{' ...' if len(missing) > 3 else ''}"
+    if unknown := sorted(factors.keys() - shapes.keys()):
+        return f"unknown LoRA modules in the upload: {unknown[:3]}{' ...' if len(unknown) > 3 else ''}"
+    for name, (B, A) in factors.items():
+        d, k = shapes[name]
+        if tuple(B.shape) != (d, rank) or tuple(A.shape) != (rank, k):
+            return (
+                f"{name}: B {tuple(B.shape)} and A {tuple(A.shape)}, expected ({d}, {rank}) and ({rank}, {k}) "
+                f"for the client's rank {rank}"
+            )
+        if not (torch.isfinite(B).all() and torch.isfinite(A).all()):
+            return f"{name}: NaN or Inf in {'B' if not torch.isfinite(B).all() else 'A'}"
+    shared, shared_shapes = shared or {}, shared_shapes or {}
+    if shared.keys() != shared_shapes.keys():
+        return f"shared tensors {sorted(shared)[:3]} differ from the expected {sorted(shared_shapes)[:3]}"
+    for name, t in shared.items():
+        if tuple(t.shape) != tuple(shared_shapes[name]):
+            return f"shared tensor {name}: shape {tuple(t.shape)}, expected {tuple(shared_shapes[name])}"
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            return f"shared tensor {name}: NaN or Inf"
+    return None
