@@ -144,6 +144,21 @@ def build_seqcls_model(model_config, input_shape=None):
 
 
 # ----------------------------------------------------------------------------------------------- trainer
+def trim_padding(features: dict) -> dict:
+    """Drop the trailing columns that no row of the batch attends to: ``(b, L) -> (b, n)``, ``n`` = last
+    attended position + 1. Exact for right-padded batches (HF's default for encoders): a masked key gets zero
+    attention weight, and the positions of the kept tokens do not change. Data is tokenized to
+    ``llm.tok_len``; most GLUE sentences are much shorter, so this saves most of the compute."""
+    mask = features.get("attention_mask")
+    if mask is None or mask.ndim != 2:
+        return features
+    attended = mask.any(0).nonzero()
+    n = int(attended[-1]) + 1 if len(attended) else mask.shape[1]
+    if n == mask.shape[1]:
+        return features
+    return {k: v[:, :n] if v.ndim == 2 and v.shape[1] == mask.shape[1] else v for k, v in features.items()}
+
+
 def seqcls_trainer(trainer_type: str):
     if trainer_type == "seqcls":
         return _trainer_class()
@@ -161,7 +176,7 @@ def _trainer_class():
 
         def _hook_on_batch_forward(self, ctx):
             features, labels = ctx.data_batch
-            features = {k: v.to(ctx.device) for k, v in features.items()}
+            features = {k: v.to(ctx.device) for k, v in trim_padding(features).items()}
             labels = labels.to(ctx.device)
             precision = ctx.cfg.model.seqcls.precision
             dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)

@@ -84,3 +84,31 @@ def test_glue_splits_are_deterministic_and_cover_each_example_once(tiny_glue, tm
     labels = {y for x, y in data[0].train_data}
     assert labels == {0, 1}
     assert isinstance(data[1].val_data[0][0]["input_ids"], torch.Tensor)
+
+
+def test_trimming_trailing_padding_leaves_the_logits_unchanged():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from fs_fedpa.plugin.seqcls import trim_padding
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=64,
+        num_labels=2,
+    )
+    model = BertForSequenceClassification(config).eval()
+    lengths = [3, 9, 5]
+    mask = torch.tensor([[1] * n + [0] * (24 - n) for n in lengths])
+    ids = torch.randint(1, 50, (3, 24)) * mask
+    batch = {"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids)}
+    trimmed = trim_padding(batch)
+    assert {k: tuple(v.shape) for k, v in trimmed.items()} == {k: (3, 9) for k in batch}
+    with torch.no_grad():
+        torch.testing.assert_close(model(**trimmed).logits, model(**batch).logits, atol=1e-6, rtol=1e-5)
+    full = {k: v[:, :9] for k, v in batch.items()}  # nothing to trim: the same tensors come back
+    assert trim_padding(full) is full
