@@ -63,7 +63,11 @@ def check_fedpa_cfg(cfg) -> None:
 
 
 def _adapter_rank(cfg) -> int | None:
-    """r of ``llm.adapter.args`` when the run uses FS-LLM's adapter, else None (plugin models decide)."""
+    """The run's LoRA rank: ``model.seqcls.r`` of a ``@seqcls_llm`` model, r of ``llm.adapter.args`` when the
+    run uses FS-LLM's adapter, else None (the model decides)."""
+    if str(cfg.model.type).lower().endswith("@seqcls_llm") and "seqcls" in cfg.model:
+        r = cfg.model.seqcls.r
+        return r if isinstance(r, int) and r > 0 else None
     try:
         args = cfg.llm.adapter.args[0] if cfg.llm.adapter.use else {}
     except (AttributeError, IndexError, KeyError):
