@@ -110,15 +110,17 @@ class FedPAClient(Client):
         term = float(self._penalty_sum) / self._penalty_steps if self._penalty_steps else 0.0
         if self._resume_out:
             self._write_resume_file()
-        return {
+        upload = {
             "lora": encode_factors(
                 self.method.before_upload(
                     lora.effective(self.factors, lora.scaling(self.model)), self._received, self.state
                 )
             ),
-            "shared": {n: params[n].detach().cpu().clone() for n in self.shared_names},
             "stats": {"alignment_loss": term, "lam": float(self.lam), **self._e_init},
         }
+        if self.shared_names:  # FS's gRPC encoder fails on empty dicts
+            upload["shared"] = {n: params[n].detach().cpu().clone() for n in self.shared_names}
+        return upload
 
     def alignment_term(self, ctx) -> Tensor | None:
         """lam/2 * sum of the method's alignment term over LoRA modules, for the trainer hook (train only)."""

@@ -75,10 +75,9 @@ class FedPAServer(Server):
         shared = {n: params[n].detach().cpu().clone() for n in self.shared_names}
         rnd = self.state - 1 if msg_type == "evaluate" else self.state  # FS: evaluation closes a round
         for client_id in receivers:
-            payload = {
-                "lora": encode_factors(self.method.downlink(self.global_factors, client_id - 1)),
-                "shared": shared,
-            }
+            payload = {"lora": encode_factors(self.method.downlink(self.global_factors, client_id - 1))}
+            if shared:  # FS's gRPC encoder fails on empty dicts, and rewrites dicts in place: one per receiver
+                payload["shared"] = dict(shared)
             if msg_type == "model_para":
                 self._down_bytes[client_id] = nbytes(payload)
             self.comm_manager.send(
