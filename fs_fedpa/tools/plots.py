@@ -158,11 +158,12 @@ def plot_bytes(runs: Sequence[dict], metric: str, path: Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for cell, group in by_cell(runs).items():
-        _, acc, _ = mean_curve(_series(group, _metric(metric)))
-        rounds, mb, _ = mean_curve(_series(group, _diag("bytes_total")))
-        n = min(len(acc), len(mb))
-        if n:
-            ax.plot([b / 2**20 for b in mb[:n]], acc[:n], marker="o", markersize=3, label=cell)
+        acc_rounds, acc, _ = mean_curve(_series(group, _metric(metric)))
+        byte_rounds, mb, _ = mean_curve(_series(group, _diag("bytes_total")))
+        sent = dict(zip(byte_rounds, mb))  # evaluated rounds may be a subset of the aggregated ones
+        points = [(sent[r] / 2**20, a) for r, a in zip(acc_rounds, acc) if r in sent]
+        if points:
+            ax.plot(*zip(*points), marker="o", markersize=3, label=cell)
     ax.set(xlabel="cumulative uplink + downlink (MiB)", ylabel=metric, title=f"{metric} vs communication")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
