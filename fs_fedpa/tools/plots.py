@@ -153,16 +153,20 @@ def plot_spectrum(runs: Sequence[dict], path: Path) -> Path:
     return path
 
 
+def bytes_vs_metric(runs: Sequence[dict], metric: str) -> list[tuple[float, float]]:
+    """``(MiB sent up to round t, metric after round t)`` for every evaluated round t, mean over ``runs``."""
+    acc_rounds, acc, _ = mean_curve(_series(runs, _metric(metric)))
+    byte_rounds, sent, _ = mean_curve(_series(runs, _diag("bytes_total")))
+    by_round = dict(zip(byte_rounds, sent))  # evaluated rounds may be a subset of the aggregated ones
+    return [(by_round[r] / 2**20, a) for r, a in zip(acc_rounds, acc) if r in by_round]
+
+
 def plot_bytes(runs: Sequence[dict], metric: str, path: Path) -> Path:
     """The metric after each round vs the cumulative uplink + downlink bytes up to that round."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for cell, group in by_cell(runs).items():
-        acc_rounds, acc, _ = mean_curve(_series(group, _metric(metric)))
-        byte_rounds, mb, _ = mean_curve(_series(group, _diag("bytes_total")))
-        sent = dict(zip(byte_rounds, mb))  # evaluated rounds may be a subset of the aggregated ones
-        points = [(sent[r] / 2**20, a) for r, a in zip(acc_rounds, acc) if r in sent]
-        if points:
+        if points := bytes_vs_metric(group, metric):
             ax.plot(*zip(*points), marker="o", markersize=3, label=cell)
     ax.set(xlabel="cumulative uplink + downlink (MiB)", ylabel=metric, title=f"{metric} vs communication")
     ax.grid(alpha=0.3)
