@@ -27,6 +27,13 @@ def _pyplot():
     return plt
 
 
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+    return path
+
+
 def by_cell(runs: Sequence[dict]) -> dict[str, list[dict]]:
     cells: dict[str, list[dict]] = {}
     for run in runs:
@@ -88,10 +95,7 @@ def plot_accuracy(runs: Sequence[dict], metric: str, path: Path) -> Path:
     ax.set(xlabel="round", ylabel=f"{metric} (paper protocol)", title=f"{metric} vs round (mean ± std over seeds)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_mismatch(runs: Sequence[dict], path: Path) -> Path:
@@ -119,10 +123,7 @@ def plot_mismatch(runs: Sequence[dict], path: Path) -> Path:
     axes[-1].legend(fontsize=8)
     module = next((d["probe_module"] for r in runs for d in r.get("diagnostics", [])), "?")
     fig.suptitle(f"Aggregation and initialization mismatch, module {module}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_spectrum(runs: Sequence[dict], path: Path) -> Path:
@@ -147,10 +148,7 @@ def plot_spectrum(runs: Sequence[dict], path: Path) -> Path:
         ax.legend(fontsize=7)
     if not cells:
         axes[0].text(0.5, 0.5, "no run recorded a spectrum", ha="center", va="center")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def bytes_vs_metric(runs: Sequence[dict], metric: str) -> list[tuple[float, float]]:
@@ -171,10 +169,7 @@ def plot_bytes(runs: Sequence[dict], metric: str, path: Path) -> Path:
     ax.set(xlabel="cumulative uplink + downlink (MiB)", ylabel=metric, title=f"{metric} vs communication")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_all(runs: Sequence[dict], metric: str, out: Path) -> list[Path]:

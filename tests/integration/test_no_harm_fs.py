@@ -6,11 +6,13 @@ same interpreter with site processing has it.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import site
 import subprocess
 import sys
+from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
 import pytest
@@ -34,9 +36,15 @@ FS_OFFLINE_TESTS = (
 
 
 def _fs_source() -> Path | None:
-    """A checkout of FS's llm branch, for its tests/ folder (pip installs only the package)."""
-    candidates = [os.environ.get("FS_SOURCE_DIR", ""), ROOT.parent / "fs_src" / "FederatedScope"]
-    candidates.append(ROOT.parent / "FederatedScope")
+    """A checkout of FS's llm branch, for its tests/ folder (pip installs only the package): $FS_SOURCE_DIR, the
+    folder pip installed FS from (its direct_url.json), or a checkout beside this one."""
+    candidates = [os.environ.get("FS_SOURCE_DIR", "")]
+    try:
+        url = json.loads(distribution("federatedscope").read_text("direct_url.json") or "{}").get("url", "")
+        candidates.append(url.removeprefix("file://") if url.startswith("file://") else "")
+    except PackageNotFoundError:
+        pass
+    candidates += [ROOT.parent / "fs_src" / "FederatedScope", ROOT.parent / "FederatedScope"]
     return next((Path(c) for c in candidates if c and (Path(c) / "tests" / "test_toy_lr.py").is_file()), None)
 
 
