@@ -20,6 +20,7 @@ from fs_fedpa import lora
 from fs_fedpa.core.adaptive import lam_direction, lam_grad, lam_loss, normalized_factor_grads
 from fs_fedpa.core.diagnostics import initialization_error
 from fs_fedpa.core.penalty import product_penalty
+from fs_fedpa.plugin import resume
 from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainables
 from fs_fedpa.plugin.payload import decode_factors, decode_tensors, encode_factors
 from fs_fedpa.plugin.trainer import install_alignment_hook
@@ -48,6 +49,9 @@ class FedPAClient(Client):
         self._e_init: dict[str, float] = {}
         self._rounds_trained = 0
         self._received: dict[str, tuple[Tensor, Tensor]] = {}
+        save_to, restore_from = self._cfg.federate.save_to, self._cfg.federate.restore_from
+        self._resume_out = resume.server_path(save_to) if save_to else None
+        self._resume_in = restore_from or None  # read at the first message, which names the round
         install_alignment_hook(self.trainer, self)
 
     @property
@@ -57,6 +61,7 @@ class FedPAClient(Client):
 
     # ----------------------------------------------------------------------------------- training
     def callback_funcs_for_model_para(self, message: Message):
+        self._restore(message.state)
         self.state = message.state
         self._enter_round(message.content)
         sample_size, _, results = self.trainer.train()
@@ -103,15 +108,19 @@ class FedPAClient(Client):
         self.local_tensors = {n: params[n].detach().clone() for n in self.local_names}
         self._rounds_trained += 1
         term = float(self._penalty_sum) / self._penalty_steps if self._penalty_steps else 0.0
-        return {
+        if self._resume_out:
+            self._write_resume_file()
+        upload = {
             "lora": encode_factors(
                 self.method.before_upload(
                     lora.effective(self.factors, lora.scaling(self.model)), self._received, self.state
                 )
             ),
-            "shared": {n: params[n].detach().cpu().clone() for n in self.shared_names},
             "stats": {"alignment_loss": term, "lam": float(self.lam), **self._e_init},
         }
+        if self.shared_names:  # FS's gRPC encoder fails on empty dicts
+            upload["shared"] = {n: params[n].detach().cpu().clone() for n in self.shared_names}
+        return upload
 
     def alignment_term(self, ctx) -> Tensor | None:
         """lam/2 * sum of the method's alignment term over LoRA modules, for the trainer hook (train only)."""
@@ -145,6 +154,7 @@ class FedPAClient(Client):
     def callback_funcs_for_evaluate(self, message: Message):
         """Paper protocol (global rank-R_i reference + own local tensors) and, with fedpa.eval_local, the
         client's own preserved factors, reported as ``local.<split>_<metric>``."""
+        self._restore(message.state)
         self.state = message.state
         payload = message.content
         if self.factors is None:
@@ -180,9 +190,37 @@ class FedPAClient(Client):
 
     def _evaluate_splits(self) -> dict:
         metrics = {}
-        for split in self._cfg.eval.split:
-            metrics.update(**self.trainer.evaluate(target_data_split_name=split))
+        with resume.fork_rng():  # evaluations never shift the random stream of training
+            for split in self._cfg.eval.split:
+                metrics.update(**self.trainer.evaluate(target_data_split_name=split))
         return metrics
+
+    # ------------------------------------------------------------------------------------- resume
+    def _write_resume_file(self) -> None:
+        """This client's state after round ``self.state``; the two newest files are kept."""
+        resume.save(
+            {**self.local_state(), "rounds_trained": self._rounds_trained, "rng": resume.rng_state()},
+            resume.client_path(self._resume_out, self.ID, self.state),
+        )
+        for _, path in sorted(resume.client_files(self._resume_out, self.ID).items())[:-2]:
+            path.unlink(missing_ok=True)
+
+    def _restore(self, rnd: int) -> None:
+        """Once, in a resumed run: this client's newest state from before round ``rnd``, if it ever trained."""
+        if self._resume_in is None:
+            return
+        path, self._resume_in = self._resume_in, None
+        older = {r: p for r, p in resume.client_files(path, self.ID).items() if r < rnd}
+        if not older:
+            return  # never trained before the resume point: it starts as a new client would
+        saved = resume.load(older[max(older)])
+        device = next(iter(lora.get_factors(self.model).values()))[0].device
+        self.factors = {n: (B.to(device), A.to(device)) for n, (B, A) in saved["factors"].items()}
+        self.local_tensors = {n: t.to(device) for n, t in saved["local"].items()}
+        self._rounds_trained = saved["rounds_trained"]
+        if self._cfg.federate.mode == "distributed":  # its own process: its own random stream
+            resume.set_rng_state(saved["rng"])
+        logger.info(f"[fedpa] client {self.ID} resumed its state of round {saved['round']}")
 
     def callback_funcs_for_finish(self, message: Message):
         """Never load the server's model (its factors have rank R_g); save this client's own state."""

@@ -32,6 +32,11 @@ _UNSUPPORTED = (
     ("quantization.method", lambda c: c.quantization.method != "none", "uplink quantization"),
     ("aggregator.robust_rule", lambda c: c.aggregator.robust_rule not in ("", "fedavg"), "robust aggregation rules"),
     ("model.model_num_per_trainer", lambda c: c.model.model_num_per_trainer != 1, "several models per trainer"),
+    (
+        "federate.share_local_model",
+        lambda c: c.federate.mode == "distributed" and c.federate.share_local_model,
+        "share_local_model in distributed mode (one client per process; FS's DistributedRunner fails on it)",
+    ),
 )
 
 

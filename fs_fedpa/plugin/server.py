@@ -22,6 +22,7 @@ from torch import Tensor
 from fs_fedpa import lora
 from fs_fedpa.core.diagnostics import aggregate_norm, aggregation_error
 from fs_fedpa.core.uploads import upload_problem
+from fs_fedpa.plugin import resume
 from fs_fedpa.plugin.common import build_method, fedpa_seed, global_init, non_lora_trainables
 from fs_fedpa.plugin.payload import decode_factors, decode_tensors, encode_factors, nbytes
 
@@ -48,10 +49,20 @@ class FedPAServer(Server):
             os.makedirs(os.path.dirname(os.path.abspath(self._cfg.federate.save_to)), exist_ok=True)
         self._down_bytes: dict[int, int] = {}
         self._totals = {"up": 0, "down": 0}
+        self._records: list[dict] = []  # diagnostics history, carried by resume points
+        self._pending_rng: dict | None = None
+        if self._cfg.federate.restore_from:
+            self.restore(self._cfg.federate.restore_from)
 
     # ---------------------------------------------------------------------------------- downlink
     def broadcast_model_para(self, msg_type="model_para", sample_client_num=-1, filter_unseen_clients=True):
         """As FS's broadcast (same sampling and bookkeeping), but each receiver gets its own rank-R_i reference."""
+        if msg_type == "model_para":  # a round starts: the resume point, before the sampler draws
+            if self._pending_rng is not None:
+                resume.set_rng_state(self._pending_rng)
+                self._pending_rng = None
+            elif self._cfg.federate.save_to and self.state > 0:
+                self.write_resume_point()
         if filter_unseen_clients:
             self.sampler.change_state(self.unseen_clients_id, "unseen")
         if sample_client_num > 0:
@@ -64,10 +75,9 @@ class FedPAServer(Server):
         shared = {n: params[n].detach().cpu().clone() for n in self.shared_names}
         rnd = self.state - 1 if msg_type == "evaluate" else self.state  # FS: evaluation closes a round
         for client_id in receivers:
-            payload = {
-                "lora": encode_factors(self.method.downlink(self.global_factors, client_id - 1)),
-                "shared": shared,
-            }
+            payload = {"lora": encode_factors(self.method.downlink(self.global_factors, client_id - 1))}
+            if shared:  # FS's gRPC encoder fails on empty dicts, and rewrites dicts in place: one per receiver
+                payload["shared"] = dict(shared)
             if msg_type == "model_para":
                 self._down_bytes[client_id] = nbytes(payload)
             self.comm_manager.send(
@@ -99,14 +109,77 @@ class FedPAServer(Server):
         self._totals["up"] += sum(record["bytes_up"].values())
         self._totals["down"] += sum(record["bytes_down"].values())
         record.update(bytes_up_total=self._totals["up"], bytes_down_total=self._totals["down"])
-        if self.method.cfg.diagnostics:
-            with open(os.path.join(self._cfg.outdir, DIAGNOSTICS_FILE), "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
+        self._records.append(record)
+        self._write_diagnostics([record])
         logger.info(
             f"[fedpa] round {record['round']}: E_agg={record['e_agg']:.4g} (rel {record['e_agg_rel']:.3g}), "
             f"alignment={record['alignment_loss_mean']:.4g}, up {sum(record['bytes_up'].values())} B, "
             f"down {sum(record['bytes_down'].values())} B"
         )
+
+    def _write_diagnostics(self, records: list[dict]) -> None:
+        if self.method.cfg.diagnostics:
+            with open(os.path.join(self._cfg.outdir, DIAGNOSTICS_FILE), "a", encoding="utf-8") as f:
+                f.writelines(json.dumps(record) + "\n" for record in records)
+
+    # ---------------------------------------------------------------------------------- resume
+    def write_resume_point(self) -> str:
+        """Everything the server needs to continue at round ``self.state`` (see :mod:`fs_fedpa.plugin.resume`)."""
+        path = resume.server_path(self._cfg.federate.save_to)
+        plan = self.method.plan
+        resume.save(
+            {
+                "cur_round": self.state,
+                "model": self.model.state_dict(),  # FS's checkpoint keys: its own restore can read this file
+                "fedpa_resume": {
+                    "method": self.method.name,
+                    "round": self.state,
+                    "plan": (list(plan.client_ranks), list(plan.reference_ranks), plan.R_g),
+                    "global": lora.copy_factors(self.global_factors, "cpu"),
+                    "generator": self.generator.get_state(),
+                    "totals": dict(self._totals),
+                    "down_bytes": dict(self._down_bytes),
+                    "records": resume.plain(self._records),
+                    "history_results": resume.plain(self.history_results),
+                    "best_results": resume.plain(self.best_results),
+                    "rng": resume.rng_state(),
+                },
+            },
+            path,
+        )
+        logger.info(f"[fedpa] resume point for round {self.state} written to {path}")
+        return path
+
+    def restore(self, path: str) -> int:
+        """Continue the run saved in the resume point ``path``; returns the round it continues at."""
+        if not os.path.isfile(path):
+            raise ValueError(f"federate.restore_from {path!r}: no such file")
+        checkpoint = resume.load(path)
+        saved = checkpoint.get("fedpa_resume")
+        if saved is None:
+            raise ValueError(
+                f"federate.restore_from {path!r} is not a FedPA resume point; runs with federate.save_to X write "
+                f"them as {resume.server_path('X')} at the start of every round"
+            )
+        plan = self.method.plan
+        now = (list(plan.client_ranks), list(plan.reference_ranks), plan.R_g)
+        if saved["method"] != self.method.name or tuple(map(tuple, saved["plan"][:2])) != tuple(map(tuple, now[:2])):
+            raise ValueError(
+                f"federate.restore_from {path!r} was saved by method {saved['method']!r} with ranks "
+                f"{saved['plan']}; this run is {self.method.name!r} with {now}"
+            )
+        device = next(iter(self.global_factors.values()))[0].device
+        self.install_global({n: (B.to(device), A.to(device)) for n, (B, A) in saved["global"].items()}, {})
+        self.model.load_state_dict(checkpoint["model"], strict=False)  # shared tensors, e.g. a shared head
+        self.generator.set_state(saved["generator"])
+        self._totals, self._down_bytes = dict(saved["totals"]), dict(saved["down_bytes"])
+        self._records = list(saved["records"])
+        self._write_diagnostics(self._records)
+        self.history_results, self.best_results = saved["history_results"], saved["best_results"]
+        self._pending_rng = saved["rng"]
+        self.state = saved["round"]
+        logger.info(f"[fedpa] resumed from {path} at round {self.state}")
+        return self.state
 
     def save_checkpoint(self, path: str, cur_round: int) -> None:
         """FS's checkpoint format (``cur_round``, trainable ``model`` state with the global adapter) plus
@@ -194,7 +267,8 @@ class FedPAAggregator(Aggregator):
         self.server.save_checkpoint(path, cur_round)
 
     def load_model(self, path):
-        raise NotImplementedError("resuming a FedPA run is not supported yet")
+        """Resume from a FedPA resume point (the server does this itself for ``federate.restore_from``)."""
+        return self.server.restore(path)
 
 
 def _weighted_mean(tensors: list[dict[str, Tensor]], weights: list[float]) -> dict[str, Tensor]:

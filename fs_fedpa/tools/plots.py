@@ -27,6 +27,13 @@ def _pyplot():
     return plt
 
 
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+    return path
+
+
 def by_cell(runs: Sequence[dict]) -> dict[str, list[dict]]:
     cells: dict[str, list[dict]] = {}
     for run in runs:
@@ -88,10 +95,7 @@ def plot_accuracy(runs: Sequence[dict], metric: str, path: Path) -> Path:
     ax.set(xlabel="round", ylabel=f"{metric} (paper protocol)", title=f"{metric} vs round (mean ± std over seeds)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_mismatch(runs: Sequence[dict], path: Path) -> Path:
@@ -119,10 +123,7 @@ def plot_mismatch(runs: Sequence[dict], path: Path) -> Path:
     axes[-1].legend(fontsize=8)
     module = next((d["probe_module"] for r in runs for d in r.get("diagnostics", [])), "?")
     fig.suptitle(f"Aggregation and initialization mismatch, module {module}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_spectrum(runs: Sequence[dict], path: Path) -> Path:
@@ -147,10 +148,15 @@ def plot_spectrum(runs: Sequence[dict], path: Path) -> Path:
         ax.legend(fontsize=7)
     if not cells:
         axes[0].text(0.5, 0.5, "no run recorded a spectrum", ha="center", va="center")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
+
+
+def bytes_vs_metric(runs: Sequence[dict], metric: str) -> list[tuple[float, float]]:
+    """``(MiB sent up to round t, metric after round t)`` for every evaluated round t, mean over ``runs``."""
+    acc_rounds, acc, _ = mean_curve(_series(runs, _metric(metric)))
+    byte_rounds, sent, _ = mean_curve(_series(runs, _diag("bytes_total")))
+    by_round = dict(zip(byte_rounds, sent))  # evaluated rounds may be a subset of the aggregated ones
+    return [(by_round[r] / 2**20, a) for r, a in zip(acc_rounds, acc) if r in by_round]
 
 
 def plot_bytes(runs: Sequence[dict], metric: str, path: Path) -> Path:
@@ -158,18 +164,12 @@ def plot_bytes(runs: Sequence[dict], metric: str, path: Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for cell, group in by_cell(runs).items():
-        _, acc, _ = mean_curve(_series(group, _metric(metric)))
-        rounds, mb, _ = mean_curve(_series(group, _diag("bytes_total")))
-        n = min(len(acc), len(mb))
-        if n:
-            ax.plot([b / 2**20 for b in mb[:n]], acc[:n], marker="o", markersize=3, label=cell)
+        if points := bytes_vs_metric(group, metric):
+            ax.plot(*zip(*points), marker="o", markersize=3, label=cell)
     ax.set(xlabel="cumulative uplink + downlink (MiB)", ylabel=metric, title=f"{metric} vs communication")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_all(runs: Sequence[dict], metric: str, out: Path) -> list[Path]:

@@ -95,7 +95,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
                 "round": self.state,
                 "end": _copy(self.factors),
                 "local": {n: t.detach().cpu().clone() for n, t in self.local_tensors.items()},
-                "upload_keys": sorted(upload["lora"]) + sorted(upload["shared"]),
+                "upload_keys": sorted(upload["lora"]) + sorted(upload.get("shared", {})),
                 "upload_ranks": sorted({B.shape[1] for B, _ in decode_factors(upload["lora"]).values()}),
             }
         )

@@ -1,0 +1,102 @@
+"""FedPA in FS's distributed (gRPC) mode: a server and three clients, each its own process on 127.0.0.1."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+from tests.integration.conftest import fedpa_cfg, probe
+from tests.integration.tiny_assets import dump_yaml, fs_env, outdir_of, read_eval_results
+
+pytestmark = pytest.mark.integration
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def distributed_cfgs(base: dict, save_dir: Path) -> list[dict]:
+    """Server and client yamls for ``base`` (client i owns data shard i, as in standalone)."""
+    ports = _free_ports(1 + base["federate"]["client_num"])
+    cfgs = []
+    for role_idx, port in enumerate(ports):
+        cfg = copy.deepcopy(base)
+        cfg["federate"]["mode"] = "distributed"
+        cfg["federate"]["share_local_model"] = False  # one client per process: nothing to share
+        cfg["federate"]["save_to"] = str(save_dir / "ckpt.pt")
+        cfg["distribute"] = {
+            "use": True,
+            "server_host": "127.0.0.1",
+            "server_port": ports[0],
+            "client_host": "127.0.0.1",
+            "client_port": port,
+            "role": "server" if role_idx == 0 else "client",
+            "data_idx": role_idx,
+        }
+        cfg["expname"] = f"{base['expname']}_{'server' if role_idx == 0 else f'client{role_idx}'}"
+        cfgs.append(cfg)
+    return cfgs
+
+
+def run_distributed(cfgs: list[dict], tmp_path: Path, timeout: float = 240) -> int:
+    """``scripts/run_distributed.sh`` on the dumped yamls (server first), with a bounded wait and cleanup."""
+    paths = [dump_yaml(cfg, tmp_path / f"party{i}.yaml") for i, cfg in enumerate(cfgs)]
+    env = fs_env({"LOGDIR": str(tmp_path), "JOIN_WAIT": "5", "PYTHON": sys.executable})
+    proc = subprocess.Popen(
+        ["bash", str(ROOT / "scripts" / "run_distributed.sh"), *paths], cwd=tmp_path, env=env, start_new_session=True
+    )
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the script and every party
+        proc.wait(timeout=30)
+        raise
+
+
+def test_distributed_fedpa_matches_standalone(tiny_llm, tmp_path):
+    # Prepare: a rank-R_i reference per client (each downlink differs); no shuffling and no dropout, so both
+    # modes see the same batches in the same order
+    changes = {"dataloader.shuffle": False, "fedpa.reference_ranks": [2, 3, 4], "federate.save_to": ""}
+    base = fedpa_cfg(tiny_llm, tmp_path, **changes)
+    standalone = probe(base, tmp_path)
+    cfgs = distributed_cfgs(base, tmp_path / "dist")
+    # Execute
+    status = run_distributed(cfgs, tmp_path)
+    logs = [(tmp_path / f"party{i}.log").read_text() for i in range(len(cfgs))]
+    # Assert: every party finished; global adapter, each client's own factors and the metrics match
+    assert status == 0, "\n\n".join(log[-3000:] for log in logs)
+    for i in (1, 2, 3):
+        assert f"is assigned with #{i}" in logs[i]
+    final = torch.load(tmp_path / "dist" / "final_ckpt.pt", weights_only=False)["fedpa"]["global"]
+    for name, (B, A) in standalone["final"]["global"].items():
+        torch.testing.assert_close(final[name][0] @ final[name][1], B @ A, atol=1e-5, rtol=0)
+    for cid, factors in standalone["final"]["clients"].items():
+        own = torch.load(tmp_path / "dist" / f"fedpa_client_{cid}_ckpt.pt", weights_only=False)["factors"]
+        for name, (B, A) in factors.items():
+            torch.testing.assert_close(own[name][0], B, atol=1e-5, rtol=0)
+            torch.testing.assert_close(own[name][1], A, atol=1e-5, rtol=0)
+    received = [r for r in standalone["enter"] if r["round"] == 1]
+    assert sorted(r["received_ranks"][0] for r in received) == [2, 3, 4]
+    server = read_eval_results(outdir_of(cfgs[0]))
+    local = [r["Results_weighted_avg"] for r in read_eval_results(outdir_of(base)) if "Results_weighted_avg" in r]
+    remote = [r["Results_weighted_avg"] for r in server if "Results_weighted_avg" in r]
+    assert len(local) == len(remote) == 3
+    for a, b in zip(local, remote):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), key

@@ -1,0 +1,38 @@
+"""The comparison figures' data: means over seeds, rounds paired by number."""
+
+from __future__ import annotations
+
+import pytest
+
+from fs_fedpa.tools.plots import bytes_vs_metric, mean_curve, plot_all
+
+
+def _run(seed, acc, sent, cell="fedpa"):
+    return {
+        "cell": cell,
+        "seed": seed,
+        "rounds": {r: {"val_acc": a} for r, a in acc.items()},
+        "diagnostics": [
+            {"round": r, "bytes_total": b, "e_agg_probe": 0.1, "e_init_B": 0.0, "e_init_A": 0.0, "probe_module": "q"}
+            for r, b in sent.items()
+        ],
+    }
+
+
+def test_evaluated_rounds_are_paired_with_the_bytes_of_the_same_round():
+    # evaluation every 2nd round (1, 3), aggregation every round (0..3)
+    runs = [_run(0, {1: 0.5, 3: 0.7}, {0: 2**20, 1: 2 * 2**20, 2: 3 * 2**20, 3: 4 * 2**20})]
+    assert bytes_vs_metric(runs, "val_acc") == [(2.0, 0.5), (4.0, 0.7)]
+
+
+def test_mean_curve_keeps_the_rounds_every_seed_has():
+    rounds, means, stds = mean_curve([{0: 1.0, 1: 3.0}, {1: 5.0, 2: 7.0}])
+    assert rounds == [1] and means == [4.0] and stds == [1.0]
+
+
+def test_all_figures_are_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    runs = [_run(s, {0: 0.5 + s / 10, 1: 0.6}, {0: 100, 1: 200}, cell=c) for s in (0, 1) for c in ("a", "b")]
+    paths = plot_all(runs, "val_acc", tmp_path)
+    assert [p.name for p in paths] == ["accuracy.png", "mismatch.png", "spectrum.png", "bytes.png"]
+    assert all(p.stat().st_size > 5000 for p in paths)
