@@ -75,8 +75,18 @@ def _integer_rounds(ax) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
+def style(i: int) -> dict:
+    """Line style of the i-th cell: colour, dash and marker vary, so that overlapping curves stay visible."""
+    return {
+        "color": f"C{i % 10}",
+        "linestyle": ("-", "--", "-.", ":")[i % 4],
+        "marker": "osd^v<>xP*"[i % 10],
+        "markersize": 4,
+    }
+
+
 def _band(ax, rounds, means, stds, label, **style):
-    (line,) = ax.plot(rounds, means, marker="o", markersize=3, label=label, **style)
+    (line,) = ax.plot(rounds, means, label=label, **style)
     if any(stds):
         low = [m - s for m, s in zip(means, stds)]
         high = [m + s for m, s in zip(means, stds)]
@@ -87,10 +97,10 @@ def _band(ax, rounds, means, stds, label, **style):
 def plot_accuracy(runs: Sequence[dict], metric: str, path: Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for cell, group in by_cell(runs).items():
+    for i, (cell, group) in enumerate(by_cell(runs).items()):
         rounds, means, stds = mean_curve(_series(group, _metric(metric)))
         if rounds:
-            _band(ax, rounds, means, stds, cell)
+            _band(ax, rounds, means, stds, cell, **style(i))
     _integer_rounds(ax)
     ax.set(xlabel="round", ylabel=f"{metric} (paper protocol)", title=f"{metric} vs round (mean ± std over seeds)")
     ax.grid(alpha=0.3)
@@ -110,10 +120,10 @@ def plot_mismatch(runs: Sequence[dict], path: Path) -> Path:
     floor = min(positive) / 10 if positive else 1e-8
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
     for ax, (key, title) in zip(axes, panels):
-        for cell in by_cell(runs):
+        for i, cell in enumerate(by_cell(runs)):
             rounds, means, _ = curves[cell, key]
             if rounds:
-                ax.plot(rounds, [max(v, floor) for v in means], marker="o", markersize=3, label=cell)
+                ax.plot(rounds, [max(v, floor) for v in means], label=cell, **style(i))
         ax.set_yscale("log")
         _integer_rounds(ax)
         ax.axhline(floor, color="grey", linewidth=0.8, linestyle=":")
@@ -163,9 +173,9 @@ def plot_bytes(runs: Sequence[dict], metric: str, path: Path) -> Path:
     """The metric after each round vs the cumulative uplink + downlink bytes up to that round."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for cell, group in by_cell(runs).items():
+    for i, (cell, group) in enumerate(by_cell(runs).items()):
         if points := bytes_vs_metric(group, metric):
-            ax.plot(*zip(*points), marker="o", markersize=3, label=cell)
+            ax.plot(*zip(*points), label=cell, **style(i))
     ax.set(xlabel="cumulative uplink + downlink (MiB)", ylabel=metric, title=f"{metric} vs communication")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
