@@ -148,7 +148,7 @@ def trim_padding(features: dict) -> dict:
     """Drop the trailing columns that no row of the batch attends to: ``(b, L) -> (b, n)``, ``n`` = last
     attended position + 1. Exact for right-padded batches (HF's default for encoders): a masked key gets zero
     attention weight, and the positions of the kept tokens do not change. Data is tokenized to
-    ``llm.tok_len``; most GLUE sentences are much shorter, so this saves most of the compute."""
+    ``llm.tok_len``, and most GLUE sentences are shorter; the compute saved grows with the padding dropped."""
     mask = features.get("attention_mask")
     if mask is None or mask.ndim != 2:
         return features
