@@ -213,25 +213,28 @@ class FedPAAggregator(Aggregator):
         clients = [client_id for client_id, _ in agg_info["staleness"]]
         feedback = agg_info["client_feedback"]
         bytes_up = {str(c): nbytes(content) for c, (_, content) in zip(clients, feedback)}
-        kept, dropped = [], {}
+        expected = self._expected_shapes()
+        kept, sizes, uploads, shared, stats, dropped = [], [], [], [], [], {}
         for client_id, (size, content) in zip(clients, feedback):
-            if problem := self._problem(client_id, size, content):
-                dropped[str(client_id)] = problem
-                logger.warning(f"[fedpa] round {server.state}: dropped the upload of client #{client_id}: {problem}")
-            else:
-                kept.append((client_id, size, content))
+            checked = self._decode_checked(client_id, size, content, *expected)
+            if isinstance(checked, str):
+                dropped[str(client_id)] = checked
+                logger.warning(f"[fedpa] round {server.state}: dropped the upload of client #{client_id}: {checked}")
+                continue
+            # decode_* cloned every tensor: nothing below can alter what a client sent
+            kept.append(client_id)
+            sizes.append(float(size))
+            uploads.append(checked[0])
+            shared.append(checked[1])
+            stats.append(content.get("stats", {}))
         if not kept:
             logger.warning(
                 f"[fedpa] round {server.state}: every upload was dropped; the global adapter stays as it was"
             )
             server.record_round(_empty_record(server, clients, dropped, bytes_up))
             return {}
-        clients = [c for c, _, _ in kept]
-        # decode_* clone every tensor: nothing below can alter what a client sent
-        uploads = [decode_factors(content["lora"]) for _, _, content in kept]
-        shared = [decode_tensors(content.get("shared", {})) for _, _, content in kept]
-        stats = [content.get("stats", {}) for _, _, content in kept]
-        weights = [1.0] * len(kept) if server._cfg.federate.ignore_weight else [float(n) for _, n, _ in kept]
+        clients = kept
+        weights = [1.0] * len(kept) if server._cfg.federate.ignore_weight else sizes
         if sum(weights) <= 0:
             weights = [1.0] * len(kept)
 
@@ -243,9 +246,15 @@ class FedPAAggregator(Aggregator):
         server.record_round(record)
         return {}  # the model is already updated; FS merges this empty dict into its state
 
-    def _problem(self, client_id: int, size, content) -> str | None:
-        """Why the upload of ``client_id`` cannot be aggregated (None if it can)."""
+    def _expected_shapes(self) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, ...]]]:
+        """``(d, k)`` of every LoRA module and the shape of every shared tensor, for checking uploads."""
         server = self.server
+        params = dict(server.model.named_parameters())
+        shapes = {n: (B.shape[0], A.shape[1]) for n, (B, A) in server.global_factors.items()}
+        return shapes, {n: tuple(params[n].shape) for n in server.shared_names}
+
+    def _decode_checked(self, client_id: int, size, content, shapes, shared_shapes):
+        """``(factors, shared tensors)`` decoded from an upload that can be aggregated, else why it cannot."""
         if not isinstance(size, (int, float)) or not math.isfinite(size) or size < 0:
             return f"sample size {size!r} is not a finite number >= 0"
         if not isinstance(content, dict) or "lora" not in content:
@@ -255,13 +264,11 @@ class FedPAAggregator(Aggregator):
             shared = decode_tensors(content.get("shared", {}))
         except (ValueError, TypeError, AttributeError) as err:
             return f"undecodable payload ({err})"
-        if not 1 <= client_id <= len(server.method.plan.client_ranks):
+        ranks = self.server.method.plan.client_ranks
+        if not 1 <= client_id <= len(ranks):
             return f"client id {client_id} is not in the rank plan"
-        shapes = {n: (B.shape[0], A.shape[1]) for n, (B, A) in server.global_factors.items()}
-        params = dict(server.model.named_parameters())
-        shared_shapes = {n: tuple(params[n].shape) for n in server.shared_names}
-        rank = server.method.plan.client_ranks[client_id - 1]
-        return upload_problem(factors, shapes, rank, shared, shared_shapes)
+        problem = upload_problem(factors, shapes, ranks[client_id - 1], shared, shared_shapes)
+        return problem if problem is not None else (factors, shared)
 
     def save_model(self, path, cur_round=-1):
         self.server.save_checkpoint(path, cur_round)
