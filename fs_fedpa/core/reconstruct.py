@@ -71,21 +71,12 @@ def reconstruct(
     Computation runs in float32 (float64 if the inputs are float64) and never materialises
     a ``(d, k)`` tensor except in ``dense`` mode.
     """
-    ranks, dtype, device = check_factor_lists(Bs, As)
+    check_factor_lists(Bs, As)
     check_positive_int(rank, "rank")
     _check_mode(mode, oversample)
     w = normalized_weights(weights, len(Bs))
-    cdtype = compute_dtype(dtype)
-    scale = _column_scale(w, ranks, cdtype, device)
-    # B_cat is built transposed, (*, r_tot, d), so that B_cat = Bt.mT is column-major for LAPACK.
-    Bt = torch.cat([B.mT for B in Bs], dim=-2).to(cdtype) * scale[:, None]
-    Ac = torch.cat(list(As), dim=-2).to(cdtype) * scale[:, None]
-    try:
-        B_g, A_g, S = _reconstruct_cat(Bt.mT, Ac, rank, mode, oversample, generator)
-    except _NonFinite:
-        raise ValueError(f"{first_nonfinite_client(Bs, As)} contains NaN or Inf") from None
-    out = (B_g.to(dtype), A_g.to(dtype))
-    return (*out, S) if return_spectrum else out
+    B_g, A_g, S = _reconstruct_clients(Bs, As, rank, w, mode, oversample, generator)
+    return (B_g, A_g, S) if return_spectrum else (B_g, A_g)
 
 
 def reconstruct_adapter(
@@ -130,33 +121,29 @@ def reconstruct_adapter(
     for name in names:
         Bs = [upload[name][0] for upload in uploads]
         As = [upload[name][1] for upload in uploads]
+        if any(isinstance(B, Tensor) and B.ndim != 2 for B in Bs):
+            raise ValueError(f"module {name!r}: factors must be 2-D per module, got B of shape {tuple(Bs[0].shape)}")
         try:
             ranks, dtype, device = check_factor_lists(Bs, As)
         except ValueError as exc:
             raise ValueError(f"module {name!r}: {exc}") from None
-        if Bs[0].ndim != 2:
-            raise ValueError(f"module {name!r}: factors must be 2-D per module, got B of shape {tuple(Bs[0].shape)}")
         key = (Bs[0].shape[0], As[0].shape[1], tuple(ranks), dtype, device)
         groups.setdefault(key, []).append(name)
 
     result: dict[str, tuple[Tensor, Tensor]] = {}
     spectra: dict[str, Tensor] = {}
-    for (_, _, ranks, dtype, device), group in groups.items():
-        cdtype = compute_dtype(dtype)
-        scale = _column_scale(w, list(ranks), cdtype, device)
-        Bt = torch.stack([torch.cat([u[n][0].mT for u in uploads], dim=-2) for n in group]).to(cdtype)
-        Ac = torch.stack([torch.cat([u[n][1] for u in uploads], dim=-2) for n in group]).to(cdtype)
-        Bt.mul_(scale[:, None])
-        Ac.mul_(scale[:, None])
+    for group in groups.values():
+        # one batch per group: client i's factors of every module in the group, stacked on a leading dim
+        Bs = [torch.stack([u[n][0] for n in group]) for u in uploads]
+        As = [torch.stack([u[n][1] for n in group]) for u in uploads]
         try:
-            B_g, A_g, S = _reconstruct_cat(Bt.mT, Ac, rank, mode, oversample, generator)
-        except _NonFinite:
+            B_g, A_g, S = _reconstruct_clients(Bs, As, rank, w, mode, oversample, generator)
+        except ValueError as exc:  # name the module, not the batch position
             for n in group:
                 where = first_nonfinite_client([u[n][0] for u in uploads], [u[n][1] for u in uploads])
                 if where != "the weighted factors":
                     raise ValueError(f"module {n!r}: {where} contains NaN or Inf") from None
-            raise ValueError(f"modules {group}: weighted factors contain NaN or Inf") from None
-        B_g, A_g = B_g.to(dtype), A_g.to(dtype)
+            raise ValueError(f"modules {group}: {exc}") from None
         for j, n in enumerate(group):
             result[n] = (B_g[j], A_g[j])
             spectra[n] = S[j]
@@ -166,17 +153,36 @@ def reconstruct_adapter(
     return ordered
 
 
+def weighted_stack(Bs: Sequence[Tensor], As: Sequence[Tensor], w: Sequence[float], dtype: torch.dtype):
+    """``B_cat = [sqrt(w_1) B_1, ..., sqrt(w_N) B_N]: (*, d, r_tot)`` and ``A_cat = [sqrt(w_i) A_i]_i: (*, r_tot, k)``
+    in ``dtype``, so that ``B_cat @ A_cat = sum_i w_i B_i A_i`` (``w`` already normalised).
+
+    ``B_cat`` is built transposed and returned as a view, so that it is column-major for LAPACK's QR.
+    """
+    ranks = [B.shape[-1] for B in Bs]
+    sw = torch.tensor(list(w), dtype=torch.float64).sqrt().to(dtype)
+    scale = sw.repeat_interleave(torch.tensor(ranks)).to(Bs[0].device)[:, None]
+    Bt = torch.cat([B.mT for B in Bs], dim=-2).to(dtype) * scale
+    A_cat = torch.cat(list(As), dim=-2).to(dtype) * scale
+    return Bt.mT, A_cat
+
+
+def _reconstruct_clients(Bs, As, rank, w, mode, oversample, generator) -> tuple[Tensor, Tensor, Tensor]:
+    """Checked client lists (``(*, d, r_i)``, ``(*, r_i, k)``) -> ``(B_g, A_g, S)`` in the inputs' dtype."""
+    dtype = Bs[0].dtype
+    B_cat, A_cat = weighted_stack(Bs, As, w, compute_dtype(dtype))
+    try:
+        B_g, A_g, S = _reconstruct_cat(B_cat, A_cat, rank, mode, oversample, generator)
+    except _NonFinite:
+        raise ValueError(f"{first_nonfinite_client(Bs, As)} contains NaN or Inf") from None
+    return B_g.to(dtype), A_g.to(dtype), S
+
+
 def _check_mode(mode: str, oversample: int) -> None:
     if mode not in MODES:
         raise ValueError(f"mode(={mode!r}) must be one of {MODES}")
     if isinstance(oversample, bool) or not isinstance(oversample, int) or oversample < 0:
         raise ValueError(f"oversample(={oversample!r}) must be an int >= 0")
-
-
-def _column_scale(w: list[float], ranks: list[int], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``sqrt(w_i)`` repeated ``r_i`` times: the scale of B_cat's columns and A_cat's rows."""
-    sw = torch.tensor(w, dtype=torch.float64).sqrt().to(dtype)
-    return sw.repeat_interleave(torch.tensor(ranks)).to(device)
 
 
 class _NonFinite(ValueError):

@@ -10,18 +10,9 @@ from __future__ import annotations
 from dataclasses import fields
 
 from fs_fedpa.config import FedPAConfig
+from fs_fedpa.methods import names
 
-PLUGIN_METHODS = (
-    "fedit",
-    "fedpa",
-    "fedpa_no_preservation",
-    "fedrot_lora",
-    "fedsa_lora",
-    "ffa_lora",
-    "flexlora",
-    "hetlora",
-    "rolora",
-)  # == sorted(fs_fedpa.methods.METHODS); no torch import here
+PLUGIN_METHODS = names()  # one module per method in fs_fedpa/methods; no torch import here
 
 # FS features whose message formats or update rules FedPA does not speak (yet).
 _UNSUPPORTED = (

@@ -13,21 +13,13 @@ import sys
 from pathlib import Path
 
 from fs_fedpa import compare
+from fs_fedpa.methods import names
 from fs_fedpa.tools.sst2_demo import find_glue_dir
 
 CFG_NAME = Path("yaml_configs") / "compare_sst2_minilm_cpu.yaml"
 CFG = CFG_NAME if CFG_NAME.is_file() else Path(__file__).resolve().parents[2] / CFG_NAME
-METHODS = (
-    "fedpa",
-    "fedit",
-    "flexlora",
-    "ffa_lora",
-    "fedsa_lora",
-    "rolora",
-    "fedrot_lora",
-    "hetlora",
-    "fedpa_no_preservation",
-)
+FIRST = ("fedpa", "fedit", "flexlora")
+METHODS = (*FIRST, *(m for m in names() if m not in FIRST))  # every method of fs_fedpa.methods
 
 
 def main(argv: list[str] | None = None) -> int:

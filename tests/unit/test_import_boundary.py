@@ -36,3 +36,12 @@ def test_public_names_resolve_lazily():
         [sys.executable, "-c", "import fs_fedpa; fs_fedpa.nope"], cwd=ROOT, capture_output=True, text=True
     )
     assert "module 'fs_fedpa' has no attribute 'nope'" in out.stderr
+
+
+def test_the_method_list_comes_from_the_package_files_without_torch():
+    code = (
+        "from fs_fedpa.methods import names\n"
+        "from fs_fedpa.plugin.config import PLUGIN_METHODS\n"
+        "assert PLUGIN_METHODS == names() and 'fedpa' in names() and 'base' not in names()"
+    )
+    assert _loaded_after(code) == {m: False for m in HEAVY}
