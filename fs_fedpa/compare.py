@@ -30,9 +30,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fs_fedpa.record import CLIENT_STATS, DIAGNOSTICS_FILE, compact
 from fs_fedpa.tools.fs_results import weighted_avg_by_round
-
-DIAGNOSTICS_FILE = "fedpa_diagnostics.jsonl"  # fs_fedpa.plugin.server writes it (not imported: no torch here)
 
 
 @dataclass(frozen=True)
@@ -108,24 +107,9 @@ def collect(out: Path) -> dict:
     run = json.loads((out / "result.json").read_text())
     run.setdefault("cell", run.get("method"))
     run["rounds"] = {int(r): m for r, m in weighted_avg_by_round(out / "run" / "eval_results.log").items()}
-    diagnostics = []
     path = out / "run" / DIAGNOSTICS_FILE
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        d = json.loads(line)
-        diagnostics.append(
-            {
-                "round": d["round"],
-                "e_agg": d["e_agg"],
-                "e_agg_rel": d["e_agg_rel"],
-                "e_agg_probe": d["e_agg_probe"],
-                "e_init_B": _mean(d["e_init_B"].values()),
-                "e_init_A": _mean(d["e_init_A"].values()),
-                "spectrum_probe": d["spectrum_probe"],
-                "probe_module": d["probe_module"],
-                "bytes_total": d["bytes_up_total"] + d["bytes_down_total"],
-            }
-        )
-    run["diagnostics"] = diagnostics
+    lines = path.read_text().splitlines() if path.is_file() else []
+    run["diagnostics"] = [compact(json.loads(line)) for line in lines]
     return run
 
 
@@ -145,20 +129,28 @@ def summarize(runs: list[dict], metric: str, larger_is_better: bool) -> list[dic
             series = [s for s in series if s]
             row[f"{key} final"] = _stat([s[-1] for s in series])
             row[f"{key} best"] = _stat([max(s) if larger_is_better else min(s) for s in series])
-        for key in ("e_agg_rel", "e_init_B", "e_init_A"):
-            row[key] = _stat([v for r in group if (v := _mean(d[key] for d in r["diagnostics"])) is not None])
+        for key in MEAN_OVER_ROUNDS:
+            row[key] = _stat([v for r in group if (v := _mean(d.get(key) for d in r["diagnostics"])) is not None])
         row["MiB"] = _stat([r["diagnostics"][-1]["bytes_total"] / 2**20 for r in group if r["diagnostics"]])
         row["minutes"] = _stat([r["seconds"] / 60 for r in group if r.get("seconds")])
         rows.append(row)
     return rows
 
 
+# Diagnostics tabulated as their mean over rounds (per run; then mean ± std over seeds).
+MEAN_OVER_ROUNDS = (
+    "e_agg_rel",
+    "e_init_B",
+    "e_init_A",
+    "global_update_norm",
+    *(f"{k}_mean" for k in CLIENT_STATS if k != "grad_ratio_first"),
+)
+
+
 def columns(metric: str) -> list[str]:
     return [
         *(f"{k} {s}" for k in (metric, f"local.{metric}") for s in ("final", "best")),
-        "e_agg_rel",
-        "e_init_B",
-        "e_init_A",
+        *MEAN_OVER_ROUNDS,
         "MiB",
         "minutes",
     ]
@@ -167,7 +159,7 @@ def columns(metric: str) -> list[str]:
 def _fmt(v: tuple[float, float] | None, column: str) -> str:
     if v is None:
         return "–"
-    if column.startswith("e_"):
+    if column in MEAN_OVER_ROUNDS:
         return f"{v[0]:.2e} ± {v[1]:.1e}"
     digits = 1 if column in ("MiB", "minutes") else 4
     return f"{v[0]:.{digits}f} ± {v[1]:.{digits}f}"
@@ -203,6 +195,10 @@ def protocol_note(metric: str, cfg: str, cells: list[Cell], seeds: list[int], op
             "- `e_agg_rel`: ||B_g A_g - sum_i w_i B_i A_i||_F / ||sum_i w_i B_i A_i||_F over all LoRA modules, "
             "mean over rounds; `e_init_B`, `e_init_A`: relative change of a client's factor between the end of a "
             "round and the start of the next (§3.3), first LoRA module, mean over clients and rounds.",
+            "- The mechanism, mean over rounds (client fields: mean over clients first): `global_update_norm` "
+            "||sum_i w_i Delta W_i||_F; `delta_norm_mean` ||Delta W_i||_F; `drift_mean` ||Delta W_i - X_g,i||_F "
+            "from the reference received, `drift_rel_mean` the same over ||X_g,i||_F; `grad_ratio_last_mean` "
+            "||grad alignment|| / ||grad task|| at a round's last step (– for methods without an alignment term).",
             "- `MiB`: uplink + downlink payloads of the whole run; `minutes`: wall time of one run.",
             *([f"- Cell overrides: {overrides}."] if overrides else []),
         ]

@@ -1,9 +1,11 @@
 """Reading and writing the LoRA factors of a PEFT model, at any per-module rank. No FederatedScope here.
 
+The one owner of the LoRA factor type (:data:`Factors`) and of the conversions between its spaces.
 PEFT applies ``W_0 + s B A`` with ``s = lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA). Federated
-aggregation must average the *updates* ``s_i B_i A_i``: with heterogeneous ranks the raw factors
-of different clients are on different scales. :func:`effective` folds ``s`` into B; the
-server and the references live in that effective space.
+aggregation must average the *updates* ``Delta W_i = s_i B_i A_i``: with heterogeneous ranks the raw
+factors of different clients are on different scales. :class:`Scaling` gives ``s(r)`` per module and
+folds it into B (the *applied* space of the server, the aggregation and the downlink);
+:class:`ClientSpace` is the one space a client keeps, trains and aligns its factors in.
 
 A client of rank r_i trains rank-r_i LoRA even when FS shares one model object between all
 clients: :func:`set_factors` swaps the ``lora_A``/``lora_B`` weights of every module for
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -40,11 +43,6 @@ def get_factors(model: nn.Module) -> Factors:
         adapter = _adapter(layer)
         out[name] = (layer.lora_B[adapter].weight, layer.lora_A[adapter].weight)
     return out
-
-
-def scaling(model: nn.Module) -> dict[str, float]:
-    """PEFT's current ``scaling`` s of every LoRA module."""
-    return {name: float(layer.scaling[_adapter(layer)]) for name, layer in lora_layers(model).items()}
 
 
 def scaling_for_rank(layer: nn.Module, r: int) -> float:
@@ -89,14 +87,87 @@ def set_factors(
             layer.scaling[adapter] = scaling_for_rank(layer, r)
 
 
-def effective(factors: Mapping[str, tuple[Tensor, Tensor]], scales: Mapping[str, float]) -> Factors:
-    """``(s B, A)`` per module: factors whose product is the update ``s B A`` the model applies."""
-    return {name: (B * scales[name], A) for name, (B, A) in factors.items()}
+@dataclass(frozen=True)
+class Scaling:
+    """PEFT's scaling ``s(r)`` of every LoRA module as a function of the rank: ``alpha / r``, or ``alpha / sqrt(r)``
+    with rsLoRA. Read once from the model's config (``lora_alpha``, ``use_rslora``), never from its live state, so a
+    conversion depends only on the factors' rank.
+
+    *Applied* factors ``(s(r) B, A)`` have the update ``Delta W = s(r) B A`` the model applies as their product: the
+    server, the aggregation and the downlink live in that space.
+    """
+
+    alpha: Mapping[str, float]
+    rslora: Mapping[str, bool]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> Scaling:
+        layers = lora_layers(model)
+        return cls(
+            {n: float(layer.lora_alpha[_adapter(layer)]) for n, layer in layers.items()},
+            {n: bool(layer.use_rslora.get(_adapter(layer), False)) for n, layer in layers.items()},
+        )
+
+    def s(self, name: str, r: int) -> float:
+        """``s(r)`` of module ``name``."""
+        return self.alpha[name] / math.sqrt(r) if self.rslora[name] else self.alpha[name] / r
+
+    def applied(self, factors: Mapping[str, tuple[Tensor, Tensor]]) -> Factors:
+        """``(s(r) B, A)`` with r the rank of each pair: raw PEFT factors to the update they apply."""
+        return {n: (B * self.s(n, B.shape[-1]), A) for n, (B, A) in factors.items()}
+
+    def raw(self, factors: Mapping[str, tuple[Tensor, Tensor]]) -> Factors:
+        """``(B / s(r), A)``: the raw PEFT factors that apply ``B A`` at rank r (inverse of :meth:`applied`)."""
+        return {n: (B / self.s(n, B.shape[-1]), A) for n, (B, A) in factors.items()}
 
 
-def from_effective(layers: Mapping[str, nn.Module], factors: Mapping[str, tuple[Tensor, Tensor]]) -> Factors:
-    """Inverse of :func:`effective` at each factor's own rank: ``(B / s(r), A)`` for PEFT's ``s(r)`` of that module."""
-    return {name: (B / scaling_for_rank(layers[name], B.shape[1]), A) for name, (B, A) in factors.items()}
+@dataclass(frozen=True)
+class ClientSpace:
+    """The one factor space of client i, of computation rank r_i: applied factors divided by ``s_i = s(r_i)``.
+
+    At rank r_i these are PEFT's raw factors, so the client trains and keeps them bit for bit; a factor pair of
+    another rank r (the rank-R_i reference) is ``(Delta W / s_i)``'s factors. The conversions happen only at the
+    borders: :meth:`download` (server -> client), :meth:`upload` (client -> server), and :meth:`to_model` /
+    :meth:`from_model` when a pair of rank r != r_i is loaded into the model (PEFT then applies ``s(r)``).
+    Every method hook on the client works in this space; they are all scale-equivariant.
+    """
+
+    scaling: Scaling
+    rank: int
+
+    def s_i(self, name: str) -> float:
+        return self.scaling.s(name, self.rank)
+
+    def download(self, applied: Mapping[str, tuple[Tensor, Tensor]]) -> Factors:
+        """``(B / s_i, A)``: received applied factors, any rank, in this client's space."""
+        return {n: (B / self.s_i(n), A) for n, (B, A) in applied.items()}
+
+    def upload(self, own: Mapping[str, tuple[Tensor, Tensor]]) -> Factors:
+        """``(s_i B, A)``: this client's factors as the applied update ``Delta W_i = s_i B_i A_i``."""
+        return {n: (B * self.s_i(n), A) for n, (B, A) in own.items()}
+
+    def to_model(self, factors: Mapping[str, tuple[Tensor, Tensor]]) -> Factors:
+        """Raw PEFT factors applying the same update: ``B s_i / s(r)`` for a pair of rank r (unchanged at r_i)."""
+        return {n: (self._rescale(n, B, B.shape[-1], inverse=False), A) for n, (B, A) in factors.items()}
+
+    def from_model(self, factors: Mapping[str, tuple[Tensor, Tensor]]) -> Factors:
+        """Inverse of :meth:`to_model`."""
+        return {n: (self._rescale(n, B, B.shape[-1], inverse=True), A) for n, (B, A) in factors.items()}
+
+    def _rescale(self, name: str, B: Tensor, r: int, inverse: bool) -> Tensor:
+        if r == self.rank:
+            return B
+        ratio = self.s_i(name) / self.scaling.s(name, r)
+        return B / ratio if inverse else B * ratio
+
+    def penalty_weight(self, reference_rank: int) -> float:
+        """``(s_i / s(r))^2`` for the configured adapter rank r: the factor that turns the common lambda, quoted in
+        the raw-factor scale of rank r (``lam/2 ||Delta W_i - X||^2 / s(r)^2``), into this client's weight on
+        ``||B_i A_i - X / s_i||^2``. The ratio does not depend on alpha; it is 1 when r_i == r."""
+        ratios = {(self.s_i(n) / self.scaling.s(n, reference_rank)) ** 2 for n in self.scaling.alpha}
+        if len(ratios) > 1:
+            raise ValueError(f"LoRA modules mix rsLoRA and plain scaling: {sorted(ratios)}; one lambda needs one rule")
+        return ratios.pop() if ratios else 1.0
 
 
 def copy_factors(factors: Mapping[str, tuple[Tensor, Tensor]], device: torch.device | str | None = None) -> Factors:

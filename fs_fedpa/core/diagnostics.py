@@ -9,6 +9,7 @@ reconstruction is ~0).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -69,9 +70,9 @@ def aggregate_norm(
 
 def _weighted_cat(Bs, As, weights, cdtype) -> tuple[Tensor, Tensor]:
     """``B_cat = [sqrt(w_i) B_i]``, ``A_cat = [sqrt(w_i) A_i]`` so that ``B_cat A_cat = sum_i w_i B_i A_i``."""
-    sw = [w**0.5 for w in normalized_weights(weights, len(Bs))]
-    B_cat = torch.cat([B.to(cdtype) * s for B, s in zip(Bs, sw)], dim=-1)
-    A_cat = torch.cat([A.to(cdtype) * s for A, s in zip(As, sw)], dim=-2)
+    from fs_fedpa.core.reconstruct import weighted_stack
+
+    B_cat, A_cat = weighted_stack(Bs, As, normalized_weights(weights, len(Bs)), cdtype)
     check_finite(B_cat, "client B factors")
     check_finite(A_cat, "client A factors")
     return B_cat, A_cat
@@ -115,3 +116,99 @@ def aggregate_spectrum(
 def payload_bytes(tensors: Sequence[Tensor]) -> int:
     """Bytes on the wire for a list of tensors (numel x element size), for up/downlink accounting."""
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def product_distance(B: Tensor, A: Tensor, B_ref: Tensor, A_ref: Tensor) -> Tensor:
+    """``||B A - B_ref A_ref||_F`` from the factors (a client's drift from its reference, §4.2), any two ranks.
+
+    The difference is the product ``[B, -B_ref] [A; A_ref]``, so this is a :func:`factored_norm` of rank
+    ``r + R``: ``O((d + k)(r + R)^2)``, no ``(d, k)`` tensor. Shapes: ``B (d, r)``, ``A (r, k)``, ``B_ref (d, R)``,
+    ``A_ref (R, k)``.
+    """
+    if B.shape[-2] != B_ref.shape[-2] or A.shape[-1] != A_ref.shape[-1]:
+        raise ValueError(
+            f"products differ in shape: {B.shape[-2]}x{A.shape[-1]} vs {B_ref.shape[-2]}x{A_ref.shape[-1]}"
+        )
+    cdtype = compute_dtype(B.dtype)
+    return factored_norm(
+        torch.cat([B.to(cdtype), -B_ref.to(cdtype)], dim=-1), torch.cat([A.to(cdtype), A_ref.to(cdtype)], dim=-2)
+    )
+
+
+class GradientSplit:
+    """The norms of the two parts of the gradient on a client's factors, from the backward pass training runs.
+
+    The alignment term reads every factor through :meth:`alias` (a view whose hook sees only the gradient of
+    that term); the factor's own hook, installed by :meth:`watch`, sees the whole gradient. The task part is the
+    difference. No extra forward or backward, no ``(d, k)`` tensor, no host sync per step: per step two squared
+    norms of ``(d, r)`` and ``(r, k)`` tensors, kept on the factors' device. :meth:`norms` gives
+    ``(||g_align||, ||g_task||)`` over all factors of the round's first and last step.
+    """
+
+    def __init__(self) -> None:
+        self._handles: list = []
+        self._align: dict[int, Tensor] = {}
+        self._step: list[Tensor] | None = None  # [align_sq, task_sq] of the step in progress
+        self._first: list[Tensor] | None = None
+        self._last: list[Tensor] | None = None
+
+    def watch(self, factors: dict[str, tuple[Tensor, Tensor]]) -> None:
+        """Start a round: hook every trainable factor (live parameters)."""
+        self.close()
+        self._first = self._last = None
+        for pair in factors.values():
+            for p in pair:
+                if p.requires_grad:
+                    self._handles.append(p.register_hook(functools.partial(self._total, id(p))))
+
+    def alias(self, factors: dict[str, tuple[Tensor, Tensor]]) -> dict[str, tuple[Tensor, Tensor]]:
+        """Views of ``factors`` to compute the alignment term from; their gradients are the term's part."""
+        return {n: (self._view(B), self._view(A)) for n, (B, A) in factors.items()}
+
+    def end_step(self) -> None:
+        """Close the step whose backward ran last (call before the next step's forward and at the round's end)."""
+        if self._step is not None:
+            self._first = self._first or self._step
+            self._last = self._step
+        self.discard()
+
+    def discard(self) -> None:
+        """Forget gradients seen since the last :meth:`end_step` (e.g. the adaptive-lambda probe's autograd.grad)."""
+        self._step, self._align = None, {}
+
+    def close(self) -> None:
+        """End the round: close the last step and remove the hooks."""
+        self.end_step()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def norms(self) -> dict[str, tuple[float, float]]:
+        """``{"first": (||g_align||, ||g_task||), "last": ...}`` of the round's steps (empty before a backward)."""
+        return {
+            key: (float(step[0]) ** 0.5, float(step[1]) ** 0.5)
+            for key, step in (("first", self._first), ("last", self._last))
+            if step is not None
+        }
+
+    def _view(self, p: Tensor) -> Tensor:
+        if not p.requires_grad:
+            return p
+        v = p.view_as(p)
+        v.register_hook(functools.partial(self._remember, id(p)))
+        return v
+
+    def _remember(self, key: int, g: Tensor) -> None:
+        g = g.detach().float()
+        self._align[key] = g + self._align[key] if key in self._align else g
+
+    def _total(self, key: int, g: Tensor) -> None:
+        g = g.detach().float()
+        align = self._align.pop(key, None)
+        if self._step is None:
+            self._step = [g.new_zeros(()), g.new_zeros(())]
+        if align is None:
+            self._step[1] = self._step[1] + g.square().sum()
+        else:
+            self._step[0] = self._step[0] + align.square().sum()
+            self._step[1] = self._step[1] + (g - align).square().sum()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import torch
 from torch import Tensor
 
 from fs_fedpa.core._checks import normalized_weights
@@ -31,8 +32,14 @@ def average_factors(
                 f"module {name!r}: factor-wise averaging needs equal shapes, got {sorted(shapes)}; "
                 "clients of different ranks need a product-space method (fedpa, flexlora)"
             )
-        out[name] = (
-            sum(wi * u[name][0] for wi, u in zip(w, uploads)),
-            sum(wi * u[name][1] for wi, u in zip(w, uploads)),
-        )
+        out[name] = (_average([u[name][0] for u in uploads], w), _average([u[name][1] for u in uploads], w))
     return out
+
+
+def _average(factors: list[Tensor], w: list[float]) -> Tensor:
+    """``sum_i w_i Y_i``; a factor every client holds unchanged (FFA-LoRA's frozen A, RoLoRA's untrained factor)
+    is returned as it is, since the weighted sum of equal tensors can differ from them in the last bit."""
+    first = factors[0]
+    if all(Y is first or torch.equal(Y, first) for Y in factors[1:]):
+        return first.clone()
+    return sum(wi * Y for wi, Y in zip(w, factors))

@@ -27,11 +27,14 @@ class RankPlan:
         client_ranks: r_i, one per client.
         reference_ranks: R_i, one per client.
         global_rank: R_g, the rank of the server's reconstruction (>= every R_i).
+        adapter_rank: r, the rank of the configured adapter, whose raw-factor scale lambda is quoted in
+            (:meth:`fs_fedpa.lora.ClientSpace.penalty_weight`); 0 means r_g.
     """
 
     client_ranks: tuple[int, ...]
     reference_ranks: tuple[int, ...]
     global_rank: int
+    adapter_rank: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.client_ranks)
@@ -44,6 +47,8 @@ class RankPlan:
         for i, R in enumerate(self.reference_ranks):
             check_positive_int(R, f"reference_ranks[{i}]")
         check_positive_int(self.global_rank, "global_rank")
+        if self.adapter_rank != 0:
+            check_positive_int(self.adapter_rank, "adapter_rank")
         for i, R in enumerate(self.reference_ranks):
             if R > self.global_rank:
                 raise ValueError(
@@ -75,7 +80,7 @@ class RankPlan:
         R = _per_client(reference_ranks, num_clients, "reference_ranks")
         if global_rank is None:
             global_rank = max(R) if R else max(r)
-        return cls(tuple(r), tuple(R) if R else (global_rank,) * num_clients, global_rank)
+        return cls(tuple(r), tuple(R) if R else (global_rank,) * num_clients, global_rank, rank)
 
     @property
     def num_clients(self) -> int:
@@ -89,6 +94,11 @@ class RankPlan:
     @property
     def R_g(self) -> int:
         return self.global_rank
+
+    @property
+    def lam_rank(self) -> int:
+        """The rank whose raw-factor scale lambda is quoted in: the configured adapter rank, else r_g."""
+        return self.adapter_rank or self.r_g
 
     def check_layer(self, d: int, k: int, name: str = "layer") -> None:
         """Raise if a rank exceeds ``min(d, k)`` of an adapted ``(d, k)`` layer."""

@@ -1,16 +1,15 @@
 """The small interface every federated LoRA method implements, and the registry of methods.
 
-All factors here are *effective*: ``(s B, A)`` with PEFT's scaling folded into B, so that the
-product is the update the model applies (see ``fs_fedpa.lora``). A method decides:
+Two spaces (both owned by :mod:`fs_fedpa.lora`): server-side hooks see *applied* factors ``(s B, A)`` whose product
+is the update ``Delta W`` the model applies; client-side hooks see the client's own space (applied / s_i; at rank
+r_i these are PEFT's raw factors). Client-side hooks only select, truncate, rotate or penalise factors, so they do
+not depend on the scale. A method decides:
 
-- ``init_global``: the server's factors before round 1 (Alg. 1 l.2);
-- ``client_init``: what a client starts from when it has no factors yet (Alg. 1 l.4);
-- ``keeps`` / ``start_round``: which factors a client keeps from its last round, and what it takes
-  from what it received; ``trainable``: which factors it trains this round;
-- ``before_upload``: what it makes of its factors before sending them (e.g. a rotation);
-- ``aggregate``: what the server makes of the uploads;
-- ``downlink``: what the server sends to one client;
-- ``alignment``: the extra loss term of local training, if any.
+- server: ``init_global`` (Alg. 1 l.2), ``aggregate``, ``downlink`` (what client i receives), ``upload_parts`` and
+  ``complete_upload`` (which factors travel up, and what the server takes for the others);
+- client: ``client_init`` (Alg. 1 l.4), ``start_round`` (the round's starting factors from what it received and
+  what it kept), ``trainable``, ``alignment`` (the extra local loss), ``end_round`` (what it keeps), ``before_upload``
+  (what it sends), ``evaluation_factors`` (what the paper protocol evaluates).
 """
 
 from __future__ import annotations
@@ -23,8 +22,9 @@ from torch import Tensor
 
 from fs_fedpa.config import FedPAConfig
 from fs_fedpa.core.ranks import RankPlan, init_global_factors, truncate_factors
+from fs_fedpa.lora import Factors
 
-Factors = dict[str, tuple[Tensor, Tensor]]
+PARTS = ("B", "A")
 
 METHODS: dict[str, type[FederatedMethod]] = {}
 
@@ -33,7 +33,6 @@ class FederatedMethod:
     """Defaults shared by the methods; a method overrides what differs."""
 
     name: ClassVar[str] = ""
-    keeps: ClassVar[tuple[bool, bool]] = (False, False)  # (B, A) kept from the client's previous round
 
     def __init__(self, cfg: FedPAConfig, plan: RankPlan):
         self.cfg = cfg
@@ -55,6 +54,11 @@ class FederatedMethod:
         """Rank-r_g global factors: B = 0, A Kaiming-uniform as PEFT (Alg. 1 l.2). ``shapes[name] = (d, k)``."""
         return {name: init_global_factors(d, k, self.plan.r_g, generator=generator) for name, (d, k) in shapes.items()}
 
+    def weights(self, round_samples: Sequence[float], data_sizes: Sequence[float | None]) -> list[float]:
+        """Aggregation weights w_i (normalised later) from FS's sample counts of the round and the clients' training
+        set sizes (None where a client did not report one); default: FS's rule, the round's sample counts."""
+        return list(round_samples)
+
     def aggregate(
         self, uploads: Sequence[Factors], weights: Sequence[float], clients: Sequence[int], generator: torch.Generator
     ) -> tuple[Factors, dict[str, Tensor]]:
@@ -62,40 +66,64 @@ class FederatedMethod:
         raise NotImplementedError
 
     def downlink(self, global_: Factors, client: int) -> Factors:
-        """What the server sends client ``client`` (0-based index)."""
+        """What the server sends client ``client`` (0-based index): the rank-R_i reference (Alg. 1 l.8)."""
         return {n: truncate_factors(B, A, self.plan.reference_ranks[client]) for n, (B, A) in global_.items()}
+
+    def upload_parts(self, rnd: int) -> tuple[str, ...]:
+        """Which factors a client sends in round ``rnd``: ``("B", "A")``, or one of them."""
+        return PARTS
+
+    def complete_upload(self, upload: dict[str, dict[str, Tensor]], global_: Factors, client: int) -> Factors:
+        """Full ``(B_i, A_i)`` from an upload of :meth:`upload_parts` only: a factor that was not sent is the one the
+        client received, unchanged (the global one at the client's rank r_i)."""
+        r_i = self.plan.client_ranks[client]
+        out = {}
+        for name, parts in upload.items():
+            if len(parts) < 2:
+                B, A = truncate_factors(*global_[name], r_i)
+                parts = {"B": B, "A": A, **parts}
+            out[name] = (parts["B"], parts["A"])
+        return out
 
     # ------------------------------------------------------------------ client
     def client_init(self, global_init: Factors, client: int) -> Factors:
         """A new client's factors: the first r_i columns of B_g and rows of A_g (Alg. 1 l.4)."""
         return {n: truncate_factors(B, A, self.plan.client_ranks[client]) for n, (B, A) in global_init.items()}
 
-    def start_round(self, received: Factors, client: int) -> Factors:
-        """Factors a client that does not keep its own trains from: the received ones at its rank r_i."""
+    def start_round(self, received: Factors, own: Factors, client: int, rnd: int) -> Factors:
+        """The factors client ``client`` trains from in round ``rnd``, given what it received and its own factors
+        from the end of its last round (default, FedIT: the received ones at its rank r_i)."""
         return {n: truncate_factors(B, A, self.plan.client_ranks[client]) for n, (B, A) in received.items()}
 
     def trainable(self, rnd: int) -> tuple[bool, bool]:
         """Whether (B, A) are trained in round ``rnd``."""
         return True, True
 
-    def before_upload(self, local: Factors, received: Factors, rnd: int) -> Factors:
-        """The factors a client uploads, from its trained ones and what it received this round."""
-        return local
-
     def alignment(self, local: Factors, reference: Factors, lam: float) -> Tensor | None:
         """Extra local loss for factors ``local`` (live parameters) and a fixed ``reference``; None for none."""
         return None
 
+    def end_round(self, local: Factors, client: int, rnd: int) -> Factors:
+        """What the client keeps of its trained factors (e.g. pruned ones); default: all of them."""
+        return local
+
+    def before_upload(self, local: Factors, received: Factors, rnd: int) -> Factors:
+        """The factors a client uploads, from its kept ones and what it received this round."""
+        return local
+
+    def evaluation_factors(self, received: Factors, own: Factors, client: int) -> Factors:
+        """What the paper protocol evaluates on client ``client``: the received global reference by default."""
+        return received
+
 
 def get_method(name: str) -> type[FederatedMethod]:
+    """The class registered as ``name``; importing every method module registers it."""
     import importlib
-    import pkgutil
 
-    import fs_fedpa.methods as package
+    from fs_fedpa.methods import names
 
-    for module in pkgutil.iter_modules(package.__path__):  # each method module registers itself
-        importlib.import_module(f"fs_fedpa.methods.{module.name}")
-
+    for module in names():
+        importlib.import_module(f"fs_fedpa.methods.{module}")
     if name not in METHODS:
         raise ValueError(f"unknown federated method {name!r}; known: {sorted(METHODS)}")
     return METHODS[name]

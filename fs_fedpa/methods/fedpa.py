@@ -19,7 +19,9 @@ from fs_fedpa.methods.base import Factors, FederatedMethod
 
 class FedPA(FederatedMethod):
     name = "fedpa"
-    keeps = (True, True)  # §4.1: the received factors are only a reference
+
+    def start_round(self, received: Factors, own: Factors, client: int, rnd: int) -> Factors:
+        return own  # §4.1: local factor preservation; the received factors are only the reference
 
     def aggregate(
         self, uploads: Sequence[Factors], weights: Sequence[float], clients: Sequence[int], generator: torch.Generator

@@ -3,9 +3,12 @@ restart every round from the rank-r_i truncation of the global reference instead
 
 from __future__ import annotations
 
+from fs_fedpa.methods.base import Factors, FederatedMethod
 from fs_fedpa.methods.fedpa import FedPA
 
 
 class FedPANoPreservation(FedPA):
     name = "fedpa_no_preservation"
-    keeps = (False, False)
+
+    def start_round(self, received: Factors, own: Factors, client: int, rnd: int) -> Factors:
+        return FederatedMethod.start_round(self, received, own, client, rnd)

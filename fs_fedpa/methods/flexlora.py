@@ -10,13 +10,21 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from fs_fedpa.methods.base import Factors
+from fs_fedpa.methods.base import Factors, FederatedMethod
 from fs_fedpa.methods.fedpa import FedPA
 
 
 class FlexLoRA(FedPA):
     name = "flexlora"
-    keeps = (False, False)
+
+    def weights(self, round_samples, data_sizes) -> list[float]:
+        """FlexLoRA weighs each client's update by its local data size (its Eq. for the global update)."""
+        if any(n is None for n in data_sizes):
+            return list(round_samples)
+        return [float(n) for n in data_sizes]
+
+    def start_round(self, received: Factors, own: Factors, client: int, rnd: int) -> Factors:
+        return FederatedMethod.start_round(self, received, own, client, rnd)
 
     def alignment(self, local: Factors, reference: Factors, lam: float) -> Tensor | None:
         return None

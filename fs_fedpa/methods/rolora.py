@@ -2,7 +2,9 @@
 factor times the shared other one is exact. Paper: arxiv.org/abs/2409.02346
 
 B is trained in even rounds and A in odd ones: with PEFT's B = 0 initialisation, A receives no gradient
-until B moves, so starting with A would waste round 0.
+until B moves, so starting with A would waste round 0. Only the trained factor is sent; the server completes
+each upload with the other, global factor, which every client shared unchanged and which therefore stays
+bit for bit.
 """
 
 from __future__ import annotations
@@ -15,3 +17,6 @@ class RoLoRA(FedIT):
 
     def trainable(self, rnd: int) -> tuple[bool, bool]:
         return rnd % 2 == 0, rnd % 2 == 1
+
+    def upload_parts(self, rnd: int) -> tuple[str, ...]:
+        return ("B",) if rnd % 2 == 0 else ("A",)

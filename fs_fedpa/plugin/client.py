@@ -1,9 +1,11 @@
 """FedPA client for FederatedScope: keeps its own factors and local tensors, trains toward a reference.
 
-Per round (Alg. 1 l.7-12): load the client's *own* factors (never the server's) and local
-tensors into the model, whether or not FS shares one model object between clients; train with
-the method's alignment term; stash the trained factors and local tensors; upload the factors
-(effective, ``s_i B_i``) and any shared non-LoRA tensors. Local tensors never leave the client.
+Per round (Alg. 1 l.7-12): the method picks the round's starting factors from what the client received and
+its own factors (FedPA: its own, never the server's); they and the local tensors go into the model, whether or
+not FS shares one model object between clients; training adds the method's alignment term; the client keeps the
+trained factors and local tensors and uploads the factors (applied, ``s_i B_i``) and any shared non-LoRA tensors.
+Local tensors never leave the client. Factors live in the client's one space (:class:`fs_fedpa.lora.ClientSpace`)
+and are converted only at download, upload and when loaded into the model.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from torch import Tensor
 
 from fs_fedpa import lora
 from fs_fedpa.core.adaptive import lam_direction, lam_grad, lam_loss, normalized_factor_grads
-from fs_fedpa.core.diagnostics import initialization_error
+from fs_fedpa.core.diagnostics import GradientSplit, factored_norm, initialization_error, product_distance
 from fs_fedpa.core.penalty import product_penalty
 from fs_fedpa.plugin import resume
 from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainables
@@ -34,13 +36,15 @@ class FedPAClient(Client):
         if self._cfg is None:  # FS builds an unconfigured client to list message handlers
             return
         self.method = build_method(self._cfg, self.model)
-        self.layers = lora.lora_layers(self.model)
+        self.space = lora.ClientSpace(lora.Scaling.of(self.model), self.method.plan.client_ranks[self.index])
+        self.penalty_weight = self.space.penalty_weight(self.method.plan.lam_rank)  # one lambda for every client
         self.local_names, self.shared_names = non_lora_trainables(self.model, self._cfg.personalization.local_param)
         params = dict(self.model.named_parameters())
         # Snapshot now: with share_local_model, other clients' training overwrites the model's copy.
         self.local_tensors = {n: params[n].detach().clone() for n in self.local_names}
-        self.factors: dict[str, tuple[Tensor, Tensor]] | None = None  # raw (B_i, A_i), kept across rounds
-        self.reference: dict[str, tuple[Tensor, Tensor]] = {}  # in the local factors' scale
+        self.factors: dict[str, tuple[Tensor, Tensor]] | None = None  # own (B_i, A_i), kept across rounds
+        self.reference: dict[str, tuple[Tensor, Tensor]] = {}  # the received rank-R_i reference, client space
+        self._grads = GradientSplit()
         self._live: dict[str, tuple[Tensor, Tensor]] = {}
         self.lam = self.method.cfg.lam
         self._lam_pending = False
@@ -79,57 +83,78 @@ class FedPAClient(Client):
         )
 
     def _enter_round(self, payload: dict) -> None:
-        received = decode_factors(payload["lora"])
+        received = self.space.download(decode_factors(payload["lora"]))
         if self.factors is None:
             self.factors = self._initial_factors()
-        keep_B, keep_A = self.method.keeps
-        if keep_B and keep_A:
-            start = self.factors  # local factor preservation: bit-identical to the end of last round
-        else:
-            got = lora.from_effective(self.layers, self.method.start_round(received, self.index))
-            kept = self.factors
-            start = {n: (kept[n][0] if keep_B else B, kept[n][1] if keep_A else A) for n, (B, A) in got.items()}
+        start = self.method.start_round(received, self.factors, self.index, self.state)
         self._e_init = self._init_error(start, self.factors)
         self._received = received
-        lora.set_factors(self.model, start, trainable=self.method.trainable(self.state))
+        lora.set_factors(self.model, self.space.to_model(start), trainable=self.method.trainable(self.state))
         self._load_tensors(decode_tensors(payload.get("shared", {})))
         self._load_tensors(self.local_tensors)
         self._live = lora.get_factors(self.model)
         device = next(iter(self._live.values()))[0].device
-        scales = lora.scaling(self.model)
-        self.reference = {n: ((B / scales[n]).to(device), A.to(device)) for n, (B, A) in received.items()}
+        self.reference = {n: (B.to(device), A.to(device)) for n, (B, A) in received.items()}
         self.lam = self.method.cfg.lam
         self._lam_pending = self.method.cfg.adaptive_lam != "none"
         self._penalty_sum, self._penalty_steps = None, 0
+        self._grads.watch(self._live)
 
     def _leave_round(self) -> dict:
-        self.factors = lora.copy_factors(self._live)
+        self._grads.close()
+        trained = self.space.from_model(lora.copy_factors(self._live))
+        self.factors = self.method.end_round(trained, self.index, self.state)
         params = dict(self.model.named_parameters())
         self.local_tensors = {n: params[n].detach().clone() for n in self.local_names}
         self._rounds_trained += 1
         term = float(self._penalty_sum) / self._penalty_steps if self._penalty_steps else 0.0
         if self._resume_out:
             self._write_resume_file()
+        sent = self.space.upload(self.method.before_upload(self.factors, self._received, self.state))
         upload = {
-            "lora": encode_factors(
-                self.method.before_upload(
-                    lora.effective(self.factors, lora.scaling(self.model)), self._received, self.state
-                )
-            ),
-            "stats": {"alignment_loss": term, "lam": float(self.lam), **self._e_init},
+            "lora": encode_factors(sent, parts=self.method.upload_parts(self.state)),
+            "stats": {
+                "alignment_loss": term,
+                "lam": float(self.lam),
+                "num_train_data": int(getattr(self.trainer.ctx, "num_train_data", 0) or 0),
+                **self._e_init,
+                **self._round_stats(sent),
+            },
         }
         if self.shared_names:  # FS's gRPC encoder fails on empty dicts
             upload["shared"] = {n: params[n].detach().cpu().clone() for n in self.shared_names}
         return upload
 
+    def _round_stats(self, sent) -> dict[str, float]:
+        """This round's mechanism (issue: diagnostics that explain a result), summed over LoRA modules:
+        ||Delta W_i||_F, the drift ||Delta W_i - X_g,i||_F from the received reference X_g,i (and relative to
+        ||X_g,i||_F, absent while the reference is 0), and ||grad of the alignment term|| / ||grad of the task
+        loss|| on the client's factors at the round's first and last step (absent for methods without a term)."""
+        reference = self.space.upload(self._received)
+        delta_sq = drift_sq = ref_sq = 0.0
+        for name, (B, A) in sent.items():
+            B_ref, A_ref = reference[name]
+            delta_sq += float(factored_norm(B, A)) ** 2
+            drift_sq += float(product_distance(B, A, B_ref, A_ref)) ** 2
+            ref_sq += float(factored_norm(B_ref, A_ref)) ** 2
+        stats = {"delta_norm": delta_sq**0.5, "drift": drift_sq**0.5}
+        if ref_sq > 0:
+            stats["drift_rel"] = (drift_sq / ref_sq) ** 0.5
+        if self._penalty_steps:
+            for when, (align, task) in self._grads.norms().items():
+                stats[f"grad_ratio_{when}"] = align / task if task > 0 else float("inf")
+        return stats
+
     def alignment_term(self, ctx) -> Tensor | None:
         """lam/2 * sum of the method's alignment term over LoRA modules, for the trainer hook (train only)."""
+        self._grads.end_step()  # the previous step's backward is complete
         if not self.reference:
             return None
         if self._lam_pending and not getattr(ctx, "skip_this_batch", False):
             self.lam = self._adaptive_lam(ctx.loss_batch)
             self._lam_pending = False
-        term = self.method.alignment(self._live, self.reference, self.lam)
+            self._grads.discard()  # the probe's autograd.grad is not a training step
+        term = self.method.alignment(self._grads.alias(self._live), self.reference, self.lam * self.penalty_weight)
         if term is not None:
             value = term.detach()
             self._penalty_sum = value if self._penalty_sum is None else self._penalty_sum + value
@@ -159,12 +184,14 @@ class FedPAClient(Client):
         payload = message.content
         if self.factors is None:
             self.factors = self._initial_factors()
-        lora.set_factors(self.model, lora.from_effective(self.layers, decode_factors(payload["lora"])))
+        received = self.space.download(decode_factors(payload["lora"]))
+        evaluated = self.method.evaluation_factors(received, self.factors, self.index)
+        lora.set_factors(self.model, self.space.to_model(evaluated))
         self._load_tensors(decode_tensors(payload.get("shared", {})))
         self._load_tensors(self.local_tensors)
         metrics = self._evaluate_splits()
         if self.method.cfg.eval_local:
-            lora.set_factors(self.model, self.factors)
+            lora.set_factors(self.model, self.space.to_model(self.factors))
             # FS derives the split from the text before the first "_" and the metric from the text after
             # "<split>_", so the protocol goes in front: local.test_acc, local.test_total, ...
             metrics.update({f"local.{key}": value for key, value in self._evaluate_splits().items()})
@@ -242,8 +269,8 @@ class FedPAClient(Client):
     # ------------------------------------------------------------------------------------ helpers
     def _initial_factors(self) -> dict[str, tuple[Tensor, Tensor]]:
         """Alg. 1 l.4 from the global initialisation that server and clients draw from one seed."""
-        return lora.from_effective(
-            self.layers, self.method.client_init(global_init(self._cfg, self.model, self.method), self.index)
+        return self.method.client_init(
+            self.space.download(global_init(self._cfg, self.model, self.method)), self.index
         )
 
     def _load_tensors(self, tensors: dict[str, Tensor]) -> None:

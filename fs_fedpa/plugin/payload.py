@@ -13,21 +13,24 @@ import torch
 from torch import Tensor
 
 from fs_fedpa.core.diagnostics import payload_bytes
+from fs_fedpa.lora import Factors
 
-Factors = dict[str, tuple[Tensor, Tensor]]
 SEP = "|"
 
 
-def encode_factors(factors: Mapping[str, tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
+def encode_factors(factors: Mapping[str, tuple[Tensor, Tensor]], parts: tuple[str, ...] = ("B", "A")) -> dict:
+    """``{"<module>|B": B, "<module>|A": A}`` with only the factors named in ``parts`` (a method may send one)."""
     out = {}
     for name, (B, A) in factors.items():
-        out[f"{name}{SEP}B"] = B.detach().cpu().clone()
-        out[f"{name}{SEP}A"] = A.detach().cpu().clone()
+        for part, value in zip(("B", "A"), (B, A)):
+            if part in parts:
+                out[f"{name}{SEP}{part}"] = value.detach().cpu().clone()
     return out
 
 
-def decode_factors(flat: Mapping[str, object]) -> Factors:
-    """Inverse of :func:`encode_factors`; accepts what a transport made of the tensors (lists, arrays)."""
+def decode_parts(flat: Mapping[str, object]) -> dict[str, dict[str, Tensor]]:
+    """``module -> {"B": B, "A": A}`` with whichever factors were sent; accepts what a transport made of the
+    tensors (lists, arrays)."""
     from federatedscope.core.auxiliaries.utils import param2tensor
 
     names: dict[str, dict[str, Tensor]] = {}
@@ -36,6 +39,12 @@ def decode_factors(flat: Mapping[str, object]) -> Factors:
         if part not in ("A", "B") or not name:
             raise ValueError(f"malformed factor key {key!r}: expected '<module>{SEP}A' or '<module>{SEP}B'")
         names.setdefault(name, {})[part] = _tensor(param2tensor(value))
+    return names
+
+
+def decode_factors(flat: Mapping[str, object]) -> Factors:
+    """Inverse of :func:`encode_factors` with both factors of every module."""
+    names = decode_parts(flat)
     missing = [n for n, parts in names.items() if set(parts) != {"A", "B"}]
     if missing:
         raise ValueError(f"modules {missing[:3]} lack their A or B factor")

@@ -20,15 +20,14 @@ from federatedscope.core.workers import Server
 from torch import Tensor
 
 from fs_fedpa import lora
-from fs_fedpa.core.diagnostics import aggregate_norm, aggregation_error
+from fs_fedpa.core.diagnostics import aggregate_norm, aggregation_error, factored_norm
 from fs_fedpa.core.uploads import upload_problem
 from fs_fedpa.plugin import resume
 from fs_fedpa.plugin.common import build_method, fedpa_seed, global_init, non_lora_trainables
-from fs_fedpa.plugin.payload import decode_factors, decode_tensors, encode_factors, nbytes
+from fs_fedpa.plugin.payload import decode_parts, decode_tensors, encode_factors, nbytes
+from fs_fedpa.record import DIAGNOSTICS_FILE, RoundRecord
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
-
-DIAGNOSTICS_FILE = "fedpa_diagnostics.jsonl"
 
 
 class FedPAServer(Server):
@@ -39,7 +38,7 @@ class FedPAServer(Server):
         self.method = build_method(self._cfg, self.model)
         if self.method.cfg.num_threads > 0:  # FS's standalone runner has just pinned torch to 1 thread
             torch.set_num_threads(self.method.cfg.num_threads)
-        self.layers = lora.lora_layers(self.model)
+        self.scaling = lora.Scaling.of(self.model)
         _, self.shared_names = non_lora_trainables(self.model, self._cfg.personalization.local_param)
         self.global_factors = global_init(self._cfg, self.model, self.method)  # (B_g^(0), A_g^(0)), rank r_g
         self.generator = torch.Generator().manual_seed(fedpa_seed(self._cfg, self.method) + 1)  # sketches
@@ -97,7 +96,7 @@ class FedPAServer(Server):
     def install_global(self, global_factors, shared: dict[str, Tensor]) -> None:
         """Adopt new global factors; write them (raw, rank R_g) and the averaged shared tensors into the model."""
         self.global_factors = global_factors
-        lora.set_factors(self.model, lora.from_effective(self.layers, global_factors))
+        lora.set_factors(self.model, self.scaling.raw(global_factors))
         if shared:
             params = dict(self.model.named_parameters())
             with torch.no_grad():
@@ -231,19 +230,22 @@ class FedPAAggregator(Aggregator):
             logger.warning(
                 f"[fedpa] round {server.state}: every upload was dropped; the global adapter stays as it was"
             )
-            server.record_round(_empty_record(server, clients, dropped, bytes_up))
+            record = _new_record(server, clients)
+            record.dropped, record.bytes_up = dropped, bytes_up
+            server.record_round(record.to_dict())
             return {}
         clients = kept
-        weights = [1.0] * len(kept) if server._cfg.federate.ignore_weight else sizes
+        data_sizes = [s.get("num_train_data") if isinstance(s.get("num_train_data"), int) else None for s in stats]
+        weights = [1.0] * len(kept) if server._cfg.federate.ignore_weight else server.method.weights(sizes, data_sizes)
         if sum(weights) <= 0:
             weights = [1.0] * len(kept)
 
         new_global, spectra = server.method.aggregate(uploads, weights, [c - 1 for c in clients], server.generator)
         averaged = _weighted_mean(shared, weights)
         record = _round_record(server, uploads, weights, clients, new_global, spectra, stats)
-        record.update(dropped=dropped, bytes_up=bytes_up)
+        record.dropped, record.bytes_up = dropped, bytes_up
         server.install_global(new_global, averaged)
-        server.record_round(record)
+        server.record_round(record.to_dict())
         return {}  # the model is already updated; FS merges this empty dict into its state
 
     def _expected_shapes(self) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, ...]]]:
@@ -260,13 +262,18 @@ class FedPAAggregator(Aggregator):
         if not isinstance(content, dict) or "lora" not in content:
             return f"payload of type {type(content).__name__} has no 'lora' factors"
         try:
-            factors = decode_factors(content["lora"])
+            parts = decode_parts(content["lora"])
             shared = decode_tensors(content.get("shared", {}))
         except (ValueError, TypeError, AttributeError) as err:
             return f"undecodable payload ({err})"
-        ranks = self.server.method.plan.client_ranks
+        method = self.server.method
+        ranks = method.plan.client_ranks
         if not 1 <= client_id <= len(ranks):
             return f"client id {client_id} is not in the rank plan"
+        expected = set(method.upload_parts(self.server.state))
+        if wrong := sorted(n for n, sent in parts.items() if set(sent) != expected):
+            return f"module {wrong[0]!r}: uploaded factors {sorted(parts[wrong[0]])}, expected {sorted(expected)}"
+        factors = method.complete_upload(parts, self.server.global_factors, client_id - 1)
         problem = upload_problem(factors, shapes, ranks[client_id - 1], shared, shared_shapes)
         return problem if problem is not None else (factors, shared)
 
@@ -287,62 +294,35 @@ def _weighted_mean(tensors: list[dict[str, Tensor]], weights: list[float]) -> di
     }
 
 
-def _round_record(server, uploads, weights, clients, new_global, spectra, stats) -> dict:
+def _new_record(server, clients) -> RoundRecord:
+    return RoundRecord(
+        round=server.state,
+        method=server.method.name,
+        svd=server.method.cfg.svd,
+        R_g=server.method.plan.R_g,
+        probe_module=next(iter(server.global_factors)),
+        bytes_down={str(c): server._down_bytes.get(c, 0) for c in clients},
+    )
+
+
+def _round_record(server, uploads, weights, clients, new_global, spectra, stats) -> RoundRecord:
     """Diagnostics of one aggregation, from factors only (no d x k matrix)."""
-    errors, norms = {}, {}
+    errors, norms, global_sq = {}, {}, 0.0
     for name, (B_g, A_g) in new_global.items():
         Bs = [u[name][0] for u in uploads]
         As = [u[name][1] for u in uploads]
         errors[name] = float(aggregation_error(Bs, As, B_g, A_g, weights=weights))
         norms[name] = float(aggregate_norm(Bs, As, weights=weights))
-    probe = next(iter(new_global))
+        global_sq += float(factored_norm(B_g, A_g)) ** 2
+    record = _new_record(server, clients)
+    probe = record.probe_module
     e_agg = math.sqrt(sum(e**2 for e in errors.values()))
     ideal = math.sqrt(sum(n**2 for n in norms.values()))
-    terms = [s.get("alignment_loss", 0.0) for s in stats]
-    per_client = lambda key: {str(c): s[key] for c, s in zip(clients, stats) if key in s}  # noqa: E731
-    return {
-        "round": server.state,
-        "method": server.method.name,
-        "svd": server.method.cfg.svd,
-        "clients": clients,
-        "weights": weights,
-        "R_g": server.method.plan.R_g,
-        "e_agg": e_agg,
-        "e_agg_rel": e_agg / ideal if ideal > 0 else 0.0,
-        "probe_module": probe,
-        "e_agg_probe": errors[probe],
-        "spectrum_probe": [float(s) for s in spectra.get(probe, torch.zeros(0))],
-        "alignment_loss": dict(zip(map(str, clients), terms)),
-        "alignment_loss_mean": sum(terms) / len(terms) if terms else 0.0,
-        "lam": per_client("lam"),
-        "e_init_B": per_client("e_init_B"),
-        "e_init_A": per_client("e_init_A"),
-        "upload_ranks": {str(c): sorted({B.shape[1] for B, _ in u.values()}) for c, u in zip(clients, uploads)},
-        "bytes_down": {str(c): server._down_bytes.get(c, 0) for c in clients},
-    }
-
-
-def _empty_record(server, clients, dropped, bytes_up) -> dict:
-    """The diagnostics of a round whose uploads were all dropped: nothing aggregated, E_agg 0."""
-    return {
-        "round": server.state,
-        "method": server.method.name,
-        "svd": server.method.cfg.svd,
-        "clients": [],
-        "weights": [],
-        "R_g": server.method.plan.R_g,
-        "e_agg": 0.0,
-        "e_agg_rel": 0.0,
-        "probe_module": next(iter(server.global_factors)),
-        "e_agg_probe": 0.0,
-        "spectrum_probe": [],
-        "alignment_loss": {},
-        "alignment_loss_mean": 0.0,
-        "lam": {},
-        "e_init_B": {},
-        "e_init_A": {},
-        "upload_ranks": {},
-        "dropped": dropped,
-        "bytes_up": bytes_up,
-        "bytes_down": {str(c): server._down_bytes.get(c, 0) for c in clients},
-    }
+    record.clients, record.weights = list(clients), list(weights)
+    record.e_agg, record.e_agg_rel = e_agg, (e_agg / ideal if ideal > 0 else 0.0)
+    record.global_update_norm, record.global_norm = ideal, math.sqrt(global_sq)
+    record.e_agg_probe = errors[probe]
+    record.spectrum_probe = [float(s) for s in spectra.get(probe, torch.zeros(0))]
+    record.add_client_stats(list(clients), stats)
+    record.upload_ranks = {str(c): sorted({B.shape[1] for B, _ in u.values()}) for c, u in zip(clients, uploads)}
+    return record

@@ -7,7 +7,10 @@ each figure shows the mean over seeds of every cell (a band for the spread where
 - ``mismatch.png``: E_agg, E_init(B) and E_init(A) vs round for one LoRA module (the paper's Figure 2), on log
   axes where an exact zero (FedPA's E_init) lies on the floor;
 - ``spectrum.png``: singular values of the aggregate sum_i w_i B_i A_i of that module, one curve per round;
-- ``bytes.png``: the metric vs cumulative uplink + downlink bytes.
+- ``bytes.png``: the metric vs cumulative uplink + downlink bytes;
+- ``mechanism.png``: what explains a ranking, per round: the norm of the global update ||sum_i w_i Delta W_i||_F,
+  the clients' own ||Delta W_i||_F, their drift from the reference they received (relative), and the ratio of the
+  alignment term's gradient to the task loss's gradient at a round's last step (client fields: mean over clients).
 """
 
 from __future__ import annotations
@@ -182,6 +185,34 @@ def plot_bytes(runs: Sequence[dict], metric: str, path: Path) -> Path:
     return _save(fig, path)
 
 
+MECHANISM = (
+    ("global_update_norm", "||Σ w_i ΔW_i||_F (global update)"),
+    ("delta_norm_mean", "||ΔW_i||_F (client update, mean)"),
+    ("drift_rel_mean", "||ΔW_i − X_g,i||_F / ||X_g,i||_F (mean)"),
+    ("grad_ratio_last_mean", "||∇ alignment|| / ||∇ task||, last step (mean)"),
+)
+
+
+def plot_mechanism(runs: Sequence[dict], path: Path) -> Path:
+    """The diagnostics that explain a result, per round, on log axes (mean over seeds; cells without a field are
+    left out of its panel, e.g. methods without an alignment term in the gradient-ratio panel)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(MECHANISM), figsize=(4.6 * len(MECHANISM), 4.2))
+    for ax, (key, title) in zip(axes, MECHANISM):
+        for i, (cell, group) in enumerate(by_cell(runs).items()):
+            rounds, means, stds = mean_curve(_series(group, _diag(key)))
+            if rounds and any(m > 0 for m in means):
+                _band(ax, rounds, means, stds, cell, **style(i))
+        ax.set_yscale("log")
+        _integer_rounds(ax)
+        ax.set(xlabel="round", title=title)
+        ax.title.set_fontsize(9)
+        ax.grid(alpha=0.3, which="both")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Mechanism: update sizes, drift from the reference, and the pull of the alignment term", fontsize=9)
+    return _save(fig, path)
+
+
 def plot_all(runs: Sequence[dict], metric: str, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     return [
@@ -189,4 +220,5 @@ def plot_all(runs: Sequence[dict], metric: str, out: Path) -> list[Path]:
         plot_mismatch(runs, out / "mismatch.png"),
         plot_spectrum(runs, out / "spectrum.png"),
         plot_bytes(runs, metric, out / "bytes.png"),
+        plot_mechanism(runs, out / "mechanism.png"),
     ]

@@ -58,7 +58,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
     from fs_fedpa import lora
     from fs_fedpa.plugin import client as client_mod
     from fs_fedpa.plugin import server as server_mod
-    from fs_fedpa.plugin.payload import decode_factors
+    from fs_fedpa.plugin.payload import decode_factors, decode_parts
 
     record = {"enter": [], "leave": [], "aggregate": [], "loss_gap": []}
     Client, Aggregator = client_mod.FedPAClient, server_mod.FedPAAggregator
@@ -96,15 +96,19 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
                 "end": _copy(self.factors),
                 "local": {n: t.detach().cpu().clone() for n, t in self.local_tensors.items()},
                 "upload_keys": sorted(upload["lora"]) + sorted(upload.get("shared", {})),
-                "upload_ranks": sorted({B.shape[1] for B, _ in decode_factors(upload["lora"]).values()}),
+                "upload_ranks": sorted({_rank(p) for p in decode_parts(upload["lora"]).values()}),
             }
         )
         return _corrupt(upload, self.ID, self.state)
 
     def aggregate(self, agg_info):
-        uploads = [_copy(decode_factors(content["lora"])) for _, content in agg_info["client_feedback"]]
         weights = [float(n) for n, _ in agg_info["client_feedback"]]
         clients = [c for c, _ in agg_info["staleness"]]
+        server = self.server  # uploads as the server completes them (a method may send one factor only)
+        uploads = [
+            _copy(server.method.complete_upload(decode_parts(content["lora"]), server.global_factors, c - 1))
+            for c, (_, content) in zip(clients, agg_info["client_feedback"])
+        ]
         result = orig_aggregate(self, agg_info)
         record["aggregate"].append(
             {
@@ -142,6 +146,10 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         "outdir": cfg.outdir,
     }
     torch.save(record, out)
+
+
+def _rank(parts) -> int:
+    return parts["B"].shape[1] if "B" in parts else parts["A"].shape[0]
 
 
 if __name__ == "__main__":

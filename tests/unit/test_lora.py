@@ -58,12 +58,68 @@ def test_set_factors_at_another_rank_computes_the_scaled_product(rslora):
     assert all(p.requires_grad for B, A in lora.get_factors(model).values() for p in (B, A))
 
 
-def test_effective_factors_reproduce_the_applied_update():
-    model = _peft_model()
-    scales = lora.scaling(model)
-    eff = lora.effective(lora.get_factors(model), scales)
-    for name, (B, A) in lora.get_factors(model).items():
-        torch.testing.assert_close(eff[name][0] @ eff[name][1], scales[name] * B @ A)
+def _applied_delta(x, factors):
+    """Independent reference: the adapter contribution of applied factors, x (B A)^T summed as _Two does."""
+    return sum((x @ (B @ A).T).sum(-1) for B, A in factors.values())
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_scaling_applied_factors_are_the_update_peft_applies(rslora):
+    # Prepare
+    model = _peft_model(r=4, rslora=rslora)
+    g = torch.Generator().manual_seed(2)
+    for B, _ in lora.get_factors(model).values():
+        with torch.no_grad():
+            B.copy_(torch.randn(B.shape, generator=g))
+    x = torch.randn(5, 12, generator=g)
+    # Execute
+    applied = lora.Scaling.of(model).applied(lora.copy_factors(lora.get_factors(model)))
+    # Assert
+    torch.testing.assert_close(_delta(model, x), _applied_delta(x, applied), rtol=1e-5, atol=1e-5)
+    back = lora.Scaling.of(model).raw(applied)
+    for name, (B, _) in lora.get_factors(model).items():
+        torch.testing.assert_close(back[name][0], B.detach())
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_client_space_loads_a_reference_of_another_rank_as_the_same_update(rslora):
+    # Prepare: a rank-2 client receives a rank-5 applied reference X
+    model = _peft_model(r=4, rslora=rslora)
+    space = lora.ClientSpace(lora.Scaling.of(model), rank=2)
+    g = torch.Generator().manual_seed(4)
+    X = {
+        n: (torch.randn(layer.out_features, 5, generator=g), torch.randn(5, layer.in_features, generator=g))
+        for n, layer in lora.lora_layers(model).items()
+    }
+    x = torch.randn(5, 12, generator=g)
+    # Execute
+    lora.set_factors(model, space.to_model(space.download(X)))
+    # Assert
+    torch.testing.assert_close(_delta(model, x), _applied_delta(x, X), rtol=1e-4, atol=1e-4)
+
+
+def test_client_space_keeps_own_factors_bit_for_bit_and_uploads_the_applied_update():
+    model = _peft_model(r=4)
+    space = lora.ClientSpace(lora.Scaling.of(model), rank=3)
+    g = torch.Generator().manual_seed(5)
+    own = {
+        n: (torch.randn(layer.out_features, 3, generator=g), torch.randn(3, layer.in_features, generator=g))
+        for n, layer in lora.lora_layers(model).items()
+    }
+    x = torch.randn(5, 12, generator=g)
+    lora.set_factors(model, space.to_model(own))
+    back = space.from_model(lora.copy_factors(lora.get_factors(model)))
+    assert all(torch.equal(back[n][0], B) and torch.equal(back[n][1], A) for n, (B, A) in own.items())
+    torch.testing.assert_close(_delta(model, x), _applied_delta(x, space.upload(own)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("rslora", "alpha"), [(False, 8), (False, 3), (True, 8)])
+def test_penalty_weight_is_the_squared_scale_ratio_whatever_alpha(rslora, alpha):
+    model = _peft_model(r=4, alpha=alpha, rslora=rslora)
+    scaling = lora.Scaling.of(model)
+    for r_i in (2, 4, 16):
+        expected = (4 / r_i) if rslora else (4 / r_i) ** 2  # (s(r_i) / s(4))^2
+        assert lora.ClientSpace(scaling, r_i).penalty_weight(4) == pytest.approx(expected)
 
 
 def test_set_factors_copies_and_rejects_misfits():
@@ -86,19 +142,3 @@ def test_copy_factors_detaches_and_clones():
     for name, (B, A) in copied.items():
         assert not B.requires_grad and B.data_ptr() != live[name][0].data_ptr()
         assert not A.requires_grad and torch.equal(A, live[name][1].detach())
-
-
-def test_from_effective_inverts_effective_at_any_rank():
-    model = _peft_model()
-    layers = lora.lora_layers(model)
-    g = torch.Generator().manual_seed(3)
-    raw = {
-        n: (torch.randn(layer.out_features, 3, generator=g), torch.randn(3, layer.in_features, generator=g))
-        for n, layer in layers.items()
-    }
-    scales = {n: lora.scaling_for_rank(layer, 3) for n, layer in layers.items()}  # alpha / 3
-    back = lora.from_effective(layers, lora.effective(raw, scales))
-    for n, (B, A) in raw.items():
-        torch.testing.assert_close(back[n][0], B)
-        torch.testing.assert_close(back[n][1], A)
-    assert scales[next(iter(scales))] == pytest.approx(8 / 3)

@@ -66,13 +66,26 @@ def test_fedit_averages_each_factor():
         torch.testing.assert_close(A, 0.25 * uploads[0][n][1] + 0.75 * uploads[1][n][1])
 
 
-def test_ffa_lora_keeps_the_frozen_A_exactly_and_rejects_a_changed_one():
-    uploads = _uploads([3, 3])
-    shared = [{n: (B, uploads[0][n][1]) for n, (B, _) in u.items()} for u in uploads]
-    global_, _ = _method("ffa_lora", [3, 3]).aggregate(shared, [1.0, 2.0], [1, 2], torch.Generator())
-    assert all(torch.equal(A, uploads[0][n][1]) for n, (_, A) in global_.items())
-    with pytest.raises(ValueError, match="FFA-LoRA clients uploaded different A; A must stay frozen"):
-        _method("ffa_lora", [3, 3]).aggregate(uploads, [1.0, 2.0], [1, 2], torch.Generator())
+@pytest.mark.parametrize(
+    ("name", "rnd", "sent"), [("ffa_lora", 0, "B"), ("ffa_lora", 1, "B"), ("rolora", 0, "B"), ("rolora", 1, "A")]
+)
+def test_one_factor_methods_send_one_factor_and_keep_the_other_global_one_bit_for_bit(name, rnd, sent):
+    # Prepare: the global factors the clients received, and what they trained
+    method = _method(name, [3, 3])
+    global_ = _uploads([3], seed=7)[0]
+    trained = _uploads([3, 3])
+    keep = {"B": 1, "A": 0}[sent]  # index of the factor that was not trained
+    # Execute: each client sends only `sent`; the server completes the upload and averages
+    assert method.upload_parts(rnd) == (sent,)
+    uploads = [
+        method.complete_upload({n: {sent: pair[1 - keep]} for n, pair in t.items()}, global_, c)
+        for c, t in enumerate(trained)
+    ]
+    new, _ = method.aggregate(uploads, [1.0, 3.0], [1, 2], torch.Generator())
+    # Assert: the untrained factor is the global one bit for bit, the trained one the weighted mean
+    for n, pair in new.items():
+        assert torch.equal(pair[keep], global_[n][keep])
+        torch.testing.assert_close(pair[1 - keep], 0.25 * trained[0][n][1 - keep] + 0.75 * trained[1][n][1 - keep])
 
 
 def test_fedit_refuses_heterogeneous_ranks():
@@ -90,17 +103,34 @@ def test_product_space_methods_reach_the_svd_optimum_with_heterogeneous_ranks(na
         assert float(torch.linalg.matrix_norm(X - B @ A)) == pytest.approx(optimal_error(X, 5), abs=1e-9)
 
 
-def test_what_each_method_keeps_trains_and_aligns():
-    local = {n: (B.requires_grad_(), A.requires_grad_()) for n, (B, A) in _uploads([2])[0].items()}
-    reference = _uploads([2], seed=1)[0]
+def test_what_each_method_starts_from_trains_and_aligns():
+    own = {n: (B.requires_grad_(), A.requires_grad_()) for n, (B, A) in _uploads([2])[0].items()}
+    received = _uploads([2], seed=1)[0]
     keeps = {"fedpa": (True, True), "fedsa_lora": (True, False)}
     trains = {"ffa_lora": [(True, False)] * 2, "rolora": [(True, False), (False, True)]}
     for name in PLUGIN_METHODS:
         method = _method(name, [2])
-        assert method.keeps == keeps.get(name, (False, False)), name
+        start = method.start_round(received, own, 0, 0)
+        for n in own:
+            for j, kept in enumerate(keeps.get(name, (False, False))):
+                assert torch.equal(start[n][j], (own if kept else received)[n][j]), (name, n, j)
         assert [method.trainable(0), method.trainable(1)] == trains.get(name, [(True, True)] * 2), name
         aligns = name in ("fedpa", "fedpa_no_preservation")
-        assert (method.alignment(local, reference, 1.0) is not None) is aligns, name
+        assert (method.alignment(own, received, 1.0) is not None) is aligns, name
+
+
+def test_fedpa_starts_every_round_from_its_own_factors_objects():
+    own, received = _uploads([2])[0], _uploads([2], seed=1)[0]
+    start = _method("fedpa", [2]).start_round(received, own, 0, 3)
+    assert all(start[n][0] is B and start[n][1] is A for n, (B, A) in own.items())
+
+
+def test_fedsa_lora_evaluates_its_own_B_with_the_global_A():
+    own, received = _uploads([2])[0], _uploads([2], seed=1)[0]
+    evaluated = _method("fedsa_lora", [2]).evaluation_factors(received, own, 0)
+    assert all(torch.equal(evaluated[n][0], own[n][0]) and torch.equal(evaluated[n][1], received[n][1]) for n in own)
+    default = _method("fedit", [2]).evaluation_factors(received, own, 0)
+    assert all(default[n][0] is received[n][0] for n in own)
 
 
 def test_fedrot_rotation_keeps_each_product_and_moves_factors_toward_the_global():
@@ -123,5 +153,5 @@ def test_hetlora_pads_averages_and_truncates_back():
         torch.testing.assert_close(B[:, :2], 0.5 * (uploads[0][n][0] + uploads[1][n][0][:, :2]))
         torch.testing.assert_close(B[:, 2:], 0.5 * uploads[1][n][0][:, 2:])  # the rank-2 client padded zeros
         torch.testing.assert_close(A[2:], 0.5 * uploads[1][n][1][2:])
-    start = method.start_round(global_, 0)
+    start = method.start_round(global_, _uploads([2])[0], 0, 1)
     assert all(B.shape[1] == 2 and A.shape[0] == 2 for B, A in start.values())

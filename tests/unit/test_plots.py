@@ -13,7 +13,18 @@ def _run(seed, acc, sent, cell="fedpa"):
         "seed": seed,
         "rounds": {r: {"val_acc": a} for r, a in acc.items()},
         "diagnostics": [
-            {"round": r, "bytes_total": b, "e_agg_probe": 0.1, "e_init_B": 0.0, "e_init_A": 0.0, "probe_module": "q"}
+            {
+                "round": r,
+                "bytes_total": b,
+                "e_agg_probe": 0.1,
+                "e_init_B": 0.0,
+                "e_init_A": 0.0,
+                "probe_module": "q",
+                "global_update_norm": 0.2 + r,
+                "delta_norm_mean": 0.3,
+                "drift_rel_mean": 0.5,
+                "grad_ratio_last_mean": 0.01 * (seed + 1),
+            }
             for r, b in sent.items()
         ],
     }
@@ -34,5 +45,5 @@ def test_all_figures_are_written(tmp_path):
     pytest.importorskip("matplotlib")
     runs = [_run(s, {0: 0.5 + s / 10, 1: 0.6}, {0: 100, 1: 200}, cell=c) for s in (0, 1) for c in ("a", "b")]
     paths = plot_all(runs, "val_acc", tmp_path)
-    assert [p.name for p in paths] == ["accuracy.png", "mismatch.png", "spectrum.png", "bytes.png"]
+    assert [p.name for p in paths] == ["accuracy.png", "mismatch.png", "spectrum.png", "bytes.png", "mechanism.png"]
     assert all(p.stat().st_size > 5000 for p in paths)

@@ -106,3 +106,53 @@ def test_payload_bytes():
 def test_diagnostics_validation(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_product_distance_matches_the_dense_difference_at_two_ranks():
+    from fs_fedpa.core.diagnostics import product_distance
+
+    g = torch.Generator().manual_seed(11)
+    B, A = torch.randn(13, 2, generator=g, dtype=torch.float64), torch.randn(2, 9, generator=g, dtype=torch.float64)
+    Br, Ar = torch.randn(13, 5, generator=g, dtype=torch.float64), torch.randn(5, 9, generator=g, dtype=torch.float64)
+    want = torch.linalg.matrix_norm(B @ A - Br @ Ar)
+    torch.testing.assert_close(product_distance(B, A, Br, Ar), want)
+    assert float(product_distance(B, A, B.clone(), A.clone())) < 1e-12 * float(torch.linalg.matrix_norm(B @ A))
+
+
+def test_gradient_split_matches_separate_autograd_of_the_task_loss_and_the_alignment_term():
+    from fs_fedpa.core.diagnostics import GradientSplit
+    from fs_fedpa.core.penalty import product_penalty
+
+    # Prepare: a tiny LoRA-like model y = x (W0 + B A)^T and two optimiser steps
+    g = torch.Generator().manual_seed(12)
+    W0 = torch.randn(6, 5, generator=g)
+    B = torch.nn.Parameter(torch.randn(6, 2, generator=g))
+    A = torch.nn.Parameter(torch.randn(2, 5, generator=g))
+    ref = (torch.randn(6, 3, generator=g), torch.randn(3, 5, generator=g))
+    batches = [(torch.randn(8, 5, generator=g), torch.randn(8, 6, generator=g)) for _ in range(3)]
+    opt = torch.optim.SGD([B, A], lr=0.05)
+    split = GradientSplit()
+    split.watch({"m": (B, A)})
+    expected = []
+    for x, y in batches:
+        split.end_step()  # the previous step's backward is complete
+        # the independent reference: each part's gradient by its own autograd call, at the same parameters
+        task = ((x @ (W0 + B @ A).T - y) ** 2).mean()
+        align = 0.5 * 0.3 * product_penalty(B, A, *ref)
+        g_task = torch.autograd.grad(task, (B, A))
+        g_align = torch.autograd.grad(align, (B, A))
+        norm = lambda gs: float(sum(t.pow(2).sum() for t in gs)) ** 0.5  # noqa: E731
+        expected.append((norm(g_align), norm(g_task)))
+        split.discard()  # the reference's own autograd.grad calls reached the hooks too
+        # Execute: what training does, one backward of task + term, the term read through the aliases
+        (Bv, Av) = split.alias({"m": (B, A)})["m"]
+        loss = ((x @ (W0 + B @ A).T - y) ** 2).mean() + 0.5 * 0.3 * product_penalty(Bv, Av, *ref)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    split.close()
+    # Assert
+    norms = split.norms()
+    assert norms["first"] == pytest.approx(expected[0], rel=1e-5)
+    assert norms["last"] == pytest.approx(expected[-1], rel=1e-5)
+    assert not B._backward_hooks  # hooks are gone after close

@@ -1,0 +1,117 @@
+"""One round's diagnostics: the record the server writes, the comparison runner reads and docs/plugin.md lists.
+
+No torch and no FederatedScope here, so the comparison runner and the docs test import it cheaply. The server
+appends one :class:`RoundRecord` per round, as a JSON line, to ``<outdir>/fedpa_diagnostics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+DIAGNOSTICS_FILE = "fedpa_diagnostics.jsonl"
+
+# What each client reports about its round (fs_fedpa.plugin.client); the record keeps them per client and summarised.
+CLIENT_STATS = ("delta_norm", "drift", "drift_rel", "grad_ratio_first", "grad_ratio_last")
+
+
+def _f(help: str, default: Any = None, factory: Any = None):
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class RoundRecord:
+    """Diagnostics of one aggregation, from factors only (no ``(d, k)`` matrix)."""
+
+    round: int = _f("FS round index")
+    method: str = _f("federate.method")
+    svd: str = _f("fedpa.svd of the run")
+    R_g: int = _f("rank of the global adapter")
+    clients: list = _f("FS ids of the clients aggregated", factory=list)
+    weights: list = _f("their aggregation weights w_i, in that order", factory=list)
+    e_agg: float = _f(
+        "E_agg = ||B_g A_g - sum_i w_i Delta W_i||_F over all LoRA modules (root of the sum of squares)", 0.0
+    )
+    e_agg_rel: float = _f("E_agg relative to ||sum_i w_i Delta W_i||_F", 0.0)
+    global_update_norm: float = _f(
+        "||sum_i w_i Delta W_i||_F over all LoRA modules: the update the clients agree on", 0.0
+    )
+    global_norm: float = _f("||B_g A_g||_F over all LoRA modules: the global adapter the server installs", 0.0)
+    probe_module: str = _f("the first LoRA module, on which the per-module fields are measured", "")
+    e_agg_probe: float = _f("E_agg of the probe module", 0.0)
+    spectrum_probe: list = _f(
+        "singular values of the probe module's aggregate (methods that compute them)", factory=list
+    )
+    alignment_loss: dict = _f(
+        "per client: mean lam/2 * penalty added to the loss over the round's steps", factory=dict
+    )
+    alignment_loss_mean: float = _f("mean of alignment_loss over clients", 0.0)
+    lam: dict = _f(
+        "per client: the lambda used (the common lambda, or lambda_i^(t) of an adaptive rule)", factory=dict
+    )
+    e_init_B: dict = _f(
+        "per client: relative jump of B at the start of the round, E_init (§3.3), probe module", factory=dict
+    )
+    e_init_A: dict = _f("per client: the same for A; 0 for FedPA-LoRA", factory=dict)
+    delta_norm: dict = _f("per client: ||Delta W_i||_F = ||s_i B_i A_i||_F over all LoRA modules", factory=dict)
+    drift: dict = _f(
+        "per client: ||Delta W_i - X_g,i||_F from the reference X_g,i it received this round, all modules",
+        factory=dict,
+    )
+    drift_rel: dict = _f("per client: drift / ||X_g,i||_F (absent while the reference is 0)", factory=dict)
+    grad_ratio_first: dict = _f(
+        "per client: ||grad of the alignment term|| / ||grad of the task loss|| on its factors, first step",
+        factory=dict,
+    )
+    grad_ratio_last: dict = _f("per client: the same at the round's last step", factory=dict)
+    spread: dict = _f(
+        "per client field of CLIENT_STATS: [mean, std, min, max] over the clients that report it", factory=dict
+    )
+    upload_ranks: dict = _f("per client: the ranks of its uploaded factors", factory=dict)
+    dropped: dict = _f("per client whose upload was not aggregated: the reason", factory=dict)
+    bytes_up: dict = _f("per client: tensor bytes it sent this round", factory=dict)
+    bytes_down: dict = _f("per client: tensor bytes it received this round", factory=dict)
+    bytes_up_total: int = _f("uplink bytes of the run so far", 0)
+    bytes_down_total: int = _f("downlink bytes of the run so far", 0)
+
+    def add_client_stats(self, clients: list[int], stats: list[dict]) -> None:
+        """Fill the per-client fields from the clients' uploaded ``stats`` and summarise each in :attr:`spread`."""
+        for key in ("lam", "e_init_B", "e_init_A", *CLIENT_STATS):
+            values = {str(c): float(s[key]) for c, s in zip(clients, stats) if _number(s.get(key))}
+            setattr(self, key, values)
+            if key in CLIENT_STATS and values:
+                v = list(values.values())
+                self.spread[key] = [statistics.mean(v), statistics.pstdev(v), min(v), max(v)]
+        terms = {str(c): float(s.get("alignment_loss", 0.0)) for c, s in zip(clients, stats)}
+        self.alignment_loss = terms
+        self.alignment_loss_mean = statistics.mean(terms.values()) if terms else 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def compact(record: dict) -> dict:
+    """What the comparison keeps of a record: its scalar fields, each client field's mean over clients
+    (``<field>_mean``; E_init's as ``e_init_B``/``e_init_A``), the probe's spectrum and the bytes so far."""
+    out = {k: v for k, v in record.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
+    for key in ("e_init_B", "e_init_A"):
+        values = list(record.get(key, {}).values())
+        out[key] = statistics.mean(values) if values else None
+    for key, (mean, *_) in record.get("spread", {}).items():
+        out[f"{key}_mean"] = mean
+    out["spectrum_probe"] = record.get("spectrum_probe", [])
+    out["bytes_total"] = record.get("bytes_up_total", 0) + record.get("bytes_down_total", 0)
+    return out
+
+
+def describe() -> list[tuple[str, str]]:
+    """``(field, meaning)`` of every record field, in order: the source of docs/plugin.md's table."""
+    return [(f.name, f.metadata["help"]) for f in fields(RoundRecord)]
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -1,0 +1,45 @@
+"""The diagnostics record: the one type behind the server's file, the comparison's table and the docs."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from fs_fedpa.record import CLIENT_STATS, RoundRecord, compact, describe
+from tests.conftest import ROOT
+
+
+def test_docs_table_lists_every_record_field_with_its_meaning():
+    text = (ROOT / "docs" / "plugin.md").read_text()
+    rows = dict(re.findall(r"^\| `([a-z_A-Z]+)` \| (.+) \|$", text, flags=re.M))
+    fields = dict(describe())
+    assert set(fields) <= set(rows)
+    assert all(rows[k] == fields[k] for k in fields)
+
+
+def test_client_stats_are_kept_per_client_and_summarised():
+    # Prepare
+    record = RoundRecord(round=3)
+    stats = [
+        {"delta_norm": 2.0, "drift": 1.0, "lam": 0.5, "grad_ratio_last": 0.1},
+        {"delta_norm": 4.0, "drift": 3.0, "drift_rel": 0.5, "lam": 0.5, "grad_ratio_last": float("inf")},
+    ]
+    # Execute
+    record.add_client_stats([7, 9], stats)
+    # Assert
+    assert record.delta_norm == {"7": 2.0, "9": 4.0}
+    assert record.drift_rel == {"9": 0.5}
+    assert record.grad_ratio_last == {"7": 0.1}  # a non-finite ratio is not averaged
+    assert record.spread["delta_norm"] == [3.0, 1.0, 2.0, 4.0]  # mean, std, min, max
+    assert "grad_ratio_first" not in record.spread
+
+
+def test_compact_keeps_scalars_and_client_means():
+    record = RoundRecord(round=1, e_agg=0.5, bytes_up_total=10, bytes_down_total=5)
+    record.add_client_stats([1, 2], [{"drift": 1.0, "e_init_B": 0.2}, {"drift": 3.0, "e_init_B": 0.4}])
+    out = compact(record.to_dict())
+    assert out["round"] == 1 and out["e_agg"] == 0.5 and out["bytes_total"] == 15
+    assert out["drift_mean"] == 2.0 and out["e_init_B"] == pytest.approx(0.3) and out["e_init_A"] is None
+    assert "delta_norm_mean" not in out  # no client reported it
+    assert "drift" in CLIENT_STATS
