@@ -92,6 +92,24 @@ class FedPAConfig:
             )
         },
     )
+    hetlora_gamma: float = field(
+        default=0.99,
+        metadata={
+            "help": (
+                "HetLoRA's rank decay gamma in (0, 1): the penalised tail is every rank index >= floor(gamma r), and "
+                "self-pruning cuts a module's rank to max(1, floor(gamma r))"
+            )
+        },
+    )
+    hetlora_lam: float = field(
+        default=0.01,
+        metadata={
+            "help": (
+                "HetLoRA's self-pruning weight: lam * ||B[:, floor(gamma r):]||_F ||A[floor(gamma r):, :]||_F is "
+                "added to the local loss (>= 0; 0 turns self-pruning off)"
+            )
+        },
+    )
     eval_local: bool = field(
         default=True,
         metadata={
@@ -141,6 +159,10 @@ class FedPAConfig:
         self.rotation_strength = _number(self.rotation_strength, "rotation_strength", minimum=0.0)
         if self.rotation_strength > 1.0:
             raise ValueError(f"fedpa.rotation_strength(={self.rotation_strength}) must be in [0, 1]")
+        self.hetlora_gamma = _number(self.hetlora_gamma, "hetlora_gamma", minimum=0.0)
+        if not 0.0 < self.hetlora_gamma < 1.0:
+            raise ValueError(f"fedpa.hetlora_gamma(={self.hetlora_gamma}) must be in (0, 1)")
+        self.hetlora_lam = _number(self.hetlora_lam, "hetlora_lam", minimum=0.0)
         if not isinstance(self.eval_local, bool) or not isinstance(self.diagnostics, bool):
             raise ValueError("fedpa.eval_local and fedpa.diagnostics must be True or False")
         self.num_threads = _integer(self.num_threads, "num_threads", minimum=0)

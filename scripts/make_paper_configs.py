@@ -91,6 +91,9 @@ BASELINE_LR_HETERO = {  # heterogeneous GLUE: FlexLoRA, HetLoRA
     "mnli": dict(flexlora=5e-3, hetlora=2e-2),
 }
 BASELINE_LR_GSM8K = dict(fedit=5e-3, flexlora=5e-3, ffa_lora=5e-3, rolora=1e-3, fedrot_lora=5e-3)
+# FedRot-LoRA's alignment strength, the paper's hyper-parameter table (taken from FedRot-LoRA's own paper where it
+# reports one): 0 would be FedIT, 1 the full rotation
+FEDROT_STRENGTH = {"sst2": 0.6, "qnli": 0.2, "qqp": 0.6, "rte": 0.4, "mnli": 0.4, "gsm8k": 0.2}
 
 GENERATION = {
     **RUN,
@@ -257,7 +260,10 @@ def configs() -> dict[str, dict]:
     for task, rates in BASELINE_LR.items():
         for method, lr in rates.items():
             name = f"{method}_{task}"
-            cfg = glue(task, name, lr, GLUE_HOMOGENEOUS[task][1], **{"federate.method": method})[1]
+            changes = {"federate.method": method}
+            if method == "fedrot_lora":
+                changes["fedpa.rotation_strength"] = FEDROT_STRENGTH[task]
+            cfg = glue(task, name, lr, GLUE_HOMOGENEOUS[task][1], **changes)[1]
             out[f"baselines/{name}.yaml"] = cfg
     for task, rates in BASELINE_LR_HETERO.items():
         for method, lr in rates.items():
@@ -270,6 +276,7 @@ def configs() -> dict[str, dict]:
             GENERATION,
             expname=name,
             **{"federate.method": method, "train.optimizer.lr": lr, "federate.save_to": f"exp/{name}.ckpt"},
+            **({"fedpa.rotation_strength": FEDROT_STRENGTH["gsm8k"]} if method == "fedrot_lora" else {}),
         )
     return out
 

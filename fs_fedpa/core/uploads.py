@@ -11,26 +11,28 @@ from torch import Tensor
 def upload_problem(
     factors: Mapping[str, tuple[Tensor, Tensor]],
     shapes: Mapping[str, tuple[int, int]],
-    rank: int,
+    rank: int | tuple[int, ...],
     shared: Mapping[str, Tensor] | None = None,
     shared_shapes: Mapping[str, tuple[int, ...]] | None = None,
 ) -> str | None:
     """Why this upload cannot be aggregated, or None if it can.
 
     ``factors[name] = (B: (d, r), A: (r, k))`` must name exactly the modules of ``shapes[name] = (d, k)``, at
-    the client's rank ``r = rank``, with finite values; ``shared`` tensors, if the run has any, must match
-    ``shared_shapes`` and be finite too.
+    the client's rank ``r = rank`` (or a rank in the tuple ``rank``), with finite values; ``shared`` tensors, if
+    the run has any, must match ``shared_shapes`` and be finite too.
     """
     if missing := sorted(shapes.keys() - factors.keys()):
         return f"LoRA modules missing from the upload: {missing[:3]}{' ...' if len(missing) > 3 else ''}"
     if unknown := sorted(factors.keys() - shapes.keys()):
         return f"unknown LoRA modules in the upload: {unknown[:3]}{' ...' if len(unknown) > 3 else ''}"
+    allowed = (rank,) if isinstance(rank, int) else tuple(rank)
     for name, (B, A) in factors.items():
         d, k = shapes[name]
-        if tuple(B.shape) != (d, rank) or tuple(A.shape) != (rank, k):
+        r = B.shape[1] if B.ndim == 2 and B.shape[1] in allowed else allowed[-1]
+        if tuple(B.shape) != (d, r) or tuple(A.shape) != (r, k):
             return (
-                f"{name}: B {tuple(B.shape)} and A {tuple(A.shape)}, expected ({d}, {rank}) and ({rank}, {k}) "
-                f"for the client's rank {rank}"
+                f"{name}: B {tuple(B.shape)} and A {tuple(A.shape)}, expected ({d}, {r}) and ({r}, {k}) "
+                f"for the client's rank {r if len(allowed) == 1 else f'(at most {allowed[-1]})'}"
             )
         if not (torch.isfinite(B).all() and torch.isfinite(A).all()):
             return f"{name}: NaN or Inf in {'B' if not torch.isfinite(B).all() else 'A'}"

@@ -69,6 +69,10 @@ class FederatedMethod:
         """What the server sends client ``client`` (0-based index): the rank-R_i reference (Alg. 1 l.8)."""
         return {n: truncate_factors(B, A, self.plan.reference_ranks[client]) for n, (B, A) in global_.items()}
 
+    def upload_ranks(self, client: int) -> tuple[int, ...]:
+        """The ranks the server accepts in an upload of client ``client``: its r_i."""
+        return (self.plan.client_ranks[client],)
+
     def upload_parts(self, rnd: int) -> tuple[str, ...]:
         """Which factors a client sends in round ``rnd``: ``("B", "A")``, or one of them."""
         return PARTS

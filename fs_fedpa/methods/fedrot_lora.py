@@ -1,8 +1,12 @@
-"""FedRot-LoRA: before factor-wise averaging, each client rotates its factors (B R, R^T A) by the orthogonal
-Procrustes rotation that best aligns them with the global factors it received; the product is unchanged.
-The aligned factor alternates by round parity (A in even rounds, B in odd ones); the rotation is proper
-(det R = +1, as the paper's §3.1 states), and ``fedpa.rotation_strength`` λ softens it to the rotation nearest
-(1 - λ) I + λ R, FedRot-LoRA's alignment strength (1.0, the default, is the hard rotation)."""
+"""FedRot-LoRA [Zhang et al., 2026]: before factor-wise averaging, each client rotates its factors (B R, R^T A) by the
+orthogonal Procrustes rotation that best aligns one of them with the global factor it received; the product is
+unchanged. Paper: arxiv.org/abs/2602.23638; authors' code: haoran-zh/FedRot-LoRA.
+
+As the authors' client: no rotation in round 0 (there is no aggregate to align to yet), then A is aligned in odd
+rounds and B in even ones (``initialshare: 'A'``). The rotation is proper (det R = +1), and ``fedpa.rotation_strength``
+λ softens it to the rotation nearest (1 - λ) I + λ R, FedRot-LoRA's alignment strength (0: FedIT, 1: the full
+rotation); the paper's per-task values are in yaml_configs/baselines/fedrot_lora_*.yaml.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +15,19 @@ from fs_fedpa.methods.base import Factors
 from fs_fedpa.methods.fedit import FedIT
 
 
+def aligned_factor(rnd: int) -> str | None:
+    """The factor FedRot-LoRA aligns in round ``rnd`` (FS rounds count from 0): none, then A, B, A, ..."""
+    if rnd == 0:
+        return None
+    return "A" if rnd % 2 == 1 else "B"
+
+
 class FedRotLoRA(FedIT):
     name = "fedrot_lora"
 
     def before_upload(self, local: Factors, received: Factors, rnd: int) -> Factors:
-        which = "A" if rnd % 2 == 0 else "B"
+        which = aligned_factor(rnd)
+        if which is None:
+            return local
         strength = self.cfg.rotation_strength
         return {n: rotate_to(B, A, *received[n], which, strength)[:2] for n, (B, A) in local.items()}

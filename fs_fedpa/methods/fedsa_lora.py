@@ -1,9 +1,9 @@
 """FedSA-LoRA [Guo et al., 2025]: A is shared and averaged, B stays with each client (it carries the
 client-specific knowledge). Paper: arxiv.org/abs/2410.01463
 
-Each round a client trains its own B with the freshly averaged A; only A needs to be shared, but both factors
-are uploaded as in the paper's FedIT-style server (B's average is discarded by every client). Evaluation pairs
-the client's own B with the global A, the model the client actually holds.
+Each round a client trains its own B with the freshly averaged A and uploads A only (the authors' code lists
+``lora_B`` in ``personalization.local_param``), so the server's B stays at its initialisation and the E_agg of
+this method describes nothing. Evaluation pairs the client's own B with the global A, the model the client holds.
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ from fs_fedpa.methods.fedit import FedIT
 
 class FedSALoRA(FedIT):
     name = "fedsa_lora"
+
+    def upload_parts(self, rnd: int) -> tuple[str, ...]:
+        return ("A",)
 
     def start_round(self, received: Factors, own: Factors, client: int, rnd: int) -> Factors:
         return _own_B_global_A(received, own, self.plan.client_ranks[client])

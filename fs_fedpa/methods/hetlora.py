@@ -1,25 +1,83 @@
-"""HetLoRA [Cho et al., 2024]: heterogeneous ranks by zero-padding every upload to the largest rank, factor-wise
-averaging, and truncation back to each client's rank. Paper: arxiv.org/abs/2401.06432 (its rank
-self-pruning and sparsity-weighted aggregation are not implemented here)."""
+"""HetLoRA [Cho et al., EMNLP 2024]: heterogeneous ranks with rank self-pruning and sparsity-weighted aggregation.
+Paper: arxiv.org/abs/2401.06432
+
+- Distribution: client k receives the first r_k columns of B_g and rows of A_g (its current rank).
+- Local training adds ``lam ||B_k[:, g:]||_F ||A_k[g:, :]||_F`` with ``g = floor(gamma r_k)`` (``fedpa.hetlora_lam``,
+  ``fedpa.hetlora_gamma``); after the round a module whose tail shrank below its value at the round's start is
+  pruned to rank ``max(1, g)``, for good (self-pruning).
+- Aggregation: uploads are zero-padded to r_max and averaged factor-wise with the sparsity weights
+  ``p_k = ||B_k A_k||_F / sum_j ||B_j A_j||_F`` (per module, on the applied updates) instead of data sizes.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
+from fs_fedpa.core.diagnostics import factored_norm
 from fs_fedpa.core.factorwise import average_factors
 from fs_fedpa.core.ranks import truncate_factors
 from fs_fedpa.methods.base import Factors, FederatedMethod
 
 
+def tail_norm(B: Tensor, A: Tensor, gamma: float) -> Tensor:
+    """``||B[:, g:]||_F ||A[g:, :]||_F`` with ``g = floor(gamma r)``: HetLoRA's self-pruning quantity (0 if empty)."""
+    g = math.floor(gamma * B.shape[-1])
+    return torch.linalg.vector_norm(B[..., g:]) * torch.linalg.vector_norm(A[..., g:, :])
+
+
 class HetLoRA(FederatedMethod):
     name = "hetlora"
+
+    def __init__(self, cfg, plan):
+        super().__init__(cfg, plan)
+        self.current = list(plan.client_ranks)  # server: each client's rank as of its last upload
+        self._start_tails: dict[str, float] = {}  # client: the tails at the start of its round
+
+    # ------------------------------------------------------------------ server
+    def upload_ranks(self, client: int) -> tuple[int, ...]:
+        return tuple(range(1, self.plan.client_ranks[client] + 1))  # pruning only ever lowers a rank
 
     def aggregate(
         self, uploads: Sequence[Factors], weights: Sequence[float], clients: Sequence[int], generator: torch.Generator
     ) -> tuple[Factors, dict[str, Tensor]]:
         r_max = self.plan.r_g
-        padded = [{n: truncate_factors(B, A, r_max) for n, (B, A) in u.items()} for u in uploads]
-        return average_factors(padded, weights), {}
+        for c, upload in zip(clients, uploads):
+            self.current[c] = max(B.shape[1] for B, _ in upload.values())
+        out: Factors = {}
+        for name in uploads[0]:
+            norms = [float(factored_norm(*u[name])) for u in uploads]
+            p = norms if sum(norms) > 0 else list(weights)  # all-zero updates (round 0 of B = 0): fall back
+            padded = [{name: truncate_factors(*u[name], r_max)} for u in uploads]
+            out.update(average_factors(padded, p))
+        return out, {}
+
+    def downlink(self, global_: Factors, client: int) -> Factors:
+        rank = min(self.plan.reference_ranks[client], self.current[client])
+        return {n: truncate_factors(B, A, rank) for n, (B, A) in global_.items()}
+
+    # ------------------------------------------------------------------ client
+    def start_round(self, received: Factors, own: Factors, client: int, rnd: int) -> Factors:
+        start = {n: truncate_factors(B, A, own[n][0].shape[1]) for n, (B, A) in received.items()}
+        gamma = self.cfg.hetlora_gamma
+        self._start_tails = {n: float(tail_norm(B, A, gamma)) for n, (B, A) in start.items()}
+        return start
+
+    def alignment(self, local: Factors, reference: Factors, lam: float) -> Tensor | None:
+        if self.cfg.hetlora_lam == 0:
+            return None
+        gamma = self.cfg.hetlora_gamma
+        return self.cfg.hetlora_lam * torch.stack([tail_norm(B, A, gamma) for B, A in local.values()]).sum()
+
+    def end_round(self, local: Factors, client: int, rnd: int) -> Factors:
+        if self.cfg.hetlora_lam == 0:
+            return local
+        gamma, out = self.cfg.hetlora_gamma, {}
+        for n, (B, A) in local.items():
+            keep = max(1, math.floor(gamma * B.shape[1]))
+            shrank = float(tail_norm(B, A, gamma)) < self._start_tails.get(n, 0.0)
+            out[n] = truncate_factors(B, A, keep) if keep < B.shape[1] and shrank else (B, A)
+        return out

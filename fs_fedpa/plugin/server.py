@@ -274,7 +274,7 @@ class FedPAAggregator(Aggregator):
         if wrong := sorted(n for n, sent in parts.items() if set(sent) != expected):
             return f"module {wrong[0]!r}: uploaded factors {sorted(parts[wrong[0]])}, expected {sorted(expected)}"
         factors = method.complete_upload(parts, self.server.global_factors, client_id - 1)
-        problem = upload_problem(factors, shapes, ranks[client_id - 1], shared, shared_shapes)
+        problem = upload_problem(factors, shapes, method.upload_ranks(client_id - 1), shared, shared_shapes)
         return problem if problem is not None else (factors, shared)
 
     def save_model(self, path, cur_round=-1):

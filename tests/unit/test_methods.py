@@ -50,7 +50,7 @@ def test_contract_ranks_of_init_downlink_and_aggregate(name):
     uploads = _uploads([4, 4, 4])
     if name == "ffa_lora":  # its clients never change their shared, frozen A
         uploads = [{n: (B, uploads[0][n][1]) for n, (B, _) in u.items()} for u in uploads]
-    global_, _ = method.aggregate(uploads, [1.0, 2.0, 3.0], [1, 2, 3], gen)
+    global_, _ = method.aggregate(uploads, [1.0, 2.0, 3.0], [0, 1, 2], gen)
     down = method.downlink(global_, 0)
     # Assert
     assert all(B.shape[1] == 4 and A.shape[0] == 4 for B, A in client.values())
@@ -60,7 +60,7 @@ def test_contract_ranks_of_init_downlink_and_aggregate(name):
 
 def test_fedit_averages_each_factor():
     uploads, w = _uploads([3, 3]), [1.0, 3.0]
-    global_, _ = _method("fedit", [3, 3]).aggregate(uploads, w, [1, 2], torch.Generator())
+    global_, _ = _method("fedit", [3, 3]).aggregate(uploads, w, [0, 1], torch.Generator())
     for n, (B, A) in global_.items():
         torch.testing.assert_close(B, 0.25 * uploads[0][n][0] + 0.75 * uploads[1][n][0])
         torch.testing.assert_close(A, 0.25 * uploads[0][n][1] + 0.75 * uploads[1][n][1])
@@ -81,7 +81,7 @@ def test_one_factor_methods_send_one_factor_and_keep_the_other_global_one_bit_fo
         method.complete_upload({n: {sent: pair[1 - keep]} for n, pair in t.items()}, global_, c)
         for c, t in enumerate(trained)
     ]
-    new, _ = method.aggregate(uploads, [1.0, 3.0], [1, 2], torch.Generator())
+    new, _ = method.aggregate(uploads, [1.0, 3.0], [0, 1], torch.Generator())
     # Assert: the untrained factor is the global one bit for bit, the trained one the weighted mean
     for n, pair in new.items():
         assert torch.equal(pair[keep], global_[n][keep])
@@ -97,7 +97,7 @@ def test_fedit_refuses_heterogeneous_ranks():
 def test_product_space_methods_reach_the_svd_optimum_with_heterogeneous_ranks(name):
     uploads, w = _uploads([2, 3, 5]), [1.0, 1.0, 2.0]
     method = _method(name, [2, 3, 5])
-    global_, _ = method.aggregate(uploads, w, [1, 2, 3], torch.Generator())
+    global_, _ = method.aggregate(uploads, w, [0, 1, 2], torch.Generator())
     for n, (B, A) in global_.items():
         X = dense_aggregate([u[n][0] for u in uploads], [u[n][1] for u in uploads], w)
         assert float(torch.linalg.matrix_norm(X - B @ A)) == pytest.approx(optimal_error(X, 5), abs=1e-9)
@@ -115,7 +115,7 @@ def test_what_each_method_starts_from_trains_and_aligns():
             for j, kept in enumerate(keeps.get(name, (False, False))):
                 assert torch.equal(start[n][j], (own if kept else received)[n][j]), (name, n, j)
         assert [method.trainable(0), method.trainable(1)] == trains.get(name, [(True, True)] * 2), name
-        aligns = name in ("fedpa", "fedpa_no_preservation")
+        aligns = name in ("fedpa", "fedpa_no_preservation", "hetlora")  # hetlora: its self-pruning term
         assert (method.alignment(own, received, 1.0) is not None) is aligns, name
 
 
@@ -133,21 +133,85 @@ def test_fedsa_lora_evaluates_its_own_B_with_the_global_A():
     assert all(default[n][0] is received[n][0] for n in own)
 
 
-def test_fedrot_rotation_keeps_each_product_and_moves_factors_toward_the_global():
+def _proper_procrustes(M):
+    """Independent reference, written from the paper: R = U diag(1, .., det(U V^T)) V^T for M = U S V^T (numpy)."""
+    import numpy as np
+
+    U, _, Vt = np.linalg.svd(M.numpy())
+    D = np.eye(U.shape[0])
+    D[-1, -1] = np.sign(np.linalg.det(U @ Vt))
+    return torch.from_numpy(U @ D @ Vt)
+
+
+def test_fedrot_aligns_nothing_in_round_0_then_A_in_odd_and_B_in_even_rounds():
     method = _method("fedrot_lora", [3, 3])
     local, received = _uploads([3])[0], _uploads([3], seed=5)[0]
-    for rnd, factor in ((0, 1), (1, 0)):  # A aligned in even rounds, B in odd ones
+    assert all(method.before_upload(local, received, 0)[n][0] is B for n, (B, _) in local.items())
+    for rnd, aligned in ((1, "A"), (2, "B"), (3, "A")):
         rotated = method.before_upload(local, received, rnd)
-        for n, (B, A) in rotated.items():
-            torch.testing.assert_close(B @ A, local[n][0] @ local[n][1])
-            before = torch.linalg.matrix_norm(local[n][factor] - received[n][factor])
-            assert torch.linalg.matrix_norm((B, A)[factor] - received[n][factor]) <= before
+        for n, (B, A) in local.items():
+            B_ref, A_ref = received[n]
+            # the authors' rule: A aligned by min ||R^T A - A_ref|| (M = A A_ref^T), B by min ||B R - B_ref||
+            R = _proper_procrustes(A @ A_ref.T if aligned == "A" else B.T @ B_ref)
+            torch.testing.assert_close(rotated[n][0], B @ R)
+            torch.testing.assert_close(rotated[n][1], R.T @ A)
 
 
-def test_hetlora_pads_averages_and_truncates_back():
-    uploads, w = _uploads([2, 4]), [1.0, 1.0]
+def test_fedrot_soft_strength_interpolates_between_fedit_and_the_full_rotation():
+    local, received = _uploads([3])[0], _uploads([3], seed=5)[0]
+    cfg = FedPAConfig(rotation_strength=0.0)
+    off = get_method("fedrot_lora")(cfg, RankPlan.build(2, 3)).before_upload(local, received, 1)
+    assert all(torch.allclose(off[n][1], A) for n, (_, A) in local.items())
+    half = get_method("fedrot_lora")(FedPAConfig(rotation_strength=0.6), RankPlan.build(2, 3))
+    for n, (B, A) in half.before_upload(local, received, 1).items():
+        R_full = _proper_procrustes(local[n][1] @ received[n][1].T)
+        R_soft = _proper_procrustes(0.4 * torch.eye(3, dtype=torch.float64) + 0.6 * R_full)  # nearest rotation
+        torch.testing.assert_close(A, R_soft.T @ local[n][1])
+        torch.testing.assert_close(B @ A, local[n][0] @ local[n][1])
+
+
+def test_hetlora_weights_padded_factors_by_the_norm_of_each_update():
+    # Prepare
+    uploads = _uploads([2, 4])
     method = _method("hetlora", [2, 4])
-    global_, _ = method.aggregate(uploads, w, [1, 2], torch.Generator())
+    # Execute
+    global_, _ = method.aggregate(uploads, [5.0, 1.0], [0, 1], torch.Generator())
+    # Assert: p_k = ||B_k A_k||_F / sum_j ||B_j A_j||_F (dense products), data sizes ignored
+    for n, (B, A) in global_.items():
+        norms = [float(torch.linalg.matrix_norm(u[n][0] @ u[n][1])) for u in uploads]
+        p = [x / sum(norms) for x in norms]
+        pad_B = torch.cat([uploads[0][n][0], torch.zeros(SHAPES[n][0], 2, dtype=torch.float64)], dim=1)
+        pad_A = torch.cat([uploads[0][n][1], torch.zeros(2, SHAPES[n][1], dtype=torch.float64)], dim=0)
+        torch.testing.assert_close(B, p[0] * pad_B + p[1] * uploads[1][n][0])
+        torch.testing.assert_close(A, p[0] * pad_A + p[1] * uploads[1][n][1])
+    assert method.downlink(global_, 0)["q"][0].shape[1] == 2
+
+
+def test_hetlora_prunes_a_module_whose_tail_shrank_and_keeps_the_others():
+    # Prepare: gamma 0.7 on rank 4: the tail is index >= floor(2.8) = 2, a pruned module keeps rank 2
+    cfg = FedPAConfig(hetlora_gamma=0.7, hetlora_lam=0.1)
+    method = get_method("hetlora")(cfg, RankPlan.build(1, 4))
+    received = _uploads([4], seed=3)[0]
+    start = method.start_round(received, {n: (B[:, :4], A[:4]) for n, (B, A) in received.items()}, 0, 1)
+    trained = {n: (B.clone(), A.clone()) for n, (B, A) in start.items()}
+    trained["q"][0][:, 2:] *= 0.5  # q's tail shrank during the round, v's grew
+    trained["v"][0][:, 2:] *= 2.0
+    # Execute
+    kept = method.end_round(trained, 0, 1)
+    # Assert
+    assert kept["q"][0].shape[1] == 2 and torch.equal(kept["q"][0], trained["q"][0][:, :2])
+    assert kept["v"][0].shape[1] == 4
+    term = method.alignment(trained, {}, 1.0)
+    expected = sum(0.1 * torch.linalg.norm(B[:, 2:]) * torch.linalg.norm(A[2:]) for B, A in trained.values())
+    torch.testing.assert_close(term, expected)
+    # the next round starts from the global factors at the pruned rank
+    assert method.start_round(received, kept, 0, 2)["q"][0].shape[1] == 2
+
+
+def test_hetlora_pad_pads_averages_and_truncates_back():
+    uploads, w = _uploads([2, 4]), [1.0, 1.0]
+    method = _method("hetlora_pad", [2, 4])
+    global_, _ = method.aggregate(uploads, w, [0, 1], torch.Generator())
     for n, (B, A) in global_.items():
         assert B.shape[1] == 4 and A.shape[0] == 4
         torch.testing.assert_close(B[:, :2], 0.5 * (uploads[0][n][0] + uploads[1][n][0][:, :2]))
@@ -155,3 +219,9 @@ def test_hetlora_pads_averages_and_truncates_back():
         torch.testing.assert_close(A[2:], 0.5 * uploads[1][n][1][2:])
     start = method.start_round(global_, _uploads([2])[0], 0, 1)
     assert all(B.shape[1] == 2 and A.shape[0] == 2 for B, A in start.values())
+
+
+def test_flexlora_weighs_by_local_data_size_and_others_by_fs_sample_counts():
+    assert _method("flexlora", [2, 2]).weights([20, 20], [100, 300]) == [100.0, 300.0]
+    assert _method("flexlora", [2, 2]).weights([20, 20], [100, None]) == [20, 20]
+    assert _method("fedpa", [2, 2]).weights([20, 30], [100, 300]) == [20, 30]
