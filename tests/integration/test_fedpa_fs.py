@@ -335,3 +335,45 @@ def test_adaptive_lambda_rules_set_a_per_client_lambda_in_range(tiny_llm, tmp_pa
     lams = [lam for record in _diagnostics(outdir_of(cfg)) for lam in record["lam"].values()]
     assert len(lams) == 6 and all(low <= lam <= high for lam in lams)
     assert any(lam != 2.0 for lam in lams)  # the rule, not the fixed lambda, set them
+
+
+def test_mechanism_diagnostics_match_dense_products_of_what_was_sent_and_received(tiny_llm, tmp_path):
+    # Prepare: references of rank R_i = 2, 3, 4 below the clients' rank 4, so the drift compares two ranks
+    cfg = fedpa_cfg(tiny_llm, tmp_path, **{"fedpa.reference_ranks": [2, 3, 4]})
+    # Execute
+    run = probe(cfg, tmp_path)
+    records = {r["round"]: r for r in _diagnostics(run["final"]["outdir"])}
+    # Assert: an independent dense computation from the uploads and the global factors the server sent
+    previous = None
+    for agg in run["aggregate"]:
+        record = records[agg["round"]]
+        total = sum(record["weights"])
+        update_sq = 0.0
+        for name in agg["uploads"][0]:
+            X = sum(
+                w / total * (u[name][0].double() @ u[name][1].double())
+                for w, u in zip(record["weights"], agg["uploads"])
+            )
+            update_sq += float(X.pow(2).sum())
+        assert record["global_update_norm"] == pytest.approx(update_sq**0.5, rel=1e-4)
+        for client, upload in zip(agg["clients"], agg["uploads"]):
+            R_i = [2, 3, 4][client - 1]
+            delta_sq = drift_sq = ref_sq = 0.0
+            for name, (B, A) in upload.items():
+                dW = B.double() @ A.double()
+                ref = 0 if previous is None else previous[name][0][:, :R_i].double() @ previous[name][1][:R_i].double()
+                delta_sq += float(dW.pow(2).sum())
+                drift_sq += float((dW - ref).pow(2).sum())
+                ref_sq += float(torch.as_tensor(ref).pow(2).sum())
+            c = str(client)
+            assert record["delta_norm"][c] == pytest.approx(delta_sq**0.5, rel=1e-4)
+            assert record["drift"][c] == pytest.approx(drift_sq**0.5, rel=1e-4)
+            if ref_sq > 0:
+                assert record["drift_rel"][c] == pytest.approx((drift_sq / ref_sq) ** 0.5, rel=1e-4)
+            else:
+                assert c not in record["drift_rel"]  # the first reference is 0
+            assert record["grad_ratio_first"][c] >= 0 and record["grad_ratio_last"][c] > 0  # B = 0 at round 0 start
+        assert record["spread"]["drift"][0] == pytest.approx(
+            sum(record["drift"].values()) / len(record["drift"]), rel=1e-12
+        )
+        previous = agg["global"]
