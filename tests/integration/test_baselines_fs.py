@@ -97,11 +97,15 @@ def test_fedrot_lora_rotation_preserves_each_clients_product(tiny_llm, tmp_path)
                 B_raw, A_raw = ends[(client, agg["round"])][name]
                 expected = (8 / B_raw.shape[1]) * B_raw.double() @ A_raw.double()  # PEFT alpha / r
                 torch.testing.assert_close(B.double() @ A.double(), expected, atol=1e-5, rtol=1e-5)
-                assert not torch.equal(A, A_raw)  # it was rotated
+                rotated = not torch.equal(A, A_raw)
+                assert rotated is (agg["round"] > 0)  # round 0 has nothing to align to
 
 
-def test_hetlora_pads_to_the_largest_rank_and_truncates_back(tiny_llm, tmp_path):
-    cfg = fedpa_cfg(tiny_llm, tmp_path, **{"federate.method": "hetlora", "fedpa.client_ranks": [2, 4, 8]})
+@pytest.mark.parametrize("method", ["hetlora_pad", "hetlora"])
+def test_hetlora_pads_to_the_largest_rank_and_truncates_back(tiny_llm, tmp_path, method):
+    # hetlora with its self-pruning off here: the padding and truncation are the same
+    options = {"federate.method": method, "fedpa.client_ranks": [2, 4, 8], "fedpa.hetlora_lam": 0.0}
+    cfg = fedpa_cfg(tiny_llm, tmp_path, **options)
     run = probe(cfg, tmp_path)
     assert {r["client"]: r["upload_ranks"] for r in run["leave"]} == {1: [2], 2: [4], 3: [8]}
     assert all(B.shape[1] == 8 for agg in run["aggregate"] for B, _ in agg["global"].values())
@@ -119,3 +123,22 @@ def test_fedpa_without_preservation_restarts_from_the_reference_and_still_aligns
     run = probe(fedpa_cfg(tiny_llm, tmp_path, **{"federate.method": "fedpa_no_preservation"}), tmp_path)
     assert all(v > 0 for r in _records(run)[1:] for v in r["e_init_B"].values())
     assert any(gap > 0 for gap in run["loss_gap"])
+
+
+def test_hetlora_self_pruning_only_lowers_ranks_and_the_server_follows(tiny_llm, tmp_path):
+    # gamma 0.7 prunes visibly: rank 8 -> 5 -> 3 ..., rank 2 -> 1, never below 1
+    options = {"federate.method": "hetlora", "fedpa.client_ranks": [2, 4, 8], "fedpa.hetlora_gamma": 0.7}
+    sgd = {"fedpa.hetlora_lam": 10.0, "train.optimizer.type": "SGD", "train.optimizer.lr": 0.05}  # the tail shrinks
+    run = probe(fedpa_cfg(tiny_llm, tmp_path, **options, **sgd), tmp_path)
+    ranks: dict[int, list[int]] = {}
+    for leave in sorted(run["leave"], key=lambda r: r["round"]):
+        ranks.setdefault(leave["client"], []).append(max(leave["upload_ranks"]))
+    assert all(
+        r == sorted(r, reverse=True) and r[0] <= {1: 2, 2: 4, 3: 8}[c] and min(r) >= 1 for c, r in ranks.items()
+    )
+    assert any(r[-1] < {1: 2, 2: 4, 3: 8}[c] for c, r in ranks.items())  # something was pruned
+    assert len(run["aggregate"]) == 3 and all(len(a["clients"]) == 3 for a in run["aggregate"])  # nothing dropped
+    for entry in run["enter"]:  # a client starts from the global factors at its current (pruned) rank
+        if entry["round"] > 0:
+            previous = ranks[entry["client"]][entry["round"] - 1]
+            assert all(B.shape[1] == previous for B, _ in entry["start"].values())
