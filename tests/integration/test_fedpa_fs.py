@@ -252,6 +252,7 @@ def test_every_yaml_config_loads_into_fs_with_the_plugin():
 
 
 def test_baseline_configs_differ_from_fedpa_only_in_method_and_learning_rate():
+    """... and FedRot-LoRA's alignment strength, which is the paper's per-task value."""
     import yaml
 
     root = Path(__file__).resolve().parents[2] / "yaml_configs"
@@ -261,6 +262,8 @@ def test_baseline_configs_differ_from_fedpa_only_in_method_and_learning_rate():
         for section, key in (("federate", "method"), ("federate", "save_to"), ("train", "optimizer")):
             cfg[section].pop(key)
         cfg.pop("expname")
+        strength = cfg["fedpa"].pop("rotation_strength", None)
+        assert strength == (0.6 if path.name.startswith("fedrot_lora") else None), path.name  # SST-2's value
         return cfg
 
     for path in sorted((root / "baselines").glob("*_sst2*.yaml")):
