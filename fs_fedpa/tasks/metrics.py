@@ -38,6 +38,8 @@ def matthews_corr(y_true, y_pred) -> float:
 
 def pearson(x, y) -> float:
     a, b = _pair(x, y)
+    if np.ptp(a) == 0 or np.ptp(b) == 0:  # constant: its mean may differ from it by rounding, which is no signal
+        return 0.0
     a, b = a.astype(np.float64) - a.mean(), b.astype(np.float64) - b.mean()
     # rescale first: products of tiny deviations (e.g. 1e-203) would underflow to 0
     a, b = (v / np.abs(v).max() if np.abs(v).max() > 0 else v for v in (a, b))
