@@ -48,8 +48,11 @@ def get_factors(model: nn.Module) -> Factors:
 def scaling_for_rank(layer: nn.Module, r: int) -> float:
     """``lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA): what PEFT would use for rank r on this module."""
     adapter = _adapter(layer)
-    alpha = layer.lora_alpha[adapter]
-    return alpha / math.sqrt(r) if layer.use_rslora.get(adapter, False) else alpha / r
+    return _peft_scaling(layer.lora_alpha[adapter], layer.use_rslora.get(adapter, False), r)
+
+
+def _peft_scaling(alpha: float, rslora: bool, r: int) -> float:
+    return alpha / math.sqrt(r) if rslora else alpha / r
 
 
 def set_factors(
@@ -110,7 +113,7 @@ class Scaling:
 
     def s(self, name: str, r: int) -> float:
         """``s(r)`` of module ``name``."""
-        return self.alpha[name] / math.sqrt(r) if self.rslora[name] else self.alpha[name] / r
+        return _peft_scaling(self.alpha[name], self.rslora[name], r)
 
     def applied(self, factors: Mapping[str, tuple[Tensor, Tensor]]) -> Factors:
         """``(s(r) B, A)`` with r the rank of each pair: raw PEFT factors to the update they apply."""

@@ -81,16 +81,21 @@ def test_scaling_applied_factors_are_the_update_peft_applies(rslora):
         torch.testing.assert_close(back[name][0], B.detach())
 
 
+def _random_factors(model, r, g):
+    """Random ``(B: (d, r), A: (r, k))`` for every LoRA module of ``model``."""
+    return {
+        n: (torch.randn(layer.out_features, r, generator=g), torch.randn(r, layer.in_features, generator=g))
+        for n, layer in lora.lora_layers(model).items()
+    }
+
+
 @pytest.mark.parametrize("rslora", [False, True])
 def test_client_space_loads_a_reference_of_another_rank_as_the_same_update(rslora):
     # Prepare: a rank-2 client receives a rank-5 applied reference X
     model = _peft_model(r=4, rslora=rslora)
     space = lora.ClientSpace(lora.Scaling.of(model), rank=2)
     g = torch.Generator().manual_seed(4)
-    X = {
-        n: (torch.randn(layer.out_features, 5, generator=g), torch.randn(5, layer.in_features, generator=g))
-        for n, layer in lora.lora_layers(model).items()
-    }
+    X = _random_factors(model, 5, g)
     x = torch.randn(5, 12, generator=g)
     # Execute
     lora.set_factors(model, space.to_model(space.download(X)))
@@ -102,10 +107,7 @@ def test_client_space_keeps_own_factors_bit_for_bit_and_uploads_the_applied_upda
     model = _peft_model(r=4)
     space = lora.ClientSpace(lora.Scaling.of(model), rank=3)
     g = torch.Generator().manual_seed(5)
-    own = {
-        n: (torch.randn(layer.out_features, 3, generator=g), torch.randn(3, layer.in_features, generator=g))
-        for n, layer in lora.lora_layers(model).items()
-    }
+    own = _random_factors(model, 3, g)
     x = torch.randn(5, 12, generator=g)
     lora.set_factors(model, space.to_model(own))
     back = space.from_model(lora.copy_factors(lora.get_factors(model)))
