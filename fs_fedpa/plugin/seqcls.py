@@ -37,6 +37,9 @@ def extend_seqcls_cfg(cfg) -> None:
     cfg.model.seqcls.precision = "fp32"  # fp32 | fp16 | bf16 (autocast in the forward)
     cfg.data.glue_limit = 0  # > 0: keep only the first N train examples (quick runs)
     cfg.data.glue_eval_split = ""  # "": the task's dev split; e.g. validation_mismatched for MNLI-mm
+    # > 0: hold out this fraction (< 1) or count (>= 1) of each client's train shard as its `val` split, for
+    # hyper-parameter selection; the dev split then becomes `test` (fs_fedpa.tasks.glue.holdout_split)
+    cfg.data.glue_holdout = 0.0
     cfg.register_cfg_check_fun(_check_seqcls_cfg)
 
 
@@ -46,6 +49,8 @@ def _check_seqcls_cfg(cfg) -> None:
         raise ValueError(f"model.seqcls.r(={s.r}) must be a positive int")
     if s.precision not in ("fp32", "fp16", "bf16"):
         raise ValueError(f"model.seqcls.precision(={s.precision!r}) must be 'fp32', 'fp16' or 'bf16'")
+    if not cfg.data.glue_holdout >= 0:
+        raise ValueError(f"data.glue_holdout(={cfg.data.glue_holdout}) must be 0 (off), a fraction or a count")
     if cfg.data.type.lower().endswith(SUFFIX_DATA):
         from fs_fedpa.tasks.glue import get_task
 
@@ -90,11 +95,40 @@ def load_glue_data(config, client_cfgs=None):
     logger.info(f"GLUE {task.name}: {len(train)} train, {len(dev)} dev examples, max length {max_len}")
 
     config.model.seqcls.num_labels = task.num_labels
-    data = BaseDataTranslator(config, client_cfgs)(
-        (_encode(train, tokenizer, max_len), _encode(dev, tokenizer, max_len), [])
-    )
+    translator = _holdout_translator() if config.data.glue_holdout > 0 else BaseDataTranslator
+    data = translator(config, client_cfgs)((_encode(train, tokenizer, max_len), _encode(dev, tokenizer, max_len), []))
     setup_seed(config.seed)  # FS restores the seed only for its built-in datasets
     return data, config
+
+
+def _holdout_translator():
+    from federatedscope.core.data import BaseDataTranslator, ClientData
+
+    from fs_fedpa.tasks.glue import holdout_split
+
+    class HoldoutTranslator(BaseDataTranslator):
+        """FS's split, then each client's train shard loses ``data.glue_holdout`` of its examples to a validation
+        split ``val`` (:func:`fs_fedpa.tasks.glue.holdout_split`); its dev shard becomes ``test``. The server's
+        data (id 0) is the union of the clients' parts. FS's own split is unchanged, so the training shards of a
+        tuning run are those of a final run minus the held-out examples."""
+
+        def split_to_client(self, train, val, test):
+            data = super().split_to_client(train, val, test)
+            holdout = self.global_cfg.data.glue_holdout
+            kept, held = [], []
+            for cid in range(1, self.global_cfg.federate.client_num + 1):
+                shard = data[cid]
+                examples = list(shard.train_data or [])
+                keep, out = holdout_split(len(examples), holdout, cid)
+                parts = [examples[i] for i in keep], [examples[i] for i in out]
+                data[cid] = ClientData(shard.client_cfg, train=parts[0], val=parts[1], test=shard.val_data)
+                kept += parts[0]
+                held += parts[1]
+                logger.info(f"client {cid}: {len(out)} of {len(examples)} train examples held out for validation")
+            data[0] = ClientData(self.global_cfg, train=kept, val=held, test=val)
+            return data
+
+    return HoldoutTranslator
 
 
 def _model_name(config) -> str:

@@ -215,3 +215,31 @@ def _from_hf(task: GlueTask, split: str, limit: int | None) -> list[GlueExample]
         )
         for row in ds
     ]
+
+
+# ------------------------------------------------------------------------------------- held-out validation
+HOLDOUT_SEED = 12345  # like FS's data split: every run, method and seed holds out the same examples
+
+
+def holdout_size(n: int, holdout: float) -> int:
+    """How many of a shard's ``n`` training examples are held out: ``round(holdout * n)`` for a fraction
+    ``0 < holdout < 1`` (at least 1 when ``n >= 2``), ``int(holdout)`` for a count ``>= 1``; always leaves at
+    least one example to train on, and 0 for ``holdout == 0``."""
+    if not 0 <= holdout or holdout != holdout:
+        raise ValueError(f"data.glue_holdout(={holdout}) must be 0, a fraction in (0, 1) or a count >= 1")
+    if holdout == 0 or n < 2:
+        return 0
+    k = max(1, round(holdout * n)) if holdout < 1 else int(holdout)
+    return min(k, n - 1)
+
+
+def holdout_split(n: int, holdout: float, client: int) -> tuple[list[int], list[int]]:
+    """``(train, held)`` positions of a client's shard of ``n`` training examples: a random ``holdout_size``
+    subset, fixed by :data:`HOLDOUT_SEED` and the client's id (not the run's seed), held out for validation
+    (hyper-parameter selection never sees the dev set). Both lists are sorted, disjoint and cover ``range(n)``."""
+    import random
+
+    k = holdout_size(n, holdout)
+    held = sorted(random.Random(HOLDOUT_SEED * 1000 + client).sample(range(n), k))
+    chosen = set(held)
+    return [i for i in range(n) if i not in chosen], held

@@ -122,3 +122,34 @@ def test_real_glue_files_have_the_published_label_counts(task, split, counts):
         pytest.skip(f"no real GLUE data at {REAL}")
     examples = load_glue(task, REAL, split, allow_download=False)
     assert dict(collections.Counter(e.label for e in examples)) == counts
+
+
+# ------------------------------------------------------------------------------------- held-out validation
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from fs_fedpa.tasks.glue import holdout_size, holdout_split  # noqa: E402
+
+
+@given(
+    st.integers(0, 3000),
+    st.one_of(st.just(0.0), st.floats(0.001, 0.999), st.integers(1, 5000).map(float)),
+    st.integers(1, 50),
+)
+def test_the_held_out_part_is_disjoint_covers_the_shard_and_repeats(n, holdout, client):
+    train, held = holdout_split(n, holdout, client)
+    assert sorted(train + held) == list(range(n)) and not set(train) & set(held)
+    assert len(held) == holdout_size(n, holdout) and (len(train) >= 1 or n == 0)
+    assert (train, held) == holdout_split(n, holdout, client)  # the same examples in every run, method and seed
+
+
+def test_holdout_sizes_by_hand():
+    assert holdout_size(6424, 0.015) == 96 and holdout_size(634, 0.015) == 10  # two SST-2 shards of the protocol
+    assert holdout_size(10, 0.01) == 1 and holdout_size(10, 3) == 3 and holdout_size(10, 50) == 9
+    assert holdout_size(1, 0.5) == 0 and holdout_size(100, 0) == 0
+    with pytest.raises(ValueError, match="glue_holdout"):
+        holdout_size(10, -0.1)
+
+
+def test_clients_hold_out_different_positions():
+    assert holdout_split(1000, 0.05, 1)[1] != holdout_split(1000, 0.05, 2)[1]
