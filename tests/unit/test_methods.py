@@ -106,7 +106,7 @@ def test_product_space_methods_reach_the_svd_optimum_with_heterogeneous_ranks(na
 def test_what_each_method_starts_from_trains_and_aligns():
     own = {n: (B.requires_grad_(), A.requires_grad_()) for n, (B, A) in _uploads([2])[0].items()}
     received = _uploads([2], seed=1)[0]
-    keeps = {"fedpa": (True, True), "fedsa_lora": (True, False)}
+    keeps = {"fedpa": (True, True), "local_only": (True, True), "fedsa_lora": (True, False)}
     trains = {"ffa_lora": [(True, False)] * 2, "rolora": [(True, False), (False, True)]}
     for name in PLUGIN_METHODS:
         method = _method(name, [2])
@@ -129,6 +129,8 @@ def test_fedsa_lora_evaluates_its_own_B_with_the_global_A():
     own, received = _uploads([2])[0], _uploads([2], seed=1)[0]
     evaluated = _method("fedsa_lora", [2]).evaluation_factors(received, own, 0)
     assert all(torch.equal(evaluated[n][0], own[n][0]) and torch.equal(evaluated[n][1], received[n][1]) for n in own)
+    alone = _method("local_only", [2]).evaluation_factors(received, own, 0)
+    assert all(alone[n][0] is own[n][0] and alone[n][1] is own[n][1] for n in own)
     default = _method("fedit", [2]).evaluation_factors(received, own, 0)
     assert all(default[n][0] is received[n][0] for n in own)
 
