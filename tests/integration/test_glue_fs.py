@@ -86,6 +86,60 @@ def test_glue_splits_are_deterministic_and_cover_each_example_once(tiny_glue, tm
     assert isinstance(data[1].val_data[0][0]["input_ids"], torch.Tensor)
 
 
+def _examples(dataset) -> list[tuple]:
+    return sorted(tuple(x["input_ids"].tolist()) + (y,) for x, y in dataset)
+
+
+def test_held_out_validation_is_disjoint_from_training_and_dev_and_deterministic(tiny_glue, tmp_path):
+    """data.glue_holdout: each client's val split is part of its FS train shard, trained on by nobody, never a dev
+    example; its dev shard moves to test; the same examples are held out in every run and for every seed."""
+    from federatedscope.core.auxiliaries.data_builder import get_data
+    from federatedscope.core.configs.config import global_cfg
+
+    from tests.integration.tiny_assets import dump_yaml
+
+    def build(holdout, seed=0):
+        cfg = global_cfg.clone()
+        yaml_cfg = fs_glue_yaml(tmp_path, tiny_glue["model"], tiny_glue["glue"], **{"seed": seed})
+        cfg.merge_from_file(dump_yaml(yaml_cfg, tmp_path / f"cfg_{holdout}_{seed}.yaml"))
+        cfg.data.glue_holdout = holdout
+        return get_data(cfg)[0]
+
+    plain, held, again = build(0.0), build(0.25), build(0.25, seed=7)
+    dev = {id(e) for e in held[0].test_data}  # the tiny task repeats sentences: examples are told apart by identity
+    for cid in (1, 2, 3):
+        shard = _examples(plain[cid].train_data)
+        train, val = _examples(held[cid].train_data), _examples(held[cid].val_data)
+        assert sorted(train + val) == shard  # FS's split is unchanged; the held-out part comes out of it
+        held_ids, train_ids = {id(e) for e in held[cid].val_data}, {id(e) for e in held[cid].train_data}
+        assert len(val) == len(held_ids) == round(0.25 * len(shard))
+        assert not held_ids & train_ids and not held_ids & dev
+        assert _examples(held[cid].test_data) == _examples(plain[cid].val_data)  # the dev shard, not evaluated
+        assert (_examples(again[cid].train_data), _examples(again[cid].val_data)) == (train, val)
+    assert _examples(held[0].val_data) == sorted(sum((_examples(held[c].val_data) for c in (1, 2, 3)), []))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"federate.method": "local_only"},
+        # the protocol's centralized line: FedIT with one client holding all the training data
+        {"federate.method": "fedit", "federate.client_num": 1, "data.glue_holdout": 0.2},
+    ],
+    ids=["local_only", "centralized"],
+)
+def test_reference_lines_run_through_fs(tiny_glue, tmp_path, overrides):
+    cfg = fs_glue_yaml(tmp_path, tiny_glue["model"], tiny_glue["glue"], **overrides)
+    proc = run_fs(cfg, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    metrics = _final_metrics(cfg)
+    assert 0.0 <= metrics["val_acc"] <= 1.0
+    if overrides["federate.method"] == "local_only":  # its paper protocol is its own factors
+        assert metrics["val_acc"] == pytest.approx(metrics["local.val_acc"])
+    else:
+        assert metrics["val_total"] == pytest.approx(round(0.2 * 120))  # one client, a fifth of the train split
+
+
 def test_trimming_trailing_padding_leaves_the_logits_unchanged():
     from transformers import BertConfig, BertForSequenceClassification
 
