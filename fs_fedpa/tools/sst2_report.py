@@ -1,0 +1,198 @@
+"""The SST-2 protocol's report, rebuilt from the committed run files alone (:mod:`fs_fedpa.tools.sst2_compare`).
+
+Writes into the report folder: ``report.md`` (setting, pilot, the whole tuning table, the selected values, the final
+table with paired intervals against FedPA-LoRA under both evaluation protocols, the settings beyond the main cell,
+the CPU time spent and what is still to run), ``tuning.csv``, and per finished stage the tables and figures of
+:mod:`fs_fedpa.compare` (``final/results.md``, ``final/accuracy.png``, ``final/mechanism.png``, ...).
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from fs_fedpa import compare
+from fs_fedpa.tools import sst2_compare as sc
+
+METRICS = ("val_acc", "local.val_acc")
+
+
+def _pm(values: list[float]) -> str:
+    if not values:
+        return "–"
+    mean = sum(values) / len(values)
+    std = (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
+    return f"{mean:.4f} ± {std:.4f} ({len(values)})"
+
+
+def _interval(row: dict | None) -> str:
+    if row is None:
+        return "–"
+    return f"{row['mean']:+.4f} [{row['low']:+.4f}, {row['high']:+.4f}] n={row['seeds']}: FedPA {row['verdict']}"
+
+
+def _score(value: float | None) -> str:
+    return "–" if value is None else f"{value:.4f}"
+
+
+def _lr(row: dict) -> str:
+    return f"{row['optimizer']} {row['lr']:g}" + (f", λ {row['lam']:g}" if row.get("lam") is not None else "")
+
+
+def pilot_section(results: dict) -> list[str]:
+    pilot = results.get(sc.pilot_run().key)
+    if pilot is None:
+        return ["## Pilot", "", "Not run yet.", ""]
+    curve = {r: m["val_acc"] for r, m in pilot["rounds"].items() if m.get("val_acc") is not None}
+    best, lines = float("-inf"), []
+    for r in sorted(curve):
+        best = max(best, curve[r])
+        lines.append(f"| {r} | {curve[r]:.4f} | {best:.4f} |")
+    T = sc.pilot_T(pilot)
+    converged = T < max(curve)
+    return [
+        "## Pilot: the number of rounds T",
+        "",
+        f"FedIT, {sc.PILOT_LR[0]} {sc.PILOT_LR[1]:g}, seed 0, up to {sc.PILOT_ROUNDS} rounds, scored on the held-out "
+        "validation split. T is the first evaluated round at which the best-so-far accuracy gains less than 0.5 "
+        f"point over the last quarter of the rounds: **T = {T}**"
+        + ("" if converged else " (the last round: the pilot had not converged)")
+        + f"; tuning runs take ceil(T/2) = {-(-T // 2)} rounds.",
+        "",
+        "| round | held-out val_acc | best so far |",
+        "|---|---|---|",
+        *lines,
+        "",
+    ]
+
+
+def tuning_section(results: dict, stages: list, report: Path) -> list[str]:
+    runs = next((runs for stage, runs in stages if stage == "tune"), [])
+    if not runs:
+        return ["## Tuning", "", "Waits for the pilot.", ""]
+    rows = sc.tuning_table(results, runs)
+    with open(report / "tuning.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["method", "optimizer", "lr", "lam", "score", "run"])
+        writer.writeheader()
+        writer.writerows(rows)
+    selected_file = report / "selected.json"
+    chosen = {}
+    if selected_file.is_file():
+        import json
+
+        chosen = {m: c["run"] for m, c in json.loads(selected_file.read_text())["methods"].items()}
+    mark = {True: "**selected**", False: ""}
+    table = [
+        f"| {r['method']} | {_lr(r)} | {_score(r['score'])} | {mark[chosen.get(r['method']) == r['run']]} |"
+        for r in rows
+    ]
+    done = sum(r["score"] is not None for r in rows)
+    return [
+        "## Tuning on held-out training data",
+        "",
+        f"{done} of {len(rows)} runs done. Score: held-out accuracy (paper protocol), mean of a run's last two "
+        "evaluations; the dev set is never read. `tuning.csv` has the same table.",
+        "",
+        "| method | optimizer, lr, λ | score | |",
+        "|---|---|---|---|",
+        *table,
+        "",
+    ]
+
+
+def selected_section(report: Path) -> list[str]:
+    path = report / "selected.json"
+    if not path.is_file():
+        return ["## Selected hyper-parameters", "", "Written when the tuning stage is complete.", ""]
+    import json
+
+    selected = json.loads(path.read_text())
+    lines = [f"| {m} | {_lr(c)} | {c['score']:.4f} |" for m, c in selected["methods"].items()]
+    return [
+        "## Selected hyper-parameters (`selected.json`; the final runs read them from there)",
+        "",
+        f"T = {selected['T']} rounds.",
+        "",
+        "| method | optimizer, lr, λ | held-out score |",
+        "|---|---|---|",
+        *lines,
+        "",
+    ]
+
+
+def stage_section(title: str, stage: str, results: dict, report: Path, pairs: dict[str, str]) -> list[str]:
+    """Mean ± std over seeds of the final metrics per cell, and paired intervals of (FedPA cell − cell)."""
+    runs = [r for key, r in results.items() if key.startswith(f"{stage}/")]
+    if not runs:
+        return [f"## {title}", "", "Not run yet.", ""]
+    folder = report / stage
+    folder.mkdir(exist_ok=True)
+    summary = compare.summarize(runs, "val_acc", larger_is_better=True)
+    compare.write_table(summary, "val_acc", folder, f"Stage `{stage}` of the SST-2 protocol (docs/compare.md).")
+    try:
+        from fs_fedpa.tools.plots import plot_all
+
+        plot_all(runs, "val_acc", folder)
+    except ImportError:  # matplotlib is an extra
+        pass
+    values = {m: sc.cell_values(results, m, stage) for m in METRICS}
+    lines = [
+        f"## {title}",
+        "",
+        f"Final round, mean ± std over seeds (n); `{stage}/results.md` has the best round and the diagnostics, "
+        f"`{stage}/*.png` the curves. Interval: paired 95% t interval of (FedPA-LoRA − cell) over shared seeds.",
+        "",
+        "| cell | val_acc (paper protocol) | local.val_acc | FedPA − cell, paper protocol | FedPA − cell, own "
+        "factors |",
+        "|---|---|---|---|---|",
+    ]
+    for cell in dict.fromkeys(r["cell"] for r in runs):
+        ours = pairs.get(cell)
+        intervals = []
+        for m in METRICS:
+            row = None
+            if ours and ours != cell and ours in values[m]:
+                cells = {ours: values[m][ours], cell: values[m].get(cell, {})}
+                row = sc.paired_rows(results, m, ours=ours, cells=cells).get(cell)
+            intervals.append(_interval(row))
+        means = [_pm(list(values[m].get(cell, {}).values())) for m in METRICS]
+        lines.append(f"| {cell} | {means[0]} | {means[1]} | {intervals[0]} | {intervals[1]} |")
+    return [*lines, ""]
+
+
+def write_report(report: Path, results: dict, stages: list) -> Path:
+    report.mkdir(parents=True, exist_ok=True)
+    spent = sum(r["seconds"] for r in results.values())
+    pending = [(stage, sum(r.key not in results for r in runs)) for stage, runs in stages]
+    finals = {r["cell"] for k, r in results.items() if k.startswith("final/")}
+    beta_cells = [r["cell"] for k, r in results.items() if k.startswith("beta/")]
+    beta_pairs = {c: f"fedpa_beta{c.rsplit('_beta', 1)[1]}" for c in beta_cells}
+    hetero_pairs = {r["cell"]: "fedpa_r2_4_16" for k, r in results.items() if k.startswith("hetero/")}
+    lines = [
+        "# SST-2 protocol: results",
+        "",
+        "Rebuilt by `./run.sh compare` from the run files in `runs/` (docs/compare.md describes the protocol).",
+        f"CPU time of the committed runs: {spent / 3600:.2f} h on 2 cores. Runs still to do: "
+        + (", ".join(f"{s}: {n}" for s, n in pending if n) or "none of the stages known now")
+        + ".",
+        "",
+        *pilot_section(results),
+        *tuning_section(results, stages, report),
+        *selected_section(report),
+        *stage_section("Final runs (dev set)", "final", results, report, {c: "fedpa" for c in finals}),
+        *stage_section("Data heterogeneity: β = 0.1 and 100", "beta", results, report, beta_pairs),
+        *stage_section("Heterogeneous ranks r_i ∈ {2, 4, 16}", "hetero", results, report, hetero_pairs),
+        *stage_section("Ablation (against the final FedPA-LoRA runs)", "ablation", results | _finals(results), report,
+                       {c: "fedpa" for k, r in results.items() if k.startswith("ablation/") for c in [r["cell"]]}),
+        *stage_section("Adaptive λ (Appendix F; against fixed λ)", "adaptive", results | _finals(results), report,
+                       {c: "fedpa" for k, r in results.items() if k.startswith("adaptive/") for c in [r["cell"]]}),
+    ]  # fmt: skip
+    path = report / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _finals(results: dict) -> dict:
+    """The final FedPA-LoRA runs re-keyed into another stage, as the reference of the ablation and adaptive cells."""
+    return {f"{stage}/{k.split('/', 1)[1]}": r for k, r in results.items() if k.startswith("final/fedpa_s")
+            for stage in ("ablation", "adaptive")}  # fmt: skip

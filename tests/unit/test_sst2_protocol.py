@@ -1,0 +1,112 @@
+"""The SST-2 protocol's plan (fs_fedpa.tools.sst2_compare) on fabricated results: held-out tuning, the selection
+written to selected.json and final runs that use exactly its values; and the committed results, where present."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fs_fedpa.tools import sst2_compare as sc
+
+COMMITTED = Path(__file__).resolve().parents[2] / sc.REPORT
+
+
+def _result(run: sc.Run, accs: dict[int, float]) -> dict:
+    return {
+        "cell": run.name,
+        "method": run.method,
+        "opts": list(run.cell().opts),
+        "seed": run.seed,
+        "seconds": 10.0 * run.rounds,
+        "rounds_planned": run.rounds,
+        "rounds": {r: {"val_acc": a, "local.val_acc": a} for r, a in accs.items()},
+        "diagnostics": [],
+    }
+
+
+def _opts(run: sc.Run) -> dict[str, str]:
+    return dict(zip(run.opts[::2], run.opts[1::2]))
+
+
+def _tuning_score(run: sc.Run) -> float:
+    """A fabricated held-out score with a unique best per method: FedPA at lam 0.5 and SGD 0.1, the others at
+    AdamW 5e-3."""
+    o = _opts(run)
+    best = ("SGD", "0.1") if run.method == "fedpa" else ("AdamW", "0.005")
+    score = 0.8 + 0.05 * ((o["train.optimizer.type"], o["train.optimizer.lr"]) == best)
+    return score + 0.01 * (o.get("fedpa.lam") == "0.5")
+
+
+def test_tuning_never_reads_the_dev_set_and_the_final_runs_use_exactly_the_selected_values(tmp_path):
+    results: dict = {}
+    pilot = sc.pilot_run()
+    results[pilot.key] = _result(pilot, {t: min(0.5 + 0.02 * t, 0.85) for t in range(2, 49, 2)})
+    stages = dict(sc.plan(results, tmp_path))
+    T = sc.pilot_T(results[pilot.key])
+    assert T == 24 and set(stages) == {"pilot", "tune"}
+    # the lr sweep of FedPA waits for its λ sweep at the pilot's rate
+    assert {_opts(r)["train.optimizer.lr"] for r in stages["tune"] if r.method == "fedpa"} == {"0.002"}
+    for _ in range(2):  # λ sweep, then everything else
+        for run in dict(sc.plan(results, tmp_path))["tune"]:
+            assert _opts(run)["data.glue_holdout"] == "0.015" and run.rounds == 12 and run.seed == 0
+            results.setdefault(run.key, _result(run, {10: _tuning_score(run), 12: _tuning_score(run)}))
+    stages = dict(sc.plan(results, tmp_path))
+    selected = json.loads((tmp_path / "selected.json").read_text())  # read back from the file, as the runs do
+    assert selected["T"] == T
+    fedpa = selected["methods"]["fedpa"]
+    assert (fedpa["optimizer"], fedpa["lr"], fedpa["lam"]) == ("SGD", 0.1, 0.5)
+    assert {m: (c["optimizer"], c["lr"]) for m, c in selected["methods"].items() if m != "fedpa"} == {
+        m: ("AdamW", 0.005) for m in sc.MAIN if m != "fedpa"
+    }
+    finals = stages["final"]
+    assert {(r.method, r.seed) for r in finals} == {(m, s) for m in sc.MAIN for s in sc.SEEDS}
+    for run in finals:
+        o, choice = _opts(run), selected["methods"][run.method]
+        assert (o["train.optimizer.type"], float(o["train.optimizer.lr"])) == (choice["optimizer"], choice["lr"])
+        assert float(o.get("fedpa.lam", "nan")) == choice["lam"] or choice["lam"] is None
+        assert o["data.glue_holdout"] == "0" and run.rounds == T
+    assert _opts(next(r for r in finals if r.method == "fedrot_lora"))["fedpa.rotation_strength"] == "0.6"
+    central = next(r for r in finals if r.method == "centralized").cell().opts
+    assert central[:6] == (
+        "federate.client_num",
+        "1",
+        "federate.sample_client_num",
+        "1",
+        "train.local_update_steps",
+        "100",
+    )
+
+
+def test_later_stages_follow_the_final_paired_intervals(tmp_path):
+    results: dict = {}
+    selected = {
+        "T": 4,
+        "methods": {m: {"method": m, "optimizer": "AdamW", "lr": 2e-3, "lam": 0.5 if m == "fedpa" else None}
+                    for m in sc.MAIN},
+    }  # fmt: skip
+    # fedpa beats fedit clearly and ties flexlora (+0.01, -0.01, +0.02)
+    gaps = {"fedit": (0.05, 0.06, 0.055), "flexlora": (0.01, -0.01, 0.02)}
+    for run in sc.final_runs(selected, 4):
+        acc = 0.85 - gaps.get(run.method, (0.1, 0.1, 0.11))[run.seed] if run.method != "fedpa" else 0.85
+        results[run.key] = _result(run, {4: acc})
+    rows = sc.paired_rows(results, "val_acc")
+    assert rows["fedit"]["verdict"] == "wins" and rows["flexlora"]["verdict"] == "ties"
+    assert rows["fedit"]["mean"] == pytest.approx(0.055)
+    assert sc.strongest(results) == ["flexlora", "fedit", "ffa_lora"]
+
+
+@pytest.mark.skipif(not (COMMITTED / "selected.json").is_file(), reason="no committed selection yet")
+def test_committed_final_runs_used_the_committed_selection():
+    selected = json.loads((COMMITTED / "selected.json").read_text())
+    results = sc.load_results(COMMITTED)
+    finals = [r for k, r in results.items() if k.startswith("final/")]
+    for run in finals:
+        opts = dict(zip(run["opts"][::2], run["opts"][1::2]))
+        choice = selected["methods"][run["cell"]]
+        assert (
+            opts["train.optimizer.type"] == choice["optimizer"] and float(opts["train.optimizer.lr"]) == choice["lr"]
+        )
+        if choice.get("lam") is not None:
+            assert float(opts["fedpa.lam"]) == choice["lam"]
