@@ -3,8 +3,8 @@
 #   ./run.sh test [pytest args]   install what the tests need (CPU torch, the package) and run them
 #   ./run.sh [--data GLUE_DIR]    the main job: FedPA-LoRA on real SST-2 with the embedded MiniLM, on CPU
 #                                 (GLUE_DIR holds SST-2/train.tsv and SST-2/dev.tsv; or set FS_FEDPA_DATA)
-#   ./run.sh compare --data GLUE_DIR [--out DIR]
-#                                 the CPU reference comparison of every method (docs/compare.md)
+#   ./run.sh compare --data GLUE_DIR [--plan] [--hours H]
+#                                 the tuned SST-2 comparison protocol, resumable (docs/compare.md)
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}

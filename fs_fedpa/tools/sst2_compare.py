@@ -197,15 +197,21 @@ def load_results(report: Path) -> dict[str, dict]:
     return out
 
 
-def execute(runs: list[Run], results: dict, report: Path, work: Path, glue: Path, budget: dict) -> None:
-    """Run what has no committed result yet, and commit-ready its JSON as soon as it finishes."""
+def execute(runs: list[Run], results: dict, report: Path, work: Path, glue: Path, budget: dict) -> int:
+    """Run what has no committed result yet, writing its JSON as soon as it finishes; a run that fails is reported
+    and retried at the next call. Returns how many runs finished."""
     pending = [r for r in runs if r.key not in results]
+    finished = 0
     for i, run in enumerate(pending, start=1):
         left = sum(r.rounds for r in pending[i - 1 :]) * seconds_per_round(results) / 60
         print(f"[{run.stage} {i}/{len(pending)}] {run.name} seed {run.seed}, {run.rounds} rounds; "
               f"about {left:.0f} min left in this stage", flush=True)  # fmt: skip
         out = work / run.stage / f"{run.name}_s{run.seed}"
-        compare.run_one(str(CFG), run.cell(), run.seed, out, ["data.root", str(glue)], str(run.rounds))
+        try:
+            compare.run_one(str(CFG), run.cell(), run.seed, out, ["data.root", str(glue)], str(run.rounds))
+        except RuntimeError as failure:
+            print(f"    FAILED, left for the next call: {failure}", flush=True)
+            continue
         result = compare.collect(out)
         result.update(stage=run.stage, rounds_planned=run.rounds)
         path = report / "runs" / run.stage / f"{run.name}_s{run.seed}.json"
@@ -213,9 +219,11 @@ def execute(runs: list[Run], results: dict, report: Path, work: Path, glue: Path
         path.write_text(json.dumps(result, separators=(",", ":")))
         result["rounds"] = {int(r): m for r, m in result["rounds"].items()}
         results[run.key] = result
+        finished += 1
         budget["ran"] += result["seconds"]
         if budget["stop_at"] and time.time() > budget["stop_at"]:
             raise TimeoutError(f"--hours spent; {len(pending) - i} runs of stage {run.stage} left")
+    return finished
 
 
 def seconds_per_round(results: dict) -> float:
@@ -329,9 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                 stages = plan(results, report)
                 todo = [(s, [r for r in runs if r.key not in results]) for s, runs in stages]
                 todo = [(s, runs) for s, runs in todo if runs]
-                if not todo:
-                    break
-                execute(todo[0][1], results, report, work, glue, budget)
+                if not todo or not execute(todo[0][1], results, report, work, glue, budget):
+                    break  # done, or every run left in the stage failed: see their fs.log
         except TimeoutError as stop:
             print(f"[sst2_compare] stopping: {stop}; rerun to continue", flush=True)
         print(f"[sst2_compare] this call ran {budget['ran'] / 3600:.2f} h of FS runs", flush=True)
