@@ -24,7 +24,7 @@ from fs_fedpa.core.diagnostics import GradientSplit, factored_norm, initializati
 from fs_fedpa.core.penalty import product_penalty
 from fs_fedpa.plugin import resume
 from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainables
-from fs_fedpa.plugin.payload import decode_factors, decode_tensors, encode_factors
+from fs_fedpa.plugin.payload import decode_factors, decode_tensors, encode_factors, encode_tensors
 from fs_fedpa.plugin.trainer import install_alignment_hook
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
@@ -111,8 +111,9 @@ class FedPAClient(Client):
         if self._resume_out:
             self._write_resume_file()
         sent = self.space.upload(self.method.before_upload(self.factors, self._received, self.state))
+        wire = self._cfg.federate.mode.lower() == "distributed"  # tensors as explicit encodings, never pickled
         upload = {
-            "lora": encode_factors(sent, parts=self.method.upload_parts(self.state)),
+            "lora": encode_factors(sent, parts=self.method.upload_parts(self.state), wire=wire),
             "stats": {
                 "alignment_loss": term,
                 "lam": float(self.lam),
@@ -122,7 +123,7 @@ class FedPAClient(Client):
             },
         }
         if self.shared_names:  # FS's gRPC encoder fails on empty dicts
-            upload["shared"] = {n: params[n].detach().cpu().clone() for n in self.shared_names}
+            upload["shared"] = encode_tensors({n: params[n] for n in self.shared_names}, wire)
         return upload
 
     def _round_stats(self, sent) -> dict[str, float]:

@@ -1,12 +1,19 @@
 """Message payloads between the FedPA server and clients: flat string-keyed dicts of tensors.
 
-FS's gRPC transport serialises nested dicts of tensors (not tuples), so factors travel as
-``{"<module>|B": B, "<module>|A": A}``. A payload is ``{"lora": ..., "shared": ..., "stats": ...}``:
+Factors travel as ``{"<module>|B": B, "<module>|A": A}``. A payload is ``{"lora": ..., "shared": ..., "stats": ...}``:
 LoRA factors, non-LoRA tensors that are averaged (e.g. a non-local head), and floats.
+
+Nothing a peer sends is ever unpickled. In standalone mode the tensors are handed over as objects. Over a network
+(``wire=True``) each tensor is sent as :func:`to_wire`'s explicit encoding ``{"dtype", "shape", "data"}`` (base64
+of its raw bytes), which FS's gRPC transport carries as plain strings and ints. FS's own ``param2tensor`` would
+``pickle.loads`` any string it is given, so the decoder here accepts a tensor object or that encoding, and
+refuses everything else with a reason.
 """
 
 from __future__ import annotations
 
+import base64
+import math
 from collections.abc import Mapping
 
 import torch
@@ -18,27 +25,89 @@ from fs_fedpa.lora import Factors
 SEP = "|"
 
 
-def encode_factors(factors: Mapping[str, tuple[Tensor, Tensor]], parts: tuple[str, ...] = ("B", "A")) -> dict:
-    """``{"<module>|B": B, "<module>|A": A}`` with only the factors named in ``parts`` (a method may send one)."""
+WIRE_DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+WIRE_KEYS = frozenset({"dtype", "shape", "data"})
+MAX_DIMS = 8
+
+
+def to_wire(tensor: Tensor) -> dict:
+    """``{"dtype": "float32", "shape": [d, k], "data": base64 of the raw bytes}``: a tensor as strings and ints."""
+    tensor = tensor.detach().cpu().contiguous()
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name not in WIRE_DTYPES:
+        raise ValueError(f"dtype {tensor.dtype} cannot be sent; use one of {sorted(WIRE_DTYPES)}")
+    raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return {"dtype": name, "shape": list(tensor.shape), "data": base64.b64encode(raw).decode("ascii")}
+
+
+def from_wire(value: object) -> Tensor:
+    """The tensor of a :func:`to_wire` encoding; ``ValueError`` naming what is wrong with anything else. Reads
+    nothing but the dtype name, the integers of the shape and the bytes: no object is ever reconstructed."""
+    if not isinstance(value, Mapping) or set(value) != WIRE_KEYS:
+        raise ValueError(f"expected a tensor or its encoding {{dtype, shape, data}}, got {_what(value)}")
+    dtype, shape, data = value["dtype"], value["shape"], value["data"]
+    if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
+        raise ValueError(f"encoded dtype {str(dtype)[:40]!r} is not one of {sorted(WIRE_DTYPES)}")
+    if (
+        not isinstance(shape, (list, tuple))
+        or len(shape) > MAX_DIMS
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+    ):
+        raise ValueError(f"encoded shape {str(shape)[:60]} is not a list of at most {MAX_DIMS} ints >= 0")
+    if not isinstance(data, (str, bytes)):
+        raise ValueError(f"encoded data is {type(data).__name__}, not base64 text")
+    dtype = WIRE_DTYPES[dtype]
+    expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if len(data) != 4 * math.ceil(expected / 3):  # checked before decoding: a huge claim costs nothing
+        raise ValueError(f"encoded data of {len(data)} characters does not hold shape {list(shape)} of {dtype}")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except ValueError as err:
+        raise ValueError(f"encoded data is not base64 ({err})") from None
+    if len(raw) != expected:
+        raise ValueError(f"encoded data has {len(raw)} bytes, shape {list(shape)} of {dtype} needs {expected}")
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape).clone()
+
+
+def _what(value: object) -> str:
+    if isinstance(value, Mapping):
+        return f"a mapping with keys {sorted(map(str, value))[:5]}"
+    return f"{type(value).__name__}"
+
+
+def encode_factors(
+    factors: Mapping[str, tuple[Tensor, Tensor]], parts: tuple[str, ...] = ("B", "A"), wire: bool = False
+) -> dict:
+    """``{"<module>|B": B, "<module>|A": A}`` with only the factors named in ``parts`` (a method may send one);
+    ``wire``: each as :func:`to_wire`'s encoding (distributed mode)."""
     out = {}
     for name, (B, A) in factors.items():
         for part, value in zip(("B", "A"), (B, A)):
             if part in parts:
-                out[f"{name}{SEP}{part}"] = value.detach().cpu().clone()
+                out[f"{name}{SEP}{part}"] = to_wire(value) if wire else value.detach().cpu().clone()
     return out
 
 
-def decode_parts(flat: Mapping[str, object]) -> dict[str, dict[str, Tensor]]:
-    """``module -> {"B": B, "A": A}`` with whichever factors were sent; accepts what a transport made of the
-    tensors (lists, arrays)."""
-    from federatedscope.core.auxiliaries.utils import param2tensor
+def encode_tensors(tensors: Mapping[str, Tensor], wire: bool = False) -> dict:
+    """Shared (non-LoRA) tensors by name, as objects or (``wire``) encoded."""
+    return {k: to_wire(v) if wire else v.detach().cpu().clone() for k, v in tensors.items()}
 
+
+def decode_parts(flat: Mapping[str, object]) -> dict[str, dict[str, Tensor]]:
+    """``module -> {"B": B, "A": A}`` with whichever factors were sent (tensor objects or their encodings)."""
+    if not isinstance(flat, Mapping):
+        raise ValueError(f"factors must be a mapping of '<module>{SEP}B|A' to tensors, got {_what(flat)}")
     names: dict[str, dict[str, Tensor]] = {}
     for key, value in flat.items():
-        name, _, part = key.rpartition(SEP)
+        name, _, part = key.rpartition(SEP) if isinstance(key, str) else ("", "", "")
         if part not in ("A", "B") or not name:
-            raise ValueError(f"malformed factor key {key!r}: expected '<module>{SEP}A' or '<module>{SEP}B'")
-        names.setdefault(name, {})[part] = _tensor(param2tensor(value))
+            raise ValueError(f"malformed factor key {str(key)[:80]!r}: expected '<module>{SEP}A' or '<module>{SEP}B'")
+        try:
+            names.setdefault(name, {})[part] = _tensor(value)
+        except ValueError as err:
+            raise ValueError(f"{key}: {err}") from None
     return names
 
 
@@ -52,17 +121,32 @@ def decode_factors(flat: Mapping[str, object]) -> Factors:
 
 
 def decode_tensors(flat: Mapping[str, object]) -> dict[str, Tensor]:
-    from federatedscope.core.auxiliaries.utils import param2tensor
+    """Shared tensors by name from tensor objects or their encodings."""
+    if not isinstance(flat, Mapping):
+        raise ValueError(f"shared tensors must be a mapping of names to tensors, got {_what(flat)}")
+    out = {}
+    for key, value in flat.items():
+        try:
+            out[str(key)] = _tensor(value)
+        except ValueError as err:
+            raise ValueError(f"{str(key)[:80]}: {err}") from None
+    return out
 
-    return {k: _tensor(param2tensor(v)) for k, v in flat.items()}
 
-
-def nbytes(payload: Mapping[str, object]) -> int:
-    """Bytes of every tensor in a payload (factors and shared tensors; stats are negligible)."""
-    tensors = [v for part in ("lora", "shared") for v in payload.get(part, {}).values()]
-    return payload_bytes([t for t in tensors if isinstance(t, Tensor)])
+def nbytes(payload: object) -> int:
+    """Bytes of every tensor in a payload (factors and shared tensors, as objects or encoded; stats are
+    negligible); 0 for what is not a payload, which the server's checks then refuse."""
+    if not isinstance(payload, Mapping):
+        return 0
+    parts = [payload.get(part) for part in ("lora", "shared")]
+    values = [v for part in parts if isinstance(part, Mapping) for v in part.values()]
+    encoded = [v["data"] for v in values if isinstance(v, Mapping) and isinstance(v.get("data"), str)]
+    return payload_bytes([t for t in values if isinstance(t, Tensor)]) + sum(
+        len(d) * 3 // 4 - d[-2:].count("=") for d in encoded
+    )
 
 
 def _tensor(value: object) -> Tensor:
-    """A fresh tensor: standalone FS hands over the sender's objects, and nobody may alter what a client sent."""
-    return value.detach().clone() if isinstance(value, Tensor) else torch.as_tensor(value)
+    """A fresh tensor from a tensor object (standalone FS hands over the sender's objects, and nobody may alter what
+    a client sent) or from :func:`to_wire`'s encoding; anything else is refused."""
+    return value.detach().clone() if isinstance(value, Tensor) else from_wire(value)

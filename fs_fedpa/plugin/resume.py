@@ -100,4 +100,15 @@ def save(obj: dict, path: str) -> None:
 
 
 def load(path: str | Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=False)
+    """A resume file: tensors, numbers, strings and containers only (``weights_only=True``: no pickled object of a
+    planted file can run code). ``ValueError`` naming the file for anything else, a truncated file included."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # UnpicklingError (a refused object), RuntimeError / EOFError (truncated), ...
+        raise ValueError(
+            f"{path} cannot be read as a resume file ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
+            "resume files hold only tensors, numbers and strings"
+        ) from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path} is not a resume file (it holds a {type(saved).__name__}, not a dict)")
+    return saved

@@ -24,7 +24,7 @@ from fs_fedpa.core.diagnostics import aggregate_norm, aggregation_error, factore
 from fs_fedpa.core.uploads import upload_problem
 from fs_fedpa.plugin import resume
 from fs_fedpa.plugin.common import build_method, fedpa_seed, global_init, non_lora_trainables
-from fs_fedpa.plugin.payload import decode_parts, decode_tensors, encode_factors, nbytes
+from fs_fedpa.plugin.payload import decode_parts, decode_tensors, encode_factors, encode_tensors, nbytes
 from fs_fedpa.record import DIAGNOSTICS_FILE, RoundRecord
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
@@ -71,10 +71,11 @@ class FedPAServer(Server):
             if msg_type == "model_para":
                 self.sampler.change_state(receivers, "working")
         params = dict(self.model.named_parameters())
-        shared = {n: params[n].detach().cpu().clone() for n in self.shared_names}
+        wire = self._cfg.federate.mode.lower() == "distributed"  # tensors as explicit encodings, never pickled
+        shared = encode_tensors({n: params[n] for n in self.shared_names}, wire)
         rnd = self.state - 1 if msg_type == "evaluate" else self.state  # FS: evaluation closes a round
         for client_id in receivers:
-            payload = {"lora": encode_factors(self.method.downlink(self.global_factors, client_id - 1))}
+            payload = {"lora": encode_factors(self.method.downlink(self.global_factors, client_id - 1), wire=wire)}
             if shared:  # FS's gRPC encoder fails on empty dicts, and rewrites dicts in place: one per receiver
                 payload["shared"] = dict(shared)
             if msg_type == "model_para":

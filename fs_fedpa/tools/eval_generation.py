@@ -25,7 +25,7 @@ def merge_global_adapter(model, ckpt_path: str) -> int:
     """Add ``B_g A_g`` to the weight of every module named in the checkpoint; returns how many were merged."""
     import torch
 
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)  # tensors only: a checkpoint cannot run code
     if "fedpa" not in ckpt:
         raise ValueError(
             f"{ckpt_path} is not a FedPA checkpoint (no 'fedpa' entry); pass federate.save_to of a fedpa run"

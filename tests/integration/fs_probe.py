@@ -12,8 +12,9 @@ only copy what passes through the plugin's own seams; they change nothing:
 - ``final``: every client's kept factors and the server's global factors at the end.
 
 One deliberate fault, for the reliability tests: ``FS_PROBE_CORRUPT="client:round:kind,..."`` makes that
-client's upload of that round carry a NaN (``kind`` nan) or an A with one row too many (``kind`` shape), after
-the spy recorded it.
+client's upload of that round carry a NaN (``kind`` nan), an A with one row too many (``kind`` shape), or, in
+place of a B, a base64 pickle that creates the file ``FS_PROBE_CANARY`` if anyone unpickles it (``kind``
+pickle), after the spy recorded it. The aggregation spy records None for an upload it cannot decode.
 """
 
 from __future__ import annotations
@@ -22,6 +23,16 @@ import os
 import sys
 
 import torch
+
+
+class Canary:
+    """Unpickling this calls ``open(path, "w")``, so the file exists afterwards if anyone unpickled it."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
 
 
 def _copy(factors):
@@ -37,7 +48,13 @@ def _corrupt(upload: dict, client: int, rnd: int) -> dict:
     if kind is None:
         return upload
     lora = dict(upload["lora"])
-    key = sorted(k for k in lora if k.endswith("B" if kind == "nan" else "A"))[0]
+    key = sorted(k for k in lora if k.endswith("A" if kind == "shape" else "B"))[0]
+    if kind == "pickle":
+        import base64
+        import pickle
+
+        lora[key] = base64.b64encode(pickle.dumps(Canary(os.environ["FS_PROBE_CANARY"]))).decode()
+        return {**upload, "lora": lora}
     bad = lora[key].clone()
     if kind == "nan":
         bad[0, 0] = float("nan")
@@ -105,10 +122,14 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         weights = [float(n) for n, _ in agg_info["client_feedback"]]
         clients = [c for c, _ in agg_info["staleness"]]
         server = self.server  # uploads as the server completes them (a method may send one factor only)
-        uploads = [
-            _copy(server.method.complete_upload(decode_parts(content["lora"]), server.global_factors, c - 1))
-            for c, (_, content) in zip(clients, agg_info["client_feedback"])
-        ]
+        uploads = []
+        for c, (_, content) in zip(clients, agg_info["client_feedback"]):
+            try:
+                parts = decode_parts(content["lora"])
+            except ValueError:
+                uploads.append(None)
+                continue
+            uploads.append(_copy(server.method.complete_upload(parts, server.global_factors, c - 1)))
         result = orig_aggregate(self, agg_info)
         record["aggregate"].append(
             {

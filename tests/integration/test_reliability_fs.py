@@ -46,6 +46,21 @@ def test_faulty_uploads_are_dropped_and_training_goes_on(tiny_llm, tmp_path):
         assert torch.isfinite(B).all() and torch.isfinite(A).all()
 
 
+def test_a_pickled_upload_is_dropped_unread_and_training_goes_on(tiny_llm, tmp_path):
+    # Execute: in round 1, client 2 sends as its B a base64 pickle that would create a file when unpickled (FS's
+    # own param2tensor unpickles any string it is given)
+    planted = tmp_path / "pwned"
+    env = {"FS_PROBE_CORRUPT": "2:1:pickle", "FS_PROBE_CANARY": str(planted)}
+    run = probe(fedpa_cfg(tiny_llm, tmp_path), tmp_path, env=env)
+    # Assert: refused with its reason, never unpickled, and the federation went on without it
+    log = (tmp_path / "probe.log").read_text()
+    assert "dropped the upload of client #2" in log and "got str" in log
+    assert not planted.exists()
+    agg = {a["round"]: a for a in run["aggregate"]}
+    assert sorted(agg[1]["clients"]) == [1, 2, 3] and agg[1]["uploads"][agg[1]["clients"].index(2)] is None
+    assert sorted(_diagnostics(run)[1]["clients"]) == [1, 3] and sorted(_diagnostics(run)[2]["clients"]) == [1, 2, 3]
+
+
 def test_a_round_with_every_upload_dropped_keeps_the_global_adapter(tiny_llm, tmp_path):
     run = probe(fedpa_cfg(tiny_llm, tmp_path), tmp_path, env={"FS_PROBE_CORRUPT": "1:1:nan,2:1:nan,3:1:shape"})
     log = (tmp_path / "probe.log").read_text()
