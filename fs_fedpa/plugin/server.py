@@ -21,10 +21,10 @@ from torch import Tensor
 
 from fs_fedpa import lora
 from fs_fedpa.core.diagnostics import aggregate_norm, aggregation_error, factored_norm
-from fs_fedpa.core.uploads import upload_problem
 from fs_fedpa.plugin import resume
 from fs_fedpa.plugin.common import build_method, fedpa_seed, global_init, non_lora_trainables
-from fs_fedpa.plugin.payload import decode_parts, decode_tensors, encode_factors, encode_tensors, nbytes
+from fs_fedpa.plugin.intake import Accepted, check_upload
+from fs_fedpa.plugin.payload import encode_factors, encode_tensors, nbytes
 from fs_fedpa.record import DIAGNOSTICS_FILE, RoundRecord
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
@@ -213,41 +213,67 @@ class FedPAAggregator(Aggregator):
         clients = [client_id for client_id, _ in agg_info["staleness"]]
         feedback = agg_info["client_feedback"]
         bytes_up = {str(c): nbytes(content) for c, (_, content) in zip(clients, feedback)}
-        expected = self._expected_shapes()
-        kept, sizes, uploads, shared, stats, dropped = [], [], [], [], [], {}
+        accepted, dropped = {}, {}
         for client_id, (size, content) in zip(clients, feedback):
-            checked = self._decode_checked(client_id, size, content, *expected)
+            checked = self._check(client_id, size, content)
             if isinstance(checked, str):
-                dropped[str(client_id)] = checked
-                logger.warning(f"[fedpa] round {server.state}: dropped the upload of client #{client_id}: {checked}")
-                continue
-            # decode_* cloned every tensor: nothing below can alter what a client sent
-            kept.append(client_id)
-            sizes.append(float(size))
-            uploads.append(checked[0])
-            shared.append(checked[1])
-            stats.append(content.get("stats", {}))
-        if not kept:
-            logger.warning(
-                f"[fedpa] round {server.state}: every upload was dropped; the global adapter stays as it was"
+                self._drop(dropped, client_id, checked)
+            else:  # fresh tensors: nothing below can alter what a client sent
+                accepted[client_id] = checked
+        while accepted:
+            kept = list(accepted)
+            uploads = [accepted[c].factors for c in kept]
+            stats = [accepted[c].stats for c in kept]
+            data_sizes = [s.get("num_train_data") if isinstance(s.get("num_train_data"), int) else None for s in stats]
+            sizes = [accepted[c].size for c in kept]
+            weights = (
+                [1.0] * len(kept) if server._cfg.federate.ignore_weight else server.method.weights(sizes, data_sizes)
             )
-            record = _new_record(server, clients)
+            if sum(weights) <= 0:
+                weights = [1.0] * len(kept)
+            try:
+                new_global, spectra = server.method.aggregate(
+                    uploads, weights, [c - 1 for c in kept], server.generator
+                )
+                averaged = _weighted_mean([accepted[c].shared for c in kept], weights)
+                _check_finite(new_global, averaged)
+            except (RuntimeError, ValueError, ArithmeticError) as err:  # a contribution the checks let through
+                culprit = self._culprit(accepted)
+                self._drop(dropped, culprit, f"aggregation failed with its upload ({type(err).__name__}: {err})")
+                del accepted[culprit]
+                continue
+            record = _round_record(server, uploads, weights, kept, new_global, spectra, stats)
             record.dropped, record.bytes_up = dropped, bytes_up
+            server.install_global(new_global, averaged)
             server.record_round(record.to_dict())
-            return {}
-        clients = kept
-        data_sizes = [s.get("num_train_data") if isinstance(s.get("num_train_data"), int) else None for s in stats]
-        weights = [1.0] * len(kept) if server._cfg.federate.ignore_weight else server.method.weights(sizes, data_sizes)
-        if sum(weights) <= 0:
-            weights = [1.0] * len(kept)
-
-        new_global, spectra = server.method.aggregate(uploads, weights, [c - 1 for c in clients], server.generator)
-        averaged = _weighted_mean(shared, weights)
-        record = _round_record(server, uploads, weights, clients, new_global, spectra, stats)
+            return {}  # the model is already updated; FS merges this empty dict into its state
+        logger.warning(f"[fedpa] round {server.state}: every upload was dropped; the global adapter stays as it was")
+        record = _new_record(server, clients)
         record.dropped, record.bytes_up = dropped, bytes_up
-        server.install_global(new_global, averaged)
         server.record_round(record.to_dict())
-        return {}  # the model is already updated; FS merges this empty dict into its state
+        return {}
+
+    def _drop(self, dropped: dict, client_id, reason: str) -> None:
+        dropped[str(client_id)] = reason
+        logger.warning(f"[fedpa] round {self.server.state}: dropped the upload of client #{client_id}: {reason}")
+
+    def _culprit(self, accepted: dict):
+        """The client whose upload makes aggregation fail: the first whose removal lets the others aggregate (the
+        last one if no single removal does)."""
+        server, ids = self.server, list(accepted)
+        for candidate in ids:
+            rest = [c for c in ids if c != candidate]
+            if not rest:
+                break
+            try:
+                w = [1.0] * len(rest)
+                new_global, _ = server.method.aggregate([accepted[c].factors for c in rest], w, [c - 1 for c in rest],
+                                                        torch.Generator().manual_seed(0))  # fmt: skip
+                _check_finite(new_global, {})
+                return candidate
+            except (RuntimeError, ValueError, ArithmeticError):
+                continue
+        return ids[-1]
 
     def _expected_shapes(self) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, ...]]]:
         """``(d, k)`` of every LoRA module and the shape of every shared tensor, for checking uploads."""
@@ -256,27 +282,24 @@ class FedPAAggregator(Aggregator):
         shapes = {n: (B.shape[0], A.shape[1]) for n, (B, A) in server.global_factors.items()}
         return shapes, {n: tuple(params[n].shape) for n in server.shared_names}
 
-    def _decode_checked(self, client_id: int, size, content, shapes, shared_shapes):
-        """``(factors, shared tensors)`` decoded from an upload that can be aggregated, else why it cannot."""
-        if not isinstance(size, (int, float)) or not math.isfinite(size) or size < 0:
-            return f"sample size {size!r} is not a finite number >= 0"
-        if not isinstance(content, dict) or "lora" not in content:
-            return f"payload of type {type(content).__name__} has no 'lora' factors"
-        try:
-            parts = decode_parts(content["lora"])
-            shared = decode_tensors(content.get("shared", {}))
-        except (ValueError, TypeError, AttributeError) as err:
-            return f"undecodable payload ({err})"
+    def _check(self, client_id, size, content) -> Accepted | str:
+        """:func:`fs_fedpa.plugin.intake.check_upload` for this client and round, or why it cannot be checked."""
         method = self.server.method
         ranks = method.plan.client_ranks
-        if not 1 <= client_id <= len(ranks):
-            return f"client id {client_id} is not in the rank plan"
-        expected = set(method.upload_parts(self.server.state))
-        if wrong := sorted(n for n, sent in parts.items() if set(sent) != expected):
-            return f"module {wrong[0]!r}: uploaded factors {sorted(parts[wrong[0]])}, expected {sorted(expected)}"
-        factors = method.complete_upload(parts, self.server.global_factors, client_id - 1)
-        problem = upload_problem(factors, shapes, method.upload_ranks(client_id - 1), shared, shared_shapes)
-        return problem if problem is not None else (factors, shared)
+        if isinstance(client_id, bool) or not isinstance(client_id, int) or not 1 <= client_id <= len(ranks):
+            return f"client id {client_id!r} is not in the rank plan (1..{len(ranks)})"
+        shapes, shared_shapes = self._expected_shapes()
+        dtype = next(iter(self.server.global_factors.values()))[0].dtype
+        return check_upload(
+            size,
+            content,
+            expected_parts=set(method.upload_parts(self.server.state)),
+            complete=lambda parts: method.complete_upload(parts, self.server.global_factors, client_id - 1),
+            shapes=shapes,
+            ranks=method.upload_ranks(client_id - 1),
+            shared_shapes=shared_shapes,
+            dtype=dtype,
+        )
 
     def save_model(self, path, cur_round=-1):
         self.server.save_checkpoint(path, cur_round)
@@ -284,6 +307,16 @@ class FedPAAggregator(Aggregator):
     def load_model(self, path):
         """Resume from a FedPA resume point (the server does this itself for ``federate.restore_from``)."""
         return self.server.restore(path)
+
+
+def _check_finite(global_factors, averaged) -> None:
+    """ArithmeticError if the aggregate holds a NaN or an Inf (e.g. an overflow the per-upload bounds missed)."""
+    for name, (B, A) in global_factors.items():
+        if not (torch.isfinite(B).all() and torch.isfinite(A).all()):
+            raise ArithmeticError(f"the aggregate of {name} is not finite")
+    for name, t in averaged.items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise ArithmeticError(f"the average of shared tensor {name} is not finite")
 
 
 def _weighted_mean(tensors: list[dict[str, Tensor]], weights: list[float]) -> dict[str, Tensor]:

@@ -11,10 +11,14 @@ only copy what passes through the plugin's own seams; they change nothing:
 - ``loss_gap``: ``loss_task - loss_batch`` of every training batch (the added alignment term);
 - ``final``: every client's kept factors and the server's global factors at the end.
 
-One deliberate fault, for the reliability tests: ``FS_PROBE_CORRUPT="client:round:kind,..."`` makes that
-client's upload of that round carry a NaN (``kind`` nan), an A with one row too many (``kind`` shape), or, in
-place of a B, a base64 pickle that creates the file ``FS_PROBE_CANARY`` if anyone unpickles it (``kind``
-pickle), after the spy recorded it. The aggregation spy records None for an upload it cannot decode.
+- ``sent``: per client and round, the sample size and the factors of its upload (``module -> {part: tensor}``) as
+  the client made it.
+
+Deliberate faults, for the reliability and fault-table tests: ``FS_PROBE_CORRUPT="client:round:name,..."`` makes
+that client send, in that round, what the fault ``name`` of ``tests.integration.fault_cases.FAULTS`` makes of its
+message (a NaN, a wrong shape, a pickle that creates the file ``FS_PROBE_CANARY`` if anyone unpickles it, a bad
+sample size, ...), after the spies recorded the honest one. The aggregation spy records None for what it cannot
+decode.
 """
 
 from __future__ import annotations
@@ -25,43 +29,13 @@ import sys
 import torch
 
 
-class Canary:
-    """Unpickling this calls ``open(path, "w")``, so the file exists afterwards if anyone unpickled it."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def __reduce__(self):
-        return open, (self.path, "w")
-
-
 def _copy(factors):
     return {n: (B.detach().cpu().clone(), A.detach().cpu().clone()) for n, (B, A) in factors.items()}
 
 
-def _corrupt(upload: dict, client: int, rnd: int) -> dict:
-    faults = dict(
-        ((int(c), int(r)), kind)
-        for c, r, kind in (f.split(":") for f in os.environ.get("FS_PROBE_CORRUPT", "").split(",") if f)
-    )
-    kind = faults.get((client, rnd))
-    if kind is None:
-        return upload
-    lora = dict(upload["lora"])
-    key = sorted(k for k in lora if k.endswith("A" if kind == "shape" else "B"))[0]
-    if kind == "pickle":
-        import base64
-        import pickle
-
-        lora[key] = base64.b64encode(pickle.dumps(Canary(os.environ["FS_PROBE_CANARY"]))).decode()
-        return {**upload, "lora": lora}
-    bad = lora[key].clone()
-    if kind == "nan":
-        bad[0, 0] = float("nan")
-    else:
-        bad = torch.cat([bad, bad[:1]])
-    lora[key] = bad
-    return {**upload, "lora": lora}
+def _faults() -> dict[tuple[int, int], str]:
+    spec = os.environ.get("FS_PROBE_CORRUPT", "")
+    return {(int(c), int(r)): name for c, r, name in (f.split(":", 2) for f in spec.split(",") if f)}
 
 
 def main(cfg_file: str, out: str, opts: list[str]) -> None:
@@ -76,8 +50,10 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
     from fs_fedpa.plugin import client as client_mod
     from fs_fedpa.plugin import server as server_mod
     from fs_fedpa.plugin.payload import decode_factors, decode_parts
+    from tests.integration.fault_cases import corrupt
 
-    record = {"enter": [], "leave": [], "aggregate": [], "loss_gap": []}
+    record = {"enter": [], "leave": [], "aggregate": [], "loss_gap": [], "sent": []}
+    faults = _faults()
     Client, Aggregator = client_mod.FedPAClient, server_mod.FedPAAggregator
 
     orig_init, orig_enter, orig_leave = Client.__init__, Client._enter_round, Client._leave_round
@@ -91,6 +67,20 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
                 record["loss_gap"].append(float((ctx.loss_task - ctx.loss_batch).detach()))
 
             self.trainer.register_hook_in_train(new_hook=gap, trigger="on_batch_forward")
+            send = self.comm_manager.send
+
+            def spy_send(message):
+                if message.msg_type == "model_para":
+                    size, upload = message.content
+                    record["sent"].append(
+                        {"client": message.sender, "round": message.state, "size": float(size),
+                         "parts": {n: dict(p) for n, p in decode_parts(upload["lora"]).items()}}
+                    )  # fmt: skip
+                    if (name := faults.get((message.sender, message.state))) is not None:
+                        message.content = corrupt(name, size, upload)
+                return send(message)
+
+            self.comm_manager.send = spy_send
 
     def enter(self, payload):
         orig_enter(self, payload)
@@ -116,20 +106,19 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
                 "upload_ranks": sorted({_rank(p) for p in decode_parts(upload["lora"]).values()}),
             }
         )
-        return _corrupt(upload, self.ID, self.state)
+        return upload
 
     def aggregate(self, agg_info):
-        weights = [float(n) for n, _ in agg_info["client_feedback"]]
+        weights = [n if isinstance(n, (int, float)) else None for n, _ in agg_info["client_feedback"]]
         clients = [c for c, _ in agg_info["staleness"]]
         server = self.server  # uploads as the server completes them (a method may send one factor only)
         uploads = []
         for c, (_, content) in zip(clients, agg_info["client_feedback"]):
             try:
                 parts = decode_parts(content["lora"])
-            except ValueError:
+                uploads.append(_copy(server.method.complete_upload(parts, server.global_factors, c - 1)))
+            except Exception:  # a fault of the table: the server's own checks say why
                 uploads.append(None)
-                continue
-            uploads.append(_copy(server.method.complete_upload(parts, server.global_factors, c - 1)))
         result = orig_aggregate(self, agg_info)
         record["aggregate"].append(
             {

@@ -1,0 +1,142 @@
+"""What the server accepts from one client in one round, checked before anything else touches it (torch only).
+
+:func:`check_upload` turns FS's ``(sample_size, content)`` of a client into an :class:`Accepted` upload, or into the
+reason it is dropped (a string): sample size, payload structure, stats, decoding (tensors only, no pickle), dtype,
+layout, device, shapes, finiteness and magnitude, in that order. One client's fault is that client's problem: the
+server logs the reason with the client's id and aggregates the others (docs/errors.md).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from fs_fedpa.core.uploads import upload_problem
+from fs_fedpa.lora import Factors
+from fs_fedpa.plugin.payload import decode_parts, decode_tensors
+
+MAX_ABS = 1e6  # far above any trained LoRA factor or head, far below what overflows the float32 Gram of a stack
+MAX_SAMPLES = 1e15  # more examples than any client has; beyond it a weight is an attack or a bug
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass
+class Accepted:
+    """An upload that can be aggregated: full factors at the client's rank, shared tensors, its FS sample size
+    and its numeric stats, all fresh tensors in the server's dtype."""
+
+    factors: Factors
+    shared: dict[str, Tensor]
+    size: float
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def sample_size(value: object) -> float | str:
+    """FS's sample size as a float (Python, numpy or 0-d torch numbers), or why it is not one."""
+    if isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return f"sample size {str(value)[:40]!r} ({type(value).__name__}) is not a number"
+    try:
+        size = float(value)
+    except OverflowError:
+        return f"sample size {str(value)[:40]}... overflows a float"
+    if not (math.isfinite(size) and 0 <= size <= MAX_SAMPLES):
+        return f"sample size {size!r} is not a finite number in [0, {MAX_SAMPLES:g}]"
+    return size
+
+
+def check_stats(stats: object) -> dict[str, float] | str:
+    """The client's stats as ``name -> float`` (ints kept as ints), or why they are not."""
+    if not isinstance(stats, Mapping):
+        return f"stats of type {type(stats).__name__} are not a mapping of names to numbers"
+    out = {}
+    for key, value in stats.items():
+        if not isinstance(key, str):
+            return f"stats key {str(key)[:40]!r} is not a string"
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            return f"stat {key[:40]!r} = {str(value)[:40]!r} ({type(value).__name__}) is not a number"
+        try:
+            number = float(value)
+        except OverflowError:
+            return f"stat {key[:40]!r} overflows a float"
+        if not math.isfinite(number):
+            return f"stat {key[:40]!r} = {number} is not finite"
+        out[key] = int(value) if isinstance(value, numbers.Integral) else number
+    return out
+
+
+def as_float(name: str, t: Tensor, dtype: torch.dtype) -> Tensor | str:
+    """``t`` as a dense CPU tensor of the server's ``dtype``: other float dtypes are cast (a value that does not fit
+    becomes Inf and is refused by the finiteness check); integer, complex, sparse or meta tensors are refused."""
+    if t.layout != torch.strided:
+        return f"{name}: layout {t.layout} (only dense tensors are accepted)"
+    if t.device.type == "meta":
+        return f"{name}: a meta tensor holds no values"
+    if t.dtype not in FLOAT_DTYPES:
+        return f"{name}: dtype {t.dtype} (factors are floating point: {', '.join(map(str, FLOAT_DTYPES))})"
+    return t.detach().to(device="cpu", dtype=dtype)
+
+
+def check_upload(
+    size: object,
+    content: object,
+    *,
+    expected_parts: set[str],
+    complete,
+    shapes: Mapping[str, tuple[int, int]],
+    ranks: tuple[int, ...],
+    shared_shapes: Mapping[str, tuple[int, ...]],
+    dtype: torch.dtype = torch.float32,
+) -> Accepted | str:
+    """The upload ``(size, content)`` of one client as :class:`Accepted`, or why it is dropped.
+
+    ``expected_parts``: the factors the method wants this round; ``complete(parts)`` builds full ``(B, A)`` from
+    them (:meth:`FederatedMethod.complete_upload` for this client); ``shapes[name] = (d, k)``; ``ranks``: the ranks
+    the client may upload; ``shared_shapes``: the shared tensors of the run."""
+    n = sample_size(size)
+    if isinstance(n, str):
+        return n
+    if not isinstance(content, Mapping) or not isinstance(content.get("lora"), Mapping):
+        kind = type(content).__name__ if not isinstance(content, Mapping) else "a mapping without a 'lora' mapping"
+        return f"payload of type {kind} has no 'lora' factors"
+    stats = check_stats(content.get("stats", {}))
+    if isinstance(stats, str):
+        return stats
+    try:
+        parts = decode_parts(content["lora"])
+        shared = decode_tensors(content.get("shared", {}))
+    except ValueError as err:
+        return f"undecodable payload ({err})"
+    for name, sent in parts.items():
+        for part, t in sent.items():
+            cast = as_float(f"{name} {part}", t, dtype)
+            if isinstance(cast, str):
+                return cast
+            sent[part] = cast
+    for name, t in shared.items():
+        cast = as_float(f"shared tensor {name}", t, dtype)
+        if isinstance(cast, str):
+            return cast
+        shared[name] = cast
+    if wrong := sorted(n for n, sent in parts.items() if set(sent) != expected_parts):
+        return f"module {wrong[0]!r}: uploaded factors {sorted(parts[wrong[0]])}, expected {sorted(expected_parts)}"
+    if unknown := sorted(parts.keys() - shapes.keys()):  # before completing: only known modules have a global
+        return f"unknown LoRA modules in the upload: {unknown[:3]}{' ...' if len(unknown) > 3 else ''}"
+    factors = complete(parts)
+    problem = upload_problem(factors, shapes, ranks, shared, shared_shapes)
+    if problem is not None:
+        return problem
+    for name, (B, A) in factors.items():
+        for part, t in (("B", B), ("A", A)):
+            if t.numel() and (peak := float(t.abs().max())) > MAX_ABS:
+                return f"{name}: |{part}| reaches {peak:.3g} > {MAX_ABS:g}"
+    for name, t in shared.items():
+        if t.numel() and (peak := float(t.abs().max())) > MAX_ABS:
+            return f"shared tensor {name}: |value| reaches {peak:.3g} > {MAX_ABS:g}"
+    return Accepted(factors, shared, n, stats)

@@ -1,0 +1,139 @@
+"""The server's intake of one client's upload (fs_fedpa.plugin.intake.check_upload): each fault of the table is
+refused with its reason, before anything else reads the upload; tolerable variations are accepted as such."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fs_fedpa.plugin.intake import MAX_ABS, Accepted, check_upload, sample_size
+from fs_fedpa.plugin.payload import encode_factors, to_wire
+
+SHAPES = {"q": (6, 5), "v": (6, 5)}
+R = 2
+
+
+def _factors(scale=1.0):
+    g = torch.Generator().manual_seed(0)
+    return {
+        n: (scale * torch.randn(d, R, generator=g), torch.randn(R, k, generator=g)) for n, (d, k) in SHAPES.items()
+    }
+
+
+def _complete(parts):
+    return {n: (p["B"], p["A"]) for n, p in parts.items()}
+
+
+def _check(size, content, **kw):
+    args = dict(expected_parts={"B", "A"}, complete=_complete, shapes=SHAPES, ranks=(R,), shared_shapes={})
+    return check_upload(size, content, **{**args, **kw})
+
+
+def _content(factors=None, wire=False, **extra):
+    return {"lora": encode_factors(factors or _factors(), wire=wire), "stats": {"lam": 1.0}, **extra}
+
+
+def _with(key, value, wire=False):
+    c = _content(wire=wire)
+    c["lora"][key] = value
+    return c
+
+
+def _without(key):
+    c = _content()
+    del c["lora"][key]
+    return c
+
+
+F = _factors()
+# (case, sample size, content, the reason's words); every one must be dropped
+FAULTS = [
+    ("sample size a string", "12", _content(), "is not a number"),
+    ("sample size None", None, _content(), "is not a number"),
+    ("sample size a bool", True, _content(), "is not a number"),
+    ("sample size NaN", float("nan"), _content(), "not a finite number"),
+    ("sample size Inf", float("inf"), _content(), "not a finite number"),
+    ("sample size < 0", -5, _content(), "not a finite number"),
+    ("sample size 1e30", 1e30, _content(), "not a finite number"),
+    ("sample size 10**400", 10**400, _content(), "overflows a float"),
+    ("sample size complex", 3 + 1j, _content(), "is not a number"),
+    ("sample size a tensor of 2", torch.tensor([1, 2]), _content(), "is not a number"),
+    ("content None", 10, None, "payload of type NoneType"),
+    ("content a tuple", 10, (1, 2), "payload of type tuple"),
+    ("content a string", 10, "lora", "payload of type str"),
+    ("no lora", 10, {"stats": {}}, "without a 'lora' mapping"),
+    ("lora a list", 10, {"lora": [1, 2]}, "without a 'lora' mapping"),
+    ("stats a list", 10, {**_content(), "stats": [1.0]}, "not a mapping"),
+    ("stat a string", 10, {**_content(), "stats": {"lam": "1"}}, "is not a number"),
+    ("stat NaN", 10, {**_content(), "stats": {"lam": float("nan")}}, "is not finite"),
+    ("stat 10**400", 10, {**_content(), "stats": {"num_train_data": 10**400}}, "overflows"),
+    ("stat with a non-string key", 10, {**_content(), "stats": {3: 1.0}}, "is not a string"),
+    ("factor a pickle string", 10, _with("q|B", "gASVAAAAAAAAAACMBXBvc2l4lIwGc3lzdGVtlJOULg=="), "got str"),
+    ("factor a list", 10, _with("q|B", F["q"][0].tolist()), "got list"),
+    ("factor None", 10, _with("q|B", None), "got NoneType"),
+    ("encoding with a wrong byte count", 10, _with("q|B", {**to_wire(F["q"][0]), "shape": [6, 3]}), "does not hold"),
+    ("encoding of int64", 10, _with("q|B", {**to_wire(F["q"][0]), "dtype": "int64"}), "encoded dtype"),
+    ("int tensor", 10, _with("q|B", torch.ones(6, R, dtype=torch.int64)), "dtype torch.int64"),
+    ("bool tensor", 10, _with("q|B", torch.ones(6, R, dtype=torch.bool)), "dtype torch.bool"),
+    ("complex tensor", 10, _with("q|B", torch.ones(6, R, dtype=torch.complex64)), "dtype torch.complex64"),
+    ("sparse tensor", 10, _with("q|B", torch.ones(6, R).to_sparse()), "layout"),
+    ("meta tensor", 10, _with("q|B", torch.empty(6, R, device="meta")), "meta tensor"),
+    ("malformed key", 10, _with("qB", F["q"][0]), "malformed factor key"),
+    ("unknown module", 10, {**_content(), "lora": {**_content()["lora"], "w|B": F["q"][0], "w|A": F["q"][1]}},
+     "unknown LoRA modules"),
+    ("missing module", 10, {"lora": encode_factors({"q": F["q"]})}, "missing from the upload"),
+    ("B without its A", 10, _without("q|A"), "uploaded factors ['B']"),
+    ("B of the wrong rank", 10, _with("q|B", torch.ones(6, R + 1)), "expected (6, 2)"),
+    ("A of the wrong width", 10, _with("q|A", torch.ones(R, 4)), "expected (6, 2) and (2, 5)"),
+    ("B a vector", 10, _with("q|B", torch.ones(6)), "expected (6, 2)"),
+    ("NaN in B", 10, _with("q|B", torch.full((6, R), float("nan"))), "NaN or Inf in B"),
+    ("Inf in A", 10, _with("q|A", torch.full((R, 5), float("inf"))), "NaN or Inf in A"),
+    ("float64 beyond float32", 10, _with("q|B", torch.full((6, R), 1e300, dtype=torch.float64)), "NaN or Inf in B"),
+    ("finite but 1e20", 10, _with("q|B", torch.full((6, R), 1e20)), f"> {MAX_ABS:g}"),
+    ("B scaled by 1e7", 10, _content(_factors(1e7)), f"> {MAX_ABS:g}"),
+    ("shared tensor unexpected", 10, {**_content(), "shared": {"head": torch.ones(2)}}, "differ from the expected"),
+    ("shared tensor a string", 10, {**_content(), "shared": {"head": "x"}}, "head: expected a tensor"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case, size, content, reason", FAULTS, ids=[f[0] for f in FAULTS])
+def test_each_fault_is_refused_with_its_reason(case, size, content, reason):
+    result = _check(size, content)
+    assert isinstance(result, str), f"{case} was accepted"
+    assert reason in result, result
+
+
+@pytest.mark.parametrize(
+    "case, size, content",
+    [
+        ("plain", 10, _content()),
+        ("encoded", 10, _content(wire=True)),
+        ("numpy int sample size", np.int64(10), _content()),
+        ("numpy float sample size", np.float32(10.0), _content()),
+        ("0-d tensor sample size", torch.tensor(10), _content()),
+        ("float64 factors", 10, {"lora": encode_factors({n: (B.double(), A.double()) for n, (B, A) in F.items()})}),
+        ("bfloat16 factors, encoded", 10, {"lora": encode_factors({n: (B.bfloat16(), A) for n, (B, A) in F.items()},
+                                                                   wire=True)}),
+    ],
+)  # fmt: skip
+def test_tolerable_variations_are_accepted_in_the_servers_dtype(case, size, content):
+    result = _check(size, content)
+    assert isinstance(result, Accepted), result
+    assert result.size == 10.0
+    for name, (B, A) in result.factors.items():
+        assert B.dtype == A.dtype == torch.float32
+        torch.testing.assert_close(B, F[name][0], atol=0.02, rtol=0.01)  # bfloat16 keeps ~3 digits
+        torch.testing.assert_close(A, F[name][1])
+
+
+def test_the_accepted_tensors_are_copies():
+    content = _content()
+    result = _check(10, content)
+    result.factors["q"][0].add_(1)
+    assert torch.equal(content["lora"]["q|B"], F["q"][0])
+
+
+def test_sample_sizes_by_hand():
+    assert sample_size(3) == 3.0 and sample_size(np.float64(2.5)) == 2.5 and sample_size(0) == 0.0
+    assert isinstance(sample_size(float("nan")), str) and isinstance(sample_size("3"), str)
