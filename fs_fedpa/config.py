@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
@@ -166,6 +167,14 @@ class FedPAConfig:
         if not isinstance(self.eval_local, bool) or not isinstance(self.diagnostics, bool):
             raise ValueError("fedpa.eval_local and fedpa.diagnostics must be True or False")
         self.num_threads = _integer(self.num_threads, "num_threads", minimum=0)
+        cpus = os.cpu_count() or 1
+        if self.num_threads > cpus:
+            raise ValueError(f"fedpa.num_threads(={self.num_threads}) > the {cpus} CPUs of this machine")
+        if self.group_sizes and not (self.client_ranks or self.reference_ranks):
+            raise ValueError(
+                f"fedpa.group_sizes {self.group_sizes} is set but neither fedpa.client_ranks nor "
+                f"fedpa.reference_ranks is: give one rank per group, or drop group_sizes"
+            )
         self.seed = _integer(self.seed, "seed", minimum=-1)
         if self.adaptive_lam != "none" and self.reg != "product":
             raise ValueError(

@@ -52,6 +52,12 @@ def non_lora_trainables(model: nn.Module, local_patterns) -> tuple[list[str], li
 
     Local ones (e.g. a classifier head) never leave the client; shared ones are averaged.
     """
+    names = [name for name, _ in model.named_parameters()]
+    if unmatched := [pat for pat in local_patterns if not any(pat in name for name in names)]:
+        raise ValueError(
+            f"personalization.local_param {unmatched} matches no parameter of the model (its names look like "
+            f"{names[-1]!r}); a pattern is a substring of a parameter name"
+        )
     lora = {id(p) for factors in _lora_params(model) for p in factors}
     local, shared = [], []
     for name, p in model.named_parameters():

@@ -7,12 +7,15 @@ run selects a method of this plugin.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import fields
 
 from fs_fedpa.config import FedPAConfig
 from fs_fedpa.methods import names
 
 PLUGIN_METHODS = names()  # one module per method in fs_fedpa/methods; no torch import here
+logger = logging.getLogger(f"federatedscope.{__name__}")
+_WARNED: set[str] = set()  # the check runs at every merge: warn once
 
 # FS features whose message formats or update rules FedPA does not speak (yet).
 _UNSUPPORTED = (
@@ -29,6 +32,9 @@ _UNSUPPORTED = (
         "share_local_model in distributed mode (one client per process; FS's DistributedRunner fails on it)",
     ),
 )
+
+
+DEFAULTS = FedPAConfig()
 
 
 def extend_fedpa_cfg(cfg) -> None:
@@ -50,6 +56,16 @@ def fedpa_config(cfg) -> FedPAConfig:
 def check_fedpa_cfg(cfg) -> None:
     fedpa = fedpa_config(cfg)
     if cfg.federate.method.lower() not in PLUGIN_METHODS:
+        if changed := sorted(
+            f.name for f in fields(FedPAConfig) if getattr(fedpa, f.name) != getattr(DEFAULTS, f.name)
+        ):
+            message = (
+                f"the fedpa section ({', '.join(f'fedpa.{k}' for k in changed)}) is ignored: federate.method "
+                f"{cfg.federate.method!r} is not a method of fs_fedpa (one of {', '.join(PLUGIN_METHODS)})"
+            )
+            if message not in _WARNED:
+                _WARNED.add(message)
+                logger.warning(message)
         return
     for key, bad, what in _UNSUPPORTED:
         if bad(cfg):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,28 @@ def test_docs_table_lists_every_key_with_its_default():
         assert key in rows, f"docs/config.md misses fedpa.{key}"
         assert rows[key] == default, f"docs/config.md gives fedpa.{key} default {rows[key]}, code has {default}"
     assert set(rows) == {key for key, _, _ in describe()}
+
+
+def test_config_gaps_fail_with_their_message():
+    with pytest.raises(ValueError, match=r"fedpa.num_threads\(=100000\) > the"):
+        FedPAConfig(num_threads=100000)
+    with pytest.raises(ValueError, match="group_sizes .* neither fedpa.client_ranks nor fedpa.reference_ranks"):
+        FedPAConfig(group_sizes=[2, 1])
+    assert FedPAConfig(group_sizes=[2, 1], reference_ranks=[2, 4]).group_sizes == [2, 1]
+
+
+def test_a_fedpa_section_under_another_method_is_named_in_one_warning(caplog):
+    from types import SimpleNamespace
+
+    from fs_fedpa.plugin.config import check_fedpa_cfg
+
+    fedpa = {f.name: getattr(FedPAConfig(), f.name) for f in fields(FedPAConfig)}
+    cfg = SimpleNamespace(federate=SimpleNamespace(method="FedAvg"), fedpa={**fedpa, "lam": 0.3})
+    with caplog.at_level("WARNING"):
+        check_fedpa_cfg(cfg)
+        check_fedpa_cfg(cfg)  # FS checks at every merge: one warning
+    hits = [r.getMessage() for r in caplog.records if "is ignored" in r.getMessage()]
+    assert hits == [hits[0]] and "fedpa.lam" in hits[0] and "'FedAvg'" in hits[0]
+    caplog.clear()
+    check_fedpa_cfg(SimpleNamespace(federate=SimpleNamespace(method="FedAvg"), fedpa=fedpa))
+    assert not [r for r in caplog.records if "is ignored" in r.getMessage()]
