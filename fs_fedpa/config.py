@@ -84,6 +84,24 @@ class FedPAConfig:
     adaptive_alpha: float = field(default=1.0, metadata={"help": "alpha of the 'loss' and 'grad' rules (>= 0)"})
     lam_min: float = field(default=0.0, metadata={"help": "lower clip of the 'grad' rule (>= 0)"})
     lam_max: float = field(default=10.0, metadata={"help": "upper clip of the 'grad' rule (> lam_min)"})
+    max_weight_ratio: float = field(
+        default=0.0,
+        metadata={
+            "help": (
+                "bounded influence (opt-in): cap every client's aggregation weight at this multiple of the round's "
+                "median weight (>= 1); 0: off, FS's weights as they are (the paper)"
+            )
+        },
+    )
+    norm_outlier: float = field(
+        default=0.0,
+        metadata={
+            "help": (
+                "bounded influence (opt-in): drop an upload whose ||Delta W_i||_F exceeds this multiple of the "
+                "round's median over at least 3 uploads (> 1); 0: off (the paper)"
+            )
+        },
+    )
     rotation_strength: float = field(
         default=1.0,
         metadata={
@@ -157,6 +175,12 @@ class FedPAConfig:
         self.lam_max = _number(self.lam_max, "lam_max", minimum=0.0)
         if not self.lam_max > self.lam_min:
             raise ValueError(f"fedpa.lam_max(={self.lam_max}) must be > fedpa.lam_min(={self.lam_min})")
+        self.max_weight_ratio = _number(self.max_weight_ratio, "max_weight_ratio", minimum=0.0)
+        if 0 < self.max_weight_ratio < 1:
+            raise ValueError(f"fedpa.max_weight_ratio(={self.max_weight_ratio}) must be 0 (off) or >= 1")
+        self.norm_outlier = _number(self.norm_outlier, "norm_outlier", minimum=0.0)
+        if 0 < self.norm_outlier <= 1:
+            raise ValueError(f"fedpa.norm_outlier(={self.norm_outlier}) must be 0 (off) or > 1")
         self.rotation_strength = _number(self.rotation_strength, "rotation_strength", minimum=0.0)
         if self.rotation_strength > 1.0:
             raise ValueError(f"fedpa.rotation_strength(={self.rotation_strength}) must be in [0, 1]")

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import math
 import numbers
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from fs_fedpa.core.diagnostics import factored_norm
 from fs_fedpa.core.uploads import upload_problem
 from fs_fedpa.lora import Factors
 from fs_fedpa.plugin.payload import decode_parts, decode_tensors
@@ -140,3 +142,26 @@ def check_upload(
         if t.numel() and (peak := float(t.abs().max())) > MAX_ABS:
             return f"shared tensor {name}: |value| reaches {peak:.3g} > {MAX_ABS:g}"
     return Accepted(factors, shared, n, stats)
+
+
+def cap_weights(weights: list[float], ratio: float) -> list[float]:
+    """``w_i <- min(w_i, ratio * median(w))`` (``fedpa.max_weight_ratio``; 0: unchanged): no single client's
+    declared sample size can outweigh the others by more than ``ratio``."""
+    if not ratio or not weights:
+        return list(weights)
+    ceiling = ratio * statistics.median(weights)
+    return [min(w, ceiling) for w in weights]
+
+
+def norm_outliers(norms: list[float], factor: float) -> list[int]:
+    """Positions whose update norm exceeds ``factor`` times the median of the round (``fedpa.norm_outlier``; 0 or
+    fewer than 3 uploads: none). A median is what a minority of poisoned uploads cannot move far."""
+    if not factor or len(norms) < 3:
+        return []
+    ceiling = factor * statistics.median(norms)
+    return [i for i, n in enumerate(norms) if n > ceiling]
+
+
+def update_norm(factors: Factors) -> float:
+    """``||Delta W_i||_F`` over all LoRA modules, ``sqrt(sum ||B A||_F^2)``, without forming a product."""
+    return math.sqrt(sum(float(factored_norm(B, A)) ** 2 for B, A in factors.values()))

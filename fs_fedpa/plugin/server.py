@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import statistics
 
 import torch
 from federatedscope.core.aggregators import Aggregator
@@ -23,7 +24,7 @@ from fs_fedpa import lora
 from fs_fedpa.core.diagnostics import aggregate_norm, aggregation_error, factored_norm
 from fs_fedpa.plugin import resume
 from fs_fedpa.plugin.common import build_method, fedpa_seed, global_init, non_lora_trainables
-from fs_fedpa.plugin.intake import Accepted, check_upload
+from fs_fedpa.plugin.intake import Accepted, cap_weights, check_upload, norm_outliers, update_norm
 from fs_fedpa.plugin.payload import encode_factors, encode_tensors, nbytes
 from fs_fedpa.record import DIAGNOSTICS_FILE, RoundRecord
 
@@ -220,6 +221,16 @@ class FedPAAggregator(Aggregator):
                 self._drop(dropped, client_id, checked)
             else:  # fresh tensors: nothing below can alter what a client sent
                 accepted[client_id] = checked
+        cfg = server.method.cfg
+        if cfg.norm_outlier and accepted:
+            norms = {c: update_norm(a.factors) for c, a in accepted.items()}
+            median = statistics.median(norms.values())
+            for i in norm_outliers(list(norms.values()), cfg.norm_outlier):
+                client_id = list(norms)[i]
+                reason = f"||Delta W|| = {norms[client_id]:.3g} > fedpa.norm_outlier(={cfg.norm_outlier:g}) x the "
+                reason += f"round's median {median:.3g}"
+                self._drop(dropped, client_id, reason)
+                del accepted[client_id]
         while accepted:
             kept = list(accepted)
             uploads = [accepted[c].factors for c in kept]
@@ -231,6 +242,7 @@ class FedPAAggregator(Aggregator):
             )
             if sum(weights) <= 0:
                 weights = [1.0] * len(kept)
+            weights = cap_weights(weights, cfg.max_weight_ratio)
             try:
                 new_global, spectra = server.method.aggregate(
                     uploads, weights, [c - 1 for c in kept], server.generator

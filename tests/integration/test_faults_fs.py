@@ -64,6 +64,54 @@ def test_every_fault_is_dropped_with_its_reason_and_the_others_aggregate(tiny_ll
             torch.testing.assert_close(B @ A, expected[module][0] @ expected[module][1], atol=1e-6, rtol=0, msg=name)
 
 
+def _round(run, rnd: int) -> dict:
+    return next(a for a in run["aggregate"] if a["round"] == rnd)
+
+
+def _product_norm(factors) -> float:
+    return float(sum(torch.linalg.matrix_norm(B.double() @ A.double()) ** 2 for B, A in factors.values()) ** 0.5)
+
+
+def _poisoned_run(tiny_llm, folder: Path, poison: str, **extra):
+    folder.mkdir()
+    cfg = fedpa_cfg(tiny_llm, folder, **{"federate.total_round_num": 2, "eval.freq": 100, **extra})
+    run = probe(cfg, folder, env={"FS_PROBE_CORRUPT": f"2:1:{poison}"}, timeout=600)
+    sent = {
+        c: {n: (p["B"], p["A"]) for n, p in s["parts"].items()}
+        for s in run["sent"]
+        if s["round"] == 1
+        for c in [s["client"]]
+    }
+    return run, sent, (folder / "probe.log").read_text()
+
+
+def test_a_scaled_upload_dominates_by_default_and_is_dropped_by_the_norm_rule(tiny_llm, tmp_path):
+    """Client 2 sends 1e4 x its B in round 1 (every value stays below the 1e6 bound)."""
+    norms = {}
+    for name, extra in (("default", {}), ("bounded", {"fedpa.norm_outlier": 10.0})):
+        run, sent, log = _poisoned_run(tiny_llm, tmp_path / name, "B scaled by 1e4", **extra)
+        honest = max(_product_norm(sent[c]) for c in (1, 3))
+        norms[name] = _product_norm(_round(run, 1)["global"]) / honest
+    assert norms["default"] > 100 and norms["bounded"] < 2.0, norms  # bounded: no larger than an honest update
+    assert "dropped the upload of client #2: ||Delta W||" in log and "fedpa.norm_outlier(=10)" in log
+
+
+def test_a_huge_sample_size_takes_the_aggregate_by_default_and_is_capped_by_the_weight_ratio(tiny_llm, tmp_path):
+    """Client 2 declares 1e14 examples in round 1 (below the 1e15 bound of every upload)."""
+    share = {}
+    for name, extra in (("default", {}), ("bounded", {"fedpa.max_weight_ratio": 2.0})):
+        run, sent, _ = _poisoned_run(tiny_llm, tmp_path / name, "sample size 1e14", **extra)
+        global_ = _round(run, 1)["global"]
+        gap = {
+            n: (B.double() @ A.double()) - (sent[2][n][0].double() @ sent[2][n][1].double())
+            for n, (B, A) in global_.items()
+        }
+        share[name] = float(sum(torch.linalg.matrix_norm(g) ** 2 for g in gap.values()) ** 0.5) / _product_norm(
+            sent[2]
+        )
+    assert share["default"] < 1e-6 and share["bounded"] > 0.1, share  # default: the global is client 2's update
+
+
 def test_docs_table_lists_exactly_these_faults():
     text = (ROOT / "docs" / "errors.md").read_text()
     section = text.split("### The fault table", 1)[1].split("\n## ", 1)[0]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fs_fedpa.plugin.intake import MAX_ABS, Accepted, check_upload, sample_size
 from fs_fedpa.plugin.payload import encode_factors, to_wire
@@ -137,3 +139,23 @@ def test_the_accepted_tensors_are_copies():
 def test_sample_sizes_by_hand():
     assert sample_size(3) == 3.0 and sample_size(np.float64(2.5)) == 2.5 and sample_size(0) == 0.0
     assert isinstance(sample_size(float("nan")), str) and isinstance(sample_size("3"), str)
+
+
+def test_weight_cap_and_norm_outliers_by_hand():
+    from fs_fedpa.plugin.intake import cap_weights, norm_outliers
+
+    assert cap_weights([10, 12, 1e14], 2.0) == [10, 12, 24.0]  # median 12
+    assert cap_weights([10, 12, 1e14], 0.0) == [10, 12, 1e14]  # off: the paper's weights
+    assert norm_outliers([1.0, 1.2, 0.9, 15.0], 10.0) == [3]  # median 1.1
+    assert norm_outliers([1.0, 1e9], 10.0) == []  # two uploads have no meaningful median
+    assert norm_outliers([1.0, 2.0, 3.0], 0.0) == []
+
+
+@given(st.integers(0, 2**31), st.integers(1, 3))
+def test_update_norm_is_the_norm_of_the_dense_products(seed, r):
+    from fs_fedpa.plugin.intake import update_norm
+
+    g = torch.Generator().manual_seed(seed)
+    factors = {n: (torch.randn(7, r, generator=g), torch.randn(r, 4, generator=g)) for n in ("q", "v")}
+    dense = sum(float(torch.linalg.matrix_norm(B.double() @ A.double())) ** 2 for B, A in factors.values()) ** 0.5
+    assert update_norm(factors) == pytest.approx(dense, rel=1e-5)
