@@ -33,6 +33,9 @@ logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its ow
 
 class FedPAServer(Server):
     def __init__(self, *args, **kwargs):
+        config = kwargs.get("config", args[2] if len(args) > 2 else None)
+        if config is not None and config.federate.restore_from:
+            _check_resume_file(config.federate.restore_from)  # before FS's own aggregator loads it with its raw errors
         super().__init__(*args, **kwargs)
         if self._cfg is None:
             return
@@ -124,6 +127,15 @@ class FedPAServer(Server):
                 f.writelines(json.dumps(record) + "\n" for record in records)
 
     # ---------------------------------------------------------------------------------- resume
+    def _result_settings(self) -> dict:
+        """The keys that change a run's result, compared when it resumes."""
+        c = self.method.cfg
+        return {
+            "fedpa.lam": c.lam, "fedpa.reg": c.reg, "fedpa.svd": c.svd, "fedpa.oversample": c.oversample,
+            "fedpa.adaptive_lam": c.adaptive_lam, "seed": self._cfg.seed, "fedpa.seed": c.seed,
+            "train.optimizer.lr": float(self._cfg.train.optimizer.lr),
+        }  # fmt: skip
+
     def write_resume_point(self) -> str:
         """Everything the server needs to continue at round ``self.state`` (see :mod:`fs_fedpa.plugin.resume`)."""
         path = resume.server_path(self._cfg.federate.save_to)
@@ -136,6 +148,7 @@ class FedPAServer(Server):
                     "method": self.method.name,
                     "round": self.state,
                     "plan": (list(plan.client_ranks), list(plan.reference_ranks), plan.R_g),
+                    "settings": self._result_settings(),
                     "global": lora.copy_factors(self.global_factors, "cpu"),
                     "generator": self.generator.get_state(),
                     "totals": dict(self._totals),
@@ -168,6 +181,22 @@ class FedPAServer(Server):
             raise ValueError(
                 f"federate.restore_from {path!r} was saved by method {saved['method']!r} with ranks "
                 f"{saved['plan']}; this run is {self.method.name!r} with {now}"
+            )
+        if saved["round"] >= self.total_round_num:
+            raise ValueError(
+                f"federate.restore_from {path!r} resumes at round {saved['round']}, but federate.total_round_num is "
+                f"{self.total_round_num}: nothing is left to train; raise total_round_num to continue the run"
+            )
+        now_settings, then = self._result_settings(), saved.get("settings", {})
+        if changed := sorted(k for k in then if then[k] != now_settings.get(k)):
+            diffs = ", ".join(f"{k}: saved {then[k]!r}, now {now_settings.get(k)!r}" for k in changed)
+            raise ValueError(f"federate.restore_from {path!r} was saved with other settings ({diffs})")
+        trained = sorted({c for record in saved["records"] for c in record.get("clients", [])})
+        if missing := [c for c in trained if not any(r < saved["round"] for r in resume.client_files(path, c))]:
+            expected = resume.client_path(path, missing[0], saved["round"] - 1)
+            raise ValueError(
+                f"federate.restore_from {path!r}: the files of clients {missing} are missing (e.g. {expected}); "
+                "without them those clients would restart from scratch"
             )
         device = next(iter(self.global_factors.values()))[0].device
         self.install_global({n: (B.to(device), A.to(device)) for n, (B, A) in saved["global"].items()}, {})
@@ -319,6 +348,15 @@ class FedPAAggregator(Aggregator):
     def load_model(self, path):
         """Resume from a FedPA resume point (the server does this itself for ``federate.restore_from``)."""
         return self.server.restore(path)
+
+
+def _check_resume_file(path: str) -> None:
+    """ValueError with the plugin's message if ``federate.restore_from`` is missing, a folder, truncated, or holds
+    anything but tensors, numbers and strings."""
+    if not os.path.isfile(path):
+        what = "a folder" if os.path.isdir(path) else "no such file"
+        raise ValueError(f"federate.restore_from {path!r}: {what}; give a resume file (fedpa_resume_<save_to name>)")
+    resume.load(path)
 
 
 def _check_finite(global_factors, averaged) -> None:

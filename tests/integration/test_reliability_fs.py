@@ -158,3 +158,40 @@ def test_restore_from_a_file_that_is_not_a_resume_point_is_refused(tiny_llm, tmp
     ):
         proc = run_fs(fedpa_cfg(tiny_llm, tmp_path), tmp_path, extra_opts=["federate.restore_from", str(path)])
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_resume_refuses_what_would_lose_or_change_the_run(tiny_llm, tmp_path):
+    """One resume point (round 2 of 4), then each way of resuming that must be refused before training, with the
+    reason: nothing left to train, a result-changing key changed, client files missing, a truncated or planted
+    server file (which must run nothing)."""
+    from tests.integration.fault_cases import Canary
+
+    (tmp_path / "killed").mkdir()
+    base = {"federate.total_round_num": 4, "expname": "killed"}
+    base["federate.save_to"] = str(tmp_path / "killed" / "ckpt" / "run.pt")
+    point = _kill_after_resume_point(fedpa_cfg(tiny_llm, tmp_path / "killed", **base), tmp_path / "killed", rnd=2)
+
+    def refused(name: str, path: Path, **changes) -> str:
+        (tmp_path / name).mkdir()
+        cfg = fedpa_cfg(tiny_llm, tmp_path / name, **{**base, "expname": name, "federate.restore_from": str(path)})
+        opts = [x for k, v in changes.items() for x in (k, str(v))]
+        proc = run_fs(cfg, tmp_path / name, extra_opts=opts, timeout=120)
+        assert proc.returncode != 0, name
+        assert "Starting training" not in proc.stdout + proc.stderr, name
+        return proc.stderr
+
+    assert "nothing is left to train" in refused("done", point, **{"federate.total_round_num": 2})
+    assert "saved with other settings (fedpa.lam: saved 1.0, now 0.5)" in refused("lam", point, **{"fedpa.lam": 0.5})
+    copy = tmp_path / "copy" / point.name
+    copy.parent.mkdir()
+    copy.write_bytes(point.read_bytes())  # the server file without the clients' files beside it
+    assert "are missing" in refused("no_clients", copy)
+    truncated = tmp_path / "trunc_file" / point.name
+    truncated.parent.mkdir()
+    truncated.write_bytes(point.read_bytes()[:200])
+    assert "cannot be read as a resume file" in refused("truncated", truncated)
+    planted, bomb = tmp_path / "pwned", tmp_path / "bomb" / "fedpa_resume_run.pt"
+    bomb.parent.mkdir()
+    torch.save({"cur_round": 2, "fedpa_resume": Canary(str(planted))}, bomb)
+    assert "cannot be read as a resume file" in refused("planted", bomb)
+    assert not planted.exists()
