@@ -93,6 +93,15 @@ class FedPAConfig:
             )
         },
     )
+    max_failed_rounds: int = field(
+        default=3,
+        metadata={
+            "help": (
+                "stop the run (non-zero exit, with the reasons) after this many rounds in a row in which every "
+                "upload was dropped; 0: never stop"
+            )
+        },
+    )
     norm_outlier: float = field(
         default=0.0,
         metadata={
@@ -178,6 +187,7 @@ class FedPAConfig:
         self.max_weight_ratio = _number(self.max_weight_ratio, "max_weight_ratio", minimum=0.0)
         if 0 < self.max_weight_ratio < 1:
             raise ValueError(f"fedpa.max_weight_ratio(={self.max_weight_ratio}) must be 0 (off) or >= 1")
+        self.max_failed_rounds = _integer(self.max_failed_rounds, "max_failed_rounds", minimum=0)
         self.norm_outlier = _number(self.norm_outlier, "norm_outlier", minimum=0.0)
         if 0 < self.norm_outlier <= 1:
             raise ValueError(f"fedpa.norm_outlier(={self.norm_outlier}) must be 0 (off) or > 1")

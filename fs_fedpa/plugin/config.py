@@ -70,6 +70,11 @@ def check_fedpa_cfg(cfg) -> None:
     for key, bad, what in _UNSUPPORTED:
         if bad(cfg):
             raise ValueError(f"federate.method {cfg.federate.method!r} does not support {what}; unset {key}")
+    if cfg.train.is_enable_half and not cfg.use_gpu:
+        raise ValueError(
+            "train.is_enable_half True on the CPU: half-precision training there turns every upload into NaN and "
+            "the run would train nothing; unset it (model.seqcls.precision sets autocast for a GPU)"
+        )
     if cfg.federate.client_num > 0:
         fedpa.check_clients(cfg.federate.client_num, _adapter_rank(cfg))
 

@@ -292,6 +292,17 @@ class FedPAAggregator(Aggregator):
         record = _new_record(server, clients)
         record.dropped, record.bytes_up = dropped, bytes_up
         server.record_round(record.to_dict())
+        limit = server.method.cfg.max_failed_rounds
+        failed = 0
+        for past in reversed(server._records):
+            if past["clients"]:
+                break
+            failed += 1
+        if limit and failed >= limit:
+            raise RuntimeError(
+                f"[fedpa] {failed} rounds in a row had every upload dropped (fedpa.max_failed_rounds={limit}); "
+                f"stopping instead of training nothing. Reasons in round {server.state}: {dropped}"
+            )
         return {}
 
     def _drop(self, dropped: dict, client_id, reason: str) -> None:

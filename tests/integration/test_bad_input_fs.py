@@ -60,6 +60,7 @@ CASES = [
         "personalization.local_param ['clasifier'] matches no parameter of the model",
     ),
     ("an FS feature FedPA does not speak", ["federate.use_ss", "True"], "does not support secret sharing"),
+    ("half-precision training on the CPU", ["train.is_enable_half", "True"], "train.is_enable_half True on the CPU"),
     (
         "missing GLUE file",
         ["data.root", "{tmp}/no_glue"],

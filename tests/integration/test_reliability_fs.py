@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import ROOT
 from tests.integration.conftest import fedpa_cfg, probe
 from tests.integration.tiny_assets import dump_yaml, fs_env, run_fs
 
@@ -70,6 +71,18 @@ def test_a_round_with_every_upload_dropped_keeps_the_global_adapter(tiny_llm, tm
         assert torch.equal(B, agg[0]["global"][name][0]) and torch.equal(A, agg[0]["global"][name][1])
     assert not any(torch.equal(B, agg[1]["global"][n][0]) for n, (B, _) in agg[2]["global"].items())
     assert len(_diagnostics(run)) == 3 and _diagnostics(run)[1]["clients"] == []
+
+
+def test_rounds_in_a_row_with_every_upload_dropped_stop_the_run_with_the_reason(tiny_llm, tmp_path):
+    cfg = dump_yaml(fedpa_cfg(tiny_llm, tmp_path, **{"federate.total_round_num": 6}), tmp_path / "probe.yaml")
+    faults = ",".join(f"{c}:{r}:nan" for c in (1, 2, 3) for r in (1, 2, 3))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.integration.fs_probe", cfg, str(tmp_path / "probe.pt")],
+        cwd=ROOT, env=fs_env({"FS_PROBE_CORRUPT": faults}), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "3 rounds in a row had every upload dropped (fedpa.max_failed_rounds=3)" in proc.stderr
+    assert "Starting a new training round (Round #4)" not in proc.stdout + proc.stderr
 
 
 def test_same_seed_same_run_other_seed_other_run(tiny_llm, tmp_path):
