@@ -73,6 +73,7 @@ class RoundRecord:
     )
     upload_ranks: dict = _f("per client: the ranks of its uploaded factors", factory=dict)
     dropped: dict = _f("per client whose upload was not aggregated: the reason", factory=dict)
+    restarted: list = _f("clients whose own factors became non-finite and restarted from the reference", factory=list)
     bytes_up: dict = _f("per client: tensor bytes it sent this round", factory=dict)
     bytes_down: dict = _f("per client: tensor bytes it received this round", factory=dict)
     bytes_up_total: int = _f("uplink bytes of the run so far", 0)

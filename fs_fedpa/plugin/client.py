@@ -22,6 +22,7 @@ from fs_fedpa import lora
 from fs_fedpa.core.adaptive import lam_direction, lam_grad, lam_loss, normalized_factor_grads
 from fs_fedpa.core.diagnostics import GradientSplit, factored_norm, initialization_error, product_distance
 from fs_fedpa.core.penalty import product_penalty
+from fs_fedpa.core.ranks import truncate_factors
 from fs_fedpa.plugin import resume
 from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainables
 from fs_fedpa.plugin.payload import decode_factors, decode_tensors, encode_factors, encode_tensors
@@ -52,6 +53,7 @@ class FedPAClient(Client):
         self._penalty_steps = 0
         self._e_init: dict[str, float] = {}
         self._rounds_trained = 0
+        self._restarted = False
         self._received: dict[str, tuple[Tensor, Tensor]] = {}
         save_to, restore_from = self._cfg.federate.save_to, self._cfg.federate.restore_from
         self._resume_out = resume.server_path(save_to) if save_to else None
@@ -103,9 +105,18 @@ class FedPAClient(Client):
     def _leave_round(self) -> dict:
         self._grads.close()
         trained = self.space.from_model(lora.copy_factors(self._live))
-        self.factors = self.method.end_round(trained, self.index, self.state)
         params = dict(self.model.named_parameters())
-        self.local_tensors = {n: params[n].detach().clone() for n in self.local_names}
+        local = {n: params[n].detach().clone() for n in self.local_names}
+        finite = all(bool(torch.isfinite(t).all()) for B, A in trained.values() for t in (B, A))
+        self._restarted = not (finite and all(bool(torch.isfinite(t).all()) for t in local.values()))
+        if self._restarted:  # one bad step must not exclude this client for the rest of the run
+            logger.warning(
+                f"[fedpa] client #{self.ID}, round {self.state}: its own factors or local tensors became non-finite; "
+                "it restarts from the global reference it received (and keeps its local tensors of the last round)"
+            )
+            trained, local = self._restart_factors(), self.local_tensors or local
+        self.factors = self.method.end_round(trained, self.index, self.state)
+        self.local_tensors = local
         self._rounds_trained += 1
         term = float(self._penalty_sum) / self._penalty_steps if self._penalty_steps else 0.0
         if self._resume_out:
@@ -118,6 +129,7 @@ class FedPAClient(Client):
                 "alignment_loss": term,
                 "lam": float(self.lam),
                 "num_train_data": int(getattr(self.trainer.ctx, "num_train_data", 0) or 0),
+                "restarted": int(self._restarted),
                 **self._e_init,
                 **self._round_stats(sent),
             },
@@ -273,6 +285,18 @@ class FedPAClient(Client):
         return self.method.client_init(
             self.space.download(global_init(self._cfg, self.model, self.method)), self.index
         )
+
+    def _restart_factors(self) -> dict[str, tuple[Tensor, Tensor]]:
+        """Rank-r_i factors whose product is the reference received this round: its R_i columns/rows, then zero
+        columns of B with the rows of the client's initial A (so the extra rank can still learn)."""
+        r_i, initial = self.method.plan.client_ranks[self.index], self._initial_factors()
+        out = {}
+        for name, (B, A) in self._received.items():
+            B_r, A_r = truncate_factors(B, A, r_i)
+            R = min(B.shape[1], r_i)
+            A_r[R:] = initial[name][1][R:].to(A_r)
+            out[name] = (B_r, A_r)
+        return out
 
     def _load_tensors(self, tensors: dict[str, Tensor]) -> None:
         if not tensors:

@@ -285,6 +285,7 @@ class FedPAAggregator(Aggregator):
                 continue
             record = _round_record(server, uploads, weights, kept, new_global, spectra, stats)
             record.dropped, record.bytes_up = dropped, bytes_up
+            record.restarted = [c for c, st in zip(kept, stats) if st.get("restarted")]
             server.install_global(new_global, averaged)
             server.record_round(record.to_dict())
             return {}  # the model is already updated; FS merges this empty dict into its state

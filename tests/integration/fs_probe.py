@@ -9,10 +9,12 @@ only copy what passes through the plugin's own seams; they change nothing:
 - ``aggregate``: per round, an independent decode of the uploads, their weights and clients, and
   the global factors the server adopted;
 - ``loss_gap``: ``loss_task - loss_batch`` of every training batch (the added alignment term);
-- ``final``: every client's kept factors and the server's global factors at the end.
-
+- ``final``: every client's kept factors and the server's global factors at the end;
 - ``sent``: per client and round, the sample size and the factors of its upload (``module -> {part: tensor}``) as
   the client made it.
+
+``FS_PROBE_NAN_LOCAL="client:round,..."`` puts a NaN into that client's live factors at the end of that round's
+training, as a diverging step would.
 
 Deliberate faults, for the reliability and fault-table tests: ``FS_PROBE_CORRUPT="client:round:name,..."`` makes
 that client send, in that round, what the fault ``name`` of ``tests.integration.fault_cases.FAULTS`` makes of its
@@ -54,6 +56,9 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
 
     record = {"enter": [], "leave": [], "aggregate": [], "loss_gap": [], "sent": []}
     faults = _faults()
+    poison_local = {
+        tuple(map(int, f.split(":"))) for f in os.environ.get("FS_PROBE_NAN_LOCAL", "").split(",") if f
+    }  # client:round
     Client, Aggregator = client_mod.FedPAClient, server_mod.FedPAAggregator
 
     orig_init, orig_enter, orig_leave = Client.__init__, Client._enter_round, Client._leave_round
@@ -95,6 +100,10 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         )
 
     def leave(self):
+        if (self.ID, self.state) in poison_local:  # a training step gone wrong: NaN in the live factors
+            B = next(iter(self._live.values()))[0]
+            with torch.no_grad():
+                B[0, 0] = float("nan")
         upload = orig_leave(self)
         record["leave"].append(
             {

@@ -62,6 +62,26 @@ def test_a_pickled_upload_is_dropped_unread_and_training_goes_on(tiny_llm, tmp_p
     assert sorted(_diagnostics(run)[1]["clients"]) == [1, 3] and sorted(_diagnostics(run)[2]["clients"]) == [1, 2, 3]
 
 
+def test_a_client_whose_own_factors_turn_nan_restarts_from_the_reference(tiny_llm, tmp_path):
+    run = probe(fedpa_cfg(tiny_llm, tmp_path), tmp_path, env={"FS_PROBE_NAN_LOCAL": "2:1"})
+    log = (tmp_path / "probe.log").read_text()
+    assert "client #2, round 1: its own factors or local tensors became non-finite" in log
+    diag = {d["round"]: d for d in _diagnostics(run)}
+    assert diag[1]["restarted"] == [2] and diag[1]["dropped"] == {} and diag[2]["restarted"] == []
+    # what it sent and keeps in round 1 is the reference it received: same product, finite, at its rank
+    received = next(e for e in run["enter"] if e["client"] == 2 and e["round"] == 1)
+    sent = next(s for s in run["sent"] if s["client"] == 2 and s["round"] == 1)["parts"]
+    reference = {a["round"]: a for a in run["aggregate"]}[0]["global"]  # the global it received in round 1
+    for name, parts in sent.items():
+        B, A = parts["B"].double(), parts["A"].double()
+        assert torch.isfinite(B).all() and torch.isfinite(A).all() and B.shape == received["start"][name][0].shape
+        torch.testing.assert_close(B @ A, reference[name][0].double() @ reference[name][1].double(), atol=1e-6, rtol=0)
+    # and it trains on: round 2 starts from finite factors and every client is aggregated again
+    start = next(e for e in run["enter"] if e["client"] == 2 and e["round"] == 2)["start"]
+    assert all(torch.isfinite(B).all() and torch.isfinite(A).all() for B, A in start.values())
+    assert sorted(diag[2]["clients"]) == [1, 2, 3]
+
+
 def test_a_round_with_every_upload_dropped_keeps_the_global_adapter(tiny_llm, tmp_path):
     run = probe(fedpa_cfg(tiny_llm, tmp_path), tmp_path, env={"FS_PROBE_CORRUPT": "1:1:nan,2:1:nan,3:1:shape"})
     log = (tmp_path / "probe.log").read_text()
