@@ -54,6 +54,7 @@ class FedPAServer(Server):
         self._totals = {"up": 0, "down": 0}
         self._records: list[dict] = []  # diagnostics history, carried by resume points
         self._pending_rng: dict | None = None
+        self._expected: set[int] = set()  # receivers of this round's model: the only valid senders of updates
         if self._cfg.federate.restore_from:
             self.restore(self._cfg.federate.restore_from)
 
@@ -74,6 +75,8 @@ class FedPAServer(Server):
             receivers = list(self.comm_manager.neighbors.keys())
             if msg_type == "model_para":
                 self.sampler.change_state(receivers, "working")
+        if msg_type == "model_para":
+            self._expected = set(receivers)
         params = dict(self.model.named_parameters())
         wire = self._cfg.federate.mode.lower() == "distributed"  # tensors as explicit encodings, never pickled
         shared = encode_tensors({n: params[n] for n in self.shared_names}, wire)
@@ -96,6 +99,23 @@ class FedPAServer(Server):
             )
         if filter_unseen_clients:
             self.sampler.change_state(self.unseen_clients_id, "seen")
+
+    def callback_funcs_model_para(self, message: Message):
+        """FS's handler, after refusing an update of this round from a sender that was not sent this round's model
+        (an unknown or impersonated id) or that already sent one: FS's bookkeeping would crash on the first and
+        let the second overwrite or miscount the round's updates."""
+        sender, rnd = message.sender, message.state
+        problem = None
+        if isinstance(sender, bool) or not isinstance(sender, int) or not 1 <= sender <= self.client_num:
+            problem = f"sender id {str(sender)[:40]!r} is not a client of this run (1..{self.client_num})"
+        elif rnd == self.state and sender not in self._expected:
+            problem = f"client #{sender} was not sent the model of round {rnd}"
+        elif rnd == self.state and sender in self.msg_buffer["train"].get(rnd, {}):
+            problem = f"client #{sender} already sent its update of round {rnd}"
+        if problem is not None and not self.is_finish:
+            logger.warning(f"[fedpa] round {self.state}: ignored a message: {problem}")
+            return False
+        return super().callback_funcs_model_para(message)
 
     # ---------------------------------------------------------------------------------- aggregation
     def install_global(self, global_factors, shared: dict[str, Tensor]) -> None:

@@ -19,12 +19,14 @@ training, as a diverging step would.
 Deliberate faults, for the reliability and fault-table tests: ``FS_PROBE_CORRUPT="client:round:name,..."`` makes
 that client send, in that round, what the fault ``name`` of ``tests.integration.fault_cases.FAULTS`` makes of its
 message (a NaN, a wrong shape, a pickle that creates the file ``FS_PROBE_CANARY`` if anyone unpickles it, a bad
-sample size, ...), after the spies recorded the honest one. The aggregation spy records None for what it cannot
-decode.
+sample size, ...), after the spies recorded the honest one; ``duplicate`` and ``extra sender 99`` send the honest
+message and then a second copy (from the same sender, or claiming sender id 99). The aggregation spy records None
+for what it cannot decode.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 
@@ -81,7 +83,12 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
                         {"client": message.sender, "round": message.state, "size": float(size),
                          "parts": {n: dict(p) for n, p in decode_parts(upload["lora"]).items()}}
                     )  # fmt: skip
-                    if (name := faults.get((message.sender, message.state))) is not None:
+                    name = faults.get((message.sender, message.state))
+                    if name in ("duplicate", "extra sender 99"):  # the honest message, then a second one
+                        send(message)
+                        message = copy.copy(message)
+                        message.sender = 99 if name == "extra sender 99" else message.sender
+                    elif name is not None:
                         message.content = corrupt(name, size, upload)
                 return send(message)
 

@@ -82,6 +82,20 @@ def test_a_client_whose_own_factors_turn_nan_restarts_from_the_reference(tiny_ll
     assert sorted(diag[2]["clients"]) == [1, 2, 3]
 
 
+def test_a_second_update_or_an_unknown_sender_is_ignored_and_the_round_goes_on(tiny_llm, tmp_path):
+    faults = "1:1:duplicate,2:2:extra sender 99"
+    run = probe(
+        fedpa_cfg(tiny_llm, tmp_path, **{"federate.total_round_num": 4}), tmp_path, env={"FS_PROBE_CORRUPT": faults}
+    )
+    log = (tmp_path / "probe.log").read_text()
+    assert "round 1: ignored a message: client #1 already sent its update of round 1" in log
+    assert "ignored a message: sender id '99' is not a client of this run (1..3)" in log
+    diag = _diagnostics(run)
+    assert [sorted(d["clients"]) for d in diag] == [[1, 2, 3]] * 4 and all(d["dropped"] == {} for d in diag)
+    outdir = Path(run["final"]["outdir"])
+    assert "'Round': 4" in (outdir / "eval_results.log").read_text()  # the run reached its final evaluation
+
+
 def test_a_round_with_every_upload_dropped_keeps_the_global_adapter(tiny_llm, tmp_path):
     run = probe(fedpa_cfg(tiny_llm, tmp_path), tmp_path, env={"FS_PROBE_CORRUPT": "1:1:nan,2:1:nan,3:1:shape"})
     log = (tmp_path / "probe.log").read_text()
