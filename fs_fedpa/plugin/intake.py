@@ -38,17 +38,22 @@ class Accepted:
     stats: dict[str, float] = field(default_factory=dict)
 
 
+def _real(value: object, what: str) -> float | str:
+    """``value`` as a float if it is a real number (not a bool), else why not."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return f"{what} = {str(value)[:40]!r} ({type(value).__name__}) is not a number"
+    try:
+        return float(value)
+    except OverflowError:
+        return f"{what} = {str(value)[:40]}... overflows a float"
+
+
 def sample_size(value: object) -> float | str:
     """FS's sample size as a float (Python, numpy or 0-d torch numbers), or why it is not one."""
     if isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex():
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return f"sample size {str(value)[:40]!r} ({type(value).__name__}) is not a number"
-    try:
-        size = float(value)
-    except OverflowError:
-        return f"sample size {str(value)[:40]}... overflows a float"
-    if not (math.isfinite(size) and 0 <= size <= MAX_SAMPLES):
+    size = _real(value, "sample size")
+    if isinstance(size, float) and not (math.isfinite(size) and 0 <= size <= MAX_SAMPLES):
         return f"sample size {size!r} is not a finite number in [0, {MAX_SAMPLES:g}]"
     return size
 
@@ -61,12 +66,9 @@ def check_stats(stats: object) -> dict[str, float] | str:
     for key, value in stats.items():
         if not isinstance(key, str):
             return f"stats key {str(key)[:40]!r} is not a string"
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            return f"stat {key[:40]!r} = {str(value)[:40]!r} ({type(value).__name__}) is not a number"
-        try:
-            number = float(value)
-        except OverflowError:
-            return f"stat {key[:40]!r} overflows a float"
+        number = _real(value, f"stat {key[:40]!r}")
+        if isinstance(number, str):
+            return number
         if not math.isfinite(number):
             return f"stat {key[:40]!r} = {number} is not finite"
         out[key] = int(value) if isinstance(value, numbers.Integral) else number
