@@ -102,6 +102,20 @@ class FedPAConfig:
             )
         },
     )
+    round_timeout_s: float = field(
+        default=3600.0,
+        metadata={
+            "help": (
+                "distributed mode: seconds the server waits for the updates (or evaluations) of a round; after it, "
+                "it goes on with what arrived if at least min_received updates did, else it stops the run with the "
+                "reason and tells the clients to finish; 0: wait forever (FS's behaviour)"
+            )
+        },
+    )
+    min_received: int = field(
+        default=1,
+        metadata={"help": "distributed mode: the fewest updates a round may aggregate after round_timeout_s (>= 1)"},
+    )
     norm_outlier: float = field(
         default=0.0,
         metadata={
@@ -188,6 +202,8 @@ class FedPAConfig:
         if 0 < self.max_weight_ratio < 1:
             raise ValueError(f"fedpa.max_weight_ratio(={self.max_weight_ratio}) must be 0 (off) or >= 1")
         self.max_failed_rounds = _integer(self.max_failed_rounds, "max_failed_rounds", minimum=0)
+        self.round_timeout_s = _number(self.round_timeout_s, "round_timeout_s", minimum=0.0)
+        self.min_received = _integer(self.min_received, "min_received", minimum=1)
         self.norm_outlier = _number(self.norm_outlier, "norm_outlier", minimum=0.0)
         if 0 < self.norm_outlier <= 1:
             raise ValueError(f"fedpa.norm_outlier(={self.norm_outlier}) must be 0 (off) or > 1")

@@ -13,6 +13,8 @@ import logging
 import math
 import os
 import statistics
+import threading
+import time
 
 import torch
 from federatedscope.core.aggregators import Aggregator
@@ -29,6 +31,7 @@ from fs_fedpa.plugin.payload import encode_factors, encode_tensors, nbytes
 from fs_fedpa.record import DIAGNOSTICS_FILE, RoundRecord
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
+TIMEOUT = "fedpa_round_timeout"  # the watchdog's message type
 
 
 class FedPAServer(Server):
@@ -55,6 +58,7 @@ class FedPAServer(Server):
         self._records: list[dict] = []  # diagnostics history, carried by resume points
         self._pending_rng: dict | None = None
         self._expected: set[int] = set()  # receivers of this round's model: the only valid senders of updates
+        self._progress = time.monotonic()  # when the last update or evaluation arrived (the watchdog's clock)
         if self._cfg.federate.restore_from:
             self.restore(self._cfg.federate.restore_from)
 
@@ -100,6 +104,63 @@ class FedPAServer(Server):
         if filter_unseen_clients:
             self.sampler.change_state(self.unseen_clients_id, "seen")
 
+    # ---------------------------------------------------------------------------------- liveness
+    def run(self):
+        """FS's distributed loop, with a watchdog: a round that gets no message for ``fedpa.round_timeout_s`` is
+        moved on with what arrived, or the run stops with the reason (FS would wait forever for a dead client)."""
+        timeout = self.method.cfg.round_timeout_s
+        if self._cfg.federate.mode.lower() == "distributed" and timeout > 0:
+            self.register_handlers(TIMEOUT, self._on_round_timeout, [None])
+            self._progress = time.monotonic()
+            threading.Thread(target=self._watchdog, args=(timeout,), daemon=True, name="fedpa-watchdog").start()
+        return super().run()
+
+    def _watchdog(self, timeout: float) -> None:
+        """Puts a timeout message into the server's own queue when nothing arrived for ``timeout`` seconds."""
+        while not self.is_finish:
+            time.sleep(min(1.0, timeout / 10))
+            if self.join_in_client_num < self.client_num:
+                self._progress = time.monotonic()  # joining has no round yet
+            elif time.monotonic() - self._progress > timeout:
+                self._progress = time.monotonic()
+                message = Message(msg_type=TIMEOUT, sender=self.ID, receiver=[self.ID], state=self.state, content="")
+                self.comm_manager.server_funcs.msg_queue.append(message.transform(to_list=True))
+
+    def _on_round_timeout(self, message: Message):
+        if self.is_finish:
+            return False
+        cfg = self.method.cfg
+        train = self.msg_buffer["train"].get(self.state, {})
+        missing = sorted(self._expected - set(train))
+        if self.state < self.total_round_num and missing:
+            if len(train) < cfg.min_received:
+                reason = (
+                    f"round {self.state}: {len(train)} of {len(self._expected)} updates within "
+                    f"fedpa.round_timeout_s={cfg.round_timeout_s:g} s, fewer than "
+                    f"fedpa.min_received={cfg.min_received} (no update from clients {missing})"
+                )
+                logger.error(f"[fedpa] {reason}; stopping the run")
+                self.terminate(msg_type="finish")  # the clients that are alive exit too
+                raise RuntimeError(f"[fedpa] {reason}")
+            logger.warning(
+                f"[fedpa] round {self.state}: no update from clients {missing} within fedpa.round_timeout_s="
+                f"{cfg.round_timeout_s:g} s; aggregating the {len(train)} that arrived"
+            )
+            return self.check_and_move_on(min_received_num=len(train))
+        evaluations = self.msg_buffer["eval"]
+        arrived = len(evaluations[max(evaluations)]) if evaluations else 0
+        if arrived:
+            logger.warning(
+                f"[fedpa] round {self.state}: {arrived} evaluations within fedpa.round_timeout_s="
+                f"{cfg.round_timeout_s:g} s; merging those"
+            )
+            return self.check_and_move_on(check_eval_result=True, min_received_num=arrived)
+        return False
+
+    def callback_funcs_for_metrics(self, message: Message):
+        self._progress = time.monotonic()
+        return super().callback_funcs_for_metrics(message)
+
     def callback_funcs_model_para(self, message: Message):
         """FS's handler, after refusing an update of this round from a sender that was not sent this round's model
         (an unknown or impersonated id) or that already sent one: FS's bookkeeping would crash on the first and
@@ -115,6 +176,7 @@ class FedPAServer(Server):
         if problem is not None and not self.is_finish:
             logger.warning(f"[fedpa] round {self.state}: ignored a message: {problem}")
             return False
+        self._progress = time.monotonic()
         return super().callback_funcs_model_para(message)
 
     # ---------------------------------------------------------------------------------- aggregation
