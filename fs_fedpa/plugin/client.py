@@ -24,7 +24,7 @@ from fs_fedpa.core.diagnostics import GradientSplit, factored_norm, initializati
 from fs_fedpa.core.penalty import product_penalty
 from fs_fedpa.core.ranks import truncate_factors
 from fs_fedpa.plugin import resume
-from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainables
+from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainables, without_empty_splits
 from fs_fedpa.plugin.payload import decode_factors, decode_tensors, encode_factors, encode_tensors
 from fs_fedpa.plugin.trainer import install_alignment_hook
 
@@ -208,14 +208,18 @@ class FedPAClient(Client):
             # FS derives the split from the text before the first "_" and the metric from the text after
             # "<split>_", so the protocol goes in front: local.test_acc, local.test_total, ...
             metrics.update({f"local.{key}": value for key, value in self._evaluate_splits().items()})
+        metrics, empty = without_empty_splits(metrics)
+        if empty:
+            logger.warning(f"[fedpa] client #{self.ID}: no example in {empty}; those metrics are missing, not 0")
 
         formatted = self._monitor.format_eval_res(
             metrics, rnd=self.state, role=f"Client #{self.ID}", forms=["raw"], return_raw=True
         )
         logger.info(formatted)
-        self._monitor.update_best_result(
-            self.best_results, formatted["Results_raw"], results_type=f"client #{self.ID}"
-        )
+        if any(self._cfg.eval.best_res_update_round_wise_key in key for key in metrics):  # FS raises without it
+            self._monitor.update_best_result(
+                self.best_results, formatted["Results_raw"], results_type=f"client #{self.ID}"
+            )
         self.history_results = merge_dict_of_results(self.history_results, formatted["Results_raw"])
         self.comm_manager.send(
             Message(

@@ -70,3 +70,10 @@ def _lora_params(model: nn.Module):
     for layer in lora_layers(model).values():
         adapter = layer.active_adapters[0]
         yield layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+
+
+def without_empty_splits(metrics: dict) -> tuple[dict, list[str]]:
+    """FS evaluation metrics without the splits (``val``, ``local.val``, ...) that evaluated 0 examples, and those
+    splits: a split with no example has no loss or accuracy, and FS would report (and average) 0.0 for it."""
+    empty = sorted(k[: -len("_total")] for k, v in metrics.items() if k.endswith("_total") and v == 0)
+    return {k: v for k, v in metrics.items() if k.split("_")[0] not in empty}, empty

@@ -159,3 +159,16 @@ def test_update_norm_is_the_norm_of_the_dense_products(seed, r):
     factors = {n: (torch.randn(7, r, generator=g), torch.randn(r, 4, generator=g)) for n in ("q", "v")}
     dense = sum(float(torch.linalg.matrix_norm(B.double() @ A.double())) ** 2 for B, A in factors.values()) ** 0.5
     assert update_norm(factors) == pytest.approx(dense, rel=1e-5)
+
+
+def test_a_split_that_evaluated_no_example_is_missing_not_zero():
+    from fs_fedpa.plugin.common import without_empty_splits
+
+    metrics = {
+        "val_acc": 0.0, "val_loss": 0.0, "val_total": 0,
+        "local.val_acc": 0.0, "local.val_total": 0,
+        "test_acc": 0.75, "test_total": 8, "local.test_acc": 0.5, "local.test_total": 8,
+    }  # fmt: skip
+    kept, empty = without_empty_splits(metrics)
+    assert empty == ["local.val", "val"]
+    assert kept == {"test_acc": 0.75, "test_total": 8, "local.test_acc": 0.5, "local.test_total": 8}
