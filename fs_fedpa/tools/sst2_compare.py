@@ -31,6 +31,7 @@ import math
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,32 +198,47 @@ def load_results(report: Path) -> dict[str, dict]:
     return out
 
 
-def execute(runs: list[Run], results: dict, report: Path, work: Path, glue: Path, budget: dict) -> int:
-    """Run what has no committed result yet, writing its JSON as soon as it finishes; a run that fails is reported
-    and retried at the next call. Returns how many runs finished."""
+def execute(
+    runs: list[Run], results: dict, report: Path, work: Path, glue: Path, budget: dict, jobs: int = 1, fs_opts=()
+) -> int:
+    """Run what has no committed result yet, ``jobs`` FS processes at a time, writing each run's JSON as soon as it
+    finishes; a run that fails is reported and retried at the next call. ``fs_opts``: FS overrides for every run
+    of this call (e.g. ``use_gpu True device 0`` on a GPU host; recorded in the run's JSON). Returns how many runs
+    finished."""
     pending = [r for r in runs if r.key not in results]
-    finished = 0
-    for i, run in enumerate(pending, start=1):
-        left = sum(r.rounds for r in pending[i - 1 :]) * seconds_per_round(results) / 60
+
+    def one(i: int, run: Run) -> tuple[Run, dict] | None:
+        left = sum(r.rounds for r in pending[i - 1 :]) * seconds_per_round(results) / 60 / jobs
         print(f"[{run.stage} {i}/{len(pending)}] {run.name} seed {run.seed}, {run.rounds} rounds; "
               f"about {left:.0f} min left in this stage", flush=True)  # fmt: skip
         out = work / run.stage / f"{run.name}_s{run.seed}"
         try:
-            compare.run_one(str(CFG), run.cell(), run.seed, out, ["data.root", str(glue)], str(run.rounds))
+            compare.run_one(str(CFG), run.cell(), run.seed, out, ["data.root", str(glue), *fs_opts], str(run.rounds))
         except RuntimeError as failure:
             print(f"    FAILED, left for the next call: {failure}", flush=True)
-            continue
+            return None
         result = compare.collect(out)
-        result.update(stage=run.stage, rounds_planned=run.rounds)
+        result.update(stage=run.stage, rounds_planned=run.rounds, fs_opts=list(fs_opts), jobs=jobs)
         path = report / "runs" / run.stage / f"{run.name}_s{run.seed}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, separators=(",", ":")))
         result["rounds"] = {int(r): m for r, m in result["rounds"].items()}
-        results[run.key] = result
-        finished += 1
-        budget["ran"] += result["seconds"]
-        if budget["stop_at"] and time.time() > budget["stop_at"]:
-            raise TimeoutError(f"--hours spent; {len(pending) - i} runs of stage {run.stage} left")
+        return run, result
+
+    finished, stop = 0, None
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(one, i, run) for i, run in enumerate(pending, start=1)]
+        for future in as_completed(futures):
+            if (done := future.result()) is None:
+                continue
+            run, result = done
+            results[run.key] = result
+            finished += 1
+            budget["ran"] += result["seconds"]
+            if budget["stop_at"] and time.time() > budget["stop_at"] and stop is None:
+                stop = sum(f.cancel() for f in futures)  # the runs under way finish; the others wait for a rerun
+    if stop is not None:
+        raise TimeoutError(f"--hours spent; {len(pending) - finished} runs of this stage left")
     return finished
 
 
@@ -323,7 +339,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan", action="store_true", help="print the stages and the expected time; run nothing")
     parser.add_argument("--report-only", action="store_true", help="rebuild the report from the committed results")
     parser.add_argument("--hours", type=float, default=0.0, help="stop after the run that ends past this many hours")
+    parser.add_argument("--jobs", type=int, default=1, help="FS runs at a time (a many-core or GPU host)")
+    parser.add_argument(
+        "fs_opts",
+        nargs="*",
+        help="FS overrides for every run of this call, KEY VALUE ... (e.g. use_gpu True device 0)",
+    )
     args = parser.parse_args(argv)
+    if args.jobs < 1 or len(args.fs_opts) % 2:
+        sys.exit(f"--jobs must be >= 1 and FS overrides come in KEY VALUE pairs; got {args.jobs}, {args.fs_opts}")
     if not CFG.is_file():
         sys.exit(f"{CFG} not found: run this from a checkout of fs_fedpa (the config lives in yaml_configs/)")
     report, work = Path(args.report), Path(args.work)
@@ -337,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                 stages = plan(results, report)
                 todo = [(s, [r for r in runs if r.key not in results]) for s, runs in stages]
                 todo = [(s, runs) for s, runs in todo if runs]
-                if not todo or not execute(todo[0][1], results, report, work, glue, budget):
+                if not todo or not execute(todo[0][1], results, report, work, glue, budget, args.jobs, args.fs_opts):
                     break  # done, or every run left in the stage failed: see their fs.log
         except TimeoutError as stop:
             print(f"[sst2_compare] stopping: {stop}; rerun to continue", flush=True)

@@ -110,3 +110,30 @@ def test_committed_final_runs_used_the_committed_selection():
         )
         if choice.get("lam") is not None:
             assert float(opts["fedpa.lam"]) == choice["lam"]
+
+
+def test_runs_execute_in_parallel_commit_each_result_and_leave_failures_for_the_next_call(tmp_path, monkeypatch):
+    from fs_fedpa import compare
+
+    calls = []
+
+    def run_one(cfg, cell, seed, out, opts, rounds):
+        calls.append((cell.name, opts))
+        if cell.name == "fedit":
+            raise RuntimeError("fedit seed 0 failed (exit 1)")
+        out.mkdir(parents=True, exist_ok=True)
+
+    def collect(out):
+        return {"cell": out.name[:-3], "seed": 0, "seconds": 6.0, "rounds": {"2": {"val_acc": 0.8}}, "diagnostics": []}
+
+    monkeypatch.setattr(compare, "run_one", run_one)
+    monkeypatch.setattr(compare, "collect", collect)
+    runs = [sc.Run("tune", m, m, (), 0, 2) for m in ("fedpa", "fedit", "flexlora")]
+    results, budget = {}, {"ran": 0.0, "stop_at": 0.0}
+    fs_opts = ("use_gpu", "True")
+    done = sc.execute(runs, results, tmp_path, tmp_path / "work", tmp_path, budget, jobs=2, fs_opts=fs_opts)
+    assert done == 2 and sorted(results) == ["tune/fedpa_s0", "tune/flexlora_s0"] and budget["ran"] == 12.0
+    assert sorted(p.name for p in (tmp_path / "runs" / "tune").iterdir()) == ["fedpa_s0.json", "flexlora_s0.json"]
+    assert all(opts[-2:] == ["use_gpu", "True"] for _, opts in calls)
+    assert json.loads((tmp_path / "runs" / "tune" / "fedpa_s0.json").read_text())["fs_opts"] == ["use_gpu", "True"]
+    assert sc.load_results(tmp_path)["tune/fedpa_s0"]["rounds"] == {2: {"val_acc": 0.8}}  # committed, read back
