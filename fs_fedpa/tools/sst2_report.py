@@ -160,6 +160,19 @@ def stage_section(title: str, stage: str, results: dict, report: Path, pairs: di
     return [*lines, ""]
 
 
+def verdict_section(results: dict) -> list[str]:
+    """The plain verdict of the main cell: per baseline, FedPA-LoRA wins, ties or loses under each protocol."""
+    rows = {m: sc.paired_rows(results, m) for m in METRICS}
+    cells = sorted(set(rows[METRICS[0]]) | set(rows[METRICS[1]]))
+    if not cells:
+        return ["## Verdict", "", "Written when the final runs of FedPA-LoRA and a baseline share two seeds.", ""]
+    lines = ["## Verdict (final runs, dev set)", "", "| against | paper protocol | own factors |", "|---|---|---|"]
+    for cell in cells:
+        lines.append(f"| {cell} | " + " | ".join(_interval(rows[m].get(cell)) for m in METRICS) + " |")
+    note = "FedPA-LoRA − cell, mean [95% paired t interval] over shared seeds; wins / ties / loses as the interval "
+    return [*lines, "", note + "lies above, across or below 0.", ""]
+
+
 def write_report(report: Path, results: dict, stages: list) -> Path:
     report.mkdir(parents=True, exist_ok=True)
     spent = sum(r["seconds"] for r in results.values())
@@ -176,6 +189,7 @@ def write_report(report: Path, results: dict, stages: list) -> Path:
         + (", ".join(f"{s}: {n}" for s, n in pending if n) or "none of the stages known now")
         + ".",
         "",
+        *verdict_section(results),
         *pilot_section(results),
         *tuning_section(results, stages, report),
         *selected_section(report),

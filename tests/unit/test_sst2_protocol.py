@@ -137,3 +137,19 @@ def test_runs_execute_in_parallel_commit_each_result_and_leave_failures_for_the_
     assert all(opts[-2:] == ["use_gpu", "True"] for _, opts in calls)
     assert json.loads((tmp_path / "runs" / "tune" / "fedpa_s0.json").read_text())["fs_opts"] == ["use_gpu", "True"]
     assert sc.load_results(tmp_path)["tune/fedpa_s0"]["rounds"] == {2: {"val_acc": 0.8}}  # committed, read back
+
+
+def test_the_report_states_a_verdict_per_baseline_from_the_committed_runs(tmp_path):
+    from fs_fedpa.tools.sst2_report import write_report
+
+    selected = {"T": 4, "methods": {m: {"method": m, "optimizer": "AdamW", "lr": 2e-3, "lam": None} for m in sc.MAIN}}
+    results = {}
+    gaps = {"fedit": (0.05, 0.06, 0.055), "flexlora": (0.01, -0.01, 0.02), "ffa_lora": (-0.05, -0.06, -0.055)}
+    for run in sc.final_runs(selected, 4):
+        acc = 0.85 - gaps.get(run.method, (0.0, 0.0, 0.0))[run.seed] if run.method != "fedpa" else 0.85
+        results[run.key] = _result(run, {4: acc})
+    text = write_report(tmp_path, results, []).read_text()
+    verdict = text.split("## Verdict", 1)[1].split("\n## ", 1)[0]
+    assert "| fedit | +0.0550 [" in verdict and "FedPA wins" in verdict.split("| fedit |")[1].split("\n")[0]
+    assert "FedPA ties" in verdict.split("| flexlora |")[1].split("\n")[0]
+    assert "FedPA loses" in verdict.split("| ffa_lora |")[1].split("\n")[0]
