@@ -146,6 +146,7 @@ class FedPAServer(Server):
                 f"[fedpa] round {self.state}: no update from clients {missing} within fedpa.round_timeout_s="
                 f"{cfg.round_timeout_s:g} s; aggregating the {len(train)} that arrived"
             )
+            self.sampler.change_state(missing, "idle")  # FS samples idle clients only; they may come back
             return self.check_and_move_on(min_received_num=len(train))
         evaluations = self.msg_buffer["eval"]
         arrived = len(evaluations[max(evaluations)]) if evaluations else 0
