@@ -14,12 +14,14 @@ def upload_problem(
     rank: int | tuple[int, ...],
     shared: Mapping[str, Tensor] | None = None,
     shared_shapes: Mapping[str, tuple[int, ...]] | None = None,
+    max_abs: float | None = None,
 ) -> str | None:
     """Why this upload cannot be aggregated, or None if it can.
 
     ``factors[name] = (B: (d, r), A: (r, k))`` must name exactly the modules of ``shapes[name] = (d, k)``, at
-    the client's rank ``r = rank`` (or a rank in the tuple ``rank``), with finite values; ``shared`` tensors, if
-    the run has any, must match ``shared_shapes`` and be finite too.
+    the client's rank ``r = rank`` (or a rank in the tuple ``rank``), with finite values (and, given ``max_abs``, none
+    beyond it in absolute value); ``shared`` tensors, if the run has any, must match ``shared_shapes`` and obey the
+    same value bounds.
     """
     if missing := sorted(shapes.keys() - factors.keys()):
         return f"LoRA modules missing from the upload: {missing[:3]}{' ...' if len(missing) > 3 else ''}"
@@ -36,6 +38,9 @@ def upload_problem(
             )
         if not (torch.isfinite(B).all() and torch.isfinite(A).all()):
             return f"{name}: NaN or Inf in {'B' if not torch.isfinite(B).all() else 'A'}"
+        for part, t in (("B", B), ("A", A)):
+            if max_abs is not None and t.numel() and (peak := float(t.abs().max())) > max_abs:
+                return f"{name}: |{part}| reaches {peak:.3g} > {max_abs:g}"
     shared, shared_shapes = shared or {}, shared_shapes or {}
     if shared.keys() != shared_shapes.keys():
         return f"shared tensors {sorted(shared)[:3]} differ from the expected {sorted(shared_shapes)[:3]}"
@@ -44,4 +49,6 @@ def upload_problem(
             return f"shared tensor {name}: shape {tuple(t.shape)}, expected {tuple(shared_shapes[name])}"
         if t.is_floating_point() and not torch.isfinite(t).all():
             return f"shared tensor {name}: NaN or Inf"
+        if max_abs is not None and t.numel() and (peak := float(t.abs().max())) > max_abs:
+            return f"shared tensor {name}: |value| reaches {peak:.3g} > {max_abs:g}"
     return None

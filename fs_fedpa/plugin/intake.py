@@ -133,17 +133,8 @@ def check_upload(
     if unknown := sorted(parts.keys() - shapes.keys()):  # before completing: only known modules have a global
         return f"unknown LoRA modules in the upload: {unknown[:3]}{' ...' if len(unknown) > 3 else ''}"
     factors = complete(parts)
-    problem = upload_problem(factors, shapes, ranks, shared, shared_shapes)
-    if problem is not None:
-        return problem
-    for name, (B, A) in factors.items():
-        for part, t in (("B", B), ("A", A)):
-            if t.numel() and (peak := float(t.abs().max())) > MAX_ABS:
-                return f"{name}: |{part}| reaches {peak:.3g} > {MAX_ABS:g}"
-    for name, t in shared.items():
-        if t.numel() and (peak := float(t.abs().max())) > MAX_ABS:
-            return f"shared tensor {name}: |value| reaches {peak:.3g} > {MAX_ABS:g}"
-    return Accepted(factors, shared, n, stats)
+    problem = upload_problem(factors, shapes, ranks, shared, shared_shapes, max_abs=MAX_ABS)
+    return problem if problem is not None else Accepted(factors, shared, n, stats)
 
 
 def cap_weights(weights: list[float], ratio: float) -> list[float]:

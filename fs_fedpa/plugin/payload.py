@@ -5,9 +5,9 @@ LoRA factors, non-LoRA tensors that are averaged (e.g. a non-local head), and fl
 
 Nothing a peer sends is ever unpickled. In standalone mode the tensors are handed over as objects. Over a network
 (``wire=True``) each tensor is sent as :func:`to_wire`'s explicit encoding ``{"dtype", "shape", "data"}`` (base64
-of its raw bytes), which FS's gRPC transport carries as plain strings and ints. FS's own ``param2tensor`` would
-``pickle.loads`` any string it is given, so the decoder here accepts a tensor object or that encoding, and
-refuses everything else with a reason.
+of its raw bytes), which FS's gRPC transport carries as plain strings and ints. FS's own tensor decoder would
+turn any string it is given into an arbitrary object, so it is never called: the decoder here accepts a tensor
+object or that encoding, and refuses everything else with a reason.
 """
 
 from __future__ import annotations

@@ -327,8 +327,9 @@ class FedPAAggregator(Aggregator):
         feedback = agg_info["client_feedback"]
         bytes_up = {str(c): nbytes(content) for c, (_, content) in zip(clients, feedback)}
         accepted, dropped = {}, {}
+        expected = self._expected_shapes()  # once a round: the same for every client
         for client_id, (size, content) in zip(clients, feedback):
-            checked = self._check(client_id, size, content)
+            checked = self._check(client_id, size, content, *expected)
             if isinstance(checked, str):
                 self._drop(dropped, client_id, checked)
             else:  # fresh tensors: nothing below can alter what a client sent
@@ -418,13 +419,12 @@ class FedPAAggregator(Aggregator):
         shapes = {n: (B.shape[0], A.shape[1]) for n, (B, A) in server.global_factors.items()}
         return shapes, {n: tuple(params[n].shape) for n in server.shared_names}
 
-    def _check(self, client_id, size, content) -> Accepted | str:
+    def _check(self, client_id, size, content, shapes, shared_shapes) -> Accepted | str:
         """:func:`fs_fedpa.plugin.intake.check_upload` for this client and round, or why it cannot be checked."""
         method = self.server.method
         ranks = method.plan.client_ranks
         if isinstance(client_id, bool) or not isinstance(client_id, int) or not 1 <= client_id <= len(ranks):
             return f"client id {client_id!r} is not in the rank plan (1..{len(ranks)})"
-        shapes, shared_shapes = self._expected_shapes()
         dtype = next(iter(self.server.global_factors.values()))[0].dtype
         return check_upload(
             size,
