@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import re
 import shutil
 import statistics
@@ -69,6 +70,17 @@ def _rounds_in(cfg: str) -> str | None:
         return None
 
 
+def _reap(proc: subprocess.Popen) -> float | None:
+    """Waits for ``proc`` and returns the CPU seconds (user + system) it and its children used, None where the OS
+    does not say; unlike wall time, this does not grow when other work shares the CPUs."""
+    if not hasattr(os, "wait4"):
+        proc.wait()
+        return None
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_one(cfg: str, cell: Cell, seed: int, out: Path, opts: list[str], total_rounds: str | None) -> float | None:
     """One FS run in ``out`` (skipped if it finished before); returns its wall time, None if skipped."""
     if (out / "result.json").is_file():
@@ -89,10 +101,13 @@ def run_one(cfg: str, cell: Cell, seed: int, out: Path, opts: list[str], total_r
                 total = f"/{total_rounds}" if total_rounds else ""
                 done = int(match.group(1)) + 1
                 print(f"    {cell.name} seed {seed}: round {done}{total} ({time.time() - start:.0f} s)", flush=True)
+        cpu = _reap(proc)
     if proc.returncode != 0:
         raise RuntimeError(f"{cell.name} seed {seed} failed (exit {proc.returncode}); see {out / 'fs.log'}")
     seconds = round(time.time() - start, 1)
     result = {"cell": cell.name, "method": cell.method, "opts": list(cell.opts), "seed": seed, "seconds": seconds}
+    if cpu is not None:
+        result["cpu_seconds"] = round(cpu, 1)
     (out / "result.json").write_text(json.dumps(result))
     return seconds
 

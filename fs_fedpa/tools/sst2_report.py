@@ -175,7 +175,7 @@ def verdict_section(results: dict) -> list[str]:
 
 def write_report(report: Path, results: dict, stages: list) -> Path:
     report.mkdir(parents=True, exist_ok=True)
-    spent = sum(r["seconds"] for r in results.values())
+    spent = sc.time_spent(results)
     pending = [(stage, sum(r.key not in results for r in runs)) for stage, runs in stages]
     finals = {r["cell"] for k, r in results.items() if k.startswith("final/")}
     beta_cells = [r["cell"] for k, r in results.items() if k.startswith("beta/")]
@@ -185,7 +185,7 @@ def write_report(report: Path, results: dict, stages: list) -> Path:
         "# SST-2 protocol: results",
         "",
         "Rebuilt by `./run.sh compare` from the run files in `runs/` (docs/compare.md describes the protocol).",
-        f"CPU time of the committed runs: {spent / 3600:.2f} h on 2 cores. Runs still to do: "
+        f"Time of the committed runs: {spent} (2 cores). Runs still to do: "
         + (", ".join(f"{s}: {n}" for s, n in pending if n) or "none of the stages known now")
         + ".",
         "",

@@ -153,3 +153,35 @@ def test_the_report_states_a_verdict_per_baseline_from_the_committed_runs(tmp_pa
     assert "| fedit | +0.0550 [" in verdict and "FedPA wins" in verdict.split("| fedit |")[1].split("\n")[0]
     assert "FedPA ties" in verdict.split("| flexlora |")[1].split("\n")[0]
     assert "FedPA loses" in verdict.split("| ffa_lora |")[1].split("\n")[0]
+
+
+def test_a_run_records_the_cpu_time_its_process_reports_and_its_exit_status():
+    import subprocess
+    import sys
+
+    from fs_fedpa import compare
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\ntime.sleep(0.3)\n"
+    burn += "print(time.process_time())"
+    with subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE, text=True) as proc:
+        reported = float(proc.stdout.read())
+        cpu = compare._reap(proc)
+    assert proc.returncode == 0 and reported >= 0.4
+    assert reported <= cpu < reported + 0.3  # the interpreter's start-up is CPU too; the sleep is not
+    with subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"]) as proc:
+        compare._reap(proc)
+    assert proc.returncode == 3
+
+
+def test_time_spent_reports_wall_time_and_cpu_time_where_recorded():
+    results = {"a": {"seconds": 3600.0, "cpu_seconds": 5400.0}, "b": {"seconds": 1800.0}}
+    assert sc.time_spent(results) == "1.50 h of wall time, 1.50 CPU-h on the 1 of 2 runs that record it"
+    assert sc.time_spent({"b": {"seconds": 1800.0}}) == "0.50 h of wall time"
+
+
+def test_parallel_jobs_split_the_cpus_unless_the_user_set_the_threads():
+    assert sc.with_threads([], 1, 2) == []
+    assert sc.with_threads(["use_gpu", "False"], 2, 2) == ["use_gpu", "False", "fedpa.num_threads", "1"]
+    assert sc.with_threads([], 4, 16) == ["fedpa.num_threads", "4"]
+    assert sc.with_threads([], 3, 2) == ["fedpa.num_threads", "1"]
+    assert sc.with_threads(["fedpa.num_threads", "2"], 2, 2) == ["fedpa.num_threads", "2"]
