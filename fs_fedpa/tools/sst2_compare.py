@@ -349,7 +349,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan", action="store_true", help="print the stages and the expected time; run nothing")
     parser.add_argument("--report-only", action="store_true", help="rebuild the report from the committed results")
     parser.add_argument("--hours", type=float, default=0.0, help="stop after the run that ends past this many hours")
-    parser.add_argument("--jobs", type=int, default=1, help="FS runs at a time; each gets cpus/jobs threads unless fedpa.num_threads is given")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="FS runs at a time; each gets cpus/jobs threads unless fedpa.num_threads is given",
+    )
     parser.add_argument(
         "fs_opts",
         nargs="*",
