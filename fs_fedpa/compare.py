@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fs_fedpa.methods import names as method_names
 from fs_fedpa.record import CLIENT_STATS, DIAGNOSTICS_FILE, compact
 from fs_fedpa.tools.fs_results import weighted_avg_by_round
 
@@ -43,11 +44,15 @@ class Cell:
 
 
 def parse_cells(methods: list[str], cells: list[list[str]]) -> list[Cell]:
-    out = [Cell(m, m) for m in methods]
+    """``--methods`` (``all``: every method of :func:`fs_fedpa.methods.names`) and ``--cell`` specs as cells."""
+    known = method_names()
+    out = [Cell(m, m) for m in (known if methods == ["all"] else methods)]
     for spec in cells:
         if len(spec) < 2 or len(spec) % 2:
             raise SystemExit(f"--cell needs NAME METHOD and KEY VALUE pairs, got {' '.join(spec)!r}")
         out.append(Cell(spec[0], spec[1], tuple(spec[2:])))
+    if unknown := sorted({c.method for c in out} - set(known)):
+        raise SystemExit(f"unknown federate.method {unknown}; known: {', '.join(known)} (or --methods all)")
     names = [c.name for c in out]
     if len(set(names)) != len(names) or not out:
         raise SystemExit(f"cell names must be unique and at least one is needed, got {names}")
@@ -223,7 +228,12 @@ def protocol_note(metric: str, cfg: str, cells: list[Cell], seeds: list[int], op
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cfg", required=True, help="the FS yaml every run shares")
-    parser.add_argument("--methods", nargs="*", default=[], help="federate.method values, each a cell")
+    parser.add_argument(
+        "--methods",
+        nargs="*",
+        default=[],
+        help=f"federate.method values, each a cell, or all: {', '.join(method_names())}",
+    )
     parser.add_argument(
         "--cell", nargs="+", action="append", default=[], metavar="ARG", help="NAME METHOD [KEY VALUE ...]"
     )

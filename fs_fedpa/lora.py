@@ -90,6 +90,36 @@ def set_factors(
             layer.scaling[adapter] = scaling_for_rank(layer, r)
 
 
+def keep_base(model: nn.Module) -> None:
+    """Keep a copy ``W_0`` of every LoRA module's frozen base weight on the layer, unless one is kept already: one
+    copy per model object, so workers sharing a model share it. Call before any offset is set or any checkpoint is
+    loaded: :func:`set_base_offsets` computes from it."""
+    for layer in lora_layers(model).values():
+        if getattr(layer, "_fedpa_w0", None) is None:
+            layer._fedpa_w0 = layer.get_base_layer().weight.detach().clone()
+
+
+def set_base_offsets(model: nn.Module, offsets: Mapping[str, Tensor]) -> None:
+    """Set the frozen base weight of every named LoRA module to ``W_0 + offset`` (``offset: (d, k)``, the update's
+    orientation), computed in at least float32 and stored in the weight's dtype; ``W_0`` as :func:`keep_base`
+    kept it."""
+    keep_base(model)
+    layers = lora_layers(model)
+    with torch.no_grad():
+        for name, offset in offsets.items():
+            layer = layers[name]
+            weight = layer.get_base_layer().weight
+            w0 = layer._fedpa_w0
+            if getattr(layer, "fan_in_fan_out", False):  # e.g. GPT-2's Conv1D stores W^T
+                offset = offset.T
+            if offset.shape != w0.shape:
+                raise ValueError(
+                    f"{name}: base offset {tuple(offset.shape)} does not fit the weight {tuple(w0.shape)}"
+                )
+            dtype = torch.promote_types(w0.dtype, torch.float32)
+            weight.copy_((w0.to(dtype) + offset.to(w0.device, dtype)).to(weight.dtype))
+
+
 @dataclass(frozen=True)
 class Scaling:
     """PEFT's scaling ``s(r)`` of every LoRA module as a function of the rank: ``alpha / r``, or ``alpha / sqrt(r)``

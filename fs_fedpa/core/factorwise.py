@@ -43,3 +43,15 @@ def _average(factors: list[Tensor], w: list[float]) -> Tensor:
     if all(Y is first or torch.equal(Y, first) for Y in factors[1:]):
         return first.clone()
     return sum(wi * Y for wi, Y in zip(w, factors))
+
+
+def stack_factors(
+    factors: Sequence[tuple[Tensor, Tensor]], weights: Sequence[float] | Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """``([w_1 B_1, ..., w_N B_N], [A_1; ...; A_N])``: factors of rank ``sum_i r_i`` whose product is exactly
+    ``sum_i w_i B_i A_i`` (FLoRA's stacking); ranks may differ. ``factors``: ``(B_i: (d, r_i), A_i: (r_i, k))``;
+    ``weights``: ``w_i >= 0``, normalised; ``None`` is uniform."""
+    if not factors:
+        raise ValueError("factors is empty")
+    w = normalized_weights(weights, len(factors))
+    return torch.cat([wi * B for wi, (B, _) in zip(w, factors)], dim=1), torch.cat([A for _, A in factors], dim=0)

@@ -5,8 +5,9 @@ is the update ``Delta W`` the model applies; client-side hooks see the client's 
 r_i these are PEFT's raw factors). Client-side hooks only select, truncate, rotate or penalise factors, so they do
 not depend on the scale. A method decides:
 
-- server: ``init_global`` (Alg. 1 l.2), ``aggregate``, ``downlink`` (what client i receives), ``upload_parts`` and
-  ``complete_upload`` (which factors travel up, and what the server takes for the others);
+- server: ``init_global`` (Alg. 1 l.2), ``aggregate``, ``merge`` (what the exact-aggregation methods fold into
+  the frozen base weights), ``downlink`` (what client i receives), ``upload_parts`` and ``complete_upload`` (which
+  factors travel up, and what the server takes for the others);
 - client: ``client_init`` (Alg. 1 l.4), ``start_round`` (the round's starting factors from what it received and
   what it kept), ``trainable``, ``alignment`` (the extra local loss), ``end_round`` (what it keeps), ``before_upload``
   (what it sends), ``evaluation_factors`` (what the paper protocol evaluates).
@@ -33,6 +34,7 @@ class FederatedMethod:
     """Defaults shared by the methods; a method overrides what differs."""
 
     name: ClassVar[str] = ""
+    merge_encoding: ClassVar[str] = "factors"  # how a merge travels: "factors" (its B, A) or "dense" (B A, d x k)
 
     def __init__(self, cfg: FedPAConfig, plan: RankPlan):
         self.cfg = cfg
@@ -65,8 +67,20 @@ class FederatedMethod:
         """New global factors and, per module, the aggregate's singular values (may be empty)."""
         raise NotImplementedError
 
+    def merge(self, uploads: Sequence[Factors], weights: Sequence[float], global_: Factors) -> Factors | None:
+        """Applied factors whose product every worker adds to its frozen base weights after this aggregation, so
+        that base + ``global_`` carries ``sum_i w_i Delta W_i`` exactly (FedEx-LoRA's residual, FLoRA's stack);
+        ``global_`` is what :meth:`aggregate` returned. None (default): nothing is merged."""
+        return None
+
+    @property
+    def merges(self) -> bool:
+        """Whether this method folds updates into the base weights (overrides :meth:`merge`)."""
+        return type(self).merge is not FederatedMethod.merge
+
     def downlink(self, global_: Factors, client: int) -> Factors:
-        """What the server sends client ``client`` (0-based index): the rank-R_i reference (Alg. 1 l.8)."""
+        """What the server sends client ``client`` (0-based index): the rank-R_i reference (Alg. 1 l.8); ``{}``
+        sends none, and the client takes a zero reference at its rank r_i."""
         return {n: truncate_factors(B, A, self.plan.reference_ranks[client]) for n, (B, A) in global_.items()}
 
     def upload_ranks(self, client: int) -> tuple[int, ...]:

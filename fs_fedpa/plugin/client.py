@@ -25,7 +25,7 @@ from fs_fedpa.core.penalty import product_penalty
 from fs_fedpa.core.ranks import truncate_factors
 from fs_fedpa.plugin import resume
 from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainables, without_empty_splits
-from fs_fedpa.plugin.payload import decode_factors, decode_tensors, encode_factors, encode_tensors
+from fs_fedpa.plugin.payload import decode_factors, decode_merge, decode_tensors, encode_factors, encode_tensors
 from fs_fedpa.plugin.trainer import install_alignment_hook
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
@@ -44,6 +44,9 @@ class FedPAClient(Client):
         # Snapshot now: with share_local_model, other clients' training overwrites the model's copy.
         self.local_tensors = {n: params[n].detach().clone() for n in self.local_names}
         self.factors: dict[str, tuple[Tensor, Tensor]] | None = None  # own (B_i, A_i), kept across rounds
+        self.base_offset: dict[str, Tensor] = {}  # (d, k) per module: the merges received (exact-aggregation methods)
+        if self.method.merges:
+            lora.keep_base(self.model)
         self.reference: dict[str, tuple[Tensor, Tensor]] = {}  # the received rank-R_i reference, client space
         self._grads = GradientSplit()
         self._live: dict[str, tuple[Tensor, Tensor]] = {}
@@ -85,12 +88,13 @@ class FedPAClient(Client):
         )
 
     def _enter_round(self, payload: dict) -> None:
-        received = self.space.download(decode_factors(payload["lora"]))
         if self.factors is None:
             self.factors = self._initial_factors()
+        received = self._receive(payload)
         start = self.method.start_round(received, self.factors, self.index, self.state)
         self._e_init = self._init_error(start, self.factors)
         self._received = received
+        self._set_base()
         lora.set_factors(self.model, self.space.to_model(start), trainable=self.method.trainable(self.state))
         self._load_tensors(decode_tensors(payload.get("shared", {})))
         self._load_tensors(self.local_tensors)
@@ -197,8 +201,11 @@ class FedPAClient(Client):
         payload = message.content
         if self.factors is None:
             self.factors = self._initial_factors()
-        received = self.space.download(decode_factors(payload["lora"]))
+        received = self._receive(payload)
+        if "base" in payload and self._resume_out:  # the merge it carries must survive a resume
+            self._write_resume_file()
         evaluated = self.method.evaluation_factors(received, self.factors, self.index)
+        self._set_base()
         lora.set_factors(self.model, self.space.to_model(evaluated))
         self._load_tensors(decode_tensors(payload.get("shared", {})))
         self._load_tensors(self.local_tensors)
@@ -261,6 +268,7 @@ class FedPAClient(Client):
         device = next(iter(lora.get_factors(self.model).values()))[0].device
         self.factors = {n: (B.to(device), A.to(device)) for n, (B, A) in saved["factors"].items()}
         self.local_tensors = {n: t.to(device) for n, t in saved["local"].items()}
+        self.base_offset = {n: t.to(device) for n, t in saved.get("base_offset", {}).items()}
         self._rounds_trained = saved["rounds_trained"]
         if self._cfg.federate.mode == "distributed":  # its own process: its own random stream
             resume.set_rng_state(saved["rng"])
@@ -281,6 +289,7 @@ class FedPAClient(Client):
             "rank": self.method.plan.client_ranks[self.index],
             "factors": lora.copy_factors(self.factors, "cpu"),
             "local": {n: t.detach().cpu().clone() for n, t in self.local_tensors.items()},
+            "base_offset": {n: t.cpu() for n, t in self.base_offset.items()},
         }
 
     # ------------------------------------------------------------------------------------ helpers
@@ -301,6 +310,26 @@ class FedPAClient(Client):
             A_r[R:] = initial[name][1][R:].to(A_r)
             out[name] = (B_r, A_r)
         return out
+
+    def _receive(self, payload: dict) -> dict[str, tuple[Tensor, Tensor]]:
+        """The reference of a server message in this client's space (zero at rank r_i where the method sends none),
+        after adding any merge it carries to this client's base offset."""
+        received = self.space.download(decode_factors(payload.get("lora", {})))
+        for name, (B, A) in self.factors.items():
+            if name not in received:
+                received[name] = (torch.zeros_like(B), torch.zeros_like(A))
+        for name, increment in decode_merge(payload.get("base", {})).items():
+            if name not in self.factors:
+                raise KeyError(f"the server merged into {name!r}, which is not a LoRA module of this model")
+            increment = increment.to(self.factors[name][0].device, torch.promote_types(increment.dtype, torch.float32))
+            self.base_offset[name] = self.base_offset[name] + increment if name in self.base_offset else increment
+        return received
+
+    def _set_base(self) -> None:
+        """The model's base weights: W_0 plus this client's merges (another client may have changed a shared model)."""
+        if self.method.merges:
+            zeros = {n: B.new_zeros(B.shape[0], A.shape[1]) for n, (B, A) in self.factors.items()}
+            lora.set_base_offsets(self.model, {**zeros, **self.base_offset})
 
     def _load_tensors(self, tensors: dict[str, Tensor]) -> None:
         if not tensors:

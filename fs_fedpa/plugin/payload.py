@@ -133,12 +133,27 @@ def decode_tensors(flat: Mapping[str, object]) -> dict[str, Tensor]:
     return out
 
 
+def encode_merge(merge: Mapping[str, tuple[Tensor, Tensor]], dense: bool, wire: bool = False) -> dict:
+    """What a worker adds to its base weights: per module the factors ``(B, A)`` (:func:`encode_factors`) or, with
+    ``dense``, their product ``B A`` as one ``(d, k)`` tensor named by the module."""
+    if dense:
+        return encode_tensors({n: B @ A for n, (B, A) in merge.items()}, wire)
+    return encode_factors(merge, wire=wire)
+
+
+def decode_merge(flat: Mapping[str, object]) -> dict[str, Tensor]:
+    """The ``(d, k)`` increment per module of an :func:`encode_merge` payload, either encoding."""
+    if isinstance(flat, Mapping) and any(isinstance(k, str) and SEP in k for k in flat):
+        return {n: B @ A for n, (B, A) in decode_factors(flat).items()}
+    return decode_tensors(flat)
+
+
 def nbytes(payload: object) -> int:
     """Bytes of every tensor in a payload (factors and shared tensors, as objects or encoded; stats are
     negligible); 0 for what is not a payload, which the server's checks then refuse."""
     if not isinstance(payload, Mapping):
         return 0
-    parts = [payload.get(part) for part in ("lora", "shared")]
+    parts = [payload.get(part) for part in ("lora", "shared", "base")]
     values = [v for part in parts if isinstance(part, Mapping) for v in part.values()]
     encoded = [v["data"] for v in values if isinstance(v, Mapping) and isinstance(v.get("data"), str)]
     return payload_bytes([t for t in values if isinstance(t, Tensor)]) + sum(

@@ -27,7 +27,7 @@ from fs_fedpa.core.diagnostics import aggregate_norm, aggregation_error, factore
 from fs_fedpa.plugin import resume
 from fs_fedpa.plugin.common import build_method, fedpa_seed, global_init, non_lora_trainables
 from fs_fedpa.plugin.intake import Accepted, cap_weights, check_upload, norm_outliers, update_norm
-from fs_fedpa.plugin.payload import encode_factors, encode_tensors, nbytes
+from fs_fedpa.plugin.payload import encode_factors, encode_merge, encode_tensors, nbytes
 from fs_fedpa.record import DIAGNOSTICS_FILE, RoundRecord
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
@@ -46,6 +46,8 @@ class FedPAServer(Server):
         if self.method.cfg.num_threads > 0:  # FS's standalone runner has just pinned torch to 1 thread
             torch.set_num_threads(self.method.cfg.num_threads)
         self.scaling = lora.Scaling.of(self.model)
+        if self.method.merges:
+            lora.keep_base(self.model)  # before a resume point's merged weights are loaded into it
         _, self.shared_names = non_lora_trainables(self.model, self._cfg.personalization.local_param)
         self.global_factors = global_init(self._cfg, self.model, self.method)  # (B_g^(0), A_g^(0)), rank r_g
         self.generator = torch.Generator().manual_seed(fedpa_seed(self._cfg, self.method) + 1)  # sketches
@@ -54,6 +56,11 @@ class FedPAServer(Server):
         if self._cfg.federate.save_to:  # FS saves only after training: a missing folder would lose the run
             os.makedirs(os.path.dirname(os.path.abspath(self._cfg.federate.save_to)), exist_ok=True)
         self._down_bytes: dict[int, int] = {}
+        self._late_down: dict[int, int] = {}  # merge bytes that rode on evaluation messages: next round's downlink
+        self.merged: dict[str, Tensor] = {}  # sum of every merge so far, (d, k) per module (exact-aggregation methods)
+        self._merges: list[dict[str, tuple[Tensor, Tensor]]] = []  # merges some client has not received yet
+        self._merges_dropped = 0  # merges every client has received, no longer kept
+        self._merged_upto: dict[int, int] = {}  # per client: how many merges it has received
         self._totals = {"up": 0, "down": 0}
         self._records: list[dict] = []  # diagnostics history, carried by resume points
         self._pending_rng: dict | None = None
@@ -86,11 +93,17 @@ class FedPAServer(Server):
         shared = encode_tensors({n: params[n] for n in self.shared_names}, wire)
         rnd = self.state - 1 if msg_type == "evaluate" else self.state  # FS: evaluation closes a round
         for client_id in receivers:
-            payload = {"lora": encode_factors(self.method.downlink(self.global_factors, client_id - 1), wire=wire)}
-            if shared:  # FS's gRPC encoder fails on empty dicts, and rewrites dicts in place: one per receiver
+            down = encode_factors(self.method.downlink(self.global_factors, client_id - 1), wire=wire)
+            # FS's gRPC encoder fails on empty dicts, and rewrites dicts in place: one per receiver
+            payload = {"lora": down} if down else {"zero_reference": 1}
+            if shared:
                 payload["shared"] = dict(shared)
+            if merge := self._pending_merge(client_id):
+                payload["base"] = encode_merge(merge, self.method.merge_encoding == "dense", wire)
             if msg_type == "model_para":
-                self._down_bytes[client_id] = nbytes(payload)
+                self._down_bytes[client_id] = nbytes(payload) + self._late_down.pop(client_id, 0)
+            elif merge:
+                self._late_down[client_id] = self._late_down.get(client_id, 0) + nbytes({"base": payload["base"]})
             self.comm_manager.send(
                 Message(
                     msg_type=msg_type,
@@ -103,6 +116,24 @@ class FedPAServer(Server):
             )
         if filter_unseen_clients:
             self.sampler.change_state(self.unseen_clients_id, "seen")
+
+    def _pending_merge(self, client_id: int) -> dict[str, tuple[Tensor, Tensor]] | None:
+        """The merges ``client_id`` has not received, as one (rank-concatenated) merge, now counted as received;
+        merges every client has received are forgotten."""
+        upto = self._merged_upto.get(client_id, 0)
+        pending = self._merges[upto - self._merges_dropped :]
+        if not pending:
+            return None
+        self._merged_upto[client_id] = self._merges_dropped + len(self._merges)
+        if len(self._merged_upto) == self.client_num:
+            done = min(self._merged_upto.values()) - self._merges_dropped
+            del self._merges[:done]
+            self._merges_dropped += done
+        if len(pending) == 1:
+            return pending[0]
+        return {
+            n: (torch.cat([m[n][0] for m in pending], 1), torch.cat([m[n][1] for m in pending])) for n in pending[0]
+        }
 
     # ---------------------------------------------------------------------------------- liveness
     def run(self):
@@ -181,10 +212,19 @@ class FedPAServer(Server):
         return super().callback_funcs_model_para(message)
 
     # ---------------------------------------------------------------------------------- aggregation
-    def install_global(self, global_factors, shared: dict[str, Tensor]) -> None:
-        """Adopt new global factors; write them (raw, rank R_g) and the averaged shared tensors into the model."""
+    def install_global(self, global_factors, shared: dict[str, Tensor], merge=None) -> None:
+        """Adopt new global factors; write them (raw, rank R_g) and the averaged shared tensors into the model; add
+        a method's ``merge`` to the base weights (the server's own, and, with the next messages, the clients')."""
         self.global_factors = global_factors
         lora.set_factors(self.model, self.scaling.raw(global_factors))
+        if merge:
+            self._merges.append(lora.copy_factors(merge))
+            for name, (B, A) in merge.items():
+                dtype = torch.promote_types(B.dtype, torch.float32)
+                increment = B.to(dtype) @ A.to(dtype)
+                self.merged[name] = self.merged[name] + increment if name in self.merged else increment
+        if self.merged:
+            lora.set_base_offsets(self.model, self.merged)
         if shared:
             params = dict(self.model.named_parameters())
             with torch.no_grad():
@@ -236,6 +276,13 @@ class FedPAServer(Server):
                     "generator": self.generator.get_state(),
                     "totals": dict(self._totals),
                     "down_bytes": dict(self._down_bytes),
+                    "merges": {
+                        "merged": {n: t.cpu() for n, t in self.merged.items()},
+                        "pending": [lora.copy_factors(m, "cpu") for m in self._merges],
+                        "dropped": self._merges_dropped,
+                        "upto": dict(self._merged_upto),
+                        "late_down": dict(self._late_down),
+                    },
                     "records": resume.plain(self._records),
                     "history_results": resume.plain(self.history_results),
                     "best_results": resume.plain(self.best_results),
@@ -286,6 +333,15 @@ class FedPAServer(Server):
         self.model.load_state_dict(checkpoint["model"], strict=False)  # shared tensors, e.g. a shared head
         self.generator.set_state(saved["generator"])
         self._totals, self._down_bytes = dict(saved["totals"]), dict(saved["down_bytes"])
+        merges = saved.get("merges", {})
+        self.merged = {n: t.to(device) for n, t in merges.get("merged", {}).items()}
+        self._merges = [
+            {n: (B.to(device), A.to(device)) for n, (B, A) in m.items()} for m in merges.get("pending", [])
+        ]
+        self._merges_dropped = merges.get("dropped", 0)
+        self._merged_upto, self._late_down = dict(merges.get("upto", {})), dict(merges.get("late_down", {}))
+        if self.merged:
+            lora.set_base_offsets(self.model, self.merged)
         self._records = list(saved["records"])
         self._write_diagnostics(self._records)
         self.history_results, self.best_results = saved["history_results"], saved["best_results"]
@@ -360,17 +416,18 @@ class FedPAAggregator(Aggregator):
                 new_global, spectra = server.method.aggregate(
                     uploads, weights, [c - 1 for c in kept], server.generator
                 )
+                merge = server.method.merge(uploads, weights, new_global)
                 averaged = _weighted_mean([accepted[c].shared for c in kept], weights)
-                _check_finite(new_global, averaged)
+                _check_finite({**new_global, **{f"{n} (merge)": f for n, f in (merge or {}).items()}}, averaged)
             except (RuntimeError, ValueError, ArithmeticError) as err:  # a contribution the checks let through
                 culprit = self._culprit(accepted)
                 self._drop(dropped, culprit, f"aggregation failed with its upload ({type(err).__name__}: {err})")
                 del accepted[culprit]
                 continue
-            record = _round_record(server, uploads, weights, kept, new_global, spectra, stats)
+            record = _round_record(server, uploads, weights, kept, _with_merge(new_global, merge), spectra, stats)
             record.dropped, record.bytes_up = dropped, bytes_up
             record.restarted = [c for c, st in zip(kept, stats) if st.get("restarted")]
-            server.install_global(new_global, averaged)
+            server.install_global(new_global, averaged, merge)
             server.record_round(record.to_dict())
             return {}  # the model is already updated; FS merges this empty dict into its state
         logger.warning(f"[fedpa] round {server.state}: every upload was dropped; the global adapter stays as it was")
@@ -462,6 +519,13 @@ def _check_finite(global_factors, averaged) -> None:
     for name, t in averaged.items():
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise ArithmeticError(f"the average of shared tensor {name} is not finite")
+
+
+def _with_merge(global_factors, merge):
+    """The factors of the round's whole global update: the adapter and, beside it, what is merged into the base."""
+    if not merge:
+        return global_factors
+    return {n: (torch.cat([B, merge[n][0]], 1), torch.cat([A, merge[n][1]])) for n, (B, A) in global_factors.items()}
 
 
 def _weighted_mean(tensors: list[dict[str, Tensor]], weights: list[float]) -> dict[str, Tensor]:

@@ -4,7 +4,8 @@ Used by the integration tests as ``python -m tests.integration.fs_probe CFG.yaml
 in a subprocess (FS changes process-wide state, e.g. ``torch.set_num_threads(1)``). The spies
 only copy what passes through the plugin's own seams; they change nothing:
 
-- ``enter``: per client and round, the factors the model trains from and the ranks it received;
+- ``enter``: per client and round, the factors the model trains from, the ranks it received and, for the methods
+  that merge into the base weights, those weights;
 - ``leave``: per client and round, the factors it keeps and the keys/ranks of its upload;
 - ``aggregate``: per round, an independent decode of the uploads, their weights and clients, and
   the global factors the server adopted;
@@ -96,13 +97,15 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
 
     def enter(self, payload):
         orig_enter(self, payload)
-        received = decode_factors(payload["lora"])
+        received = decode_factors(payload.get("lora", {}))
+        layers = lora.lora_layers(self.model) if self.method.merges else {}
         record["enter"].append(
             {
                 "client": self.ID,
                 "round": self.state,
                 "start": _copy(lora.get_factors(self.model)),
                 "received_ranks": sorted({B.shape[1] for B, _ in received.values()}),
+                "base": {n: layer.get_base_layer().weight.detach().cpu().clone() for n, layer in layers.items()},
             }
         )
 

@@ -142,3 +142,46 @@ def test_hetlora_self_pruning_only_lowers_ranks_and_the_server_follows(tiny_llm,
         if entry["round"] > 0:
             previous = ranks[entry["client"]][entry["round"] - 1]
             assert all(B.shape[1] == previous for B, _ in entry["start"].values())
+
+
+@pytest.mark.parametrize("method, ranks", [("fedex_lora", None), ("flora", "[2, 4, 3]")])
+def test_exact_methods_merge_the_average_update_into_every_clients_base_and_pay_for_it(
+    tiny_llm, tmp_path, method, ranks
+):
+    opts = {"federate.method": method} | ({"fedpa.client_ranks": ranks} if ranks else {})
+    run = probe(fedpa_cfg(tiny_llm, tmp_path, **opts), tmp_path)
+    records = _records(run)
+    assert all(r["e_agg_rel"] < 1e-5 for r in records)  # exact: the adapter plus the merge is the average
+    # Independently of the plugin: the weighted average of the uploads (applied factors) each round
+    averages = []
+    for agg in run["aggregate"]:
+        total = sum(agg["weights"])
+        averages.append(
+            {
+                n: sum(w / total * u[n][0] @ u[n][1] for w, u in zip(agg["weights"], agg["uploads"]))
+                for n in agg["global"]
+            }
+        )
+    # Each round's global model is the base the clients trained on plus that average: the next round starts there
+    bases = {(e["client"], e["round"]): e["base"] for e in run["enter"]}
+    assert run["enter"] and all(e["base"] for e in run["enter"])
+    for entry in run["enter"]:
+        for name, (B, A) in entry["start"].items():
+            model = entry["base"][name] + 8 / B.shape[1] * B @ A  # what the client's model applies
+            t = entry["round"]
+            expected = bases[entry["client"], t - 1][name] + averages[t - 1][name] if t else bases[1, 0][name]
+            torch.testing.assert_close(model, expected, atol=1e-5, rtol=0)
+            if method == "flora":
+                assert not B.any()  # a fresh LoRA every round
+    # Bytes from each method's definition, float32, summed over modules
+    shapes = {n: (B.shape[0], A.shape[1]) for n, (B, A) in run["final"]["global"].items()}
+    r = {1: 2, 2: 4, 3: 3} if ranks else {1: 4, 2: 4, 3: 4}
+    for record in records:
+        for c, sent in record["bytes_up"].items():
+            assert sent == 4 * sum(r[int(c)] * (d + k) for d, k in shapes.values())
+        for c, got in record["bytes_down"].items():
+            if method == "fedex_lora":  # the reference (B_bar, A_bar) and, from round 1, the dense residual
+                expected = sum(4 * (d + k) + (d * k if record["round"] else 0) for d, k in shapes.values()) * 4
+            else:  # no reference; from round 1, the stack of every client's factors
+                expected = 4 * sum(sum(r.values()) * (d + k) for d, k in shapes.values()) if record["round"] else 0
+            assert got == expected, (record["round"], c)

@@ -63,8 +63,29 @@ def test_bad_cells_are_refused_before_any_run(tmp_path):
         (["--cell", "x", "fedpa", "fedpa.lam"], "KEY VALUE pairs"),
         (["--methods", "fedpa", "--cell", "fedpa", "fedpa", "fedpa.lam", "0"], "unique"),
         (["--cell", "a/b", "fedpa"], "folder names"),
+        (["--methods", "fedpa", "fedavg"], "unknown federate.method"),
     ):
         with pytest.raises(SystemExit, match=match):
             main(["--cfg", str(cfg), "--out", str(tmp_path / "o"), *argv])
     with pytest.raises(SystemExit, match="no such file"):
         main(["--cfg", str(tmp_path / "missing.yaml"), "--out", str(tmp_path / "o"), "--methods", "fedpa"])
+
+
+def test_every_method_runs_through_the_runner_and_gets_its_row(tiny_llm, tmp_path):
+    from fs_fedpa.methods import names
+
+    cfg = dump_yaml(fedpa_cfg(tiny_llm, tmp_path, **{"federate.total_round_num": 2}), tmp_path / "base.yaml")
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, "-m", "fs_fedpa.compare", "--cfg", cfg, "--methods", "all", "--seeds", "0"]
+    proc = subprocess.run(
+        [*cmd, "--out", str(out)], cwd=ROOT, env=fs_env(), capture_output=True, text=True, timeout=1200
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = (out / "results.md").read_text()
+    assert all(f"| {m} | {m} | 1 |" in table for m in names()), table
+    runs = {r["cell"]: r for r in json.loads((out / "runs.json").read_text())}
+    for exact in ("fedex_lora", "flora"):
+        assert all(d["e_agg_rel"] < 1e-5 for d in runs[exact]["diagnostics"]), exact
+    assert (
+        runs["fedex_lora"]["diagnostics"][1]["bytes_total"] > runs["fedit"]["diagnostics"][1]["bytes_total"]
+    )  # dense

@@ -33,3 +33,20 @@ def test_an_encoded_payload_crosses_fs_grpc_messages_without_pickle(monkeypatch)
     assert torch.equal(factors["layer.q"][1], A.to(torch.bfloat16))
     assert torch.equal(decode_tensors(received.content["shared"])["classifier.bias"], head)
     assert received.content["stats"]["lam"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_a_downlink_with_a_merge_and_no_reference_crosses_fs_grpc_messages(monkeypatch, dense):
+    from federatedscope.core.message import Message
+
+    from fs_fedpa.plugin.payload import decode_merge, encode_merge
+
+    monkeypatch.setattr(Message, "param_serializer", lambda *a, **k: pytest.fail("pickle"), raising=False)
+    g = torch.Generator().manual_seed(1)
+    B, A = torch.randn(8, 6, generator=g), torch.randn(6, 5, generator=g)
+    payload = {"zero_reference": 1, "base": encode_merge({"layer.q": (B, A)}, dense, wire=True)}  # FLoRA's downlink
+    sent = Message(msg_type="model_para", sender=0, receiver=[1], state=2, content=payload)
+    received = Message()
+    received.parse(sent.transform(to_list=True).msg)
+    assert "lora" not in received.content
+    torch.testing.assert_close(decode_merge(received.content["base"])["layer.q"], B @ A)

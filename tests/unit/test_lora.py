@@ -144,3 +144,28 @@ def test_copy_factors_detaches_and_clones():
     for name, (B, A) in copied.items():
         assert not B.requires_grad and B.data_ptr() != live[name][0].data_ptr()
         assert not A.requires_grad and torch.equal(A, live[name][1].detach())
+
+
+def test_base_offsets_add_to_the_kept_base_weight_and_setting_them_again_does_not_accumulate():
+    model = _peft_model()
+    layers = lora.lora_layers(model)
+    w0 = {n: layer.get_base_layer().weight.detach().clone() for n, layer in layers.items()}
+    lora.keep_base(model)
+    g = torch.Generator().manual_seed(3)
+    offsets = {n: torch.randn(w.shape, generator=g) for n, w in w0.items()}
+    x = torch.randn(5, 12, generator=g)
+    with torch.no_grad(), model.disable_adapter():
+        plain = model(x)
+    for _ in range(2):  # workers sharing one model set their offsets at every turn
+        lora.set_base_offsets(model, offsets)
+    for n, layer in layers.items():
+        assert torch.equal(layer.get_base_layer().weight, w0[n] + offsets[n])
+    with torch.no_grad(), model.disable_adapter():
+        shifted = model(x)
+    expected = plain + (x @ offsets[next(n for n in layers if n.endswith("q"))].T).sum(-1)
+    expected = expected + (x @ offsets[next(n for n in layers if n.endswith("v"))].T).sum(-1)
+    assert torch.allclose(shifted, expected, atol=1e-5)
+    lora.set_base_offsets(model, {n: torch.zeros_like(o) for n, o in offsets.items()})
+    assert all(torch.equal(layer.get_base_layer().weight, w0[n]) for n, layer in layers.items())
+    with pytest.raises(ValueError, match="does not fit"):
+        lora.set_base_offsets(model, {next(iter(layers)): torch.zeros(3, 3)})

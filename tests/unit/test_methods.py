@@ -111,7 +111,7 @@ def test_what_each_method_starts_from_trains_and_aligns():
     for name in PLUGIN_METHODS:
         method = _method(name, [2])
         start = method.start_round(received, own, 0, 0)
-        for n in own:
+        for n in own if name != "flora" else ():  # FLoRA: a fresh LoRA (its own test)
             for j, kept in enumerate(keeps.get(name, (False, False))):
                 assert torch.equal(start[n][j], (own if kept else received)[n][j]), (name, n, j)
         assert [method.trainable(0), method.trainable(1)] == trains.get(name, [(True, True)] * 2), name
@@ -227,3 +227,33 @@ def test_flexlora_weighs_by_local_data_size_and_others_by_fs_sample_counts():
     assert _method("flexlora", [2, 2]).weights([20, 20], [100, 300]) == [100.0, 300.0]
     assert _method("flexlora", [2, 2]).weights([20, 20], [100, None]) == [20, 20]
     assert _method("fedpa", [2, 2]).weights([20, 30], [100, 300]) == [20, 30]
+
+
+@pytest.mark.parametrize("name, ranks", [("fedex_lora", [3, 3, 3]), ("flora", [2, 3, 5])])
+def test_exact_methods_global_adapter_plus_merge_is_the_weighted_average_of_the_products(name, ranks):
+    method = _method(name, ranks)
+    uploads, w = _uploads(ranks), [1.0, 2.0, 3.0]
+    global_, _ = method.aggregate(uploads, w, [0, 1, 2], torch.Generator())
+    merge = method.merge(uploads, w, global_)
+    assert method.merges and not _method("fedit", [3, 3]).merges
+    for n, (B, A) in global_.items():
+        X = dense_aggregate([u[n][0] for u in uploads], [u[n][1] for u in uploads], w)
+        B_m, A_m = merge[n]
+        assert torch.allclose(B @ A + B_m @ A_m, X, rtol=0, atol=1e-12)
+        if name == "flora":
+            assert not B.any() and not A.any() and B_m.shape[1] == sum(ranks)  # stacked: global rank sum r_i
+        else:
+            assert torch.allclose(B, sum(wi / 6 * u[n][0] for wi, u in zip(w, uploads)), rtol=0, atol=1e-12)
+            assert torch.allclose(B_m @ A_m, X - B @ A, rtol=0, atol=1e-12)  # the residual of FedEx-LoRA
+
+
+def test_flora_sends_no_reference_weighs_by_data_size_and_starts_each_round_from_a_fresh_lora():
+    method = _method("flora", [2, 4])
+    own, received = _uploads([4])[0], _uploads([4], seed=1)[0]
+    assert method.downlink(received, 0) == {}
+    assert method.weights([20, 20], [100, 300]) == [100.0, 300.0]
+    first, second = method.start_round(received, own, 1, 0), method.start_round(received, own, 1, 1)
+    for n, (d, k) in SHAPES.items():
+        (B1, A1), (_, A2) = first[n], second[n]
+        assert B1.shape == (d, 4) and not B1.any() and A1.shape == (4, k)
+        assert float(A1.abs().max()) <= k**-0.5 and not torch.equal(A1, A2)  # PEFT's Kaiming bound 1/sqrt(k)

@@ -16,9 +16,11 @@ from fs_fedpa.plugin import resume
 from fs_fedpa.plugin.payload import (
     WIRE_DTYPES,
     decode_factors,
+    decode_merge,
     decode_parts,
     decode_tensors,
     encode_factors,
+    encode_merge,
     from_wire,
     nbytes,
     to_wire,
@@ -139,3 +141,15 @@ def test_a_truncated_resume_file_is_refused_with_its_name(tmp_path):
     path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(ValueError, match="fedpa_resume_y cannot be read"):
         resume.load(path)
+
+
+@pytest.mark.parametrize("wire", [False, True])
+def test_a_merge_travels_as_factors_or_as_its_dense_product_and_costs_what_it_carries(wire):
+    g = torch.Generator().manual_seed(0)
+    merge = {"q": (torch.randn(12, 5, generator=g), torch.randn(5, 10, generator=g))}
+    B, A = merge["q"]
+    for dense, count in ((False, 5 * (12 + 10)), (True, 12 * 10)):
+        flat = encode_merge(merge, dense, wire)
+        assert nbytes({"base": flat}) == 4 * count
+        assert torch.allclose(decode_merge(flat)["q"], B @ A, atol=1e-5)
+    assert decode_merge({}) == {}
