@@ -202,8 +202,6 @@ class FedPAClient(Client):
         if self.factors is None:
             self.factors = self._initial_factors()
         received = self._receive(payload)
-        if "base" in payload and self._resume_out:  # the merge it carries must survive a resume
-            self._write_resume_file()
         evaluated = self.method.evaluation_factors(received, self.factors, self.index)
         self._set_base()
         lora.set_factors(self.model, self.space.to_model(evaluated))
@@ -318,11 +316,13 @@ class FedPAClient(Client):
         for name, (B, A) in self.factors.items():
             if name not in received:
                 received[name] = (torch.zeros_like(B), torch.zeros_like(A))
-        for name, increment in decode_merge(payload.get("base", {})).items():
-            if name not in self.factors:
-                raise KeyError(f"the server merged into {name!r}, which is not a LoRA module of this model")
-            increment = increment.to(self.factors[name][0].device, torch.promote_types(increment.dtype, torch.float32))
-            self.base_offset[name] = self.base_offset[name] + increment if name in self.base_offset else increment
+        for merge in decode_merge(payload.get("base", {})):  # one by one, as they were merged
+            for name, increment in merge.items():
+                if name not in self.factors:
+                    raise KeyError(f"the server merged into {name!r}, which is not a LoRA module of this model")
+                dtype = torch.promote_types(increment.dtype, torch.float32)
+                increment = increment.to(self.factors[name][0].device, dtype)
+                self.base_offset[name] = self.base_offset[name] + increment if name in self.base_offset else increment
         return received
 
     def _set_base(self) -> None:

@@ -133,19 +133,37 @@ def decode_tensors(flat: Mapping[str, object]) -> dict[str, Tensor]:
     return out
 
 
-def encode_merge(merge: Mapping[str, tuple[Tensor, Tensor]], dense: bool, wire: bool = False) -> dict:
-    """What a worker adds to its base weights: per module the factors ``(B, A)`` (:func:`encode_factors`) or, with
-    ``dense``, their product ``B A`` as one ``(d, k)`` tensor named by the module."""
-    if dense:
-        return encode_tensors({n: B @ A for n, (B, A) in merge.items()}, wire)
-    return encode_factors(merge, wire=wire)
+def encode_merge(merges: list[Mapping[str, tuple[Tensor, Tensor]]], dense: bool, wire: bool = False) -> dict:
+    """What a worker adds to its base weights, in order: per merge ``i`` and module the factors ``(B, A)`` as
+    ``"<i>|<module>|B"``, ``"<i>|<module>|A"`` or, with ``dense``, their product ``B A`` as ``"<i>|<module>"``. Kept
+    apart (not summed) so that a worker adds them one by one, as it would have on time."""
+    out = {}
+    for i, merge in enumerate(merges):
+        if dense:
+            flat = encode_tensors({n: B @ A for n, (B, A) in merge.items()}, wire)
+        else:
+            flat = encode_factors(merge, wire=wire)
+        out.update({f"{i}{SEP}{key}": value for key, value in flat.items()})
+    return out
 
 
-def decode_merge(flat: Mapping[str, object]) -> dict[str, Tensor]:
-    """The ``(d, k)`` increment per module of an :func:`encode_merge` payload, either encoding."""
-    if isinstance(flat, Mapping) and any(isinstance(k, str) and SEP in k for k in flat):
-        return {n: B @ A for n, (B, A) in decode_factors(flat).items()}
-    return decode_tensors(flat)
+def decode_merge(flat: Mapping[str, object]) -> list[dict[str, Tensor]]:
+    """The ``(d, k)`` increment per module of every merge of an :func:`encode_merge` payload, in order."""
+    if not isinstance(flat, Mapping):
+        raise ValueError(f"a merge must be a mapping of '<i>{SEP}<module>...' to tensors, got {_what(flat)}")
+    groups: dict[int, dict[str, object]] = {}
+    for key, value in flat.items():
+        index, _, rest = key.partition(SEP) if isinstance(key, str) else ("", "", "")
+        if not index.isdigit() or not rest:
+            raise ValueError(f"malformed merge key {str(key)[:80]!r}: expected '<i>{SEP}<module>...'")
+        groups.setdefault(int(index), {})[rest] = value
+    out = []
+    for _, group in sorted(groups.items()):
+        if any(SEP in key for key in group):
+            out.append({n: B @ A for n, (B, A) in decode_factors(group).items()})
+        else:
+            out.append(decode_tensors(group))
+    return out
 
 
 def nbytes(payload: object) -> int:

@@ -61,6 +61,7 @@ class FedPAServer(Server):
         self._merges: list[dict[str, tuple[Tensor, Tensor]]] = []  # merges some client has not received yet
         self._merges_dropped = 0  # merges every client has received, no longer kept
         self._merged_upto: dict[int, int] = {}  # per client: how many merges it has received
+        self._merged_kept: dict[int, int] = {}  # ... by its last training message: what its resume file holds
         self._totals = {"up": 0, "down": 0}
         self._records: list[dict] = []  # diagnostics history, carried by resume points
         self._pending_rng: dict | None = None
@@ -98,11 +99,12 @@ class FedPAServer(Server):
             payload = {"lora": down} if down else {"zero_reference": 1}
             if shared:
                 payload["shared"] = dict(shared)
-            if merge := self._pending_merge(client_id):
-                payload["base"] = encode_merge(merge, self.method.merge_encoding == "dense", wire)
+            if merges := self._pending_merges(client_id):
+                payload["base"] = encode_merge(merges, self.method.merge_encoding == "dense", wire)
             if msg_type == "model_para":
                 self._down_bytes[client_id] = nbytes(payload) + self._late_down.pop(client_id, 0)
-            elif merge:
+                self._merged_kept[client_id] = self._merged_upto.get(client_id, 0)
+            elif merges:
                 self._late_down[client_id] = self._late_down.get(client_id, 0) + nbytes({"base": payload["base"]})
             self.comm_manager.send(
                 Message(
@@ -117,23 +119,20 @@ class FedPAServer(Server):
         if filter_unseen_clients:
             self.sampler.change_state(self.unseen_clients_id, "seen")
 
-    def _pending_merge(self, client_id: int) -> dict[str, tuple[Tensor, Tensor]] | None:
-        """The merges ``client_id`` has not received, as one (rank-concatenated) merge, now counted as received;
-        merges every client has received are forgotten."""
+    def _pending_merges(self, client_id: int) -> list[dict[str, tuple[Tensor, Tensor]]]:
+        """The merges ``client_id`` has not received, in order, now counted as received. A merge is forgotten once
+        every client has trained after receiving it: a client's resume file holds what it had at its last training,
+        and a resumed run sends each client what came after that."""
         upto = self._merged_upto.get(client_id, 0)
         pending = self._merges[upto - self._merges_dropped :]
         if not pending:
-            return None
+            return []
         self._merged_upto[client_id] = self._merges_dropped + len(self._merges)
-        if len(self._merged_upto) == self.client_num:
-            done = min(self._merged_upto.values()) - self._merges_dropped
+        if len(self._merged_kept) == self.client_num:
+            done = min(self._merged_kept.values()) - self._merges_dropped
             del self._merges[:done]
             self._merges_dropped += done
-        if len(pending) == 1:
-            return pending[0]
-        return {
-            n: (torch.cat([m[n][0] for m in pending], 1), torch.cat([m[n][1] for m in pending])) for n in pending[0]
-        }
+        return pending
 
     # ---------------------------------------------------------------------------------- liveness
     def run(self):
@@ -280,8 +279,7 @@ class FedPAServer(Server):
                         "merged": {n: t.cpu() for n, t in self.merged.items()},
                         "pending": [lora.copy_factors(m, "cpu") for m in self._merges],
                         "dropped": self._merges_dropped,
-                        "upto": dict(self._merged_upto),
-                        "late_down": dict(self._late_down),
+                        "kept": dict(self._merged_kept),  # evaluation messages are sent again after a resume
                     },
                     "records": resume.plain(self._records),
                     "history_results": resume.plain(self.history_results),
@@ -339,7 +337,7 @@ class FedPAServer(Server):
             {n: (B.to(device), A.to(device)) for n, (B, A) in m.items()} for m in merges.get("pending", [])
         ]
         self._merges_dropped = merges.get("dropped", 0)
-        self._merged_upto, self._late_down = dict(merges.get("upto", {})), dict(merges.get("late_down", {}))
+        self._merged_upto, self._merged_kept = dict(merges.get("kept", {})), dict(merges.get("kept", {}))
         if self.merged:
             lora.set_base_offsets(self.model, self.merged)
         self._records = list(saved["records"])

@@ -10,7 +10,7 @@ only copy what passes through the plugin's own seams; they change nothing:
 - ``aggregate``: per round, an independent decode of the uploads, their weights and clients, and
   the global factors the server adopted;
 - ``loss_gap``: ``loss_task - loss_batch`` of every training batch (the added alignment term);
-- ``final``: every client's kept factors and the server's global factors at the end;
+- ``final``: every client's kept factors and base offset, the server's global factors and merges at the end;
 - ``sent``: per client and round, the sample size and the factors of its upload (``module -> {part: tensor}``) as
   the client made it.
 
@@ -172,6 +172,8 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
     record["final"] = {
         "clients": {cid: _copy(c.factors) for cid, c in runner.client.items() if c.factors is not None},
         "global": _copy(runner.server.global_factors),
+        "merged": {n: t.cpu().clone() for n, t in runner.server.merged.items()},
+        "offsets": {cid: {n: t.cpu().clone() for n, t in c.base_offset.items()} for cid, c in runner.client.items()},
         "outdir": cfg.outdir,
     }
     torch.save(record, out)

@@ -163,11 +163,13 @@ def _kill_after_resume_point(cfg: dict, tmp_path: Path, rnd: int) -> Path:
     return Path(cfg["federate"]["save_to"]).parent / f"fedpa_resume_{Path(cfg['federate']['save_to']).name}"
 
 
-def test_a_run_killed_after_round_k_resumes_to_the_same_result(tiny_llm, tmp_path):
+@pytest.mark.parametrize("method", ["fedpa", "flora"])  # FLoRA: merges into the base weights, a fresh A per round
+def test_a_run_killed_after_round_k_resumes_to_the_same_result(tiny_llm, tmp_path, method):
     # Prepare: 4 rounds, 2 of 3 clients sampled per round (the sampler's state matters), resume points on
     def cfg(name, **more):
         (tmp_path / name).mkdir()
         changes = {"federate.total_round_num": 4, "federate.sample_client_num": 2, "expname": name}
+        changes["federate.method"] = method
         changes["federate.save_to"] = str(tmp_path / name / "ckpt" / "run.pt")
         return fedpa_cfg(tiny_llm, tmp_path / name, **changes, **more)
 
@@ -182,6 +184,11 @@ def test_a_run_killed_after_round_k_resumes_to_the_same_result(tiny_llm, tmp_pat
             A, resumed["final"]["global"][name][1]
         )
     assert full["final"]["clients"].keys() == resumed["final"]["clients"].keys()
+    parts = [(full["final"]["merged"], resumed["final"]["merged"])]  # merges into the base weights (FLoRA)
+    parts += [(full["final"]["offsets"][c], resumed["final"]["offsets"][c]) for c in (1, 2, 3)]
+    for full_part, resumed_part in parts:
+        assert full_part.keys() == resumed_part.keys() and (method == "fedpa") != bool(full_part)
+        assert all(torch.equal(t, resumed_part[n]) for n, t in full_part.items())
     for cid, factors in full["final"]["clients"].items():
         for name, (B, A) in factors.items():
             assert torch.equal(B, resumed["final"]["clients"][cid][name][0]), (cid, name)

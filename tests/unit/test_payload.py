@@ -144,12 +144,17 @@ def test_a_truncated_resume_file_is_refused_with_its_name(tmp_path):
 
 
 @pytest.mark.parametrize("wire", [False, True])
-def test_a_merge_travels_as_factors_or_as_its_dense_product_and_costs_what_it_carries(wire):
+def test_merges_travel_as_factors_or_as_their_dense_products_in_order_and_cost_what_they_carry(wire):
     g = torch.Generator().manual_seed(0)
-    merge = {"q": (torch.randn(12, 5, generator=g), torch.randn(5, 10, generator=g))}
-    B, A = merge["q"]
-    for dense, count in ((False, 5 * (12 + 10)), (True, 12 * 10)):
-        flat = encode_merge(merge, dense, wire)
+    merges = [{"q": (torch.randn(12, r, generator=g), torch.randn(r, 10, generator=g))} for r in (5, 3)]
+    for dense, count in ((False, 8 * (12 + 10)), (True, 2 * 12 * 10)):
+        flat = encode_merge(merges, dense, wire)
         assert nbytes({"base": flat}) == 4 * count
-        assert torch.allclose(decode_merge(flat)["q"], B @ A, atol=1e-5)
-    assert decode_merge({}) == {}
+        decoded = decode_merge(flat)
+        assert len(decoded) == 2
+        for got, (B, A) in zip(decoded, (m["q"] for m in merges)):
+            torch.testing.assert_close(got["q"], B @ A)
+    assert decode_merge({}) == []
+    for bad in ({"q|B": torch.zeros(2, 2)}, {"x|q": torch.zeros(2)}, ["0|q"]):
+        with pytest.raises(ValueError, match="merge"):
+            decode_merge(bad)
