@@ -48,7 +48,7 @@ HOLDOUT = 0.015  # of each client's training shard: about 1,000 SST-2 sentences 
 PILOT_ROUNDS, PILOT_LR = 48, ("AdamW", 2e-3)
 LR_GRID = (("AdamW", 5e-4), ("AdamW", 2e-3), ("AdamW", 5e-3), ("SGD", 2e-2), ("SGD", 1e-1))
 LAM_GRID = (0.01, 0.1, 0.5, 1.0, 2.0, 5.0)
-BASELINES = ("fedit", "flexlora", "ffa_lora", "fedsa_lora", "rolora", "fedrot_lora")
+BASELINES = ("fedit", "flexlora", "ffa_lora", "fedsa_lora", "rolora", "fedrot_lora", "fedex_lora", "flora")
 REFERENCES = ("local_only", "centralized")
 MAIN = ("fedpa", *BASELINES, *REFERENCES)
 SEEDS, MORE_SEEDS = (0, 1, 2), (3, 4)
@@ -174,7 +174,7 @@ def extra_runs(selected: dict, T: int, strongest: list[str]) -> list[Run]:
         for method in ("fedpa", *strongest):
             add("beta", f"{method}_beta{beta:g}", method, method, "data.splitter_args", f"[{{'alpha': {beta}}}]")
     hetero = [x for k, v in HETERO.items() for x in (k, v)] + ["model.seqcls.r", "16"]
-    for method, base in (("fedpa", "fedpa"), ("flexlora", "flexlora"), ("hetlora", "fedit")):
+    for method, base in (("fedpa", "fedpa"), ("flexlora", "flexlora"), ("hetlora", "fedit"), ("flora", "flora")):
         add("hetero", f"{method}_r2_4_16", method, base, *hetero)
     lam = f"{chosen['fedpa']['lam']:g}"
     add("ablation", "fedpa_no_preservation", "fedpa_no_preservation", "fedpa")
@@ -209,7 +209,7 @@ def execute(
     pending = [r for r in runs if r.key not in results]
 
     def one(i: int, run: Run) -> tuple[Run, dict] | None:
-        left = sum(r.rounds for r in pending[i - 1 :]) * seconds_per_round(results) / 60 / jobs
+        left = sum(r.rounds for r in pending[i - 1 :]) * seconds_per_round(results) / 60
         print(f"[{run.stage} {i}/{len(pending)}] {run.name} seed {run.seed}, {run.rounds} rounds; "
               f"about {left:.0f} min left in this stage", flush=True)  # fmt: skip
         out = work / run.stage / f"{run.name}_s{run.seed}"
@@ -244,7 +244,10 @@ def execute(
 
 
 def seconds_per_round(results: dict) -> float:
-    rates = [r["seconds"] / r["rounds_planned"] for r in results.values() if r.get("rounds_planned")]
+    """Median machine time per round of the committed runs: wall time / rounds / runs side by side (--jobs)."""
+    rates = [
+        r["seconds"] / r["rounds_planned"] / r.get("jobs", 1) for r in results.values() if r.get("rounds_planned")
+    ]
     return statistics.median(rates) if rates else SECONDS_PER_ROUND
 
 

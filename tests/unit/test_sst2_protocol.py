@@ -185,3 +185,9 @@ def test_parallel_jobs_split_the_cpus_unless_the_user_set_the_threads():
     assert sc.with_threads([], 4, 16) == ["fedpa.num_threads", "4"]
     assert sc.with_threads([], 3, 2) == ["fedpa.num_threads", "1"]
     assert sc.with_threads(["fedpa.num_threads", "2"], 2, 2) == ["fedpa.num_threads", "2"]
+
+
+def test_the_time_estimate_counts_machine_time_per_round_whatever_the_jobs():
+    results = {"a": {"seconds": 200.0, "rounds_planned": 10, "jobs": 2}, "b": {"seconds": 100.0, "rounds_planned": 10}}
+    assert sc.seconds_per_round(results) == 10.0  # 200 s of wall time shared by two runs = 10 s a round each
+    assert sc.seconds_per_round({}) == sc.SECONDS_PER_ROUND
