@@ -56,6 +56,11 @@ FEDROT_STRENGTH = 0.6  # the FedRot-LoRA paper's SST-2 value, as the FedPA-LoRA 
 LOCAL_STEPS = 10  # train.local_update_steps of the config; centralized LoRA takes N times as many per round
 CLIENTS = 10
 HETERO = {"fedpa.client_ranks": "[2, 4, 16]", "fedpa.reference_ranks": "[2, 4, 16]", "fedpa.group_sizes": "[4, 3, 3]"}
+MAIN_R, HETERO_R = 4, 16  # model.seqcls.r of the config and of the heterogeneous cell (its largest r_i)
+# lambda is quoted in the raw-factor scale of model.seqcls.r (lam/2 ||dW_i - X||^2 / s(r)^2, s(r) = alpha / r): the
+# heterogeneous cell's r = 16 would make the selected lambda weigh the same ||dW_i - X|| (16/4)^2 = 16 times more.
+# Its FedPA runs therefore use lam * (s(16) / s(4))^2 = lam / 16: the penalty per unit of update of the tuned cell.
+HETERO_LAM = (MAIN_R / HETERO_R) ** 2
 SECONDS_PER_ROUND = 28.0  # measured: 10 clients x 10 steps; used until a finished run gives a better figure
 
 
@@ -173,10 +178,11 @@ def extra_runs(selected: dict, T: int, strongest: list[str]) -> list[Run]:
     for beta in (0.1, 100):
         for method in ("fedpa", *strongest):
             add("beta", f"{method}_beta{beta:g}", method, method, "data.splitter_args", f"[{{'alpha': {beta}}}]")
-    hetero = [x for k, v in HETERO.items() for x in (k, v)] + ["model.seqcls.r", "16"]
-    for method, base in (("fedpa", "fedpa"), ("flexlora", "flexlora"), ("hetlora", "fedit"), ("flora", "flora")):
-        add("hetero", f"{method}_r2_4_16", method, base, *hetero)
+    hetero = [x for k, v in HETERO.items() for x in (k, v)] + ["model.seqcls.r", str(HETERO_R)]
     lam = f"{chosen['fedpa']['lam']:g}"
+    for method, base in (("fedpa", "fedpa"), ("flexlora", "flexlora"), ("hetlora", "fedit"), ("flora", "flora")):
+        same_penalty = ("fedpa.lam", f"{chosen['fedpa']['lam'] * HETERO_LAM:g}") if method == "fedpa" else ()
+        add("hetero", f"{method}_r2_4_16", method, base, *hetero, *same_penalty)
     add("ablation", "fedpa_no_preservation", "fedpa_no_preservation", "fedpa")
     add("ablation", "fedpa_lam0", "fedpa", "fedpa", "fedpa.lam", "0")
     for reg in ("b", "a", "both"):
