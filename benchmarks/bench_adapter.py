@@ -2,7 +2,9 @@
 
 RoBERTa-large shapes: 24 layers x {query, value}, d = k = 1024, N = 10 clients, r = R_g = 4, uploads
 arriving as separate per-module tensors (one dict per client, as FS hands them to the aggregator).
-Goals (issue "package foundation"): reduced <= 2.0x and randomized <= 1.5x of two-factor averaging.
+Goals (issue "package foundation"): reduced <= 2.0x and randomized <= 1.5x of two-factor averaging. Since the
+float64 Gram route, the script also times the former float32 Householder route and prints the accuracy per case
+family (fs_fedpa.core.accuracy) against the float32 floor.
 
 Three implementations of the averaging baseline are timed, all on the same uploads:
   stacked  - per module, torch.stack the N uploads and take the weighted sum (the fastest we found);
@@ -18,6 +20,8 @@ import torch
 from _common import client_factors, fmt, median_time
 
 from fs_fedpa import reconstruct, reconstruct_adapter
+from fs_fedpa.core.accuracy import FAMILIES, case, float32_floor, tail_excess
+from fs_fedpa.core.reconstruct import _reconstruct_cat, weighted_stack
 
 MODULES = [f"layer.{i}.attention.self.{m}" for i in range(24) for m in ("query", "value")]
 
@@ -77,6 +81,7 @@ def main() -> None:
         "avg loop": median_time(lambda: average_loop(uploads, w), rep),
         "avg fs-style": median_time(lambda: average_fs_style(state_dicts, w.tolist()), rep),
         "reduced": median_time(lambda: reconstruct_adapter(uploads, r), rep),
+        "householder fp32 (before)": median_time(lambda: householder_fp32(uploads, r, w.tolist()), rep),
         "randomized p=8": median_time(lambda: reconstruct_adapter(uploads, r, mode="randomized", generator=gen), rep),
         "randomized p=2": median_time(
             lambda: reconstruct_adapter(uploads, r, mode="randomized", oversample=2, generator=gen), rep
@@ -102,6 +107,40 @@ def main() -> None:
     print(f"ratio randomized(p=0) / two-factor averaging: {t['randomized p=0'] / best_avg:.2f}x")
     print(f"ratio reduced / fs-style averaging loop: {t['reduced'] / t['avg fs-style']:.2f}x")
     print(f"ratio dense / reduced: {t['dense (48 x one module)'] / t['reduced']:.0f}x")
+    print(
+        f"ratio reduced / householder fp32 (the former reduced): {t['reduced'] / t['householder fp32 (before)']:.2f}x"
+    )
+    accuracy_table(r)
+
+
+def householder_fp32(uploads, r, w):
+    """The former ``reduced`` route for float32 uploads: Householder QR + core SVD in float32, all modules batched."""
+    Bs = [torch.stack([u[n][0] for n in MODULES]) for u in uploads]
+    As = [torch.stack([u[n][1] for n in MODULES]) for u in uploads]
+    return _reconstruct_cat(*weighted_stack(Bs, As, w, torch.float32), r, "reduced", 8, None)
+
+
+def accuracy_table(r: int, seeds: int = 3) -> None:
+    """Worst excess over the optimal tail per case family (float32 uploads, d = k = 256, N = 10), against the
+    float32 floor: the exact factors rounded to float32."""
+    print(f"\naccuracy: excess ||M - B_g A_g|| / ||M - M_R|| - 1, worst of {seeds} seeds (float32 uploads, R = {r})")
+    print(f"  {'family':16s} {'float32 floor':>14s} {'reduced':>12s} {'/ floor':>8s} {'householder fp32':>17s}")
+    for family in FAMILIES:
+        worst = {"floor": 0.0, "reduced": 0.0, "householder": 0.0}
+        for seed in range(seeds):
+            Bs, As = case(family, seed, n=10, d=256, k=256, r=r)
+            Bs, As = [B.float() for B in Bs], [A.float() for A in As]
+            exact = ([B.double() for B in Bs], [A.double() for A in As])
+            w = [0.1] * 10
+            worst["floor"] = max(worst["floor"], float32_floor(*exact, r))
+            worst["reduced"] = max(worst["reduced"], tail_excess(*exact, *reconstruct(Bs, As, r), r))
+            B_h, A_h, _ = _reconstruct_cat(*weighted_stack(Bs, As, w, torch.float32), r, "reduced", 8, None)
+            worst["householder"] = max(worst["householder"], tail_excess(*exact, B_h, A_h, r))
+        ratio = worst["reduced"] / worst["floor"] if worst["floor"] > 1e-12 else float("nan")
+        print(
+            f"  {family:16s} {worst['floor']:14.2e} {worst['reduced']:12.2e} {ratio:8.2f} {worst['householder']:17.2e}"
+        )
+    print("  (/ floor is shown where the floor is above 1e-12; below it both are at float64 rounding)")
 
 
 if __name__ == "__main__":

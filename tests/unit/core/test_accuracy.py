@@ -1,0 +1,73 @@
+"""Reconstruction at the float floor: the excess over the optimal tail ``||M - B_g A_g|| / ||M - M_R|| - 1``
+against a float64 dense SVD, on the case families where float32 Householder QR lost digits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fs_fedpa import reconstruct
+from fs_fedpa.core.accuracy import FAMILIES, _aggregate, case, float32_floor, tail_excess
+from fs_fedpa.core.reconstruct import _reconstruct_cat, weighted_stack
+
+EPS64 = torch.finfo(torch.float64).eps
+shapes = st.tuples(st.sampled_from(FAMILIES), st.integers(0, 10**6), st.integers(3, 8), st.integers(24, 96),
+                   st.integers(24, 96), st.sampled_from([2, 4]), st.integers(1, 4))  # fmt: skip
+
+
+def _case(family, seed, n, d, k, r):
+    Bs, As = case(family, seed, n=n, d=d, k=k, r=r)
+    return [B.float() for B in Bs], [A.float() for A in As]  # float32 uploads, as a GPU client sends
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes, st.lists(st.floats(0.1, 10), min_size=8, max_size=8))
+def test_float32_uploads_reach_the_float32_floor(spec, w):
+    family, seed, n, d, k, r, rank = spec
+    Bs, As = _case(family, seed, n, d, k, r)
+    weights = w[:n]
+    B_g, A_g = reconstruct(Bs, As, rank, weights=weights)
+    exact = ([B.double() for B in Bs], [A.double() for A in As])  # the uploads themselves are exact in float64
+    floor = float32_floor(*exact, rank, weights)
+    excess = tail_excess(*exact, B_g, A_g, rank, weights)
+    assert B_g.dtype == torch.float32 and excess <= 2 * max(floor, 0.0) + 1e-6, (family, excess, floor)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes)
+def test_float64_uploads_are_exact_to_the_float64_floor(spec):
+    family, seed, n, d, k, r, rank = spec
+    Bs, As = case(family, seed, n=n, d=d, k=k, r=r)
+    B_g, A_g = reconstruct(Bs, As, rank)
+    S = torch.linalg.svdvals(_aggregate(Bs, As, [1.0] * n))
+    tail = float(S[rank:].square().sum().sqrt())
+    # The float64 floor: a thousand ulps of ||M|| against the tail (which is itself rounding where rank(M) <= rank)
+    rounding = float(S.square().sum().sqrt()) * EPS64 / tail
+    assert abs(tail_excess(Bs, As, B_g, A_g, rank)) <= 1e-10 + 1e3 * rounding, family
+
+
+@pytest.mark.parametrize("family", ["shared_A_1e-6", "shared_AB_1e-3"])
+def test_float32_householder_misses_the_floor_on_nearly_parallel_clients(family):
+    """The cases the float64 Gram route exists for: the float32 Householder route (the former ``reduced``) is
+    hundreds of times the floor there, so the test above can tell the two apart."""
+    Bs, As = _case(family, 0, 10, 256, 256, 4)
+    w = [0.1] * 10
+    B_g, A_g, _ = _reconstruct_cat(*weighted_stack(Bs, As, w, torch.float32), 4, "reduced", 8, None)
+    exact = ([B.double() for B in Bs], [A.double() for A in As])
+    floor = float32_floor(*exact, 4)
+    assert tail_excess(*exact, B_g, A_g, 4) > 20 * floor > 0
+    B_g, A_g = reconstruct(Bs, As, 4, weights=w)
+    assert tail_excess(*exact, B_g, A_g, 4) <= 2 * floor
+
+
+def test_half_precision_uploads_are_computed_in_float64_and_returned_in_their_dtype():
+    Bs, As = _case("shared_A_1e-3", 1, 6, 64, 48, 4)
+    for dtype in (torch.float16, torch.bfloat16):
+        low = ([B.to(dtype) for B in Bs], [A.to(dtype) for A in As])
+        B_g, A_g = reconstruct(*low, 3)
+        exact = ([B.double() for B in low[0]], [A.double() for A in low[1]])
+        U, S, Vh = torch.linalg.svd(_aggregate(*exact, [1.0] * 6), full_matrices=False)
+        rounded = tail_excess(*exact, (U[:, :3] * S[:3]).to(dtype), Vh[:3].to(dtype), 3)
+        assert B_g.dtype == dtype and tail_excess(*exact, B_g, A_g, 3) <= 2 * rounded + 1e-3
