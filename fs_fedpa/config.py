@@ -43,8 +43,9 @@ class FedPAConfig:
         default="reduced",
         metadata={
             "help": (
-                "server reconstruction: 'reduced' (exact QR + core SVD), 'randomized' (sketch of width R_g "
-                "+ oversample), 'dense' (forms the d x k aggregate; comparison only)"
+                "server reconstruction: 'reduced' (exact: float64 Gram route, or QR + core SVD for float64 "
+                "uploads), 'randomized' (sketch of width R_g + oversample), 'dense' (forms the d x k aggregate; "
+                "comparison only)"
             )
         },
     )
