@@ -10,15 +10,23 @@ import torch
 
 
 def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
-    """Median wall time in seconds of ``fn()`` over ``repeats`` calls, after ``warmup`` untimed calls."""
+    """Median wall time in seconds of ``fn()`` over ``repeats`` calls, after ``warmup`` untimed calls; on a GPU the
+    queued kernels are waited for before each clock read."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
+        _sync()
         start = time.perf_counter()
         fn()
+        _sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def client_factors(n: int, d: int, k: int, r: int, seed: int = 0, dtype=torch.float32):

@@ -30,9 +30,10 @@ def excess_error(Bs, As, B_g, A_g, rank: int, dense_reference: bool) -> float:
     return (got - optimum) / norm
 
 
-def run(d: int, n: int, r: int, repeats: int, dense_repeats: int) -> dict[str, float]:
+def run(d: int, n: int, r: int, repeats: int, dense_repeats: int, device: str = "cpu") -> dict[str, float]:
     Bs, As = client_factors(n, d, d, r, seed=d)
-    gen = torch.Generator().manual_seed(0)
+    Bs, As = [B.to(device) for B in Bs], [A.to(device) for A in As]
+    gen = torch.Generator(device=device).manual_seed(0)
     t = {
         "reduced": median_time(lambda: reconstruct(Bs, As, r, mode="reduced"), repeats),
         "randomized": median_time(lambda: reconstruct(Bs, As, r, mode="randomized", generator=gen), repeats),
@@ -42,7 +43,7 @@ def run(d: int, n: int, r: int, repeats: int, dense_repeats: int) -> dict[str, f
         mode: excess_error(Bs, As, *reconstruct(Bs, As, r, mode=mode, generator=gen), r, dense_reference=d <= 1024)
         for mode in ("reduced", "randomized", "dense")
     }
-    print(f"\nd=k={d}, N={n}, r=R_g={r}, float32, {torch.get_num_threads()} threads")
+    print(f"\nd=k={d}, N={n}, r=R_g={r}, float32, {device}, {torch.get_num_threads()} CPU threads")
     for mode in t:
         print(f"  {mode:10s} {fmt(t[mode])}   relative excess error {errors[mode]: .2e}")
     return {"d": d, "n": n, "r": r, **{f"t_{m}": v for m, v in t.items()}, **{f"e_{m}": v for m, v in errors.items()}}
@@ -52,8 +53,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dense-repeats", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (a GPU host; see docs/algorithm.md)")
     args = parser.parse_args()
-    results = [run(1024, 10, 4, args.repeats, args.dense_repeats), run(4096, 6, 8, args.repeats, 1)]
+    dev = args.device
+    results = [run(1024, 10, 4, args.repeats, args.dense_repeats, dev), run(4096, 6, 8, args.repeats, 1, dev)]
     print()
     for res, goal in zip(results, (100, 1000)):
         where = f"d={res['d']},N={res['n']},r={res['r']}"

@@ -178,7 +178,13 @@ def _reconstruct_clients(Bs, As, rank, w, mode, oversample, generator) -> tuple[
             B_g, A_g, S = _reconstruct_cat(B_cat, A_cat, rank, mode, oversample, generator)
     except _NonFinite:
         raise ValueError(f"{first_nonfinite_client(Bs, As)} contains NaN or Inf") from None
-    return B_g.to(dtype), A_g.to(dtype), S
+    out_B, out_A = B_g.to(dtype), A_g.to(dtype)
+    if not (torch.isfinite(out_B).all() and torch.isfinite(out_A).all()):  # fits in float64, not in dtype
+        raise ValueError(
+            f"the global factors do not fit in {dtype} (largest |B_g| entry {float(B_g.abs().max()):.3g}, "
+            f"largest representable {torch.finfo(dtype).max:.3g}); aggregate float32 uploads instead"
+        )
+    return out_B, out_A, S
 
 
 def _gram_route(Bs, As, rank, w) -> tuple[Tensor, Tensor, Tensor]:

@@ -71,3 +71,13 @@ def test_half_precision_uploads_are_computed_in_float64_and_returned_in_their_dt
         U, S, Vh = torch.linalg.svd(_aggregate(*exact, [1.0] * 6), full_matrices=False)
         rounded = tail_excess(*exact, (U[:, :3] * S[:3]).to(dtype), Vh[:3].to(dtype), 3)
         assert B_g.dtype == dtype and tail_excess(*exact, B_g, A_g, 3) <= 2 * rounded + 1e-3
+
+
+def test_a_float16_aggregate_that_does_not_fit_float16_is_refused_with_the_reason():
+    Bs = [torch.full((64, 4), 200.0, dtype=torch.float16) for _ in range(3)]
+    As = [torch.full((4, 64), 200.0, dtype=torch.float16) for _ in range(3)]  # products of 160000 per entry
+    assert all(torch.isfinite(t).all() for t in Bs + As)
+    with pytest.raises(ValueError, match=r"do not fit in torch.float16 .*largest representable 6.55e\+04"):
+        reconstruct(Bs, As, 2)
+    B_g, A_g = reconstruct([B.float() for B in Bs], [A.float() for A in As], 2)  # float32 holds it
+    assert torch.isfinite(B_g).all() and float(B_g.abs().max()) > 65504
