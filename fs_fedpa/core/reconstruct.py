@@ -19,6 +19,7 @@ comparison baseline (what FlexLoRA does).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
@@ -208,7 +209,7 @@ def _gram_route(Bs, As, rank, w) -> tuple[Tensor, Tensor, Tensor]:
     about 1e-8 sigma_1: below the float32 floor, so the float32 result is as good as the exact one rounded.
     """
     f64 = torch.float64
-    Bt, A = _stack64([B.mT for B in Bs]), _stack64(As)  # Bt: (*, m, d) row-major B^T, the fast layout for B^T B
+    Bt, A = _stack64([B.mT for B in Bs], "B"), _stack64(As, "A")  # Bt: (*, m, d), the fast layout for B^T B
     ranks = torch.tensor([B.shape[-1] for B in Bs], device=Bt.device)
     sw = torch.tensor(list(w), dtype=f64, device=Bt.device).sqrt().repeat_interleave(ranks)
     G_B, G_A = Bt @ Bt.mT, A @ A.mT
@@ -247,10 +248,24 @@ class _NonFinite(ValueError):
     """NaN/Inf reached the reconstruction; the public entry points name the client it came from."""
 
 
-def _stack64(parts: Sequence[Tensor]) -> Tensor:
-    """``parts`` concatenated along dim -2 into a fresh float64 tensor: one pass that casts as it copies."""
-    rows = sum(t.shape[-2] for t in parts)
-    out = parts[0].new_empty((*parts[0].shape[:-2], rows, parts[0].shape[-1]), dtype=torch.float64)
+_WORKSPACES = threading.local()  # per thread: the float64 stacks of the last few shapes, reused round after round
+
+
+def _stack64(parts: Sequence[Tensor], slot: str) -> Tensor:
+    """``parts`` concatenated along dim -2 into a float64 workspace (one pass that casts as it copies). The
+    workspace of ``slot`` and this shape is reused by the next call, so a server reconstructing the same adapter
+    every round allocates (and first-touches) its stacks once; the result is only valid until then."""
+    shape = (*parts[0].shape[:-2], sum(t.shape[-2] for t in parts), parts[0].shape[-1])
+    cache = getattr(_WORKSPACES, "cache", None)
+    if cache is None:
+        cache = _WORKSPACES.cache = {}
+    key = (slot, shape, parts[0].device)
+    out = cache.pop(key, None)
+    if out is None:
+        out = parts[0].new_empty(shape, dtype=torch.float64)
+    cache[key] = out  # most recent last
+    while len(cache) > 8:
+        del cache[next(iter(cache))]
     start = 0
     for t in parts:
         out[..., start : start + t.shape[-2], :].copy_(t)

@@ -81,3 +81,14 @@ def test_a_float16_aggregate_that_does_not_fit_float16_is_refused_with_the_reaso
         reconstruct(Bs, As, 2)
     B_g, A_g = reconstruct([B.float() for B in Bs], [A.float() for A in As], 2)  # float32 holds it
     assert torch.isfinite(B_g).all() and float(B_g.abs().max()) > 65504
+
+
+def test_reused_workspaces_never_alias_a_returned_result():
+    first = _case("random", 1, 4, 40, 32, 4)
+    second = _case("norms", 2, 4, 40, 32, 4)
+    B1, A1 = reconstruct(*first, 3)
+    kept = (B1.clone(), A1.clone())
+    B2, A2 = reconstruct(*second, 3)  # same shapes: the same float64 workspaces
+    assert torch.equal(B1, kept[0]) and torch.equal(A1, kept[1])
+    again = reconstruct(*first, 3)  # and the same result again
+    assert torch.equal(again[0], kept[0]) and torch.equal(again[1], kept[1])
