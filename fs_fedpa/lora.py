@@ -90,6 +90,13 @@ def set_factors(
             layer.scaling[adapter] = scaling_for_rank(layer, r)
 
 
+def scale_adapters(model: nn.Module, factor: float) -> None:
+    """Multiply PEFT's ``scaling`` of every LoRA module by ``factor`` (until the next :func:`set_factors`, which
+    sets it from the rank again): the model then applies ``factor * s(r) B A``, and its gradients scale alike."""
+    for layer in lora_layers(model).values():
+        layer.scaling[_adapter(layer)] *= factor
+
+
 def keep_base(model: nn.Module) -> None:
     """Keep a copy ``W_0`` of every LoRA module's frozen base weight on the layer, unless one is kept already: one
     copy per model object, so workers sharing a model share it. Call before any offset is set or any checkpoint is

@@ -76,13 +76,23 @@ LAMBDA_SWEEP = (0.01, 0.1, 1.0, 2.0, 5.0, 10.0)  # Figure 4: MNLI, N=3, r=R=4, b
 REFERENCE_SWEEP = (1, 2, 4, 8)  # Figure 5: MNLI, N=3, r=4, beta in {100, 0.5}
 
 # Baselines: learning rates of the same tables (FedDPA-LoRA, Ravan and Fed-PLoRA are not implemented)
-BASELINE_LR = {  # homogeneous GLUE, columns FedIT, FlexLoRA, FFA-LoRA, RoLoRA, FedRot-LoRA, FedSA-LoRA
-    "sst2": dict(fedit=1e-2, flexlora=1e-2, ffa_lora=2e-2, rolora=1e-2, fedrot_lora=1e-2, fedsa_lora=2e-2),
-    "qnli": dict(fedit=1e-2, flexlora=1e-2, ffa_lora=2e-2, rolora=5e-3, fedrot_lora=5e-3, fedsa_lora=1e-3),
-    "qqp": dict(fedit=1e-2, flexlora=5e-3, ffa_lora=2e-2, rolora=2e-2, fedrot_lora=5e-3, fedsa_lora=2e-2),
-    "rte": dict(fedit=1e-2, flexlora=1e-2, ffa_lora=2e-2, rolora=5e-3, fedrot_lora=1e-2, fedsa_lora=1e-3),
-    "mnli": dict(fedit=1e-2, flexlora=5e-3, ffa_lora=2e-2, rolora=5e-3, fedrot_lora=1e-2, fedsa_lora=1e-2),
-}
+BASELINE_LR = {  # homogeneous GLUE, columns FedIT, FlexLoRA, FFA-LoRA, RoLoRA, FedRot-LoRA, FedSA-LoRA, FedDPA-LoRA
+    "sst2": dict(
+        fedit=1e-2, flexlora=1e-2, ffa_lora=2e-2, rolora=1e-2, fedrot_lora=1e-2, fedsa_lora=2e-2, feddpa_t=5e-3
+    ),
+    "qnli": dict(
+        fedit=1e-2, flexlora=1e-2, ffa_lora=2e-2, rolora=5e-3, fedrot_lora=5e-3, fedsa_lora=1e-3, feddpa_t=5e-3
+    ),
+    "qqp": dict(
+        fedit=1e-2, flexlora=5e-3, ffa_lora=2e-2, rolora=2e-2, fedrot_lora=5e-3, fedsa_lora=2e-2, feddpa_t=5e-3
+    ),
+    "rte": dict(
+        fedit=1e-2, flexlora=1e-2, ffa_lora=2e-2, rolora=5e-3, fedrot_lora=1e-2, fedsa_lora=1e-3, feddpa_t=2e-2
+    ),
+    "mnli": dict(
+        fedit=1e-2, flexlora=5e-3, ffa_lora=2e-2, rolora=5e-3, fedrot_lora=1e-2, fedsa_lora=1e-2, feddpa_t=1e-2
+    ),
+}  # FedDPA-LoRA is FedDPA-T, the variant of the authors' code
 BASELINE_LR_HETERO = {  # heterogeneous GLUE: FlexLoRA, HetLoRA
     "sst2": dict(flexlora=1e-2, hetlora=2e-2),
     "qnli": dict(flexlora=1e-2, hetlora=1e-2),

@@ -9,8 +9,9 @@ not depend on the scale. A method decides:
   the frozen base weights), ``downlink`` (what client i receives), ``upload_parts`` and ``complete_upload`` (which
   factors travel up, and what the server takes for the others);
 - client: ``client_init`` (Alg. 1 l.4), ``start_round`` (the round's starting factors from what it received and
-  what it kept), ``trainable``, ``alignment`` (the extra local loss), ``end_round`` (what it keeps), ``before_upload``
-  (what it sends), ``evaluation_factors`` (what the paper protocol evaluates).
+  what it kept), ``personal_start`` (a personal adapter trained first, in a phase of its own, never sent),
+  ``trainable``, ``alignment`` (the extra local loss), ``end_round`` (what it keeps), ``before_upload`` (what it
+  sends), ``evaluation_factors`` (what the paper protocol evaluates).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class FederatedMethod:
 
     name: ClassVar[str] = ""
     merge_encoding: ClassVar[str] = "factors"  # how a merge travels: "factors" (its B, A) or "dense" (B A, d x k)
+    personal_weight: ClassVar[float | None] = None  # a: the personal phase trains a * personal + (1 - a) * global
 
     def __init__(self, cfg: FedPAConfig, plan: RankPlan):
         self.cfg = cfg
@@ -113,6 +115,13 @@ class FederatedMethod:
         from the end of its last round (default, FedIT: the received ones at its rank r_i)."""
         return {n: truncate_factors(B, A, self.plan.client_ranks[client]) for n, (B, A) in received.items()}
 
+    def personal_start(self, received: Factors, personal: Factors | None, client: int, rnd: int) -> Factors | None:
+        """The personal adapter client ``client`` trains in round ``rnd`` before the global one, with the model
+        applying ``a * personal + (1 - a) * received`` (``a = personal_weight``, the received reference frozen);
+        ``personal`` is what it kept from its last personal phase (None before the first). None (default): no
+        personal phase this round."""
+        return None
+
     def trainable(self, rnd: int) -> tuple[bool, bool]:
         """Whether (B, A) are trained in round ``rnd``."""
         return True, True
@@ -129,8 +138,11 @@ class FederatedMethod:
         """The factors a client uploads, from its kept ones and what it received this round."""
         return local
 
-    def evaluation_factors(self, received: Factors, own: Factors, client: int) -> Factors:
-        """What the paper protocol evaluates on client ``client``: the received global reference by default."""
+    def evaluation_factors(
+        self, received: Factors, own: Factors, client: int, personal: Factors | None = None
+    ) -> Factors:
+        """What the paper protocol evaluates on client ``client`` (``personal``: its personal adapter, if the
+        method keeps one): the received global reference by default."""
         return received
 
 

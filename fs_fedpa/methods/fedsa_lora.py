@@ -22,7 +22,7 @@ class FedSALoRA(FedIT):
     def start_round(self, received: Factors, own: Factors, client: int, rnd: int) -> Factors:
         return _own_B_global_A(received, own, self.plan.client_ranks[client])
 
-    def evaluation_factors(self, received: Factors, own: Factors, client: int) -> Factors:
+    def evaluation_factors(self, received: Factors, own: Factors, client: int, personal=None) -> Factors:
         return _own_B_global_A(received, own, self.plan.client_ranks[client])
 
 

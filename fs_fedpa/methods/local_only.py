@@ -15,5 +15,5 @@ class LocalOnly(FedIT):
     def start_round(self, received: Factors, own: Factors, client: int, rnd: int) -> Factors:
         return own
 
-    def evaluation_factors(self, received: Factors, own: Factors, client: int) -> Factors:
+    def evaluation_factors(self, received: Factors, own: Factors, client: int, personal=None) -> Factors:
         return own

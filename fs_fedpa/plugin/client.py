@@ -45,7 +45,8 @@ class FedPAClient(Client):
         self.local_tensors = {n: params[n].detach().clone() for n in self.local_names}
         self.factors: dict[str, tuple[Tensor, Tensor]] | None = None  # own (B_i, A_i), kept across rounds
         self.base_offset: dict[str, Tensor] = {}  # (d, k) per module: the merges received (exact-aggregation methods)
-        if self.method.merges:
+        self.personal: dict[str, tuple[Tensor, Tensor]] | None = None  # a personal adapter (FedDPA), never sent
+        if self.method.merges or self.method.personal_weight is not None:
             lora.keep_base(self.model)
         self.reference: dict[str, tuple[Tensor, Tensor]] = {}  # the received rank-R_i reference, client space
         self._grads = GradientSplit()
@@ -91,6 +92,7 @@ class FedPAClient(Client):
         if self.factors is None:
             self.factors = self._initial_factors()
         received = self._receive(payload)
+        self._train_personal(received, payload)
         start = self.method.start_round(received, self.factors, self.index, self.state)
         self._e_init = self._init_error(start, self.factors)
         self._received = received
@@ -105,6 +107,30 @@ class FedPAClient(Client):
         self._lam_pending = self.method.cfg.adaptive_lam != "none"
         self._penalty_sum, self._penalty_steps = None, 0
         self._grads.watch(self._live)
+
+    def _train_personal(self, received: dict[str, tuple[Tensor, Tensor]], payload: dict) -> None:
+        """The personal phase, if the method has one this round: the model applies ``a * personal + (1 - a) *
+        reference`` with the reference frozen in the base weights (FedDPA's mixed forward), trains the personal
+        factors and the local tensors, and keeps them; the personal factors never leave the client."""
+        start = self.method.personal_start(received, self.personal, self.index, self.state)
+        if start is None:
+            return
+        a = self.method.personal_weight
+        frozen = {n: (1 - a) * (B @ A) for n, (B, A) in self.space.upload(received).items()}
+        lora.set_base_offsets(self.model, frozen)
+        lora.set_factors(self.model, self.space.to_model(start))
+        lora.scale_adapters(self.model, a)
+        self._load_tensors(decode_tensors(payload.get("shared", {})))
+        self._load_tensors(self.local_tensors)
+        reference, self.reference = self.reference, {}  # no alignment term in this phase
+        try:
+            self.trainer.train()
+        finally:
+            self.reference = reference
+            lora.set_base_offsets(self.model, {n: torch.zeros_like(t) for n, t in frozen.items()})
+        self.personal = self.space.from_model(lora.copy_factors(lora.get_factors(self.model)))
+        params = dict(self.model.named_parameters())
+        self.local_tensors = {n: params[n].detach().clone() for n in self.local_names}
 
     def _leave_round(self) -> dict:
         self._grads.close()
@@ -202,7 +228,7 @@ class FedPAClient(Client):
         if self.factors is None:
             self.factors = self._initial_factors()
         received = self._receive(payload)
-        evaluated = self.method.evaluation_factors(received, self.factors, self.index)
+        evaluated = self.method.evaluation_factors(received, self.factors, self.index, personal=self.personal)
         self._set_base()
         lora.set_factors(self.model, self.space.to_model(evaluated))
         self._load_tensors(decode_tensors(payload.get("shared", {})))
@@ -267,6 +293,7 @@ class FedPAClient(Client):
         self.factors = {n: (B.to(device), A.to(device)) for n, (B, A) in saved["factors"].items()}
         self.local_tensors = {n: t.to(device) for n, t in saved["local"].items()}
         self.base_offset = {n: t.to(device) for n, t in saved.get("base_offset", {}).items()}
+        self.personal = {n: (B.to(device), A.to(device)) for n, (B, A) in saved.get("personal", {}).items()} or None
         self._rounds_trained = saved["rounds_trained"]
         if self._cfg.federate.mode == "distributed":  # its own process: its own random stream
             resume.set_rng_state(saved["rng"])
@@ -288,6 +315,7 @@ class FedPAClient(Client):
             "factors": lora.copy_factors(self.factors, "cpu"),
             "local": {n: t.detach().cpu().clone() for n, t in self.local_tensors.items()},
             "base_offset": {n: t.cpu() for n, t in self.base_offset.items()},
+            "personal": lora.copy_factors(self.personal, "cpu") if self.personal is not None else {},
         }
 
     # ------------------------------------------------------------------------------------ helpers
@@ -327,7 +355,7 @@ class FedPAClient(Client):
 
     def _set_base(self) -> None:
         """The model's base weights: W_0 plus this client's merges (another client may have changed a shared model)."""
-        if self.method.merges:
+        if self.method.merges or self.method.personal_weight is not None:
             zeros = {n: B.new_zeros(B.shape[0], A.shape[1]) for n, (B, A) in self.factors.items()}
             lora.set_base_offsets(self.model, {**zeros, **self.base_offset})
 

@@ -10,6 +10,8 @@ only copy what passes through the plugin's own seams; they change nothing:
 - ``aggregate``: per round, an independent decode of the uploads, their weights and clients, and
   the global factors the server adopted;
 - ``loss_gap``: ``loss_task - loss_batch`` of every training batch (the added alignment term);
+- ``personal``: per client and round with a personal phase (FedDPA), its personal factors before and after, and the
+  model as that phase trains it (LoRA factors, base weights, PEFT scaling) with the reference it received;
 - ``final``: every client's kept factors and base offset, the server's global factors and merges at the end;
 - ``sent``: per client and round, the sample size and the factors of its upload (``module -> {part: tensor}``) as
   the client made it.
@@ -65,6 +67,8 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
     Client, Aggregator = client_mod.FedPAClient, server_mod.FedPAAggregator
 
     orig_init, orig_enter, orig_leave = Client.__init__, Client._enter_round, Client._leave_round
+    orig_personal = Client._train_personal
+    record["personal"] = []
     orig_aggregate = Aggregator.aggregate
 
     def init(self, *args, **kwargs):
@@ -98,7 +102,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
     def enter(self, payload):
         orig_enter(self, payload)
         received = decode_factors(payload.get("lora", {}))
-        layers = lora.lora_layers(self.model) if self.method.merges else {}
+        layers = lora.lora_layers(self.model) if self.method.merges or self.method.personal_weight else {}
         record["enter"].append(
             {
                 "client": self.ID,
@@ -108,6 +112,27 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
                 "base": {n: layer.get_base_layer().weight.detach().cpu().clone() for n, layer in layers.items()},
             }
         )
+
+    def train_personal(self, received, payload):
+        before = None if self.personal is None else _copy(self.personal)
+        seen = {}
+        train = self.trainer.train
+
+        def spy_train(*args, **kwargs):  # the model as the personal phase trains it
+            layers = lora.lora_layers(self.model)
+            seen["start"] = _copy(lora.get_factors(self.model))
+            seen["base"] = {n: layer.get_base_layer().weight.detach().cpu().clone() for n, layer in layers.items()}
+            seen["scaling"] = {n: next(iter(layer.scaling.values())) for n, layer in layers.items()}
+            return train(*args, **kwargs)
+
+        self.trainer.train = spy_train
+        try:
+            orig_personal(self, received, payload)
+        finally:
+            self.trainer.train = train
+        if seen:
+            entry = {"client": self.ID, "round": self.state, "before": before, "after": _copy(self.personal)}
+            record["personal"].append({**entry, **seen, "received": _copy(received)})
 
     def leave(self):
         if (self.ID, self.state) in poison_local:  # a training step gone wrong: NaN in the live factors
@@ -151,6 +176,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         return result
 
     Client.__init__, Client._enter_round, Client._leave_round = init, enter, leave
+    Client._train_personal = train_personal
     Aggregator.aggregate = aggregate
 
     cfg = global_cfg.clone()

@@ -185,3 +185,37 @@ def test_exact_methods_merge_the_average_update_into_every_clients_base_and_pay_
             else:  # no reference; from round 1, the stack of every client's factors
                 expected = 4 * sum(sum(r.values()) * (d + k) for d, k in shapes.values()) if record["round"] else 0
             assert got == expected, (record["round"], c)
+
+
+@pytest.mark.parametrize("method", ["feddpa_t", "feddpa_f"])
+def test_feddpa_trains_a_personal_adapter_that_never_leaves_the_client(tiny_llm, tmp_path, method):
+    run = probe(fedpa_cfg(tiny_llm, tmp_path, **{"federate.method": method}), tmp_path)
+    phases = run["personal"]
+    assert sorted({p["round"] for p in phases}) == [1, 2]  # round 0: the global phase only
+    w0 = {n: t for e in run["enter"] if e["round"] == 0 for n, t in e["base"].items()}
+    after = {(p["client"], p["round"]): p["after"] for p in phases}
+    for p in phases:
+        prev = after.get((p["client"], p["round"] - 1))
+        for n, (B, A) in p["start"].items():
+            B_r, A_r = p["received"][n]  # client space, which is PEFT's raw space at r_i = r
+            # the mixed forward: (1 - a) of the received global frozen in the base weights, a * s on the personal one
+            torch.testing.assert_close(p["base"][n] - w0[n], 0.5 * (8 / 4) * B_r @ A_r, atol=1e-6, rtol=0)
+            assert p["scaling"][n] == pytest.approx(0.5 * 8 / 4)
+            if method == "feddpa_f":  # restarts from the fresh global every round
+                assert torch.equal(B, B_r) and torch.equal(A, A_r)
+            elif prev is None:  # FedDPA-T's first personal phase: PEFT's initialisation
+                assert not B.any() and A.any()
+            else:  # FedDPA-T continues its own trajectory, bit for bit
+                assert torch.equal(B, prev[n][0]) and torch.equal(A, prev[n][1])
+    # the upload is the global phase's factors (applied), never the personal ones
+    ends = {(r["client"], r["round"]): r["end"] for r in run["leave"]}
+    for sent in run["sent"]:
+        end = ends[sent["client"], sent["round"]]
+        for n, parts in sent["parts"].items():
+            assert torch.equal(parts["B"], (8 / 4) * end[n][0]) and torch.equal(parts["A"], end[n][1])
+            personal = after.get((sent["client"], sent["round"]))
+            if personal is not None:
+                assert not torch.equal(personal[n][0], end[n][0])
+    # the global phase trains on W_0, from the received global factors, as FedIT
+    assert all(torch.equal(e["base"][n], w0[n]) for e in run["enter"] for n in e["base"])
+    assert all(r["e_agg"] > 0 for r in _records(run))  # factor-wise averaging of the global adapters
