@@ -10,7 +10,9 @@ The server never forms the dense ``(d, k)`` aggregate in ``reduced`` and ``rando
 ``B_cat = Q_B R_B`` and ``A_cat^T = Q_A R_A`` (Householder; each Q stays in compact form and is
 applied, never formed), the SVD of the small core ``H = R_B R_A^T = U S V^T``, and returns
 ``B_g = Q_B U_R S_R``, ``A_g = (Q_A V_R)^T``: by Eckart-Young this is exactly the best rank-R_g
-approximation of the aggregate, at ``O(d r_tot^2 + r_tot^3)`` instead of ``O(d^2 k)``.
+approximation of the aggregate, at ``O(d r_tot^2 + r_tot^3)`` instead of ``O(d^2 k)``. That is the route for
+float64 uploads; float32 and half-precision uploads reach the same optimum through float64 Gram matrices of the
+stacks (:func:`_gram_route`), which stays at the float32 floor where float32 Householder QR loses digits.
 ``randomized`` replaces the two QRs by a Gaussian sketch of width ``l = min(R_g + p, r_tot)``
 applied through the factored form (Appendix G.1.2, Halko et al. 2011, Alg. 4.1 + 5.1), at
 ``O(N d r l)``. ``dense`` forms the aggregate and takes its SVD; it exists only as the
@@ -69,8 +71,9 @@ def reconstruct(
         ``return_spectrum`` also ``S: (*, q)``, descending: all ``q = min(d, k, r_tot)`` singular
         values in exact modes, the ``l`` sketched ones in ``randomized``.
 
-    Computation runs in float32 (float64 if the inputs are float64) and never materialises
-    a ``(d, k)`` tensor except in ``dense`` mode.
+    ``reduced`` computes in float64 (float32 / half inputs through float64 Gram matrices, float64 inputs through
+    Householder QR), the other modes in float32 (float64 for float64 inputs); only ``dense`` materialises a
+    ``(d, k)`` tensor. ValueError if the result does not fit the inputs' dtype (e.g. float16).
     """
     check_factor_lists(Bs, As)
     check_positive_int(rank, "rank")
