@@ -12,7 +12,8 @@ only copy what passes through the plugin's own seams; they change nothing:
 - ``loss_gap``: ``loss_task - loss_batch`` of every training batch (the added alignment term);
 - ``personal``: per client and round with a personal phase (FedDPA), its personal factors before and after, and the
   model as that phase trains it (LoRA factors, base weights, PEFT scaling) with the reference it received;
-- ``final``: every client's kept factors and base offset, the server's global factors and merges at the end;
+- ``final``: every client's kept factors, base offset and personal adapter, the server's global factors and merges
+  at the end;
 - ``sent``: per client and round, the sample size and the factors of its upload (``module -> {part: tensor}``) as
   the client made it.
 
@@ -200,6 +201,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         "global": _copy(runner.server.global_factors),
         "merged": {n: t.cpu().clone() for n, t in runner.server.merged.items()},
         "offsets": {cid: {n: t.cpu().clone() for n, t in c.base_offset.items()} for cid, c in runner.client.items()},
+        "personal": {cid: _copy(c.personal) for cid, c in runner.client.items() if c.personal is not None},
         "outdir": cfg.outdir,
     }
     torch.save(record, out)

@@ -163,7 +163,8 @@ def _kill_after_resume_point(cfg: dict, tmp_path: Path, rnd: int) -> Path:
     return Path(cfg["federate"]["save_to"]).parent / f"fedpa_resume_{Path(cfg['federate']['save_to']).name}"
 
 
-@pytest.mark.parametrize("method", ["fedpa", "flora"])  # FLoRA: merges into the base weights, a fresh A per round
+# FLoRA merges into the base weights and draws a fresh A per round; FedDPA-T keeps a personal adapter
+@pytest.mark.parametrize("method", ["fedpa", "flora", "feddpa_t"])
 def test_a_run_killed_after_round_k_resumes_to_the_same_result(tiny_llm, tmp_path, method):
     # Prepare: 4 rounds, 2 of 3 clients sampled per round (the sampler's state matters), resume points on
     def cfg(name, **more):
@@ -187,8 +188,14 @@ def test_a_run_killed_after_round_k_resumes_to_the_same_result(tiny_llm, tmp_pat
     parts = [(full["final"]["merged"], resumed["final"]["merged"])]  # merges into the base weights (FLoRA)
     parts += [(full["final"]["offsets"][c], resumed["final"]["offsets"][c]) for c in (1, 2, 3)]
     for full_part, resumed_part in parts:
-        assert full_part.keys() == resumed_part.keys() and (method == "fedpa") != bool(full_part)
+        assert full_part.keys() == resumed_part.keys() and (method == "flora") == bool(full_part)
         assert all(torch.equal(t, resumed_part[n]) for n, t in full_part.items())
+    personal = full["final"]["personal"]
+    assert personal.keys() == resumed["final"]["personal"].keys() and (method == "feddpa_t") == bool(personal)
+    for cid, factors in personal.items():
+        for name, (B, A) in factors.items():
+            assert torch.equal(B, resumed["final"]["personal"][cid][name][0]), (cid, name)
+            assert torch.equal(A, resumed["final"]["personal"][cid][name][1]), (cid, name)
     for cid, factors in full["final"]["clients"].items():
         for name, (B, A) in factors.items():
             assert torch.equal(B, resumed["final"]["clients"][cid][name][0]), (cid, name)
