@@ -102,21 +102,29 @@ def keep_base(model: nn.Module) -> None:
     copy per model object, so workers sharing a model share it. Call before any offset is set or any checkpoint is
     loaded: :func:`set_base_offsets` computes from it."""
     for layer in lora_layers(model).values():
-        if getattr(layer, "_fedpa_w0", None) is None:
-            layer._fedpa_w0 = layer.get_base_layer().weight.detach().clone()
+        _kept_base(layer)
+
+
+def _kept_base(layer: nn.Module) -> Tensor:
+    if getattr(layer, "_fedpa_w0", None) is None:
+        layer._fedpa_w0 = layer.get_base_layer().weight.detach().clone()
+    return layer._fedpa_w0
 
 
 def set_base_offsets(model: nn.Module, offsets: Mapping[str, Tensor]) -> None:
-    """Set the frozen base weight of every named LoRA module to ``W_0 + offset`` (``offset: (d, k)``, the update's
-    orientation), computed in at least float32 and stored in the weight's dtype; ``W_0`` as :func:`keep_base`
-    kept it."""
-    keep_base(model)
+    """Set the frozen base weight of every LoRA module to ``W_0 + offsets[name]`` (``(d, k)``, the update's
+    orientation), computed in at least float32 and stored in the weight's dtype, and of every module ``offsets``
+    does not name back to ``W_0`` (as :func:`keep_base` kept it)."""
     layers = lora_layers(model)
+    if unknown := sorted(set(offsets) - set(layers)):
+        raise KeyError(f"no LoRA module named {unknown[:3]}{'...' if len(unknown) > 3 else ''} in the model")
     with torch.no_grad():
-        for name, offset in offsets.items():
-            layer = layers[name]
-            weight = layer.get_base_layer().weight
-            w0 = layer._fedpa_w0
+        for name, layer in layers.items():
+            weight, w0 = layer.get_base_layer().weight, _kept_base(layer)
+            offset = offsets.get(name)
+            if offset is None:
+                weight.copy_(w0)
+                continue
             if getattr(layer, "fan_in_fan_out", False):  # e.g. GPT-2's Conv1D stores W^T
                 offset = offset.T
             if offset.shape != w0.shape:

@@ -127,7 +127,7 @@ class FedPAClient(Client):
             self.trainer.train()
         finally:
             self.reference = reference
-            lora.set_base_offsets(self.model, {n: torch.zeros_like(t) for n, t in frozen.items()})
+            lora.set_base_offsets(self.model, {})  # back to W_0
         self.personal = self.space.from_model(lora.copy_factors(lora.get_factors(self.model)))
         params = dict(self.model.named_parameters())
         self.local_tensors = {n: params[n].detach().clone() for n in self.local_names}
@@ -356,8 +356,7 @@ class FedPAClient(Client):
     def _set_base(self) -> None:
         """The model's base weights: W_0 plus this client's merges (another client may have changed a shared model)."""
         if self.method.merges or self.method.personal_weight is not None:
-            zeros = {n: B.new_zeros(B.shape[0], A.shape[1]) for n, (B, A) in self.factors.items()}
-            lora.set_base_offsets(self.model, {**zeros, **self.base_offset})
+            lora.set_base_offsets(self.model, self.base_offset)
 
     def _load_tensors(self, tensors: dict[str, Tensor]) -> None:
         if not tensors:

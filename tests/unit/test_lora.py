@@ -167,5 +167,10 @@ def test_base_offsets_add_to_the_kept_base_weight_and_setting_them_again_does_no
     assert torch.allclose(shifted, expected, atol=1e-5)
     lora.set_base_offsets(model, {n: torch.zeros_like(o) for n, o in offsets.items()})
     assert all(torch.equal(layer.get_base_layer().weight, w0[n]) for n, layer in layers.items())
+    lora.set_base_offsets(model, offsets)
+    lora.set_base_offsets(model, {})  # a module it does not name goes back to W_0
+    assert all(torch.equal(layer.get_base_layer().weight, w0[n]) for n, layer in layers.items())
+    with pytest.raises(KeyError, match="no LoRA module"):
+        lora.set_base_offsets(model, {"nowhere": torch.zeros(3, 3)})
     with pytest.raises(ValueError, match="does not fit"):
         lora.set_base_offsets(model, {next(iter(layers)): torch.zeros(3, 3)})
