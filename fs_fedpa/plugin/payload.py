@@ -133,16 +133,15 @@ def decode_tensors(flat: Mapping[str, object]) -> dict[str, Tensor]:
     return out
 
 
-def encode_merge(merges: list[Mapping[str, tuple[Tensor, Tensor]]], dense: bool, wire: bool = False) -> dict:
-    """What a worker adds to its base weights, in order: per merge ``i`` and module the factors ``(B, A)`` as
-    ``"<i>|<module>|B"``, ``"<i>|<module>|A"`` or, with ``dense``, their product ``B A`` as ``"<i>|<module>"``. Kept
+def encode_merge(merges: list[Mapping[str, Tensor | tuple[Tensor, Tensor]]], wire: bool = False) -> dict:
+    """What a worker adds to its base weights, in order: per merge ``i`` and module either its factors ``(B, A)``,
+    as ``"<i>|<module>|B"`` and ``"<i>|<module>|A"``, or its dense ``(d, k)`` increment, as ``"<i>|<module>"``. Kept
     apart (not summed) so that a worker adds them one by one, as it would have on time."""
     out = {}
     for i, merge in enumerate(merges):
-        if dense:
-            flat = encode_tensors({n: B @ A for n, (B, A) in merge.items()}, wire)
-        else:
-            flat = encode_factors(merge, wire=wire)
+        dense = {n: v for n, v in merge.items() if isinstance(v, Tensor)}
+        factors = {n: v for n, v in merge.items() if not isinstance(v, Tensor)}
+        flat = {**encode_tensors(dense, wire), **encode_factors(factors, wire=wire)}
         out.update({f"{i}{SEP}{key}": value for key, value in flat.items()})
     return out
 
@@ -159,10 +158,9 @@ def decode_merge(flat: Mapping[str, object]) -> list[dict[str, Tensor]]:
         groups.setdefault(int(index), {})[rest] = value
     out = []
     for _, group in sorted(groups.items()):
-        if any(SEP in key for key in group):
-            out.append({n: B @ A for n, (B, A) in decode_factors(group).items()})
-        else:
-            out.append(decode_tensors(group))
+        factors = decode_factors({k: v for k, v in group.items() if SEP in k})
+        dense = decode_tensors({k: v for k, v in group.items() if SEP not in k})
+        out.append({**dense, **{n: B @ A for n, (B, A) in factors.items()}})
     return out
 
 

@@ -58,7 +58,7 @@ class FedPAServer(Server):
         self._down_bytes: dict[int, int] = {}
         self._late_down: dict[int, int] = {}  # merge bytes that rode on evaluation messages: next round's downlink
         self.merged: dict[str, Tensor] = {}  # sum of every merge so far, (d, k) per module (exact-aggregation methods)
-        self._merges: list[dict[str, tuple[Tensor, Tensor]]] = []  # merges some client has not received yet
+        self._merges: list[dict] = []  # merges some client has not received yet, as they travel (see install_global)
         self._merges_dropped = 0  # merges every client has received, no longer kept
         self._merged_upto: dict[int, int] = {}  # per client: how many merges it has received
         self._merged_kept: dict[int, int] = {}  # ... by its last training message: what its resume file holds
@@ -100,7 +100,7 @@ class FedPAServer(Server):
             if shared:
                 payload["shared"] = dict(shared)
             if merges := self._pending_merges(client_id):
-                payload["base"] = encode_merge(merges, self.method.merge_encoding == "dense", wire)
+                payload["base"] = encode_merge(merges, wire)
             if msg_type == "model_para":
                 self._down_bytes[client_id] = nbytes(payload) + self._late_down.pop(client_id, 0)
                 self._merged_kept[client_id] = self._merged_upto.get(client_id, 0)
@@ -119,7 +119,7 @@ class FedPAServer(Server):
         if filter_unseen_clients:
             self.sampler.change_state(self.unseen_clients_id, "seen")
 
-    def _pending_merges(self, client_id: int) -> list[dict[str, tuple[Tensor, Tensor]]]:
+    def _pending_merges(self, client_id: int) -> list[dict]:
         """The merges ``client_id`` has not received, in order, now counted as received. A merge is forgotten once
         every client has trained after receiving it: a client's resume file holds what it had at its last training,
         and a resumed run sends each client what came after that."""
@@ -217,11 +217,14 @@ class FedPAServer(Server):
         self.global_factors = global_factors
         lora.set_factors(self.model, self.scaling.raw(global_factors))
         if merge:
-            self._merges.append(lora.copy_factors(merge))
+            dense, travels = self.method.merge_encoding == "dense", {}
             for name, (B, A) in merge.items():
                 dtype = torch.promote_types(B.dtype, torch.float32)
                 increment = B.to(dtype) @ A.to(dtype)
                 self.merged[name] = self.merged[name] + increment if name in self.merged else increment
+                # per module its dense increment (formed here once, not once per receiver) or a copy of its factors
+                travels[name] = increment.to(B.dtype) if dense else (B.detach().clone(), A.detach().clone())
+            self._merges.append(travels)
         if self.merged:
             lora.set_base_offsets(self.model, self.merged)
         if shared:
@@ -277,7 +280,7 @@ class FedPAServer(Server):
                     "down_bytes": dict(self._down_bytes),
                     "merges": {
                         "merged": {n: t.cpu() for n, t in self.merged.items()},
-                        "pending": [lora.copy_factors(m, "cpu") for m in self._merges],
+                        "pending": [_moved(m, "cpu") for m in self._merges],
                         "dropped": self._merges_dropped,
                         "kept": dict(self._merged_kept),  # evaluation messages are sent again after a resume
                     },
@@ -333,9 +336,7 @@ class FedPAServer(Server):
         self._totals, self._down_bytes = dict(saved["totals"]), dict(saved["down_bytes"])
         merges = saved.get("merges", {})
         self.merged = {n: t.to(device) for n, t in merges.get("merged", {}).items()}
-        self._merges = [
-            {n: (B.to(device), A.to(device)) for n, (B, A) in m.items()} for m in merges.get("pending", [])
-        ]
+        self._merges = [_moved(m, device) for m in merges.get("pending", [])]
         self._merges_dropped = merges.get("dropped", 0)
         self._merged_upto, self._merged_kept = dict(merges.get("kept", {})), dict(merges.get("kept", {}))
         if self.merged:
@@ -517,6 +518,11 @@ def _check_finite(global_factors, averaged) -> None:
     for name, t in averaged.items():
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise ArithmeticError(f"the average of shared tensor {name} is not finite")
+
+
+def _moved(merge: dict, device) -> dict:
+    """A logged merge (per module its dense increment or its factors) on ``device``."""
+    return {n: v.to(device) if isinstance(v, Tensor) else (v[0].to(device), v[1].to(device)) for n, v in merge.items()}
 
 
 def _with_merge(global_factors, merge):

@@ -44,7 +44,8 @@ def test_a_downlink_with_a_merge_and_no_reference_crosses_fs_grpc_messages(monke
     monkeypatch.setattr(Message, "param_serializer", lambda *a, **k: pytest.fail("pickle"), raising=False)
     g = torch.Generator().manual_seed(1)
     B, A = torch.randn(8, 6, generator=g), torch.randn(6, 5, generator=g)
-    payload = {"zero_reference": 1, "base": encode_merge([{"layer.q": (B, A)}], dense, wire=True)}  # FLoRA's
+    merge = {"layer.q": B @ A if dense else (B, A)}  # FedEx-LoRA's dense residual, FLoRA's stacked factors
+    payload = {"zero_reference": 1, "base": encode_merge([merge], wire=True)}
     sent = Message(msg_type="model_para", sender=0, receiver=[1], state=2, content=payload)
     received = Message()
     received.parse(sent.transform(to_list=True).msg)
