@@ -161,6 +161,15 @@ def init_global_factors(
     return B, A
 
 
+def fresh_factors(like: dict[str, tuple[Tensor, Tensor]], rank: int) -> dict[str, tuple[Tensor, Tensor]]:
+    """PEFT's initialisation (:func:`init_global_factors`) at ``rank`` for every module of ``like``
+    (``B: (d, *)``, ``A: (*, k)``), in its dtype and on its device, drawn from the worker's random stream."""
+    return {
+        n: init_global_factors(B.shape[0], A.shape[1], rank, dtype=A.dtype, device=A.device)
+        for n, (B, A) in like.items()
+    }
+
+
 def truncate_factors(B: Tensor, A: Tensor, rank: int) -> tuple[Tensor, Tensor]:
     """First ``rank`` columns of ``B: (*, d, R)`` and rows of ``A: (*, R, k)`` (Alg. 1 l.4 and l.8).
 

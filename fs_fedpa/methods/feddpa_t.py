@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from fs_fedpa.core.ranks import init_global_factors
+from fs_fedpa.core.ranks import fresh_factors
 from fs_fedpa.methods.base import Factors
 from fs_fedpa.methods.fedit import FedIT
 
@@ -31,13 +31,7 @@ class FedDPAT(FedIT):
     def personal_start(self, received: Factors, personal: Factors | None, client: int, rnd: int) -> Factors | None:
         if rnd == 0:
             return None
-        if personal is not None:
-            return personal
-        r_i = self.plan.client_ranks[client]
-        return {
-            n: init_global_factors(B.shape[0], A.shape[1], r_i, dtype=A.dtype, device=A.device)
-            for n, (B, A) in received.items()
-        }
+        return personal if personal is not None else fresh_factors(received, self.plan.client_ranks[client])
 
     def evaluation_factors(self, received: Factors, own: Factors, client: int, personal=None) -> Factors:
         """``TEST_MIX * global + (1 - TEST_MIX) * personal`` as factors of rank R_i + r_i (the global reference

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from fs_fedpa.core.factorwise import stack_factors
-from fs_fedpa.core.ranks import init_global_factors
+from fs_fedpa.core.ranks import fresh_factors
 from fs_fedpa.methods.base import Factors, FederatedMethod
 from fs_fedpa.methods.flexlora import FlexLoRA
 
@@ -41,7 +41,4 @@ class FLoRA(FederatedMethod):
 
     def start_round(self, received: Factors, own: Factors, client: int, rnd: int) -> Factors:
         """A fresh LoRA at rank r_i: B = 0, A Kaiming-uniform from the worker's random stream, as PEFT draws it."""
-        r_i, out = self.plan.client_ranks[client], {}
-        for name, (B, A) in own.items():
-            out[name] = init_global_factors(B.shape[0], A.shape[1], r_i, dtype=A.dtype, device=A.device)
-        return out
+        return fresh_factors(own, self.plan.client_ranks[client])
