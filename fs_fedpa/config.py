@@ -153,6 +153,24 @@ class FedPAConfig:
             )
         },
     )
+    ravan_heads: list[int] = field(
+        default_factory=list,
+        metadata={
+            "help": (
+                "Ravan: K_i, the heads client i trains each round (per client, or per group with group_sizes); the "
+                "adapter has H = max K_i heads; empty: K_i = r_i / min r_i (the paper's r_i 2, 4, 16 -> 1, 2, 8)"
+            )
+        },
+    )
+    ravan_head_rank: int = field(
+        default=0,
+        metadata={
+            "help": (
+                "Ravan: r_h, the rank of every head; 0: per module the largest r_h with K_i r_h^2 <= r_i (d + k) for "
+                "every client (the parameter budget of its rank-r_i LoRA)"
+            )
+        },
+    )
     eval_local: bool = field(
         default=True,
         metadata={
@@ -215,6 +233,8 @@ class FedPAConfig:
         if not 0.0 < self.hetlora_gamma < 1.0:
             raise ValueError(f"fedpa.hetlora_gamma(={self.hetlora_gamma}) must be in (0, 1)")
         self.hetlora_lam = _number(self.hetlora_lam, "hetlora_lam", minimum=0.0)
+        self.ravan_heads = _int_list(self.ravan_heads, "ravan_heads")
+        self.ravan_head_rank = _integer(self.ravan_head_rank, "ravan_head_rank", minimum=0)
         if not isinstance(self.eval_local, bool) or not isinstance(self.diagnostics, bool):
             raise ValueError("fedpa.eval_local and fedpa.diagnostics must be True or False")
         self.num_threads = _integer(self.num_threads, "num_threads", minimum=0)
@@ -233,8 +253,10 @@ class FedPAConfig:
                 f"'product', got {self.reg!r}"
             )
 
-    def per_client(self, which: Literal["client_ranks", "reference_ranks"], num_clients: int) -> list[int]:
-        """Expand ``client_ranks``/``reference_ranks`` to one value per client ([] if unset)."""
+    def per_client(
+        self, which: Literal["client_ranks", "reference_ranks", "ravan_heads"], num_clients: int
+    ) -> list[int]:
+        """Expand ``client_ranks``/``reference_ranks``/``ravan_heads`` to one value per client ([] if unset)."""
         from fs_fedpa.core.ranks import expand_groups  # torch-free caller paths never reach this
 
         values = getattr(self, which)

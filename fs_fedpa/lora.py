@@ -16,7 +16,7 @@ optimizer at every training routine, so it picks up the swapped parameters.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -160,6 +160,64 @@ class RowGate:
         self._handles = []
 
 
+class Heads(nn.Module):
+    """Ravan's trainable part of one LoRA layer: cores ``H_h`` (r_h x r_h) and scales ``s_h``, h = 1..H; only the
+    heads in ``trainable`` have trainable parameters. On ``lora_A``'s output ``z = [z_1, ..., z_H]`` (..., H r_h) it
+    returns ``[s_1 H_1 z_1, ..., s_H H_H z_H]``: with the frozen bases ``[B_1 .. B_H]`` in ``lora_B``,
+    ``[A_1; ..; A_H]`` in ``lora_A`` and PEFT's scaling 1, the layer applies ``W_0 + sum_h s_h B_h H_h A_h``."""
+
+    def __init__(self, cores: Tensor, scales: Tensor, trainable: Collection[int] = ()):
+        super().__init__()
+        self.cores = nn.ParameterList(
+            nn.Parameter(c.detach().clone(), requires_grad=h in trainable) for h, c in enumerate(cores)
+        )
+        self.scales = nn.ParameterList(
+            nn.Parameter(s.detach().clone(), requires_grad=h in trainable) for h, s in enumerate(scales)
+        )
+
+    def forward(self, z: Tensor) -> Tensor:
+        H = torch.stack(list(self.cores)) * torch.stack(list(self.scales))[:, None, None]  # (H, r_h, r_h)
+        return torch.einsum("...hr,hqr->...hq", z.unflatten(-1, H.shape[:2]), H).flatten(-2)
+
+
+def set_heads(
+    model: nn.Module, bases: Mapping[str, tuple[Tensor, Tensor]], heads: Mapping[str, tuple[Tensor, Tensor]],
+    trainable: Collection[int] = (),
+) -> None:  # fmt: skip
+    """Load Ravan's adapter: the frozen ``bases[name] = (B: (d, H r_h), A: (H r_h, k))`` as ``lora_B``/``lora_A``
+    with scaling 1, and copies of ``heads[name] = (cores: (H, r_h, r_h), scales: (H,))`` as the layer's
+    :class:`Heads`, the heads in ``trainable`` trainable. A forward hook on ``lora_A`` applies them."""
+    set_factors(model, bases, trainable=False)
+    layers = lora_layers(model)
+    for name, (cores, scales) in heads.items():
+        layer, (B, _) = layers[name], bases[name]
+        if cores.ndim != 3 or cores.shape[1] != cores.shape[2] or cores.shape[0] * cores.shape[1] != B.shape[1]:
+            raise ValueError(f"{name}: cores {tuple(cores.shape)} do not fit bases of rank {B.shape[1]}")
+        if scales.shape != cores.shape[:1]:
+            raise ValueError(f"{name}: scales {tuple(scales.shape)} for {cores.shape[0]} heads")
+        adapter = _adapter(layer)
+        weight = layer.lora_B[adapter].weight
+        layer.scaling[adapter] = 1.0  # Ravan has no alpha / r: its scales are the s_h
+        layer.fedpa_heads = Heads(cores.to(weight.device, weight.dtype), scales.to(weight.device, weight.dtype),
+                                  trainable)  # fmt: skip
+        if not getattr(layer, "_fedpa_heads_hook", None):
+            layer._fedpa_heads_hook = layer.lora_A[adapter].register_forward_hook(
+                lambda module, inputs, output, layer=layer: layer.fedpa_heads(output)
+            )
+
+
+def get_heads(model: nn.Module) -> dict[str, tuple[Tensor, Tensor]]:
+    """``name -> (cores: (H, r_h, r_h), scales: (H,))``: detached copies of every layer's :class:`Heads`."""
+    out = {}
+    for name, layer in lora_layers(model).items():
+        if (heads := getattr(layer, "fedpa_heads", None)) is not None:
+            out[name] = (
+                torch.stack([c.detach() for c in heads.cores]),
+                torch.stack([s.detach() for s in heads.scales]),
+            )
+    return out
+
+
 @dataclass(frozen=True)
 class Scaling:
     """PEFT's scaling ``s(r)`` of every LoRA module as a function of the rank: ``alpha / r``, or ``alpha / sqrt(r)``
@@ -241,6 +299,24 @@ class ClientSpace:
         if len(ratios) > 1:
             raise ValueError(f"LoRA modules mix rsLoRA and plain scaling: {sorted(ratios)}; one lambda needs one rule")
         return ratios.pop() if ratios else 1.0
+
+
+@dataclass(frozen=True)
+class UnitSpace(ClientSpace):
+    """The client space of a method whose state is applied without PEFT's scaling (Ravan's heads): every
+    conversion is the identity."""
+
+    scaling: Scaling = Scaling({}, {})
+    rank: int = 0
+
+    def s_i(self, name: str) -> float:
+        return 1.0
+
+    def _rescale(self, name: str, B: Tensor, r: int, inverse: bool) -> Tensor:
+        return B
+
+    def penalty_weight(self, reference_rank: int) -> float:
+        return 1.0
 
 
 def copy_factors(factors: Mapping[str, tuple[Tensor, Tensor]], device: torch.device | str | None = None) -> Factors:

@@ -13,16 +13,23 @@ not depend on the scale. A method decides:
   (a personal adapter trained first, in a phase of its own, never sent), ``trainable``, ``alignment`` (the extra
   local loss), ``end_round`` (what it keeps), ``before_upload`` (what it sends), ``evaluation_factors`` (what the
   paper protocol evaluates).
+
+A method whose state is not PEFT's factors (Ravan: per-head cores between frozen bases; ``state_is_factors``
+False) keeps the same pairs per module for its own tensors and says how to turn them into factors (``expand``,
+which every diagnostic and check reads), how to load and read them (``load``, ``read``) and what of them travels
+(``upload_payload``, undone by ``complete_upload``).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
 from torch import Generator, Tensor
 
+from fs_fedpa import lora
 from fs_fedpa.config import FedPAConfig
 from fs_fedpa.core.ranks import RankPlan, init_global_factors, truncate_factors
 from fs_fedpa.lora import Factors
@@ -42,15 +49,30 @@ class FederatedMethod:
     # w of FedDPA's test time: evaluation_factors returns ([B_g, B_l], [A_g; A_l]) and the client weighs them per input
     # by g = w * mean cos(h(x), h(x_j)) and 1 - g (fs_fedpa.core.instance); None: no per-input weighting
     instance_mix: ClassVar[float | None] = None
+    # False: the pairs a method keeps per module are its own state, applied without PEFT's scaling (Ravan's cores
+    # and scales); expand() turns them into factors
+    state_is_factors: ClassVar[bool] = True
 
     def __init__(self, cfg: FedPAConfig, plan: RankPlan, seed: int | None = None):
         self.cfg = cfg
         self.plan = plan
         self.seed = cfg.seed if seed is None else seed  # the run's seed (fedpa.seed, else FS's top-level seed)
+        self.shapes: dict[str, tuple[int, int]] = {}  # set by bind()
         self.check_plan()
 
     def check_plan(self) -> None:
         """Raise ValueError if the rank plan does not suit the method (default: any plan)."""
+
+    def bind(self, shapes: dict[str, tuple[int, int]]) -> None:
+        """Learn the model's LoRA modules, ``shapes[name] = (d, k)`` (every worker calls it once, before anything
+        else); raise ValueError if the method cannot adapt them."""
+        self.shapes = dict(shapes)
+
+    def expand(self, state: Factors) -> Factors:
+        """Applied factors ``(B, A)`` whose product is the update a state of this method applies (the pairs
+        :meth:`init_global`, :meth:`aggregate` and :meth:`complete_upload` return); the identity for methods whose
+        state is factors."""
+        return state
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -100,6 +122,12 @@ class FederatedMethod:
         """Which factors a client sends in round ``rnd``: ``("B", "A")``, or one of them."""
         return PARTS
 
+    def upload_payload(self, sent: Factors, client: int, rnd: int) -> dict[str, dict[str, Tensor]]:
+        """``module -> {part: tensor}``: what of the applied pairs ``sent`` travels (default: the
+        :meth:`upload_parts` of the round); :meth:`complete_upload` is its inverse on the server."""
+        parts = self.upload_parts(rnd)
+        return {n: {p: t for p, t in zip(PARTS, pair) if p in parts} for n, pair in sent.items()}
+
     def complete_upload(
         self, upload: dict[str, dict[str, Tensor]], global_: Factors, client: int, rnd: int = 0
     ) -> Factors:
@@ -142,6 +170,15 @@ class FederatedMethod:
         personal phase this round."""
         return None
 
+    def load(self, model, state: Factors, trainable: bool | tuple[bool, bool], client: int, rnd: int) -> None:
+        """Put client ``client``'s ``state`` (client space, as the model takes it) into ``model`` for round ``rnd``,
+        trainable as ``trainable`` says (default: as the LoRA factors, :func:`fs_fedpa.lora.set_factors`)."""
+        lora.set_factors(model, state, trainable=trainable)
+
+    def read(self, model) -> Factors:
+        """The state ``model`` holds (default: its live LoRA factors)."""
+        return lora.get_factors(model)
+
     def trainable(self, rnd: int) -> tuple[bool, bool]:
         """Whether (B, A) are trained in round ``rnd``."""
         return True, True
@@ -164,6 +201,28 @@ class FederatedMethod:
         """What the paper protocol evaluates on client ``client`` (``personal``: its personal adapter, if the
         method keeps one): the received global reference by default."""
         return received
+
+
+def seeded_subset(tag: str, seed: int, rnd: int, client: int, n: int, k: int) -> list[int]:
+    """``k`` of ``range(n)`` (sorted) drawn uniformly for client ``client`` in round ``rnd``, from a stream every
+    worker derives alike (blake2b of ``tag``, seed, round and client; Python's hash() may differ between workers)."""
+    if k >= n:
+        return list(range(n))
+    key = hashlib.blake2b(f"{tag}:{seed}:{rnd}:{client}".encode(), digest_size=8).digest()
+    stream = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
+    return sorted(torch.randperm(n, generator=stream)[:k].tolist())
+
+
+def trainer_shares(selections: Sequence[Sequence[int]], weights: Sequence[float], n: int) -> Tensor:
+    """``(N, n)`` float64: upload i's share of item j (a module, a head) in a mean over the uploads that trained it,
+    ``w_i / sum_{i' in Q_j} w_i'`` for i in Q_j, else 0; an item nobody trained takes the first upload whole (every
+    completed upload holds the global value there). ``selections[i]``: the items upload i trained."""
+    trained = torch.zeros(len(selections), n, dtype=torch.float64)
+    for row, chosen in enumerate(selections):
+        trained[row, list(chosen)] = float(weights[row])
+    total = trained.sum(0)
+    first = (torch.arange(len(selections)) == 0).to(torch.float64)[:, None].expand_as(trained)
+    return torch.where(total > 0, trained / total.clamp_min(1e-300), first)
 
 
 def get_method(name: str) -> type[FederatedMethod]:

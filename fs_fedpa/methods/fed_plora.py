@@ -14,14 +14,12 @@ scale of its rank r_i (the fold and the upload are applied updates, so the scale
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
-import torch
 from torch import Generator, Tensor
 
 from fs_fedpa.core._checks import normalized_weights
-from fs_fedpa.methods.base import Factors, FederatedMethod, Uploads
+from fs_fedpa.methods.base import Factors, FederatedMethod, Uploads, seeded_subset, trainer_shares
 
 
 class FedPLoRA(FederatedMethod):
@@ -40,13 +38,7 @@ class FedPLoRA(FederatedMethod):
 
     def selection(self, client: int, rnd: int) -> list[int]:
         """The r_i modules client ``client`` trains in round ``rnd`` (sorted indices into the R global ones)."""
-        R, r_i = self.plan.r_g, self.plan.client_ranks[client]
-        if r_i >= R:
-            return list(range(R))
-        # a stream every worker derives alike (Python's hash() may differ between a server's and a client's Python)
-        key = hashlib.blake2b(f"fed_plora:{self.seed}:{rnd}:{client}".encode(), digest_size=8).digest()
-        stream = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
-        return sorted(torch.randperm(R, generator=stream)[:r_i].tolist())
+        return seeded_subset("fed_plora", self.seed, rnd, client, self.plan.r_g, self.plan.client_ranks[client])
 
     def _unselected(self, client: int, rnd: int) -> list[int]:
         chosen = set(self.selection(client, rnd))
@@ -83,13 +75,7 @@ class FedPLoRA(FederatedMethod):
         """Module j: ``sum_{i in Q_j} w_i (b_ij, a_ij) / sum_{i in Q_j} w_i`` over the clients Q_j that trained it;
         a module nobody trained is the global one every completed upload holds."""
         w = normalized_weights(weights, len(uploads))
-        R = self.plan.r_g
-        trained = torch.zeros(len(uploads), R, dtype=torch.float64)
-        for row, client in enumerate(clients):
-            trained[row, self.selection(client, rnd)] = w[row]
-        total = trained.sum(0)
-        first = (torch.arange(len(uploads)) == 0).to(torch.float64)[:, None].expand_as(trained)
-        share = torch.where(total > 0, trained / total.clamp_min(1e-300), first)
+        share = trainer_shares([self.selection(c, rnd) for c in clients], w, self.plan.r_g)
         out = {}
         for name, (B0, _) in uploads[0].items():
             c = share.to(B0)  # (N, R): client i's share of module j

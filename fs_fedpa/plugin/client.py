@@ -26,7 +26,7 @@ from fs_fedpa.core.penalty import product_penalty
 from fs_fedpa.core.ranks import truncate_factors
 from fs_fedpa.plugin import resume
 from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainables, without_empty_splits
-from fs_fedpa.plugin.payload import decode_factors, decode_merge, decode_tensors, encode_factors, encode_tensors
+from fs_fedpa.plugin.payload import decode_factors, decode_merge, decode_tensors, encode_parts, encode_tensors
 from fs_fedpa.plugin.trainer import install_alignment_hook
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
@@ -39,7 +39,10 @@ class FedPAClient(Client):
         if self._cfg is None:  # FS builds an unconfigured client to list message handlers
             return
         self.method = build_method(self._cfg, self.model)
-        self.space = lora.ClientSpace(lora.Scaling.of(self.model), self.method.plan.client_ranks[self.index])
+        if self.method.state_is_factors:
+            self.space = lora.ClientSpace(lora.Scaling.of(self.model), self.method.plan.client_ranks[self.index])
+        else:
+            self.space = lora.UnitSpace()
         self.penalty_weight = self.space.penalty_weight(self.method.plan.lam_rank)  # one lambda for every client
         self.local_names, self.shared_names = non_lora_trainables(self.model, self._cfg.personalization.local_param)
         params = dict(self.model.named_parameters())
@@ -99,10 +102,10 @@ class FedPAClient(Client):
         self._e_init = self._init_error(start, self.factors)
         self._received = received
         self._set_base(self.method.fold(received, self.index, self.state))
-        lora.set_factors(self.model, self.space.to_model(start), trainable=self.method.trainable(self.state))
+        self._load(start, trainable=self.method.trainable(self.state))
         self._load_tensors(decode_tensors(payload.get("shared", {})))
         self._load_tensors(self.local_tensors)
-        self._live = lora.get_factors(self.model)
+        self._live = self.method.read(self.model)
         device = next(iter(self._live.values()))[0].device
         self.reference = {n: (B.to(device), A.to(device)) for n, (B, A) in received.items()}
         self.lam = self.method.cfg.lam
@@ -136,7 +139,7 @@ class FedPAClient(Client):
 
     def _leave_round(self) -> dict:
         self._grads.close()
-        trained = self.space.from_model(lora.copy_factors(self._live))
+        trained = self.space.from_model(lora.copy_factors(self.method.read(self.model)))
         params = dict(self.model.named_parameters())
         local = {n: params[n].detach().clone() for n in self.local_names}
         finite = all(bool(torch.isfinite(t).all()) for B, A in trained.values() for t in (B, A))
@@ -156,14 +159,14 @@ class FedPAClient(Client):
         sent = self.space.upload(self.method.before_upload(self.factors, self._received, self.state))
         wire = self._cfg.federate.mode.lower() == "distributed"  # tensors as explicit encodings, never pickled
         upload = {
-            "lora": encode_factors(sent, parts=self.method.upload_parts(self.state), wire=wire),
+            "lora": encode_parts(self.method.upload_payload(sent, self.index, self.state), wire=wire),
             "stats": {
                 "alignment_loss": term,
                 "lam": float(self.lam),
                 "num_train_data": int(getattr(self.trainer.ctx, "num_train_data", 0) or 0),
                 "restarted": int(self._restarted),
                 **self._e_init,
-                **self._round_stats(self._whole_update(sent)),
+                **self._round_stats(self.method.expand(self._whole_update(sent))),
             },
         }
         if self.shared_names:  # FS's gRPC encoder fails on empty dicts
@@ -185,7 +188,7 @@ class FedPAClient(Client):
         ||Delta W_i||_F, the drift ||Delta W_i - X_g,i||_F from the received reference X_g,i (and relative to
         ||X_g,i||_F, absent while the reference is 0), and ||grad of the alignment term|| / ||grad of the task
         loss|| on the client's factors at the round's first and last step (absent for methods without a term)."""
-        reference = self.space.upload(self._received)
+        reference = self.method.expand(self.space.upload(self._received))
         delta_sq = drift_sq = ref_sq = 0.0
         for name, (B, A) in sent.items():
             B_ref, A_ref = reference[name]
@@ -242,7 +245,7 @@ class FedPAClient(Client):
         received = self._receive(payload)
         evaluated = self.method.evaluation_factors(received, self.factors, self.index, personal=self.personal)
         self._set_base()
-        lora.set_factors(self.model, self.space.to_model(evaluated))
+        self._load(evaluated)
         self._load_tensors(decode_tensors(payload.get("shared", {})))
         self._load_tensors(self.local_tensors)
         mixed = self.method.instance_mix is not None and self.personal is not None
@@ -252,7 +255,7 @@ class FedPAClient(Client):
         finally:
             undo()
         if self.method.cfg.eval_local:
-            lora.set_factors(self.model, self.space.to_model(self.factors))
+            self._load(self.factors)
             # FS derives the split from the text before the first "_" and the metric from the text after
             # "<split>_", so the protocol goes in front: local.test_acc, local.test_total, ...
             metrics.update({f"local.{key}": value for key, value in self._evaluate_splits().items()})
@@ -404,7 +407,7 @@ class FedPAClient(Client):
     def _restart_factors(self) -> dict[str, tuple[Tensor, Tensor]]:
         """Rank-r_i factors whose product is the reference received this round: its R_i columns/rows, then zero
         columns of B with the rows of the client's initial A (so the extra rank can still learn)."""
-        if self.method.folds:  # its drawn modules at their global values: the base holds the others
+        if self.method.folds or not self.method.state_is_factors:  # the round's start from what it received
             return self.method.start_round(self._received, self.factors, self.index, self.state)
         r_i, initial = self.method.plan.client_ranks[self.index], self._initial_factors()
         out = {}
@@ -445,6 +448,10 @@ class FedPAClient(Client):
         for name, (B, A) in self.space.upload(fold or {}).items():
             offsets[name] = offsets[name] + B @ A if name in offsets else B @ A
         lora.set_base_offsets(self.model, offsets)
+
+    def _load(self, state: dict[str, tuple[Tensor, Tensor]], trainable: bool | tuple[bool, bool] = True) -> None:
+        """This client's ``state`` (its space) into the model, through the method (LoRA factors for most)."""
+        self.method.load(self.model, self.space.to_model(state), trainable, self.index, self.state)
 
     def _load_tensors(self, tensors: dict[str, Tensor]) -> None:
         if not tensors:

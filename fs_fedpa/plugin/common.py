@@ -28,10 +28,13 @@ def build_method(cfg, model: nn.Module) -> FederatedMethod:
         client_ranks=fedpa.per_client("client_ranks", n),
         reference_ranks=fedpa.per_client("reference_ranks", n),
     )
-    for name, (d, k) in layer_shapes(model).items():
+    shapes = layer_shapes(model)
+    for name, (d, k) in shapes.items():
         plan.check_layer(d, k, name)
     seed = fedpa.seed if fedpa.seed >= 0 else int(cfg.seed)
-    return get_method(cfg.federate.method.lower())(fedpa, plan, seed=seed)
+    method = get_method(cfg.federate.method.lower())(fedpa, plan, seed=seed)
+    method.bind(shapes)
+    return method
 
 
 def layer_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
@@ -55,7 +58,7 @@ def non_lora_trainables(model: nn.Module, local_patterns) -> tuple[list[str], li
             f"personalization.local_param {unmatched} matches no parameter of the model (its names look like "
             f"{names[-1]!r}); a pattern is a substring of a parameter name"
         )
-    lora = {id(p) for factors in _lora_params(model) for p in factors}
+    lora = {id(p) for p in _lora_params(model)}
     local, shared = [], []
     for name, p in model.named_parameters():
         if p.requires_grad and id(p) not in lora:
@@ -64,9 +67,13 @@ def non_lora_trainables(model: nn.Module, local_patterns) -> tuple[list[str], li
 
 
 def _lora_params(model: nn.Module):
+    """The LoRA factors of every adapted layer and the parameters of its Ravan heads, if any."""
     for layer in lora_layers(model).values():
         adapter = layer.active_adapters[0]
-        yield layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+        yield layer.lora_A[adapter].weight
+        yield layer.lora_B[adapter].weight
+        if (heads := getattr(layer, "fedpa_heads", None)) is not None:
+            yield from heads.parameters()
 
 
 def without_empty_splits(metrics: dict) -> tuple[dict, list[str]]:

@@ -97,12 +97,14 @@ def check_upload(
     ranks: tuple[int, ...],
     shared_shapes: Mapping[str, tuple[int, ...]],
     dtype: torch.dtype = torch.float32,
+    expand=None,
 ) -> Accepted | str:
     """The upload ``(size, content)`` of one client as :class:`Accepted`, or why it is dropped.
 
     ``expected_parts``: the factors the method wants this round; ``complete(parts)`` builds full ``(B, A)`` from
     them (:meth:`FederatedMethod.complete_upload` for this client); ``shapes[name] = (d, k)``; ``ranks``: the ranks
-    the client may upload; ``shared_shapes``: the shared tensors of the run."""
+    the client may upload; ``shared_shapes``: the shared tensors of the run; ``expand``: the factors of a completed
+    upload (:meth:`FederatedMethod.expand`; default: it is factors), which the shape and value checks read."""
     n = sample_size(size)
     if isinstance(n, str):
         return n
@@ -136,7 +138,11 @@ def check_upload(
         factors = complete(parts)
     except ValueError as err:
         return str(err)
-    problem = upload_problem(factors, shapes, ranks, shared, shared_shapes, max_abs=MAX_ABS)
+    try:
+        expanded = factors if expand is None else expand(factors)
+    except (ValueError, RuntimeError) as err:
+        return f"the completed upload does not expand to factors ({err})"
+    problem = upload_problem(expanded, shapes, ranks, shared, shared_shapes, max_abs=MAX_ABS)
     return problem if problem is not None else Accepted(factors, shared, n, stats)
 
 

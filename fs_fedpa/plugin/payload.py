@@ -82,12 +82,18 @@ def encode_factors(
 ) -> dict:
     """``{"<module>|B": B, "<module>|A": A}`` with only the factors named in ``parts`` (a method may send one);
     ``wire``: each as :func:`to_wire`'s encoding (distributed mode)."""
-    out = {}
-    for name, (B, A) in factors.items():
-        for part, value in zip(("B", "A"), (B, A)):
-            if part in parts:
-                out[f"{name}{SEP}{part}"] = to_wire(value) if wire else value.detach().cpu().clone()
-    return out
+    return encode_parts(
+        {n: {p: t for p, t in zip(("B", "A"), pair) if p in parts} for n, pair in factors.items()}, wire
+    )
+
+
+def encode_parts(parts: Mapping[str, Mapping[str, Tensor]], wire: bool = False) -> dict:
+    """``{"<module>|<part>": tensor}`` from ``module -> {"B"|"A": tensor}`` (the inverse of :func:`decode_parts`)."""
+    return {
+        f"{name}{SEP}{part}": to_wire(t) if wire else t.detach().cpu().clone()
+        for name, sent in parts.items()
+        for part, t in sent.items()
+    }
 
 
 def encode_tensors(tensors: Mapping[str, Tensor], wire: bool = False) -> dict:

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import re
 import statistics
 import threading
 import time
@@ -25,7 +26,7 @@ from torch import Tensor
 from fs_fedpa import lora
 from fs_fedpa.core.diagnostics import aggregate_norm, aggregation_error, factored_norm
 from fs_fedpa.plugin import resume
-from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainables
+from fs_fedpa.plugin.common import build_method, global_init, layer_shapes, non_lora_trainables
 from fs_fedpa.plugin.intake import Accepted, cap_weights, check_upload, norm_outliers, update_norm
 from fs_fedpa.plugin.payload import encode_factors, encode_merge, encode_tensors, nbytes
 from fs_fedpa.record import DIAGNOSTICS_FILE, RoundRecord
@@ -215,7 +216,7 @@ class FedPAServer(Server):
         """Adopt new global factors; write them (raw, rank R_g) and the averaged shared tensors into the model; add
         a method's ``merge`` to the base weights (the server's own, and, with the next messages, the clients')."""
         self.global_factors = global_factors
-        lora.set_factors(self.model, self.scaling.raw(global_factors))
+        lora.set_factors(self.model, self.scaling.raw(self.method.expand(global_factors)))
         if merge:
             dense, travels = self.method.merge_encoding == "dense", {}
             for name, (B, A) in merge.items():
@@ -268,7 +269,9 @@ class FedPAServer(Server):
         resume.save(
             {
                 "cur_round": self.state,
-                "model": self.model.state_dict(),  # FS's checkpoint keys: its own restore can read this file
+                # FS's checkpoint keys, so its own restore can read this file; without the LoRA factors, which are in
+                # "global" and whose rank (R_g, Ravan's H r_h) FS's load into a fresh rank-r model would refuse
+                "model": {k: v for k, v in self.model.state_dict().items() if not _LORA_KEY.search(k)},
                 "fedpa_resume": {
                     "method": self.method.name,
                     "round": self.state,
@@ -391,7 +394,7 @@ class FedPAAggregator(Aggregator):
                 accepted[client_id] = checked
         cfg = server.method.cfg
         if cfg.norm_outlier and accepted:
-            norms = {c: update_norm(a.factors) for c, a in accepted.items()}
+            norms = {c: update_norm(server.method.expand(a.factors)) for c, a in accepted.items()}
             median = statistics.median(norms.values())
             for i in norm_outliers(list(norms.values()), cfg.norm_outlier):
                 client_id = list(norms)[i]
@@ -473,7 +476,7 @@ class FedPAAggregator(Aggregator):
         """``(d, k)`` of every LoRA module and the shape of every shared tensor, for checking uploads."""
         server = self.server
         params = dict(server.model.named_parameters())
-        shapes = {n: (B.shape[0], A.shape[1]) for n, (B, A) in server.global_factors.items()}
+        shapes = layer_shapes(server.model)
         return shapes, {n: tuple(params[n].shape) for n in server.shared_names}
 
     def _check(self, client_id, size, content, shapes, shared_shapes) -> Accepted | str:
@@ -490,6 +493,7 @@ class FedPAAggregator(Aggregator):
             complete=lambda parts: method.complete_upload(
                 parts, self.server.global_factors, client_id - 1, self.server.state
             ),
+            expand=method.expand,
             shapes=shapes,
             ranks=method.upload_ranks(client_id - 1),
             shared_shapes=shared_shapes,
@@ -502,6 +506,9 @@ class FedPAAggregator(Aggregator):
     def load_model(self, path):
         """Resume from a FedPA resume point (the server does this itself for ``federate.restore_from``)."""
         return self.server.restore(path)
+
+
+_LORA_KEY = re.compile(r"\.lora_[AB]\.")  # PEFT's names of the LoRA factors in a state dict
 
 
 def _check_resume_file(path: str) -> None:
@@ -557,6 +564,7 @@ def _new_record(server, clients) -> RoundRecord:
 
 def _round_record(server, uploads, weights, clients, new_global, spectra, stats) -> RoundRecord:
     """Diagnostics of one aggregation, from factors only (no d x k matrix)."""
+    uploads, new_global = [server.method.expand(u) for u in uploads], server.method.expand(new_global)
     errors, norms, global_sq = {}, {}, 0.0
     for name, (B_g, A_g) in new_global.items():
         Bs = [u[name][0] for u in uploads]

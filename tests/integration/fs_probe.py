@@ -5,7 +5,7 @@ in a subprocess (FS changes process-wide state, e.g. ``torch.set_num_threads(1)`
 only copy what passes through the plugin's own seams; they change nothing:
 
 - ``enter``: per client and round, the factors the model trains from, the ranks it received and, for the methods
-  that merge into the base weights, those weights;
+  that merge into the base weights, those weights; for Ravan its heads and which of them train;
 - ``leave``: per client and round, the factors it keeps and the keys/ranks of its upload;
 - ``aggregate``: per round, an independent decode of the uploads, their weights and clients, and
   the global factors the server adopted;
@@ -39,6 +39,19 @@ import torch
 
 def _copy(factors):
     return {n: (B.detach().cpu().clone(), A.detach().cpu().clone()) for n, (B, A) in factors.items()}
+
+
+def _heads(model) -> dict:
+    """Ravan's heads as the model trains them: ``heads`` (cores, scales) and ``trainable`` (which have gradients)."""
+    from fs_fedpa import lora
+
+    layers = lora.lora_layers(model)
+    return {
+        "heads": _copy(lora.get_heads(model)),
+        "trainable": {
+            n: [h for h, c in enumerate(layer.fedpa_heads.cores) if c.requires_grad] for n, layer in layers.items()
+        },  # fmt: skip
+    }
 
 
 def _faults() -> dict[tuple[int, int], str]:
@@ -110,8 +123,9 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
                 "round": self.state,
                 "start": _copy(lora.get_factors(self.model)),
                 "received_ranks": sorted({B.shape[1] for B, _ in received.values()}),
-                "received": _copy(received) if self.method.folds else {},
+                "received": _copy(received) if self.method.folds or not self.method.state_is_factors else {},
                 "base": {n: layer.get_base_layer().weight.detach().cpu().clone() for n, layer in layers.items()},
+                **({} if self.method.state_is_factors else _heads(self.model)),
             }
         )
 

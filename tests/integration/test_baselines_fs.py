@@ -277,6 +277,61 @@ def test_fed_plora_trains_its_drawn_modules_on_the_folded_rest_and_the_server_av
         assert set(record["bytes_down"].values()) == {4 * sum(4 * (d + k) for d, k in shapes.values())}
 
 
+def test_ravan_keeps_its_bases_trains_only_its_heads_and_the_server_averages_each_head(tiny_llm, tmp_path):
+    heads = {1: 1, 2: 2, 3: 4}  # K_i = r_i / min r_i of H = 4 heads
+    run = probe(fedpa_cfg(tiny_llm, tmp_path, **{"federate.method": "ravan", "fedpa.client_ranks": "[1, 2, 4]"}),
+                tmp_path)  # fmt: skip
+    bases, drawn = run["enter"][0]["start"], {}
+    for e in run["enter"]:
+        c, t = e["client"], e["round"]
+        for n, (B, A) in e["start"].items():  # the frozen bases: the same for every client in every round
+            assert torch.equal(B, bases[n][0]) and torch.equal(A, bases[n][1])
+        chosen = {tuple(v) for v in e["trainable"].values()}
+        assert len(chosen) == 1 and len(next(iter(chosen))) == heads[c]  # K_i heads, the same in every layer
+        drawn[c, t] = list(next(iter(chosen)))
+        for n, (cores, scales) in e["heads"].items():  # from the received cores, every scale back at 1
+            assert torch.equal(cores, e["received"][n][0]) and torch.equal(scales, torch.ones(4))
+    assert any(len({tuple(drawn[c, t]) for t in range(3)}) > 1 for c in (1, 2))  # re-drawn between rounds
+    # only the trained heads moved (cores and scales), the others are the received ones bit for bit
+    starts = {(e["client"], e["round"]): e["heads"] for e in run["enter"]}
+    for leave in run["leave"]:
+        key = (leave["client"], leave["round"])
+        for n, (cores, scales) in leave["end"].items():
+            start = starts[key][n]
+            for h in range(4):
+                moved = not torch.equal(cores[h], start[0][h]) and float(scales[h]) != 1.0
+                assert moved == (h in drawn[key]), (key, n, h)
+    # the server: each head is the unweighted mean over the clients that trained it of the s_h H_h they sent
+    sent = {(s["client"], s["round"]): s["parts"] for s in run["sent"]}
+    ends = {(r["client"], r["round"]): r["end"] for r in run["leave"]}
+    previous = {e["round"]: e["received"] for e in run["enter"] if e["client"] == 1}
+    for agg in run["aggregate"]:
+        t = agg["round"]
+        for n, (H_new, s_new) in agg["global"].items():
+            assert torch.equal(s_new, torch.ones(4))
+            for h in range(4):
+                C = [c for c in agg["clients"] if h in drawn[c, t]]
+                for c in C:  # what travelled is s_h H_h of the client's trained head
+                    cores, scales = ends[c, t][n]
+                    torch.testing.assert_close(sent[c, t][n]["B"][drawn[c, t].index(h)], scales[h] * cores[h])
+                want = sum(sent[c, t][n]["B"][drawn[c, t].index(h)] for c in C) / len(C) if C else previous[t][n][0][h]
+                torch.testing.assert_close(H_new[h], want, atol=1e-7, rtol=0)
+    # Bytes: up the K_i trained r_h x r_h cores, down all H cores and their H scales (float32, summed over modules)
+    r_h = {n: H.shape[1] for n, (H, _) in run["final"]["global"].items()}
+    for record in _records(run):
+        for c, got in record["bytes_up"].items():
+            assert got == 4 * sum(heads[int(c)] * r**2 for r in r_h.values())
+        assert set(record["bytes_down"].values()) == {4 * sum(4 * r**2 + 4 for r in r_h.values())}
+        assert record["e_agg_rel"] > 0 or len(record["clients"]) < 3  # heads differ in who trained them
+
+
+def test_ravan_with_every_head_trained_by_every_client_aggregates_exactly(tiny_llm, tmp_path):
+    run = probe(fedpa_cfg(tiny_llm, tmp_path, **{"federate.method": "ravan", "fedpa.ravan_heads": "[2, 2, 2]"}),
+                tmp_path)  # fmt: skip
+    records = _records(run)
+    assert all(r["e_agg_rel"] < 1e-6 and r["global_update_norm"] > 0 for r in records)  # Eq. 8: exact
+
+
 def test_lora_fair_corrects_the_averaged_B_and_its_clients_start_from_the_corrected_global(tiny_llm, tmp_path):
     run = probe(fedpa_cfg(tiny_llm, tmp_path, **{"federate.method": "lora_fair"}), tmp_path)
     for agg in run["aggregate"]:

@@ -164,15 +164,16 @@ def _kill_after_resume_point(cfg: dict, tmp_path: Path, rnd: int) -> Path:
 
 
 # FLoRA merges into the base weights and draws a fresh A per round; FedDPA-T keeps a personal adapter; Fed-PLoRA
-# draws its clients' modules per round (ranks 1, 2, 4) and folds the others into the base weights
-@pytest.mark.parametrize("method", ["fedpa", "flora", "feddpa_t", "fed_plora"])
+# draws its clients' modules per round (ranks 1, 2, 4) and folds the others into the base weights; Ravan keeps cores
+# and scales instead of factors and draws its clients' heads per round
+@pytest.mark.parametrize("method", ["fedpa", "flora", "feddpa_t", "fed_plora", "ravan"])
 def test_a_run_killed_after_round_k_resumes_to_the_same_result(tiny_llm, tmp_path, method):
     # Prepare: 4 rounds, 2 of 3 clients sampled per round (the sampler's state matters), resume points on
     def cfg(name, **more):
         (tmp_path / name).mkdir()
         changes = {"federate.total_round_num": 4, "federate.sample_client_num": 2, "expname": name}
         changes["federate.method"] = method
-        if method == "fed_plora":
+        if method in ("fed_plora", "ravan"):
             changes["fedpa.client_ranks"] = "[1, 2, 4]"
         changes["federate.save_to"] = str(tmp_path / name / "ckpt" / "run.pt")
         return fedpa_cfg(tiny_llm, tmp_path / name, **changes, **more)

@@ -205,3 +205,41 @@ def test_row_gate_refuses_weights_that_do_not_fit_the_batch():
     gate.g = torch.zeros(3)
     with pytest.raises(ValueError, match="3 weights for a batch of 4 rows"):
         model(torch.randn(4, 12))
+
+
+def test_heads_apply_the_scaled_head_products_on_frozen_bases_and_train_only_the_chosen_heads():
+    # Prepare: H = 3 heads of rank 2 on q (10 x 12) and v (8 x 12)
+    model, g = _peft_model(r=4), torch.Generator().manual_seed(5)
+    shapes = {n: (layer.out_features, layer.in_features) for n, layer in lora.lora_layers(model).items()}
+    bases = {n: (torch.randn(d, 6, generator=g), torch.randn(6, k, generator=g)) for n, (d, k) in shapes.items()}
+    heads = {n: (torch.randn(3, 2, 2, generator=g), torch.rand(3, generator=g) + 0.5) for n in shapes}
+    x = torch.randn(5, 12, generator=g)
+    # Execute
+    lora.set_heads(model, bases, heads, trainable=[0, 2])
+    layers = lora.lora_layers(model)
+    assert not any(w.requires_grad for layer in layers.values() for w in (layer.lora_A["default"].weight,
+                                                                          layer.lora_B["default"].weight))  # fmt: skip
+    model(x).sum().backward()
+    got = _delta(model, x)  # (PEFT's disable_adapter makes lora_A/lora_B trainable again on exit)
+    # Assert: against the dense sum_h s_h B_h H_h A_h, and its autograd gradient for the cores and scales
+    want = 0
+    for n, (B, A) in bases.items():
+        cores = heads[n][0].clone().requires_grad_()
+        scales = heads[n][1].clone().requires_grad_()
+        dW = sum(scales[h] * B[:, 2 * h : 2 * h + 2] @ cores[h] @ A[2 * h : 2 * h + 2] for h in range(3))
+        out = (x @ dW.T).sum()
+        out.backward()
+        want = want + (x @ dW.T).sum(-1).detach()
+        layer = lora.lora_layers(model)[n]
+        for h in range(3):
+            core, scale = layer.fedpa_heads.cores[h], layer.fedpa_heads.scales[h]
+            if h == 1:  # frozen: no gradient, so no optimizer can move it
+                assert not core.requires_grad and core.grad is None and scale.grad is None
+            else:
+                torch.testing.assert_close(core.grad, cores.grad[h], rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(scale.grad, scales.grad[h], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    read = lora.get_heads(model)
+    assert all(torch.equal(read[n][0], heads[n][0]) and torch.equal(read[n][1], heads[n][1]) for n in heads)
+    with pytest.raises(ValueError, match="do not fit bases of rank 6"):
+        lora.set_heads(model, bases, {n: (torch.zeros(2, 2, 2), torch.ones(2)) for n in shapes})

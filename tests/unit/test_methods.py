@@ -42,8 +42,9 @@ def test_the_fs_registration_lists_every_method():
 @pytest.mark.parametrize("name", PLUGIN_METHODS)
 def test_contract_ranks_of_init_downlink_and_aggregate(name):
     # Prepare
-    full = name == "fed_plora"  # sends every client all R modules
+    full = name in ("fed_plora", "ravan")  # send every client everything
     method = _method(name, [4, 4, 4], reference_ranks=None if full else [2, 3, 4])
+    method.bind(SHAPES)
     gen = torch.Generator().manual_seed(0)
     init = method.init_global(SHAPES, gen)
     # Execute
@@ -51,12 +52,25 @@ def test_contract_ranks_of_init_downlink_and_aggregate(name):
     uploads = _uploads([4, 4, 4])
     if name == "ffa_lora":  # its clients never change their shared, frozen A
         uploads = [{n: (B, uploads[0][n][1]) for n, (B, _) in u.items()} for u in uploads]
+    if not method.state_is_factors:  # its own state: what its clients would send, completed
+        uploads = [_state_uploads(method, init, c) for c in range(3)]
     global_, _ = method.aggregate(uploads, [1.0, 2.0, 3.0], [0, 1, 2], gen)
     down = method.downlink(global_, 0)
-    # Assert
-    assert all(B.shape[1] == 4 and A.shape[0] == 4 for B, A in client.values())
-    assert all(B.shape == (SHAPES[n][0], 4) and A.shape == (4, SHAPES[n][1]) for n, (B, A) in global_.items())
-    assert all(B.shape[1] == (4 if full else 2) for B, _ in down.values())  # R_1 = 2
+    # Assert (on the factors of the update: the state itself for every method but Ravan)
+    client, global_, down = method.expand(client), method.expand(global_), method.expand(down)
+    r = {n: 4 if method.state_is_factors else method.H * method.ranks[n] for n in SHAPES}
+    assert all(B.shape[1] == r[n] and A.shape[0] == r[n] for n, (B, A) in client.items())
+    assert all(B.shape == (SHAPES[n][0], r[n]) and A.shape == (r[n], SHAPES[n][1]) for n, (B, A) in global_.items())
+    assert all(B.shape[1] == (r[n] if full else 2) for n, (B, _) in down.items())  # R_1 = 2
+
+
+def _state_uploads(method, global_, client, seed=0, rnd=0):
+    """What a Ravan client sends after training (random cores and scales), completed by the server."""
+    g = torch.Generator().manual_seed(seed * 100 + client)
+    trained = {n: (torch.randn(H.shape, generator=g, dtype=torch.float64), torch.rand(s.shape, generator=g,
+                   dtype=torch.float64) + 0.5) for n, (H, s) in global_.items()}  # fmt: skip
+    sent = method.before_upload(trained, global_, rnd)
+    return method.complete_upload(method.upload_payload(sent, client, rnd), global_, client, rnd)
 
 
 def test_fedit_averages_each_factor():
@@ -112,7 +126,7 @@ def test_what_each_method_starts_from_trains_and_aligns():
     for name in PLUGIN_METHODS:
         method = _method(name, [2])
         start = method.start_round(received, own, 0, 0)
-        for n in own if name != "flora" else ():  # FLoRA: a fresh LoRA (its own test)
+        for n in own if name not in ("flora", "ravan") else ():  # a fresh LoRA; received cores, scales 1 (own tests)
             for j, kept in enumerate(keeps.get(name, (False, False))):
                 assert torch.equal(start[n][j], (own if kept else received)[n][j]), (name, n, j)
         assert [method.trainable(0), method.trainable(1)] == trains.get(name, [(True, True)] * 2), name
@@ -336,3 +350,87 @@ def test_lora_fair_corrects_B_toward_the_average_product_and_keeps_A_bar():
         B_bar, A_bar = fedit[n]
         assert _cos(X, B @ A) > _cos(X, B_bar @ A_bar)
         assert float((X - B @ A).norm()) < float((X - fedit[n][0] @ fedit[n][1]).norm())  # E_agg below FedIT's
+
+
+def _ravan(ranks, **cfg):
+    get_method("ravan")
+    plan = RankPlan.build(len(ranks), max(ranks), client_ranks=ranks)
+    method = METHODS["ravan"](FedPAConfig(**cfg), plan)
+    method.bind(SHAPES)
+    return method
+
+
+def test_ravan_budgets_heads_and_head_rank_from_the_client_ranks():
+    method = _ravan([2, 4, 16])
+    assert method.heads == [1, 2, 8] and method.H == 8  # the FedPA-LoRA paper's h_i for r_i 2, 4, 16
+    for name, (d, k) in SHAPES.items():  # no more trainable parameters than the client's rank-r_i LoRA
+        r_h = method.ranks[name]
+        assert all(K * r_h**2 <= r * (d + k) < K * (r_h + 1) ** 2 or K * (r_h + 1) ** 2 > r * (d + k)
+                   for r, K in zip([2, 4, 16], method.heads))  # fmt: skip
+        assert any(K * (r_h + 1) ** 2 > r * (d + k) for r, K in zip([2, 4, 16], method.heads))  # the largest
+    assert _ravan([2, 4], ravan_heads=[3, 1], ravan_head_rank=2).heads == [3, 1]
+    assert _ravan([2, 4], ravan_head_rank=2).ranks == {"q": 2, "v": 2}
+    with pytest.raises(ValueError, match="ravan sends every client all of its heads"):
+        METHODS["ravan"](FedPAConfig(), RankPlan.build(2, 4, client_ranks=[2, 4], reference_ranks=[2, 4]))
+
+
+def test_ravan_expand_is_the_sum_of_the_scaled_head_products_on_fixed_bases():
+    method = _ravan([2, 4])
+    g = torch.Generator().manual_seed(1)
+    state = {n: (torch.randn(2, method.ranks[n], method.ranks[n], generator=g), torch.rand(2, generator=g))
+             for n in SHAPES}  # fmt: skip
+    for n, (B, A) in method.expand(state).items():
+        B_b, A_b = method.bases(n)
+        r = method.ranks[n]
+        dense = sum(state[n][1][h] * B_b[:, h * r:(h + 1) * r] @ state[n][0][h] @ A_b[h * r:(h + 1) * r]
+                    for h in range(2))  # fmt: skip
+        torch.testing.assert_close(B @ A, dense, rtol=1e-5, atol=1e-6)
+    # the bases are the same on every worker (drawn from the seed and the module's name) and differ by seed
+    again = _ravan([2, 4])
+    assert all(torch.equal(method.bases(n)[0], again.bases(n)[0]) for n in SHAPES)
+    assert not torch.equal(method.bases("q")[0], _ravan([2, 4], seed=3).bases("q")[0])
+    assert not torch.equal(method.bases("q")[0][:, :1], method.bases("v")[0][:, :1])
+
+
+def test_ravan_averages_each_head_over_the_clients_that_trained_it_and_is_exact_there():
+    method = _ravan([1, 2, 2, 4])  # K_i = 1, 2, 2, 4 of H = 4 heads
+    rnd = next(t for t in range(100) if len({h for c in range(3) for h in method.selection(c, t)}) < 4)
+    init = {n: (H.double(), s.double()) for n, (H, s) in method.init_global(SHAPES, None).items()}
+    global_ = _state_uploads(method, init, 0, seed=7)  # a non-zero global
+    uploads = [_state_uploads(method, global_, c, seed=2, rnd=rnd) for c in range(4)]
+    new, spectra = method.aggregate(uploads, method.weights([5, 1, 1, 1], [None] * 4), range(4), None, rnd)
+    assert spectra == {}
+    drawn = [method.selection(c, rnd) for c in range(4)]
+    for n, (H_new, s_new) in new.items():
+        assert torch.equal(s_new, torch.ones(4, dtype=s_new.dtype))
+        B_b, A_b = (t.double() for t in method.bases(n))
+        r = method.ranks[n]
+        for h in range(4):
+            C = [c for c in range(4) if h in drawn[c]]  # the paper's C_h, unweighted
+            want = sum(uploads[c][n][0][h] for c in C) / len(C)
+            torch.testing.assert_close(H_new[h], want, rtol=0, atol=1e-12)
+            # exact: head h's product is the mean of the trainers' head products
+            Bh, Ah = B_b[:, h * r : (h + 1) * r], A_b[h * r : (h + 1) * r]
+            mean = sum(Bh @ uploads[c][n][0][h] @ Ah for c in C) / len(C)
+            torch.testing.assert_close(Bh @ H_new[h] @ Ah, mean, rtol=0, atol=1e-12)
+    alone = _ravan([1, 4])
+    kept = [h for h in range(4) if h not in alone.selection(0, rnd)]
+    upload = _state_uploads(alone, global_, 0, rnd=rnd)
+    new, _ = alone.aggregate([upload], [1.0], [0], None, rnd)
+    assert all(torch.equal(new[n][0][kept], H[kept]) for n, (H, _) in global_.items())  # untrained: kept
+
+
+def test_ravan_uploads_the_scaled_cores_of_its_heads_only_and_refuses_other_shapes():
+    method = _ravan([1, 4])
+    global_ = method.init_global(SHAPES, None)
+    local = {n: (torch.randn(H.shape), torch.full(s.shape, 2.0)) for n, (H, s) in global_.items()}
+    start = method.start_round(local, global_, 0, 3)  # from what it received, its scales back at 1
+    assert all(torch.equal(start[n][0], H) and torch.equal(start[n][1], torch.ones(4)) for n, (H, _) in local.items())
+    payload = method.upload_payload(method.before_upload(local, global_, 3), 0, 3)
+    chosen = method.selection(0, 3)
+    assert len(chosen) == 1
+    for n, parts in payload.items():
+        assert set(parts) == {"B"} and torch.equal(parts["B"], 2.0 * local[n][0][chosen])
+    wrong = {n: {"B": torch.zeros(2, *H.shape[1:])} for n, (H, _) in global_.items()}
+    with pytest.raises(ValueError, match=r"client #1 trains the heads \[\d\] in round 3"):
+        method.complete_upload(wrong, global_, 0, 3)
