@@ -75,7 +75,7 @@ RANK_SWEEP = {2: (2e-2, 5.0), 4: (2e-2, 5.0), 8: (2e-2, 2.0), 16: (2e-2, 1.0), 2
 LAMBDA_SWEEP = (0.01, 0.1, 1.0, 2.0, 5.0, 10.0)  # Figure 4: MNLI, N=3, r=R=4, beta in {100, 0.5}
 REFERENCE_SWEEP = (1, 2, 4, 8)  # Figure 5: MNLI, N=3, r=4, beta in {100, 0.5}
 
-# Baselines: learning rates of the same tables (FedDPA-LoRA, Ravan and Fed-PLoRA are not implemented)
+# Baselines: learning rates of the same tables
 BASELINE_LR = {  # homogeneous GLUE, columns FedIT, FlexLoRA, FFA-LoRA, RoLoRA, FedRot-LoRA, FedSA-LoRA, FedDPA-LoRA
     "sst2": dict(
         fedit=1e-2, flexlora=1e-2, ffa_lora=2e-2, rolora=1e-2, fedrot_lora=1e-2, fedsa_lora=2e-2, feddpa_t=5e-3
@@ -93,13 +93,13 @@ BASELINE_LR = {  # homogeneous GLUE, columns FedIT, FlexLoRA, FFA-LoRA, RoLoRA, 
         fedit=1e-2, flexlora=5e-3, ffa_lora=2e-2, rolora=5e-3, fedrot_lora=1e-2, fedsa_lora=1e-2, feddpa_t=1e-2
     ),
 }  # FedDPA-LoRA is FedDPA-T, the variant of the authors' code
-BASELINE_LR_HETERO = {  # heterogeneous GLUE: FlexLoRA, HetLoRA, Fed-PLoRA
-    "sst2": dict(flexlora=1e-2, hetlora=2e-2, fed_plora=1e-2),
-    "qnli": dict(flexlora=1e-2, hetlora=1e-2, fed_plora=1e-2),
-    "qqp": dict(flexlora=1e-2, hetlora=1e-2, fed_plora=5e-3),
-    "rte": dict(flexlora=1e-2, hetlora=1e-2, fed_plora=1e-2),
-    "mnli": dict(flexlora=5e-3, hetlora=2e-2, fed_plora=5e-3),
-}
+BASELINE_LR_HETERO = {  # heterogeneous GLUE: FlexLoRA, HetLoRA, Ravan, Fed-PLoRA
+    "sst2": dict(flexlora=1e-2, hetlora=2e-2, ravan=2e-2, fed_plora=1e-2),
+    "qnli": dict(flexlora=1e-2, hetlora=1e-2, ravan=2e-2, fed_plora=1e-2),
+    "qqp": dict(flexlora=1e-2, hetlora=1e-2, ravan=1e-2, fed_plora=5e-3),
+    "rte": dict(flexlora=1e-2, hetlora=1e-2, ravan=1e-2, fed_plora=1e-2),
+    "mnli": dict(flexlora=5e-3, hetlora=2e-2, ravan=1e-2, fed_plora=5e-3),
+}  # Ravan: h_i = 1, 2, 8 heads for r_i = 2, 4, 16 and r_h = 64 on RoBERTa-large, the defaults of fedpa.ravan_*
 BASELINE_LR_GSM8K = dict(fedit=5e-3, flexlora=5e-3, ffa_lora=5e-3, rolora=1e-3, fedrot_lora=5e-3)
 # FedEx-LoRA, FLoRA and LoRA-FAIR are not in the paper's tables, so no rate was tuned for them: they take FedIT's
 # (each is FedIT plus a server-side repair of its aggregate) and, with heterogeneous ranks, FLoRA takes FlexLoRA's.
@@ -291,7 +291,7 @@ def configs() -> dict[str, dict]:
         for method, lr in with_exact(rates, hetero=True).items():
             name = f"{method}_{task}_hetero"
             changes = {**hetero, "federate.method": method}
-            if method == "fed_plora":  # it sends every client all R = 16 modules
+            if method in ("fed_plora", "ravan"):  # they send every client all R = 16 modules / all 8 heads
                 changes["fedpa.reference_ranks"] = [16, 16, 16]
             out[f"baselines/{name}.yaml"] = glue(task, name, lr, GLUE_HETEROGENEOUS[task][1], **changes)[1]
     for method, lr in with_exact(BASELINE_LR_GSM8K).items():

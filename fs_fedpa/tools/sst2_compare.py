@@ -186,9 +186,11 @@ def extra_runs(selected: dict, T: int, strongest: list[str]) -> list[Run]:
     own = {  # a method's options of its own in this cell
         "fedpa": ("fedpa.lam", f"{chosen['fedpa']['lam'] * HETERO_LAM:g}"),
         "fed_plora": ("fedpa.reference_ranks", f"[{HETERO_R}, {HETERO_R}, {HETERO_R}]"),  # all R = 16 modules to all
+        "ravan": ("fedpa.reference_ranks", f"[{HETERO_R}, {HETERO_R}, {HETERO_R}]"),  # all 8 heads to all
     }
     for method, base in (
-        ("fedpa", "fedpa"), ("flexlora", "flexlora"), ("hetlora", "fedit"), ("flora", "flora"), ("fed_plora", "fedit")
+        ("fedpa", "fedpa"), ("flexlora", "flexlora"), ("hetlora", "fedit"), ("flora", "flora"), ("fed_plora", "fedit"),
+        ("ravan", "fedit"),
     ):  # fmt: skip
         add("hetero", f"{method}_r2_4_16", method, base, *hetero, *own.get(method, ()))
     add("ablation", "fedpa_no_preservation", "fedpa_no_preservation", "fedpa")

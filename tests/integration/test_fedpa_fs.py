@@ -264,7 +264,7 @@ def test_baseline_configs_differ_from_fedpa_only_in_method_and_learning_rate():
         cfg.pop("expname")
         strength = cfg["fedpa"].pop("rotation_strength", None)
         assert strength == (0.6 if path.name.startswith("fedrot_lora") else None), path.name  # SST-2's value
-        if path.name.startswith("fed_plora"):  # every client receives all R modules
+        if path.name.startswith(("fed_plora", "ravan")):  # every client receives all R modules / all heads
             assert cfg["fedpa"].pop("reference_ranks") == [16, 16, 16]
             cfg["fedpa"]["reference_ranks"] = [2, 4, 16]
         return cfg

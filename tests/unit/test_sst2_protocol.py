@@ -96,11 +96,12 @@ def test_later_stages_follow_the_final_paired_intervals(tmp_path):
     assert rows["fedit"]["mean"] == pytest.approx(0.055)
     assert sc.strongest(results) == ["flexlora", "fedit", "ffa_lora"]
     hetero = {r.method: _opts(r) for r in sc.extra_runs(selected, 4, ["flexlora"]) if r.stage == "hetero"}
-    assert set(hetero) == {"fedpa", "flexlora", "hetlora", "flora", "fed_plora"}
+    assert set(hetero) == {"fedpa", "flexlora", "hetlora", "flora", "fed_plora", "ravan"}
     assert all(o["model.seqcls.r"] == "16" and o["fedpa.client_ranks"] == "[2, 4, 16]" for o in hetero.values())
     # the same penalty per unit of update as the tuned r = 4 cell: lambda * (s(16) / s(4))^2 with s(r) = alpha / r
     assert float(hetero["fedpa"]["fedpa.lam"]) == pytest.approx(0.5 * ((8 / 16) / (8 / 4)) ** 2)
     assert hetero["fed_plora"]["fedpa.reference_ranks"] == "[16, 16, 16]"  # all R modules to every client
+    assert hetero["ravan"]["fedpa.reference_ranks"] == "[16, 16, 16]"  # all heads to every client
     assert hetero["flexlora"]["fedpa.reference_ranks"] == "[2, 4, 16]"
 
 
