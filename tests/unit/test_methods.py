@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fs_fedpa import lora
 from fs_fedpa.config import FedPAConfig
 from fs_fedpa.core.ranks import RankPlan
 from fs_fedpa.methods import METHODS, get_method
@@ -62,6 +63,39 @@ def test_contract_ranks_of_init_downlink_and_aggregate(name):
     assert all(B.shape[1] == r[n] and A.shape[0] == r[n] for n, (B, A) in client.items())
     assert all(B.shape == (SHAPES[n][0], r[n]) and A.shape == (r[n], SHAPES[n][1]) for n, (B, A) in global_.items())
     assert all(B.shape[1] == (r[n] if full else 2) for n, (B, _) in down.items())  # R_1 = 2
+
+
+@pytest.mark.parametrize("name", PLUGIN_METHODS)
+def test_contract_payload_completion_and_model_round_trip(name):
+    # Prepare: a PEFT model whose LoRA modules have SHAPES' (d, k)
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_TwoLinear(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q", "v"]))
+    shapes = {n: (layer.out_features, layer.in_features) for n, layer in lora.lora_layers(model).items()}
+    full = name in ("fed_plora", "ravan")
+    method = _method(name, [4, 4, 4], reference_ranks=None if full else [4, 4, 4])
+    method.bind(shapes)
+    global_ = method.init_global(shapes, torch.Generator().manual_seed(0))
+    state = method.client_init(global_, 1)
+    # Execute: into the model and back; what a client sends, completed by the server
+    method.load(model, state, method.trainable(1), 1, 1)
+    read = method.read(model)
+    sent = method.before_upload(read, global_, 1)
+    payload = method.upload_payload(sent, 1, 1)
+    completed = method.complete_upload(payload, global_, 1, 1)
+    # Assert: the model holds the state bit for bit; only the round's parts travel; the server's completion is what
+    # was sent (the parts that did not travel are the global ones), as factors of the module's shape
+    assert all(torch.equal(read[n][j], state[n][j]) for n in state for j in (0, 1))
+    assert all(set(parts) == set(method.upload_parts(1)) for parts in payload.values())
+    expanded = method.expand(completed)
+    for n, (B, A) in expanded.items():
+        assert B.shape[0] == shapes[n][0] and A.shape[1] == shapes[n][1] and B.shape[1] == A.shape[0]
+        torch.testing.assert_close(B @ A, (lambda f: f[0] @ f[1])(method.expand(sent)[n]))
+
+
+class _TwoLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.v = torch.nn.Linear(10, 12), torch.nn.Linear(8, 12)
 
 
 def _state_uploads(method, global_, client, seed=0, rnd=0):
