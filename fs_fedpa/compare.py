@@ -1,7 +1,8 @@
 """Run a grid of federated methods x seeds x config overrides through FederatedScope; tabulate and plot it.
 
     python -m fs_fedpa.compare --cfg yaml_configs/compare_sst2_minilm_cpu.yaml --methods fedpa fedit flexlora \\
-        [--cell fedpa_lam0 fedpa fedpa.lam 0] --seeds 0 1 2 --out exp/compare_sst2 [--metric val_acc] [KEY VALUE ...]
+        [--cell fedpa_lam0 fedpa fedpa.lam 0] --seeds 0 1 2 --out exp/compare_sst2 [--metric val_acc] \\
+        [--earlier docs/reference/sst2_minilm_cpu/runs.json] [KEY VALUE ...]
 
 A *cell* is a name, a ``federate.method`` and FS overrides of its own: ``--methods m`` adds the cell ``m`` with
 none, ``--cell NAME METHOD [KEY VALUE ...]`` one with overrides (an ablation, another λ, heterogeneous ranks).
@@ -241,6 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="folder of the runs, the table and the plots")
     parser.add_argument("--metric", default="val_acc", help="FS metric to tabulate (e.g. val_acc, val_avg_loss)")
     parser.add_argument("--no-plots", action="store_true", help="write the table only")
+    parser.add_argument(
+        "--earlier",
+        metavar="RUNS_JSON",
+        help="the runs.json of an earlier grid with the same config: its runs join the table and figures first "
+        "(a cell and seed run here replaces the earlier one)",
+    )
     parser.add_argument("opts", nargs="*", help="FS overrides for every run, KEY VALUE ...")
     args = parser.parse_args(argv)
     if not Path(args.cfg).is_file():
@@ -266,8 +273,17 @@ def main(argv: list[str] | None = None) -> int:
         else:
             times.append(seconds)
     runs = [collect(out / "runs" / f"{c.name}_s{s}") for c, s in grid]
-    (out / "runs.json").write_text(json.dumps(runs))
     note = protocol_note(args.metric, args.cfg, cells, args.seeds, args.opts)
+    if args.earlier:
+        earlier = json.loads(Path(args.earlier).read_text())
+        new = {(r["cell"], r["seed"]) for r in runs}
+        kept = [r for r in earlier if (r["cell"], r["seed"]) not in new]
+        for r in kept:
+            r["rounds"] = {int(k): m for k, m in r["rounds"].items()}
+        runs = kept + runs
+        cells_before = ", ".join(dict.fromkeys(r["cell"] for r in kept))
+        note += f"\n- Earlier runs from `{args.earlier}` (an older version of fs_fedpa): {cells_before}."
+    (out / "runs.json").write_text(json.dumps(runs))
     print(write_table(summarize(runs, args.metric, larger), args.metric, out, note))
     if not args.no_plots:
         from fs_fedpa.tools.plots import plot_all

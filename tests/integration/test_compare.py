@@ -48,6 +48,18 @@ def test_micro_grid_writes_the_table_and_plots_and_skips_finished_runs(tiny_llm,
     for name in ("accuracy", "mismatch", "spectrum", "bytes"):
         png = out / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000, name
+    # --earlier: the runs of an earlier grid join the table; a cell and seed run here replaces the earlier one
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text((out / "runs.json").read_text())
+    only = [sys.executable, "-m", "fs_fedpa.compare", "--cfg", cfg, "--methods", "fedpa", "--seeds", "0", "1"]
+    third = subprocess.run([*only, "--out", str(out), "--earlier", str(earlier), "--no-plots"], cwd=ROOT, env=fs_env(),
+                           capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert third.returncode == 0 and third.stdout.count("skipped") == 2, third.stdout[-3000:] + third.stderr[-3000:]
+    table = (out / "results.md").read_text()
+    assert "| fedit_fast | fedit | 2 |" in table and "| fedpa | fedpa | 2 |" in table
+    assert f"Earlier runs from `{earlier}`" in table and table.index("| fedit_fast |") < table.index("| fedpa |")
+    merged = [(r["cell"], r["seed"]) for r in json.loads((out / "runs.json").read_text())]
+    assert sorted(merged) == sorted(runs) and len(merged) == 4
 
 
 def runs_of(out):
