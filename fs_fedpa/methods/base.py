@@ -63,6 +63,15 @@ class FederatedMethod:
     def check_plan(self) -> None:
         """Raise ValueError if the rank plan does not suit the method (default: any plan)."""
 
+    def require_full_references(self, what: str) -> None:
+        """ValueError unless R_g and every R_i are r_g = max r_i: for a method that sends every client all ``what``."""
+        R = self.plan.r_g
+        if self.plan.global_rank != R or any(R_i != R for R_i in self.plan.reference_ranks):
+            raise ValueError(
+                f"federate.method {self.name} sends every client all {what}; leave fedpa.reference_ranks unset or set "
+                f"each to {R} (got {list(self.plan.reference_ranks)})"
+            )
+
     def bind(self, shapes: dict[str, tuple[int, int]]) -> None:
         """Learn the model's LoRA modules, ``shapes[name] = (d, k)`` (every worker calls it once, before anything
         else); raise ValueError if the method cannot adapt them."""

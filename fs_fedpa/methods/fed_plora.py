@@ -26,12 +26,7 @@ class FedPLoRA(FederatedMethod):
     name = "fed_plora"
 
     def check_plan(self) -> None:
-        R = self.plan.r_g
-        if self.plan.global_rank != R or any(R_i != R for R_i in self.plan.reference_ranks):
-            raise ValueError(
-                f"federate.method fed_plora sends every client all R = max r_i = {R} modules; leave "
-                f"fedpa.reference_ranks unset or set each to {R} (got {list(self.plan.reference_ranks)})"
-            )
+        self.require_full_references(f"R = max r_i = {self.plan.r_g} modules")
 
     def weights(self, round_samples: Sequence[float], data_sizes: Sequence[float | None]) -> list[float]:
         return [1.0] * len(round_samples)

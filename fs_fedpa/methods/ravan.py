@@ -45,12 +45,7 @@ class Ravan(FederatedMethod):
         self._bases: dict[str, tuple[Tensor, Tensor]] = {}
 
     def check_plan(self) -> None:
-        R = self.plan.r_g
-        if self.plan.global_rank != R or any(R_i != R for R_i in self.plan.reference_ranks):
-            raise ValueError(
-                "federate.method ravan sends every client all of its heads; leave fedpa.reference_ranks (and "
-                f"fedpa.global_rank) unset (got reference ranks {list(self.plan.reference_ranks)})"
-            )
+        self.require_full_references("of its heads")
 
     def bind(self, shapes: dict[str, tuple[int, int]]) -> None:
         super().bind(shapes)
