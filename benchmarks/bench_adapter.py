@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _common import client_factors, fmt, median_time
+from _common import client_factors, fmt, interleaved_times, median_time
 
 from fs_fedpa import reconstruct, reconstruct_adapter
 from fs_fedpa.core.accuracy import FAMILIES, case, float32_floor, tail_excess
@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--rank", type=int, default=4)
     parser.add_argument("--dim", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (a GPU host; see docs/algorithm.md)")
     parser.add_argument("--skip-accuracy", action="store_true", help="timings only")
     args = parser.parse_args()
@@ -77,21 +77,18 @@ def main() -> None:
     ]
     w = torch.full((n,), 1.0 / n, device=args.device)
     gen = torch.Generator(device=args.device).manual_seed(0)
-    rep = args.repeats
-    t = {
-        "avg stacked": median_time(lambda: average_stacked(uploads, w), rep),
-        "avg loop": median_time(lambda: average_loop(uploads, w), rep),
-        "avg fs-style": median_time(lambda: average_fs_style(state_dicts, w.tolist()), rep),
-        "reduced": median_time(lambda: reconstruct_adapter(uploads, r), rep),
-        "householder fp32 (before)": median_time(lambda: householder_fp32(uploads, r, w.tolist()), rep),
-        "randomized p=8": median_time(lambda: reconstruct_adapter(uploads, r, mode="randomized", generator=gen), rep),
-        "randomized p=2": median_time(
-            lambda: reconstruct_adapter(uploads, r, mode="randomized", oversample=2, generator=gen), rep
-        ),
-        "randomized p=0": median_time(
-            lambda: reconstruct_adapter(uploads, r, mode="randomized", oversample=0, generator=gen), rep
-        ),
+    fns = {
+        "avg stacked": lambda: average_stacked(uploads, w),
+        "avg loop": lambda: average_loop(uploads, w),
+        "avg fs-style": lambda: average_fs_style(state_dicts, w.tolist()),
+        "reduced": lambda: reconstruct_adapter(uploads, r),
+        "householder fp32 (before)": lambda: householder_fp32(uploads, r, w.tolist()),
+        "randomized p=8": lambda: reconstruct_adapter(uploads, r, mode="randomized", generator=gen),
+        "randomized p=2": lambda: reconstruct_adapter(uploads, r, mode="randomized", oversample=2, generator=gen),
+        "randomized p=0": lambda: reconstruct_adapter(uploads, r, mode="randomized", oversample=0, generator=gen),
     }
+    fns.update(floor_steps(uploads))
+    t = interleaved_times(fns, args.repeats)
     one = [(u[MODULES[0]][0], u[MODULES[0]][1]) for u in uploads]
     t_dense_one = median_time(lambda: reconstruct([B for B, _ in one], [A for _, A in one], r, mode="dense"), 2)
     t["dense (48 x one module)"] = 48 * t_dense_one
@@ -113,7 +110,7 @@ def main() -> None:
     print(
         f"ratio reduced / householder fp32 (the former reduced): {t['reduced'] / t['householder fp32 (before)']:.2f}x"
     )
-    floor = floor_time(uploads, rep)
+    floor = t["floor: cast"] + t["floor: grams"] + t["floor: eigh"]
     print(
         f"floor of a float64-exact route (cast + two Gram GEMMs + one small eigh, measured here): "
         f"{floor / best_avg:.2f}x the averaging; reduced is {t['reduced'] / floor:.2f}x that floor"
@@ -122,18 +119,19 @@ def main() -> None:
         accuracy_table(r)
 
 
-def floor_time(uploads, rep: int) -> float:
-    """What any float64-exact reconstruction built from torch ops must at least do, timed on these uploads: cast
-    the stacked factors to float64 (one read of every upload), the two Gram matrices, one batched eigh of the
-    (sum r_i)^2 core. The map-back and the second small eigendecomposition come on top."""
+def floor_steps(uploads) -> dict:
+    """What any float64-exact reconstruction built from torch ops must at least do, on these uploads: cast the
+    stacked factors to float64 (one read of every upload), the two Gram matrices, one batched eigh of the
+    (sum r_i)^2 core. The map-back and the second small factorisation come on top."""
     Bt = torch.cat([torch.stack([u[n][0] for n in MODULES]).mT for u in uploads], dim=-2).double().contiguous()
     A = torch.cat([torch.stack([u[n][1] for n in MODULES]) for u in uploads], dim=-2).double()
     B32, A32 = Bt.float(), A.float()
     G = Bt @ Bt.mT
-    cast = median_time(lambda: (B32.double(), A32.double()), rep)
-    grams = median_time(lambda: (Bt @ Bt.mT, A @ A.mT), rep)
-    eigh = median_time(lambda: torch.linalg.eigh(G), rep)
-    return cast + grams + eigh
+    return {
+        "floor: cast": lambda: (B32.double(), A32.double()),
+        "floor: grams": lambda: (Bt @ Bt.mT, A @ A.mT),
+        "floor: eigh": lambda: torch.linalg.eigh(G),
+    }
 
 
 def householder_fp32(uploads, r, w):
