@@ -22,8 +22,7 @@ comparison baseline (what FlexLoRA does).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -192,7 +191,7 @@ def _reconstruct_clients(Bs, As, rank, w, mode, oversample, generator) -> tuple[
     dtype = Bs[0].dtype
     try:
         if mode == "reduced" and dtype != torch.float64:
-            B_g, A_g, S = _in_chunks(_gram_route, Bs, As, rank, w)
+            B_g, A_g, S = _gram_route(Bs, As, rank, w)
         else:
             B_cat, A_cat = weighted_stack(Bs, As, w, compute_dtype(dtype))
             B_g, A_g, S = _reconstruct_cat(B_cat, A_cat, rank, mode, oversample, generator)
@@ -259,34 +258,6 @@ def _gram_route(Bs, As, rank, w) -> tuple[Tensor, Tensor, Tensor]:
         B_g = torch.cat([B_g, B_g.new_zeros((*B_g.shape[:-1], rank - n))], dim=-1)
         A_g = torch.cat([A_g, A_g.new_zeros((*A_g.shape[:-2], rank - n, A_g.shape[-1]))], dim=-2)
     return B_g, A_g, S
-
-
-MIN_CHUNK = 4  # layers per thread below which one batched call is faster than spreading them over threads
-_POOL: dict[int, ThreadPoolExecutor] = {}
-_POOL_LOCK = threading.Lock()
-
-
-def _in_chunks(route: Callable, Bs, As, rank, w) -> tuple[Tensor, Tensor, Tensor]:
-    """``route(Bs, As, rank, w)`` with the leading batch dim (the layers) split over ``torch.get_num_threads()``
-    threads, on CPU: torch runs a batch of small GEMMs, Choleskys and eigh one matrix after another, each too small
-    to use its threads, so separate layers go to separate threads instead. Every layer is computed exactly as in
-    one call; on other devices, with one thread or a small batch it is that one call."""
-    threads = torch.get_num_threads()
-    batch = Bs[0].shape[0] if Bs[0].ndim > 2 else 1
-    n = min(threads, batch // MIN_CHUNK)
-    if n < 2 or Bs[0].device.type != "cpu" or threading.current_thread().name.startswith("fs_fedpa-reconstruct"):
-        return route(Bs, As, rank, w)
-    with _POOL_LOCK:
-        pool = _POOL.get(n)
-        if pool is None:
-            pool = _POOL[n] = ThreadPoolExecutor(n, thread_name_prefix="fs_fedpa-reconstruct")
-    edges = [batch * j // n for j in range(n + 1)]
-    futures = [
-        pool.submit(route, [B[lo:hi] for B in Bs], [A[lo:hi] for A in As], rank, w)
-        for lo, hi in zip(edges, edges[1:])
-    ]
-    parts = [f.result() for f in futures]
-    return tuple(torch.cat(xs) for xs in zip(*parts))
 
 
 def _check_mode(mode: str, oversample: int) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import threading
 
 import pytest
 import torch
@@ -11,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fs_fedpa import reconstruct, reconstruct_adapter
-from fs_fedpa.core import reconstruct as recon_module
 from tests.factories import KINDS, client_factors, dense_aggregate, optimal_error
 
 SETTINGS = settings(max_examples=60, deadline=None)
@@ -184,55 +182,6 @@ def test_batched_layers_equal_one_call_per_layer(mode):
     for j, (Bl, Al) in enumerate(layers):
         b, a = reconstruct(Bl, Al, 3, mode=mode)
         torch.testing.assert_close(B_g[j] @ A_g[j], b @ a)
-
-
-@pytest.fixture
-def two_threads():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _float32_layers(n_layers: int, ranks: list[int]):
-    layers = [client_factors(s, 24, 16, ranks, dtype=torch.float32) for s in range(n_layers)]
-    Bs = [torch.stack([layer[0][i] for layer in layers]).float() for i in range(len(ranks))]
-    As = [torch.stack([layer[1][i] for layer in layers]).float() for i in range(len(ranks))]
-    return Bs, As
-
-
-def test_layers_spread_over_threads_get_each_its_own_optimum(two_threads, monkeypatch):
-    # Prepare: 13 float32 layers, clients of ranks 2, 3, 1; a spy on the Gram route sees how the layers were split
-    Bs, As = _float32_layers(13, [2, 3, 1])
-    calls = []
-    route = recon_module._gram_route
-
-    def spy(Bs, As, rank, w):
-        calls.append((Bs[0].shape[0], threading.current_thread().name))
-        return route(Bs, As, rank, w)
-
-    monkeypatch.setattr(recon_module, "_gram_route", spy)
-    # Execute
-    B_g, A_g, S = reconstruct(Bs, As, 3, return_spectrum=True)
-    monkeypatch.setattr(recon_module, "MIN_CHUNK", 10**9)
-    B_1, A_1, S_1 = reconstruct(Bs, As, 3, return_spectrum=True)
-    # Assert: two threads took 6 and 7 layers, the result is the one call's bit for bit, and every layer is the
-    # dense float64 optimum of its own aggregate
-    assert sorted(n for n, _ in calls[:2]) == [6, 7]
-    assert all(name.startswith("fs_fedpa-reconstruct") for _, name in calls[:2]) and calls[2][0] == 13
-    assert torch.equal(B_g, B_1) and torch.equal(A_g, A_1) and torch.equal(S, S_1)
-    for j in range(13):
-        X = dense_aggregate([B[j].double() for B in Bs], [A[j].double() for A in As])
-        err = float(torch.linalg.matrix_norm(X - B_g[j].double() @ A_g[j].double()))
-        assert err <= optimal_error(X, 3) + 1e-5 * float(torch.linalg.matrix_norm(X))
-
-
-def test_a_bad_layer_in_another_thread_is_reported_like_in_one_call(two_threads):
-    Bs, As = _float32_layers(12, [2, 2, 2])
-    As[2] = As[2].clone()
-    As[2][10, 0, 3] = float("inf")  # layer 10: in the second thread's half
-    with pytest.raises(ValueError, match=r"A of client 2 contains NaN or Inf"):
-        reconstruct(Bs, As, 3)
 
 
 def test_adapter_reconstruction_groups_modules_and_keeps_order():
