@@ -246,7 +246,7 @@ def execute(
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = [pool.submit(one, i, run) for i, run in enumerate(pending, start=1)]
         for future in as_completed(futures):
-            if (done := future.result()) is None:
+            if future.cancelled() or (done := future.result()) is None:  # cancelled: left for the next call
                 continue
             run, result = done
             results[run.key] = result

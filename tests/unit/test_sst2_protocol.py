@@ -147,6 +147,25 @@ def test_runs_execute_in_parallel_commit_each_result_and_leave_failures_for_the_
     assert sc.load_results(tmp_path)["tune/fedpa_s0"]["rounds"] == {2: {"val_acc": 0.8}}  # committed, read back
 
 
+def test_the_hours_budget_stops_after_the_runs_under_way_and_keeps_their_results(tmp_path, monkeypatch):
+    from fs_fedpa import compare
+
+    def run_one(cfg, cell, seed, out, opts, rounds):
+        out.mkdir(parents=True, exist_ok=True)
+
+    def collect(out):
+        return {"cell": out.name[:-3], "seed": 0, "seconds": 6.0, "rounds": {"2": {"val_acc": 0.8}}, "diagnostics": []}
+
+    monkeypatch.setattr(compare, "run_one", run_one)
+    monkeypatch.setattr(compare, "collect", collect)
+    runs = [sc.Run("tune", m, m, (), 0, 2) for m in ("fedpa", "fedit", "flexlora", "ffa_lora")]
+    results, budget = {}, {"ran": 0.0, "stop_at": 1.0}  # spent before the first run ends
+    with pytest.raises(TimeoutError, match=r"--hours spent; [0-3] runs of this stage left"):
+        sc.execute(runs, results, tmp_path, tmp_path / "work", tmp_path, budget, jobs=1)
+    assert 1 <= len(results) < 4  # the cancelled runs wait for the next call
+    assert len(list((tmp_path / "runs" / "tune").iterdir())) == len(results)
+
+
 def test_the_report_states_a_verdict_per_baseline_from_the_committed_runs(tmp_path):
     from fs_fedpa.tools.sst2_report import write_report
 
