@@ -2,9 +2,10 @@
 
 RoBERTa-large shapes: 24 layers x {query, value}, d = k = 1024, N = 10 clients, r = R_g = 4, uploads
 arriving as separate per-module tensors (one dict per client, as FS hands them to the aggregator).
-Goals (issue "package foundation"): reduced <= 2.0x and randomized <= 1.5x of two-factor averaging. Since the
-float64 Gram route, the script also times the former float32 Householder route and prints the accuracy per case
-family (fs_fedpa.core.accuracy) against the float32 floor.
+Goal (issue "reconstruction at the float floor"): reduced <= 4.5x the fastest two-factor averaging, with the
+accuracy per case family (fs_fedpa.core.accuracy) at the float32 floor; the script prints both, the former float32
+Householder route, and the floor of any float64-exact route (cast, two Grams, one small eigh) timed beside them.
+Every variant is timed round-robin in one loop (docs/algorithm.md says why).
 
 Three implementations of the averaging baseline are timed, all on the same uploads:
   stacked  - per module, torch.stack the N uploads and take the weighted sum (the fastest we found);
