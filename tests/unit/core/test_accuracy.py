@@ -83,7 +83,6 @@ def test_a_float16_aggregate_that_does_not_fit_float16_is_refused_with_the_reaso
     assert torch.isfinite(B_g).all() and float(B_g.abs().max()) > 65504
 
 
-
 def test_a_float16_aggregate_with_sigma_1_above_the_float16_maximum_but_small_entries_is_returned():
     # the aggregate is 16 everywhere: sigma_1 = 16 d = 65536 is above float16's 65504, B_g's entries sigma_1 / sqrt(d)
     # = 1024 are not
@@ -95,6 +94,7 @@ def test_a_float16_aggregate_with_sigma_1_above_the_float16_maximum_but_small_en
     exact = torch.full((d, d), 16.0, dtype=torch.float64)
     assert torch.isfinite(B_g).all() and B_g.dtype == torch.float16
     torch.testing.assert_close(B_g.double() @ A_g.double(), exact, rtol=2e-3, atol=0)
+
 
 def test_reused_workspaces_never_alias_a_returned_result():
     first = _case("random", 1, 4, 40, 32, 4)
