@@ -12,16 +12,7 @@ import torch
 def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
     """Median wall time in seconds of ``fn()`` over ``repeats`` calls, after ``warmup`` untimed calls; on a GPU the
     queued kernels are waited for before each clock read."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        _sync()
-        start = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return interleaved_times({"fn": fn}, repeats, warmup)["fn"]
 
 
 def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1) -> dict[str, float]:

@@ -120,15 +120,17 @@ def test_committed_final_runs_used_the_committed_selection():
             assert float(opts["fedpa.lam"]) == choice["lam"]
 
 
-def test_runs_execute_in_parallel_commit_each_result_and_leave_failures_for_the_next_call(tmp_path, monkeypatch):
+def fake_fs_runs(monkeypatch, failing: tuple[str, ...] = ()) -> list:
+    """Replace FS runs by instant ones (6 s, held-out accuracy 0.8; the cells in ``failing`` fail); returns the list
+    of ``(cell, opts)`` they are called with."""
     from fs_fedpa import compare
 
     calls = []
 
     def run_one(cfg, cell, seed, out, opts, rounds):
         calls.append((cell.name, opts))
-        if cell.name == "fedit":
-            raise RuntimeError("fedit seed 0 failed (exit 1)")
+        if cell.name in failing:
+            raise RuntimeError(f"{cell.name} seed 0 failed (exit 1)")
         out.mkdir(parents=True, exist_ok=True)
 
     def collect(out):
@@ -136,6 +138,11 @@ def test_runs_execute_in_parallel_commit_each_result_and_leave_failures_for_the_
 
     monkeypatch.setattr(compare, "run_one", run_one)
     monkeypatch.setattr(compare, "collect", collect)
+    return calls
+
+
+def test_runs_execute_in_parallel_commit_each_result_and_leave_failures_for_the_next_call(tmp_path, monkeypatch):
+    calls = fake_fs_runs(monkeypatch, failing=("fedit",))
     runs = [sc.Run("tune", m, m, (), 0, 2) for m in ("fedpa", "fedit", "flexlora")]
     results, budget = {}, {"ran": 0.0, "stop_at": 0.0}
     fs_opts = ("use_gpu", "True")
@@ -148,16 +155,7 @@ def test_runs_execute_in_parallel_commit_each_result_and_leave_failures_for_the_
 
 
 def test_the_hours_budget_stops_after_the_runs_under_way_and_keeps_their_results(tmp_path, monkeypatch):
-    from fs_fedpa import compare
-
-    def run_one(cfg, cell, seed, out, opts, rounds):
-        out.mkdir(parents=True, exist_ok=True)
-
-    def collect(out):
-        return {"cell": out.name[:-3], "seed": 0, "seconds": 6.0, "rounds": {"2": {"val_acc": 0.8}}, "diagnostics": []}
-
-    monkeypatch.setattr(compare, "run_one", run_one)
-    monkeypatch.setattr(compare, "collect", collect)
+    fake_fs_runs(monkeypatch)
     runs = [sc.Run("tune", m, m, (), 0, 2) for m in ("fedpa", "fedit", "flexlora", "ffa_lora")]
     results, budget = {}, {"ran": 0.0, "stop_at": 1.0}  # spent before the first run ends
     with pytest.raises(TimeoutError, match=r"--hours spent; [0-3] runs of this stage left"):
