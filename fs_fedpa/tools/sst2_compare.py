@@ -220,11 +220,16 @@ def execute(
 ) -> int:
     """Run what has no committed result yet, ``jobs`` FS processes at a time, writing each run's JSON as soon as it
     finishes; a run that fails is reported and retried at the next call. ``fs_opts``: FS overrides for every run
-    of this call (e.g. ``use_gpu True device 0`` on a GPU host; recorded in the run's JSON). Returns how many runs
-    finished."""
+    of this call (e.g. ``use_gpu True device 0`` on a GPU host; recorded in the run's JSON). Once the clock passes
+    ``budget["stop_at"]`` (0: no limit) no further run starts; those under way finish and are kept, and a
+    ``TimeoutError`` says how many wait for the next call. Returns how many runs finished."""
     pending = [r for r in runs if r.key not in results]
+    spent = []
 
     def one(i: int, run: Run) -> tuple[Run, dict] | None:
+        if spent or (budget["stop_at"] and time.time() > budget["stop_at"]):
+            spent.append(run)  # decided where the run would start, so a queued run never slips past the budget
+            return None
         left = sum(r.rounds for r in pending[i - 1 :]) * seconds_per_round(results) / 60
         print(f"[{run.stage} {i}/{len(pending)}] {run.name} seed {run.seed}, {run.rounds} rounds; "
               f"about {left:.0f} min left in this stage", flush=True)  # fmt: skip
@@ -242,19 +247,16 @@ def execute(
         result["rounds"] = {int(r): m for r, m in result["rounds"].items()}
         return run, result
 
-    finished, stop = 0, None
+    finished = 0
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(one, i, run) for i, run in enumerate(pending, start=1)]
-        for future in as_completed(futures):
-            if future.cancelled() or (done := future.result()) is None:  # cancelled: left for the next call
+        for future in as_completed([pool.submit(one, i, run) for i, run in enumerate(pending, start=1)]):
+            if (done := future.result()) is None:  # failed or not started: left for the next call
                 continue
             run, result = done
             results[run.key] = result
             finished += 1
             budget["ran"] += result["seconds"]
-            if budget["stop_at"] and time.time() > budget["stop_at"] and stop is None:
-                stop = sum(f.cancel() for f in futures)  # the runs under way finish; the others wait for a rerun
-    if stop is not None:
+    if spent:
         raise TimeoutError(f"--hours spent; {len(pending) - finished} runs of this stage left")
     return finished
 

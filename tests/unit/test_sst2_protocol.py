@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -154,14 +155,20 @@ def test_runs_execute_in_parallel_commit_each_result_and_leave_failures_for_the_
     assert sc.load_results(tmp_path)["tune/fedpa_s0"]["rounds"] == {2: {"val_acc": 0.8}}  # committed, read back
 
 
-def test_the_hours_budget_stops_after_the_runs_under_way_and_keeps_their_results(tmp_path, monkeypatch):
-    fake_fs_runs(monkeypatch)
-    runs = [sc.Run("tune", m, m, (), 0, 2) for m in ("fedpa", "fedit", "flexlora", "ffa_lora")]
-    results, budget = {}, {"ran": 0.0, "stop_at": 1.0}  # spent before the first run ends
-    with pytest.raises(TimeoutError, match=r"--hours spent; [0-3] runs of this stage left"):
-        sc.execute(runs, results, tmp_path, tmp_path / "work", tmp_path, budget, jobs=1)
-    assert 1 <= len(results) < 4  # the cancelled runs wait for the next call
-    assert len(list((tmp_path / "runs" / "tune").iterdir())) == len(results)
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_the_hours_budget_stops_after_the_runs_under_way_and_keeps_their_results(tmp_path, monkeypatch, jobs):
+    calls = fake_fs_runs(monkeypatch)
+    clock = iter([0.0] * jobs)  # the first `jobs` runs start before the budget is spent, every later one after
+
+    monkeypatch.setattr(sc, "time", SimpleNamespace(time=lambda: next(clock, 2.0)))  # this module's clock only
+    runs = [sc.Run("tune", m, m, (), 0, 2) for m in ("fedpa", "fedit", "flexlora", "ffa_lora", "fedsa_lora")]
+    results, budget = {}, {"ran": 0.0, "stop_at": 1.0}
+    with pytest.raises(TimeoutError, match=rf"--hours spent; {5 - jobs} runs of this stage left"):
+        sc.execute(runs, results, tmp_path, tmp_path / "work", tmp_path, budget, jobs=jobs)
+    assert len(calls) == len(results) == jobs  # the runs under way finished and were kept; no other one started
+    assert sorted(p.stem for p in (tmp_path / "runs" / "tune").iterdir()) == sorted(k[5:] for k in results)
+    assert sc.execute(runs, results, tmp_path, tmp_path / "work", tmp_path, {"ran": 0.0, "stop_at": 0.0}) == 5 - jobs
+    assert len(results) == 5  # the next call runs the rest
 
 
 def test_the_report_states_a_verdict_per_baseline_from_the_committed_runs(tmp_path):
