@@ -10,7 +10,15 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.integration.tiny_assets import build_tiny_llama, dump_yaml, fs_env, fs_llm_yaml, write_instruction_jsonl
+from tests.integration.tiny_assets import (
+    build_tiny_bert,
+    build_tiny_llama,
+    dump_yaml,
+    fs_env,
+    fs_llm_yaml,
+    write_instruction_jsonl,
+    write_tiny_glue,
+)
 
 FS_MISSING = importlib.util.find_spec("federatedscope") is None
 FS_SKIP_REASON = (
@@ -40,6 +48,14 @@ def tiny_llm(tmp_path_factory):
     data, texts = write_instruction_jsonl(root / "data.jsonl", 60)
     model_dir = build_tiny_llama(root / "tiny_llama", texts)
     return {"root": root, "data": data, "model": model_dir}
+
+
+@pytest.fixture(scope="session")
+def tiny_glue(tmp_path_factory):
+    """Tiny SST-2/RTE TSVs in the GLUE layout and a random 2-layer BERT with its tokenizer, built once."""
+    root = tmp_path_factory.mktemp("tiny_glue")
+    glue_root, texts = write_tiny_glue(root / "glue")
+    return {"glue": glue_root, "model": build_tiny_bert(root / "tiny_bert", texts)}
 
 
 def fedpa_cfg(tiny_llm, tmp_path: Path, **overrides) -> dict:

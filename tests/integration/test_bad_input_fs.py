@@ -12,7 +12,7 @@ import site
 import pytest
 
 from tests.conftest import ROOT
-from tests.integration.tiny_assets import build_tiny_bert, fs_glue_yaml, run_fs, write_tiny_glue
+from tests.integration.tiny_assets import fs_glue_yaml, run_fs
 
 pytestmark = pytest.mark.integration
 
@@ -70,13 +70,6 @@ CASES = [
     ("model path that does not exist", ["model.type", "/no/such/model@seqcls_llm"], "model path '/no/such/model'"),
     ("a `fedpa` yaml without the plugin installed", ["--no-plugin"], "Non-existent config key: model.seqcls"),
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny_glue(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny_glue_bad")
-    glue_root, texts = write_tiny_glue(root / "glue")
-    return {"glue": glue_root, "model": build_tiny_bert(root / "tiny_bert", texts)}
 
 
 @pytest.mark.parametrize("case,opts,message", CASES, ids=[c for c, _, _ in CASES])

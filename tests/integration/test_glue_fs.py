@@ -7,22 +7,13 @@ import torch
 
 from tests.integration.conftest import probe
 from tests.integration.tiny_assets import (
-    build_tiny_bert,
     fs_glue_yaml,
     outdir_of,
     read_eval_results,
     run_fs,
-    write_tiny_glue,
 )
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def tiny_glue(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny_glue")
-    glue_root, texts = write_tiny_glue(root / "glue")
-    return {"glue": glue_root, "model": build_tiny_bert(root / "tiny_bert", texts)}
 
 
 def _final_metrics(cfg):

@@ -1,0 +1,67 @@
+"""Every cell of the SST-2 protocol's later stages (β, heterogeneous ranks, ablation, adaptive λ) goes through stock
+FS for one round with exactly the overrides the runner passes, on tiny GLUE data and a tiny BERT: a cell that would
+fail hours into the grid fails here. Opt in with --run-slow (about 15 s a cell, 24 cells)."""
+
+from __future__ import annotations
+
+import ast
+import json
+
+import pytest
+import yaml
+
+from fs_fedpa import compare
+from fs_fedpa.tools import sst2_compare as sc
+from tests.conftest import ROOT
+from tests.integration.tiny_assets import dump_yaml, fs_env, fs_glue_yaml
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+STRONGEST = ["fedit", "flexlora", "fedrot_lora"]
+
+
+def _selected() -> dict:
+    """The committed selection (what the grid runs), or a stand-in before the tuning stage has written one."""
+    path = ROOT / sc.REPORT / "selected.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    choice = {"optimizer": "AdamW", "lr": 2e-3}
+    return {"methods": {m: {"method": m, **choice, "lam": 0.1 if m == "fedpa" else None} for m in sc.MAIN}}
+
+
+CELLS = [run for run in sc.extra_runs(_selected(), 1, STRONGEST) if run.seed == 0]
+
+
+def _value(text: str):
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text  # a bare word: an optimizer, a method, a rule
+
+
+def _dotted(cfg: dict, key: str):
+    for part in key.split("."):
+        cfg = cfg[part]
+    return cfg
+
+
+@pytest.mark.parametrize("run", CELLS, ids=[f"{r.stage}/{r.name}" for r in CELLS])
+def test_every_later_stage_cell_runs_through_fs_with_its_overrides(tiny_glue, tmp_path, monkeypatch, run):
+    # Prepare: the protocol's N = 10, every client every round, on the tiny assets
+    overrides = {"federate.client_num": sc.CLIENTS, "federate.sample_client_num": sc.CLIENTS}
+    cfg = fs_glue_yaml(tmp_path, tiny_glue["model"], tiny_glue["glue"], **overrides, **{"train.local_update_steps": 2})
+    for key, value in fs_env().items():
+        monkeypatch.setenv(key, value)
+    out = tmp_path / "run"
+    # Execute: the runner's own call
+    compare.run_one(dump_yaml(cfg, tmp_path / "base.yaml"), run.cell(), 0, out, [], "1")
+    # Assert: it evaluated, and every override of the cell reached FS's config
+    result = compare.collect(out)
+    assert result["rounds"] and all(0 <= m["val_acc"] <= 1 for m in result["rounds"].values())
+    used = yaml.safe_load((out / "run" / "config.yaml").read_text())
+    assert used["federate"]["method"] == run.method
+    for key, text in dict(zip(run.opts[::2], run.opts[1::2])).items():  # a key given twice: FS keeps the last
+        if key == "federate.total_round_num":
+            continue
+        expected, got = _value(text), _dotted(used, key)
+        assert got == (pytest.approx(expected) if isinstance(expected, float) else expected), key
