@@ -142,13 +142,14 @@ def reconstruct_adapter(
 
     result: dict[str, tuple[Tensor, Tensor]] = {}
     spectra: dict[str, Tensor] = {}
-    for group in groups.values():
-        # one batch per group: client i's factors of every module in the group, stacked on a leading dim
-        # (B_i stored transposed, (*, r_i, d), as both routes read it)
-        Bs = [torch.stack([u[n][0].mT for n in group]).mT for u in uploads]
-        As = [torch.stack([u[n][1] for n in group]) for u in uploads]
+    for (_, _, ranks, dtype, _), group in groups.items():
         try:
-            B_g, A_g, S = _reconstruct_clients(Bs, As, rank, w, mode, oversample, generator)
+            if mode == "reduced" and dtype != torch.float64:  # straight from the uploads into the float64 stacks
+                B_g, A_g, S = _in_dtype(*_gram_route(*_stack_modules(uploads, group, ranks), ranks, rank, w), dtype)
+            else:  # one batch per group: client i's factors of every module in the group, on a leading dim
+                Bs = [torch.stack([u[n][0].mT for n in group]).mT for u in uploads]
+                As = [torch.stack([u[n][1] for n in group]) for u in uploads]
+                B_g, A_g, S = _reconstruct_clients(Bs, As, rank, w, mode, oversample, generator)
         except ValueError as exc:  # name the module, not the batch position
             for n in group:
                 where = first_nonfinite_client([u[n][0] for u in uploads], [u[n][1] for u in uploads])
@@ -191,12 +192,18 @@ def _reconstruct_clients(Bs, As, rank, w, mode, oversample, generator) -> tuple[
     dtype = Bs[0].dtype
     try:
         if mode == "reduced" and dtype != torch.float64:
-            B_g, A_g, S = _gram_route(Bs, As, rank, w)
+            ranks = [B.shape[-1] for B in Bs]
+            B_g, A_g, S = _gram_route(_stack64([B.mT for B in Bs], "B"), _stack64(As, "A"), ranks, rank, w)
         else:
             B_cat, A_cat = weighted_stack(Bs, As, w, compute_dtype(dtype))
             B_g, A_g, S = _reconstruct_cat(B_cat, A_cat, rank, mode, oversample, generator)
     except _NonFinite:
         raise ValueError(f"{first_nonfinite_client(Bs, As)} contains NaN or Inf") from None
+    return _in_dtype(B_g, A_g, S, dtype)
+
+
+def _in_dtype(B_g: Tensor, A_g: Tensor, S: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """The factors cast to the uploads' ``dtype``; ValueError where they do not fit it."""
     out_B, out_A = B_g.to(dtype), A_g.to(dtype)
     # |B_g| entries <= sigma_1 (its columns have norms sigma_j) and A_g has orthonormal rows: below finfo.max the
     # outputs fit and the scan of both is skipped.
@@ -209,9 +216,10 @@ def _reconstruct_clients(Bs, As, rank, w, mode, oversample, generator) -> tuple[
     return out_B, out_A, S
 
 
-def _gram_route(Bs, As, rank, w) -> tuple[Tensor, Tensor, Tensor]:
-    """``reduced`` for float32 / bfloat16 / float16 factors: float64 Gram matrices of the stacked factors, two small
-    symmetric eigenproblems, a float64 map back. It reaches the float32 floor (the exact SVD rounded to float32),
+def _gram_route(Bt: Tensor, A: Tensor, ranks: Sequence[int], rank: int, w) -> tuple[Tensor, Tensor, Tensor]:
+    """``reduced`` for float32 / bfloat16 / float16 factors, from their float64 stacks ``Bt = [B_1^T; ...; B_N^T]:
+    (*, m, d)`` and ``A: (*, m, k)`` (client i's ``ranks[i]`` rows after client i-1's): float64 Gram matrices, two
+    small symmetric eigenproblems, a float64 map back. It reaches the float32 floor (the exact SVD rounded to float32),
     where Householder QR in float32 loses up to 2-3 digits when the clients' factors are nearly parallel.
 
     With the unweighted stacks ``B = [B_1, ..., B_N]: (*, d, m)``, ``A = [A_1; ...; A_N]: (*, m, k)`` and per column j
@@ -229,9 +237,8 @@ def _gram_route(Bs, As, rank, w) -> tuple[Tensor, Tensor, Tensor]:
     Singular values below ``sqrt(eps_64) sigma_1`` (about 1e-8 sigma_1) come out of ``K`` with absolute error
     about 1e-8 sigma_1: below the float32 floor, so the float32 result is as good as the exact one rounded.
     """
-    f64 = torch.float64
-    Bt, A = _stack64([B.mT for B in Bs], "B"), _stack64(As, "A")  # Bt: (*, m, d), the fast layout for B^T B
-    ranks = torch.tensor([B.shape[-1] for B in Bs], device=Bt.device)
+    f64 = torch.float64  # Bt: (*, m, d) is the fast layout for B^T B
+    ranks = torch.tensor(list(ranks), device=Bt.device)
     sw = torch.tensor(list(w), dtype=f64, device=Bt.device).sqrt().repeat_interleave(ranks)
     G_B, G_A = Bt @ Bt.mT, A @ A.mT
     nb, na = G_B.diagonal(dim1=-2, dim2=-1).sqrt(), G_A.diagonal(dim1=-2, dim2=-1).sqrt()
@@ -274,21 +281,44 @@ class _NonFinite(ValueError):
 _WORKSPACES = threading.local()  # per thread: the float64 stacks of the last few shapes, reused round after round
 
 
-def _stack64(parts: Sequence[Tensor], slot: str) -> Tensor:
-    """``parts`` concatenated along dim -2 into a float64 workspace (one pass that casts as it copies). The
-    workspace of ``slot`` and this shape is reused by the next call, so a server reconstructing the same adapter
-    every round allocates (and first-touches) its stacks once; the result is only valid until then."""
-    shape = (*parts[0].shape[:-2], sum(t.shape[-2] for t in parts), parts[0].shape[-1])
+def _workspace(slot: str, shape: tuple[int, ...], device: torch.device) -> Tensor:
+    """A float64 tensor of ``shape`` for ``slot``, reused by the next call with the same slot and shape, so a server
+    reconstructing the same adapter every round allocates (and first-touches) its stacks once; what it holds is
+    only valid until then."""
     cache = getattr(_WORKSPACES, "cache", None)
     if cache is None:
         cache = _WORKSPACES.cache = {}
-    key = (slot, shape, parts[0].device)
+    key = (slot, shape, device)
     out = cache.pop(key, None)
     if out is None:
-        out = parts[0].new_empty(shape, dtype=torch.float64)
+        out = torch.empty(shape, dtype=torch.float64, device=device)
     cache[key] = out  # most recent last
     while len(cache) > 8:
         del cache[next(iter(cache))]
+    return out
+
+
+def _stack_modules(uploads, group: Sequence[str], ranks: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """The float64 stacks of :func:`_gram_route` for every module of ``group`` at once, ``Bt: (G, m, d)`` and
+    ``A: (G, m, k)``, written straight from the clients' uploads (each casts as it is copied) into the workspaces."""
+    B0, A0 = uploads[0][group[0]]
+    G, m, d, k = len(group), sum(ranks), B0.shape[0], A0.shape[1]
+    Bt, A = _workspace("B", (G, m, d), B0.device), _workspace("A", (G, m, k), A0.device)
+    torch.cat([u[name][1] for name in group for u in uploads], out=A.view(G * m, k))
+    if len(set(ranks)) == 1:  # one stack, then one copy that transposes and casts: faster than transposing pieces
+        n, r = len(uploads), ranks[0]
+        stacked = torch.stack([u[name][0] for name in group for u in uploads])  # (G * n, d, r)
+        Bt.view(G, n, r, d).copy_(stacked.view(G, n, d, r).mT)
+    else:
+        torch.cat([u[name][0].mT for name in group for u in uploads], out=Bt.view(G * m, d))
+    return Bt, A
+
+
+def _stack64(parts: Sequence[Tensor], slot: str) -> Tensor:
+    """``parts`` concatenated along dim -2 into the float64 workspace of ``slot`` (one pass that casts as it
+    copies); valid until the next call with that slot and shape."""
+    shape = (*parts[0].shape[:-2], sum(t.shape[-2] for t in parts), parts[0].shape[-1])
+    out = _workspace(slot, shape, parts[0].device)
     start = 0
     for t in parts:
         out[..., start : start + t.shape[-2], :].copy_(t)

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fs_fedpa import reconstruct, reconstruct_adapter
+from fs_fedpa.core.accuracy import float32_floor, tail_excess
 from tests.factories import KINDS, client_factors, dense_aggregate, optimal_error
 
 SETTINGS = settings(max_examples=60, deadline=None)
@@ -211,6 +212,47 @@ def test_adapter_reconstruction_groups_modules_and_keeps_order():
         torch.testing.assert_close(
             spectra[name], torch.linalg.svdvals(dense_aggregate(Bs, As, weights))[: spectra[name].numel()]
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_precision_adapter_stacks_every_module_at_once_and_matches_each_module_alone(dtype):
+    # Prepare: float32/bf16 uploads take the Gram route from one stack of all modules; group q has equal ranks
+    # (one torch.stack, then a transposing copy), group v has a client whose rank differs (the concatenating branch)
+    names = ["l0.q", "l0.v", "l1.q", "l1.v"]
+    shapes = {"q": (40, 24), "v": (40, 32)}
+    uploads = [{} for _ in range(3)]
+    for m, name in enumerate(names):
+        d, k = shapes[name[-1]]
+        ranks = [3, 3, 3] if name.endswith("q") else [2, 5, 3]
+        Bs, As = client_factors(m, d, k, ranks)
+        for c in range(3):
+            uploads[c][name] = (Bs[c].to(dtype), As[c].to(dtype))
+    weights = [1.0, 2.0, 3.0]
+    # Execute
+    out = reconstruct_adapter(uploads, 4, weights=weights)
+    # Assert: the same factors as the module reconstructed alone (its own stacking), at the float64 optimum's
+    # accuracy up to the uploads' rounding
+    for name in names:
+        Bs, As = [u[name][0] for u in uploads], [u[name][1] for u in uploads]
+        B_g, A_g = out[name]
+        b, a = reconstruct(Bs, As, 4, weights=weights)
+        assert B_g.dtype == dtype and B_g.shape == (shapes[name[-1]][0], 4)
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(B_g.double() @ A_g.double(), b.double() @ a.double(), rtol=tol, atol=0)
+        exact = ([B.double() for B in Bs], [A.double() for A in As])
+        excess = tail_excess(*exact, B_g.double(), A_g.double(), 4, weights)
+        assert excess <= 2 * max(float32_floor(*exact, 4, weights), 1e-7) if dtype == torch.float32 else 3e-2, name
+
+
+@pytest.mark.parametrize("ranks", [[2, 2], [2, 3]], ids=["equal ranks", "mixed ranks"])
+def test_float32_adapter_names_the_module_with_bad_factors(ranks):
+    Bs, As = client_factors(0, 8, 6, ranks, dtype=torch.float32)
+    Bs, As = [B.float() for B in Bs], [A.float() for A in As]
+    bad = As[0].clone()
+    bad[1, 2] = float("inf")
+    uploads = [{"q": (Bs[0], As[0]), "v": (Bs[0], bad)}, {"q": (Bs[1], As[1]), "v": (Bs[1], As[1])}]
+    with pytest.raises(ValueError, match=r"module 'v': A of client 0 contains NaN or Inf"):
+        reconstruct_adapter(uploads, 2)
 
 
 # ---------------------------------------------------------------------------------------------- bad input
