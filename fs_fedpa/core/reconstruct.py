@@ -304,13 +304,14 @@ def _stack_modules(uploads, group: Sequence[str], ranks: Sequence[int]) -> tuple
     B0, A0 = uploads[0][group[0]]
     G, m, d, k = len(group), sum(ranks), B0.shape[0], A0.shape[1]
     Bt, A = _workspace("B", (G, m, d), B0.device), _workspace("A", (G, m, k), A0.device)
-    torch.cat([u[name][1] for name in group for u in uploads], out=A.view(G * m, k))
-    if len(set(ranks)) == 1:  # one stack, then one copy that transposes and casts: faster than transposing pieces
-        n, r = len(uploads), ranks[0]
+    if len(set(ranks)) == 1:  # a stack in the uploads' dtype, then one copy that casts (and transposes B): faster
+        n, r = len(uploads), ranks[0]  # than a casting cat, and than transposing piece by piece
         stacked = torch.stack([u[name][0] for name in group for u in uploads])  # (G * n, d, r)
         Bt.view(G, n, r, d).copy_(stacked.view(G, n, d, r).mT)
+        A.view(G * n, r, k).copy_(torch.stack([u[name][1] for name in group for u in uploads]))
     else:
         torch.cat([u[name][0].mT for name in group for u in uploads], out=Bt.view(G * m, d))
+        torch.cat([u[name][1] for name in group for u in uploads], out=A.view(G * m, k))
     return Bt, A
 
 
