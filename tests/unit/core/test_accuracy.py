@@ -41,11 +41,12 @@ def test_float64_uploads_are_exact_to_the_float64_floor(spec):
     family, seed, n, d, k, r, rank = spec
     Bs, As = case(family, seed, n=n, d=d, k=k, r=r)
     B_g, A_g = reconstruct(Bs, As, rank)
-    S = torch.linalg.svdvals(_aggregate(Bs, As, [1.0] * n))
-    tail = float(S[rank:].square().sum().sqrt())
-    # The float64 floor: a thousand ulps of ||M|| against the tail (which is itself rounding where rank(M) <= rank)
-    rounding = float(S.square().sum().sqrt()) * EPS64 / tail
-    assert abs(tail_excess(Bs, As, B_g, A_g, rank)) <= 1e-10 + 1e3 * rounding, family
+    tail = float(torch.linalg.svdvals(_aggregate(Bs, As, [1.0] * n))[rank:].square().sum().sqrt())
+    # The float64 floor: 100 ulps of the terms summed, mean_i ||B_i|| ||A_i||, against the tail (itself rounding where
+    # rank(M) <= rank). Not ||M||: where clients cancel, M's own rounding is that of its terms (measured worst over
+    # 1500 draws: 1.8 such ulps in every family, but 2000 ulps of ||M|| for ``cancelling``).
+    terms = sum(float(B.norm() * A.norm()) for B, A in zip(Bs, As)) / n
+    assert abs(tail_excess(Bs, As, B_g, A_g, rank)) <= 1e-10 + 100 * EPS64 * terms / tail, family
 
 
 @pytest.mark.parametrize("family", ["shared_A_1e-6", "shared_AB_1e-3"])
