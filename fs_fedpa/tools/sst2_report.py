@@ -173,6 +173,66 @@ def verdict_section(results: dict) -> list[str]:
     return [*lines, "", note + "lies above, across or below 0.", ""]
 
 
+# The last round's diagnostics that explain a ranking (docs/compare.md, "The mechanism").
+MECHANISM = (
+    ("global_update_norm", "‖Σ w_i ΔW_i‖"),
+    ("delta_norm_mean", "mean ‖ΔW_i‖"),
+    ("coherence", "coherence"),
+    ("drift_rel_mean", "drift / ‖X_g,i‖"),
+    ("e_agg_rel", "E_agg_rel"),
+    ("grad_ratio_last_mean", "‖∇align‖ / ‖∇task‖"),
+)
+
+
+def last_round_mechanism(run: dict) -> dict[str, float]:
+    """The last round's mechanism diagnostics of one run, with coherence = ‖Σ w_i ΔW_i‖ / mean_i ‖ΔW_i‖: 1 when
+    every client moves the same way, about 1/√N when N clients move in unrelated directions."""
+    last = run["diagnostics"][-1] if run.get("diagnostics") else {}
+    out = {k: float(last[k]) for k, _ in MECHANISM if isinstance(last.get(k), (int, float))}
+    if out.get("global_update_norm") == 0.0:  # a method whose server aggregates no product (FedSA-LoRA: A only)
+        out.pop("global_update_norm")
+        out.pop("e_agg_rel", None)
+    if out.get("delta_norm_mean") and "global_update_norm" in out:
+        out["coherence"] = out["global_update_norm"] / out["delta_norm_mean"]
+    return out
+
+
+def mechanism_section(results: dict) -> list[str]:
+    """Per final cell, best accuracy first: its accuracy beside the last round's mechanism diagnostics."""
+    runs = [r for key, r in results.items() if key.startswith("final/")]
+    if not runs:
+        return []
+    rows = []
+    for cell in dict.fromkeys(r["cell"] for r in runs):
+        group = [r for r in runs if r["cell"] == cell]
+        accs = [a for r in group if (a := sc.final_metric(r, "val_acc")) is not None]
+        diags = [last_round_mechanism(r) for r in group]
+        means = {k: [d[k] for d in diags if k in d] for k, _ in MECHANISM}
+        means = {k: sum(v) / len(v) for k, v in means.items() if v}
+        acc = sum(accs) / len(accs) if accs else float("nan")
+        rows.append((acc, cell, len(group), means))
+    rows.sort(key=lambda row: -row[0])
+    head = " | ".join(label for _, label in MECHANISM)
+    lines = [
+        "## The mechanism (final runs, last round)",
+        "",
+        "Per cell, best paper-protocol accuracy first; each diagnostic is the last round's value, mean over seeds "
+        "(client fields: mean over clients first). ‖Σ w_i ΔW_i‖: the update the server aggregates; coherence: that "
+        "norm over the mean client update ‖ΔW_i‖ (1 when all clients move alike, about 1/√N when they move in "
+        "unrelated directions); drift: ‖ΔW_i − X_g,i‖ from the reference the client received, over ‖X_g,i‖; "
+        "E_agg_rel: what the server's global factors lose of Σ w_i ΔW_i (– for both where the server aggregates no "
+        "product); the gradient ratio at the round's last "
+        "step (FedPA-LoRA's alignment term). `final/mechanism.png` has the curves over rounds.",
+        "",
+        f"| cell | seeds | val_acc | {head} |",
+        "|---|---|---|" + "---|" * len(MECHANISM),
+    ]
+    for acc, cell, n, means in rows:
+        cols = " | ".join(f"{means[k]:.3g}" if k in means else "–" for k, _ in MECHANISM)
+        lines.append(f"| {cell} | {n} | {acc:.4f} | {cols} |")
+    return [*lines, ""]
+
+
 def write_report(report: Path, results: dict, stages: list) -> Path:
     report.mkdir(parents=True, exist_ok=True)
     spent = sc.time_spent(results)
@@ -194,6 +254,7 @@ def write_report(report: Path, results: dict, stages: list) -> Path:
         *tuning_section(results, stages, report),
         *selected_section(report),
         *stage_section("Final runs (dev set)", "final", results, report, {c: "fedpa" for c in finals}),
+        *mechanism_section(results),
         *stage_section("Data heterogeneity: β = 0.1 and 100", "beta", results, report, beta_pairs),
         *stage_section("Heterogeneous ranks r_i ∈ {2, 4, 16}", "hetero", results, report, hetero_pairs),
         *stage_section("Ablation (against the final FedPA-LoRA runs)", "ablation", results | _finals(results), report,

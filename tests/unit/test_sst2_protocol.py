@@ -187,6 +187,29 @@ def test_the_report_states_a_verdict_per_baseline_from_the_committed_runs(tmp_pa
     assert "FedPA loses" in verdict.split("| ffa_lora |")[1].split("\n")[0]
 
 
+def test_the_report_sets_each_cells_accuracy_beside_its_last_rounds_mechanism():
+    from fs_fedpa.tools.sst2_report import mechanism_section
+
+    selected = {"T": 4, "methods": {m: {"method": m, "optimizer": "AdamW", "lr": 2e-3, "lam": None} for m in sc.MAIN}}
+    cells = {"fedpa": (0.80, 3.0, 6.0), "fedit": (0.90, 9.0, 10.0), "fedsa_lora": (0.85, 0.0, 20.0)}
+    results = {}
+    for run in sc.final_runs(selected, 4, seeds=(0, 1)):
+        if run.method in cells:
+            acc, glob, delta = cells[run.method]
+            res = _result(run, {4: acc + 0.01 * run.seed})
+            early = {"global_update_norm": 100.0, "delta_norm_mean": 1.0}  # not the last round: must not show
+            last = {"global_update_norm": glob * (1 + run.seed), "delta_norm_mean": delta * (1 + run.seed / 2)}
+            res["diagnostics"] = [early, last]
+            results[run.key] = res
+    rows = [line.split(" | ") for line in mechanism_section(results) if line.startswith("| fed")]
+    assert [r[0] for r in rows] == ["| fedit", "| fedsa_lora", "| fedpa"]  # best accuracy first
+    fedit, fedsa, fedpa = rows
+    # seeds 0 and 1: norms g, 2g and d, 1.5d; coherence is each seed's ratio, averaged (not a ratio of means)
+    assert fedpa[2:6] == ["0.8050", "4.5", "7.5", f"{(3 / 6 + 6 / 9) / 2:.3g}"]
+    assert fedit[2:6] == ["0.9050", "13.5", "12.5", f"{(9 / 10 + 18 / 15) / 2:.3g}"]
+    assert fedsa[3] == "–" and fedsa[5] == "–"  # its server aggregates no product
+
+
 def test_a_run_records_the_cpu_time_its_process_reports_and_its_exit_status():
     import subprocess
     import sys
