@@ -233,6 +233,44 @@ def mechanism_section(results: dict) -> list[str]:
     return [*lines, ""]
 
 
+LAMBDA_ANCHORS = ("fedit", "local_only")  # full coupling through the server, and none
+
+
+def lambda_section(results: dict, stages: list) -> list[str]:
+    """FedPA-LoRA's λ sweep of the tuning stage (at the pilot's learning rate) beside FedIT and local training at the
+    same rate: each run's held-out score with its last round's mechanism diagnostics, so the λ selected can be read
+    off what the alignment term does to the updates."""
+    runs = next((runs for stage, runs in stages if stage == "tune"), [])
+    rows = [
+        row
+        for row in sc.tuning_table(results, runs)
+        if (row["optimizer"], row["lr"]) == sc.PILOT_LR
+        and row["method"] in ("fedpa", *LAMBDA_ANCHORS)
+        and row["score"] is not None
+    ]
+    if not any(row["method"] == "fedpa" for row in rows):
+        return []
+    rows.sort(key=lambda row: (row["method"] != "fedpa", row["lam"] or 0.0, row["method"]))
+    head = " | ".join(label for _, label in MECHANISM)
+    lines = [
+        "## FedPA-LoRA's λ in the tuning runs",
+        "",
+        f"Tuning stage, {sc.PILOT_LR[0]} {sc.PILOT_LR[1]:g}, seed 0, {runs[0].rounds} rounds: the "
+        "held-out score and the last round's diagnostics (as in the mechanism table above) per λ, with FedIT and "
+        "local training at the same learning rate. The alignment term is λ/(2 s(r)²)·‖ΔW_i − X_g,i‖²_F with "
+        's(r) = α/r (docs/algorithm.md, "LoRA scaling").',
+        "",
+        f"| cell | held-out score | {head} |",
+        "|---|---|" + "---|" * len(MECHANISM),
+    ]
+    for row in rows:
+        means = last_round_mechanism(results[row["run"]])
+        cols = " | ".join(f"{means[k]:.3g}" if k in means else "–" for k, _ in MECHANISM)
+        name = f"fedpa, λ {row['lam']:g}" if row["method"] == "fedpa" else row["method"]
+        lines.append(f"| {name} | {row['score']:.4f} | {cols} |")
+    return [*lines, ""]
+
+
 def write_report(report: Path, results: dict, stages: list) -> Path:
     report.mkdir(parents=True, exist_ok=True)
     spent = sc.time_spent(results)
@@ -255,6 +293,7 @@ def write_report(report: Path, results: dict, stages: list) -> Path:
         *selected_section(report),
         *stage_section("Final runs (dev set)", "final", results, report, {c: "fedpa" for c in finals}),
         *mechanism_section(results),
+        *lambda_section(results, stages),
         *stage_section("Data heterogeneity: β = 0.1 and 100", "beta", results, report, beta_pairs),
         *stage_section("Heterogeneous ranks r_i ∈ {2, 4, 16}", "hetero", results, report, hetero_pairs),
         *stage_section("Ablation (against the final FedPA-LoRA runs)", "ablation", results | _finals(results), report,

@@ -246,3 +246,26 @@ def test_the_time_estimate_counts_machine_time_per_round_whatever_the_jobs():
     results = {"a": {"seconds": 200.0, "rounds_planned": 10, "jobs": 2}, "b": {"seconds": 100.0, "rounds_planned": 10}}
     assert sc.seconds_per_round(results) == 10.0  # 200 s of wall time shared by two runs = 10 s a round each
     assert sc.seconds_per_round({}) == sc.SECONDS_PER_ROUND
+
+
+def test_the_lambda_table_shows_fedpas_sweep_at_the_pilot_rate_beside_fedit_and_local_training():
+    from fs_fedpa.tools.sst2_report import lambda_section
+
+    runs = sc.tune_runs(4, 0.1)
+    results = {}
+    for run in runs:
+        o = _opts(run)
+        lam = float(o.get("fedpa.lam", 0.0))
+        res = _result(run, {1: 0.70, 2: 0.90 - lam / 100})
+        # the last round's update shrinks with lambda; an earlier round must not show
+        res["diagnostics"] = [{"delta_norm_mean": 99.0}, {"delta_norm_mean": 8.0 / (1 + lam), "drift_rel_mean": lam}]
+        results[run.key] = res
+    del results[f"tune/{sc.tune_name('fedpa', *sc.PILOT_LR, 0.5)}_s0"]  # a run still to do has no row
+    rows = [line.split(" | ") for line in lambda_section(results, [("tune", runs)]) if line.startswith("| ")][1:]
+    lams = [lam for lam in sc.LAM_GRID if lam != 0.5]
+    assert [r[0] for r in rows] == [f"| fedpa, λ {lam:g}" for lam in lams] + ["| fedit", "| local_only"]
+    for row, lam in zip(rows, lams):
+        assert abs(float(row[1]) - (0.70 + 0.90 - lam / 100) / 2) < 6e-5  # the mean of the last two evaluations
+        assert row[3] == f"{8.0 / (1 + lam):.3g}" and row[5] == f"{lam:.3g}"
+    assert rows[-1][3] == "8" and rows[-1][2] == "–"  # no global update diagnostic recorded: a dash, not a zero
+    assert lambda_section({}, [("tune", runs)]) == []
