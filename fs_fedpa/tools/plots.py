@@ -78,12 +78,17 @@ def _integer_rounds(ax) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
+# matplotlib's ten default colours, then six more, so a full comparison (13+ cells) repeats no colour
+COLORS = (*(f"C{i}" for i in range(10)), "black", "gold", "navy", "lime", "maroon", "teal")
+MARKERS = "osd^v<>xP*"  # 10 markers x 4 dashes: 20 distinct pairs
+
+
 def style(i: int) -> dict:
     """Line style of the i-th cell: colour, dash and marker vary, so that overlapping curves stay visible."""
     return {
-        "color": f"C{i % 10}",
+        "color": COLORS[i % len(COLORS)],
         "linestyle": ("-", "--", "-.", ":")[i % 4],
-        "marker": "osd^v<>xP*"[i % 10],
+        "marker": MARKERS[i % len(MARKERS)],
         "markersize": 4,
     }
 

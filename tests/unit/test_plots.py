@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fs_fedpa.tools.plots import bytes_vs_metric, mean_curve, plot_all
+from fs_fedpa.tools.plots import bytes_vs_metric, mean_curve, plot_all, style
 
 
 def _run(seed, acc, sent, cell="fedpa"):
@@ -47,3 +47,9 @@ def test_all_figures_are_written(tmp_path):
     paths = plot_all(runs, "val_acc", tmp_path)
     assert [p.name for p in paths] == ["accuracy.png", "mismatch.png", "spectrum.png", "bytes.png", "mechanism.png"]
     assert all(p.stat().st_size > 5000 for p in paths)
+
+
+def test_the_cells_of_a_full_comparison_get_distinct_colours_and_markers():
+    styles = [style(i) for i in range(16)]  # the SST-2 protocol's final stage has 13 cells
+    assert len({s["color"] for s in styles}) == 16
+    assert len({(s["marker"], s["linestyle"]) for s in styles}) == 16
