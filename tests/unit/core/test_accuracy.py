@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fs_fedpa import reconstruct
+from fs_fedpa import reconstruct, reconstruct_adapter
 from fs_fedpa.core.accuracy import FAMILIES, _aggregate, case, float32_floor, tail_excess
 from fs_fedpa.core.reconstruct import _reconstruct_cat, weighted_stack
 
@@ -106,3 +106,24 @@ def test_reused_workspaces_never_alias_a_returned_result():
     assert torch.equal(B1, kept[0]) and torch.equal(A1, kept[1])
     again = reconstruct(*first, 3)  # and the same result again
     assert torch.equal(again[0], kept[0]) and torch.equal(again[1], kept[1])
+
+
+def test_an_adapters_reused_stacks_never_alias_its_uploads_or_a_returned_result():
+    """Equal ranks: reconstruct_adapter stacks the uploads into workspaces kept across calls, in their own dtype and
+    in float64. A second adapter of the same shapes must leave the first call's results and uploads untouched, and
+    every module must equal its own reconstruction."""
+
+    def adapter(family, seed):
+        per_module = [_case(family, seed + j, 4, 40, 32, 3) for j in range(3)]
+        return [{f"m{j}": (Bs[i], As[i]) for j, (Bs, As) in enumerate(per_module)} for i in range(4)]
+
+    first, second = adapter("random", 1), adapter("norms", 7)
+    copies = [{m: (B.clone(), A.clone()) for m, (B, A) in u.items()} for u in first]
+    out1 = reconstruct_adapter(first, 2)
+    kept = {m: (B.clone(), A.clone()) for m, (B, A) in out1.items()}
+    out2 = reconstruct_adapter(second, 2)  # same shapes: the same workspaces
+    for m in kept:
+        assert torch.equal(out1[m][0], kept[m][0]) and torch.equal(out1[m][1], kept[m][1])
+        assert all(torch.equal(u[m][0], c[m][0]) and torch.equal(u[m][1], c[m][1]) for u, c in zip(first, copies))
+        alone = reconstruct([u[m][0] for u in second], [u[m][1] for u in second], 2)
+        torch.testing.assert_close(out2[m][0] @ out2[m][1], alone[0] @ alone[1], rtol=1e-5, atol=1e-6)
