@@ -15,6 +15,8 @@ alpha = 8, local heads, 10 local steps of 16 sentences):
    its best λ. FedRot-LoRA keeps the paper's SST-2 strength 0.6. The selection is written to ``selected.json``.
 3. ``final``: every method at exactly the values of ``selected.json``, T rounds, seeds 0-2 on the dev set under
    both evaluation protocols; seeds 3-4 for FedPA-LoRA and every baseline whose paired interval still contains 0.
+   Then the grid-edge check: each method selected at the top of the AdamW grid is tuned once more one step above
+   it (:data:`EDGE_LR`); the report says where that would have won. The selection is not changed.
 4. ``beta``, ``hetero``, ``ablation``, ``adaptive``: the settings beyond the main cell, 3 seeds each, at the
    selected values.
 
@@ -48,6 +50,7 @@ HOLDOUT = 0.015  # of each client's training shard: about 1,000 SST-2 sentences 
 PILOT_ROUNDS, PILOT_LR = 48, ("AdamW", 2e-3)
 LR_GRID = (("AdamW", 5e-4), ("AdamW", 2e-3), ("AdamW", 5e-3), ("SGD", 2e-2), ("SGD", 1e-1))
 LAM_GRID = (0.01, 0.1, 0.5, 1.0, 2.0, 5.0)
+EDGE_LR = ("AdamW", 1e-2)  # one step past the top of the AdamW grid: the check of selections at the grid's edge
 BASELINES = (
     "fedit", "flexlora", "ffa_lora", "fedsa_lora", "rolora", "fedrot_lora", "fedex_lora", "flora", "lora_fair",
     "feddpa_t",
@@ -167,6 +170,19 @@ def final_runs(selected: dict, T: int, seeds=SEEDS) -> list[Run]:
     return [
         Run("final", m, m, (*selected_opts(selected["methods"][m]), *FINAL_EVAL), s, T) for s in seeds for m in MAIN
     ]
+
+
+def edge_runs(selected: dict, T: int) -> list[Run]:
+    """The grid-edge check: every method whose selected rate is the top of the AdamW grid, tuned once more at
+    :data:`EDGE_LR` (same held-out split, rounds and seed as the tuning stage; FedPA-LoRA at its selected λ). It
+    never changes ``selected.json``: the report states per method whether the edge would have scored higher."""
+    top = max(lr for optimizer, lr in LR_GRID if optimizer == EDGE_LR[0])
+    runs = []
+    for m, choice in selected["methods"].items():
+        if (choice["optimizer"], choice["lr"]) == (EDGE_LR[0], top):
+            opts = (*hparams(*EDGE_LR, choice.get("lam"), m), *TUNE_EVAL)
+            runs.append(Run("tune", tune_name(m, *EDGE_LR, choice.get("lam")), m, opts, 0, math.ceil(T / 2)))
+    return runs
 
 
 def extra_runs(selected: dict, T: int, strongest: list[str]) -> list[Run]:
@@ -298,6 +314,7 @@ def plan(results: dict, report: Path) -> list[tuple[str, list[Run]]]:
         selected_file.write_text(json.dumps(selected, indent=1) + "\n")
     more = [r for r in final_runs(selected, selected["T"], MORE_SEEDS) if r.method in ("fedpa", *selected["ties"])]
     stages.append(("final, more seeds", more))
+    stages.append(("tuning grid edge", edge_runs(selected, selected["T"])))
     stages.append(("beyond the main cell", extra_runs(selected, selected["T"], selected["strongest"])))
     return stages
 
@@ -443,7 +460,8 @@ def whole_rounds(T: int) -> int:
     """Rounds of the whole protocol for a given T, taking two cells as still tied after three seeds."""
     guess = {"T": T, "methods": {m: {"method": m, "optimizer": "AdamW", "lr": 2e-3, "lam": 1.0} for m in MAIN}}
     runs = [pilot_run(), *tune_runs(T, 1.0), *final_runs(guess, T), *extra_runs(guess, T, list(BASELINES[:3]))]
-    return sum(r.rounds for r in runs) + len(MORE_SEEDS) * 3 * T
+    edge = len(BASELINES) * math.ceil(T / 2)  # the grid-edge check, taking every baseline as selected at the edge
+    return sum(r.rounds for r in runs) + len(MORE_SEEDS) * 3 * T + edge
 
 
 if __name__ == "__main__":

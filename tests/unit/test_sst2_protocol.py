@@ -269,3 +269,42 @@ def test_the_lambda_table_shows_fedpas_sweep_at_the_pilot_rate_beside_fedit_and_
         assert row[3] == f"{8.0 / (1 + lam):.3g}" and row[5] == f"{lam:.3g}"
     assert rows[-1][3] == "8" and rows[-1][2] == "–"  # no global update diagnostic recorded: a dash, not a zero
     assert lambda_section({}, [("tune", runs)]) == []
+
+
+def test_selections_at_the_grids_top_are_checked_one_step_above_without_changing_the_selection(tmp_path):
+    from fs_fedpa.tools.sst2_report import edge_section
+
+    results: dict = {}
+    pilot = sc.pilot_run()
+    results[pilot.key] = _result(pilot, {t: min(0.5 + 0.02 * t, 0.85) for t in range(2, 49, 2)})
+    for _ in range(2):  # the tuning stage as in the test above: FedPA at SGD 0.1, every other method at AdamW 5e-3
+        for run in dict(sc.plan(results, tmp_path))["tune"]:
+            results.setdefault(run.key, _result(run, {10: _tuning_score(run), 12: _tuning_score(run)}))
+    sc.plan(results, tmp_path)  # writes the selection
+    selected_file = tmp_path / "selected.json"
+    selected = json.loads(selected_file.read_text())
+    selected["methods"]["fedrot_lora"].update(lr=2e-3)  # one baseline inside the grid: it gets no edge run
+    selected_file.write_text(json.dumps(selected))
+    for run in dict(sc.plan(results, tmp_path))["final"]:
+        results[run.key] = _result(run, {selected["T"]: 0.85 + 0.001 * run.seed})
+    stages = sc.plan(results, tmp_path)
+    assert [s for s, _ in stages][-3:] == ["final, more seeds", "tuning grid edge", "beyond the main cell"]
+    edge = dict(stages)["tuning grid edge"]
+    at_top = {m for m, c in selected["methods"].items() if (c["optimizer"], c["lr"]) == ("AdamW", 0.005)}
+    assert {r.method for r in edge} == at_top and "fedrot_lora" not in at_top and "fedpa" not in at_top
+    T = selected["T"]
+    for run in edge:  # tuned exactly as the tuning stage: held-out split, seed 0, ceil(T/2) rounds; the dev set unread
+        o = _opts(run)
+        assert (o["train.optimizer.type"], o["train.optimizer.lr"]) == ("AdamW", "0.01")
+        assert o["data.glue_holdout"] == "0.015" and o["fedpa.eval_local"] == "False"
+        assert run.stage == "tune" and run.seed == 0 and run.rounds == -(-T // 2)
+    before = selected_file.read_text()
+    for run in edge:  # the edge wins for FedIT only
+        score = 0.99 if run.method == "fedit" else 0.5
+        results[run.key] = _result(run, {1: score, 2: score})
+    sc.plan(results, tmp_path)
+    assert selected_file.read_text() == before  # the selection is never changed by the check
+    rows = {line.split(" | ")[0][2:]: line for line in edge_section(results, sc.plan(results, tmp_path), tmp_path)
+            if line.startswith("| ") and not line.startswith("| method")}  # fmt: skip
+    assert set(rows) == at_top
+    assert rows["fedit"].endswith("| 0.9900 | higher |") and rows["flexlora"].endswith("| 0.5000 | selection holds |")
