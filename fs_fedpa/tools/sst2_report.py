@@ -9,6 +9,7 @@ the CPU time spent and what is still to run), ``tuning.csv``, and per finished s
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 from fs_fedpa import compare
@@ -78,8 +79,6 @@ def tuning_section(results: dict, stages: list, report: Path) -> list[str]:
     selected_file = report / "selected.json"
     chosen = {}
     if selected_file.is_file():
-        import json
-
         chosen = {m: c["run"] for m, c in json.loads(selected_file.read_text())["methods"].items()}
     mark = {True: "**selected**", False: ""}
     table = [
@@ -104,8 +103,6 @@ def selected_section(report: Path) -> list[str]:
     path = report / "selected.json"
     if not path.is_file():
         return ["## Selected hyper-parameters", "", "Written when the tuning stage is complete.", ""]
-    import json
-
     selected = json.loads(path.read_text())
     lines = [f"| {m} | {_lr(c)} | {c['score']:.4f} |" for m, c in selected["methods"].items()]
     return [
@@ -127,8 +124,6 @@ def edge_section(results: dict, stages: list, report: Path) -> list[str]:
     path = report / "selected.json"
     if not runs or not path.is_file():
         return []
-    import json
-
     chosen = json.loads(path.read_text())["methods"]
     lines = [
         "## The tuning grid's edge",
