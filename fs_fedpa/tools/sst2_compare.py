@@ -117,13 +117,18 @@ def tune_name(method: str, optimizer: str, lr: float, lam: float | None) -> str:
     return f"{method}_{optimizer.lower()}{lr:g}" + (f"_lam{lam:g}" if lam is not None else "")
 
 
+def tune_run(method: str, optimizer: str, lr: float, lam: float | None, T: int) -> Run:
+    """One tuning run: seed 0, ceil(T/2) rounds, scored on the held-out split (the dev set is never read)."""
+    opts = (*hparams(optimizer, lr, lam, method), *TUNE_EVAL)
+    return Run("tune", tune_name(method, optimizer, lr, lam), method, opts, 0, math.ceil(T / 2))
+
+
 def tune_runs(T: int, fedpa_lam: float | None) -> list[Run]:
     """The tuning grid; FedPA's learning-rate sweep needs its best λ at the pilot's rate (``fedpa_lam``)."""
-    rounds, runs = math.ceil(T / 2), []
+    runs = []
 
     def add(method: str, optimizer: str, lr: float, lam: float | None = None) -> None:
-        opts = (*hparams(optimizer, lr, lam, method), *TUNE_EVAL)
-        runs.append(Run("tune", tune_name(method, optimizer, lr, lam), method, opts, 0, rounds))
+        runs.append(tune_run(method, optimizer, lr, lam, T))
 
     for lam in LAM_GRID:
         add("fedpa", *PILOT_LR, lam)
@@ -177,12 +182,11 @@ def edge_runs(selected: dict, T: int) -> list[Run]:
     :data:`EDGE_LR` (same held-out split, rounds and seed as the tuning stage; FedPA-LoRA at its selected λ). It
     never changes ``selected.json``: the report states per method whether the edge would have scored higher."""
     top = max(lr for optimizer, lr in LR_GRID if optimizer == EDGE_LR[0])
-    runs = []
-    for m, choice in selected["methods"].items():
-        if (choice["optimizer"], choice["lr"]) == (EDGE_LR[0], top):
-            opts = (*hparams(*EDGE_LR, choice.get("lam"), m), *TUNE_EVAL)
-            runs.append(Run("tune", tune_name(m, *EDGE_LR, choice.get("lam")), m, opts, 0, math.ceil(T / 2)))
-    return runs
+    return [
+        tune_run(m, *EDGE_LR, choice.get("lam"), T)
+        for m, choice in selected["methods"].items()
+        if (choice["optimizer"], choice["lr"]) == (EDGE_LR[0], top)
+    ]
 
 
 def extra_runs(selected: dict, T: int, strongest: list[str]) -> list[Run]:

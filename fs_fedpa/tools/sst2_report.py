@@ -207,6 +207,11 @@ MECHANISM = (
 )
 
 
+def _mechanism_cells(values: dict[str, float]) -> str:
+    """The :data:`MECHANISM` columns of one table row; – where a diagnostic was not recorded."""
+    return " | ".join(f"{values[k]:.3g}" if k in values else "–" for k, _ in MECHANISM)
+
+
 def last_round_mechanism(run: dict) -> dict[str, float]:
     """The last round's mechanism diagnostics of one run, with coherence = ‖Σ w_i ΔW_i‖ / mean_i ‖ΔW_i‖: 1 when
     every client moves the same way, about 1/√N when N clients move in unrelated directions."""
@@ -251,8 +256,7 @@ def mechanism_section(results: dict) -> list[str]:
         "|---|---|---|" + "---|" * len(MECHANISM),
     ]
     for acc, cell, n, means in rows:
-        cols = " | ".join(f"{means[k]:.3g}" if k in means else "–" for k, _ in MECHANISM)
-        lines.append(f"| {cell} | {n} | {acc:.4f} | {cols} |")
+        lines.append(f"| {cell} | {n} | {acc:.4f} | {_mechanism_cells(means)} |")
     return [*lines, ""]
 
 
@@ -288,9 +292,8 @@ def lambda_section(results: dict, stages: list) -> list[str]:
     ]
     for row in rows:
         means = last_round_mechanism(results[row["run"]])
-        cols = " | ".join(f"{means[k]:.3g}" if k in means else "–" for k, _ in MECHANISM)
         name = f"fedpa, λ {row['lam']:g}" if row["method"] == "fedpa" else row["method"]
-        lines.append(f"| {name} | {row['score']:.4f} | {cols} |")
+        lines.append(f"| {name} | {row['score']:.4f} | {_mechanism_cells(means)} |")
     return [*lines, ""]
 
 
