@@ -210,6 +210,22 @@ def test_the_report_sets_each_cells_accuracy_beside_its_last_rounds_mechanism():
     assert fedsa[3] == "–" and fedsa[5] == "–"  # its server aggregates no product
 
 
+def test_the_mechanism_table_takes_the_heavy_tailed_gradient_ratio_as_a_median_over_seeds():
+    from fs_fedpa.tools.sst2_report import mechanism_section
+
+    selected = {"T": 4, "methods": {m: {"method": m, "optimizer": "AdamW", "lr": 2e-3, "lam": 0.01} for m in sc.MAIN}}
+    results = {}
+    for run in sc.final_runs(selected, 4, seeds=(0, 1, 2)):
+        if run.method == "fedpa":
+            res = _result(run, {4: 0.8})
+            norm = (1.0, 2.0, 6.0)[run.seed]
+            ratio = (2.0, 3.0, 60.0)[run.seed]  # one seed's near-zero task gradient
+            res["diagnostics"] = [{"global_update_norm": norm, "grad_ratio_last_mean": ratio}]
+            results[run.key] = res
+    (row,) = [line.split(" | ") for line in mechanism_section(results) if line.startswith("| fedpa")]
+    assert row[3] == "3" and row[-1] == "3 |"  # the norm: mean of 1, 2, 6; the ratio: median of 2, 3, 60
+
+
 def test_a_run_records_the_cpu_time_its_process_reports_and_its_exit_status():
     import subprocess
     import sys
