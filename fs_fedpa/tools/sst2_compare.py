@@ -190,7 +190,7 @@ def edge_runs(selected: dict, T: int) -> list[Run]:
 
 
 def extra_runs(selected: dict, T: int, strongest: list[str]) -> list[Run]:
-    """β ∈ {0.1, 100} for FedPA and the strongest baselines; heterogeneous ranks; the ablation; adaptive λ."""
+    """The ablation; β ∈ {0.1, 100} for FedPA and the strongest baselines; heterogeneous ranks; adaptive λ."""
     chosen = selected["methods"]
     runs = []
 
@@ -198,6 +198,13 @@ def extra_runs(selected: dict, T: int, strongest: list[str]) -> list[Run]:
         for seed in SEEDS:
             runs.append(Run(stage, name, method, (*selected_opts(chosen[base]), *FINAL_EVAL, *opts), seed, T))
 
+    # The ablation first: its λ = 0 and no-preservation cells test what the main cell's mechanism points to.
+    add("ablation", "fedpa_no_preservation", "fedpa_no_preservation", "fedpa")
+    add("ablation", "fedpa_lam0", "fedpa", "fedpa", "fedpa.lam", "0")
+    for reg in ("b", "a", "both"):
+        add("ablation", f"fedpa_reg_{reg}", "fedpa", "fedpa", "fedpa.reg", reg)
+    add("ablation", "fedpa_no_local_head", "fedpa", "fedpa", "personalization.local_param", "[]")
+    add("ablation", "fedpa_R2", "fedpa", "fedpa", "fedpa.reference_ranks", "[2]", "fedpa.group_sizes", f"[{CLIENTS}]")
     for beta in (0.1, 100):
         for method in ("fedpa", *strongest):
             add("beta", f"{method}_beta{beta:g}", method, method, "data.splitter_args", f"[{{'alpha': {beta}}}]")
@@ -213,12 +220,6 @@ def extra_runs(selected: dict, T: int, strongest: list[str]) -> list[Run]:
         ("ravan", "fedit"),
     ):  # fmt: skip
         add("hetero", f"{method}_r2_4_16", method, base, *hetero, *own.get(method, ()))
-    add("ablation", "fedpa_no_preservation", "fedpa_no_preservation", "fedpa")
-    add("ablation", "fedpa_lam0", "fedpa", "fedpa", "fedpa.lam", "0")
-    for reg in ("b", "a", "both"):
-        add("ablation", f"fedpa_reg_{reg}", "fedpa", "fedpa", "fedpa.reg", reg)
-    add("ablation", "fedpa_no_local_head", "fedpa", "fedpa", "personalization.local_param", "[]")
-    add("ablation", "fedpa_R2", "fedpa", "fedpa", "fedpa.reference_ranks", "[2]", "fedpa.group_sizes", f"[{CLIENTS}]")
     for rule in ("loss", "grad", "direction"):
         add("adaptive", f"fedpa_adaptive_{rule}", "fedpa", "fedpa", "fedpa.adaptive_lam", rule, "fedpa.lam", lam)
     return runs

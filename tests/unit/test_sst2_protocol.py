@@ -104,6 +104,8 @@ def test_later_stages_follow_the_final_paired_intervals(tmp_path):
     assert hetero["fed_plora"]["fedpa.reference_ranks"] == "[16, 16, 16]"  # all R modules to every client
     assert hetero["ravan"]["fedpa.reference_ranks"] == "[16, 16, 16]"  # all heads to every client
     assert hetero["flexlora"]["fedpa.reference_ranks"] == "[2, 4, 16]"
+    order = [r.name for r in sc.extra_runs(selected, 4, ["flexlora"]) if r.seed == 0]
+    assert order[:2] == ["fedpa_no_preservation", "fedpa_lam0"]  # the ablation's mechanism cells run first
 
 
 @pytest.mark.skipif(not (COMMITTED / "selected.json").is_file(), reason="no committed selection yet")
