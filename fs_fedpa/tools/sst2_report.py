@@ -181,6 +181,8 @@ def stage_section(title: str, stage: str, results: dict, report: Path, pairs: di
             intervals.append(_interval(row))
         means = [_pm(list(values[m].get(cell, {}).values())) for m in METRICS]
         lines.append(f"| {cell} | {means[0]} | {means[1]} | {intervals[0]} | {intervals[1]} |")
+    if stage != "final":  # the final stage has a section of its own, "The mechanism"
+        lines += ["", 'The last round\'s diagnostics, as in "The mechanism" above:', "", *mechanism_table(runs)]
     return [*lines, ""]
 
 
@@ -229,11 +231,9 @@ def last_round_mechanism(run: dict) -> dict[str, float]:
     return out
 
 
-def mechanism_section(results: dict) -> list[str]:
-    """Per final cell, best accuracy first: its accuracy beside the last round's mechanism diagnostics."""
-    runs = [r for key, r in results.items() if key.startswith("final/")]
-    if not runs:
-        return []
+def mechanism_table(runs: list[dict]) -> list[str]:
+    """Per cell of ``runs``, best paper-protocol accuracy first: its final accuracy (mean over seeds) beside the last
+    round's :data:`MECHANISM` diagnostics (mean over seeds; :data:`MEDIAN_OVER_SEEDS` by the median)."""
     rows = []
     for cell in dict.fromkeys(r["cell"] for r in runs):
         group = [r for r in runs if r["cell"] == cell]
@@ -245,7 +245,16 @@ def mechanism_section(results: dict) -> list[str]:
         rows.append((acc, cell, len(group), means))
     rows.sort(key=lambda row: -row[0])
     head = " | ".join(label + " (median)" * (k in MEDIAN_OVER_SEEDS) for k, label in MECHANISM)
-    lines = [
+    lines = [f"| cell | seeds | val_acc | {head} |", "|---|---|---|" + "---|" * len(MECHANISM)]
+    return lines + [f"| {cell} | {n} | {acc:.4f} | {_mechanism_cells(means)} |" for acc, cell, n, means in rows]
+
+
+def mechanism_section(results: dict) -> list[str]:
+    """Per final cell, best accuracy first: its accuracy beside the last round's mechanism diagnostics."""
+    runs = [r for key, r in results.items() if key.startswith("final/")]
+    if not runs:
+        return []
+    return [
         "## The mechanism (final runs, last round)",
         "",
         "Per cell, best paper-protocol accuracy first; each diagnostic is the last round's value, mean over seeds "
@@ -257,12 +266,9 @@ def mechanism_section(results: dict) -> list[str]:
         "product); the gradient ratio at the round's last step (FedPA-LoRA's "
         "alignment term). `final/mechanism.png` has the curves over rounds.",
         "",
-        f"| cell | seeds | val_acc | {head} |",
-        "|---|---|---|" + "---|" * len(MECHANISM),
+        *mechanism_table(runs),
+        "",
     ]
-    for acc, cell, n, means in rows:
-        lines.append(f"| {cell} | {n} | {acc:.4f} | {_mechanism_cells(means)} |")
-    return [*lines, ""]
 
 
 LAMBDA_ANCHORS = ("fedit", "local_only")  # full coupling through the server, and none

@@ -326,3 +326,41 @@ def test_selections_at_the_grids_top_are_checked_one_step_above_without_changing
             if line.startswith("| ") and not line.startswith("| method")}  # fmt: skip
     assert set(rows) == at_top
     assert rows["fedit"].endswith("| 0.9900 | higher |") and rows["flexlora"].endswith("| 0.5000 | selection holds |")
+
+
+def test_each_stage_beyond_the_main_cell_has_its_last_rounds_mechanism_beside_its_accuracy(tmp_path, monkeypatch):
+    from fs_fedpa.tools import plots
+    from fs_fedpa.tools.sst2_report import write_report
+
+    monkeypatch.setattr(plots, "plot_all", lambda *args: [])  # the figures are test_plots.py's
+
+    selected = {"T": 4, "methods": {m: {"method": m, "optimizer": "AdamW", "lr": 2e-3, "lam": 0.01} for m in sc.MAIN}}
+    results = {}
+    for run in sc.final_runs(selected, 4, seeds=(0, 1)):
+        if run.method == "fedpa":
+            results[run.key] = _result(run, {4: 0.88})
+            results[run.key]["diagnostics"] = [
+                {"round": 4, "global_update_norm": 3.0, "delta_norm_mean": 4.0, "bytes_total": 1}
+            ]
+    for seed, (glob, delta, ratio) in enumerate([(2.0, 8.0, 7000.0), (4.0, 8.0, 10.0), (6.0, 8.0, 20.0)]):
+        run = sc.Run("ablation", "fedpa_reg_a", "fedpa", (), seed, 4)
+        results[run.key] = _result(run, {4: 0.86})
+        early = {"round": 2, "global_update_norm": 100.0, "delta_norm_mean": 1.0, "grad_ratio_last_mean": 1.0}
+        last = {
+            "round": 4,
+            "global_update_norm": glob,
+            "delta_norm_mean": delta,
+            "grad_ratio_last_mean": ratio,
+            "bytes_total": 1,
+        }
+        results[run.key]["diagnostics"] = [early, last]
+    text = write_report(tmp_path, results, []).read_text()
+    ablation = text.split("## Ablation", 1)[1].split("\n## ", 1)[0]
+    table = ablation.split("The last round's diagnostics", 1)[1]
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| fedpa")]
+    assert [r[0] for r in rows] == ["| fedpa", "| fedpa_reg_a"]  # the reference first: the higher accuracy
+    fedpa, reg_a = rows
+    assert fedpa[1:6] == ["2", "0.8800", "3", "4", "0.75"]
+    # last round only; coherence per seed (2/8, 4/8, 6/8) then averaged; the gradient ratio by its median over seeds
+    assert reg_a[1:6] == ["3", "0.8600", "4", "8", "0.5"] and reg_a[-1] == "20 |"
+    assert "The last round's diagnostics" not in text.split("## Final runs", 1)[1].split("\n## ", 1)[0]
