@@ -97,8 +97,12 @@ class RoundRecord:
 
 def compact(record: dict) -> dict:
     """What the comparison keeps of a record: its scalar fields, each client field's mean over clients
-    (``<field>_mean``; E_init's as ``e_init_B``/``e_init_A``), the probe's spectrum and the bytes so far."""
+    (``<field>_mean``; E_init's as ``e_init_B``/``e_init_A``), the clients' λ as ``lam_mean``, ``lam_min`` and
+    ``lam_max`` (an adaptive rule's λ_i^(t) differ per client), the probe's spectrum and the bytes so far."""
     out = {k: v for k, v in record.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
+    lams = [v for v in record.get("lam", {}).values() if _number(v)]
+    if lams:
+        out.update(lam_mean=statistics.mean(lams), lam_min=min(lams), lam_max=max(lams))
     for key in ("e_init_B", "e_init_A"):
         values = list(record.get(key, {}).values())
         out[key] = statistics.mean(values) if values else None

@@ -236,6 +236,31 @@ def load_results(report: Path) -> dict[str, dict]:
     return out
 
 
+RUNNER_FIELDS = ("stage", "rounds_planned", "fs_opts", "jobs")  # what execute() adds to compare.collect()'s result
+
+
+def recollect(results: dict, report: Path, work: Path, stages: list[str]) -> list[str]:
+    """Rewrite the committed runs of ``stages`` from their FS outputs under ``work`` with this code's
+    :func:`compare.collect`, e.g. after :func:`fs_fedpa.record.compact` learnt to keep another diagnostic. A run
+    whose outputs are not on this machine is left as committed; one whose outputs disagree with its committed curve
+    (another run's folder) is refused. Returns the keys rewritten."""
+    done = []
+    for key, old in results.items():
+        stage, name = key.split("/", 1)
+        out = work / stage / name
+        if stage not in stages or not (out / "result.json").is_file():
+            continue
+        new = compare.collect(out)
+        if (new["cell"], new["seed"], new["rounds"]) != (old["cell"], old["seed"], old["rounds"]):
+            raise ValueError(f"{out} holds another run than the committed {key}: its cell, seed or curve differ")
+        new.update({k: old[k] for k in RUNNER_FIELDS if k in old})
+        (report / "runs" / stage / f"{name}.json").write_text(json.dumps(new, separators=(",", ":")))
+        new["rounds"] = {int(r): m for r, m in new["rounds"].items()}
+        results[key] = new
+        done.append(key)
+    return done
+
+
 def execute(
     runs: list[Run], results: dict, report: Path, work: Path, glue: Path, budget: dict, jobs: int = 1, fs_opts=()
 ) -> int:
@@ -391,6 +416,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default=str(WORK), help="FS's outputs of every run (not committed)")
     parser.add_argument("--plan", action="store_true", help="print the stages and the expected time; run nothing")
     parser.add_argument("--report-only", action="store_true", help="rebuild the report from the committed results")
+    parser.add_argument(
+        "--recollect",
+        nargs="+",
+        metavar="STAGE",
+        help="rewrite these stages' committed runs from their FS outputs in --work (this machine's), then go on",
+    )
     parser.add_argument("--hours", type=float, default=0.0, help="stop after the run that ends past this many hours")
     parser.add_argument(
         "--jobs",
@@ -411,6 +442,9 @@ def main(argv: list[str] | None = None) -> int:
     args.fs_opts = with_threads(args.fs_opts, args.jobs, os.cpu_count() or 1)
     report, work = Path(args.report), Path(args.work)
     results = load_results(report)
+    if args.recollect:
+        rewritten = recollect(results, report, work, args.recollect)
+        print(f"[sst2_compare] recollected {len(rewritten)} runs from {work}: {' '.join(rewritten) or 'none'}")
     print_plan(plan(results, report), results)
     if not (args.plan or args.report_only):
         glue = find_glue_dir(args.data)

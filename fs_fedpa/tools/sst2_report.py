@@ -183,7 +183,39 @@ def stage_section(title: str, stage: str, results: dict, report: Path, pairs: di
         lines.append(f"| {cell} | {means[0]} | {means[1]} | {intervals[0]} | {intervals[1]} |")
     if stage != "final":  # the final stage has a section of its own, "The mechanism"
         lines += ["", 'The last round\'s diagnostics, as in "The mechanism" above:', "", *mechanism_table(runs)]
+    if stage == "adaptive":
+        lines += lambda_trajectory(runs)
     return [*lines, ""]
+
+
+def lambda_trajectory(runs: list[dict]) -> list[str]:
+    """Per cell whose runs recorded the clients' λ (``lam_mean``, ``lam_min``, ``lam_max`` of
+    :func:`fs_fedpa.record.compact`): λ_i^(t) at the first, middle and last aggregated round (mean over clients,
+    then over seeds), the last round's range over clients and seeds, and the mean over rounds."""
+    rows = []
+    for cell in dict.fromkeys(r["cell"] for r in runs):
+        series = [[d for d in r.get("diagnostics", []) if "lam_mean" in d] for r in runs if r["cell"] == cell]
+        series = [s for s in series if s]
+        if not series:
+            continue
+        n = min(len(s) for s in series)
+        at = [statistics.mean(s[i]["lam_mean"] for s in series) for i in (0, (n - 1) // 2, n - 1)]
+        low, high = min(s[n - 1]["lam_min"] for s in series), max(s[n - 1]["lam_max"] for s in series)
+        overall = statistics.mean(statistics.mean(d["lam_mean"] for d in s[:n]) for s in series)
+        rounds = [series[0][i].get("round", i) for i in (0, (n - 1) // 2, n - 1)]
+        cells = " | ".join(f"{v:.3g} (round {r})" for v, r in zip(at, rounds))
+        rows.append(f"| {cell} | {len(series)} | {cells} | {low:.3g} – {high:.3g} | {overall:.3g} |")
+    if not rows:
+        return []
+    return [
+        "",
+        "The λ_i^(t) each rule chose (mean over clients, then over seeds; the fixed-λ cell has one λ throughout):",
+        "",
+        "| cell | seeds | first round | middle round | last round | last round, range over clients | mean over "
+        "rounds |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+    ]
 
 
 def verdict_section(results: dict) -> list[str]:

@@ -43,3 +43,12 @@ def test_compact_keeps_scalars_and_client_means():
     assert out["drift_mean"] == 2.0 and out["e_init_B"] == pytest.approx(0.3) and out["e_init_A"] is None
     assert "delta_norm_mean" not in out  # no client reported it
     assert "drift" in CLIENT_STATS
+
+
+def test_compact_keeps_the_clients_lambda_range_for_the_adaptive_rules():
+    record = RoundRecord(round=2)
+    record.add_client_stats([1, 2, 3], [{"lam": 0.004}, {"lam": 0.01}, {"lam": 10.0}])
+    out = compact(record.to_dict())
+    assert out["lam_mean"] == pytest.approx((0.004 + 0.01 + 10.0) / 3)
+    assert (out["lam_min"], out["lam_max"]) == (0.004, 10.0)
+    assert "lam_mean" not in compact(RoundRecord(round=2).to_dict())  # no client reported one

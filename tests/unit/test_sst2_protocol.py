@@ -364,3 +364,84 @@ def test_each_stage_beyond_the_main_cell_has_its_last_rounds_mechanism_beside_it
     # last round only; coherence per seed (2/8, 4/8, 6/8) then averaged; the gradient ratio by its median over seeds
     assert reg_a[1:6] == ["3", "0.8600", "4", "8", "0.5"] and reg_a[-1] == "20 |"
     assert "The last round's diagnostics" not in text.split("## Final runs", 1)[1].split("\n## ", 1)[0]
+
+
+def _fs_outputs(out: Path, accs: dict[int, float], lams: list[float]) -> None:
+    """What one FS run leaves in its --work folder: result.json, the server's eval log and diagnostics file."""
+    (out / "run").mkdir(parents=True)
+    (out / "result.json").write_text(json.dumps({"cell": out.name[:-3], "method": "fedpa", "seed": 0, "seconds": 9.0}))
+    (out / "run" / "eval_results.log").write_text(
+        "".join(f"{{'Round': {r}, 'Results_weighted_avg': {{'val_acc': {a}}}}}\n" for r, a in accs.items())
+    )
+    record = {"round": 1, "lam": {str(i + 1): lam for i, lam in enumerate(lams)}, "bytes_up_total": 4}
+    (out / "run" / "fedpa_diagnostics.jsonl").write_text(json.dumps(record) + "\n")
+
+
+def test_recollect_rewrites_committed_runs_from_their_fs_outputs_and_keeps_the_runners_fields(tmp_path):
+    report, work = tmp_path / "report", tmp_path / "work"
+    committed = {
+        "stage": "adaptive",
+        "rounds_planned": 1,
+        "fs_opts": ["fedpa.num_threads", "1"],
+        "jobs": 2,
+        "cell": "fedpa_adaptive_grad",
+        "method": "fedpa",
+        "seed": 0,
+        "seconds": 9.0,
+        "rounds": {"1": {"val_acc": 0.8}},
+        "diagnostics": [{"round": 1, "bytes_total": 4}],  # compacted before λ was kept
+    }
+    for stage, name in (("adaptive", "fedpa_adaptive_grad_s0"), ("adaptive", "fedpa_adaptive_loss_s0")):
+        (report / "runs" / stage).mkdir(parents=True, exist_ok=True)
+        (report / "runs" / stage / f"{name}.json").write_text(json.dumps({**committed, "cell": name[:-3]}))
+    _fs_outputs(work / "adaptive" / "fedpa_adaptive_grad_s0", {1: 0.8}, [0.5, 10.0])  # loss_s0: not on this machine
+    results = sc.load_results(report)
+    assert sc.recollect(results, report, work, ["hetero"]) == []  # another stage: nothing read
+    assert sc.recollect(results, report, work, ["adaptive"]) == ["adaptive/fedpa_adaptive_grad_s0"]
+    again = sc.load_results(report)
+    grad, loss = again["adaptive/fedpa_adaptive_grad_s0"], again["adaptive/fedpa_adaptive_loss_s0"]
+    assert grad["diagnostics"][0]["lam_max"] == 10.0 and grad["diagnostics"][0]["lam_mean"] == 5.25
+    assert {k: grad[k] for k in sc.RUNNER_FIELDS} == {k: committed[k] for k in sc.RUNNER_FIELDS}
+    assert grad["rounds"] == {1: {"val_acc": 0.8}} and results["adaptive/fedpa_adaptive_grad_s0"] == grad
+    assert "lam_mean" not in loss["diagnostics"][0]  # left as committed
+
+
+def test_recollect_refuses_outputs_of_another_run_than_the_committed_one(tmp_path):
+    report, work = tmp_path / "report", tmp_path / "work"
+    (report / "runs" / "adaptive").mkdir(parents=True)
+    run = {"cell": "fedpa_adaptive_grad", "seed": 0, "seconds": 9.0, "rounds": {"1": {"val_acc": 0.8}}}
+    (report / "runs" / "adaptive" / "fedpa_adaptive_grad_s0.json").write_text(json.dumps(run))
+    _fs_outputs(work / "adaptive" / "fedpa_adaptive_grad_s0", {1: 0.7}, [0.5])  # a rerun with another curve
+    with pytest.raises(ValueError, match="another run than the committed adaptive/fedpa_adaptive_grad_s0"):
+        sc.recollect(sc.load_results(report), report, work, ["adaptive"])
+    assert json.loads((report / "runs" / "adaptive" / "fedpa_adaptive_grad_s0.json").read_text()) == run
+
+
+def test_the_adaptive_stage_shows_the_lambda_each_rule_chose_over_rounds(tmp_path, monkeypatch):
+    from fs_fedpa.tools import plots
+    from fs_fedpa.tools.sst2_report import write_report
+
+    monkeypatch.setattr(plots, "plot_all", lambda *args: [])
+    results = {}
+    for seed, scale in enumerate((1.0, 3.0)):
+        run = sc.Run("adaptive", "fedpa_adaptive_grad", "fedpa", (), seed, 3)
+        results[run.key] = _result(run, {3: 0.85})
+        results[run.key]["diagnostics"] = [
+            {
+                "round": r,
+                "lam_mean": scale * lam,
+                "lam_min": scale * lam / 2,
+                "lam_max": scale * lam * 2,
+                "bytes_total": 1,
+            }
+            for r, lam in enumerate((10.0, 0.5, 0.25))
+        ]
+    fixed = sc.Run("adaptive", "fedpa_fixed", "fedpa", (), 0, 3)
+    results[fixed.key] = _result(fixed, {3: 0.86})  # no λ recorded: no row
+    text = write_report(tmp_path, results, []).read_text()
+    table = text.split("## Adaptive λ", 1)[1].split("The λ_i^(t) each rule chose", 1)[1]
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| fedpa")]
+    assert len(rows) == 1 and rows[0][:2] == ["| fedpa_adaptive_grad", "2"]
+    # seeds 1x and 3x: mean over seeds 20, 1, 0.5 at rounds 0, 1, 2; range over clients and seeds 0.125-1.5
+    assert rows[0][2:5] == ["20 (round 0)", "1 (round 1)", "0.5 (round 2)"]
+    assert rows[0][5] == "0.125 – 1.5" and rows[0][6] == f"{(10.75 / 3 + 32.25 / 3) / 2:.3g} |"
