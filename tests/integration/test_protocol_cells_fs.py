@@ -65,3 +65,9 @@ def test_every_later_stage_cell_runs_through_fs_with_its_overrides(tiny_glue, tm
             continue
         expected, got = _value(text), _dotted(used, key)
         assert got == (pytest.approx(expected) if isinstance(expected, float) else expected), key
+    if run.stage == "adaptive":  # the run file keeps the λ_i^(t) the rule chose, within the rule's range
+        lam0, rule = float(dict(zip(run.opts[::2], run.opts[1::2]))["fedpa.lam"]), used["fedpa"]["adaptive_lam"]
+        high = {"loss": lam0, "direction": 2 * lam0, "grad": used["fedpa"]["lam_max"]}[rule]
+        assert result["diagnostics"] and all(
+            0 <= d["lam_min"] <= d["lam_mean"] <= d["lam_max"] <= high for d in result["diagnostics"]
+        )
