@@ -64,6 +64,7 @@ class FedPAClient(Client):
         self._rounds_trained = 0
         self._restarted = False
         self._received: dict[str, tuple[Tensor, Tensor]] = {}
+        self._own_fold: dict[str, tuple[Tensor, Tensor]] | None = None  # the base part of the model it trained last
         save_to, restore_from = self._cfg.federate.save_to, self._cfg.federate.restore_from
         self._resume_out = resume.server_path(save_to) if save_to else None
         self._resume_in = restore_from or None  # read at the first message, which names the round
@@ -152,6 +153,7 @@ class FedPAClient(Client):
             trained, local = self._restart_factors(), self.local_tensors or local
         self.factors = self.method.end_round(trained, self.index, self.state)
         self.local_tensors = local
+        self._own_fold = self.method.fold(self._received, self.index, self.state)
         self._rounds_trained += 1
         term = float(self._penalty_sum) / self._penalty_steps if self._penalty_steps else 0.0
         if self._resume_out:
@@ -255,6 +257,8 @@ class FedPAClient(Client):
         finally:
             undo()
         if self.method.cfg.eval_local:
+            # the model it trained: Fed-PLoRA's own modules sit on the undrawn ones it folded into the base
+            self._set_base(self._own_fold)
             self._load(self.factors)
             # FS derives the split from the text before the first "_" and the metric from the text after
             # "<split>_", so the protocol goes in front: local.test_acc, local.test_total, ...

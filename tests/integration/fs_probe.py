@@ -191,6 +191,22 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         )
         return result
 
+    orig_splits = Client._evaluate_splits
+    record["evaluate"] = []
+
+    def evaluate_splits(self):  # the model each evaluation sees: the paper protocol's first, then the own factors'
+        layers = lora.lora_layers(self.model) if self._moves_base else {}
+        record["evaluate"].append(
+            {
+                "client": self.ID,
+                "round": self.state,
+                "factors": _copy(lora.get_factors(self.model)) if self.method.state_is_factors else {},
+                "base": {n: layer.get_base_layer().weight.detach().cpu().clone() for n, layer in layers.items()},
+            }
+        )
+        return orig_splits(self)
+
+    Client._evaluate_splits = evaluate_splits
     orig_mix = Client._instance_mix
     record["instance"] = []
 

@@ -277,6 +277,31 @@ def test_fed_plora_trains_its_drawn_modules_on_the_folded_rest_and_the_server_av
         assert set(record["bytes_down"].values()) == {4 * sum(4 * (d + k) for d, k in shapes.values())}
 
 
+def test_fed_plora_is_evaluated_with_its_own_factors_on_the_base_it_trained_them_on(tiny_llm, tmp_path):
+    opts = {"federate.method": "fed_plora", "fedpa.client_ranks": "[1, 2, 4]", "fedpa.eval_local": True}
+    run = probe(fedpa_cfg(tiny_llm, tmp_path, **opts), tmp_path)
+    w0 = {n: t for e in run["enter"] if e["round"] == 0 for n, t in e["base"].items()}
+    enter = {(e["client"], e["round"]): e for e in run["enter"]}
+    leave = {(e["client"], e["round"]): e for e in run["leave"]}
+    evaluations = {}
+    for e in run["evaluate"]:
+        evaluations.setdefault((e["client"], e["round"]), []).append(e)
+    folded = 0
+    for (c, t), (paper, own) in ((key, pair) for key, pair in evaluations.items() if len(pair) == 2):
+        trained = [r for client, r in leave if client == c and r <= t]
+        for n, base in paper["base"].items():  # the paper protocol: the global modules on W_0 alone
+            torch.testing.assert_close(base, w0[n], atol=0, rtol=0)
+        if not trained:
+            continue
+        last = max(trained)
+        for n, base in own["base"].items():  # its own: the modules it kept, on W_0 + the modules it did not draw
+            torch.testing.assert_close(base, enter[c, last]["base"][n], atol=0, rtol=0)
+            folded += not torch.equal(base, w0[n])
+        for n, (B, A) in own["factors"].items():
+            assert torch.equal(B, leave[c, last]["end"][n][0]) and torch.equal(A, leave[c, last]["end"][n][1])
+    assert folded  # some client's undrawn modules were not zero: the case the base must carry
+
+
 def test_ravan_keeps_its_bases_trains_only_its_heads_and_the_server_averages_each_head(tiny_llm, tmp_path):
     heads = {1: 1, 2: 2, 3: 4}  # K_i = r_i / min r_i of H = 4 heads
     run = probe(fedpa_cfg(tiny_llm, tmp_path, **{"federate.method": "ravan", "fedpa.client_ranks": "[1, 2, 4]"}),
