@@ -28,6 +28,7 @@ logs stay in ``--work``. The report (``report.md``, tables, figures) is rebuilt 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import math
 import os
@@ -280,6 +281,9 @@ def execute(
         print(f"[{run.stage} {i}/{len(pending)}] {run.name} seed {run.seed}, {run.rounds} rounds; "
               f"about {left:.0f} min left in this stage", flush=True)  # fmt: skip
         out = work / run.stage / f"{run.name}_s{run.seed}"
+        if (out / "result.json").is_file():  # e.g. a run file deleted to redo the run, its FS outputs still here
+            print(f"    {out} holds a finished FS run: its outputs are taken, not rerun (delete that folder to redo "
+                  "the run)", flush=True)  # fmt: skip
         try:
             compare.run_one(str(CFG), run.cell(), run.seed, out, ["data.root", str(glue), *fs_opts], str(run.rounds))
         except RuntimeError as failure:
@@ -448,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     print_plan(plan(results, report), results)
     if not (args.plan or args.report_only):
         glue = find_glue_dir(args.data)
+        claim_work(work)
         budget = {"ran": 0.0, "stop_at": time.time() + args.hours * 3600 if args.hours else 0.0}
         try:
             while True:
@@ -463,6 +468,33 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"wrote {write_report(report, results, plan(results, report))}")
     return 0
+
+
+def claim_work(work: Path) -> None:
+    """Refuse to run while another call runs in the same ``work`` folder (two calls would start the same pending
+    run in one folder, each deleting the other's outputs); a lock left by a call that died is taken over."""
+    work.mkdir(parents=True, exist_ok=True)
+    lock = work / "runner.pid"
+    if lock.is_file():
+        try:
+            other = int(lock.read_text().strip())
+            os.kill(other, 0)
+        except (ValueError, ProcessLookupError):
+            other = None
+        except PermissionError:  # alive, another user's
+            pass
+        if other is not None and other != os.getpid():
+            sys.exit(f"another sst2_compare call (pid {other}) runs in {work}; wait for it or stop it, then rerun")
+    lock.write_text(str(os.getpid()))
+
+    def release() -> None:
+        try:
+            if lock.read_text().strip() == str(os.getpid()):
+                lock.unlink()
+        except OSError:
+            pass
+
+    atexit.register(release)
 
 
 def print_plan(stages: list[tuple[str, list[Run]]], results: dict) -> None:

@@ -445,3 +445,29 @@ def test_the_adaptive_stage_shows_the_lambda_each_rule_chose_over_rounds(tmp_pat
     # seeds 1x and 3x: mean over seeds 20, 1, 0.5 at rounds 0, 1, 2; range over clients and seeds 0.125-1.5
     assert rows[0][2:5] == ["20 (round 0)", "1 (round 1)", "0.5 (round 2)"]
     assert rows[0][5] == "0.125 – 1.5" and rows[0][6] == f"{(10.75 / 3 + 32.25 / 3) / 2:.3g} |"
+
+
+def test_a_second_call_in_the_same_work_folder_is_refused_and_a_dead_calls_lock_is_taken_over(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    work = tmp_path / "work"
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]) as other:
+        work.mkdir()
+        (work / "runner.pid").write_text(str(other.pid))
+        with pytest.raises(SystemExit, match=f"another sst2_compare call \\(pid {other.pid}\\) runs in"):
+            sc.claim_work(work)
+        other.kill()
+    sc.claim_work(work)  # its process is gone: the lock is this call's now
+    assert (work / "runner.pid").read_text() == str(os.getpid())
+
+
+def test_finished_fs_outputs_of_a_pending_run_are_taken_and_said_so(tmp_path, monkeypatch, capsys):
+    fake_fs_runs(monkeypatch)
+    run = sc.Run("hetero", "fed_plora_r2_4_16", "fed_plora", (), 0, 2)
+    out = tmp_path / "work" / "hetero" / "fed_plora_r2_4_16_s0"
+    out.mkdir(parents=True)
+    (out / "result.json").write_text("{}")
+    sc.execute([run], {}, tmp_path, tmp_path / "work", tmp_path, {"ran": 0.0, "stop_at": 0.0})
+    assert f"{out} holds a finished FS run: its outputs are taken, not rerun" in capsys.readouterr().out
