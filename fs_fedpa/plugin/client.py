@@ -64,7 +64,7 @@ class FedPAClient(Client):
         self._rounds_trained = 0
         self._restarted = False
         self._received: dict[str, tuple[Tensor, Tensor]] = {}
-        self._own_fold: dict[str, tuple[Tensor, Tensor]] | None = None  # the base part of the model it trained last
+        self._fold: dict[str, tuple[Tensor, Tensor]] | None = None  # the base part of the model it trains (last)
         save_to, restore_from = self._cfg.federate.save_to, self._cfg.federate.restore_from
         self._resume_out = resume.server_path(save_to) if save_to else None
         self._resume_in = restore_from or None  # read at the first message, which names the round
@@ -102,7 +102,8 @@ class FedPAClient(Client):
         start = self.method.start_round(received, self.factors, self.index, self.state)
         self._e_init = self._init_error(start, self.factors)
         self._received = received
-        self._set_base(self.method.fold(received, self.index, self.state))
+        self._fold = self.method.fold(received, self.index, self.state)
+        self._set_base(self._fold)
         self._load(start, trainable=self.method.trainable(self.state))
         self._load_tensors(decode_tensors(payload.get("shared", {})))
         self._load_tensors(self.local_tensors)
@@ -153,7 +154,6 @@ class FedPAClient(Client):
             trained, local = self._restart_factors(), self.local_tensors or local
         self.factors = self.method.end_round(trained, self.index, self.state)
         self.local_tensors = local
-        self._own_fold = self.method.fold(self._received, self.index, self.state)
         self._rounds_trained += 1
         term = float(self._penalty_sum) / self._penalty_steps if self._penalty_steps else 0.0
         if self._resume_out:
@@ -178,10 +178,9 @@ class FedPAClient(Client):
     def _whole_update(self, sent: dict[str, tuple[Tensor, Tensor]]) -> dict[str, tuple[Tensor, Tensor]]:
         """The client's whole update as applied factors: what it sends plus what it folded into its base weights
         for the round (Fed-PLoRA's undrawn modules), so its diagnostics compare like with like."""
-        fold = self.method.fold(self._received, self.index, self.state)
-        if fold is None:
+        if self._fold is None:
             return sent
-        folded = self.space.upload(fold)
+        folded = self.space.upload(self._fold)
         return {n: (torch.cat([B, folded[n][0].to(B)], 1), torch.cat([A, folded[n][1].to(A)], 0)) for n, (B, A) in
                 sent.items()}  # fmt: skip
 
@@ -258,7 +257,7 @@ class FedPAClient(Client):
             undo()
         if self.method.cfg.eval_local:
             # the model it trained: Fed-PLoRA's own modules sit on the undrawn ones it folded into the base
-            self._set_base(self._own_fold)
+            self._set_base(self._fold)
             self._load(self.factors)
             # FS derives the split from the text before the first "_" and the metric from the text after
             # "<split>_", so the protocol goes in front: local.test_acc, local.test_total, ...

@@ -255,11 +255,18 @@ def recollect(results: dict, report: Path, work: Path, stages: list[str]) -> lis
         if (new["cell"], new["seed"], new["rounds"]) != (old["cell"], old["seed"], old["rounds"]):
             raise ValueError(f"{out} holds another run than the committed {key}: its cell, seed or curve differ")
         new.update({k: old[k] for k in RUNNER_FIELDS if k in old})
-        (report / "runs" / stage / f"{name}.json").write_text(json.dumps(new, separators=(",", ":")))
-        new["rounds"] = {int(r): m for r, m in new["rounds"].items()}
-        results[key] = new
+        results[key] = write_run(report, key, new)
         done.append(key)
     return done
+
+
+def write_run(report: Path, key: str, result: dict) -> dict:
+    """Write one run's file ``runs/<stage>/<name>_s<seed>.json`` (compact JSON); returns ``result`` as
+    :func:`load_results` reads it back (rounds keyed by int)."""
+    path = report / "runs" / f"{key}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, separators=(",", ":")))
+    return {**result, "rounds": {int(r): m for r, m in result["rounds"].items()}}
 
 
 def execute(
@@ -291,11 +298,7 @@ def execute(
             return None
         result = compare.collect(out)
         result.update(stage=run.stage, rounds_planned=run.rounds, fs_opts=list(fs_opts), jobs=jobs)
-        path = report / "runs" / run.stage / f"{run.name}_s{run.seed}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, separators=(",", ":")))
-        result["rounds"] = {int(r): m for r, m in result["rounds"].items()}
-        return run, result
+        return run, write_run(report, run.key, result)
 
     finished = 0
     with ThreadPoolExecutor(max_workers=jobs) as pool:
