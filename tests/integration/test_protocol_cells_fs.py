@@ -1,6 +1,6 @@
 """Every cell of the SST-2 protocol's later stages (β, heterogeneous ranks, ablation, adaptive λ) goes through stock
 FS for one round with exactly the overrides the runner passes, on tiny GLUE data and a tiny BERT: a cell that would
-fail hours into the grid fails here. Opt in with --run-slow (about 15 s a cell, 24 cells)."""
+fail hours into the grid fails here. Opt in with --run-slow (about 15 s a cell, 25 cells)."""
 
 from __future__ import annotations
 

@@ -106,6 +106,15 @@ def test_later_stages_follow_the_final_paired_intervals(tmp_path):
     assert hetero["flexlora"]["fedpa.reference_ranks"] == "[2, 4, 16]"
     order = [r.name for r in sc.extra_runs(selected, 4, ["flexlora"]) if r.seed == 0]
     assert order[:2] == ["fedpa_no_preservation", "fedpa_lam0"]  # the ablation's mechanism cells run first
+    adaptive = {r.name: _opts(r) for r in sc.extra_runs(selected, 4, ["flexlora"]) if r.stage == "adaptive"}
+    assert {n: o["fedpa.adaptive_lam"] for n, o in adaptive.items()} == {
+        "fedpa_adaptive_loss": "loss", "fedpa_adaptive_grad": "grad", "fedpa_adaptive_direction": "direction",
+        "fedpa_adaptive_grad_scaled": "grad",
+    }  # fmt: skip
+    assert all(float(o["fedpa.lam"]) == 0.5 for o in adaptive.values())  # lambda_0: the selected lambda
+    # the paper's rules keep its clip [0, 10]; the named variant scales it to lambda_0 (lambda_max / lambda_0 = 10)
+    assert "fedpa.lam_max" not in adaptive["fedpa_adaptive_grad"]
+    assert float(adaptive["fedpa_adaptive_grad_scaled"]["fedpa.lam_max"]) == pytest.approx(10 * 0.5)
 
 
 @pytest.mark.skipif(not (COMMITTED / "selected.json").is_file(), reason="no committed selection yet")
