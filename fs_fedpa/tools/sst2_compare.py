@@ -515,6 +515,9 @@ def print_plan(stages: list[tuple[str, list[Run]]], results: dict) -> None:
         print(f"  {stage}: {len(runs) - len(left)}/{len(runs)} runs done; about {minutes:.0f} min left", flush=True)
     spent = time_spent(results)
     T = pilot_T(results[pilot_run().key]) if pilot_run().key in results else PILOT_ROUNDS // 2
+    if not total_left:
+        print(f"[sst2_compare] committed runs: {spent}; every run of the protocol has run", flush=True)
+        return
     print(
         f"[sst2_compare] committed runs: {spent}; about {total_left / 60:.1f} h left for the "
         f"stages known now ({rate:.0f} s a round); the whole protocol is about {whole_rounds(T) * rate / 3600:.0f} h "
@@ -527,8 +530,11 @@ def time_spent(results: dict) -> str:
     """The committed runs' wall time and, for those that record it, their processes' CPU time (user + system,
     which concurrent work does not inflate)."""
     wall = sum(r["seconds"] for r in results.values()) / 3600
+    machine = sum(r["seconds"] / r.get("jobs", 1) for r in results.values()) / 3600
     timed = [r for r in results.values() if "cpu_seconds" in r]
     text = f"{wall:.2f} h of wall time"
+    if machine < wall:
+        text += f" ({machine:.2f} h of machine time: wall time / runs side by side)"
     if timed:
         cpu = sum(r["cpu_seconds"] for r in timed) / 3600
         text += f", {cpu:.2f} CPU-h on the {len(timed)} of {len(results)} runs that record it"

@@ -259,6 +259,10 @@ def test_time_spent_reports_wall_time_and_cpu_time_where_recorded():
     results = {"a": {"seconds": 3600.0, "cpu_seconds": 5400.0}, "b": {"seconds": 1800.0}}
     assert sc.time_spent(results) == "1.50 h of wall time, 1.50 CPU-h on the 1 of 2 runs that record it"
     assert sc.time_spent({"b": {"seconds": 1800.0}}) == "0.50 h of wall time"
+    # two runs side by side (--jobs 2) share the machine: 1.5 h of wall time is 0.75 h of it
+    assert sc.time_spent({"a": {"seconds": 3600.0, "jobs": 2}, "b": {"seconds": 1800.0, "jobs": 2}}) == (
+        "1.50 h of wall time (0.75 h of machine time: wall time / runs side by side)"
+    )
 
 
 def test_parallel_jobs_split_the_cpus_unless_the_user_set_the_threads():
