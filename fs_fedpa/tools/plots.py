@@ -37,6 +37,12 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def _legend(ax, **kwargs) -> None:
+    """A legend where the axes have labelled lines; an empty panel (no run recorded its field) gets none."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kwargs)
+
+
 def by_cell(runs: Sequence[dict]) -> dict[str, list[dict]]:
     cells: dict[str, list[dict]] = {}
     for run in runs:
@@ -112,7 +118,7 @@ def plot_accuracy(runs: Sequence[dict], metric: str, path: Path) -> Path:
     _integer_rounds(ax)
     ax.set(xlabel="round", ylabel=f"{metric} (paper protocol)", title=f"{metric} vs round (mean ± std over seeds)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
+    _legend(ax, fontsize=8, ncol=2)
     return _save(fig, path)
 
 
@@ -138,7 +144,7 @@ def plot_mismatch(runs: Sequence[dict], path: Path) -> Path:
         ax.set(xlabel="round", title=title)
         ax.grid(alpha=0.3, which="both")
     axes[0].set_ylabel(f"mean over seeds; exact 0 drawn at the floor {floor:.1e}")
-    axes[-1].legend(fontsize=8)
+    _legend(axes[-1], fontsize=8)
     module = next((d["probe_module"] for r in runs for d in r.get("diagnostics", [])), "?")
     fig.suptitle(f"Aggregation and initialization mismatch, module {module}", fontsize=9)
     return _save(fig, path)
@@ -163,7 +169,7 @@ def plot_spectrum(runs: Sequence[dict], path: Path) -> Path:
             ax.semilogy(range(1, len(s) + 1), s, color=cmap(i / max(len(diags) - 1, 1)), label=f"round {d['round']}")
         ax.set(xlabel="index j", ylabel="σ_j of Σ w_i B_i A_i", title=f"{cell} (seed {run['seed']})")
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
+        _legend(ax, fontsize=7)
     if not cells:
         axes[0].text(0.5, 0.5, "no run recorded a spectrum", ha="center", va="center")
     return _save(fig, path)
@@ -186,7 +192,7 @@ def plot_bytes(runs: Sequence[dict], metric: str, path: Path) -> Path:
             ax.plot(*zip(*points), label=cell, **style(i))
     ax.set(xlabel="cumulative uplink + downlink (MiB)", ylabel=metric, title=f"{metric} vs communication")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
+    _legend(ax, fontsize=8, ncol=2)
     return _save(fig, path)
 
 
@@ -213,7 +219,7 @@ def plot_mechanism(runs: Sequence[dict], path: Path) -> Path:
         ax.set(xlabel="round", title=title)
         ax.title.set_fontsize(9)
         ax.grid(alpha=0.3, which="both")
-    axes[0].legend(fontsize=7)
+    _legend(axes[0], fontsize=7)
     fig.suptitle("Mechanism: update sizes, drift from the reference, and the pull of the alignment term", fontsize=9)
     return _save(fig, path)
 

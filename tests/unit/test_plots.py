@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from fs_fedpa.tools.plots import bytes_vs_metric, mean_curve, plot_all, style
@@ -53,3 +55,14 @@ def test_the_cells_of_a_full_comparison_get_distinct_colours_and_markers():
     styles = [style(i) for i in range(16)]  # the SST-2 protocol's final stage has 13 cells
     assert len({s["color"] for s in styles}) == 16
     assert len({(s["marker"], s["linestyle"]) for s in styles}) == 16
+
+
+def test_runs_without_diagnostics_get_their_figures_without_empty_legends(tmp_path):
+    # e.g. the report's tests on hand-made runs: no bytes, no mismatch, no mechanism fields; matplotlib warns on a
+    # legend() over axes without labelled lines
+    pytest.importorskip("matplotlib")
+    runs = [{"cell": "a", "seed": 0, "rounds": {0: {"val_acc": 0.5}, 1: {"val_acc": 0.6}}, "diagnostics": []}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        paths = plot_all(runs, "val_acc", tmp_path)
+    assert len(paths) == 5 and all(p.is_file() for p in paths)
