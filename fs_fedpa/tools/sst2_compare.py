@@ -224,7 +224,7 @@ def extra_runs(selected: dict, T: int, strongest: list[str]) -> list[Run]:
     for rule in ("loss", "grad", "direction"):
         add("adaptive", f"fedpa_adaptive_{rule}", "fedpa", "fedpa", "fedpa.adaptive_lam", rule, "fedpa.lam", lam)
     # A named variant, not the paper's rule: the grad rule's clip [0, 10] is in the paper's lambda scale (lambda_0 = 1)
-    # and pins lambda_i at 10 = 1000 lambda_0 here; this cell keeps the paper's ratio lambda_max / lambda_0 = 10.
+    # and holds lambda_i at or near 10 = 1000 lambda_0 here; this cell keeps the paper's lambda_max / lambda_0 = 10.
     lam_max = f"{10 * chosen['fedpa']['lam']:g}"
     add("adaptive", "fedpa_adaptive_grad_scaled", "fedpa", "fedpa", "fedpa.adaptive_lam", "grad", "fedpa.lam", lam,
         "fedpa.lam_max", lam_max)  # fmt: skip
