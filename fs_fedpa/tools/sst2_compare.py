@@ -514,10 +514,10 @@ def print_plan(stages: list[tuple[str, list[Run]]], results: dict) -> None:
         total_left += minutes
         print(f"  {stage}: {len(runs) - len(left)}/{len(runs)} runs done; about {minutes:.0f} min left", flush=True)
     spent = time_spent(results)
-    T = pilot_T(results[pilot_run().key]) if pilot_run().key in results else PILOT_ROUNDS // 2
     if not total_left:
         print(f"[sst2_compare] committed runs: {spent}; every run of the protocol has run", flush=True)
         return
+    T = pilot_T(results[pilot_run().key]) if pilot_run().key in results else PILOT_ROUNDS // 2
     print(
         f"[sst2_compare] committed runs: {spent}; about {total_left / 60:.1f} h left for the "
         f"stages known now ({rate:.0f} s a round); the whole protocol is about {whole_rounds(T) * rate / 3600:.0f} h "
