@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # fs_fedpa entry point.
 #   ./run.sh test [pytest args]   install what the tests need (CPU torch, the package) and run them
+#                                 (FS_FEDPA_FS_SOURCE=<archive or folder>: FederatedScope from a local copy)
 #   ./run.sh [--data GLUE_DIR]    the main job: FedPA-LoRA on real SST-2 with the embedded MiniLM, on CPU
 #                                 (GLUE_DIR holds SST-2/train.tsv and SST-2/dev.tsv; or set FS_FEDPA_DATA)
 #   ./run.sh compare --data GLUE_DIR [--plan] [--hours H]
@@ -17,22 +18,47 @@ ensure_torch() {
   fi
 }
 
+# What FS's llm branch imports at run time (its setup.py pins versions that do not install on Python 3.11, so FS
+# itself goes in with --no-deps); protobuf 3.20.x for its generated gRPC code. docs/install.md lists the same.
+FS_RUNTIME=("protobuf==3.20.3" accelerate sentencepiece scikit-learn scipy pandas grpcio fvcore iopath pympler
+  matplotlib dill pyyaml)
+
+install_federatedscope_from() {
+  # $1: a source archive (.tar.gz, .zip) or a folder of FS's llm branch
+  echo "[run.sh] installing FederatedScope from $1 (without its pins), then its run-time imports"
+  "$PY" -m pip install --quiet --disable-pip-version-check --no-deps "$1" \
+    && "$PY" -m pip install --quiet --disable-pip-version-check "${FS_RUNTIME[@]}" \
+    && "$PY" -c "import federatedscope" >/dev/null 2>&1
+}
+
 ensure_federatedscope() {
-  # $1 = optional: when FS cannot be installed, say so and go on (the tests then skip the FS integration tests)
+  # $1 = optional: when FS cannot be installed from GitHub, say so and go on (the FS integration tests then skip).
+  # FS_FEDPA_FS_SOURCE=<archive or folder>: install FS from that local copy instead; a failure there always stops.
   if "$PY" -c "import federatedscope" >/dev/null 2>&1; then
     return
   fi
+  if [ -n "${FS_FEDPA_FS_SOURCE:-}" ]; then
+    if [ ! -e "$FS_FEDPA_FS_SOURCE" ]; then
+      echo "[run.sh] FS_FEDPA_FS_SOURCE=$FS_FEDPA_FS_SOURCE: no such archive or folder" >&2
+      exit 1
+    fi
+    if install_federatedscope_from "$FS_FEDPA_FS_SOURCE"; then
+      return
+    fi
+    echo "[run.sh] could not install FederatedScope from FS_FEDPA_FS_SOURCE=$FS_FEDPA_FS_SOURCE (pip's error above)" >&2
+    exit 1
+  fi
   echo "[run.sh] FederatedScope is not importable; trying its llm branch from GitHub (without its pins)"
-  if "$PY" -m pip install --quiet --no-deps "federatedscope @ git+https://github.com/alibaba/FederatedScope.git@llm" \
-      && "$PY" -m pip install --quiet "protobuf==3.20.3" accelerate sentencepiece scikit-learn scipy pandas grpcio \
-         fvcore iopath pympler matplotlib dill; then
+  if install_federatedscope_from "federatedscope @ git+https://github.com/alibaba/FederatedScope.git@llm"; then
     return
   fi
   cat >&2 <<MSG
 [run.sh] Could not install FederatedScope (no network?). Install its llm branch yourself, then rerun:
+    FS_FEDPA_FS_SOURCE=<FederatedScope-llm archive or checkout> ./run.sh test
+  or by hand:
     git clone -b llm https://github.com/alibaba/FederatedScope.git   # or copy a checkout here
     pip install --no-deps ./FederatedScope
-    pip install "protobuf==3.20.3" accelerate sentencepiece scikit-learn scipy pandas grpcio fvcore iopath pympler matplotlib dill
+    pip install ${FS_RUNTIME[*]}
 (docs/install.md has the details.)
 MSG
   if [ "${1:-}" = optional ]; then

@@ -14,7 +14,7 @@ always rebuilt from the runs' files: FS's ``eval_results.log`` and the plugin's 
 Written to ``--out``: ``results.md`` and ``results.csv`` (mean ± std over seeds of the final and the best round
 for the paper protocol ``<metric>`` and the clients' own factors ``local.<metric>``, with E_agg, E_init,
 communication and time), ``runs.json`` (every run's curves and diagnostics) and the figures of
-:mod:`fs_fedpa.tools.plots`.
+:mod:`fs_fedpa.plots`.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fs_fedpa.fs_results import weighted_avg_by_round
 from fs_fedpa.methods import names as method_names
 from fs_fedpa.record import CLIENT_STATS, DIAGNOSTICS_FILE, compact
-from fs_fedpa.tools.fs_results import weighted_avg_by_round
 
 
 @dataclass(frozen=True)
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "runs.json").write_text(json.dumps(runs))
     print(write_table(summarize(runs, args.metric, larger), args.metric, out, note))
     if not args.no_plots:
-        from fs_fedpa.tools.plots import plot_all
+        from fs_fedpa.plots import plot_all
 
         for path in plot_all(runs, args.metric, out):
             print(f"wrote {path}")

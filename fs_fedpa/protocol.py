@@ -1,7 +1,7 @@
 """The statistics of a tuned comparison, without torch or FS: the pilot's stopping round, the selection of
 hyper-parameters on held-out validation data, and paired confidence intervals between methods.
 
-Used by :mod:`fs_fedpa.tools.sst2_compare` (the SST-2 protocol of docs/compare.md); every function is plain Python
+Used by :mod:`fs_fedpa.sst2_protocol` (the SST-2 protocol of docs/compare.md); every function is plain Python
 so that the rules can be checked by hand.
 """
 

@@ -1,22 +1,15 @@
 """Federated LoRA methods, one module each, behind :class:`fs_fedpa.methods.base.FederatedMethod`.
 
 A method's module name is its registry key and its ``federate.method`` value, so the list of methods is read from
-the package's files (:func:`names`) without importing torch; the classes load on first use. Torch and
-``fs_fedpa.core`` only: the FS workers in ``fs_fedpa.plugin`` delegate every decision here.
+the package's files (:func:`names`, :mod:`fs_fedpa.methods.catalog`) without importing torch; the classes load on
+first use. Torch and ``fs_fedpa.core`` only: the FS workers in ``fs_fedpa.plugin`` delegate every decision here.
 """
 
 from __future__ import annotations
 
-import pkgutil
+from fs_fedpa.methods.catalog import names
 
 __all__ = ["METHODS", "FederatedMethod", "get_method", "names"]
-
-_NOT_METHODS = ("base",)
-
-
-def names() -> tuple[str, ...]:
-    """Every method's name (= module name = ``federate.method``), sorted; imports nothing."""
-    return tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in _NOT_METHODS))
 
 
 def __getattr__(name: str):

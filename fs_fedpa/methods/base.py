@@ -238,7 +238,7 @@ def get_method(name: str) -> type[FederatedMethod]:
     """The class registered as ``name``; importing every method module registers it."""
     import importlib
 
-    from fs_fedpa.methods import names
+    from fs_fedpa.methods.catalog import names
 
     for module in names():
         importlib.import_module(f"fs_fedpa.methods.{module}")

@@ -4,245 +4,40 @@
     ./run.sh compare --plan                       # the stages, their runs and the expected CPU time; runs nothing
     ./run.sh compare --report-only                # rebuild the report from the committed results
 
-Stages, each on ``yaml_configs/compare_sst2_protocol.yaml`` (N = 10, every client every round, LDA beta = 0.5, r = 4,
-alpha = 8, local heads, 10 local steps of 16 sentences):
-
-1. ``pilot``: FedIT for up to :data:`PILOT_ROUNDS` rounds; T = the first round at which its held-out accuracy
-   gains less than 0.5 point over the last quarter of the rounds (:func:`fs_fedpa.protocol.plateau_round`).
-2. ``tune``: one seed, ceil(T/2) rounds, scored on a validation split held out of every client's *training* shard
-   (``data.glue_holdout``; the dev set is never read). Every method over :data:`LR_GRID` (AdamW and the paper's
-   plain SGD); FedPA-LoRA first over :data:`LAM_GRID` at the pilot's learning rate, then over the learning rates at
-   its best λ. FedRot-LoRA keeps the paper's SST-2 strength 0.6. The selection is written to ``selected.json``.
-3. ``final``: every method at exactly the values of ``selected.json``, T rounds, seeds 0-2 on the dev set under
-   both evaluation protocols; seeds 3-4 for FedPA-LoRA and every baseline whose paired interval still contains 0.
-   Then the grid-edge check: each method selected at the top of the AdamW grid is tuned once more one step above
-   it (:data:`EDGE_LR`); the report says where that would have won. The selection is not changed.
-4. ``beta``, ``hetero``, ``ablation``, ``adaptive``: the settings beyond the main cell, 3 seeds each, at the
-   selected values.
-
-Every finished run is reduced to one small JSON file in ``--report/runs/<stage>/`` (curves and diagnostics; no
-checkpoints), which is committed: a stopped grid continues where it stopped, on this machine or another. FS's own
-logs stay in ``--work``. The report (``report.md``, tables, figures) is rebuilt from those files at every call.
+The protocol itself (its stages, runs and plan) is :mod:`fs_fedpa.sst2_protocol`; the report is
+:mod:`fs_fedpa.tools.sst2_report`. This module runs the plan: FS subprocesses, ``jobs`` at a time, each
+finished run written to its committed file at once; a stopped grid continues where it stopped.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
-import json
-import math
 import os
-import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
 from pathlib import Path
 
-from fs_fedpa import compare, protocol
+from fs_fedpa import compare
+from fs_fedpa.sst2_protocol import (
+    CFG,
+    PILOT_ROUNDS,
+    REPORT,
+    RUNNER_FIELDS,
+    WORK,
+    Run,
+    load_results,
+    pilot_run,
+    pilot_T,
+    plan,
+    seconds_per_round,
+    time_spent,
+    whole_rounds,
+    write_run,
+)
 from fs_fedpa.tools.sst2_demo import find_glue_dir
-
-CFG_NAME = Path("yaml_configs") / "compare_sst2_protocol.yaml"
-CFG = CFG_NAME if CFG_NAME.is_file() else Path(__file__).resolve().parents[2] / CFG_NAME
-REPORT = Path("docs") / "reference" / "sst2_protocol"
-WORK = Path("exp") / "sst2_protocol"
-
-HOLDOUT = 0.015  # of each client's training shard: about 1,000 SST-2 sentences in all, the size of the dev set
-PILOT_ROUNDS, PILOT_LR = 48, ("AdamW", 2e-3)
-LR_GRID = (("AdamW", 5e-4), ("AdamW", 2e-3), ("AdamW", 5e-3), ("SGD", 2e-2), ("SGD", 1e-1))
-LAM_GRID = (0.01, 0.1, 0.5, 1.0, 2.0, 5.0)
-EDGE_LR = ("AdamW", 1e-2)  # one step past the top of the AdamW grid: the check of selections at the grid's edge
-BASELINES = (
-    "fedit", "flexlora", "ffa_lora", "fedsa_lora", "rolora", "fedrot_lora", "fedex_lora", "flora", "lora_fair",
-    "feddpa_t",
-)  # fmt: skip
-REFERENCES = ("local_only", "centralized")
-MAIN = ("fedpa", *BASELINES, *REFERENCES)
-SEEDS, MORE_SEEDS = (0, 1, 2), (3, 4)
-FEDROT_STRENGTH = 0.6  # the FedRot-LoRA paper's SST-2 value, as the FedPA-LoRA paper uses it
-LOCAL_STEPS = 10  # train.local_update_steps of the config; centralized LoRA takes N times as many per round
-CLIENTS = 10
-HETERO = {"fedpa.client_ranks": "[2, 4, 16]", "fedpa.reference_ranks": "[2, 4, 16]", "fedpa.group_sizes": "[4, 3, 3]"}
-MAIN_R, HETERO_R = 4, 16  # model.seqcls.r of the config and of the heterogeneous cell (its largest r_i)
-# lambda is quoted in the raw-factor scale of model.seqcls.r (lam/2 ||dW_i - X||^2 / s(r)^2, s(r) = alpha / r): the
-# heterogeneous cell's r = 16 would make the selected lambda weigh the same ||dW_i - X|| (16/4)^2 = 16 times more.
-# Its FedPA runs therefore use lam * (s(16) / s(4))^2 = lam / 16: the penalty per unit of update of the tuned cell.
-HETERO_LAM = (MAIN_R / HETERO_R) ** 2
-SECONDS_PER_ROUND = 28.0  # measured: 10 clients x 10 steps; used until a finished run gives a better figure
-
-
-@dataclass(frozen=True)
-class Run:
-    """One FS run of the protocol: ``stage``, cell ``name``, ``method`` (``centralized`` is FedIT with one client
-    holding all the data), its FS overrides and seed."""
-
-    stage: str
-    name: str
-    method: str
-    opts: tuple[str, ...]
-    seed: int
-    rounds: int
-
-    @property
-    def key(self) -> str:
-        return f"{self.stage}/{self.name}_s{self.seed}"
-
-    def cell(self) -> compare.Cell:
-        method, extra = self.method, ()
-        if method == "centralized":
-            method = "fedit"
-            extra = ("federate.client_num", "1", "federate.sample_client_num", "1")
-            extra += ("train.local_update_steps", str(LOCAL_STEPS * CLIENTS))
-        return compare.Cell(self.name, method, (*extra, *self.opts, "federate.total_round_num", str(self.rounds)))
-
-
-def hparams(optimizer: str, lr: float, lam: float | None = None, method: str = "") -> tuple[str, ...]:
-    opts = ("train.optimizer.type", optimizer, "train.optimizer.lr", f"{lr:g}")
-    if lam is not None:
-        opts += ("fedpa.lam", f"{lam:g}")
-    if method == "fedrot_lora":
-        opts += ("fedpa.rotation_strength", f"{FEDROT_STRENGTH:g}")
-    return opts
-
-
-TUNE_EVAL = ("data.glue_holdout", f"{HOLDOUT:g}", "fedpa.eval_local", "False")
-FINAL_EVAL = ("data.glue_holdout", "0", "fedpa.eval_local", "True")
-
-
-# ------------------------------------------------------------------------------------------------ stages
-def pilot_run() -> Run:
-    return Run("pilot", "fedit_pilot", "fedit", (*hparams(*PILOT_LR), *TUNE_EVAL, "eval.freq", "2"), 0, PILOT_ROUNDS)
-
-
-def tune_name(method: str, optimizer: str, lr: float, lam: float | None) -> str:
-    return f"{method}_{optimizer.lower()}{lr:g}" + (f"_lam{lam:g}" if lam is not None else "")
-
-
-def tune_run(method: str, optimizer: str, lr: float, lam: float | None, T: int) -> Run:
-    """One tuning run: seed 0, ceil(T/2) rounds, scored on the held-out split (the dev set is never read)."""
-    opts = (*hparams(optimizer, lr, lam, method), *TUNE_EVAL)
-    return Run("tune", tune_name(method, optimizer, lr, lam), method, opts, 0, math.ceil(T / 2))
-
-
-def tune_runs(T: int, fedpa_lam: float | None) -> list[Run]:
-    """The tuning grid; FedPA's learning-rate sweep needs its best λ at the pilot's rate (``fedpa_lam``)."""
-    runs = []
-
-    def add(method: str, optimizer: str, lr: float, lam: float | None = None) -> None:
-        runs.append(tune_run(method, optimizer, lr, lam, T))
-
-    for lam in LAM_GRID:
-        add("fedpa", *PILOT_LR, lam)
-    grid = [PILOT_LR, *(g for g in LR_GRID if g != PILOT_LR)]
-    for optimizer, lr in grid:
-        for method in (*BASELINES, *REFERENCES):
-            add(method, optimizer, lr)
-    if fedpa_lam is not None:
-        for optimizer, lr in grid[1:]:
-            add("fedpa", optimizer, lr, fedpa_lam)
-    return runs
-
-
-def tuning_table(results: dict[str, dict], runs: list[Run]) -> list[dict]:
-    """One row per tuning run: method, optimizer, lr, λ and its score, the mean held-out accuracy (paper protocol)
-    of its last two evaluations; None while it has not run."""
-    rows = []
-    for run in runs:
-        opts = dict(zip(run.opts[::2], run.opts[1::2]))
-        result = results.get(run.key)
-        rows.append(
-            {
-                "method": run.method,
-                "optimizer": opts["train.optimizer.type"],
-                "lr": float(opts["train.optimizer.lr"]),
-                "lam": float(opts["fedpa.lam"]) if "fedpa.lam" in opts else None,
-                "score": score(result) if result else None,
-                "run": run.key,
-            }
-        )
-    return rows
-
-
-def score(result: dict) -> float | None:
-    accs = [m["val_acc"] for _, m in sorted(result["rounds"].items()) if m.get("val_acc") is not None]
-    return statistics.fmean(accs[-2:]) if accs else None
-
-
-def selected_opts(choice: dict) -> tuple[str, ...]:
-    return hparams(choice["optimizer"], choice["lr"], choice.get("lam"), choice["method"])
-
-
-def final_runs(selected: dict, T: int, seeds=SEEDS) -> list[Run]:
-    return [
-        Run("final", m, m, (*selected_opts(selected["methods"][m]), *FINAL_EVAL), s, T) for s in seeds for m in MAIN
-    ]
-
-
-def edge_runs(selected: dict, T: int) -> list[Run]:
-    """The grid-edge check: every method whose selected rate is the top of the AdamW grid, tuned once more at
-    :data:`EDGE_LR` (same held-out split, rounds and seed as the tuning stage; FedPA-LoRA at its selected λ). It
-    never changes ``selected.json``: the report states per method whether the edge would have scored higher."""
-    top = max(lr for optimizer, lr in LR_GRID if optimizer == EDGE_LR[0])
-    return [
-        tune_run(m, *EDGE_LR, choice.get("lam"), T)
-        for m, choice in selected["methods"].items()
-        if (choice["optimizer"], choice["lr"]) == (EDGE_LR[0], top)
-    ]
-
-
-def extra_runs(selected: dict, T: int, strongest: list[str]) -> list[Run]:
-    """The ablation; β ∈ {0.1, 100} for FedPA and the strongest baselines; heterogeneous ranks; adaptive λ."""
-    chosen = selected["methods"]
-    runs = []
-
-    def add(stage: str, name: str, method: str, base: str, *opts: str) -> None:
-        for seed in SEEDS:
-            runs.append(Run(stage, name, method, (*selected_opts(chosen[base]), *FINAL_EVAL, *opts), seed, T))
-
-    # The ablation first: its λ = 0 and no-preservation cells test what the main cell's mechanism points to.
-    add("ablation", "fedpa_no_preservation", "fedpa_no_preservation", "fedpa")
-    add("ablation", "fedpa_lam0", "fedpa", "fedpa", "fedpa.lam", "0")
-    for reg in ("b", "a", "both"):
-        add("ablation", f"fedpa_reg_{reg}", "fedpa", "fedpa", "fedpa.reg", reg)
-    add("ablation", "fedpa_no_local_head", "fedpa", "fedpa", "personalization.local_param", "[]")
-    add("ablation", "fedpa_R2", "fedpa", "fedpa", "fedpa.reference_ranks", "[2]", "fedpa.group_sizes", f"[{CLIENTS}]")
-    for beta in (0.1, 100):
-        for method in ("fedpa", *strongest):
-            add("beta", f"{method}_beta{beta:g}", method, method, "data.splitter_args", f"[{{'alpha': {beta}}}]")
-    hetero = [x for k, v in HETERO.items() for x in (k, v)] + ["model.seqcls.r", str(HETERO_R)]
-    lam = f"{chosen['fedpa']['lam']:g}"
-    own = {  # a method's options of its own in this cell
-        "fedpa": ("fedpa.lam", f"{chosen['fedpa']['lam'] * HETERO_LAM:g}"),
-        "fed_plora": ("fedpa.reference_ranks", f"[{HETERO_R}, {HETERO_R}, {HETERO_R}]"),  # all R = 16 modules to all
-        "ravan": ("fedpa.reference_ranks", f"[{HETERO_R}, {HETERO_R}, {HETERO_R}]"),  # all 8 heads to all
-    }
-    for method, base in (
-        ("fedpa", "fedpa"), ("flexlora", "flexlora"), ("hetlora", "fedit"), ("flora", "flora"), ("fed_plora", "fedit"),
-        ("ravan", "fedit"),
-    ):  # fmt: skip
-        add("hetero", f"{method}_r2_4_16", method, base, *hetero, *own.get(method, ()))
-    for rule in ("loss", "grad", "direction"):
-        add("adaptive", f"fedpa_adaptive_{rule}", "fedpa", "fedpa", "fedpa.adaptive_lam", rule, "fedpa.lam", lam)
-    # A named variant, not the paper's rule: the grad rule's clip [0, 10] is in the paper's lambda scale (lambda_0 = 1)
-    # and holds lambda_i at or near 10 = 1000 lambda_0 here; this cell keeps the paper's lambda_max / lambda_0 = 10.
-    lam_max = f"{10 * chosen['fedpa']['lam']:g}"
-    add("adaptive", "fedpa_adaptive_grad_scaled", "fedpa", "fedpa", "fedpa.adaptive_lam", "grad", "fedpa.lam", lam,
-        "fedpa.lam_max", lam_max)  # fmt: skip
-    return runs
-
-
-# ------------------------------------------------------------------------------------------------ storage
-def load_results(report: Path) -> dict[str, dict]:
-    """``stage/name_sSEED -> run`` for every committed run file (rounds keyed by int again)."""
-    out = {}
-    for path in sorted((report / "runs").glob("*/*.json")):
-        run = json.loads(path.read_text())
-        run["rounds"] = {int(r): m for r, m in run["rounds"].items()}
-        out[f"{path.parent.name}/{path.stem}"] = run
-    return out
-
-
-RUNNER_FIELDS = ("stage", "rounds_planned", "fs_opts", "jobs")  # what execute() adds to compare.collect()'s result
+from fs_fedpa.tools.sst2_report import write_report
 
 
 def recollect(results: dict, report: Path, work: Path, stages: list[str]) -> list[str]:
@@ -263,15 +58,6 @@ def recollect(results: dict, report: Path, work: Path, stages: list[str]) -> lis
         results[key] = write_run(report, key, new)
         done.append(key)
     return done
-
-
-def write_run(report: Path, key: str, result: dict) -> dict:
-    """Write one run's file ``runs/<stage>/<name>_s<seed>.json`` (compact JSON); returns ``result`` as
-    :func:`load_results` reads it back (rounds keyed by int)."""
-    path = report / "runs" / f"{key}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, separators=(",", ":")))
-    return {**result, "rounds": {int(r): m for r, m in result["rounds"].items()}}
 
 
 def execute(
@@ -317,99 +103,6 @@ def execute(
     if spent:
         raise TimeoutError(f"--hours spent; {len(pending) - finished} runs of this stage left")
     return finished
-
-
-def seconds_per_round(results: dict) -> float:
-    """Median machine time per round of the committed runs: wall time / rounds / runs side by side (--jobs)."""
-    rates = [
-        r["seconds"] / r["rounds_planned"] / r.get("jobs", 1) for r in results.values() if r.get("rounds_planned")
-    ]
-    return statistics.median(rates) if rates else SECONDS_PER_ROUND
-
-
-# ------------------------------------------------------------------------------------------------ the plan
-def plan(results: dict, report: Path) -> list[tuple[str, list[Run]]]:
-    """Every stage's runs as far as the committed results determine them (later stages need earlier ones)."""
-    stages = [("pilot", [pilot_run()])]
-    pilot = results.get(pilot_run().key)
-    if pilot is None:
-        return stages
-    T = pilot_T(pilot)
-    sweep = [r for r in tuning_table(results, tune_runs(T, None)) if r["method"] == "fedpa"]
-    done = all(r["score"] is not None for r in sweep)  # FedPA's lr sweep waits for its whole λ sweep
-    fedpa = protocol.select(sweep).get("fedpa") if done else None
-    runs = tune_runs(T, fedpa["lam"] if fedpa else None)
-    stages.append(("tune", runs))
-    selected_file = report / "selected.json"
-    if fedpa is None or any(results.get(r.key) is None for r in runs):
-        return stages
-    if not selected_file.is_file():
-        write_selection(tuning_table(results, runs), T, selected_file)
-    selected = json.loads(selected_file.read_text())
-    finals = final_runs(selected, selected["T"])
-    stages.append(("final", finals))
-    if any(results.get(r.key) is None for r in finals):
-        return stages
-    if "ties" not in selected:  # frozen once the three seeds are in, so later runs cannot change the plan
-        selected["ties"] = [b for b, row in paired_rows(results, "val_acc").items() if row["verdict"] == "ties"]
-        selected["strongest"] = strongest(results)
-        selected_file.write_text(json.dumps(selected, indent=1) + "\n")
-    more = [r for r in final_runs(selected, selected["T"], MORE_SEEDS) if r.method in ("fedpa", *selected["ties"])]
-    stages.append(("final, more seeds", more))
-    stages.append(("tuning grid edge", edge_runs(selected, selected["T"])))
-    stages.append(("beyond the main cell", extra_runs(selected, selected["T"], selected["strongest"])))
-    return stages
-
-
-def pilot_T(pilot: dict) -> int:
-    curve = {r: m["val_acc"] for r, m in pilot["rounds"].items() if m.get("val_acc") is not None}
-    return protocol.plateau_round(curve)
-
-
-def write_selection(rows: list[dict], T: int, path: Path) -> dict:
-    """``selected.json``: T and, per method, the tuning row with the best held-out score."""
-    best = protocol.select(rows)
-    selected = {"T": T, "holdout": HOLDOUT, "methods": {m: best[m] for m in MAIN if m in best}}
-    path.write_text(json.dumps(selected, indent=1) + "\n")
-    return selected
-
-
-def strongest(results: dict, k: int = 3) -> list[str]:
-    """The ``k`` baselines with the best mean final dev accuracy (paper protocol) over seeds."""
-    means = {}
-    for b in BASELINES:
-        accs = [final_metric(r, "val_acc") for key, r in results.items() if key.startswith(f"final/{b}_s")]
-        if accs := [a for a in accs if a is not None]:
-            means[b] = statistics.fmean(accs)
-    return sorted(means, key=means.get, reverse=True)[:k]
-
-
-def final_metric(run: dict, metric: str) -> float | None:
-    values = [m[metric] for _, m in sorted(run["rounds"].items()) if m.get(metric) is not None]
-    return values[-1] if values else None
-
-
-def cell_values(results: dict, metric: str, stage: str = "final") -> dict[str, dict[int, float]]:
-    """``cell -> seed -> final metric`` of the runs of ``stage``."""
-    cells: dict[str, dict[int, float]] = {}
-    for key, run in results.items():
-        if key.startswith(f"{stage}/") and (value := final_metric(run, metric)) is not None:
-            cells.setdefault(run["cell"], {})[run["seed"]] = value
-    return cells
-
-
-def paired_rows(results: dict, metric: str, stage: str = "final", ours: str = "fedpa", cells=None) -> dict[str, dict]:
-    """Per other cell (of ``stage``, or ``cells``): the paired 95% interval of (ours − it) over their shared seeds."""
-    cells = cell_values(results, metric, stage) if cells is None else cells
-    rows = {}
-    for cell, values in cells.items():
-        seeds = sorted(set(values) & set(cells.get(ours, {})))
-        if cell == ours or len(seeds) < 2:
-            continue
-        mean, low, high = protocol.paired_interval([cells[ours][s] - values[s] for s in seeds])
-        rows[cell] = {"seeds": len(seeds), "mean": mean, "low": low, "high": high}
-        rows[cell]["verdict"] = protocol.verdict(low, high)
-    return rows
 
 
 def with_threads(fs_opts: list[str], jobs: int, cpus: int) -> list[str]:
@@ -472,8 +165,6 @@ def main(argv: list[str] | None = None) -> int:
         except TimeoutError as stop:
             print(f"[sst2_compare] stopping: {stop}; rerun to continue", flush=True)
         print(f"[sst2_compare] this call ran {budget['ran'] / 3600:.2f} h of FS runs", flush=True)
-    from fs_fedpa.tools.sst2_report import write_report
-
     print(f"wrote {write_report(report, results, plan(results, report))}")
     return 0
 
@@ -524,29 +215,6 @@ def print_plan(stages: list[tuple[str, list[Run]]], results: dict) -> None:
         f"with T = {T}{'' if pilot_run().key in results else ' (a guess until the pilot ends)'}",
         flush=True,
     )
-
-
-def time_spent(results: dict) -> str:
-    """The committed runs' wall time and, for those that record it, their processes' CPU time (user + system,
-    which concurrent work does not inflate)."""
-    wall = sum(r["seconds"] for r in results.values()) / 3600
-    machine = sum(r["seconds"] / r.get("jobs", 1) for r in results.values()) / 3600
-    timed = [r for r in results.values() if "cpu_seconds" in r]
-    text = f"{wall:.2f} h of wall time"
-    if machine < wall:
-        text += f" ({machine:.2f} h of machine time: wall time / runs side by side)"
-    if timed:
-        cpu = sum(r["cpu_seconds"] for r in timed) / 3600
-        text += f", {cpu:.2f} CPU-h on the {len(timed)} of {len(results)} runs that record it"
-    return text
-
-
-def whole_rounds(T: int) -> int:
-    """Rounds of the whole protocol for a given T, taking two cells as still tied after three seeds."""
-    guess = {"T": T, "methods": {m: {"method": m, "optimizer": "AdamW", "lr": 2e-3, "lam": 1.0} for m in MAIN}}
-    runs = [pilot_run(), *tune_runs(T, 1.0), *final_runs(guess, T), *extra_runs(guess, T, list(BASELINES[:3]))]
-    edge = len(BASELINES) * math.ceil(T / 2)  # the grid-edge check, taking every baseline as selected at the edge
-    return sum(r.rounds for r in runs) + len(MORE_SEEDS) * 3 * T + edge
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from fs_fedpa.tools.fs_results import weighted_avg_by_round
+from fs_fedpa.fs_results import weighted_avg_by_round
 
 CFG_NAME = Path("yaml_configs") / "fedpa_sst2_minilm_cpu.yaml"  # in the repo (./run.sh runs from its root)
 DEFAULT_CFG = CFG_NAME if CFG_NAME.is_file() else Path(__file__).resolve().parents[2] / CFG_NAME

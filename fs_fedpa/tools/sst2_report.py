@@ -1,4 +1,4 @@
-"""The SST-2 protocol's report, rebuilt from the committed run files alone (:mod:`fs_fedpa.tools.sst2_compare`).
+"""The SST-2 protocol's report, rebuilt from the committed run files alone (:mod:`fs_fedpa.sst2_protocol`).
 
 Writes into the report folder: ``report.md`` (setting, pilot, the whole tuning table, the selected values, the final
 table with paired intervals against FedPA-LoRA under both evaluation protocols, the settings beyond the main cell,
@@ -14,7 +14,7 @@ import statistics
 from pathlib import Path
 
 from fs_fedpa import compare
-from fs_fedpa.tools import sst2_compare as sc
+from fs_fedpa import sst2_protocol as sp
 
 METRICS = ("val_acc", "local.val_acc")
 
@@ -42,7 +42,7 @@ def _lr(row: dict) -> str:
 
 
 def pilot_section(results: dict) -> list[str]:
-    pilot = results.get(sc.pilot_run().key)
+    pilot = results.get(sp.pilot_run().key)
     if pilot is None:
         return ["## Pilot", "", "Not run yet.", ""]
     curve = {r: m["val_acc"] for r, m in pilot["rounds"].items() if m.get("val_acc") is not None}
@@ -50,12 +50,12 @@ def pilot_section(results: dict) -> list[str]:
     for r in sorted(curve):
         best = max(best, curve[r])
         lines.append(f"| {r} | {curve[r]:.4f} | {best:.4f} |")
-    T = sc.pilot_T(pilot)
+    T = sp.pilot_T(pilot)
     converged = T < max(curve)
     return [
         "## Pilot: the number of rounds T",
         "",
-        f"FedIT, {sc.PILOT_LR[0]} {sc.PILOT_LR[1]:g}, seed 0, up to {sc.PILOT_ROUNDS} rounds, scored on the held-out "
+        f"FedIT, {sp.PILOT_LR[0]} {sp.PILOT_LR[1]:g}, seed 0, up to {sp.PILOT_ROUNDS} rounds, scored on the held-out "
         "validation split. T is the first evaluated round at which the best-so-far accuracy gains less than 0.5 "
         f"point over the last quarter of the rounds: **T = {T}**"
         + ("" if converged else " (the last round: the pilot had not converged)")
@@ -72,7 +72,7 @@ def tuning_section(results: dict, stages: list, report: Path) -> list[str]:
     runs = next((runs for stage, runs in stages if stage == "tune"), [])
     if not runs:
         return ["## Tuning", "", "Waits for the pilot.", ""]
-    rows = sc.tuning_table(results, runs)
+    rows = sp.tuning_table(results, runs)
     with open(report / "tuning.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["method", "optimizer", "lr", "lam", "score", "run"])
         writer.writeheader()
@@ -120,7 +120,7 @@ def selected_section(report: Path) -> list[str]:
 
 def edge_section(results: dict, stages: list, report: Path) -> list[str]:
     """The grid-edge check: per method selected at the top of the AdamW grid, its selected score beside its score one
-    step above (:data:`sc.EDGE_LR`), tuned the same way. The selection is not changed by it."""
+    step above (:data:`sp.EDGE_LR`), tuned the same way. The selection is not changed by it."""
     runs = next((runs for stage, runs in stages if stage == "tuning grid edge"), [])
     path = report / "selected.json"
     if not runs or not path.is_file():
@@ -129,16 +129,16 @@ def edge_section(results: dict, stages: list, report: Path) -> list[str]:
     lines = [
         "## The tuning grid's edge",
         "",
-        f"Methods selected at the top of the AdamW grid, tuned once more at {sc.EDGE_LR[0]} {sc.EDGE_LR[1]:g} (same "
+        f"Methods selected at the top of the AdamW grid, tuned once more at {sp.EDGE_LR[0]} {sp.EDGE_LR[1]:g} (same "
         'held-out split, seed and rounds). "higher": the edge scored above the selected rate, so that method\'s '
         "best rate may lie beyond the grid and its final runs may understate it; the selection is not changed.",
         "",
-        f"| method | selected | held-out score | {sc.EDGE_LR[0]} {sc.EDGE_LR[1]:g} | |",
+        f"| method | selected | held-out score | {sp.EDGE_LR[0]} {sp.EDGE_LR[1]:g} | |",
         "|---|---|---|---|---|",
     ]
     for run in runs:
         choice, result = chosen[run.method], results.get(run.key)
-        edge = sc.score(result) if result else None
+        edge = sp.score(result) if result else None
         mark = "–" if edge is None else ("higher" if edge > choice["score"] else "selection holds")
         lines.append(f"| {run.method} | {_lr(choice)} | {choice['score']:.4f} | {_score(edge)} | {mark} |")
     return [*lines, ""]
@@ -154,12 +154,12 @@ def stage_section(title: str, stage: str, results: dict, report: Path, pairs: di
     summary = compare.summarize(runs, "val_acc", larger_is_better=True)
     compare.write_table(summary, "val_acc", folder, f"Stage `{stage}` of the SST-2 protocol (docs/compare.md).")
     try:
-        from fs_fedpa.tools.plots import plot_all
+        from fs_fedpa.plots import plot_all
 
         plot_all(runs, "val_acc", folder)
     except ImportError:  # matplotlib is an extra
         pass
-    values = {m: sc.cell_values(results, m, stage) for m in METRICS}
+    values = {m: sp.cell_values(results, m, stage) for m in METRICS}
     lines = [
         f"## {title}",
         "",
@@ -177,7 +177,7 @@ def stage_section(title: str, stage: str, results: dict, report: Path, pairs: di
             row = None
             if ours and ours != cell and ours in values[m]:
                 cells = {ours: values[m][ours], cell: values[m].get(cell, {})}
-                row = sc.paired_rows(results, m, ours=ours, cells=cells).get(cell)
+                row = sp.paired_rows(results, m, ours=ours, cells=cells).get(cell)
             intervals.append(_interval(row))
         means = [_pm(list(values[m].get(cell, {}).values())) for m in METRICS]
         lines.append(f"| {cell} | {means[0]} | {means[1]} | {intervals[0]} | {intervals[1]} |")
@@ -220,7 +220,7 @@ def lambda_trajectory(runs: list[dict]) -> list[str]:
 
 def verdict_section(results: dict) -> list[str]:
     """The plain verdict of the main cell: per baseline, FedPA-LoRA wins, ties or loses under each protocol."""
-    rows = {m: sc.paired_rows(results, m) for m in METRICS}
+    rows = {m: sp.paired_rows(results, m) for m in METRICS}
     cells = sorted(set(rows[METRICS[0]]) | set(rows[METRICS[1]]))
     if not cells:
         return ["## Verdict", "", "Written when the final runs of FedPA-LoRA and a baseline share two seeds.", ""]
@@ -269,7 +269,7 @@ def mechanism_table(runs: list[dict]) -> list[str]:
     rows = []
     for cell in dict.fromkeys(r["cell"] for r in runs):
         group = [r for r in runs if r["cell"] == cell]
-        accs = [a for r in group if (a := sc.final_metric(r, "val_acc")) is not None]
+        accs = [a for r in group if (a := sp.final_metric(r, "val_acc")) is not None]
         diags = [last_round_mechanism(r) for r in group]
         means = {k: [d[k] for d in diags if k in d] for k, _ in MECHANISM}
         means = {k: statistics.median(v) if k in MEDIAN_OVER_SEEDS else sum(v) / len(v) for k, v in means.items() if v}
@@ -313,8 +313,8 @@ def lambda_section(results: dict, stages: list) -> list[str]:
     runs = next((runs for stage, runs in stages if stage == "tune"), [])
     rows = [
         row
-        for row in sc.tuning_table(results, runs)
-        if (row["optimizer"], row["lr"]) == sc.PILOT_LR
+        for row in sp.tuning_table(results, runs)
+        if (row["optimizer"], row["lr"]) == sp.PILOT_LR
         and row["method"] in ("fedpa", *LAMBDA_ANCHORS)
         and row["score"] is not None
     ]
@@ -325,7 +325,7 @@ def lambda_section(results: dict, stages: list) -> list[str]:
     lines = [
         "## FedPA-LoRA's λ in the tuning runs",
         "",
-        f"Tuning stage, {sc.PILOT_LR[0]} {sc.PILOT_LR[1]:g}, seed 0, {runs[0].rounds} rounds: the "
+        f"Tuning stage, {sp.PILOT_LR[0]} {sp.PILOT_LR[1]:g}, seed 0, {runs[0].rounds} rounds: the "
         "held-out score and the last round's diagnostics (as in the mechanism table above) per λ, with FedIT and "
         "local training at the same learning rate. The alignment term is λ/(2 s(r)²)·‖ΔW_i − X_g,i‖²_F with "
         's(r) = α/r (docs/algorithm.md, "LoRA scaling").',
@@ -342,7 +342,7 @@ def lambda_section(results: dict, stages: list) -> list[str]:
 
 def write_report(report: Path, results: dict, stages: list) -> Path:
     report.mkdir(parents=True, exist_ok=True)
-    spent = sc.time_spent(results)
+    spent = sp.time_spent(results)
     pending = [(stage, sum(r.key not in results for r in runs)) for stage, runs in stages]
     finals = {r["cell"] for k, r in results.items() if k.startswith("final/")}
     beta_cells = [r["cell"] for k, r in results.items() if k.startswith("beta/")]

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from fs_fedpa import compare
-from fs_fedpa.tools import sst2_compare as sc
+from fs_fedpa import sst2_protocol as sp
 from tests.conftest import ROOT
 from tests.integration.tiny_assets import dump_yaml, fs_env, fs_glue_yaml
 
@@ -22,14 +22,14 @@ STRONGEST = ["fedit", "flexlora", "fedrot_lora"]
 
 def _selected() -> dict:
     """The committed selection (what the grid runs), or a stand-in before the tuning stage has written one."""
-    path = ROOT / sc.REPORT / "selected.json"
+    path = ROOT / sp.REPORT / "selected.json"
     if path.is_file():
         return json.loads(path.read_text())
     choice = {"optimizer": "AdamW", "lr": 2e-3}
-    return {"methods": {m: {"method": m, **choice, "lam": 0.1 if m == "fedpa" else None} for m in sc.MAIN}}
+    return {"methods": {m: {"method": m, **choice, "lam": 0.1 if m == "fedpa" else None} for m in sp.MAIN}}
 
 
-CELLS = [run for run in sc.extra_runs(_selected(), 1, STRONGEST) if run.seed == 0]
+CELLS = [run for run in sp.extra_runs(_selected(), 1, STRONGEST) if run.seed == 0]
 
 
 def _value(text: str):
@@ -48,7 +48,7 @@ def _dotted(cfg: dict, key: str):
 @pytest.mark.parametrize("run", CELLS, ids=[f"{r.stage}/{r.name}" for r in CELLS])
 def test_every_later_stage_cell_runs_through_fs_with_its_overrides(tiny_glue, tmp_path, monkeypatch, run):
     # Prepare: the protocol's N = 10, every client every round, on the tiny assets
-    overrides = {"federate.client_num": sc.CLIENTS, "federate.sample_client_num": sc.CLIENTS}
+    overrides = {"federate.client_num": sp.CLIENTS, "federate.sample_client_num": sp.CLIENTS}
     cfg = fs_glue_yaml(tmp_path, tiny_glue["model"], tiny_glue["glue"], **overrides, **{"train.local_update_steps": 2})
     for key, value in fs_env().items():
         monkeypatch.setenv(key, value)

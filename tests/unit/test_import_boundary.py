@@ -45,3 +45,85 @@ def test_the_method_list_comes_from_the_package_files_without_torch():
         "assert PLUGIN_METHODS == names() and 'fedpa' in names() and 'base' not in names()"
     )
     assert _loaded_after(code) == {m: False for m in HEAVY}
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """Module -> the package modules it imports anywhere in its source (at the top or inside a function), read with
+    ``ast``; ``from fs_fedpa.x import y`` counts as importing ``fs_fedpa.x.y`` where that is a module, else ``x``."""
+    import ast
+
+    package = ROOT / "fs_fedpa"
+    modules = {}
+    for path in package.rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        modules[name.removesuffix(".__init__")] = path
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = name.split(".") if is_package else name.split(".")[:-1]
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+                targets.update([base, *(f"{base}.{a.name}" for a in node.names)])
+        found = set()
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+        edges[name] = found
+    return edges
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on.discard(component[-1])
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(edges) == [["a", "b", "c"]] and _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_of_the_package_imports_one_that_imports_it_back():
+    edges = _package_imports()
+    assert "fs_fedpa.sst2_protocol" in edges["fs_fedpa.tools.sst2_report"]  # the reader sees lazy imports too
+    assert _cycles(edges) == []
+
+
+def test_imports_run_down_the_layers_tools_sit_on_top():
+    """Only the command-line tools import ``fs_fedpa.tools``; only the plugin imports FederatedScope's glue."""
+    edges = _package_imports()
+    upward = {m: sorted(t for t in ts if t.startswith("fs_fedpa.tools")) for m, ts in edges.items()}
+    assert {m: ts for m, ts in upward.items() if ts and not m.startswith("fs_fedpa.tools")} == {}
+    plugin = {m: sorted(t for t in ts if t.startswith("fs_fedpa.plugin")) for m, ts in edges.items()}
+    allowed = ("fs_fedpa.plugin", "fs_fedpa._boot")
+    assert {m: ts for m, ts in plugin.items() if ts and not m.startswith(allowed)} == {}

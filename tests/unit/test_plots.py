@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from fs_fedpa.tools.plots import bytes_vs_metric, mean_curve, plot_all, style
+from fs_fedpa.plots import bytes_vs_metric, mean_curve, plot_all, style
 
 
 def _run(seed, acc, sent, cell="fedpa"):

@@ -9,12 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from fs_fedpa import sst2_protocol as sp
 from fs_fedpa.tools import sst2_compare as sc
 
-COMMITTED = Path(__file__).resolve().parents[2] / sc.REPORT
+COMMITTED = Path(__file__).resolve().parents[2] / sp.REPORT
 
 
-def _result(run: sc.Run, accs: dict[int, float]) -> dict:
+def _result(run: sp.Run, accs: dict[int, float]) -> dict:
     return {
         "cell": run.name,
         "method": run.method,
@@ -27,11 +28,11 @@ def _result(run: sc.Run, accs: dict[int, float]) -> dict:
     }
 
 
-def _opts(run: sc.Run) -> dict[str, str]:
+def _opts(run: sp.Run) -> dict[str, str]:
     return dict(zip(run.opts[::2], run.opts[1::2]))
 
 
-def _tuning_score(run: sc.Run) -> float:
+def _tuning_score(run: sp.Run) -> float:
     """A fabricated held-out score with a unique best per method: FedPA at lam 0.5 and SGD 0.1, the others at
     AdamW 5e-3."""
     o = _opts(run)
@@ -42,27 +43,27 @@ def _tuning_score(run: sc.Run) -> float:
 
 def test_tuning_never_reads_the_dev_set_and_the_final_runs_use_exactly_the_selected_values(tmp_path):
     results: dict = {}
-    pilot = sc.pilot_run()
+    pilot = sp.pilot_run()
     results[pilot.key] = _result(pilot, {t: min(0.5 + 0.02 * t, 0.85) for t in range(2, 49, 2)})
-    stages = dict(sc.plan(results, tmp_path))
-    T = sc.pilot_T(results[pilot.key])
+    stages = dict(sp.plan(results, tmp_path))
+    T = sp.pilot_T(results[pilot.key])
     assert T == 24 and set(stages) == {"pilot", "tune"}
     # the lr sweep of FedPA waits for its λ sweep at the pilot's rate
     assert {_opts(r)["train.optimizer.lr"] for r in stages["tune"] if r.method == "fedpa"} == {"0.002"}
     for _ in range(2):  # λ sweep, then everything else
-        for run in dict(sc.plan(results, tmp_path))["tune"]:
+        for run in dict(sp.plan(results, tmp_path))["tune"]:
             assert _opts(run)["data.glue_holdout"] == "0.015" and run.rounds == 12 and run.seed == 0
             results.setdefault(run.key, _result(run, {10: _tuning_score(run), 12: _tuning_score(run)}))
-    stages = dict(sc.plan(results, tmp_path))
+    stages = dict(sp.plan(results, tmp_path))
     selected = json.loads((tmp_path / "selected.json").read_text())  # read back from the file, as the runs do
     assert selected["T"] == T
     fedpa = selected["methods"]["fedpa"]
     assert (fedpa["optimizer"], fedpa["lr"], fedpa["lam"]) == ("SGD", 0.1, 0.5)
     assert {m: (c["optimizer"], c["lr"]) for m, c in selected["methods"].items() if m != "fedpa"} == {
-        m: ("AdamW", 0.005) for m in sc.MAIN if m != "fedpa"
+        m: ("AdamW", 0.005) for m in sp.MAIN if m != "fedpa"
     }
     finals = stages["final"]
-    assert {(r.method, r.seed) for r in finals} == {(m, s) for m in sc.MAIN for s in sc.SEEDS}
+    assert {(r.method, r.seed) for r in finals} == {(m, s) for m in sp.MAIN for s in sp.SEEDS}
     for run in finals:
         o, choice = _opts(run), selected["methods"][run.method]
         assert (o["train.optimizer.type"], float(o["train.optimizer.lr"])) == (choice["optimizer"], choice["lr"])
@@ -85,18 +86,18 @@ def test_later_stages_follow_the_final_paired_intervals(tmp_path):
     selected = {
         "T": 4,
         "methods": {m: {"method": m, "optimizer": "AdamW", "lr": 2e-3, "lam": 0.5 if m == "fedpa" else None}
-                    for m in sc.MAIN},
+                    for m in sp.MAIN},
     }  # fmt: skip
     # fedpa beats fedit clearly and ties flexlora (+0.01, -0.01, +0.02)
     gaps = {"fedit": (0.05, 0.06, 0.055), "flexlora": (0.01, -0.01, 0.02)}
-    for run in sc.final_runs(selected, 4):
+    for run in sp.final_runs(selected, 4):
         acc = 0.85 - gaps.get(run.method, (0.1, 0.1, 0.11))[run.seed] if run.method != "fedpa" else 0.85
         results[run.key] = _result(run, {4: acc})
-    rows = sc.paired_rows(results, "val_acc")
+    rows = sp.paired_rows(results, "val_acc")
     assert rows["fedit"]["verdict"] == "wins" and rows["flexlora"]["verdict"] == "ties"
     assert rows["fedit"]["mean"] == pytest.approx(0.055)
-    assert sc.strongest(results) == ["flexlora", "fedit", "ffa_lora"]
-    hetero = {r.method: _opts(r) for r in sc.extra_runs(selected, 4, ["flexlora"]) if r.stage == "hetero"}
+    assert sp.strongest(results) == ["flexlora", "fedit", "ffa_lora"]
+    hetero = {r.method: _opts(r) for r in sp.extra_runs(selected, 4, ["flexlora"]) if r.stage == "hetero"}
     assert set(hetero) == {"fedpa", "flexlora", "hetlora", "flora", "fed_plora", "ravan"}
     assert all(o["model.seqcls.r"] == "16" and o["fedpa.client_ranks"] == "[2, 4, 16]" for o in hetero.values())
     # the same penalty per unit of update as the tuned r = 4 cell: lambda * (s(16) / s(4))^2 with s(r) = alpha / r
@@ -104,9 +105,9 @@ def test_later_stages_follow_the_final_paired_intervals(tmp_path):
     assert hetero["fed_plora"]["fedpa.reference_ranks"] == "[16, 16, 16]"  # all R modules to every client
     assert hetero["ravan"]["fedpa.reference_ranks"] == "[16, 16, 16]"  # all heads to every client
     assert hetero["flexlora"]["fedpa.reference_ranks"] == "[2, 4, 16]"
-    order = [r.name for r in sc.extra_runs(selected, 4, ["flexlora"]) if r.seed == 0]
+    order = [r.name for r in sp.extra_runs(selected, 4, ["flexlora"]) if r.seed == 0]
     assert order[:2] == ["fedpa_no_preservation", "fedpa_lam0"]  # the ablation's mechanism cells run first
-    adaptive = {r.name: _opts(r) for r in sc.extra_runs(selected, 4, ["flexlora"]) if r.stage == "adaptive"}
+    adaptive = {r.name: _opts(r) for r in sp.extra_runs(selected, 4, ["flexlora"]) if r.stage == "adaptive"}
     assert {n: o["fedpa.adaptive_lam"] for n, o in adaptive.items()} == {
         "fedpa_adaptive_loss": "loss", "fedpa_adaptive_grad": "grad", "fedpa_adaptive_direction": "direction",
         "fedpa_adaptive_grad_scaled": "grad",
@@ -120,7 +121,7 @@ def test_later_stages_follow_the_final_paired_intervals(tmp_path):
 @pytest.mark.skipif(not (COMMITTED / "selected.json").is_file(), reason="no committed selection yet")
 def test_committed_final_runs_used_the_committed_selection():
     selected = json.loads((COMMITTED / "selected.json").read_text())
-    results = sc.load_results(COMMITTED)
+    results = sp.load_results(COMMITTED)
     finals = [r for k, r in results.items() if k.startswith("final/")]
     for run in finals:
         opts = dict(zip(run["opts"][::2], run["opts"][1::2]))
@@ -155,7 +156,7 @@ def fake_fs_runs(monkeypatch, failing: tuple[str, ...] = ()) -> list:
 
 def test_runs_execute_in_parallel_commit_each_result_and_leave_failures_for_the_next_call(tmp_path, monkeypatch):
     calls = fake_fs_runs(monkeypatch, failing=("fedit",))
-    runs = [sc.Run("tune", m, m, (), 0, 2) for m in ("fedpa", "fedit", "flexlora")]
+    runs = [sp.Run("tune", m, m, (), 0, 2) for m in ("fedpa", "fedit", "flexlora")]
     results, budget = {}, {"ran": 0.0, "stop_at": 0.0}
     fs_opts = ("use_gpu", "True")
     done = sc.execute(runs, results, tmp_path, tmp_path / "work", tmp_path, budget, jobs=2, fs_opts=fs_opts)
@@ -163,7 +164,7 @@ def test_runs_execute_in_parallel_commit_each_result_and_leave_failures_for_the_
     assert sorted(p.name for p in (tmp_path / "runs" / "tune").iterdir()) == ["fedpa_s0.json", "flexlora_s0.json"]
     assert all(opts[-2:] == ["use_gpu", "True"] for _, opts in calls)
     assert json.loads((tmp_path / "runs" / "tune" / "fedpa_s0.json").read_text())["fs_opts"] == ["use_gpu", "True"]
-    assert sc.load_results(tmp_path)["tune/fedpa_s0"]["rounds"] == {2: {"val_acc": 0.8}}  # committed, read back
+    assert sp.load_results(tmp_path)["tune/fedpa_s0"]["rounds"] == {2: {"val_acc": 0.8}}  # committed, read back
 
 
 @pytest.mark.parametrize("jobs", [1, 2])
@@ -172,7 +173,7 @@ def test_the_hours_budget_stops_after_the_runs_under_way_and_keeps_their_results
     clock = iter([0.0] * jobs)  # the first `jobs` runs start before the budget is spent, every later one after
 
     monkeypatch.setattr(sc, "time", SimpleNamespace(time=lambda: next(clock, 2.0)))  # this module's clock only
-    runs = [sc.Run("tune", m, m, (), 0, 2) for m in ("fedpa", "fedit", "flexlora", "ffa_lora", "fedsa_lora")]
+    runs = [sp.Run("tune", m, m, (), 0, 2) for m in ("fedpa", "fedit", "flexlora", "ffa_lora", "fedsa_lora")]
     results, budget = {}, {"ran": 0.0, "stop_at": 1.0}
     with pytest.raises(TimeoutError, match=rf"--hours spent; {5 - jobs} runs of this stage left"):
         sc.execute(runs, results, tmp_path, tmp_path / "work", tmp_path, budget, jobs=jobs)
@@ -185,10 +186,10 @@ def test_the_hours_budget_stops_after_the_runs_under_way_and_keeps_their_results
 def test_the_report_states_a_verdict_per_baseline_from_the_committed_runs(tmp_path):
     from fs_fedpa.tools.sst2_report import write_report
 
-    selected = {"T": 4, "methods": {m: {"method": m, "optimizer": "AdamW", "lr": 2e-3, "lam": None} for m in sc.MAIN}}
+    selected = {"T": 4, "methods": {m: {"method": m, "optimizer": "AdamW", "lr": 2e-3, "lam": None} for m in sp.MAIN}}
     results = {}
     gaps = {"fedit": (0.05, 0.06, 0.055), "flexlora": (0.01, -0.01, 0.02), "ffa_lora": (-0.05, -0.06, -0.055)}
-    for run in sc.final_runs(selected, 4):
+    for run in sp.final_runs(selected, 4):
         acc = 0.85 - gaps.get(run.method, (0.0, 0.0, 0.0))[run.seed] if run.method != "fedpa" else 0.85
         results[run.key] = _result(run, {4: acc})
     text = write_report(tmp_path, results, []).read_text()
@@ -201,10 +202,10 @@ def test_the_report_states_a_verdict_per_baseline_from_the_committed_runs(tmp_pa
 def test_the_report_sets_each_cells_accuracy_beside_its_last_rounds_mechanism():
     from fs_fedpa.tools.sst2_report import mechanism_section
 
-    selected = {"T": 4, "methods": {m: {"method": m, "optimizer": "AdamW", "lr": 2e-3, "lam": None} for m in sc.MAIN}}
+    selected = {"T": 4, "methods": {m: {"method": m, "optimizer": "AdamW", "lr": 2e-3, "lam": None} for m in sp.MAIN}}
     cells = {"fedpa": (0.80, 3.0, 6.0), "fedit": (0.90, 9.0, 10.0), "fedsa_lora": (0.85, 0.0, 20.0)}
     results = {}
-    for run in sc.final_runs(selected, 4, seeds=(0, 1)):
+    for run in sp.final_runs(selected, 4, seeds=(0, 1)):
         if run.method in cells:
             acc, glob, delta = cells[run.method]
             res = _result(run, {4: acc + 0.01 * run.seed})
@@ -224,9 +225,9 @@ def test_the_report_sets_each_cells_accuracy_beside_its_last_rounds_mechanism():
 def test_the_mechanism_table_takes_the_heavy_tailed_gradient_ratio_as_a_median_over_seeds():
     from fs_fedpa.tools.sst2_report import mechanism_section
 
-    selected = {"T": 4, "methods": {m: {"method": m, "optimizer": "AdamW", "lr": 2e-3, "lam": 0.01} for m in sc.MAIN}}
+    selected = {"T": 4, "methods": {m: {"method": m, "optimizer": "AdamW", "lr": 2e-3, "lam": 0.01} for m in sp.MAIN}}
     results = {}
-    for run in sc.final_runs(selected, 4, seeds=(0, 1, 2)):
+    for run in sp.final_runs(selected, 4, seeds=(0, 1, 2)):
         if run.method == "fedpa":
             res = _result(run, {4: 0.8})
             norm = (1.0, 2.0, 6.0)[run.seed]
@@ -257,10 +258,10 @@ def test_a_run_records_the_cpu_time_its_process_reports_and_its_exit_status():
 
 def test_time_spent_reports_wall_time_and_cpu_time_where_recorded():
     results = {"a": {"seconds": 3600.0, "cpu_seconds": 5400.0}, "b": {"seconds": 1800.0}}
-    assert sc.time_spent(results) == "1.50 h of wall time, 1.50 CPU-h on the 1 of 2 runs that record it"
-    assert sc.time_spent({"b": {"seconds": 1800.0}}) == "0.50 h of wall time"
+    assert sp.time_spent(results) == "1.50 h of wall time, 1.50 CPU-h on the 1 of 2 runs that record it"
+    assert sp.time_spent({"b": {"seconds": 1800.0}}) == "0.50 h of wall time"
     # two runs side by side (--jobs 2) share the machine: 1.5 h of wall time is 0.75 h of it
-    assert sc.time_spent({"a": {"seconds": 3600.0, "jobs": 2}, "b": {"seconds": 1800.0, "jobs": 2}}) == (
+    assert sp.time_spent({"a": {"seconds": 3600.0, "jobs": 2}, "b": {"seconds": 1800.0, "jobs": 2}}) == (
         "1.50 h of wall time (0.75 h of machine time: wall time / runs side by side)"
     )
 
@@ -275,14 +276,14 @@ def test_parallel_jobs_split_the_cpus_unless_the_user_set_the_threads():
 
 def test_the_time_estimate_counts_machine_time_per_round_whatever_the_jobs():
     results = {"a": {"seconds": 200.0, "rounds_planned": 10, "jobs": 2}, "b": {"seconds": 100.0, "rounds_planned": 10}}
-    assert sc.seconds_per_round(results) == 10.0  # 200 s of wall time shared by two runs = 10 s a round each
-    assert sc.seconds_per_round({}) == sc.SECONDS_PER_ROUND
+    assert sp.seconds_per_round(results) == 10.0  # 200 s of wall time shared by two runs = 10 s a round each
+    assert sp.seconds_per_round({}) == sp.SECONDS_PER_ROUND
 
 
 def test_the_lambda_table_shows_fedpas_sweep_at_the_pilot_rate_beside_fedit_and_local_training():
     from fs_fedpa.tools.sst2_report import lambda_section
 
-    runs = sc.tune_runs(4, 0.1)
+    runs = sp.tune_runs(4, 0.1)
     results = {}
     for run in runs:
         o = _opts(run)
@@ -291,9 +292,9 @@ def test_the_lambda_table_shows_fedpas_sweep_at_the_pilot_rate_beside_fedit_and_
         # the last round's update shrinks with lambda; an earlier round must not show
         res["diagnostics"] = [{"delta_norm_mean": 99.0}, {"delta_norm_mean": 8.0 / (1 + lam), "drift_rel_mean": lam}]
         results[run.key] = res
-    del results[f"tune/{sc.tune_name('fedpa', *sc.PILOT_LR, 0.5)}_s0"]  # a run still to do has no row
+    del results[f"tune/{sp.tune_name('fedpa', *sp.PILOT_LR, 0.5)}_s0"]  # a run still to do has no row
     rows = [line.split(" | ") for line in lambda_section(results, [("tune", runs)]) if line.startswith("| ")][1:]
-    lams = [lam for lam in sc.LAM_GRID if lam != 0.5]
+    lams = [lam for lam in sp.LAM_GRID if lam != 0.5]
     assert [r[0] for r in rows] == [f"| fedpa, λ {lam:g}" for lam in lams] + ["| fedit", "| local_only"]
     for row, lam in zip(rows, lams):
         assert abs(float(row[1]) - (0.70 + 0.90 - lam / 100) / 2) < 6e-5  # the mean of the last two evaluations
@@ -306,19 +307,19 @@ def test_selections_at_the_grids_top_are_checked_one_step_above_without_changing
     from fs_fedpa.tools.sst2_report import edge_section
 
     results: dict = {}
-    pilot = sc.pilot_run()
+    pilot = sp.pilot_run()
     results[pilot.key] = _result(pilot, {t: min(0.5 + 0.02 * t, 0.85) for t in range(2, 49, 2)})
     for _ in range(2):  # the tuning stage as in the test above: FedPA at SGD 0.1, every other method at AdamW 5e-3
-        for run in dict(sc.plan(results, tmp_path))["tune"]:
+        for run in dict(sp.plan(results, tmp_path))["tune"]:
             results.setdefault(run.key, _result(run, {10: _tuning_score(run), 12: _tuning_score(run)}))
-    sc.plan(results, tmp_path)  # writes the selection
+    sp.plan(results, tmp_path)  # writes the selection
     selected_file = tmp_path / "selected.json"
     selected = json.loads(selected_file.read_text())
     selected["methods"]["fedrot_lora"].update(lr=2e-3)  # one baseline inside the grid: it gets no edge run
     selected_file.write_text(json.dumps(selected))
-    for run in dict(sc.plan(results, tmp_path))["final"]:
+    for run in dict(sp.plan(results, tmp_path))["final"]:
         results[run.key] = _result(run, {selected["T"]: 0.85 + 0.001 * run.seed})
-    stages = sc.plan(results, tmp_path)
+    stages = sp.plan(results, tmp_path)
     assert [s for s, _ in stages][-3:] == ["final, more seeds", "tuning grid edge", "beyond the main cell"]
     edge = dict(stages)["tuning grid edge"]
     at_top = {m for m, c in selected["methods"].items() if (c["optimizer"], c["lr"]) == ("AdamW", 0.005)}
@@ -333,30 +334,30 @@ def test_selections_at_the_grids_top_are_checked_one_step_above_without_changing
     for run in edge:  # the edge wins for FedIT only
         score = 0.99 if run.method == "fedit" else 0.5
         results[run.key] = _result(run, {1: score, 2: score})
-    sc.plan(results, tmp_path)
+    sp.plan(results, tmp_path)
     assert selected_file.read_text() == before  # the selection is never changed by the check
-    rows = {line.split(" | ")[0][2:]: line for line in edge_section(results, sc.plan(results, tmp_path), tmp_path)
+    rows = {line.split(" | ")[0][2:]: line for line in edge_section(results, sp.plan(results, tmp_path), tmp_path)
             if line.startswith("| ") and not line.startswith("| method")}  # fmt: skip
     assert set(rows) == at_top
     assert rows["fedit"].endswith("| 0.9900 | higher |") and rows["flexlora"].endswith("| 0.5000 | selection holds |")
 
 
 def test_each_stage_beyond_the_main_cell_has_its_last_rounds_mechanism_beside_its_accuracy(tmp_path, monkeypatch):
-    from fs_fedpa.tools import plots
+    from fs_fedpa import plots
     from fs_fedpa.tools.sst2_report import write_report
 
     monkeypatch.setattr(plots, "plot_all", lambda *args: [])  # the figures are test_plots.py's
 
-    selected = {"T": 4, "methods": {m: {"method": m, "optimizer": "AdamW", "lr": 2e-3, "lam": 0.01} for m in sc.MAIN}}
+    selected = {"T": 4, "methods": {m: {"method": m, "optimizer": "AdamW", "lr": 2e-3, "lam": 0.01} for m in sp.MAIN}}
     results = {}
-    for run in sc.final_runs(selected, 4, seeds=(0, 1)):
+    for run in sp.final_runs(selected, 4, seeds=(0, 1)):
         if run.method == "fedpa":
             results[run.key] = _result(run, {4: 0.88})
             results[run.key]["diagnostics"] = [
                 {"round": 4, "global_update_norm": 3.0, "delta_norm_mean": 4.0, "bytes_total": 1}
             ]
     for seed, (glob, delta, ratio) in enumerate([(2.0, 8.0, 7000.0), (4.0, 8.0, 10.0), (6.0, 8.0, 20.0)]):
-        run = sc.Run("ablation", "fedpa_reg_a", "fedpa", (), seed, 4)
+        run = sp.Run("ablation", "fedpa_reg_a", "fedpa", (), seed, 4)
         results[run.key] = _result(run, {4: 0.86})
         early = {"round": 2, "global_update_norm": 100.0, "delta_norm_mean": 1.0, "grad_ratio_last_mean": 1.0}
         last = {
@@ -408,13 +409,13 @@ def test_recollect_rewrites_committed_runs_from_their_fs_outputs_and_keeps_the_r
         (report / "runs" / stage).mkdir(parents=True, exist_ok=True)
         (report / "runs" / stage / f"{name}.json").write_text(json.dumps({**committed, "cell": name[:-3]}))
     _fs_outputs(work / "adaptive" / "fedpa_adaptive_grad_s0", {1: 0.8}, [0.5, 10.0])  # loss_s0: not on this machine
-    results = sc.load_results(report)
+    results = sp.load_results(report)
     assert sc.recollect(results, report, work, ["hetero"]) == []  # another stage: nothing read
     assert sc.recollect(results, report, work, ["adaptive"]) == ["adaptive/fedpa_adaptive_grad_s0"]
-    again = sc.load_results(report)
+    again = sp.load_results(report)
     grad, loss = again["adaptive/fedpa_adaptive_grad_s0"], again["adaptive/fedpa_adaptive_loss_s0"]
     assert grad["diagnostics"][0]["lam_max"] == 10.0 and grad["diagnostics"][0]["lam_mean"] == 5.25
-    assert {k: grad[k] for k in sc.RUNNER_FIELDS} == {k: committed[k] for k in sc.RUNNER_FIELDS}
+    assert {k: grad[k] for k in sp.RUNNER_FIELDS} == {k: committed[k] for k in sp.RUNNER_FIELDS}
     assert grad["rounds"] == {1: {"val_acc": 0.8}} and results["adaptive/fedpa_adaptive_grad_s0"] == grad
     assert "lam_mean" not in loss["diagnostics"][0]  # left as committed
 
@@ -426,18 +427,18 @@ def test_recollect_refuses_outputs_of_another_run_than_the_committed_one(tmp_pat
     (report / "runs" / "adaptive" / "fedpa_adaptive_grad_s0.json").write_text(json.dumps(run))
     _fs_outputs(work / "adaptive" / "fedpa_adaptive_grad_s0", {1: 0.7}, [0.5])  # a rerun with another curve
     with pytest.raises(ValueError, match="another run than the committed adaptive/fedpa_adaptive_grad_s0"):
-        sc.recollect(sc.load_results(report), report, work, ["adaptive"])
+        sc.recollect(sp.load_results(report), report, work, ["adaptive"])
     assert json.loads((report / "runs" / "adaptive" / "fedpa_adaptive_grad_s0.json").read_text()) == run
 
 
 def test_the_adaptive_stage_shows_the_lambda_each_rule_chose_over_rounds(tmp_path, monkeypatch):
-    from fs_fedpa.tools import plots
+    from fs_fedpa import plots
     from fs_fedpa.tools.sst2_report import write_report
 
     monkeypatch.setattr(plots, "plot_all", lambda *args: [])
     results = {}
     for seed, scale in enumerate((1.0, 3.0)):
-        run = sc.Run("adaptive", "fedpa_adaptive_grad", "fedpa", (), seed, 3)
+        run = sp.Run("adaptive", "fedpa_adaptive_grad", "fedpa", (), seed, 3)
         results[run.key] = _result(run, {3: 0.85})
         results[run.key]["diagnostics"] = [
             {
@@ -449,7 +450,7 @@ def test_the_adaptive_stage_shows_the_lambda_each_rule_chose_over_rounds(tmp_pat
             }
             for r, lam in enumerate((10.0, 0.5, 0.25))
         ]
-    fixed = sc.Run("adaptive", "fedpa_fixed", "fedpa", (), 0, 3)
+    fixed = sp.Run("adaptive", "fedpa_fixed", "fedpa", (), 0, 3)
     results[fixed.key] = _result(fixed, {3: 0.86})  # no λ recorded: no row
     text = write_report(tmp_path, results, []).read_text()
     table = text.split("## Adaptive λ", 1)[1].split("The λ_i^(t) each rule chose", 1)[1]
@@ -478,7 +479,7 @@ def test_a_second_call_in_the_same_work_folder_is_refused_and_a_dead_calls_lock_
 
 def test_finished_fs_outputs_of_a_pending_run_are_taken_and_said_so(tmp_path, monkeypatch, capsys):
     fake_fs_runs(monkeypatch)
-    run = sc.Run("hetero", "fed_plora_r2_4_16", "fed_plora", (), 0, 2)
+    run = sp.Run("hetero", "fed_plora_r2_4_16", "fed_plora", (), 0, 2)
     out = tmp_path / "work" / "hetero" / "fed_plora_r2_4_16_s0"
     out.mkdir(parents=True)
     (out / "result.json").write_text("{}")
