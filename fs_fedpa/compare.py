@@ -34,7 +34,7 @@ from pathlib import Path
 
 from fs_fedpa.fs_results import weighted_avg_by_round
 from fs_fedpa.methods import names as method_names
-from fs_fedpa.record import CLIENT_STATS, DIAGNOSTICS_FILE, compact
+from fs_fedpa.record import CLIENT_STATS, DIAGNOSTICS_FILE, EVAL_SHARDS_FILE, OUTCOMES_FILE, compact
 
 
 @dataclass(frozen=True)
@@ -114,8 +114,18 @@ def run_one(cfg: str, cell: Cell, seed: int, out: Path, opts: list[str], total_r
     result = {"cell": cell.name, "method": cell.method, "opts": list(cell.opts), "seed": seed, "seconds": seconds}
     if cpu is not None:
         result["cpu_seconds"] = round(cpu, 1)
+    result["torch"] = _version("torch")  # the thread count and the torch build change results at the rounding level
     (out / "result.json").write_text(json.dumps(result))
     return seconds
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 def _mean(values) -> float | None:
@@ -131,7 +141,39 @@ def collect(out: Path) -> dict:
     path = out / "run" / DIAGNOSTICS_FILE
     lines = path.read_text().splitlines() if path.is_file() else []
     run["diagnostics"] = [compact(json.loads(line)) for line in lines]
+    if (outcomes := read_outcomes(out / "run")) is not None:
+        run["outcomes"] = outcomes
     return run
+
+
+OUTCOME_EVALS = 3  # a run file keeps the per-example outcomes of its last this many evaluations
+
+
+def read_outcomes(folder: Path, last: int = OUTCOME_EVALS) -> dict | None:
+    """The per-example outcomes of a run with ``fedpa.save_outcomes`` (None without them), for its ``last``
+    evaluations: ``{"size": n, "split": s, "shards": {client: [index into the evaluation file, ...]},
+    "rounds": {round: {protocol: {client: "0110..."}}}}``, the bits in the order of the client's shard."""
+    shards_file, outcomes_file = folder / EVAL_SHARDS_FILE, folder / OUTCOMES_FILE
+    if not (shards_file.is_file() and outcomes_file.is_file()):
+        return None
+    shards = json.loads(shards_file.read_text())
+    lines = [json.loads(line) for line in outcomes_file.read_text().splitlines() if line.strip()]
+    splits = {line["split"] for line in lines} & set(shards["splits"])
+    if len(splits) != 1:
+        raise ValueError(f"{outcomes_file}: expected outcomes of one split of the evaluation file, got {splits}")
+    split = splits.pop()
+    clients = shards["splits"][split]
+    rounds: dict[int, dict[str, dict[str, str]]] = {}
+    for line in (line for line in lines if line["split"] == split):
+        client, bits = str(line["client"]), line["correct"]
+        if len(bits) != len(clients.get(client, ())):
+            raise ValueError(
+                f"{outcomes_file}: round {line['round']}, {line['protocol']}, client {client}: {len(bits)} outcomes "
+                f"for a shard of {len(clients.get(client, ()))} examples"
+            )
+        rounds.setdefault(line["round"], {}).setdefault(line["protocol"], {})[client] = bits
+    kept = sorted(rounds)[-last:]
+    return {"size": shards["size"], "split": split, "shards": clients, "rounds": {r: rounds[r] for r in kept}}
 
 
 def _stat(values: list[float]) -> tuple[float, float] | None:

@@ -186,6 +186,16 @@ class FedPAConfig:
             "help": "write per-round diagnostics (E_agg, spectrum, penalty, bytes) to <outdir>/fedpa_diagnostics.jsonl"
         },
     )
+    save_outcomes: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "sequence classification: write which evaluation examples each client got right, per evaluation and "
+                "protocol, to <outdir>/fedpa_outcomes.jsonl, and each client's examples as indices of the GLUE "
+                "evaluation file to <outdir>/fedpa_eval_shards.json (per-sentence analyses, paired bootstraps)"
+            )
+        },
+    )
     num_threads: int = field(
         default=0,
         metadata={
@@ -235,8 +245,9 @@ class FedPAConfig:
         self.hetlora_lam = _number(self.hetlora_lam, "hetlora_lam", minimum=0.0)
         self.ravan_heads = _int_list(self.ravan_heads, "ravan_heads")
         self.ravan_head_rank = _integer(self.ravan_head_rank, "ravan_head_rank", minimum=0)
-        if not isinstance(self.eval_local, bool) or not isinstance(self.diagnostics, bool):
-            raise ValueError("fedpa.eval_local and fedpa.diagnostics must be True or False")
+        for flag in ("eval_local", "diagnostics", "save_outcomes"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"fedpa.{flag} must be True or False, got {getattr(self, flag)!r}")
         self.num_threads = _integer(self.num_threads, "num_threads", minimum=0)
         cpus = os.cpu_count() or 1
         if self.num_threads > cpus:

@@ -18,6 +18,9 @@ alpha = 8, local heads, 10 local steps of 16 sentences):
    it (:data:`EDGE_LR`); the report says where that would have won. The selection is not changed.
 4. ``beta``, ``hetero``, ``ablation``, ``adaptive``: the settings beyond the main cell, 3 seeds each, at the
    selected values.
+5. ``head``: FedIT with its classifier head federated, seeds 0-4, T rounds (the head asymmetry).
+6. ``long``: the long horizon, :data:`LONG_ARMS` over :data:`LONG_ROUNDS` rounds, seeds 0-3, with per-sentence
+   outcomes of every evaluation (``fedpa.save_outcomes``).
 
 Every finished run is reduced to one small JSON file in ``--report/runs/<stage>/`` (curves and diagnostics; no
 checkpoints), which is committed: a stopped grid continues where it stopped, on this machine or another. FS's own
@@ -223,6 +226,41 @@ def extra_runs(selected: dict, T: int, strongest: list[str]) -> list[Run]:
     return runs
 
 
+# Issue 31, fixed before its runs. The long horizon: does the verdict of the main cell hold past T rounds, at the
+# paper's lambda? Four arms, the main cell's setting otherwise; the dev set evaluated every 3 rounds (the config's
+# eval.freq), both protocols, per-sentence outcomes stored; one thread a run, as the final runs ran under --jobs 2.
+LONG_ROUNDS, LONG_SEEDS = 60, (0, 1, 2, 3)
+LONG_ARMS = (  # cell, method, (optimizer, lr, lam) or None for the method's selected values
+    ("fedit", "fedit", None),  # (a)
+    ("fedpa", "fedpa", None),  # (b) AdamW 2e-3, lambda 0.01 as selected
+    ("fedpa_adamw5e-3_lam1", "fedpa", ("AdamW", 5e-3, 1.0)),  # (c) FedIT's rate, the paper's SST-2 lambda
+    ("fedpa_adamw5e-3_lam0.1", "fedpa", ("AdamW", 5e-3, 0.1)),  # (d)
+)
+LONG_REFERENCE = "fedit"  # the primary endpoint: each FedPA-LoRA arm - this arm
+ENDPOINT_EVALS = 3  # the primary endpoint: the mean of a run's last this many evaluations
+ONE_THREAD = ("fedpa.num_threads", "1")
+# The head asymmetry: FedIT with its classifier head federated like every other trained parameter.
+HEAD_CELL, HEAD_SEEDS = "fedit_no_local_head", (0, 1, 2, 3, 4)
+
+
+def long_runs(selected: dict, rounds: int = LONG_ROUNDS) -> list[Run]:
+    """The long-horizon stage: :data:`LONG_ARMS` x :data:`LONG_SEEDS`, :data:`LONG_ROUNDS` rounds, seed-major."""
+    chosen, runs = selected["methods"], []
+    for seed in LONG_SEEDS:
+        for name, method, values in LONG_ARMS:
+            opts = selected_opts(chosen[method]) if values is None else hparams(*values, method=method)
+            extra = (*FINAL_EVAL, "fedpa.save_outcomes", "True", *ONE_THREAD)
+            runs.append(Run("long", name, method, (*opts, *extra), seed, rounds))
+    return runs
+
+
+def head_runs(selected: dict, T: int) -> list[Run]:
+    """The head asymmetry: FedIT as selected, its head federated (``personalization.local_param []``), T rounds,
+    seeds :data:`HEAD_SEEDS`; paired with FedPA-LoRA's final runs and its no-local-head ablation."""
+    opts = (*selected_opts(selected["methods"]["fedit"]), *FINAL_EVAL, "personalization.local_param", "[]")
+    return [Run("head", HEAD_CELL, "fedit", (*opts, *ONE_THREAD), seed, T) for seed in HEAD_SEEDS]
+
+
 # ------------------------------------------------------------------------------------------------ storage
 def load_results(report: Path) -> dict[str, dict]:
     """``stage/name_sSEED -> run`` for every committed run file (rounds keyed by int again)."""
@@ -285,6 +323,8 @@ def plan(results: dict, report: Path) -> list[tuple[str, list[Run]]]:
     stages.append(("final, more seeds", more))
     stages.append(("tuning grid edge", edge_runs(selected, selected["T"])))
     stages.append(("beyond the main cell", extra_runs(selected, selected["T"], selected["strongest"])))
+    stages.append(("head asymmetry", head_runs(selected, selected["T"])))
+    stages.append(("long horizon", long_runs(selected)))
     return stages
 
 
@@ -358,5 +398,6 @@ def whole_rounds(T: int) -> int:
     """Rounds of the whole protocol for a given T, taking two cells as still tied after three seeds."""
     guess = {"T": T, "methods": {m: {"method": m, "optimizer": "AdamW", "lr": 2e-3, "lam": 1.0} for m in MAIN}}
     runs = [pilot_run(), *tune_runs(T, 1.0), *final_runs(guess, T), *extra_runs(guess, T, list(BASELINES[:3]))]
+    runs += [*head_runs(guess, T), *long_runs(guess)]
     edge = len(BASELINES) * math.ceil(T / 2)  # the grid-edge check, taking every baseline as selected at the edge
     return sum(r.rounds for r in runs) + len(MORE_SEEDS) * 3 * T + edge

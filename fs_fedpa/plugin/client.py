@@ -10,7 +10,9 @@ and are converted only at download, upload and when loaded into the model.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 
 import torch
 from federatedscope.core.auxiliaries.utils import add_prefix_to_path, merge_dict_of_results
@@ -28,6 +30,7 @@ from fs_fedpa.plugin import resume
 from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainables, without_empty_splits
 from fs_fedpa.plugin.payload import decode_factors, decode_merge, decode_tensors, encode_parts, encode_tensors
 from fs_fedpa.plugin.trainer import install_alignment_hook
+from fs_fedpa.record import OUTCOMES_FILE
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 INSTANCES = 5  # FedDPA's test time: training inputs compared with each test input (the authors' instance_num)
@@ -255,6 +258,7 @@ class FedPAClient(Client):
             metrics = self._evaluate_splits()
         finally:
             undo()
+        outcomes = {"global": self._take_outcomes()}
         if self.method.cfg.eval_local:
             # the model it trained: Fed-PLoRA's own modules sit on the undrawn ones it folded into the base
             self._set_base(self._fold)
@@ -262,6 +266,9 @@ class FedPAClient(Client):
             # FS derives the split from the text before the first "_" and the metric from the text after
             # "<split>_", so the protocol goes in front: local.test_acc, local.test_total, ...
             metrics.update({f"local.{key}": value for key, value in self._evaluate_splits().items()})
+            outcomes["local"] = self._take_outcomes()
+        if self.method.cfg.save_outcomes:
+            self._write_outcomes(outcomes)
         metrics, empty = without_empty_splits(metrics)
         if empty:
             logger.warning(f"[fedpa] client #{self.ID}: no example in {empty}; those metrics are missing, not 0")
@@ -346,6 +353,22 @@ class FedPAClient(Client):
         mask = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"]))
         last = (mask * torch.arange(1, mask.shape[1] + 1, device=mask.device)).argmax(dim=1)
         return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+
+    def _take_outcomes(self) -> dict[str, str]:
+        """The last evaluation's per-example outcomes (:class:`SeqClsTrainer`), split -> "0110..."; cleared."""
+        taken = getattr(self.trainer, "outcomes", None) or {}
+        self.trainer.outcomes = {}
+        return {split: "".join("1" if c else "0" for c in correct.tolist()) for split, correct in taken.items()}
+
+    def _write_outcomes(self, outcomes: dict[str, dict[str, str]]) -> None:
+        """Append this evaluation's outcomes to ``<outdir>/fedpa_outcomes.jsonl`` (:data:`OUTCOMES_FILE`)."""
+        lines = [
+            {"round": self.state, "client": self.ID, "protocol": protocol, "split": split, "correct": bits}
+            for protocol, splits in outcomes.items()
+            for split, bits in splits.items()
+        ]
+        with open(os.path.join(self._cfg.outdir, OUTCOMES_FILE), "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(line) + "\n" for line in lines)
 
     def _evaluate_splits(self) -> dict:
         metrics = {}

@@ -75,6 +75,11 @@ def check_fedpa_cfg(cfg) -> None:
             "train.is_enable_half True on the CPU: half-precision training there turns every upload into NaN and "
             "the run would train nothing; unset it (model.seqcls.precision sets autocast for a GPU)"
         )
+    if fedpa.save_outcomes and cfg.trainer.type != "seqcls":
+        raise ValueError(
+            f"fedpa.save_outcomes records per-example outcomes of sequence classification (trainer.type seqcls); "
+            f"this run's trainer.type is {cfg.trainer.type!r}: unset fedpa.save_outcomes"
+        )
     if cfg.federate.client_num > 0:
         fedpa.check_clients(cfg.federate.client_num, _adapter_rank(cfg))
 

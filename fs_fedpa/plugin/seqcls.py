@@ -13,8 +13,12 @@ Stock FS-LLM hosts causal LMs only. This module registers what a GLUE run needs:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from pathlib import Path
+
+from fs_fedpa.record import EVAL_SHARDS_FILE
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
@@ -96,9 +100,28 @@ def load_glue_data(config, client_cfgs=None):
 
     config.model.seqcls.num_labels = task.num_labels
     translator = _holdout_translator() if config.data.glue_holdout > 0 else BaseDataTranslator
-    data = translator(config, client_cfgs)((_encode(train, tokenizer, max_len), _encode(dev, tokenizer, max_len), []))
+    evaluation = _encode(dev, tokenizer, max_len)
+    data = translator(config, client_cfgs)((_encode(train, tokenizer, max_len), evaluation, []))
+    if config.fedpa.save_outcomes:
+        path = Path(config.outdir) / EVAL_SHARDS_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"size": len(evaluation), "splits": eval_shards(data, evaluation)}))
     setup_seed(config.seed)  # FS restores the seed only for its built-in datasets
     return data, config
+
+
+def eval_shards(data, evaluation: list) -> dict[str, dict[str, list[int]]]:
+    """split -> client id -> the indices into ``evaluation`` (the encoded GLUE evaluation file) of that client's
+    examples of the split, in order, for every split whose examples all come from ``evaluation``. FS's splitters
+    hand the example tuples themselves to the clients, so their identity says where each came from."""
+    index = {id(example): i for i, example in enumerate(evaluation)}
+    shards: dict[str, dict[str, list[int]]] = {}
+    for cid, client in data.items():
+        for split in ("train", "val", "test"):
+            examples = getattr(client, f"{split}_data", None) or []
+            if cid != 0 and examples and all(id(e) in index for e in examples):
+                shards.setdefault(split, {})[str(cid)] = [index[id(e)] for e in examples]
+    return shards
 
 
 def _holdout_translator():
@@ -200,13 +223,29 @@ def seqcls_trainer(trainer_type: str):
 
 
 def _trainer_class():
+    import numpy as np
     import torch
     from federatedscope.core.trainers import GeneralTorchTrainer
     from federatedscope.core.trainers.context import CtxVar
     from federatedscope.core.trainers.enums import LIFECYCLE
 
     class SeqClsTrainer(GeneralTorchTrainer):
-        """FS's general trainer with a forward for ``(features dict, label)`` batches."""
+        """FS's general trainer with a forward for ``(features dict, label)`` batches. After each evaluation,
+        ``outcomes[split]`` holds which of the split's examples the model classified correctly, in the loader's
+        order (FS never shuffles an evaluation split): ``(n,)`` bool, ``argmax`` of the logits == label, the
+        per-example form of FS's ``acc``."""
+
+        outcomes: dict
+
+        def _hook_on_fit_end(self, ctx):
+            super()._hook_on_fit_end(ctx)
+            if ctx.cur_mode == "train":
+                return
+            prob, true = np.asarray(ctx.ys_prob), np.asarray(ctx.ys_true).reshape(-1)
+            if prob.ndim == 2 and prob.shape[1] > 1 and len(prob) == len(true):  # classification, not STS-B
+                if not hasattr(self, "outcomes"):
+                    self.outcomes = {}
+                self.outcomes[ctx.cur_split] = prob.argmax(1) == true
 
         def _hook_on_batch_forward(self, ctx):
             features, labels = ctx.data_batch

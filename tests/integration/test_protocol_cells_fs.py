@@ -1,6 +1,7 @@
-"""Every cell of the SST-2 protocol's later stages (β, heterogeneous ranks, ablation, adaptive λ) goes through stock
-FS for one round with exactly the overrides the runner passes, on tiny GLUE data and a tiny BERT: a cell that would
-fail hours into the grid fails here. Opt in with --run-slow (about 15 s a cell, 25 cells)."""
+"""Every cell of the SST-2 protocol's later stages (β, heterogeneous ranks, ablation, adaptive λ, the head asymmetry,
+the long horizon) goes through stock FS for one round with exactly the overrides the runner passes, on tiny GLUE data
+and a tiny BERT: a cell that would fail hours into the grid fails here. Opt in with --run-slow (about 15 s a cell,
+30 cells)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def _selected() -> dict:
     return {"methods": {m: {"method": m, **choice, "lam": 0.1 if m == "fedpa" else None} for m in sp.MAIN}}
 
 
-CELLS = [run for run in sp.extra_runs(_selected(), 1, STRONGEST) if run.seed == 0]
+LATER = (*sp.extra_runs(_selected(), 1, STRONGEST), *sp.head_runs(_selected(), 1), *sp.long_runs(_selected(), 1))
+CELLS = [run for run in LATER if run.seed == 0]
 
 
 def _value(text: str):
@@ -71,3 +73,12 @@ def test_every_later_stage_cell_runs_through_fs_with_its_overrides(tiny_glue, tm
         assert result["diagnostics"] and all(
             0 <= d["lam_min"] <= d["lam_mean"] <= d["lam_max"] <= high for d in result["diagnostics"]
         )
+    if run.stage == "long":  # per-sentence outcomes: a partition of the dev set, and FS's accuracy per client
+        outcomes = result["outcomes"]
+        indices = sorted(i for shard in outcomes["shards"].values() for i in shard)
+        assert indices == list(range(outcomes["size"])) and outcomes["split"] == "val"
+        ((r, protocols),) = outcomes["rounds"].items()
+        assert set(protocols) == {"global", "local"}
+        for protocol, key in (("global", "val_acc"), ("local", "local.val_acc")):
+            bits = "".join(protocols[protocol].values())
+            assert result["rounds"][r][key] == pytest.approx(bits.count("1") / len(bits), abs=1e-12)

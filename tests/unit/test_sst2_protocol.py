@@ -320,7 +320,13 @@ def test_selections_at_the_grids_top_are_checked_one_step_above_without_changing
     for run in dict(sp.plan(results, tmp_path))["final"]:
         results[run.key] = _result(run, {selected["T"]: 0.85 + 0.001 * run.seed})
     stages = sp.plan(results, tmp_path)
-    assert [s for s, _ in stages][-3:] == ["final, more seeds", "tuning grid edge", "beyond the main cell"]
+    assert [s for s, _ in stages][-5:] == [
+        "final, more seeds",
+        "tuning grid edge",
+        "beyond the main cell",
+        "head asymmetry",
+        "long horizon",
+    ]
     edge = dict(stages)["tuning grid edge"]
     at_top = {m for m, c in selected["methods"].items() if (c["optimizer"], c["lr"]) == ("AdamW", 0.005)}
     assert {r.method for r in edge} == at_top and "fedrot_lora" not in at_top and "fedpa" not in at_top
