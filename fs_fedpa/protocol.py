@@ -1,8 +1,9 @@
 """The statistics of a tuned comparison, without torch or FS: the pilot's stopping round, the selection of
-hyper-parameters on held-out validation data, and paired confidence intervals between methods.
+hyper-parameters on held-out validation data, paired confidence intervals between methods, Holm's correction for
+a family of them, a paired bootstrap over seeds and sentences, and the false-positive rate of the seed rule.
 
-Used by :mod:`fs_fedpa.sst2_protocol` (the SST-2 protocol of docs/compare.md); every function is plain Python
-so that the rules can be checked by hand.
+Used by :mod:`fs_fedpa.sst2_protocol` (the SST-2 protocol of docs/compare.md). The rules are plain Python, so that
+they can be checked by hand; the t distribution's tail comes from scipy, the resampling from numpy.
 """
 
 from __future__ import annotations
@@ -79,3 +80,134 @@ def paired_interval(differences: Sequence[float]) -> tuple[float, float, float]:
 def verdict(low: float, high: float) -> str:
     """ "wins" if the whole interval of (ours - theirs) is above 0, "loses" if below, else "ties"."""
     return "wins" if low > 0 else "loses" if high < 0 else "ties"
+
+
+# ------------------------------------------------------------------------------------------ issue 31's additions
+def moving_average(curve: Mapping[int, float], k: int = 3) -> dict[int, float]:
+    """The trailing mean of ``k`` consecutive evaluations, at every evaluated round from the ``k``-th on:
+    ``{t_i: mean(curve[t_{i-k+1}], ..., curve[t_i])}``."""
+    if k < 1:
+        raise ValueError(f"a moving average needs k >= 1, got {k}")
+    rounds = sorted(curve)
+    return {
+        rounds[i]: statistics.fmean(curve[t] for t in rounds[i - k + 1 : i + 1]) for i in range(k - 1, len(rounds))
+    }
+
+
+def plateau_round_smoothed(curve: Mapping[int, float], k: int = 3, **rule) -> int:
+    """:func:`plateau_round` on the :func:`moving_average` of ``k`` evaluations: one high evaluation lifts the
+    average by a ``k``-th of its excess only, so it cannot by itself hold the best-so-far above the later rounds."""
+    smoothed = moving_average(curve, k)
+    if not smoothed:
+        raise ValueError(f"the pilot has fewer than k = {k} evaluated rounds")
+    return plateau_round(smoothed, **rule)
+
+
+def paired_t_p(differences: Sequence[float]) -> float:
+    """The two-sided p-value of the paired t test of mean 0 (the test behind :func:`paired_interval`): 1 where all
+    differences are 0, 0 where they are equal and not 0."""
+    from scipy import stats
+
+    n = len(differences)
+    if n < 2:
+        raise ValueError(f"a paired t test needs at least 2 paired runs, got {n}")
+    mean, sd = statistics.fmean(differences), statistics.stdev(differences)
+    if sd == 0:
+        return 1.0 if mean == 0 else 0.0
+    return float(2 * stats.t.sf(abs(mean) / (sd / math.sqrt(n)), n - 1))
+
+
+def holm(pvalues: Mapping[str, float]) -> dict[str, float]:
+    """Holm's step-down adjusted p-values of one family of ``m`` tests: the i-th smallest p becomes
+    max_{j <= i} min(1, (m - j + 1) p_(j)). Rejecting where the adjusted p < α keeps the chance of any false
+    rejection in the family at most α, whatever the dependence between the tests."""
+    order = sorted(pvalues, key=pvalues.get)
+    adjusted, running, m = {}, 0.0, len(order)
+    for j, key in enumerate(order):
+        running = max(running, min(1.0, (m - j) * pvalues[key]))
+        adjusted[key] = running
+    return adjusted
+
+
+def holm_verdicts(rows: Mapping[str, Mapping], alpha: float = 0.05) -> dict[str, str]:
+    """Per row of one family (``{"mean", "p"}``): wins / loses by the sign of its mean where its Holm-adjusted p is
+    below ``alpha``, else ties."""
+    adjusted = holm({key: row["p"] for key, row in rows.items()})
+    return {
+        key: ("ties" if adjusted[key] >= alpha else "wins" if row["mean"] > 0 else "loses")
+        for key, row in rows.items()
+    }
+
+
+def paired_bootstrap(
+    x: Sequence[Sequence[float]],
+    y: Sequence[Sequence[float]],
+    strata: Sequence[int],
+    draws: int = 10_000,
+    seed: int = 0,
+    paired: bool = True,
+) -> tuple[float, float, float]:
+    """``(mean, low, high)``: the estimate and the 95% percentile interval of mean_s mean_j (x[s][j] - y[s][j]).
+
+    ``x[s][j]``: arm X's score of sentence j in seed s (e.g. the share of the last evaluations that got it right);
+    ``strata[j]``: the client whose shard holds sentence j. Sentences and seeds are crossed (every seed scores every
+    sentence), so each draw resamples the seeds with replacement and, independently, the sentences with
+    replacement within each client's shard, one draw of sentences for all the seeds it holds: a hard sentence is
+    hard in every seed. ``paired``: the two arms share each draw (the design); False resamples them independently,
+    the interval that ignores the pairing."""
+    import numpy as np
+
+    X, Y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    groups = np.asarray(strata)
+    if X.shape != Y.shape or X.ndim != 2 or X.shape[1] != len(groups):
+        raise ValueError(f"x and y must be (seeds, sentences) with one stratum per sentence: {X.shape}, {Y.shape}")
+    rng = np.random.default_rng(seed)
+    n_seeds, n = X.shape
+    members = [np.flatnonzero(groups == g) for g in np.unique(groups)]
+
+    def sentence_counts() -> np.ndarray:  # (draws, n): how often each sentence is drawn
+        counts = np.zeros((draws, n))
+        rows = np.arange(draws)[:, None]
+        for idx in members:
+            picks = idx[rng.integers(0, len(idx), size=(draws, len(idx)))]
+            np.add.at(counts, (np.broadcast_to(rows, picks.shape), picks), 1.0)
+        return counts
+
+    def seed_counts() -> np.ndarray:  # (draws, seeds)
+        picks = rng.integers(0, n_seeds, size=(draws, n_seeds))
+        return np.stack([(picks == s).sum(1) for s in range(n_seeds)], axis=1).astype(np.float64)
+
+    def replicate(scores: np.ndarray, sentences: np.ndarray, seeds: np.ndarray) -> np.ndarray:
+        return (seeds * (sentences @ scores.T)).sum(1) / (n_seeds * n)
+
+    if paired:
+        sentences, seeds = sentence_counts(), seed_counts()
+        reps = replicate(X - Y, sentences, seeds)
+    else:
+        reps = replicate(X, sentence_counts(), seed_counts()) - replicate(Y, sentence_counts(), seed_counts())
+    low, high = np.percentile(reps, [2.5, 97.5])
+    return float((X - Y).mean()), float(low), float(high)
+
+
+def seed_rule_exclusions(
+    sds: Sequence[float], first: int = 3, more: int = 2, sims: int = 20_000, seed: int = 0
+) -> tuple[float, float]:
+    """Under the null (every true difference 0), the protocol's 3-then-5 seed rule applied to comparisons whose
+    paired differences are normal with the standard deviations ``sds``: ``first`` seeds; a comparison whose 95% t
+    interval contains 0 gets ``more`` seeds and is judged again at ``first + more``. Returns the chance that one
+    comparison ends with an interval that excludes 0, and the expected number of such spurious exclusions among
+    ``len(sds)`` comparisons; a Monte Carlo of ``sims`` draws with a fixed ``seed``."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    sd = np.asarray(sds, dtype=np.float64)
+    d = rng.standard_normal((sims, len(sd), first + more)) * sd[None, :, None]
+
+    def excludes(sample: np.ndarray) -> np.ndarray:
+        k = sample.shape[-1]
+        half = t_quantile_975(k - 1) * sample.std(-1, ddof=1) / math.sqrt(k)
+        return np.abs(sample.mean(-1)) > half
+
+    early = excludes(d[..., :first])
+    spurious = early | (~early & excludes(d))
+    return float(spurious.mean()), float(spurious.sum(1).mean())

@@ -69,3 +69,132 @@ def test_selection_picks_the_best_validation_value_per_method():
     ]
     best = select(rows)
     assert best["fedpa"]["lam"] == 0.1 and best["fedit"]["lr"] == 2e-3 and "ffa_lora" not in best
+
+
+# ------------------------------------------------------------------------------------------ issue 31's statistics
+def _committed_pilot() -> dict[int, float]:
+    import json
+
+    from tests.conftest import ROOT
+
+    path = ROOT / "docs" / "reference" / "sst2_protocol" / "runs" / "pilot" / "fedit_pilot_s0.json"
+    return {int(r): m["val_acc"] for r, m in json.loads(path.read_text())["rounds"].items()}
+
+
+def test_the_smoothed_stopping_rule_on_the_committed_pilot():
+    from fs_fedpa.protocol import moving_average, plateau_round_smoothed
+
+    curve = _committed_pilot()
+    # The committed rule stops at FS round 21: the best so far, 0.9109 (round 15, one high evaluation), is also the
+    # best at 0.75 * 21 = 15.75.
+    assert plateau_round(curve) == 21 and curve[15] == max(v for r, v in curve.items() if r <= 21)
+    # By hand: the mean of 3 evaluations at 15 is (0.8812 + 0.8861 + 0.9109) / 3; at 35 the best average so far,
+    # 0.9116 (round 27), is within 0.5 point of the best at 0.75 * 35 = 26.25 (round 25: 0.9092); at 33 it is not
+    # (the best at 24.75 is round 19's 0.9059).
+    ma = moving_average(curve)
+    assert min(ma) == 5 and ma[15] == pytest.approx((curve[11] + curve[13] + curve[15]) / 3)
+    table = {19: 0.9059, 23: 0.9059, 25: 0.9092, 27: 0.9116, 33: 0.9116, 35: 0.9116}
+    for t, best in table.items():
+        assert max(v for r, v in ma.items() if r <= t) == pytest.approx(best, abs=5e-5), t
+    assert plateau_round_smoothed(curve) == 35
+    # Round 15 alone set the committed T: with it at the mean of its neighbours (0.8936), both rules give 35; the
+    # committed rule then drops to 21 for the one high evaluation, the smoothed rule does not move.
+    level = {**curve, 15: (curve[13] + curve[17]) / 2}
+    assert plateau_round(level) == 35 and plateau_round_smoothed(level) == 35
+
+
+def test_holm_of_a_hand_example():
+    from fs_fedpa.protocol import holm, holm_verdicts
+
+    # p = 0.01, 0.03, 0.04, 0.20 (m = 4): 4 * 0.01 = 0.04; 3 * 0.03 = 0.09; max(0.09, 2 * 0.04) = 0.09; 0.20
+    p = {"a": 0.03, "b": 0.01, "c": 0.20, "d": 0.04}
+    assert holm(p) == pytest.approx({"a": 0.09, "b": 0.04, "c": 0.20, "d": 0.09})
+    rows = {k: {"p": v, "mean": -1.0 if k == "b" else 1.0} for k, v in p.items()}
+    assert holm_verdicts(rows) == {"a": "ties", "b": "loses", "c": "ties", "d": "ties"}  # raw: 3 of 4 exclude 0
+    assert holm({"a": 0.6, "b": 0.7}) == {"a": 1.0, "b": 1.0}  # capped at 1
+
+
+def test_the_paired_t_p_value_agrees_with_scipy():
+    stats = pytest.importorskip("scipy.stats")
+    from fs_fedpa.protocol import paired_t_p
+
+    for d in ([0.01, 0.03, 0.02], [-0.012, 0.001, -0.02, -0.009, -0.015], [0.5, -0.4]):
+        assert paired_t_p(d) == pytest.approx(stats.ttest_1samp(d, 0.0).pvalue, rel=1e-9)
+    assert paired_t_p([0.0, 0.0]) == 1.0 and paired_t_p([0.01, 0.01]) == 0.0
+
+
+def _strata(sizes):
+    return [c for c, n in enumerate(sizes) for _ in range(n)]
+
+
+def test_the_bootstrap_matches_closed_forms():
+    np = pytest.importorskip("numpy")
+    from fs_fedpa.protocol import paired_bootstrap
+
+    rng = np.random.default_rng(3)
+    sizes = (40, 25, 60)
+    strata, n = _strata(sizes), sum(sizes)
+    z = 1.959963985
+    # seeds only (every sentence of a seed differs by the same a_s): the bootstrap of a mean of 4, var = pvar(a)/4
+    a = np.array([0.02, -0.01, 0.03, 0.00])
+    x, y = np.repeat(a[:, None], n, 1), np.zeros((4, n))
+    mean, low, high = paired_bootstrap(x, y, strata, draws=40_000)
+    assert mean == pytest.approx(a.mean()) and (high - low) / 2 == pytest.approx(z * a.std() / 2, rel=0.1)
+    # sentences only (one seed): within-client resampling, var = sum_c (n_c/n)^2 pvar_c / n_c
+    b = rng.normal(size=n) * np.array([0.5 if c == 0 else 2.0 if c == 1 else 1.0 for c in strata])
+    var = sum((len(v) / n) ** 2 * v.var() / len(v) for v in (b[np.array(strata) == c] for c in range(3)))
+    mean, low, high = paired_bootstrap(b[None, :], np.zeros((1, n)), strata, draws=40_000)
+    assert (high - low) / 2 == pytest.approx(z * math.sqrt(var), rel=0.05)
+    # crossed: d_s(j) = a_s + b_j, two independent draws, so the variances add
+    mean, low, high = paired_bootstrap(a[:, None] + b[None, :], np.zeros((4, n)), strata, draws=40_000)
+    assert mean == pytest.approx(a.mean() + b.mean())
+    assert (high - low) / 2 == pytest.approx(z * math.sqrt(a.var() / 4 + var), rel=0.06)
+    # no spread at all: the interval is the point
+    assert paired_bootstrap(np.full((3, n), 0.9), np.full((3, n), 0.8), strata, draws=200) == pytest.approx(
+        (0.1, 0.1, 0.1)
+    )
+
+
+def test_the_paired_bootstrap_is_narrower_than_resampling_that_ignores_the_pairing():
+    np = pytest.importorskip("numpy")
+    from fs_fedpa.protocol import paired_bootstrap
+
+    rng = np.random.default_rng(4)
+    n = 300
+    strata = [0] * n
+    hard = (rng.random(n) < 0.2).astype(float)  # sentence difficulty, shared by both arms
+    y = 1.0 - hard
+    x = y.copy()
+    x[rng.choice(n, 6, replace=False)] = 1.0 - x[rng.choice(n, 6, replace=False)]  # a few sentences differ
+    paired = paired_bootstrap(x[None], y[None], strata, draws=20_000)
+    unpaired = paired_bootstrap(x[None], y[None], strata, draws=20_000, paired=False)
+    # closed forms: sd of the paired mean sqrt(pvar(x - y) / n); unpaired sqrt((pvar x + pvar y) / n)
+    z = 1.959963985
+    assert (paired[2] - paired[1]) / 2 == pytest.approx(z * np.sqrt((x - y).var() / n), rel=0.1)
+    assert (unpaired[2] - unpaired[1]) / 2 == pytest.approx(z * np.sqrt((x.var() + y.var()) / n), rel=0.05)
+    assert (paired[2] - paired[1]) < 0.5 * (unpaired[2] - unpaired[1])
+
+
+def test_the_bootstrap_refuses_mismatched_shapes():
+    from fs_fedpa.protocol import paired_bootstrap
+
+    with pytest.raises(ValueError, match="seeds, sentences"):
+        paired_bootstrap([[1.0, 0.0]], [[1.0, 0.0, 1.0]], [0, 0])
+
+
+def test_the_seed_rule_simulation_against_an_independent_one():
+    stats = pytest.importorskip("scipy.stats")
+    np = pytest.importorskip("numpy")
+    from fs_fedpa.protocol import seed_rule_exclusions
+
+    # one stage only (no more seeds): the t interval's own 5%
+    rate, count = seed_rule_exclusions([0.01] * 4, more=0, sims=50_000, seed=1)
+    assert rate == pytest.approx(0.05, abs=0.004) and count == pytest.approx(4 * rate)
+    # the 3-then-5 rule, against scipy's t test in a plain loop with another generator
+    rate, count = seed_rule_exclusions([0.004, 0.02, 0.01], sims=40_000, seed=2)
+    rng, hits, sims = np.random.default_rng(99), 0, 20_000
+    for _ in range(sims):
+        d = rng.normal(size=5)
+        hits += stats.ttest_1samp(d[:3], 0).pvalue < 0.05 or stats.ttest_1samp(d, 0).pvalue < 0.05
+    assert rate == pytest.approx(hits / sims, abs=0.006) and 0.075 < rate < 0.1
+    assert seed_rule_exclusions([0.01] * 3, sims=1000, seed=5) == seed_rule_exclusions([0.01] * 3, sims=1000, seed=5)
