@@ -3,7 +3,7 @@
 A run is ``{"cell", "seed", "rounds": {round: FS weighted-average metrics}, "diagnostics": [per-round record]}``;
 each figure shows the mean over seeds of every cell (a band for the spread where there are several seeds):
 
-- ``accuracy.png``: the metric vs round;
+- ``accuracy.png``: the metric vs round (``protocols.png`` for a chosen set of runs: both evaluation protocols);
 - ``mismatch.png``: E_agg, E_init(B) and E_init(A) vs round for one LoRA module (the paper's Figure 2), on log
   axes where an exact zero (FedPA's E_init) lies on the floor;
 - ``spectrum.png``: singular values of the aggregate sum_i w_i B_i A_i of that module, one curve per round;
@@ -119,6 +119,24 @@ def plot_accuracy(runs: Sequence[dict], metric: str, path: Path) -> Path:
     ax.set(xlabel="round", ylabel=f"{metric} (paper protocol)", title=f"{metric} vs round (mean ± std over seeds)")
     ax.grid(alpha=0.3)
     _legend(ax, fontsize=8, ncol=2)
+    return _save(fig, path)
+
+
+def plot_protocols(runs: Sequence[dict], metric: str, path: Path) -> Path:
+    """``metric`` vs round under both evaluation protocols, side by side: the paper protocol (``metric``) and the
+    clients' own factors (``local.<metric>``); mean ± std over seeds per cell."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, (key, title) in zip(axes, ((metric, "paper protocol"), (f"local.{metric}", "own factors"))):
+        for i, (cell, group) in enumerate(by_cell(runs).items()):
+            rounds, means, stds = mean_curve(_series(group, _metric(key)))
+            if rounds:
+                _band(ax, rounds, means, stds, f"{cell} ({len(group)})", **style(i))
+        _integer_rounds(ax)
+        ax.set(xlabel="round", title=f"{key}: {title} (mean ± std over seeds)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(metric)
+    _legend(axes[0], fontsize=8)
     return _save(fig, path)
 
 

@@ -29,11 +29,14 @@ def t_quantile_975(df: int) -> float:
 
 
 def plateau_round(curve: Mapping[int, float], gain: float = 0.005, window: float = 0.25, min_rounds: int = 8) -> int:
-    """The number of rounds T after which ``curve`` (rounds, 1-based -> validation accuracy) stops improving: the
-    first evaluated round t >= ``min_rounds`` whose best-so-far accuracy exceeds the best-so-far at round
-    ``(1 - window) * t`` by less than ``gain``; the last evaluated round if there is none (not converged).
+    """The round T at which ``curve`` (FS round index -> validation accuracy) stops improving: the first evaluated
+    round t >= ``min_rounds`` whose best-so-far accuracy exceeds the best-so-far at round ``(1 - window) * t`` by
+    less than ``gain``; the last evaluated round if there is none (not converged).
 
-    The best-so-far curve makes the rule insensitive to one noisy evaluation."""
+    FS logs rounds from 0 (the evaluation at index t follows t + 1 rounds of training); the SST-2 protocol takes the
+    index T returned here as its number of rounds, so its runs train T rounds, one fewer than the pilot had at T.
+    The best-so-far curve ignores one low evaluation, but one high evaluation holds it up for every later round and
+    can stop the rule early: :func:`plateau_round_smoothed` cannot be triggered so."""
     if not curve:
         raise ValueError("the pilot has no evaluated round")
     rounds = sorted(curve)

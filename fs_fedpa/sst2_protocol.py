@@ -373,10 +373,72 @@ def paired_rows(results: dict, metric: str, stage: str = "final", ours: str = "f
         seeds = sorted(set(values) & set(cells.get(ours, {})))
         if cell == ours or len(seeds) < 2:
             continue
-        mean, low, high = protocol.paired_interval([cells[ours][s] - values[s] for s in seeds])
+        differences = [cells[ours][s] - values[s] for s in seeds]
+        mean, low, high = protocol.paired_interval(differences)
         rows[cell] = {"seeds": len(seeds), "mean": mean, "low": low, "high": high}
         rows[cell]["verdict"] = protocol.verdict(low, high)
+        rows[cell]["p"] = protocol.paired_t_p(differences)
     return rows
+
+
+def with_holm(rows: dict[str, dict]) -> dict[str, dict]:
+    """``rows`` (one family: one setting, one protocol) with each row's Holm label added as ``"holm"``."""
+    labels = protocol.holm_verdicts(rows) if rows else {}
+    return {cell: {**row, "holm": labels[cell]} for cell, row in rows.items()}
+
+
+NEAR = 0.006  # baselines whose per-seed final accuracies all lie closer than this are one finding, not several
+
+
+def near_duplicates(results: dict, metric: str = "val_acc", within: float = NEAR) -> list[list[str]]:
+    """Groups of final-stage baselines that are near-duplicates: linked by pairs whose final ``metric`` differs by
+    less than ``within`` in every one of at least 3 shared seeds (connected components of those pairs)."""
+    cells = {c: v for c, v in cell_values(results, metric).items() if c in BASELINES}
+    linked: dict[str, set[str]] = {c: set() for c in cells}
+    for a in cells:
+        for b in cells:
+            seeds = set(cells[a]) & set(cells[b])
+            if a < b and len(seeds) >= 3 and all(abs(cells[a][s] - cells[b][s]) < within for s in seeds):
+                linked[a].add(b)
+                linked[b].add(a)
+    groups, seen = [], set()
+    for c in BASELINES:
+        if c in linked and c not in seen and linked[c]:
+            group, todo = set(), [c]
+            while todo:
+                x = todo.pop()
+                if x not in group:
+                    group.add(x)
+                    todo += linked[x]
+            seen |= group
+            groups.append([b for b in BASELINES if b in group])
+    return groups
+
+
+def endpoint(run: dict, metric: str, k: int = ENDPOINT_EVALS) -> float | None:
+    """The mean of a run's last ``k`` evaluations of ``metric`` (the long horizon's primary endpoint)."""
+    values = [m[metric] for _, m in sorted(run["rounds"].items()) if m.get(metric) is not None]
+    return statistics.fmean(values[-k:]) if len(values) >= k else None
+
+
+def sentence_scores(run: dict, protocol_name: str) -> tuple[list[float], list[int]]:
+    """Per sentence of the evaluation file, the share of the run's stored evaluations (its last
+    :data:`ENDPOINT_EVALS`) that got it right under ``protocol_name`` ("global": the paper protocol, "local": the own
+    factors), and the client whose shard holds it. Their mean is :func:`endpoint` of the matching metric."""
+    outcomes = run["outcomes"]
+    size, shards = outcomes["size"], outcomes["shards"]
+    right, client = [0.0] * size, [-1] * size
+    evaluations = list(outcomes["rounds"].values())
+    for cid, indices in shards.items():
+        for j in indices:
+            client[j] = int(cid)
+    for evaluation in evaluations:
+        for cid, bits in evaluation[protocol_name].items():
+            for j, bit in zip(shards[cid], bits):
+                right[j] += bit == "1"
+    if -1 in client:
+        raise ValueError(f"{run['cell']} seed {run['seed']}: the clients' shards do not cover the evaluation file")
+    return [r / len(evaluations) for r in right], client
 
 
 def time_spent(results: dict) -> str:

@@ -13,7 +13,7 @@ import json
 import statistics
 from pathlib import Path
 
-from fs_fedpa import compare
+from fs_fedpa import compare, protocol
 from fs_fedpa import sst2_protocol as sp
 
 METRICS = ("val_acc", "local.val_acc")
@@ -30,7 +30,15 @@ def _pm(values: list[float]) -> str:
 def _interval(row: dict | None) -> str:
     if row is None:
         return "–"
-    return f"{row['mean']:+.4f} [{row['low']:+.4f}, {row['high']:+.4f}] n={row['seeds']}: FedPA {row['verdict']}"
+    text = f"{row['mean']:+.4f} [{row['low']:+.4f}, {row['high']:+.4f}] n={row['seeds']}: FedPA {row['verdict']}"
+    return text + (f"; Holm: {row['holm']}" if "holm" in row else "")
+
+
+HOLM_NOTE = (
+    "Holm: the label after Holm's correction over the comparisons of the same table and protocol (paired t tests' "
+    "p-values at the final n; the correction ignores the 3-then-5 seed rule, which adds its own chance of a spurious "
+    "exclusion)."
+)
 
 
 def _score(value: float | None) -> str:
@@ -47,10 +55,11 @@ def pilot_section(results: dict) -> list[str]:
         return ["## Pilot", "", "Not run yet.", ""]
     curve = {r: m["val_acc"] for r, m in pilot["rounds"].items() if m.get("val_acc") is not None}
     best, lines = float("-inf"), []
+    average = protocol.moving_average(curve)
     for r in sorted(curve):
         best = max(best, curve[r])
-        lines.append(f"| {r} | {curve[r]:.4f} | {best:.4f} |")
-    T = sp.pilot_T(pilot)
+        lines.append(f"| {r} | {curve[r]:.4f} | {best:.4f} | {_score(average.get(r))} |")
+    T, smoothed = sp.pilot_T(pilot), protocol.plateau_round_smoothed(curve)
     converged = T < max(curve)
     return [
         "## Pilot: the number of rounds T",
@@ -61,8 +70,17 @@ def pilot_section(results: dict) -> list[str]:
         + ("" if converged else " (the last round: the pilot had not converged)")
         + f"; tuning runs take ceil(T/2) = {-(-T // 2)} rounds.",
         "",
-        "| round | held-out val_acc | best so far |",
-        "|---|---|---|",
+        f"Rounds here are FS's round indices, 0-based as FS logs them: the evaluation at round r follows r + 1 rounds "
+        f"of training. The rule returns an index, and the protocol takes it as a number of rounds: the pilot had "
+        f"trained {T + 1} rounds at its round {T}, and the later stages run T = {T} rounds (indices 0 to {T - 1}).",
+        "",
+        f"A second rule, which one high evaluation cannot trigger (the same rule on the mean of 3 consecutive "
+        f"evaluations, `fs_fedpa.protocol.plateau_round_smoothed`), gives **T = {smoothed}** on this pilot. "
+        f"The committed protocol keeps T = {T}, the rule it was run with; the long-horizon stage asks what the "
+        "rounds after it change.",
+        "",
+        "| round | held-out val_acc | best so far | mean of 3 evaluations |",
+        "|---|---|---|---|",
         *lines,
         "",
     ]
@@ -164,28 +182,35 @@ def stage_section(title: str, stage: str, results: dict, report: Path, pairs: di
         f"## {title}",
         "",
         f"Final round, mean ± std over seeds (n); `{stage}/results.md` has the best round and the diagnostics, "
-        f"`{stage}/*.png` the curves. Interval: paired 95% t interval of (FedPA-LoRA − cell) over shared seeds.",
+        f"`{stage}/*.png` the curves. Interval: paired 95% t interval of (FedPA-LoRA − cell) over shared seeds. "
+        + HOLM_NOTE,
         "",
         "| cell | val_acc (paper protocol) | local.val_acc | FedPA − cell, paper protocol | FedPA − cell, own "
         "factors |",
         "|---|---|---|---|---|",
     ]
+    intervals = {m: _family_rows(results, values[m], pairs, m) for m in METRICS}
     for cell in dict.fromkeys(r["cell"] for r in runs):
-        ours = pairs.get(cell)
-        intervals = []
-        for m in METRICS:
-            row = None
-            if ours and ours != cell and ours in values[m]:
-                cells = {ours: values[m][ours], cell: values[m].get(cell, {})}
-                row = sp.paired_rows(results, m, ours=ours, cells=cells).get(cell)
-            intervals.append(_interval(row))
         means = [_pm(list(values[m].get(cell, {}).values())) for m in METRICS]
-        lines.append(f"| {cell} | {means[0]} | {means[1]} | {intervals[0]} | {intervals[1]} |")
+        shown = [_interval(intervals[m].get(cell)) for m in METRICS]
+        lines.append(f"| {cell} | {means[0]} | {means[1]} | {shown[0]} | {shown[1]} |")
     if stage != "final":  # the final stage has a section of its own, "The mechanism"
         lines += ["", 'The last round\'s diagnostics, as in "The mechanism" above:', "", *mechanism_table(runs)]
     if stage == "adaptive":
         lines += lambda_trajectory(runs)
     return [*lines, ""]
+
+
+def _family_rows(results: dict, values: dict, pairs: dict[str, str], metric: str) -> dict[str, dict]:
+    """Per cell of a stage, its paired row against its reference ``pairs[cell]``; the cells that share a reference
+    are one family for Holm's correction (one setting: β = 0.1 and β = 100 are two)."""
+    families: dict[str, dict[str, dict]] = {}
+    for cell, ours in pairs.items():
+        if ours and ours != cell and ours in values and cell in values:
+            cells = {ours: values[ours], cell: values[cell]}
+            if row := sp.paired_rows(results, metric, ours=ours, cells=cells).get(cell):
+                families.setdefault(ours, {})[cell] = row
+    return {cell: row for family in families.values() for cell, row in sp.with_holm(family).items()}
 
 
 def lambda_trajectory(runs: list[dict]) -> list[str]:
@@ -219,8 +244,9 @@ def lambda_trajectory(runs: list[dict]) -> list[str]:
 
 
 def verdict_section(results: dict) -> list[str]:
-    """The plain verdict of the main cell: per baseline, FedPA-LoRA wins, ties or loses under each protocol."""
-    rows = {m: sp.paired_rows(results, m) for m in METRICS}
+    """The plain verdict of the main cell: per baseline, FedPA-LoRA wins, ties or loses under each protocol, raw and
+    after Holm's correction; how many spurious exclusions the seed rule leaves to chance; the near-duplicates."""
+    rows = {m: sp.with_holm(sp.paired_rows(results, m)) for m in METRICS}
     cells = sorted(set(rows[METRICS[0]]) | set(rows[METRICS[1]]))
     if not cells:
         return ["## Verdict", "", "Written when the final runs of FedPA-LoRA and a baseline share two seeds.", ""]
@@ -228,7 +254,211 @@ def verdict_section(results: dict) -> list[str]:
     for cell in cells:
         lines.append(f"| {cell} | " + " | ".join(_interval(rows[m].get(cell)) for m in METRICS) + " |")
     note = "FedPA-LoRA − cell, mean [95% paired t interval] over shared seeds; wins / ties / loses as the interval "
-    return [*lines, "", note + "lies above, across or below 0.", ""]
+    lines += ["", note + "lies above, across or below 0. " + HOLM_NOTE, ""]
+    sds = [sd for m in METRICS for sd in _paired_sds(results, m).values()]
+    if sds:
+        rate, expected = protocol.seed_rule_exclusions(sds, sims=SIMULATIONS, seed=0)
+        lines += [
+            f"**By chance alone.** Under the null (no true difference), the protocol's seed rule (3 seeds, 2 more "
+            f"where the interval contains 0) gives each comparison a {100 * rate:.1f}% chance of an interval that "
+            f"excludes 0 (Monte Carlo, {SIMULATIONS:,} draws, normal differences with the {len(sds)} comparisons' "
+            f"observed paired standard deviations), so about **{expected:.1f}** of these {len(sds)} intervals are "
+            "expected to exclude 0 spuriously.",
+            "",
+        ]
+    if groups := sp.near_duplicates(results):
+        named = "; ".join(", ".join(g) for g in groups)
+        lines += [
+            f"**Near-duplicates:** {named}: their per-seed final accuracies (paper protocol) lie within "
+            f"{100 * sp.NEAR:.1f} point of each other in every seed, so their intervals against FedPA-LoRA are one "
+            "finding, not several.",
+            "",
+        ]
+    return lines
+
+
+SIMULATIONS = 200_000  # draws of the seed-rule simulation (fixed seed 0)
+
+
+def _paired_sds(results: dict, metric: str) -> dict[str, float]:
+    """Per final-stage cell, the standard deviation of its paired differences with FedPA-LoRA at its final n."""
+    cells = sp.cell_values(results, metric)
+    ours, out = cells.get("fedpa", {}), {}
+    for cell, values in cells.items():
+        seeds = sorted(set(values) & set(ours))
+        if cell != "fedpa" and len(seeds) >= 2:
+            out[cell] = statistics.stdev([ours[s] - values[s] for s in seeds])
+    return out
+
+
+def head_section(results: dict) -> list[str]:
+    """The head asymmetry: FedIT with its classifier head federated (stage ``head``) against FedPA-LoRA's final runs
+    (local head), FedPA-LoRA's no-local-head ablation (both without) and FedIT's own final runs (with)."""
+    runs = [r for key, r in results.items() if key.startswith("head/")]
+    title = "## The head asymmetry: FedIT without a local head"
+    if not runs:
+        return [title, "", "Not run yet.", ""]
+    comparisons = (  # label, (stage, cell) minus (stage, cell)
+        ("FedPA-LoRA (local head) − FedIT without head", ("final", "fedpa"), ("head", sp.HEAD_CELL)),
+        ("FedPA-LoRA without head − FedIT without head", ("ablation", "fedpa_no_local_head"), ("head", sp.HEAD_CELL)),
+        ("FedIT (local head) − FedIT without head: the head's worth to FedIT", ("final", "fedit"),
+         ("head", sp.HEAD_CELL)),
+    )  # fmt: skip
+    rows = {}
+    for m in METRICS:
+        family = {}
+        for label, (stage_a, a), (stage_b, b) in comparisons:
+            first = sp.cell_values(results, m, stage_a).get(a, {})
+            second = sp.cell_values(results, m, stage_b).get(b, {})
+            if row := sp.paired_rows(results, m, ours="first", cells={"first": first, b: second}).get(b):
+                family[label] = row
+        rows[m] = sp.with_holm(family)
+    values = {m: list(sp.cell_values(results, m, "head").get(sp.HEAD_CELL, {}).values()) for m in METRICS}
+    lines = [
+        title,
+        "",
+        f"`{sp.HEAD_CELL}`: FedIT as selected with `personalization.local_param []`, so the server averages the "
+        f"classifier head like every other trained parameter; T rounds, the main cell otherwise. Final round: "
+        f"{_pm(values['val_acc'])} (paper protocol), {_pm(values['local.val_acc'])} (own factors). Paired 95% t "
+        "intervals over shared seeds (the ablation has seeds 0-2); wins / ties / loses: the first cell's. "
+        + HOLM_NOTE,
+        "",
+        "| difference | paper protocol | own factors |",
+        "|---|---|---|",
+    ]
+    for label, *_ in comparisons:
+        shown = [_interval(rows[m].get(label)).replace("FedPA ", "first ") for m in METRICS]
+        lines.append(f"| {label} | {shown[0]} | {shown[1]} |")
+    return [*lines, ""]
+
+
+def long_section(results: dict, report: Path) -> list[str]:
+    """The long horizon: the four arms' curves (figure), their endpoints with paired t and bootstrap intervals
+    against FedIT, and the check that its first T rounds reproduce the committed final runs."""
+    runs = [r for key, r in results.items() if key.startswith("long/")]
+    title = f"## The long horizon: {sp.LONG_ROUNDS} rounds"
+    if not runs:
+        return [title, "", "Not run yet.", ""]
+    folder = report / "long"
+    folder.mkdir(exist_ok=True)
+    order = [name for name, _, _ in sp.LONG_ARMS]
+    runs.sort(key=lambda r: (order.index(r["cell"]), r["seed"]))
+    try:
+        from fs_fedpa.plots import plot_protocols
+
+        plot_protocols(runs, "val_acc", folder / "curves.png")
+    except ImportError:  # matplotlib is an extra
+        pass
+    lines = [
+        title,
+        "",
+        f"Four arms fixed before the runs, seeds {sp.LONG_SEEDS[0]}-{sp.LONG_SEEDS[-1]}, {sp.LONG_ROUNDS} rounds, "
+        f"the dev set every 3 rounds under both protocols, the main cell otherwise. Primary endpoint: per arm, the "
+        f"mean of a run's last {sp.ENDPOINT_EVALS} evaluations; per FedPA-LoRA arm, the paired difference arm − "
+        f"{sp.LONG_REFERENCE} with its 95% t interval over seeds (Holm over the three arms) and a paired bootstrap "
+        "interval that resamples seeds and, independently, dev sentences within each client's shard "
+        "(`fs_fedpa.protocol.paired_bootstrap`, 10,000 draws): a statement about SST-2 sentences, not only these "
+        "872. `long/curves.png`: the curves, mean ± std over seeds.",
+        "",
+        *_long_endpoints(runs),
+        *_long_curve_table(runs),
+        *_reproduction(results, runs),
+    ]
+    return lines
+
+
+def _long_endpoints(runs: list[dict]) -> list[str]:
+    """Per arm: its endpoint under both protocols and, for the FedPA-LoRA arms, arm − reference (t and bootstrap)."""
+    arms: dict[str, dict[int, dict]] = {}
+    for run in runs:
+        arms.setdefault(run["cell"], {})[run["seed"]] = run
+    reference = arms.get(sp.LONG_REFERENCE, {})
+    endpoints, intervals = {}, {}
+    for m in METRICS:
+        endpoints[m] = {
+            cell: {s: v for s, run in seeds.items() if (v := sp.endpoint(run, m)) is not None}
+            for cell, seeds in arms.items()
+        }
+        family = {}
+        for cell in arms:
+            pair = {cell: endpoints[m][cell], "reference": endpoints[m].get(sp.LONG_REFERENCE, {})}
+            if cell != sp.LONG_REFERENCE and (row := sp.paired_rows({}, m, ours=cell, cells=pair).get("reference")):
+                family[cell] = row
+        intervals[m] = sp.with_holm(family)
+    lines = [
+        f"| arm | endpoint, paper protocol | endpoint, own factors | arm − {sp.LONG_REFERENCE}, paper protocol: t; "
+        "bootstrap | own factors: t; bootstrap |",
+        "|---|---|---|---|---|",
+    ]
+    for cell, seeds in arms.items():
+        shown = [_pm(list(endpoints[m][cell].values())) for m in METRICS]
+        for m, protocol_name in zip(METRICS, ("global", "local")):
+            if cell == sp.LONG_REFERENCE:
+                shown.append("–")
+                continue
+            row = intervals[m].get(cell)
+            boot = _bootstrap(seeds, reference, protocol_name)
+            text = "–" if row is None else _interval(row).replace("FedPA ", "arm ")
+            shown.append(text + ("" if boot is None else f"; {boot[0]:+.4f} [{boot[1]:+.4f}, {boot[2]:+.4f}]"))
+        lines.append(f"| {cell} | " + " | ".join(shown) + " |")
+    note = "t: paired 95% t interval over seeds (from 2 seed pairs); bootstrap: 95% percentile interval (from 1)."
+    return [*lines, "", note + " " + HOLM_NOTE, ""]
+
+
+def _bootstrap(arm: dict[int, dict], reference: dict[int, dict], protocol_name: str) -> tuple | None:
+    """The paired bootstrap of arm − reference over their shared seeds, from the stored per-sentence outcomes."""
+    seeds = sorted(s for s in set(arm) & set(reference) if "outcomes" in arm[s] and "outcomes" in reference[s])
+    if not seeds:
+        return None
+    x, y, strata = [], [], None
+    for s in seeds:
+        xs, sx = sp.sentence_scores(arm[s], protocol_name)
+        ys, sy = sp.sentence_scores(reference[s], protocol_name)
+        if sx != sy or (strata is not None and sx != strata):
+            raise ValueError(f"seed {s}: the arms' dev shards differ; a paired bootstrap needs the same split")
+        x.append(xs)
+        y.append(ys)
+        strata = sx
+    return protocol.paired_bootstrap(x, y, strata, draws=10_000, seed=0)
+
+
+CURVE_ROUNDS = (20, 29, 38, 47, 59)  # where the long horizon's table samples the curves (FS round indices)
+
+
+def _long_curve_table(runs: list[dict]) -> list[str]:
+    head = " | ".join(f"round {r}" for r in CURVE_ROUNDS)
+    lines = [f"| arm, val_acc (paper protocol), mean (n) | {head} |", "|---|" + "---|" * len(CURVE_ROUNDS)]
+    for cell in dict.fromkeys(r["cell"] for r in runs):
+        group = [r for r in runs if r["cell"] == cell]
+        cells = []
+        for rnd in CURVE_ROUNDS:
+            values = [r["rounds"][rnd]["val_acc"] for r in group if rnd in r["rounds"]]
+            cells.append(f"{statistics.fmean(values):.4f} ({len(values)})" if values else "–")
+        lines.append(f"| {cell} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def _reproduction(results: dict, runs: list[dict]) -> list[str]:
+    """Arms fedit and fedpa must reproduce the committed final runs (same seed, values, threads) up to their last
+    round: the largest difference of any evaluation of either protocol."""
+    worst, compared = 0.0, 0
+    for run in runs:
+        final = results.get(f"final/{run['cell']}_s{run['seed']}")
+        if final is None or run["cell"] not in ("fedit", "fedpa"):
+            continue
+        for rnd, metrics in final["rounds"].items():
+            for m in METRICS:
+                if m in metrics and rnd in run["rounds"]:
+                    worst = max(worst, abs(run["rounds"][rnd][m] - metrics[m]))
+                    compared += 1
+    if not compared:
+        return []
+    verdict = "every one equal" if worst == 0 else f"largest difference {worst:.2e}"
+    return [
+        f"**Reproduction check.** Arms fedit and fedpa against the committed final runs of the same seeds, every "
+        f"evaluation of both protocols up to the final runs' last round ({compared} values): {verdict}.",
+        "",
+    ]
 
 
 # The last round's diagnostics that explain a ranking (docs/compare.md, "The mechanism").
@@ -370,6 +600,8 @@ def write_report(report: Path, results: dict, stages: list) -> Path:
                        {c: "fedpa" for k, r in results.items() if k.startswith("ablation/") for c in [r["cell"]]}),
         *stage_section("Adaptive λ (Appendix F; against fixed λ)", "adaptive", results | _finals(results), report,
                        {c: "fedpa" for k, r in results.items() if k.startswith("adaptive/") for c in [r["cell"]]}),
+        *head_section(results),
+        *long_section(results, report),
     ]  # fmt: skip
     path = report / "report.md"
     path.write_text("\n".join(lines) + "\n")

@@ -66,3 +66,18 @@ def test_runs_without_diagnostics_get_their_figures_without_empty_legends(tmp_pa
         warnings.simplefilter("error")
         paths = plot_all(runs, "val_acc", tmp_path)
     assert len(paths) == 5 and all(p.is_file() for p in paths)
+
+
+def test_both_protocols_are_drawn_side_by_side(tmp_path):
+    pytest.importorskip("matplotlib")
+    from fs_fedpa.plots import plot_protocols
+
+    runs = [_run(s, {2: 0.5 + s / 10, 5: 0.6}, {}, cell) for s in (0, 1) for cell in ("fedit", "fedpa")]
+    for run in runs:
+        for metrics in run["rounds"].values():
+            metrics["local.val_acc"] = metrics["val_acc"] - 0.1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        path = plot_protocols(runs, "val_acc", tmp_path / "protocols.png")
+    fig = __import__("matplotlib.image", fromlist=["imread"]).imread(path)
+    assert path.is_file() and fig.shape[1] > 1.5 * fig.shape[0]  # two panels side by side

@@ -1,0 +1,83 @@
+"""docs/compare.md quotes the SST-2 protocol's report: every interval and every mean ± std it prints in the protocol's
+section must be one of the report's values rounded once, at the precision printed (no double rounding, no stale
+number). The report's values are recomputed here from the committed run files."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import statistics
+from pathlib import Path
+
+import pytest
+
+from fs_fedpa import protocol
+from fs_fedpa import sst2_protocol as sp
+
+ROOT = Path(__file__).resolve().parents[2]
+NUMBER = r"([+−-]?\d+\.\d+)"
+INTERVAL = re.compile(NUMBER + r" \[" + NUMBER + r", " + NUMBER + r"\]")
+MEAN_STD = re.compile(r"(\d\.\d+) ± (\d\.\d+)")
+STAGES = ("final", "beta", "hetero", "ablation", "adaptive", "head", "long")
+
+
+def _protocol_section() -> str:
+    text = (ROOT / "docs" / "compare.md").read_text()
+    start = text.index("## The SST-2 protocol")
+    return text[start : text.index("\n## ", start + 1)]
+
+
+def _plain(number: str) -> str:
+    return number.replace("−", "-").lstrip("+")
+
+
+def _points(x: float, printed: str) -> str:
+    decimals = len(printed.split(".")[1])
+    text = f"{100 * x:.{decimals}f}"
+    return "0." + "0" * decimals if text == "-0." + "0" * decimals else text
+
+
+def _report_values() -> tuple[list[tuple[float, float, float]], list[tuple[float, float]]]:
+    """Every paired interval (both directions) between two cells of a stage, FedPA-LoRA's final runs joined to the
+    stages that compare against them, under both protocols; every cell's final mean and population std."""
+    results = sp.load_results(ROOT / sp.REPORT)
+    intervals, spreads = [], []
+    finals = {m: sp.cell_values(results, m, "final") for m in ("val_acc", "local.val_acc")}
+    for stage, metric in itertools.product(STAGES, ("val_acc", "local.val_acc")):
+        if stage == "long":
+            cells: dict = {}
+            for key, run in results.items():
+                if key.startswith("long/") and (v := sp.endpoint(run, metric)) is not None:
+                    cells.setdefault(run["cell"], {})[run["seed"]] = v
+        else:
+            cells = sp.cell_values(results, metric, stage)
+        cells = {**{f"final:{c}": v for c, v in finals[metric].items()}, **cells}
+        for values in cells.values():
+            spreads.append((statistics.fmean(values.values()), statistics.pstdev(values.values())))
+        for a, b in itertools.permutations(cells, 2):
+            seeds = sorted(set(cells[a]) & set(cells[b]))
+            if len(seeds) >= 2:
+                intervals.append(protocol.paired_interval([cells[a][s] - cells[b][s] for s in seeds]))
+    return intervals, spreads
+
+
+def test_every_interval_and_spread_quoted_is_the_reports_rounded_once():
+    if not (ROOT / sp.REPORT / "runs").is_dir():
+        pytest.skip("no committed runs")
+    intervals, spreads = _report_values()
+    section = _protocol_section()
+    stale = []
+    for match in INTERVAL.finditer(section):
+        printed = [_plain(g) for g in match.groups()]
+        if not any([_points(v, p) for v, p in zip(values, printed)] == printed for values in intervals):
+            stale.append(match.group(0))
+    for match in MEAN_STD.finditer(section):
+        mean, std = match.groups()
+        if not any((f"{m:.{len(mean) - 2}f}", f"{s:.{len(std) - 2}f}") == (mean, std) for m, s in spreads):
+            stale.append(match.group(0))
+    assert stale == [], f"docs/compare.md quotes numbers that are not the report's rounded once: {stale}"
+
+
+def test_the_checker_catches_a_double_rounding():
+    # centralized LoRA's +3.647 points: +3.6 rounded once; +3.7 is 3.65 rounded again
+    assert _points(0.03647, "3.7") == "3.6" and _points(-0.00004, "0.0") == "0.0"
