@@ -38,11 +38,13 @@ def _points(x: float, printed: str) -> str:
 
 
 def _report_values() -> tuple[list[tuple[float, float, float]], list[tuple[float, float]]]:
-    """Every paired interval (both directions) between two cells of a stage, FedPA-LoRA's final runs joined to the
-    stages that compare against them, under both protocols; every cell's final mean and population std."""
+    """Every paired interval (both directions) between two cells of a stage, the final runs and the ablation joined
+    to every stage (the later stages compare against them), under both protocols; every cell's final mean and
+    population std."""
     results = sp.load_results(ROOT / sp.REPORT)
     intervals, spreads = [], []
     finals = {m: sp.cell_values(results, m, "final") for m in ("val_acc", "local.val_acc")}
+    ablation = {m: sp.cell_values(results, m, "ablation") for m in ("val_acc", "local.val_acc")}
     for stage, metric in itertools.product(STAGES, ("val_acc", "local.val_acc")):
         if stage == "long":
             cells: dict = {}
@@ -51,7 +53,8 @@ def _report_values() -> tuple[list[tuple[float, float, float]], list[tuple[float
                     cells.setdefault(run["cell"], {})[run["seed"]] = v
         else:
             cells = sp.cell_values(results, metric, stage)
-        cells = {**{f"final:{c}": v for c, v in finals[metric].items()}, **cells}
+        joined = {**{f"final:{c}": v for c, v in finals[metric].items()}, **ablation[metric]}
+        cells = {**joined, **cells}  # the head asymmetry pairs with the final runs and the ablation
         for values in cells.values():
             spreads.append((statistics.fmean(values.values()), statistics.pstdev(values.values())))
         for a, b in itertools.permutations(cells, 2):
