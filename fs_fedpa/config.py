@@ -15,6 +15,8 @@ from typing import Any, Literal
 REG_CHOICES = ("product", "b", "a", "both", "none")
 SVD_CHOICES = ("reduced", "randomized", "dense")
 ADAPTIVE_CHOICES = ("none", "loss", "grad", "direction")
+LAM_MAX = 1e6  # upper bound of fedpa.lam and fedpa.lam_max: far above any useful weight, far below an overflow
+SEED_MAX = 2**32 - 1  # fedpa.seed: FS's top-level seed (numpy's) has this range; derived seeds stay within int64
 
 
 @dataclass
@@ -25,7 +27,7 @@ class FedPAConfig:
         default=1.0,
         metadata={
             "help": (
-                "lambda: weight of the alignment term lam/2 * ||B_i A_i - B_g,i A_g,i||_F^2 (>= 0); "
+                "lambda: weight of the alignment term lam/2 * ||B_i A_i - B_g,i A_g,i||_F^2 (0 to 1e6); "
                 "lambda_0 of the adaptive rules"
             )
         },
@@ -84,7 +86,7 @@ class FedPAConfig:
     )
     adaptive_alpha: float = field(default=1.0, metadata={"help": "alpha of the 'loss' and 'grad' rules (>= 0)"})
     lam_min: float = field(default=0.0, metadata={"help": "lower clip of the 'grad' rule (>= 0)"})
-    lam_max: float = field(default=10.0, metadata={"help": "upper clip of the 'grad' rule (> lam_min)"})
+    lam_max: float = field(default=10.0, metadata={"help": "upper clip of the 'grad' rule (> lam_min, <= 1e6)"})
     max_weight_ratio: float = field(
         default=0.0,
         metadata={
@@ -116,6 +118,35 @@ class FedPAConfig:
     min_received: int = field(
         default=1,
         metadata={"help": "distributed mode: the fewest updates a round may aggregate after round_timeout_s (>= 1)"},
+    )
+    client_timeout_s: float = field(
+        default=9000.0,
+        metadata={
+            "help": (
+                "distributed mode: seconds a client waits for a message from the server before it exits non-zero "
+                "with the reason (0: wait forever); keep it above round_timeout_s plus the longest aggregation, since "
+                "an honest client may wait through a round that waits out a dead peer"
+            )
+        },
+    )
+    auth_keyring: str = field(
+        default="",
+        metadata={
+            "help": (
+                "distributed mode, server: file of '<client id> <hex key>' lines, one per client; every message from "
+                "a client must then be signed with its key (HMAC-SHA256), and a joining client gets the id of its "
+                "key; empty: no authentication (docs/distributed.md)"
+            )
+        },
+    )
+    auth_key: str = field(
+        default="",
+        metadata={
+            "help": (
+                "distributed mode, client: file holding this client's key (64+ hex digits, never sent); the client "
+                "signs its join and every message to the server with it"
+            )
+        },
     )
     norm_outlier: float = field(
         default=0.0,
@@ -207,11 +238,21 @@ class FedPAConfig:
     )
     seed: int = field(
         default=-1,
-        metadata={"help": "seed of the global initialisation and the randomized sketch; -1: use the top-level seed"},
+        metadata={
+            "help": (
+                "seed of the global initialisation and the randomized sketch (0 to 2**32 - 1, the range of FS's "
+                "top-level seed); -1: use the top-level seed"
+            )
+        },
     )
 
     def __post_init__(self) -> None:
         self.lam = _number(self.lam, "lam", minimum=0.0)
+        if self.lam > LAM_MAX:
+            raise ValueError(
+                f"fedpa.lam(={self.lam:g}) must be <= {LAM_MAX:g}: a larger weight swamps the task loss and soon "
+                "overflows the alignment term, so every upload would be dropped"
+            )
         if self.reg not in REG_CHOICES:
             raise ValueError(f"fedpa.reg(={self.reg!r}) must be one of {REG_CHOICES}")
         if self.svd not in SVD_CHOICES:
@@ -225,6 +266,8 @@ class FedPAConfig:
         self.adaptive_alpha = _number(self.adaptive_alpha, "adaptive_alpha", minimum=0.0)
         self.lam_min = _number(self.lam_min, "lam_min", minimum=0.0)
         self.lam_max = _number(self.lam_max, "lam_max", minimum=0.0)
+        if self.lam_max > LAM_MAX:  # the 'grad' rule's lambda reaches its clip
+            raise ValueError(f"fedpa.lam_max(={self.lam_max:g}) must be <= {LAM_MAX:g}, the bound of fedpa.lam")
         if not self.lam_max > self.lam_min:
             raise ValueError(f"fedpa.lam_max(={self.lam_max}) must be > fedpa.lam_min(={self.lam_min})")
         self.max_weight_ratio = _number(self.max_weight_ratio, "max_weight_ratio", minimum=0.0)
@@ -233,6 +276,15 @@ class FedPAConfig:
         self.max_failed_rounds = _integer(self.max_failed_rounds, "max_failed_rounds", minimum=0)
         self.round_timeout_s = _number(self.round_timeout_s, "round_timeout_s", minimum=0.0)
         self.min_received = _integer(self.min_received, "min_received", minimum=1)
+        self.client_timeout_s = _number(self.client_timeout_s, "client_timeout_s", minimum=0.0)
+        if 0 < self.client_timeout_s <= self.round_timeout_s:
+            raise ValueError(
+                f"fedpa.client_timeout_s(={self.client_timeout_s:g}) must exceed fedpa.round_timeout_s"
+                f"(={self.round_timeout_s:g}): an honest client may wait through a round that waits out a dead peer"
+            )
+        for key in ("auth_keyring", "auth_key"):
+            if not isinstance(getattr(self, key), str):
+                raise ValueError(f"fedpa.{key} must be a file path (a string), got {getattr(self, key)!r}")
         self.norm_outlier = _number(self.norm_outlier, "norm_outlier", minimum=0.0)
         if 0 < self.norm_outlier <= 1:
             raise ValueError(f"fedpa.norm_outlier(={self.norm_outlier}) must be 0 (off) or > 1")
@@ -258,6 +310,11 @@ class FedPAConfig:
                 f"fedpa.reference_ranks is: give one rank per group, or drop group_sizes"
             )
         self.seed = _integer(self.seed, "seed", minimum=-1)
+        if self.seed > SEED_MAX:
+            raise ValueError(
+                f"fedpa.seed(={self.seed}) must be <= 2**32 - 1 (= {SEED_MAX}), the range of FS's top-level seed "
+                "(torch's generators overflow beyond 2**64 - 1)"
+            )
         if self.adaptive_lam != "none" and self.reg != "product":
             raise ValueError(
                 f"fedpa.adaptive_lam(={self.adaptive_lam!r}) adapts the product penalty; it needs fedpa.reg "

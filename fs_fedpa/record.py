@@ -79,25 +79,51 @@ class RoundRecord:
     upload_ranks: dict = _f("per client: the ranks of its uploaded factors", factory=dict)
     dropped: dict = _f("per client whose upload was not aggregated: the reason", factory=dict)
     restarted: list = _f("clients whose own factors became non-finite and restarted from the reference", factory=list)
+    nonfinite_stats: dict = _f(
+        "per client: the stats it reported that are not finite (left out above; its upload is aggregated)",
+        factory=dict,
+    )
     bytes_up: dict = _f("per client: tensor bytes it sent this round", factory=dict)
     bytes_down: dict = _f("per client: tensor bytes it received this round", factory=dict)
     bytes_up_total: int = _f("uplink bytes of the run so far", 0)
     bytes_down_total: int = _f("downlink bytes of the run so far", 0)
 
     def add_client_stats(self, clients: list[int], stats: list[dict]) -> None:
-        """Fill the per-client fields from the clients' uploaded ``stats`` and summarise each in :attr:`spread`."""
+        """Fill the per-client fields from the clients' uploaded ``stats`` and summarise each in :attr:`spread`. A
+        stat that is not a finite number (None from the server's intake, NaN, Inf) is left out and named in
+        :attr:`nonfinite_stats`."""
         for key in ("lam", "e_init_B", "e_init_A", *CLIENT_STATS):
             values = {str(c): float(s[key]) for c, s in zip(clients, stats) if _number(s.get(key))}
             setattr(self, key, values)
             if key in CLIENT_STATS and values:
                 v = list(values.values())
                 self.spread[key] = [statistics.mean(v), statistics.pstdev(v), min(v), max(v)]
-        terms = {str(c): float(s.get("alignment_loss", 0.0)) for c, s in zip(clients, stats)}
+        terms = {str(c): float(t) for c, s in zip(clients, stats) if _number(t := s.get("alignment_loss", 0.0))}
         self.alignment_loss = terms
         self.alignment_loss_mean = statistics.mean(terms.values()) if terms else 0.0
+        self.nonfinite_stats = {
+            str(c): bad for c, s in zip(clients, stats) if (bad := sorted(k for k, v in s.items() if not _number(v)))
+        }
+
+    def not_finite(self) -> list[str]:
+        """The fields that hold a NaN or an Inf (a diagnostic that overflowed); :meth:`to_dict` writes them as None."""
+        return [f.name for f in fields(self) if _finite(getattr(self, f.name)) != getattr(self, f.name)]
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The record as plain data, every NaN or Inf in it as None: null in the JSON file, which stays standard
+        JSON (``Infinity`` is not), and a diagnostic's overflow is recorded, not raised."""
+        return _finite(asdict(self))
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every float that is not finite, however deep in dicts and lists, replaced by None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 def compact(record: dict) -> dict:
@@ -109,7 +135,7 @@ def compact(record: dict) -> dict:
     if lams:
         out.update(lam_mean=statistics.mean(lams), lam_min=min(lams), lam_max=max(lams))
     for key in ("e_init_B", "e_init_A"):
-        values = list(record.get(key, {}).values())
+        values = [v for v in record.get(key, {}).values() if _number(v)]
         out[key] = statistics.mean(values) if values else None
     for key, (mean, *_) in record.get("spread", {}).items():
         out[f"{key}_mean"] = mean

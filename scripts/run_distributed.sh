@@ -8,6 +8,9 @@
 #
 # Arguments after -- are FS overrides for every party. Logs go to $LOGDIR (default exp/distributed_logs);
 # JOIN_WAIT seconds (default 8) separate the start of two parties. Exits with the first non-zero status.
+# AUTH=1 (the default) makes a fresh key per client for this run in $LOGDIR/keys (mode 600): the server gets the
+# keyring (fedpa.auth_keyring), client i its own key (fedpa.auth_key) and with it the id i, whatever the order in
+# which the clients join (docs/distributed.md). AUTH=0 runs without message authentication.
 set -euo pipefail
 PY=${PYTHON:-python3}
 LOGDIR=${LOGDIR:-exp/distributed_logs}
@@ -28,11 +31,28 @@ if [ ${#cfgs[@]} -lt 2 ]; then
   exit 2
 fi
 mkdir -p "$LOGDIR"
+AUTH=${AUTH:-1}
+party_opts=()  # per party: its key option
+if [ "$AUTH" = 1 ]; then
+  keys="$LOGDIR/keys"
+  mkdir -p "$keys"
+  chmod 700 "$keys"
+  : >"$keys/keyring"
+  chmod 600 "$keys/keyring"
+  for ((i = 1; i < ${#cfgs[@]}; i++)); do
+    key=$("$PY" -c "import secrets; print(secrets.token_hex(32))")
+    (umask 077 && echo "$key" >"$keys/client_$i.key")
+    echo "$i $key" >>"$keys/keyring"
+  done
+  party_opts[0]="fedpa.auth_keyring $keys/keyring"
+  for ((i = 1; i < ${#cfgs[@]}; i++)); do party_opts[i]="fedpa.auth_key $keys/client_$i.key"; done
+fi
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT INT TERM
 for i in "${!cfgs[@]}"; do
-  "$PY" -m federatedscope.main --cfg "${cfgs[$i]}" ${opts[@]+"${opts[@]}"} >"$LOGDIR/party$i.log" 2>&1 &
+  # shellcheck disable=SC2086  # a key option is two words without spaces
+  "$PY" -m federatedscope.main --cfg "${cfgs[$i]}" ${opts[@]+"${opts[@]}"} ${party_opts[$i]:-} >"$LOGDIR/party$i.log" 2>&1 &
   pids+=($!)
   echo "[run_distributed] party $i (${cfgs[$i]}): pid $!, log $LOGDIR/party$i.log"
   sleep "$JOIN_WAIT"

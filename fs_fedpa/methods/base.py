@@ -97,7 +97,11 @@ class FederatedMethod:
 
     def weights(self, round_samples: Sequence[float], data_sizes: Sequence[float | None]) -> list[float]:
         """Aggregation weights w_i (normalised later) from FS's sample counts of the round and the clients' training
-        set sizes (None where a client did not report one); default: FS's rule, the round's sample counts."""
+        set sizes (None where a client did not report one); default: FS's rule, the round's sample counts.
+
+        The server has checked both per client (finite, in [0, 1e15], training set sizes integers), so a weight
+        built from them is too; a client of size 0 weighs 0, and the server weighs a round whose weights are all 0
+        equally (docs/errors.md)."""
         return list(round_samples)
 
     def aggregate(

@@ -18,7 +18,9 @@ class FlexLoRA(FedPA):
     name = "flexlora"
 
     def weights(self, round_samples, data_sizes) -> list[float]:
-        """FlexLoRA weighs each client's update by its local data size (its Eq. for the global update)."""
+        """FlexLoRA weighs each client's update by its local data size (its Eq. for the global update): the
+        ``num_train_data`` a client reports, which the server bounds like the sample size (an integer in [0, 1e15];
+        beyond it the upload is dropped, so no client can make the global its own update)."""
         if any(n is None for n in data_sizes):
             return list(round_samples)
         return [float(n) for n in data_sizes]

@@ -13,6 +13,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
+import threading
+import time
 
 import torch
 from federatedscope.core.auxiliaries.utils import add_prefix_to_path, merge_dict_of_results
@@ -26,13 +29,14 @@ from fs_fedpa.core.diagnostics import GradientSplit, factored_norm, initializati
 from fs_fedpa.core.instance import instance_weights
 from fs_fedpa.core.penalty import product_penalty
 from fs_fedpa.core.ranks import truncate_factors
-from fs_fedpa.plugin import resume
+from fs_fedpa.plugin import auth, resume
 from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainables, without_empty_splits
 from fs_fedpa.plugin.payload import decode_factors, decode_merge, decode_tensors, encode_parts, encode_tensors
 from fs_fedpa.plugin.trainer import install_alignment_hook
 from fs_fedpa.record import OUTCOMES_FILE
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
+CLIENT_TIMEOUT = "fedpa_client_timeout"  # the client watchdog's message type
 INSTANCES = 5  # FedDPA's test time: training inputs compared with each test input (the authors' instance_num)
 
 
@@ -42,11 +46,7 @@ class FedPAClient(Client):
         if self._cfg is None:  # FS builds an unconfigured client to list message handlers
             return
         self.method = build_method(self._cfg, self.model)
-        if self.method.state_is_factors:
-            self.space = lora.ClientSpace(lora.Scaling.of(self.model), self.method.plan.client_ranks[self.index])
-        else:
-            self.space = lora.UnitSpace()
-        self.penalty_weight = self.space.penalty_weight(self.method.plan.lam_rank)  # one lambda for every client
+        self._set_space()
         self.local_names, self.shared_names = non_lora_trainables(self.model, self._cfg.personalization.local_param)
         params = dict(self.model.named_parameters())
         # Snapshot now: with share_local_model, other clients' training overwrites the model's copy.
@@ -72,6 +72,73 @@ class FedPAClient(Client):
         self._resume_out = resume.server_path(save_to) if save_to else None
         self._resume_in = restore_from or None  # read at the first message, which names the round
         install_alignment_hook(self.trainer, self)
+        self._token = secrets.token_hex(16)  # marks the watchdog's own message
+        self._heard = time.monotonic()  # the last time it heard from the server, or stopped waiting
+        self._waiting = False
+        if self._cfg.federate.mode.lower() == "distributed" and self.method.cfg.auth_key:
+            self._key = auth.read_key(self.method.cfg.auth_key)
+            send = self.comm_manager.send
+            self.comm_manager.send = lambda message: send(self._signed(message))
+
+    def _set_space(self) -> None:
+        """The client's factor space at its rank r_i; in distributed mode its id, and so its rank, arrives when it
+        has joined (:meth:`callback_funcs_for_assign_id`)."""
+        if self.method.state_is_factors and self.ID >= 1:
+            self.space = lora.ClientSpace(lora.Scaling.of(self.model), self.method.plan.client_ranks[self.index])
+        else:
+            self.space = lora.UnitSpace()
+        self.penalty_weight = self.space.penalty_weight(self.method.plan.lam_rank)  # one lambda for every client
+
+    def callback_funcs_for_assign_id(self, message: Message):
+        super().callback_funcs_for_assign_id(message)
+        self._set_space()
+
+    # ------------------------------------------------------------------------------ distributed: liveness, keys
+    def _signed(self, message: Message) -> Message:
+        """``message`` to the server with its content signed by this client's key (:mod:`fs_fedpa.plugin.auth`)."""
+        if self.server_id in (message.receiver if isinstance(message.receiver, list) else [message.receiver]):
+            fields = (message.msg_type, message.sender, message.state, message.timestamp)
+            message.content = auth.sign(self._key, *fields, message.content)
+        return message
+
+    def run(self):
+        """FS's distributed loop, with a watchdog: a client that hears nothing from the server for
+        ``fedpa.client_timeout_s`` while it waits exits non-zero with the reason instead of waiting forever."""
+        timeout = self.method.cfg.client_timeout_s
+        if self._cfg.federate.mode.lower() == "distributed" and timeout > 0:
+            self.register_handlers(CLIENT_TIMEOUT, self._on_client_timeout, [None])
+            receive = self.comm_manager.receive
+
+            def waiting_receive():
+                self._heard, self._waiting = time.monotonic(), True
+                try:
+                    return receive()
+                finally:
+                    self._heard, self._waiting = time.monotonic(), False
+
+            self.comm_manager.receive = waiting_receive
+            threading.Thread(target=self._watchdog, args=(timeout,), daemon=True, name="fedpa-client-watchdog").start()
+        return super().run()
+
+    def _watchdog(self, timeout: float) -> None:
+        """Puts a timeout message into the client's own queue once it has waited ``timeout`` seconds."""
+        while True:
+            time.sleep(min(1.0, timeout / 10))
+            if self._waiting and time.monotonic() - self._heard > timeout:
+                message = Message(
+                    msg_type=CLIENT_TIMEOUT, sender=self.ID, receiver=[self.ID], state=2**30, content=self._token
+                )
+                self.comm_manager.server_funcs.msg_queue.append(message.transform(to_list=True))
+                return
+
+    def _on_client_timeout(self, message: Message):
+        if message.content != self._token:  # not its own watchdog's: a peer's forgery
+            logger.warning(f"[fedpa] client #{self.ID}: ignored a {CLIENT_TIMEOUT} message it did not send itself")
+            return
+        raise RuntimeError(
+            f"[fedpa] client #{self.ID}: no message from the server for fedpa.client_timeout_s="
+            f"{self.method.cfg.client_timeout_s:g} s (round {self.state}); the server is gone or unreachable, exiting"
+        )
 
     @property
     def index(self) -> int:
@@ -380,8 +447,9 @@ class FedPAClient(Client):
     # ------------------------------------------------------------------------------------- resume
     def _write_resume_file(self) -> None:
         """This client's state after round ``self.state``; the two newest files are kept."""
+        owner = resume.client_owner(self._cfg, self.method, self.ID)  # whose it is: checked by every restore
         resume.save(
-            {**self.local_state(), "rounds_trained": self._rounds_trained, "rng": resume.rng_state()},
+            {**self.local_state(), **owner, "rounds_trained": self._rounds_trained, "rng": resume.rng_state()},
             resume.client_path(self._resume_out, self.ID, self.state),
         )
         for _, path in sorted(resume.client_files(self._resume_out, self.ID).items())[:-2]:
@@ -396,6 +464,16 @@ class FedPAClient(Client):
         if not older:
             return  # never trained before the resume point: it starts as a new client would
         saved = resume.load(older[max(older)])
+        resume.check_client_file(  # the server checked it too; this client checks what it actually reads
+            saved,
+            older[max(older)],
+            max(older),
+            cfg=self._cfg,
+            method=self.method,
+            client=self.ID,
+            initial=self._initial_factors(),
+            local=self.local_tensors,
+        )
         device = next(iter(lora.get_factors(self.model).values()))[0].device
         self.factors = {n: (B.to(device), A.to(device)) for n, (B, A) in saved["factors"].items()}
         self.local_tensors = {n: t.to(device) for n, t in saved["local"].items()}

@@ -70,11 +70,22 @@ def check_fedpa_cfg(cfg) -> None:
     for key, bad, what in _UNSUPPORTED:
         if bad(cfg):
             raise ValueError(f"federate.method {cfg.federate.method!r} does not support {what}; unset {key}")
+    rounds = cfg.federate.total_round_num
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(
+            f"federate.total_round_num(={rounds!r}) must be an int >= 1 (below it, FS would still train one round)"
+        )
     if cfg.train.is_enable_half and not cfg.use_gpu:
         raise ValueError(
             "train.is_enable_half True on the CPU: half-precision training there turns every upload into NaN and "
             "the run would train nothing; unset it (model.seqcls.precision sets autocast for a GPU)"
         )
+    if (fedpa.auth_keyring or fedpa.auth_key) and cfg.federate.mode.lower() != "distributed":
+        message = "fedpa.auth_keyring and fedpa.auth_key sign messages in distributed mode only; this standalone run "
+        message += "ignores them (its clients are code in the server's own process)"
+        if message not in _WARNED:
+            _WARNED.add(message)
+            logger.warning(message)
     if fedpa.save_outcomes and cfg.trainer.type != "seqcls":
         raise ValueError(
             f"fedpa.save_outcomes records per-example outcomes of sequence classification (trainer.type seqcls); "

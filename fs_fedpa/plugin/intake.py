@@ -4,6 +4,13 @@
 reason it is dropped (a string): sample size, payload structure, stats, decoding (tensors only, no pickle), dtype,
 layout, device, shapes, finiteness and magnitude, in that order. One client's fault is that client's problem: the
 server logs the reason with the client's id and aggregates the others (docs/errors.md).
+
+In standalone mode a client hands over Python objects, which may be hostile: a dict subclass whose ``get`` raises, a
+float whose ``__float__`` raises, a tensor expanded to 10^12 entries. So nothing here calls a method a sender's type
+defines: containers must be dicts, read through dict's own methods; a number is converted once, in a ``try``; a
+tensor must be a plain ``torch.Tensor`` whose size is checked against its module before it is copied; and anything
+that still raises becomes the reason the upload is dropped. :func:`check_message_content` does the same for FS's own
+code that reads a message before the server does (its byte counter).
 """
 
 from __future__ import annotations
@@ -20,37 +27,43 @@ from torch import Tensor
 from fs_fedpa.core.diagnostics import factored_norm
 from fs_fedpa.core.uploads import upload_problem
 from fs_fedpa.lora import Factors
-from fs_fedpa.plugin.payload import decode_parts, decode_tensors
+from fs_fedpa.plugin.payload import decode_parts, decode_tensors, shown
 
 MAX_ABS = 1e6  # far above any trained LoRA factor or head, far below what overflows the float32 Gram of a stack
 MAX_SAMPLES = 1e15  # more examples than any client has; beyond it a weight is an attack or a bug
+WEIGHT_STATS = ("num_train_data",)  # stats that weigh an upload (FlexLoRA's); every other stat is a diagnostic
+MAX_OBJECTS = 100_000  # objects in one message: far more than the tensors and stats of any model's upload
+MAX_DEPTH = 8  # nesting of one message: the ints of (size, {"lora": {key: {"shape": [d, r], ...}}}) are 5 deep
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 @dataclass
 class Accepted:
     """An upload that can be aggregated: full factors at the client's rank, shared tensors, its FS sample size
-    and its numeric stats, all fresh tensors in the server's dtype."""
+    and its numeric stats (None for a diagnostic that is not finite), all fresh tensors in the server's dtype."""
 
     factors: Factors
     shared: dict[str, Tensor]
     size: float
-    stats: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, float | int | None] = field(default_factory=dict)
 
 
-def _real(value: object, what: str) -> float | str:
-    """``value`` as a float if it is a real number (not a bool), else why not."""
+def _real(value: object, what: str, *, overflow: bool = False) -> float | str:
+    """``value`` as a float if it is a real number (not a bool), else why not; converted once, and a conversion that
+    raises (a hostile ``__float__``) is a reason too. ``overflow``: an int beyond a float is ``inf``, not a reason."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return f"{what} = {str(value)[:40]!r} ({type(value).__name__}) is not a number"
+        return f"{what} = {shown(value)!r} ({type(value).__name__}) is not a number"
     try:
         return float(value)
     except OverflowError:
-        return f"{what} = {str(value)[:40]}... overflows a float"
+        return math.inf if overflow else f"{what} = {shown(value)}... overflows a float"
+    except Exception as err:
+        return f"{what} cannot be read as a number ({type(err).__name__}: {shown(err, 80)})"
 
 
 def sample_size(value: object) -> float | str:
     """FS's sample size as a float (Python, numpy or 0-d torch numbers), or why it is not one."""
-    if isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex():
+    if type(value) is Tensor and value.numel() == 1 and not value.is_complex():
         value = value.item()
     size = _real(value, "sample size")
     if isinstance(size, float) and not (math.isfinite(size) and 0 <= size <= MAX_SAMPLES):
@@ -58,20 +71,44 @@ def sample_size(value: object) -> float | str:
     return size
 
 
-def check_stats(stats: object) -> dict[str, float] | str:
-    """The client's stats as ``name -> float`` (ints kept as ints), or why they are not."""
-    if not isinstance(stats, Mapping):
-        return f"stats of type {type(stats).__name__} are not a mapping of names to numbers"
-    out = {}
-    for key, value in stats.items():
+def train_size(value: object) -> int | str:
+    """``stats["num_train_data"]``, the size of a client's training set (FlexLoRA's aggregation weight), as an int in
+    [0, MAX_SAMPLES] like the sample size, or why it is not one."""
+    number = _real(value, "stats num_train_data")
+    if isinstance(number, str):
+        return number
+    if not (math.isfinite(number) and 0 <= number <= MAX_SAMPLES and number.is_integer()):
+        return f"stats num_train_data(={number:g}) must be an integer in [0, {MAX_SAMPLES:g}]"
+    return int(number)
+
+
+def check_stats(stats: object) -> dict[str, float | int | None] | str:
+    """The client's stats as ``name -> number``, or why the upload is dropped.
+
+    The stats are diagnostics, except :data:`WEIGHT_STATS` (:func:`train_size`). A diagnostic that is a number but
+    not finite (NaN, Inf, an int beyond a float) is kept as None, which the server logs and records as null: an
+    honest client whose gradients overflow against a huge reference must not be dropped for what it reports. A
+    stat that is not a number, or a key that is not a string, drops the upload (a malformed message)."""
+    if not isinstance(stats, dict):
+        return f"stats of type {type(stats).__name__} are not a mapping of names to numbers (a dict)"
+    out: dict[str, float | int | None] = {}
+    for key, value in list(dict.items(stats)):
         if not isinstance(key, str):
-            return f"stats key {str(key)[:40]!r} is not a string"
-        number = _real(value, f"stat {key[:40]!r}")
+            return f"stats key {shown(key)!r} is not a string"
+        key = str.__str__(key)  # a plain str: a subclass's __hash__ or __eq__ never runs
+        if key in WEIGHT_STATS:
+            size = train_size(value)
+            if isinstance(size, str):
+                return size
+            out[key] = size
+            continue
+        number = _real(value, f"stat {key[:40]!r}", overflow=True)
         if isinstance(number, str):
             return number
         if not math.isfinite(number):
-            return f"stat {key[:40]!r} = {number} is not finite"
-        out[key] = int(value) if isinstance(value, numbers.Integral) else number
+            out[key] = None
+        else:
+            out[key] = int(number) if isinstance(value, numbers.Integral) else number
     return out
 
 
@@ -104,19 +141,46 @@ def check_upload(
     ``expected_parts``: the factors the method wants this round; ``complete(parts)`` builds full ``(B, A)`` from
     them (:meth:`FederatedMethod.complete_upload` for this client); ``shapes[name] = (d, k)``; ``ranks``: the ranks
     the client may upload; ``shared_shapes``: the shared tensors of the run; ``expand``: the factors of a completed
-    upload (:meth:`FederatedMethod.expand`; default: it is factors), which the shape and value checks read."""
+    upload (:meth:`FederatedMethod.expand`; default: it is factors), which the shape and value checks read.
+
+    Never raises for what a client sent: an exception that a hostile object still manages to raise is the reason."""
+    try:
+        return _check_upload(size, content, expected_parts, complete, shapes, ranks, shared_shapes, dtype, expand)
+    except Exception as err:
+        return f"the upload cannot be read ({type(err).__name__}: {shown(err, 120)})"
+
+
+def _not_a_dict(what: str, value: object) -> str:
+    return (
+        f"{what} of type {type(value).__name__} is not a dict (a message is built of dicts; no method of another "
+        "mapping is called)"
+    )
+
+
+def _check_upload(size, content, expected_parts, complete, shapes, ranks, shared_shapes, dtype, expand):
     n = sample_size(size)
     if isinstance(n, str):
         return n
-    if not isinstance(content, Mapping) or not isinstance(content.get("lora"), Mapping):
-        kind = type(content).__name__ if not isinstance(content, Mapping) else "a mapping without a 'lora' mapping"
-        return f"payload of type {kind} has no 'lora' factors"
-    stats = check_stats(content.get("stats", {}))
+    if not isinstance(content, dict):
+        if isinstance(content, Mapping):
+            return _not_a_dict("payload", content)
+        return f"payload of type {type(content).__name__} has no 'lora' factors"
+    lora = dict.get(content, "lora")  # dict's own get: a subclass's never runs
+    if isinstance(lora, Mapping) and not isinstance(lora, dict):
+        return _not_a_dict("'lora'", lora)
+    if not isinstance(lora, dict):
+        return "payload of type a mapping without a 'lora' mapping has no 'lora' factors"
+    stats = check_stats(dict.get(content, "stats", {}))
     if isinstance(stats, str):
         return stats
+    # the most values a tensor may hold, checked before it is copied: a factor of a (d, k) module at any rank
+    # <= min(d, k) has at most d * k (a name the run does not have: the largest, so that its own check names it)
+    limits = {name: d * k for name, (d, k) in shapes.items()}
+    limits.update({name: math.prod(shape) for name, shape in shared_shapes.items()})
+    largest = max(limits.values(), default=0)
     try:
-        parts = decode_parts(content["lora"])
-        shared = decode_tensors(content.get("shared", {}))
+        parts = decode_parts(lora, lambda name: limits.get(name, largest))
+        shared = decode_tensors(dict.get(content, "shared", {}), lambda name: limits.get(name, largest))
     except ValueError as err:
         return f"undecodable payload ({err})"
     for name, sent in parts.items():
@@ -146,12 +210,64 @@ def check_upload(
     return problem if problem is not None else Accepted(factors, shared, n, stats)
 
 
+def message_pair(content: object) -> tuple[object, object] | str:
+    """FS's ``(sample_size, payload)``, the content of a client's update, or why it is not one. Only a plain tuple or
+    list is taken apart (a subclass's ``__iter__`` or ``__len__`` never runs)."""
+    if type(content) not in (tuple, list) or len(content) != 2:
+        return f"message content of type {type(content).__name__} is not a (sample size, payload) pair"
+    return content[0], content[1]
+
+
+def check_message_content(content: object) -> str | None:
+    """Why no code may walk the content of a client's update message, or None: a ``(sample size, payload)`` pair
+    built only of dicts, lists, tuples, numbers (numpy scalars included), strings, bytes, None and plain tensors whose
+    storage holds their values, at most :data:`MAX_DEPTH` deep and :data:`MAX_OBJECTS` objects.
+
+    For code that reads every object of a message before the server's checks do: FS's standalone runner counts a
+    message's bytes (pympler's ``asizeof``) before any handler runs, and raises on, e.g., a numpy array broadcast to
+    10^12 entries; and it would count a tensor expanded to 10^12 entries as 4 TB. Reads without calling a method
+    of the content's objects; what it refuses, the server's intake (:func:`check_upload`) drops with its reason."""
+    pair = message_pair(content)
+    if isinstance(pair, str):
+        return pair
+    stack, seen = [("content", content, 0)], 0
+    while stack:
+        where, value, depth = stack.pop()
+        seen += 1
+        if seen > MAX_OBJECTS or depth > MAX_DEPTH:
+            return f"the message holds more than {MAX_OBJECTS} objects or is nested deeper than {MAX_DEPTH}"
+        kind = type(value)
+        if kind in (dict, list, tuple):
+            items = list(dict.items(value)) if kind is dict else list(enumerate(value))
+            for key, item in items:
+                if type(key) not in (str, int):
+                    return f"{where} has a key of type {type(key).__name__}"
+                stack.append((f"{where}[{key!r}]"[:200], item, depth + 1))
+        elif kind is Tensor:
+            if value.layout == torch.strided and value.device.type != "meta":
+                held, claimed = value.untyped_storage().nbytes(), value.numel() * value.element_size()
+                if held < claimed:
+                    return f"{where} is a tensor of shape {tuple(value.shape)} over {held} bytes (an expanded view)"
+        elif kind not in (type(None), bool, int, float, complex, str, bytes) and not _numpy_scalar(value):
+            return f"{where} is a {kind.__name__} (a message holds dicts, lists, numbers, strings and tensors)"
+    return None
+
+
+def _numpy_scalar(value: object) -> bool:
+    """A numpy number (``np.float64(2.0)``; not an array), by its type alone."""
+    kind = type(value)
+    return kind.__module__ == "numpy" and issubclass(kind, numbers.Number)
+
+
 def cap_weights(weights: list[float], ratio: float) -> list[float]:
-    """``w_i <- min(w_i, ratio * median(w))`` (``fedpa.max_weight_ratio``; 0: unchanged): no single client's
-    declared sample size can outweigh the others by more than ``ratio``."""
-    if not ratio or not weights:
+    """``w_i <- min(w_i, ratio * median of the positive w)`` (``fedpa.max_weight_ratio``; 0: unchanged): no single
+    client's declared sample size can outweigh the others by more than ``ratio``. A zero weight (a client that
+    trained on no example) stays 0 and takes no part in the median, so zero-size clients cannot pull the ceiling
+    to 0 and cap the honest weights away; with no positive weight the weights are returned unchanged."""
+    positive = [w for w in weights if w > 0]
+    if not ratio or not positive:
         return list(weights)
-    ceiling = ratio * statistics.median(weights)
+    ceiling = ratio * statistics.median(positive)
     return [min(w, ceiling) for w in weights]
 
 

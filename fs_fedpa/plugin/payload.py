@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import base64
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
 
-from fs_fedpa.core.diagnostics import payload_bytes
 from fs_fedpa.lora import Factors
 
 SEP = "|"
@@ -40,22 +39,22 @@ def to_wire(tensor: Tensor) -> dict:
     return {"dtype": name, "shape": list(tensor.shape), "data": base64.b64encode(raw).decode("ascii")}
 
 
-def from_wire(value: object) -> Tensor:
+def from_wire(value: object, max_numel: int | None = None, what: str = "") -> Tensor:
     """The tensor of a :func:`to_wire` encoding; ``ValueError`` naming what is wrong with anything else. Reads
-    nothing but the dtype name, the integers of the shape and the bytes: no object is ever reconstructed."""
-    if not isinstance(value, Mapping) or set(value) != WIRE_KEYS:
+    nothing but the dtype name, the integers of the shape and the bytes: no object is ever reconstructed, and no
+    method of the sender's objects is called (only a plain dict, str, bytes and ints are read). ``max_numel``: the
+    most values the tensor may have, checked against the shape before anything is decoded."""
+    if not isinstance(value, dict) or set(dict.keys(value)) != WIRE_KEYS:
         raise ValueError(f"expected a tensor or its encoding {{dtype, shape, data}}, got {_what(value)}")
-    dtype, shape, data = value["dtype"], value["shape"], value["data"]
-    if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
-        raise ValueError(f"encoded dtype {str(dtype)[:40]!r} is not one of {sorted(WIRE_DTYPES)}")
-    if (
-        not isinstance(shape, (list, tuple))
-        or len(shape) > MAX_DIMS
-        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
-    ):
-        raise ValueError(f"encoded shape {str(shape)[:60]} is not a list of at most {MAX_DIMS} ints >= 0")
-    if not isinstance(data, (str, bytes)):
+    dtype, shape, data = (dict.__getitem__(value, key) for key in ("dtype", "shape", "data"))
+    if type(dtype) is not str or dtype not in WIRE_DTYPES:
+        raise ValueError(f"encoded dtype {shown(dtype)!r} is not one of {sorted(WIRE_DTYPES)}")
+    if type(shape) not in (list, tuple) or len(shape) > MAX_DIMS or not all(type(n) is int and n >= 0 for n in shape):
+        raise ValueError(f"encoded shape {shown(shape, 60)} is not a list of at most {MAX_DIMS} ints >= 0")
+    if type(data) not in (str, bytes):
         raise ValueError(f"encoded data is {type(data).__name__}, not base64 text")
+    if max_numel is not None and math.prod(shape) > max_numel:
+        raise ValueError(_too_large(list(shape), math.prod(shape), max_numel, what))
     dtype = WIRE_DTYPES[dtype]
     expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if len(data) != 4 * math.ceil(expected / 3):  # checked before decoding: a huge claim costs nothing
@@ -72,9 +71,22 @@ def from_wire(value: object) -> Tensor:
 
 
 def _what(value: object) -> str:
-    if isinstance(value, Mapping):
-        return f"a mapping with keys {sorted(map(str, value))[:5]}"
+    """What ``value`` is, for a message; calls no method of it (a dict's keys are read through dict's own)."""
+    if isinstance(value, dict):
+        return f"a mapping with keys {sorted(shown(k) for k in list(dict.keys(value))[:5])}"
     return f"{type(value).__name__}"
+
+
+def shown(value: object, width: int = 40) -> str:
+    """``str(value)`` cut to ``width`` characters, or its type's name if its ``__str__`` raises (a hostile object)."""
+    try:
+        return str(value)[:width]
+    except Exception:
+        return f"<{type(value).__name__}>"
+
+
+def _too_large(shape: list, numel: int, max_numel: int, what: str = "") -> str:
+    return f"a tensor of shape {tuple(shape)} ({numel} values), more than {what or 'it'} can hold ({max_numel})"
 
 
 def encode_factors(
@@ -101,19 +113,26 @@ def encode_tensors(tensors: Mapping[str, Tensor], wire: bool = False) -> dict:
     return {k: to_wire(v) if wire else v.detach().cpu().clone() for k, v in tensors.items()}
 
 
-def decode_parts(flat: Mapping[str, object]) -> dict[str, dict[str, Tensor]]:
-    """``module -> {"B": B, "A": A}`` with whichever factors were sent (tensor objects or their encodings)."""
-    if not isinstance(flat, Mapping):
-        raise ValueError(f"factors must be a mapping of '<module>{SEP}B|A' to tensors, got {_what(flat)}")
+def decode_parts(
+    flat: Mapping[str, object], max_numel: Callable[[str], int] | None = None
+) -> dict[str, dict[str, Tensor]]:
+    """``module -> {"B": B, "A": A}`` with whichever factors were sent (tensor objects or their encodings).
+
+    ``flat`` must be a dict (read through dict's own methods: no method a sender's subclass defines is called).
+    ``max_numel(module)``: the most values one factor of that module may have, checked before a tensor is copied
+    or decoded (a tensor expanded to 10^12 entries is refused, not cloned)."""
+    if not isinstance(flat, dict):
+        raise ValueError(f"factors must be a mapping (a dict) of '<module>{SEP}B|A' to tensors, got {_what(flat)}")
     names: dict[str, dict[str, Tensor]] = {}
-    for key, value in flat.items():
-        name, _, part = key.rpartition(SEP) if isinstance(key, str) else ("", "", "")
+    for key, value in list(dict.items(flat)):
+        name, _, part = str.rpartition(key, SEP) if isinstance(key, str) else ("", "", "")
         if part not in ("A", "B") or not name:
-            raise ValueError(f"malformed factor key {str(key)[:80]!r}: expected '<module>{SEP}A' or '<module>{SEP}B'")
+            raise ValueError(f"malformed factor key {shown(key, 80)!r}: expected '<module>{SEP}A' or '<module>{SEP}B'")
+        limit = None if max_numel is None else max_numel(name)
         try:
-            names.setdefault(name, {})[part] = _tensor(value)
+            names.setdefault(name, {})[part] = _tensor(value, limit, "a factor of its module")
         except ValueError as err:
-            raise ValueError(f"{key}: {err}") from None
+            raise ValueError(f"{name}{SEP}{part}: {err}") from None
     return names
 
 
@@ -126,16 +145,19 @@ def decode_factors(flat: Mapping[str, object]) -> Factors:
     return {n: (parts["B"], parts["A"]) for n, parts in names.items()}
 
 
-def decode_tensors(flat: Mapping[str, object]) -> dict[str, Tensor]:
-    """Shared tensors by name from tensor objects or their encodings."""
-    if not isinstance(flat, Mapping):
-        raise ValueError(f"shared tensors must be a mapping of names to tensors, got {_what(flat)}")
+def decode_tensors(flat: Mapping[str, object], max_numel: Callable[[str], int] | None = None) -> dict[str, Tensor]:
+    """Shared tensors by name from tensor objects or their encodings; ``flat`` and ``max_numel`` as in
+    :func:`decode_parts` (``max_numel(name)``: the values of the shared tensor ``name``)."""
+    if not isinstance(flat, dict):
+        raise ValueError(f"shared tensors must be a mapping (a dict) of names to tensors, got {_what(flat)}")
     out = {}
-    for key, value in flat.items():
+    for key, value in list(dict.items(flat)):
+        name = str.__str__(key) if isinstance(key, str) else shown(key, 80)
+        limit = None if max_numel is None else max_numel(name)
         try:
-            out[str(key)] = _tensor(value)
+            out[name] = _tensor(value, limit, "the shared tensor")
         except ValueError as err:
-            raise ValueError(f"{str(key)[:80]}: {err}") from None
+            raise ValueError(f"{name[:80]}: {err}") from None
     return out
 
 
@@ -172,18 +194,45 @@ def decode_merge(flat: Mapping[str, object]) -> list[dict[str, Tensor]]:
 
 def nbytes(payload: object) -> int:
     """Bytes of every tensor in a payload (factors and shared tensors, as objects or encoded; stats are
-    negligible); 0 for what is not a payload, which the server's checks then refuse."""
-    if not isinstance(payload, Mapping):
+    negligible); 0 for what is not a payload, which the server's checks then refuse. Reads only dicts, through
+    dict's own methods, and counts a tensor object by the bytes it holds, never by the shape it claims (an expanded
+    view of one value counts that value's bytes; a sparse or meta tensor holds no dense values and counts 0)."""
+    if not isinstance(payload, dict):
         return 0
-    parts = [payload.get(part) for part in ("lora", "shared", "base")]
-    values = [v for part in parts if isinstance(part, Mapping) for v in part.values()]
-    encoded = [v["data"] for v in values if isinstance(v, Mapping) and isinstance(v.get("data"), str)]
-    return payload_bytes([t for t in values if isinstance(t, Tensor)]) + sum(
-        len(d) * 3 // 4 - d[-2:].count("=") for d in encoded
-    )
+    total = 0
+    for part in ("lora", "shared", "base"):
+        values = dict.get(payload, part)
+        for value in list(dict.values(values)) if isinstance(values, dict) else []:
+            if type(value) is Tensor:
+                total += _held_bytes(value)
+            elif isinstance(value, dict) and type(data := dict.get(value, "data")) is str:
+                total += len(data) * 3 // 4 - data[-2:].count("=")
+    return total
 
 
-def _tensor(value: object) -> Tensor:
+def _held_bytes(t: Tensor) -> int:
+    """``numel x element size`` of a dense tensor, at most the bytes of its storage."""
+    if t.layout != torch.strided or t.device.type == "meta":
+        return 0
+    return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+
+
+def _tensor(value: object, max_numel: int | None = None, what: str = "") -> Tensor:
     """A fresh tensor from a tensor object (standalone FS hands over the sender's objects, and nobody may alter what
-    a client sent) or from :func:`to_wire`'s encoding; anything else is refused."""
-    return value.detach().clone() if isinstance(value, Tensor) else from_wire(value)
+    a client sent) or from :func:`to_wire`'s encoding; anything else is refused. A tensor object must be a plain
+    ``torch.Tensor`` (a subclass could run its own code on every operation) with at most ``max_numel`` values that
+    its storage holds (no view that repeats one value 10^12 times): both checked before it is copied."""
+    if type(value) is not Tensor:
+        return from_wire(value, max_numel, what)
+    if max_numel is not None and value.numel() > max_numel:
+        raise ValueError(_too_large(list(value.shape), value.numel(), max_numel, what))
+    if (
+        value.layout == torch.strided
+        and value.device.type != "meta"
+        and _held_bytes(value) < value.numel() * value.element_size()
+    ):
+        raise ValueError(
+            f"a tensor of shape {tuple(value.shape)} repeats the {value.untyped_storage().nbytes()} bytes it holds "
+            "(an expanded view); send the values themselves"
+        )
+    return value.detach().clone()

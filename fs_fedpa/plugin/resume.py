@@ -14,10 +14,17 @@ clients are sampled for round ``t``):
 ``federate.restore_from: <server file>`` then resumes at round ``t``: the server restores its part, and each
 client restores the newest of its files older than the first round it is sent. Evaluation runs under
 ``torch.random.fork_rng``, so the random stream of training does not depend on when evaluations happened.
+
+Every file is checked before it is used, and refused with a ``ValueError`` naming the file and the field: a client
+file records whose it is (:func:`client_owner`: client id, ranks r_i and R_i, the run's method and result settings)
+and must match the client that reads it, and its numbers, factors and tensors must be well formed and finite
+(:func:`check_client_file`); the server file's fields and global factors likewise (:func:`check_server_fields`,
+:func:`check_global`).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import re
@@ -25,8 +32,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import Tensor
+
+from fs_fedpa.methods.base import FederatedMethod
 
 PREFIX = "fedpa_resume_"
+# the fields of a server resume point that a restore reads (``merges`` and ``settings`` are optional)
+SERVER_FIELDS = (
+    "method", "round", "plan", "global", "generator", "totals", "down_bytes", "records", "history_results",
+    "best_results", "rng",
+)  # fmt: skip
+OWNER_FIELDS = ("client", "rank", "reference_rank", "run")  # whose a client file is
+_DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
 def server_path(save_to: str) -> str:
@@ -92,10 +109,27 @@ def plain(value):
 
 
 def save(obj: dict, path: str) -> None:
-    """Write atomically: a run killed while saving leaves the previous file intact."""
+    """Write atomically: a run killed while saving, or a disk that fills up, leaves the previous file intact. A full
+    disk raises ``OSError(ENOSPC)`` naming ``path`` (torch's own writer would only say that a write failed)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp"
-    torch.save(obj, tmp)
+    try:
+        with open(tmp, "wb") as f:  # a Python file: torch's writes to it raise OSError with the errno
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as err:
+        try:
+            os.remove(tmp)  # a partial file would only take more of the space that is missing
+        except OSError:
+            pass
+        if isinstance(err, OSError) and err.errno in _DISK_FULL:
+            raise OSError(
+                err.errno,
+                f"the disk is full: cannot write the resume file {path} ({err.strerror}); the earlier resume files "
+                "are intact: free space and resume from them",
+            ) from None
+        raise
     os.replace(tmp, path)
 
 
@@ -112,3 +146,162 @@ def load(path: str | Path) -> dict:
     if not isinstance(saved, dict):
         raise ValueError(f"{path} is not a resume file (it holds a {type(saved).__name__}, not a dict)")
     return saved
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def result_settings(cfg, method) -> dict:
+    """The keys that change a run's result: compared when it resumes, and part of every client file's owner."""
+    c = method.cfg
+    return {
+        "fedpa.lam": c.lam, "fedpa.reg": c.reg, "fedpa.svd": c.svd, "fedpa.oversample": c.oversample,
+        "fedpa.adaptive_lam": c.adaptive_lam, "seed": cfg.seed, "fedpa.seed": c.seed,
+        "train.optimizer.lr": float(cfg.train.optimizer.lr),
+    }  # fmt: skip
+
+
+def client_owner(cfg, method, client: int) -> dict:
+    """Whose a client file is: the client id, its ranks r_i and R_i in the rank plan, and the run (its method and
+    :func:`result_settings`), as the client writes them and every restore compares them."""
+    return {
+        "client": client,
+        "rank": method.plan.client_ranks[client - 1],
+        "reference_rank": method.plan.reference_ranks[client - 1],
+        "run": {"method": method.name, "settings": result_settings(cfg, method)},
+    }
+
+
+def check_client_file(
+    saved: dict, path, rnd: int, *, cfg, method, client: int, initial: dict, local: dict[str, Tensor]
+) -> None:
+    """ValueError naming ``path`` and the field unless ``saved`` is client ``client``'s state after round ``rnd``
+    (the round of its name) in this run: the owner's fields equal :func:`client_owner`, ``round`` and
+    ``rounds_trained`` are ints that fit, the factors have the shapes of ``initial`` (the client's initial factors;
+    a method that prunes, as HetLoRA does, may keep a lower rank), the local tensors those of ``local``, the base
+    offsets (d, k) of known modules, and every tensor is floating point and finite."""
+    at = f"resume file {path}"
+    owner = client_owner(cfg, method, client)
+    for key in OWNER_FIELDS:
+        if key not in saved:
+            raise ValueError(
+                f"{at} has no field {key!r}: it predates the check of whose a resume file is (client id, ranks, run), "
+                "so it cannot be told from another client's or another run's file; start the run again"
+            )
+    if not _is_int(saved["client"]) or saved["client"] != client:
+        raise ValueError(f"{at}: field 'client' is {saved['client']!r}, but the file is client {client}'s (its name)")
+    for key, what in (("rank", "r_i"), ("reference_rank", "R_i")):
+        if not _is_int(saved[key]) or saved[key] != owner[key]:
+            raise ValueError(
+                f"{at}: field {key!r} is {saved[key]!r}, but this run's rank plan gives client {client} "
+                f"{what}={owner[key]}"
+            )
+    run, now = saved["run"], owner["run"]
+    then = run.get("settings") if isinstance(run, dict) else None
+    if not isinstance(run, dict) or run.get("method") != now["method"] or not isinstance(then, dict):
+        raise ValueError(f"{at}: field 'run' is {run!r:.300}; this run is method {now['method']!r}")
+    if changed := sorted(k for k in now.keys() | then.keys() if then.get(k) != now["settings"].get(k)):
+        diffs = ", ".join(f"{k}: saved {then.get(k)!r}, now {now['settings'].get(k)!r}" for k in changed)
+        raise ValueError(f"{at}: field 'run' names a run with other settings ({diffs})")
+    _check_int(saved, at, "round", 0)
+    if saved["round"] != rnd:
+        raise ValueError(f"{at}: field 'round' is {saved['round']}, but the file's name says round {rnd}")
+    _check_int(saved, at, "rounds_trained", 1, rnd + 1)
+    prunes = type(method).end_round is not FederatedMethod.end_round  # it may keep fewer ranks than it started with
+    shapes = {n: (tuple(B.shape), tuple(A.shape)) for n, (B, A) in initial.items()}
+    _check_pairs(saved.get("factors"), at, "factors", shapes, max_rank=None, lower_rank=prunes)
+    if saved.get("personal"):  # a personal adapter (FedDPA) has the client's rank
+        _check_pairs(saved["personal"], at, "personal", shapes, max_rank=None, lower_rank=False)
+    _check_tensors(saved.get("local"), at, "local", {n: tuple(t.shape) for n, t in local.items()}, exact=True)
+    _check_tensors(saved.get("base_offset", {}), at, "base_offset", method.shapes, exact=False)
+    rng = saved.get("rng")
+    if not isinstance(rng, dict) or not {"torch", "numpy", "random"} <= rng.keys():
+        raise ValueError(f"{at}: field 'rng' is not the RNG states (torch, numpy, random) of a process")
+
+
+def check_server_fields(saved: dict, path) -> None:
+    """ValueError naming ``path`` and the field if a field of a server resume point is missing or malformed."""
+    at = f"federate.restore_from {path!r}"
+    for key in SERVER_FIELDS:
+        if key not in saved:
+            raise ValueError(f"{at} has no field {key!r}; it is not a whole FedPA resume point")
+    _check_int(saved, at, "round", 0)
+    for key, kind in (("method", str), ("plan", (list, tuple)), ("records", list), ("totals", dict)):
+        if not isinstance(saved[key], kind) or key == "plan" and len(saved[key]) != 3:
+            raise ValueError(f"{at}: field {key!r} is malformed ({saved[key]!r:.200})")
+    if not all(isinstance(record, dict) for record in saved["records"]):
+        raise ValueError(f"{at}: field 'records' holds something other than mappings")
+    for key in ("settings", "merges"):
+        if key in saved and not isinstance(saved[key], dict):
+            raise ValueError(f"{at}: field {key!r} is not a mapping")
+
+
+def check_global(saved: dict, path, initial: dict, max_rank: int) -> None:
+    """ValueError naming ``path`` unless the saved global factors have the modules of ``initial`` (the run's initial
+    global factors), their shapes up to a rank from 1 to ``max_rank``, and finite floating-point values."""
+    shapes = {n: (tuple(B.shape), tuple(A.shape)) for n, (B, A) in initial.items()}
+    _check_pairs(saved, f"federate.restore_from {path!r}", "global", shapes, max_rank=max_rank, lower_rank=True)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(saved: dict, at: str, key: str, minimum: int, maximum: int | None = None) -> None:
+    """ValueError unless ``saved[key]`` is an int from ``minimum`` to ``maximum``."""
+    if key not in saved:
+        raise ValueError(f"{at} has no field {key!r}")
+    value = saved[key]
+    if not _is_int(value) or value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+        raise ValueError(f"{at}: field {key!r} is {value!r}; it must be an int {bound}")
+
+
+def _check_tensor(t, where: str) -> None:
+    if not isinstance(t, Tensor):
+        raise ValueError(f"{where} is a {type(t).__name__}, not a tensor")
+    if t.layout != torch.strided or not t.is_floating_point():
+        raise ValueError(f"{where} is a {t.dtype} tensor of layout {t.layout}, not a dense floating-point one")
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{where} holds a NaN or an Inf")
+
+
+def _check_pairs(pairs, at: str, field: str, shapes: dict, max_rank: int | None, lower_rank: bool) -> None:
+    """``pairs`` maps exactly the modules of ``shapes`` to finite floating-point ``(B, A)`` of those shapes; with
+    ``lower_rank``, 2-D factors may have any rank from 1 to ``max_rank`` (default the expected rank)."""
+    if not isinstance(pairs, dict):
+        raise ValueError(f"{at}: field {field!r} is a {type(pairs).__name__}, not a mapping of modules to (B, A)")
+    if set(pairs) != set(shapes):
+        odd = sorted(set(pairs) ^ set(shapes))[:3]
+        raise ValueError(f"{at}: field {field!r} does not have the modules of this run's adapter (e.g. {odd})")
+    for name, pair in pairs.items():
+        where = f"{at}: field '{field}[{name!r}]'"
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"{where} is not a pair (B, A)")
+        for part, t in zip("BA", pair):
+            _check_tensor(t, f"{where} {part}")
+        (B, A), (want_B, want_A) = [tuple(t.shape) for t in pair], shapes[name]
+        if not _fits(B, A, want_B, want_A, max_rank if lower_rank else None, lower_rank):
+            raise ValueError(f"{where} has shapes B {B}, A {A}; this run's adapter has B {want_B}, A {want_A}")
+
+
+def _fits(B: tuple, A: tuple, want_B: tuple, want_A: tuple, max_rank: int | None, lower_rank: bool) -> bool:
+    """Whether factors of shapes ``B, A`` fit ``want_B, want_A``; with ``lower_rank``, 2-D factors may have any rank
+    from 1 to ``max_rank`` (default the expected one)."""
+    if not (lower_rank and len(B) == len(A) == len(want_B) == len(want_A) == 2):
+        return B == want_B and A == want_A
+    top = want_B[1] if max_rank is None else max_rank
+    return B[0] == want_B[0] and A[1] == want_A[1] and 1 <= B[1] == A[0] <= top
+
+
+def _check_tensors(tensors, at: str, field: str, shapes: dict, exact: bool) -> None:
+    """``tensors`` maps the names of ``shapes`` (``exact``; else some of them) to finite floating-point tensors of
+    those shapes."""
+    if not isinstance(tensors, dict):
+        raise ValueError(f"{at}: field {field!r} is a {type(tensors).__name__}, not a mapping of names to tensors")
+    if (set(tensors) != set(shapes)) if exact else not set(tensors) <= set(shapes):
+        odd = sorted(set(tensors) ^ set(shapes) if exact else set(tensors) - set(shapes))[:3]
+        raise ValueError(f"{at}: field {field!r} does not have this client's tensors (e.g. {odd})")
+    for name, t in tensors.items():
+        where = f"{at}: field '{field}[{name!r}]'"
+        _check_tensor(t, where)
+        if tuple(t.shape) != tuple(shapes[name]):
+            raise ValueError(f"{where} has shape {tuple(t.shape)}; this client's is {tuple(shapes[name])}")

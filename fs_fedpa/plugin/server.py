@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import re
+import secrets
 import statistics
 import threading
 import time
@@ -25,10 +26,19 @@ from torch import Tensor
 
 from fs_fedpa import lora
 from fs_fedpa.core.diagnostics import aggregate_norm, aggregation_error, factored_norm
-from fs_fedpa.plugin import resume
+from fs_fedpa.plugin import auth, resume
 from fs_fedpa.plugin.common import build_method, global_init, layer_shapes, non_lora_trainables
-from fs_fedpa.plugin.intake import Accepted, cap_weights, check_upload, norm_outliers, update_norm
-from fs_fedpa.plugin.payload import encode_factors, encode_merge, encode_tensors, nbytes
+from fs_fedpa.plugin.intake import (
+    Accepted,
+    cap_weights,
+    check_message_content,
+    check_upload,
+    message_pair,
+    norm_outliers,
+    update_norm,
+)
+from fs_fedpa.plugin.messages import ServerView, message_problem
+from fs_fedpa.plugin.payload import encode_factors, encode_merge, encode_tensors, nbytes, shown
 from fs_fedpa.record import DIAGNOSTICS_FILE, RoundRecord
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
@@ -68,6 +78,10 @@ class FedPAServer(Server):
         self._pending_rng: dict | None = None
         self._expected: set[int] = set()  # receivers of this round's model: the only valid senders of updates
         self._progress = time.monotonic()  # when the last update or evaluation arrived (the watchdog's clock)
+        self._token = secrets.token_hex(16)  # marks the watchdog's own messages, which no client can send
+        self._keyring: dict[int, bytes] = {}
+        if self._cfg.federate.mode.lower() == "distributed" and self.method.cfg.auth_keyring:
+            self._keyring = auth.read_keyring(self.method.cfg.auth_keyring, self.client_num)
         if self._cfg.federate.restore_from:
             self.restore(self._cfg.federate.restore_from)
 
@@ -119,6 +133,7 @@ class FedPAServer(Server):
             )
         if filter_unseen_clients:
             self.sampler.change_state(self.unseen_clients_id, "seen")
+        self._progress = time.monotonic()  # the round's wait starts now: sending to every receiver can take a while
 
     def _pending_merges(self, client_id: int) -> list[dict]:
         """The merges ``client_id`` has not received, in order, now counted as received. A merge is forgotten once
@@ -140,11 +155,102 @@ class FedPAServer(Server):
         """FS's distributed loop, with a watchdog: a round that gets no message for ``fedpa.round_timeout_s`` is
         moved on with what arrived, or the run stops with the reason (FS would wait forever for a dead client)."""
         timeout = self.method.cfg.round_timeout_s
-        if self._cfg.federate.mode.lower() == "distributed" and timeout > 0:
+        distributed = self._cfg.federate.mode.lower() == "distributed"
+        if distributed:
+            self.comm_manager.receive = self._receive_checked
+        if distributed and timeout > 0:
             self.register_handlers(TIMEOUT, self._on_round_timeout, [None])
             self._progress = time.monotonic()
             threading.Thread(target=self._watchdog, args=(timeout,), daemon=True, name="fedpa-watchdog").start()
-        return super().run()
+        result = super().run()
+        if self.state < self.total_round_num:  # FS's loop also ends on its own failure count, with exit 0
+            raise RuntimeError(
+                f"[fedpa] the run ended after {self.state} of federate.total_round_num={self.total_round_num} rounds "
+                "without finishing them; the reasons are in the log above"
+            )
+        return result
+
+    def _receive_checked(self) -> Message:
+        """The next message from the network that passes every check of :mod:`fs_fedpa.plugin.messages` (and, with
+        ``fedpa.auth_keyring``, carries its sender's signature); every other one is dropped, naming its claimed
+        sender and the field that failed, before FS's own code reads it."""
+        while True:
+            raw = self.comm_manager.server_funcs.receive()
+            message, problem = _parsed(raw)
+            if problem is None and message.msg_type == TIMEOUT and message.content == self._token:
+                return message
+            problem = problem or self._message_problem(message)
+            if problem is None:
+                return message
+            sender = message.sender if isinstance(message.sender, int) else str(message.sender)[:40]
+            logger.warning(f"[fedpa] round {self.state}: ignored a message from client {sender}: {problem}")
+
+    def _message_problem(self, message: Message) -> str | None:
+        """Why ``message`` must be dropped, or None; with a keyring, also unwraps the signed content and, for a
+        join, sets the sender to the id its key is registered for."""
+        joined = frozenset(self.comm_manager.neighbors)
+        view = ServerView(self.state, self.total_round_num, self.client_num, joined)
+        fields = (message.msg_type, message.sender, message.state, message.timestamp)
+        if self._keyring:
+            if message.msg_type == "join_in" and message.sender == -1:
+                candidates = [c for c in self._keyring if c not in joined]
+            elif isinstance(message.sender, int) and message.sender in self._keyring:
+                candidates = [message.sender]
+            else:
+                candidates = []
+            reason = "no key of this run is registered for it"
+            if message.msg_type == "join_in" and message.sender == -1 and not candidates:
+                reason = f"a join, but all {self.client_num} clients joined already"
+            for cid in candidates:
+                content, reason = auth.verify(self._keyring[cid], *fields, message.content)
+                if reason is None:
+                    message.content = content
+                    if message.msg_type == "join_in":
+                        message.sender = cid  # the id of its key, not the order of joining
+                    break
+            if reason is not None:
+                return f"{message.msg_type!s:.40} message: {reason}"
+            if message.msg_type == "join_in" and message.sender in joined:
+                return f"a join signed with the key of client #{message.sender}, which joined already"
+        elif isinstance(message.content, dict) and set(message.content) == {auth.SIGNED, auth.MAC}:
+            return "a signed message, but this server has no fedpa.auth_keyring to check it with"
+        problem = message_problem(
+            message.msg_type, message.sender, message.state, message.timestamp, message.content, view
+        )
+        if problem is None and message.msg_type == "model_para" and message.timestamp < self.cur_timestamp:
+            message.timestamp = self.cur_timestamp  # FS asserts that timestamps never decrease; they are simulated
+        return problem
+
+    def callback_funcs_for_join_in(self, message: Message):
+        """With a keyring, a client joins as the id of its key (set by :meth:`_message_problem`), and is told so;
+        FS's own handler numbers clients in the order they join, which anyone can race."""
+        if not self._keyring or message.msg_type != "join_in":
+            return super().callback_funcs_for_join_in(message)
+        sender = message.sender
+        self.join_in_client_num += 1
+        self.comm_manager.add_neighbors(neighbor_id=sender, address=message.content)
+        self.comm_manager.send(
+            Message(
+                msg_type="assign_client_id",
+                sender=self.ID,
+                receiver=[sender],
+                state=self.state,
+                timestamp=self.cur_timestamp,
+                content=str(sender),
+            )
+        )
+        if len(self._cfg.federate.join_in_info) != 0:
+            self.comm_manager.send(
+                Message(
+                    msg_type="ask_for_join_in_info",
+                    sender=self.ID,
+                    receiver=[sender],
+                    state=self.state,
+                    timestamp=self.cur_timestamp,
+                    content=self._cfg.federate.join_in_info.copy(),
+                )
+            )
+        self.trigger_for_start()
 
     def _watchdog(self, timeout: float) -> None:
         """Puts a timeout message into the server's own queue when nothing arrived for ``timeout`` seconds."""
@@ -154,7 +260,9 @@ class FedPAServer(Server):
                 self._progress = time.monotonic()  # joining has no round yet
             elif time.monotonic() - self._progress > timeout:
                 self._progress = time.monotonic()
-                message = Message(msg_type=TIMEOUT, sender=self.ID, receiver=[self.ID], state=self.state, content="")
+                message = Message(
+                    msg_type=TIMEOUT, sender=self.ID, receiver=[self.ID], state=self.state, content=self._token
+                )
                 self.comm_manager.server_funcs.msg_queue.append(message.transform(to_list=True))
 
     def _on_round_timeout(self, message: Message):
@@ -242,8 +350,8 @@ class FedPAServer(Server):
         self._records.append(record)
         self._write_diagnostics([record])
         logger.info(
-            f"[fedpa] round {record['round']}: E_agg={record['e_agg']:.4g} (rel {record['e_agg_rel']:.3g}), "
-            f"alignment={record['alignment_loss_mean']:.4g}, up {sum(record['bytes_up'].values())} B, "
+            f"[fedpa] round {record['round']}: E_agg={_g(record['e_agg'])} (rel {_g(record['e_agg_rel'], '.3g')}), "
+            f"alignment={_g(record['alignment_loss_mean'])}, up {sum(record['bytes_up'].values())} B, "
             f"down {sum(record['bytes_down'].values())} B"
         )
 
@@ -254,13 +362,8 @@ class FedPAServer(Server):
 
     # ---------------------------------------------------------------------------------- resume
     def _result_settings(self) -> dict:
-        """The keys that change a run's result, compared when it resumes."""
-        c = self.method.cfg
-        return {
-            "fedpa.lam": c.lam, "fedpa.reg": c.reg, "fedpa.svd": c.svd, "fedpa.oversample": c.oversample,
-            "fedpa.adaptive_lam": c.adaptive_lam, "seed": self._cfg.seed, "fedpa.seed": c.seed,
-            "train.optimizer.lr": float(self._cfg.train.optimizer.lr),
-        }  # fmt: skip
+        """The keys that change a run's result, compared when it resumes (and recorded in every client file)."""
+        return resume.result_settings(self._cfg, self.method)
 
     def write_resume_point(self) -> str:
         """Everything the server needs to continue at round ``self.state`` (see :mod:`fs_fedpa.plugin.resume`)."""
@@ -309,6 +412,7 @@ class FedPAServer(Server):
                 f"federate.restore_from {path!r} is not a FedPA resume point; runs with federate.save_to X write "
                 f"them as {resume.server_path('X')} at the start of every round"
             )
+        resume.check_server_fields(saved, path)
         plan = self.method.plan
         now = (list(plan.client_ranks), list(plan.reference_ranks), plan.R_g)
         if saved["method"] != self.method.name or tuple(map(tuple, saved["plan"][:2])) != tuple(map(tuple, now[:2])):
@@ -332,6 +436,8 @@ class FedPAServer(Server):
                 f"federate.restore_from {path!r}: the files of clients {missing} are missing (e.g. {expected}); "
                 "without them those clients would restart from scratch"
             )
+        resume.check_global(saved["global"], path, self.global_factors, max(plan.r_g, plan.R_g))
+        self._check_client_files(path, saved["round"])
         device = next(iter(self.global_factors.values()))[0].device
         self.install_global({n: (B.to(device), A.to(device)) for n, (B, A) in saved["global"].items()}, {})
         self.model.load_state_dict(checkpoint["model"], strict=False)  # shared tensors, e.g. a shared head
@@ -351,6 +457,26 @@ class FedPAServer(Server):
         self.state = saved["round"]
         logger.info(f"[fedpa] resumed from {path} at round {self.state}")
         return self.state
+
+    def _check_client_files(self, path: str, rnd: int) -> None:
+        """Before any training: each client's newest file from before round ``rnd`` (the one it will restore) must
+        be that client's, of this run, well formed and finite (:func:`fs_fedpa.plugin.resume.check_client_file`)."""
+        local_names, _ = non_lora_trainables(self.model, self._cfg.personalization.local_param)
+        params = dict(self.model.named_parameters())
+        for client in range(1, self.client_num + 1):
+            older = {r: p for r, p in resume.client_files(path, client).items() if r < rnd}
+            if older:
+                r = max(older)
+                resume.check_client_file(
+                    resume.load(older[r]),
+                    older[r],
+                    r,
+                    cfg=self._cfg,
+                    method=self.method,
+                    client=client,
+                    initial=self.method.client_init(self.global_factors, client - 1),  # the run's initial global
+                    local={n: params[n] for n in local_names},
+                )
 
     def save_checkpoint(self, path: str, cur_round: int) -> None:
         """FS's checkpoint format (``cur_round``, trainable ``model`` state with the global adapter) plus
@@ -378,20 +504,32 @@ class FedPAAggregator(Aggregator):
     def __init__(self, server: FedPAServer):
         super().__init__()
         self.server = server
+        _guard_fs_byte_count()  # before any client's message reaches FS's standalone runner
 
     def aggregate(self, agg_info):
         server = self.server
         clients = [client_id for client_id, _ in agg_info["staleness"]]
-        feedback = agg_info["client_feedback"]
-        bytes_up = {str(c): nbytes(content) for c, (_, content) in zip(clients, feedback)}
-        accepted, dropped = {}, {}
+        feedback = list(zip(clients, agg_info["client_feedback"]))
+        if server._cfg.federate.mode.lower() == "distributed":
+            # in arrival order, the float sums would depend on which client finished first; by id they do not, so a
+            # run's result is the same whatever the network does (standalone keeps FS's order, as its runs were made)
+            feedback.sort(key=lambda item: item[0] if isinstance(item[0], int) else float("inf"))
+            clients = [client_id for client_id, _ in feedback]
+        accepted, dropped, bytes_up = {}, {}, {}
         expected = self._expected_shapes()  # once a round: the same for every client
-        for client_id, (size, content) in zip(clients, feedback):
-            checked = self._check(client_id, size, content, *expected)
+        for client_id, message in feedback:
+            pair = message_pair(message)
+            checked = pair if isinstance(pair, str) else self._check(client_id, *pair, *expected)
+            bytes_up[str(client_id)] = 0 if isinstance(pair, str) else nbytes(pair[1])  # what its tensors hold
             if isinstance(checked, str):
                 self._drop(dropped, client_id, checked)
             else:  # fresh tensors: nothing below can alter what a client sent
                 accepted[client_id] = checked
+                if bad := sorted(k for k, v in checked.stats.items() if v is None):
+                    logger.warning(
+                        f"[fedpa] round {server.state}: client #{client_id} reported stats that are not finite "
+                        f"({', '.join(bad)}); recorded as such, and its upload is aggregated"
+                    )
         cfg = server.method.cfg
         if cfg.norm_outlier and accepted:
             norms = {c: update_norm(server.method.expand(a.factors)) for c, a in accepted.items()}
@@ -406,14 +544,7 @@ class FedPAAggregator(Aggregator):
             kept = list(accepted)
             uploads = [accepted[c].factors for c in kept]
             stats = [accepted[c].stats for c in kept]
-            data_sizes = [s.get("num_train_data") if isinstance(s.get("num_train_data"), int) else None for s in stats]
-            sizes = [accepted[c].size for c in kept]
-            weights = (
-                [1.0] * len(kept) if server._cfg.federate.ignore_weight else server.method.weights(sizes, data_sizes)
-            )
-            if sum(weights) <= 0:
-                weights = [1.0] * len(kept)
-            weights = cap_weights(weights, cfg.max_weight_ratio)
+            weights = self._weights([accepted[c] for c in kept])
             try:
                 new_global, spectra = server.method.aggregate(
                     uploads, weights, [c - 1 for c in kept], server.generator, rnd=server.state
@@ -429,6 +560,10 @@ class FedPAAggregator(Aggregator):
             record = _round_record(server, uploads, weights, kept, _with_merge(new_global, merge), spectra, stats)
             record.dropped, record.bytes_up = dropped, bytes_up
             record.restarted = [c for c, st in zip(kept, stats) if st.get("restarted")]
+            if bad := record.not_finite():  # a diagnostic problem: the aggregate itself is finite (checked above)
+                logger.warning(
+                    f"[fedpa] round {server.state}: the diagnostics {', '.join(bad)} are not finite; recorded as null"
+                )
             server.install_global(new_global, averaged, merge)
             server.record_round(record.to_dict())
             return {}  # the model is already updated; FS merges this empty dict into its state
@@ -454,23 +589,40 @@ class FedPAAggregator(Aggregator):
         logger.warning(f"[fedpa] round {self.server.state}: dropped the upload of client #{client_id}: {reason}")
 
     def _culprit(self, accepted: dict):
-        """The client whose upload makes aggregation fail: the first whose removal lets the others aggregate (the
-        last one if no single removal does)."""
+        """The client whose upload makes aggregation fail: the first whose removal lets the others aggregate with the
+        weights the round would give them (the last one if no single removal does). Every weight is checked per
+        client before aggregation (:func:`fs_fedpa.plugin.intake.check_upload`), so this search is left with what
+        no check of one upload can see."""
         server, ids = self.server, list(accepted)
         for candidate in ids:
             rest = [c for c in ids if c != candidate]
             if not rest:
                 break
             try:
-                uploads, w, ids = [accepted[c].factors for c in rest], [1.0] * len(rest), [c - 1 for c in rest]
                 new_global, _ = server.method.aggregate(
-                    uploads, w, ids, torch.Generator().manual_seed(0), rnd=server.state
+                    [accepted[c].factors for c in rest],
+                    self._weights([accepted[c] for c in rest]),
+                    [c - 1 for c in rest],
+                    torch.Generator().manual_seed(0),
+                    rnd=server.state,
                 )
                 _check_finite(new_global, {})
                 return candidate
             except (RuntimeError, ValueError, ArithmeticError):
                 continue
         return ids[-1]
+
+    def _weights(self, uploads: list[Accepted]) -> list[float]:
+        """The aggregation weights of accepted uploads: the method's (FS's sample sizes; FlexLoRA's
+        ``num_train_data``), capped by ``fedpa.max_weight_ratio``. A client of size 0 weighs 0; a round whose
+        weights are all 0 weighs its uploads equally (docs/errors.md). Sizes were checked per client, so every
+        weight is finite, >= 0 and at most 1e15."""
+        server = self.server
+        if server._cfg.federate.ignore_weight:
+            return [1.0] * len(uploads)
+        sizes, data_sizes = [a.size for a in uploads], [a.stats.get("num_train_data") for a in uploads]
+        weights = cap_weights(server.method.weights(sizes, data_sizes), server.method.cfg.max_weight_ratio)
+        return weights if sum(weights) > 0 else [1.0] * len(uploads)
 
     def _expected_shapes(self) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, ...]]]:
         """``(d, k)`` of every LoRA module and the shape of every shared tensor, for checking uploads."""
@@ -508,6 +660,25 @@ class FedPAAggregator(Aggregator):
         return self.server.restore(path)
 
 
+def _parsed(raw) -> tuple[Message, str | None]:
+    """FS's :class:`Message` of a gRPC request, field by field: FS's parser asserts on a field of the wrong type (a
+    string timestamp) or fails on a missing one, and the field that fails is the reason the message is dropped.
+    The fields it could read are set, so the reason can name the claimed sender."""
+    message = Message()
+    for name in ("msg_type", "sender", "receiver", "state", "content", "timestamp"):
+        if name not in raw.msg:
+            return message, f"{name}: the message has no such field"
+        try:
+            value = message._parse_msg(raw.msg[name])
+        except (TypeError, ValueError, AttributeError) as err:  # e.g. a field with no value set
+            return message, f"{name}: FS cannot parse it ({type(err).__name__}: {err})"
+        try:
+            setattr(message, name, value)
+        except (AssertionError, TypeError, ValueError) as err:  # FS's setters assert on the type
+            return message, f"{name} {str(value)[:40]!r} is not a value FS accepts ({err})"
+    return message, None
+
+
 _LORA_KEY = re.compile(r"\.lora_[AB]\.")  # PEFT's names of the LoRA factors in a state dict
 
 
@@ -518,6 +689,43 @@ def _check_resume_file(path: str) -> None:
         what = "a folder" if os.path.isdir(path) else "no such file"
         raise ValueError(f"federate.restore_from {path!r}: {what}; give a resume file (fedpa_resume_<save_to name>)")
     resume.load(path)
+
+
+def _g(value, spec: str = ".4g") -> str:
+    """A diagnostic for the log: formatted, or ``null`` where the record holds None (it was not finite)."""
+    return "null" if value is None else format(value, spec)
+
+
+def _guard_fs_byte_count() -> None:
+    """Make FS's byte counter safe against a client's message (once per process; FS without FedPA never gets here).
+
+    FS's standalone runner counts every message's bytes (``Message.count_bytes``: pympler's ``asizeof`` over every
+    object of the content) before it hands the message to any handler, and pympler raises on some objects (a numpy
+    array broadcast to 10^12 entries): one client's message stopped the whole run before the server saw it. This is
+    the plugin's earliest hook. A client's update is counted only if :func:`check_message_content` finds nothing
+    but plain dicts, numbers, strings and tensors that hold their values in it; otherwise, or if the count still
+    raises, FS counts 0 bytes, with a warning naming the sender, and the server's intake drops the update with its
+    reason. Messages FS counts without an error are counted exactly as before."""
+    original = Message.count_bytes
+    if getattr(original, "fedpa_guard", False):
+        return
+
+    def count_bytes(message):
+        sender = message.sender if type(message.sender) is int else "?"
+        problem = check_message_content(message.content) if message.msg_type == "model_para" and sender else None
+        if problem is None:
+            try:
+                return original(message)
+            except Exception as err:  # pympler on an object it cannot size
+                problem = f"{type(err).__name__}: {shown(err, 200)}"
+        logger.warning(
+            f"[fedpa] FS's byte counter skipped a {shown(message.msg_type)} message from {sender} (counted as 0 "
+            f"bytes): {problem}"
+        )
+        return 0, 0
+
+    count_bytes.fedpa_guard = True
+    Message.count_bytes = count_bytes
 
 
 def _check_finite(global_factors, averaged) -> None:
@@ -563,24 +771,34 @@ def _new_record(server, clients) -> RoundRecord:
 
 
 def _round_record(server, uploads, weights, clients, new_global, spectra, stats) -> RoundRecord:
-    """Diagnostics of one aggregation, from factors only (no d x k matrix)."""
-    uploads, new_global = [server.method.expand(u) for u in uploads], server.method.expand(new_global)
-    errors, norms, global_sq = {}, {}, 0.0
-    for name, (B_g, A_g) in new_global.items():
-        Bs = [u[name][0] for u in uploads]
-        As = [u[name][1] for u in uploads]
-        errors[name] = float(aggregation_error(Bs, As, B_g, A_g, weights=weights))
-        norms[name] = float(aggregate_norm(Bs, As, weights=weights))
-        global_sq += float(factored_norm(B_g, A_g)) ** 2
+    """Diagnostics of one aggregation, from factors only (no d x k matrix). A diagnostic is never a reason to drop
+    an upload or stop a round: one that cannot be computed (e.g. an overflow after a legal but huge upload) is None,
+    with a warning, and one that is not finite is written as null (:meth:`RoundRecord.to_dict`)."""
+    uploads = [server.method.expand(u) for u in uploads]  # each expanded once already, when it was checked
     record = _new_record(server, clients)
     probe = record.probe_module
-    e_agg = math.sqrt(sum(e**2 for e in errors.values()))
-    ideal = math.sqrt(sum(n**2 for n in norms.values()))
     record.clients, record.weights = list(clients), list(weights)
-    record.e_agg, record.e_agg_rel = e_agg, (e_agg / ideal if ideal > 0 else 0.0)
-    record.global_update_norm, record.global_norm = ideal, math.sqrt(global_sq)
-    record.e_agg_probe = errors[probe]
-    record.spectrum_probe = [float(s) for s in spectra.get(probe, torch.zeros(0))]
+    try:
+        new_global = server.method.expand(new_global)
+        errors, norms, global_sq = {}, {}, 0.0
+        for name, (B_g, A_g) in new_global.items():
+            Bs = [u[name][0] for u in uploads]
+            As = [u[name][1] for u in uploads]
+            errors[name] = float(aggregation_error(Bs, As, B_g, A_g, weights=weights))
+            norms[name] = float(aggregate_norm(Bs, As, weights=weights))
+            global_sq += float(factored_norm(B_g, A_g)) ** 2
+        e_agg = math.sqrt(sum(e**2 for e in errors.values()))
+        ideal = math.sqrt(sum(n**2 for n in norms.values()))
+        record.e_agg, record.e_agg_rel = e_agg, (e_agg / ideal if ideal > 0 else 0.0)
+        record.global_update_norm, record.global_norm = ideal, math.sqrt(global_sq)
+        record.e_agg_probe = errors[probe]
+        record.spectrum_probe = [float(s) for s in spectra.get(probe, torch.zeros(0))]
+    except (RuntimeError, ValueError, ArithmeticError) as err:
+        logger.warning(
+            f"[fedpa] round {server.state}: the aggregate's diagnostics cannot be computed ({type(err).__name__}: "
+            f"{err}); recorded as null, and the aggregate is installed"
+        )
+        record.e_agg = record.e_agg_rel = record.global_update_norm = record.global_norm = record.e_agg_probe = None
     record.add_client_stats(list(clients), stats)
     record.upload_ranks = {str(c): sorted({B.shape[1] for B, _ in u.values()}) for c, u in zip(clients, uploads)}
     return record

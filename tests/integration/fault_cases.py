@@ -8,7 +8,9 @@ from __future__ import annotations
 import base64
 import os
 import pickle
+from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 
@@ -44,6 +46,44 @@ def _nan(t):
     t = t.clone()
     t[0, 0] = float("nan")
     return t
+
+
+def _stat(key: str, value):
+    return lambda n, u: (n, {**u, "stats": {**u.get("stats", {}), key: value}})
+
+
+class HostileFloat(float):
+    """A float whose conversion to float raises: whoever calls ``float()`` on it crashes unless it catches."""
+
+    def __float__(self):
+        raise RuntimeError("a hostile __float__")
+
+
+class HostileMapping(Mapping):
+    """A read-only view of a dict whose ``get``, ``items``, ``keys`` and ``values`` raise (only the abstract methods
+    work): whoever calls them crashes unless it catches."""
+
+    def __init__(self, inner: dict):
+        self._inner = inner
+
+    def __getitem__(self, key):
+        return self._inner[key]
+
+    def __iter__(self):
+        return iter(self._inner)
+
+    def __len__(self):
+        return len(self._inner)
+
+    def _trap(self, *args):
+        raise RuntimeError("a hostile mapping method")
+
+    get = items = keys = values = _trap
+
+
+def _numpy_broadcast(t):
+    """A numpy array of 10**12 entries over 4 bytes (FS's pympler byte counter raises on it)."""
+    return np.broadcast_to(np.zeros(1, dtype=np.float32), (10**6, 10**6))
 
 
 class Canary:
@@ -95,7 +135,6 @@ FAULTS = {
     "content without lora": (lambda n, u: (n, {"stats": {}}), "without a 'lora' mapping"),
     "stats a list": (_stats([1.0]), "not a mapping"),
     "stat a string": (_stats({"lam": "1"}), "is not a number"),
-    "stat NaN": (_stats({"lam": float("nan")}), "is not finite"),
     "stat 10**400": (_stats({"num_train_data": 10**400}), "overflows"),
     "pickle": (_on_b(_pickled), "got str"),
     "factor a list": (_on_b(lambda t: t.tolist()), "got list"),
@@ -133,6 +172,23 @@ FAULTS = {
     "sample size Inf": (_size(float("inf")), "not a finite number"),
     "bool tensor": (_on_b(lambda t: t > 0), "dtype torch.bool"),
     "float16 overflow": (_on_b(lambda t: torch.full(t.shape, 1e5).to(torch.float16)), "NaN or Inf in B"),
+    "message content a 3-tuple": (lambda n, u: (n, u, u), "is not a (sample size, payload) pair"),
+    "sample size a float whose __float__ raises": (_size(HostileFloat(3.0)), "sample size cannot be read as a number"),
+    "stat a float whose __float__ raises": (_stats({"lam": HostileFloat(1.0)}), "cannot be read as a number"),
+    "content a mapping whose methods raise": (lambda n, u: (n, HostileMapping(u)), "payload of type HostileMapping"),
+    "lora a mapping whose methods raise": (
+        lambda n, u: (n, {**u, "lora": HostileMapping(u["lora"])}),
+        "is not a dict",
+    ),
+    "factor expanded to 10**12 entries": (_on_b(lambda t: t[:1, :1].expand(10**6, 10**6)), "more than a factor of"),
+    "factor a numpy array of 10**12 entries": (_on_b(_numpy_broadcast), "got ndarray"),
+    "num_train_data 10**30": (
+        _stat("num_train_data", 10**30),
+        "num_train_data(=1e+30) must be an integer in [0, 1e+15]",
+    ),
+    "num_train_data < 0": (_stat("num_train_data", -5), "num_train_data(=-5) must be an integer"),
+    "num_train_data 12.5": (_stat("num_train_data", 12.5), "num_train_data(=12.5) must be an integer"),
+    "num_train_data NaN": (_stat("num_train_data", float("nan")), "num_train_data(=nan) must be an integer"),
 }
 
 
@@ -140,6 +196,9 @@ FAULTS = {
 POISONING = {
     "B scaled by 1e4": _on_b(lambda t: t * 1e4),
     "sample size 1e14": _size(1e14),
+    "sample size 0": _size(0),  # legal: a client that trained on nothing, weight 0
+    # every entry of every factor at 9.9e5, just below the 1e6 bound: legal, and huge
+    "every entry 9.9e5": lambda n, u: (n, {**u, "lora": {k: torch.full_like(t, 9.9e5) for k, t in u["lora"].items()}}),
 }
 
 

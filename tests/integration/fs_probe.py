@@ -100,7 +100,8 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
                     size, upload = message.content
                     record["sent"].append(
                         {"client": message.sender, "round": message.state, "size": float(size),
-                         "parts": {n: dict(p) for n, p in decode_parts(upload["lora"]).items()}}
+                         "parts": {n: dict(p) for n, p in decode_parts(upload["lora"]).items()},
+                         "stats": dict(upload.get("stats", {}))}
                     )  # fmt: skip
                     name = faults.get((message.sender, message.state))
                     if name in ("duplicate", "extra sender 99"):  # the honest message, then a second one
@@ -169,11 +170,15 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         return upload
 
     def aggregate(self, agg_info):
-        weights = [n if isinstance(n, (int, float)) else None for n, _ in agg_info["client_feedback"]]
+        # a faulty message may not be a (size, content) pair, or hold objects that raise when touched
+        pairs = [
+            m if isinstance(m, (tuple, list)) and len(m) == 2 else (None, None) for m in agg_info["client_feedback"]
+        ]
+        weights = [n if isinstance(n, (int, float)) else None for n, _ in pairs]
         clients = [c for c, _ in agg_info["staleness"]]
         server = self.server  # uploads as the server completes them (a method may send one factor only)
         uploads = []
-        for c, (_, content) in zip(clients, agg_info["client_feedback"]):
+        for c, (_, content) in zip(clients, pairs):
             try:
                 parts = decode_parts(content["lora"])
                 uploads.append(_copy(server.method.complete_upload(parts, server.global_factors, c - 1, server.state)))

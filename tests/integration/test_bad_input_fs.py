@@ -20,6 +20,13 @@ pytestmark = pytest.mark.integration
 CASES = [
     ("unknown `fedpa` key", ["fedpa.rank", "4"], "Non-existent key: fedpa.rank"),
     ("λ < 0", ["fedpa.lam", "-1.0"], "fedpa.lam(=-1.0) must be a finite number >= 0"),
+    ("λ > 1e6", ["fedpa.lam", "1e300"], "fedpa.lam(=1e+300) must be <= 1e+06"),
+    (
+        "`seed` > 2**32 − 1",
+        ["fedpa.seed", str(10**23)],
+        "fedpa.seed(=100000000000000000000000) must be <= 2**32 - 1",
+    ),
+    ("no round to train", ["federate.total_round_num", "0"], "federate.total_round_num(=0) must be an int >= 1"),
     ("unknown `reg`", ["fedpa.reg", "l2"], "fedpa.reg(='l2') must be one of ('product', 'b', 'a', 'both', 'none')"),
     ("unknown `svd`", ["fedpa.svd", "qr"], "fedpa.svd(='qr') must be one of ('reduced', 'randomized', 'dense')"),
     ("unknown `adaptive_lam`", ["fedpa.adaptive_lam", "cos"], "fedpa.adaptive_lam(='cos') must be one of"),

@@ -260,3 +260,118 @@ def test_resume_refuses_what_would_lose_or_change_the_run(tiny_llm, tmp_path):
     torch.save({"cur_round": 2, "fedpa_resume": Canary(str(planted))}, bomb)
     assert "cannot be read as a resume file" in refused("planted", bomb)
     assert not planted.exists()
+
+
+def test_resume_refuses_a_file_of_another_owner_or_with_a_malformed_field(tiny_llm, tmp_path):
+    """Each client file records whose it is (client id, r_i and R_i, the run); the restore checks that and every
+    field of the client files and of the server file. One resume point (round 2 of 4, r = 4), then each bad variant
+    of it, refused before training with a message naming the file and the field."""
+    (tmp_path / "killed").mkdir()
+    base = {"federate.total_round_num": 4, "expname": "killed"}
+    base["federate.save_to"] = str(tmp_path / "killed" / "ckpt" / "run.pt")
+    point = _kill_after_resume_point(fedpa_cfg(tiny_llm, tmp_path / "killed", **base), tmp_path / "killed", rnd=2)
+    c1, c2 = f"{point.name}.client1.r1", f"{point.name}.client2.r1"  # what clients 1 and 2 restore at round 2
+
+    def refused(name: str, edit) -> tuple[str, Path]:
+        """Copy the resume point and its clients' files, ``edit`` them (file name -> content), resume from them."""
+        folder = tmp_path / name / "ckpt"
+        folder.mkdir(parents=True)
+        files = {p.name: torch.load(p, weights_only=True) for p in point.parent.glob(f"{point.name}*")}
+        edit(files)
+        for file, content in files.items():
+            torch.save(content, folder / file)
+        changes = {**base, "expname": name, "federate.restore_from": str(folder / point.name)}
+        changes["federate.save_to"] = str(tmp_path / name / "out" / "run.pt")
+        proc = run_fs(fedpa_cfg(tiny_llm, tmp_path / name, **changes), tmp_path / name, timeout=120)
+        assert proc.returncode != 0, name
+        assert "Starting training" not in proc.stdout + proc.stderr, name
+        return proc.stderr, folder
+
+    def swap(files):
+        files[c1], files[c2] = files[c2], files[c1]
+
+    def rank_2(files, field=2):  # client 1's factors (and its rank field) as a rank-2 run would have saved them
+        files[c1]["factors"] = {n: (B[:, :2].clone(), A[:2].clone()) for n, (B, A) in files[c1]["factors"].items()}
+        files[c1]["rank"] = field
+
+    def edit(file, key, value=None, delete=False):
+        def apply(files):
+            target = files[file]["fedpa_resume"] if file == point.name else files[file]
+            if delete:
+                target.pop(key, None)  # (a file that predates the field has none)
+            else:
+                target[key] = value
+
+        return apply
+
+    def nan_global(files):
+        B = next(iter(files[point.name]["fedpa_resume"]["global"].values()))[0]
+        B[0, 0] = float("nan")
+
+    def inf_factor(files):
+        A = next(iter(files[c1]["factors"].values()))[1]
+        A[0, 0] = float("inf")
+
+    for name, change, messages, file in (
+        ("swapped", swap, ["field 'client' is 2, but the file is client 1's"], c1),
+        ("rank_2_run", rank_2, ["field 'rank' is 2, but this run's rank plan gives client 1 r_i=4"], c1),
+        ("rank_2_factors", lambda f: rank_2(f, field=4), ["field 'factors[", ", 2), A (2, "], c1),
+        ("old_file", edit(c1, "run", delete=True), ["has no field 'run': it predates the check"], c1),
+        ("rounds_trained", edit(c1, "rounds_trained", delete=True), ["has no field 'rounds_trained'"], c1),
+        ("client_round", edit(c1, "round", "1"), ["field 'round' is '1'; it must be an int >= 0"], c1),
+        ("inf_factor", inf_factor, ["field 'factors[", "A holds a NaN or an Inf"], c1),
+        ("nan_global", nan_global, ["field 'global[", "B holds a NaN or an Inf"], point.name),
+        ("round_string", edit(point.name, "round", "2"), ["field 'round' is '2'; it must be an int >= 0"], point.name),
+        ("round_negative", edit(point.name, "round", -1), ["field 'round' is -1; it must be an int >= 0"], point.name),
+    ):
+        stderr, folder = refused(name, change)
+        assert all(m in stderr for m in messages) and str(folder / file) in stderr, (name, stderr[-3000:])
+
+
+FULL_DISK = """
+import errno, runpy, sys
+import torch
+
+save = torch.save
+
+
+def save_or_fail(obj, f, *args, **kwargs):  # the disk fills up while the resume point of round 2 is written
+    if isinstance(obj, dict) and isinstance(obj.get("fedpa_resume"), dict) and obj["fedpa_resume"]["round"] == 2:
+        if hasattr(f, "write"):
+            f.write(b"partial")
+        else:
+            open(f, "wb").write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return save(obj, f, *args, **kwargs)
+
+
+torch.save = save_or_fail
+sys.argv = ["federatedscope.main", "--cfg", sys.argv[1]]
+runpy.run_module("federatedscope.main", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_full_disk_while_writing_a_resume_point_names_the_file_and_keeps_the_earlier_one(tiny_llm, tmp_path):
+    from fs_fedpa.plugin import resume
+
+    # Prepare: 3 rounds with resume points; the disk is full (ENOSPC) when the one of round 2 is written
+    save_to = tmp_path / "ckpt" / "run.pt"
+    cfg_file = dump_yaml(fedpa_cfg(tiny_llm, tmp_path, **{"federate.save_to": str(save_to)}), tmp_path / "cfg.yaml")
+    point = save_to.parent / f"fedpa_resume_{save_to.name}"
+    # Execute
+    proc = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, cfg_file],
+        cwd=tmp_path,
+        env=fs_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    # Assert: a message naming the file and the full disk; the resume point of round 1 and the clients' files intact
+    assert proc.returncode != 0
+    assert f"the disk is full: cannot write the resume file {point}" in proc.stderr, proc.stderr[-3000:]
+    assert resume.load(point)["fedpa_resume"]["round"] == 1
+    for client in (1, 2, 3):
+        assert sorted(resume.client_files(str(point), client)) == [0, 1]
+        assert resume.load(resume.client_path(str(point), client, 1))["rounds_trained"] == 2
+    assert not list(save_to.parent.glob("*.tmp"))

@@ -32,11 +32,20 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "config.md"
         (dict(rotation_strength=-0.1), r"fedpa.rotation_strength\(=-0.1\) must be a finite number >= 0"),
         (dict(eval_local="yes"), r"must be True or False"),
         (dict(seed=-2), r"fedpa.seed\(=-2\) must be an int >= -1"),
+        (dict(lam=1e300), r"fedpa.lam\(=1e\+300\) must be <= 1e\+06"),
+        (dict(lam_max=1e7), r"fedpa.lam_max\(=1e\+07\) must be <= 1e\+06"),
+        (dict(seed=10**23), r"fedpa.seed\(=100000000000000000000000\) must be <= 2\*\*32 - 1"),
+        (dict(seed=2**32), r"fedpa.seed\(=4294967296\) must be <= 2\*\*32 - 1"),
     ],
 )
 def test_invalid_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         FedPAConfig(**kwargs)
+
+
+def test_the_bounds_themselves_are_accepted():
+    cfg = FedPAConfig(lam=1e6, lam_max=1e6, seed=2**32 - 1)
+    assert (cfg.lam, cfg.lam_max, cfg.seed) == (1e6, 1e6, 2**32 - 1)
 
 
 def test_per_client_ranks_and_groups():

@@ -3,6 +3,8 @@ refused with its reason, before anything else reads the upload; tolerable variat
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import pytest
 import torch
@@ -42,6 +44,40 @@ def _with(key, value, wire=False):
     return c
 
 
+def _stats(**stats):
+    return {**_content(), "stats": stats}
+
+
+class HostileFloat(float):
+    def __float__(self):
+        raise RuntimeError("a hostile __float__")
+
+
+class HostileMapping(Mapping):
+    """A mapping whose own methods raise (``get``, ``items``, ...); only its abstract methods work."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getitem__(self, key):
+        return self._inner[key]
+
+    def __iter__(self):
+        return iter(self._inner)
+
+    def __len__(self):
+        return len(self._inner)
+
+    def _trap(self, *args):
+        raise RuntimeError("a hostile mapping method")
+
+    get = items = keys = values = _trap
+
+
+class SubTensor(torch.Tensor):
+    pass
+
+
 def _without(key):
     c = _content()
     del c["lora"][key]
@@ -68,7 +104,6 @@ FAULTS = [
     ("lora a list", 10, {"lora": [1, 2]}, "without a 'lora' mapping"),
     ("stats a list", 10, {**_content(), "stats": [1.0]}, "not a mapping"),
     ("stat a string", 10, {**_content(), "stats": {"lam": "1"}}, "is not a number"),
-    ("stat NaN", 10, {**_content(), "stats": {"lam": float("nan")}}, "is not finite"),
     ("stat 10**400", 10, {**_content(), "stats": {"num_train_data": 10**400}}, "overflows"),
     ("stat with a non-string key", 10, {**_content(), "stats": {3: 1.0}}, "is not a string"),
     ("factor a pickle string", 10, _with("q|B", "gASVAAAAAAAAAACMBXBvc2l4lIwGc3lzdGVtlJOULg=="), "got str"),
@@ -96,6 +131,29 @@ FAULTS = [
     ("B scaled by 1e7", 10, _content(_factors(1e7)), f"> {MAX_ABS:g}"),
     ("shared tensor unexpected", 10, {**_content(), "shared": {"head": torch.ones(2)}}, "differ from the expected"),
     ("shared tensor a string", 10, {**_content(), "shared": {"head": "x"}}, "head: expected a tensor"),
+    # a weight (FlexLoRA's num_train_data) is bounded like the sample size, naming the field
+    ("num_train_data 10**30", 10, _stats(num_train_data=10**30),
+     "num_train_data(=1e+30) must be an integer in [0, 1e+15]"),
+    ("num_train_data 1e30", 10, _stats(num_train_data=1e30), "num_train_data(=1e+30) must be an integer"),
+    ("num_train_data < 0", 10, _stats(num_train_data=-5), "num_train_data(=-5) must be an integer"),
+    ("num_train_data 12.5", 10, _stats(num_train_data=12.5), "num_train_data(=12.5) must be an integer"),
+    ("num_train_data NaN", 10, _stats(num_train_data=float("nan")), "num_train_data(=nan) must be an integer"),
+    ("num_train_data a string", 10, _stats(num_train_data="12"), "num_train_data = '12' (str) is not a number"),
+    # hostile Python objects (standalone mode hands them over): refused by type, never called
+    ("sample size a hostile float", HostileFloat(3.0), _content(), "sample size cannot be read as a number"),
+    ("stat a hostile float", 10, _stats(lam=HostileFloat(1.0)), "stat 'lam' cannot be read as a number"),
+    ("content a hostile mapping", 10, HostileMapping(_content()), "payload of type HostileMapping is not a dict"),
+    ("lora a hostile mapping", 10, {**_content(), "lora": HostileMapping(_content()["lora"])},
+     "'lora' of type HostileMapping is not a dict"),
+    ("stats a hostile mapping", 10, {**_content(), "stats": HostileMapping({})}, "not a mapping of names to numbers"),
+    ("factor expanded to 10**12 entries", 10, _with("q|B", torch.zeros(1).expand(10**6, 10**6)),
+     "more than a factor of its module can hold (30)"),
+    ("factor an expanded view", 10, _with("q|B", torch.zeros(1, 1).expand(6, R)), "repeats the 4 bytes it holds"),
+    ("encoding larger than its module", 10, _with("q|B", to_wire(torch.ones(10, 10))), "more than a factor of"),
+    ("shared tensor larger than expected", 10, {**_content(), "shared": {"head": torch.zeros(1).expand(10**9)}},
+     "more than the shared tensor can hold (30)"),
+    ("factor a numpy array", 10, _with("q|B", np.ones((6, R), dtype=np.float32)), "got ndarray"),
+    ("factor a tensor subclass", 10, _with("q|B", F["q"][0].as_subclass(SubTensor)), "got SubTensor"),
 ]  # fmt: skip
 
 
@@ -180,3 +238,67 @@ def test_an_upload_the_method_cannot_complete_is_refused_with_the_methods_reason
 
     assert _check(10, _content(), complete=refuse) == "client #2 trains the 2 modules [0, 3] in round 5"
     assert isinstance(_check(10, _content()), Accepted)
+
+
+def test_a_non_finite_diagnostic_is_kept_as_none_and_the_upload_accepted():
+    # Prepare: what an honest client reports when its task gradient is 0 or its drift overflows
+    stats = {"lam": 1.0, "grad_ratio_first": float("inf"), "drift": float("nan"), "delta_norm": 10**400}
+    # Execute
+    result = _check(10, _stats(**stats, num_train_data=np.int64(7)))
+    # Assert
+    assert isinstance(result, Accepted), result
+    assert result.stats == {
+        "lam": 1.0,
+        "grad_ratio_first": None,
+        "drift": None,
+        "delta_norm": None,
+        "num_train_data": 7,
+    }
+    assert type(result.stats["num_train_data"]) is int
+
+
+class Trap(dict):
+    """A dict whose own methods raise: the intake must read it through dict's methods, and get its contents."""
+
+    def _trap(self, *args, **kwargs):
+        raise RuntimeError("a method of the sender's dict ran")
+
+    get = items = keys = values = __iter__ = __getitem__ = __len__ = __contains__ = _trap
+
+
+def test_dict_subclasses_are_read_through_dicts_own_methods_and_give_their_true_contents():
+    content = _content()
+    trapped = Trap({"lora": Trap(content["lora"]), "stats": Trap(content["stats"])})
+    result = _check(10, trapped)
+    assert isinstance(result, Accepted), result
+    assert all(torch.equal(result.factors[n][0], F[n][0]) and torch.equal(result.factors[n][1], F[n][1]) for n in F)
+    assert result.stats == {"lam": 1.0}
+
+
+def test_zero_weights_take_no_part_in_the_cap():
+    from fs_fedpa.plugin.intake import cap_weights
+
+    assert cap_weights([0.0, 0.0, 16.0], 2.0) == [0.0, 0.0, 16.0]  # the median of all three (0) capped 16 to 0
+    assert cap_weights([0.0, 10.0, 12.0, 1e14], 2.0) == [0.0, 10.0, 12.0, 24.0]  # median of the positive: 12
+    assert cap_weights([0.0, 0.0], 2.0) == [0.0, 0.0]  # no positive weight: unchanged (the server weighs equally)
+
+
+def test_message_content_that_no_code_may_walk_is_named():
+    from fs_fedpa.plugin.intake import check_message_content, message_pair
+
+    honest = (10, {**_content(), "shared": {"head": torch.ones(2)}})
+    assert check_message_content(honest) is None
+    assert check_message_content([np.int64(10), _content(wire=True)]) is None  # numpy scalars, encodings
+    assert message_pair(honest) == honest
+    for content, words in (
+        (_content(), "is not a (sample size, payload) pair"),
+        ((1, 2, 3), "is not a (sample size, payload) pair"),
+        ((10, _with("q|B", np.broadcast_to(np.zeros(1), (10**6, 10**6)))), "content[1]['lora']['q|B'] is a ndarray"),
+        ((10, _with("q|B", torch.zeros(1).expand(10**6, 10**6))), "over 4 bytes (an expanded view)"),
+        ((HostileFloat(1.0), _content()), "content[0] is a HostileFloat"),
+        ((10, HostileMapping(_content())), "content[1] is a HostileMapping"),
+        ((10, {"lora": {(1, 2): torch.ones(1)}}), "has a key of type tuple"),
+        ((10, {"x": [[[[[[[[[1]]]]]]]]]}), "nested deeper than 8"),
+    ):
+        assert words in (check_message_content(content) or ""), (content, words)
+    assert message_pair(_content()) == "message content of type dict is not a (sample size, payload) pair"

@@ -7,6 +7,7 @@ import base64
 import json
 import pickle
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -159,3 +160,62 @@ def test_merges_travel_as_factors_or_as_their_dense_products_in_order_and_cost_w
     for bad in ({"q|B": torch.zeros(2, 2)}, {"x|q": torch.zeros(2)}, ["0|q"]):
         with pytest.raises(ValueError, match="merge"):
             decode_merge(bad)
+
+
+class Trap(dict):
+    """A dict whose every own method raises: code that reads it through dict's methods gets its true contents."""
+
+    def _trap(self, *args, **kwargs):
+        raise RuntimeError("a method of the sender's dict ran")
+
+    get = items = keys = values = __iter__ = __getitem__ = __len__ = __contains__ = _trap
+
+
+def test_a_tensor_expanded_to_10_to_the_12_is_refused_before_it_is_copied_or_counted():
+    # Prepare: 10^12 entries over 4 bytes; a copy would need 4 TB
+    huge = torch.zeros(1).expand(10**6, 10**6)
+    # Execute / Assert: refused by the module's size, and, without a size, as a view repeating its storage
+    with pytest.raises(
+        ValueError, match=r"q\|B: a tensor of shape \(1000000, 1000000\) \(1000000000000 values\), more"
+    ):
+        decode_parts({"q|B": huge}, lambda name: 12 * 10)
+    with pytest.raises(ValueError, match="repeats the 4 bytes it holds"):
+        decode_parts({"q|B": huge})
+    with pytest.raises(ValueError, match="more than the shared tensor can hold"):
+        decode_tensors({"head": huge}, lambda name: 4)
+    with pytest.raises(ValueError, match="more than"):  # an encoding's claimed shape, before its data is read
+        decode_parts({"q|B": {**GOOD, "shape": [1000, 1000]}}, lambda name: 12 * 10)
+    assert nbytes({"lora": {"q|B": huge}}) == 4  # what the tensor holds, not the 4 TB its shape claims
+
+
+def test_a_tensor_within_its_modules_size_is_decoded_as_before():
+    B = torch.randn(12, 5)
+    assert torch.equal(decode_parts({"q|B": B}, lambda name: 12 * 10)["q"]["B"], B)
+    assert torch.equal(decode_parts({"q|B": to_wire(B)}, lambda name: 60)["q"]["B"], B)  # exactly the limit
+
+
+def test_hostile_python_objects_are_refused_by_type_without_calling_them():
+    class Sub(torch.Tensor):
+        pass
+
+    for value, reason in (
+        (np.ones((2, 3), dtype=np.float32), "got ndarray"),
+        (np.broadcast_to(np.zeros(1, dtype=np.float32), (10**6, 10**6)), "got ndarray"),
+        (torch.ones(2, 3).as_subclass(Sub), "got Sub"),
+    ):
+        with pytest.raises(ValueError, match=reason):
+            decode_parts({"q|B": value})
+    with pytest.raises(ValueError, match="a mapping with keys"):  # a dict subclass is read through dict's methods
+        decode_parts({"q|B": Trap(dtype="float32")})
+
+
+def test_a_dict_subclass_is_read_through_dicts_own_methods_only():
+    # Prepare: the payload of an honest upload inside dicts whose own methods raise
+    B, A = torch.randn(12, 2), torch.randn(2, 10)
+    plain = {"lora": encode_factors({"q": (B, A)})}
+    trapped = Trap({"lora": Trap(plain["lora"])})
+    # Execute
+    decoded = decode_parts(Trap(plain["lora"]))
+    # Assert
+    assert torch.equal(decoded["q"]["B"], B) and torch.equal(decoded["q"]["A"], A)
+    assert nbytes(trapped) == nbytes(plain) == 4 * (24 + 20)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -52,3 +53,16 @@ def test_compact_keeps_the_clients_lambda_range_for_the_adaptive_rules():
     assert out["lam_mean"] == pytest.approx((0.004 + 0.01 + 10.0) / 3)
     assert (out["lam_min"], out["lam_max"]) == (0.004, 10.0)
     assert "lam_mean" not in compact(RoundRecord(round=2).to_dict())  # no client reported one
+
+
+def test_a_non_finite_diagnostic_is_written_as_null_and_named():
+    # Prepare: what a legal but huge upload does to the server's diagnostics and to a client's gradient ratio
+    record = RoundRecord(round=2, e_agg=float("inf"), e_agg_rel=float("nan"), spectrum_probe=[3.0, float("inf")])
+    record.add_client_stats([1, 2], [{"grad_ratio_first": None, "alignment_loss": float("inf")}, {"drift": 2.0}])
+    # Execute
+    written = json.loads(json.dumps(record.to_dict(), allow_nan=False))  # standard JSON: no NaN, no Infinity
+    # Assert
+    assert written["e_agg"] is None and written["e_agg_rel"] is None and written["spectrum_probe"] == [3.0, None]
+    assert record.not_finite() == ["e_agg", "e_agg_rel", "spectrum_probe"]
+    assert written["nonfinite_stats"] == {"1": ["alignment_loss", "grad_ratio_first"]}
+    assert written["alignment_loss"] == {"2": 0.0} and written["drift"] == {"2": 2.0}
