@@ -153,17 +153,19 @@ def test_a_client_whose_server_dies_exits_with_the_reason(tiny_llm, tmp_path):
     cfgs = distributed_cfgs(fedpa_cfg(tiny_llm, tmp_path, **changes), tmp_path / "dist")
     proc = _launch(cfgs, tmp_path)
     try:
-        _wait_for(tmp_path / "party0.log", "Starting training (Round #1)", proc)
-        server = [line.split()[0] for line in subprocess.run(
-            ["pgrep", "-f", "-a", "party0.yaml"], capture_output=True, text=True).stdout.splitlines()]  # fmt: skip
-        for pid in server:
-            os.kill(int(pid), signal.SIGKILL)
+        _wait_for(tmp_path / "party0.log", "Starting a new training round (Round #1)", proc)
+        pattern = "federatedscope.main --cfg [^ ]*party0.yaml"  # the server itself, not the launch script
+        server = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+        assert len(server) == 1, server
+        os.kill(int(server[0]), signal.SIGKILL)
         started = time.time()
         status = _finish(proc, timeout=150)
         waited = time.time() - started
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left
+        except ProcessLookupError:
+            pass
     logs = [(tmp_path / f"party{i}.log").read_text() for i in range(1, 4)]
     assert status != 0 and waited < 100
     for log in logs:
