@@ -3,8 +3,6 @@ refused with its reason, before anything else reads the upload; tolerable variat
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import numpy as np
 import pytest
 import torch
@@ -13,6 +11,7 @@ from hypothesis import strategies as st
 
 from fs_fedpa.plugin.intake import MAX_ABS, Accepted, check_upload, sample_size
 from fs_fedpa.plugin.payload import encode_factors, to_wire
+from tests.integration.fault_cases import HostileMapping  # torch and numpy only, no FS
 
 SHAPES = {"q": (6, 5), "v": (6, 5)}
 R = 2
@@ -51,27 +50,6 @@ def _stats(**stats):
 class HostileFloat(float):
     def __float__(self):
         raise RuntimeError("a hostile __float__")
-
-
-class HostileMapping(Mapping):
-    """A mapping whose own methods raise (``get``, ``items``, ...); only its abstract methods work."""
-
-    def __init__(self, inner):
-        self._inner = inner
-
-    def __getitem__(self, key):
-        return self._inner[key]
-
-    def __iter__(self):
-        return iter(self._inner)
-
-    def __len__(self):
-        return len(self._inner)
-
-    def _trap(self, *args):
-        raise RuntimeError("a hostile mapping method")
-
-    get = items = keys = values = _trap
 
 
 class SubTensor(torch.Tensor):
