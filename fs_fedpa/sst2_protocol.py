@@ -378,6 +378,7 @@ def paired_rows(results: dict, metric: str, stage: str = "final", ours: str = "f
         rows[cell] = {"seeds": len(seeds), "mean": mean, "low": low, "high": high}
         rows[cell]["verdict"] = protocol.verdict(low, high)
         rows[cell]["p"] = protocol.paired_t_p(differences)
+        rows[cell]["sd"] = statistics.stdev(differences)
     return rows
 
 

@@ -210,8 +210,6 @@ class FedPAServer(Server):
                     break
             if reason is not None:
                 return f"{message.msg_type!s:.40} message: {reason}"
-            if message.msg_type == "join_in" and message.sender in joined:
-                return f"a join signed with the key of client #{message.sender}, which joined already"
         elif isinstance(message.content, dict) and set(message.content) == {auth.SIGNED, auth.MAC}:
             return "a signed message, but this server has no fedpa.auth_keyring to check it with"
         problem = message_problem(

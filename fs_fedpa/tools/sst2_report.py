@@ -282,13 +282,7 @@ SIMULATIONS = 200_000  # draws of the seed-rule simulation (fixed seed 0)
 
 def _paired_sds(results: dict, metric: str) -> dict[str, float]:
     """Per final-stage cell, the standard deviation of its paired differences with FedPA-LoRA at its final n."""
-    cells = sp.cell_values(results, metric)
-    ours, out = cells.get("fedpa", {}), {}
-    for cell, values in cells.items():
-        seeds = sorted(set(values) & set(ours))
-        if cell != "fedpa" and len(seeds) >= 2:
-            out[cell] = statistics.stdev([ours[s] - values[s] for s in seeds])
-    return out
+    return {cell: row["sd"] for cell, row in sp.paired_rows(results, metric).items()}
 
 
 def head_section(results: dict) -> list[str]:
