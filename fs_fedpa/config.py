@@ -227,6 +227,22 @@ class FedPAConfig:
             )
         },
     )
+    export_dir: str = field(
+        default="",
+        metadata={
+            "help": (
+                "at the end of the run, write the trained adapters as standard PEFT directories into this folder "
+                "(docs/export.md): the server the global adapter, each client its local tensors (heads/); '' writes "
+                "none. The folder must be empty or absent"
+            )
+        },
+    )
+    export_clients: bool = field(
+        default=False,
+        metadata={
+            "help": "with fedpa.export_dir: each client also writes its own model (client_<id>/) as a PEFT directory"
+        },
+    )
     num_threads: int = field(
         default=0,
         metadata={
@@ -282,7 +298,7 @@ class FedPAConfig:
                 f"fedpa.client_timeout_s(={self.client_timeout_s:g}) must exceed fedpa.round_timeout_s"
                 f"(={self.round_timeout_s:g}): an honest client may wait through a round that waits out a dead peer"
             )
-        for key in ("auth_keyring", "auth_key"):
+        for key in ("auth_keyring", "auth_key", "export_dir"):
             if not isinstance(getattr(self, key), str):
                 raise ValueError(f"fedpa.{key} must be a file path (a string), got {getattr(self, key)!r}")
         self.norm_outlier = _number(self.norm_outlier, "norm_outlier", minimum=0.0)
@@ -297,7 +313,7 @@ class FedPAConfig:
         self.hetlora_lam = _number(self.hetlora_lam, "hetlora_lam", minimum=0.0)
         self.ravan_heads = _int_list(self.ravan_heads, "ravan_heads")
         self.ravan_head_rank = _integer(self.ravan_head_rank, "ravan_head_rank", minimum=0)
-        for flag in ("eval_local", "diagnostics", "save_outcomes"):
+        for flag in ("eval_local", "diagnostics", "save_outcomes", "export_clients"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"fedpa.{flag} must be True or False, got {getattr(self, flag)!r}")
         self.num_threads = _integer(self.num_threads, "num_threads", minimum=0)

@@ -67,6 +67,7 @@ class FedPAClient(Client):
         self._rounds_trained = 0
         self._restarted = False
         self._received: dict[str, tuple[Tensor, Tensor]] = {}
+        self._last_received: dict[str, tuple[Tensor, Tensor]] | None = None
         self._fold: dict[str, tuple[Tensor, Tensor]] | None = None  # the base part of the model it trains (last)
         save_to, restore_from = self._cfg.federate.save_to, self._cfg.federate.restore_from
         self._resume_out = resume.server_path(save_to) if save_to else None
@@ -314,6 +315,7 @@ class FedPAClient(Client):
         if self.factors is None:
             self.factors = self._initial_factors()
         received = self._receive(payload)
+        self._last_received = received  # what an export at the end of the run evaluates
         evaluated = self.method.evaluation_factors(received, self.factors, self.index, personal=self.personal)
         self._set_base()
         self._load(evaluated)
@@ -487,9 +489,29 @@ class FedPAClient(Client):
     def callback_funcs_for_finish(self, message: Message):
         """Never load the server's model (its factors have rank R_g); save this client's own state."""
         logger.info(f"================= client {self.ID} received finish message =================")
-        if self._cfg.federate.save_to and self.factors is not None:
-            torch.save(self.local_state(), add_prefix_to_path(f"fedpa_client_{self.ID}_", self._cfg.federate.save_to))
+        if self.factors is not None:
+            # what its own-factor evaluation adds to the base weights (Fed-PLoRA's undrawn modules): for the export
+            state = {**self.local_state(), "fold": lora.copy_factors(self._fold or {}, "cpu")}
+            if self._cfg.federate.save_to:
+                torch.save(state, add_prefix_to_path(f"fedpa_client_{self.ID}_", self._cfg.federate.save_to))
+            if self.method.cfg.export_dir:
+                self._export(state)
         self._monitor.finish_fl()
+
+    def _export(self, state: dict) -> None:
+        """This client's head (and with ``fedpa.export_clients`` its own models) into ``fedpa.export_dir``, with its
+        manifest entry ``export_client_<id>.json`` (:mod:`fs_fedpa.plugin.export`)."""
+        from fs_fedpa.plugin.export import Exporter
+
+        out = self.method.cfg.export_dir
+        exporter = Exporter(self._cfg, self.model, self.method, out, force=True)
+        received = self._last_received or exporter.received(self.ID, {}, self.factors)
+        cpu = {n: (B.cpu(), A.cpu()) for n, (B, A) in received.items()}
+        entry = exporter.client_entry(self.ID, state, cpu, own_models=self.method.cfg.export_clients)
+        path = os.path.join(out, f"export_client_{self.ID}.json")
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump({str(self.ID): entry}, f)
+        os.replace(path + ".tmp", path)
 
     def local_state(self) -> dict:
         """Everything this client keeps across rounds (raw factors, local tensors), on the CPU."""

@@ -17,6 +17,7 @@ import secrets
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import torch
 from federatedscope.core.aggregators import Aggregator
@@ -84,6 +85,25 @@ class FedPAServer(Server):
             self._keyring = auth.read_keyring(self.method.cfg.auth_keyring, self.client_num)
         if self._cfg.federate.restore_from:
             self.restore(self._cfg.federate.restore_from)
+        export_dir = self.method.cfg.export_dir
+        if export_dir and os.path.isdir(export_dir) and os.listdir(export_dir):
+            raise ValueError(f"fedpa.export_dir {export_dir!r} is not empty: the run would overwrite another export")
+
+    def terminate(self, msg_type="finish"):
+        """FS's end of the run; with ``fedpa.export_dir``, the global adapter is written first (the clients write
+        their own parts when they receive the finish message)."""
+        if self.method.cfg.export_dir and msg_type == "finish":
+            self.export(self.method.cfg.export_dir)
+        super().terminate(msg_type=msg_type)
+
+    def export(self, out: str) -> None:
+        """The global adapter, the shared tensors and the manifest into ``out`` (:mod:`fs_fedpa.plugin.export`)."""
+        from fs_fedpa.plugin.export import Exporter, run_info
+
+        exporter = Exporter(self._cfg, self.model, self.method, out, force=True)
+        params = dict(self.model.named_parameters())
+        entry = exporter.write_global(self.global_factors, self.merged, {n: params[n] for n in self.shared_names})
+        exporter.finish(entry, {}, run_info(self._cfg, Path(self._cfg.outdir), self.state, []))
 
     # ---------------------------------------------------------------------------------- downlink
     def broadcast_model_para(self, msg_type="model_para", sample_client_num=-1, filter_unseen_clients=True):
@@ -487,6 +507,7 @@ class FedPAServer(Server):
                 "fedpa": {
                     "method": self.method.name,
                     "global": lora.copy_factors(self.global_factors, "cpu"),
+                    "merged": {n: t.cpu() for n, t in self.merged.items()},  # (d, k): what merges added to W_0
                     "client_ranks": list(plan.client_ranks),
                     "reference_ranks": list(plan.reference_ranks),
                     "R_g": plan.R_g,

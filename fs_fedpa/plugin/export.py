@@ -1,0 +1,446 @@
+"""A run's adapters as PEFT directories (layout: :mod:`fs_fedpa.export`), from the live workers at the end of a run
+(``fedpa.export_dir``) or from a finished run's files (``python -m fs_fedpa.tools.export``).
+
+Each view is what the run evaluated: the global adapter as the server holds it; client i's paper-protocol model from
+``method.evaluation_factors`` on the reference ``method.downlink`` sends it, plus its merges and local tensors; its own
+model from its own factors, plus its merges and what it folded into its base weights for its last round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from fs_fedpa import export, lora
+from fs_fedpa.core.ranks import truncate_factors
+from fs_fedpa.methods import FederatedMethod
+from fs_fedpa.plugin.common import non_lora_trainables
+
+logger = logging.getLogger(f"federatedscope.{__name__}")
+
+
+class Exporter:
+    """Writes the views of one run into ``out`` (created; must be empty or absent unless ``force``)."""
+
+    def __init__(self, cfg, model: nn.Module, method: FederatedMethod, out, *, force: bool = False):
+        self.cfg, self.model, self.method, self.out = cfg, model, method, Path(out)
+        self.scaling = lora.Scaling.of(model)
+        alphas, rslora = set(self.scaling.alpha.values()), set(self.scaling.rslora.values())
+        if len(alphas) != 1 or len(rslora) != 1:
+            raise ValueError(
+                f"export needs one lora_alpha and one rsLoRA setting for every module ({alphas}, {rslora})"
+            )
+        self.alpha, self.rslora = alphas.pop(), rslora.pop()
+        self.local_names, self.shared_names = non_lora_trainables(model, cfg.personalization.local_param)
+        peft_config = next(m.peft_config for m in model.modules() if hasattr(m, "peft_config"))
+        config = next(iter(peft_config.values()))
+        self.task_type = str(config.task_type.value if hasattr(config.task_type, "value") else config.task_type or "")
+        self.fan_in_fan_out = bool(getattr(config, "fan_in_fan_out", False))
+        self.base_model = base_model_name(cfg)
+        self.paths = {n: export.module_path(n) for n in lora.lora_layers(model)}
+        if self.out.exists() and any(self.out.iterdir()) and not force:
+            raise ValueError(f"export folder {self.out} is not empty; pass --force to write into it")
+        self.out.mkdir(parents=True, exist_ok=True)
+
+    # ------------------------------------------------------------------------------------------------ global
+    def write_global(self, global_: dict, merged: dict[str, Tensor], shared: dict[str, Tensor]) -> dict:
+        """``global/`` (and ``global_r<R>/`` for the clients' smaller reference ranks): the server's adapter
+        ``expand(global_)`` on top of its merges ``merged`` (d, k), with the shared tensors. Returns the manifest's
+        ``global`` entry."""
+        applied = self.method.expand(global_)
+        tensors = export.saved_tensors(shared)
+        if self.method.merges and self.method.merge_encoding == "dense":  # FedEx-LoRA: merged weights
+            self._write_merged(self.out / "global", applied, merged, shared)
+            return {"merged": "global"}
+        adapter = self._adapter(applied, merged, tensors)
+        self._write(self.out / "global", adapter)
+        if self.method.state_is_factors and not merged:
+            R_g = max(adapter.ranks().values())
+            for R in sorted(set(self.method.plan.reference_ranks) - {R_g}):
+                small = {n: truncate_factors(B, A, R) for n, (B, A) in applied.items()}
+                self._write(self.out / f"global_r{R}", self._adapter(small, {}, tensors))
+        return {"adapter": "global"}
+
+    # ----------------------------------------------------------------------------------------------- clients
+    def received(self, client: int, global_: dict, own: dict) -> dict:
+        """What client ``client`` received with the final evaluation, in its space (a zero reference where the
+        method sends none), as the client decodes it."""
+        received = self._space(client - 1).download(self.method.downlink(global_, client - 1))
+        for name, (B, A) in own.items():
+            received.setdefault(name, (torch.zeros_like(B), torch.zeros_like(A)))
+        return received
+
+    def client_entry(self, client: int, state: dict, received: dict, *, own_models: bool) -> dict:
+        """Client ``client``'s parts from its end state (``local_state()`` plus ``fold``) and the reference it
+        ``received`` last (its space): its head, and with ``own_models`` its own model and any client-specific
+        paper-protocol model. Returns its manifest entry."""
+        idx, method = client - 1, self.method
+        space = self._space(idx)
+        own = state["factors"]
+        personal = state.get("personal") or None
+        offsets = dict(state.get("base_offset") or {})
+        head = {}
+        if state.get("local"):
+            head = export.saved_tensors(state["local"])
+            export.write_tensors(self.out / "heads" / f"client_{client}.safetensors", head)
+        head_file = f"heads/client_{client}.safetensors" if head else None
+        entry: dict = {"rank": method.plan.client_ranks[idx], "reference_rank": method.plan.reference_ranks[idx]}
+        paper = method.evaluation_factors(received, own, idx, personal=personal)
+        if method.instance_mix is not None and personal is not None:
+            if own_models:
+                folder = f"paper_client_{client}"
+                self._write(self.out / folder / "global", self._adapter(space.upload(received), {}, {}))
+                self._write(self.out / folder / "personal", self._adapter(space.upload(personal), {}, {}))
+                entry["paper"] = {"mix": {"global": f"{folder}/global", "personal": f"{folder}/personal",
+                                          "w": method.instance_mix}, "head": head_file}  # fmt: skip
+        elif paper is received:  # the global model at its reference rank R_i (fs_fedpa.export.load finds it)
+            entry["paper"] = {"global": True, "head": head_file}
+        elif own_models:
+            folder = f"paper_client_{client}"
+            self._write_view(self.out / folder, space, paper, offsets, None, head)
+            entry["paper"] = self._where(folder)
+        if own_models:
+            folder = f"client_{client}"
+            self._write_view(self.out / folder, space, own, offsets, state.get("fold"), head)
+            entry["local"] = self._where(folder)
+        return entry
+
+    def _where(self, folder: str) -> dict:
+        return {"merged": folder} if self._merges_dense else {"adapter": folder}
+
+    @property
+    def _merges_dense(self) -> bool:
+        return self.method.merges and self.method.merge_encoding == "dense"
+
+    def _space(self, idx: int) -> lora.ClientSpace:
+        if self.method.state_is_factors:
+            return lora.ClientSpace(self.scaling, self.method.plan.client_ranks[idx])
+        return lora.UnitSpace()
+
+    def _write_view(self, folder: Path, space, state: dict, offsets: dict, fold: dict | None, head: dict) -> None:
+        """A client's model: ``state`` (its space) loaded as the client loads it, on its base offsets, plus the
+        applied product of ``fold``; the head as ``modules_to_save``."""
+        if self.method.state_is_factors and not offsets and not fold:
+            adapter = export.Adapter({self.paths[n]: pair for n, pair in space.to_model(state).items()}, self.alpha,
+                                     self.rslora, head)  # fmt: skip
+            self._write(folder, adapter)  # the raw factors the client's model held, bit for bit
+            return
+        applied = self.method.expand(space.upload(state))
+        if fold:
+            folded = space.upload(fold)
+            applied = {n: (torch.cat([B, folded[n][0].to(B)], 1), torch.cat([A, folded[n][1].to(A)], 0))
+                       if n in folded else (B, A) for n, (B, A) in applied.items()}  # fmt: skip
+        if self._merges_dense:
+            self._write_merged(folder, applied, offsets, head, saved=True)
+            return
+        self._write(folder, self._adapter(applied, offsets, head))
+
+    # ---------------------------------------------------------------------------------------------- writing
+    def _adapter(self, applied: dict, offsets: dict[str, Tensor], tensors: dict) -> export.Adapter:
+        """An adapter applying ``applied``'s products plus the dense ``offsets`` (FLoRA's merged stack): with offsets,
+        each module's sum written at its numerical rank (:func:`fs_fedpa.export.lora_of_dense`)."""
+        if offsets:
+            dense = {}
+            for n, (B, A) in applied.items():
+                total = B.double() @ A.double()
+                if n in offsets:
+                    total = total + offsets[n].to(total)
+                dense[n] = export.lora_of_dense(total.to(B.dtype))
+            applied = dense
+        return export.Adapter.from_applied({self.paths[n]: pair for n, pair in applied.items()}, self.alpha,
+                                           self.rslora, tensors)  # fmt: skip
+
+    def _write(self, folder: Path, adapter: export.Adapter) -> None:
+        export.write_adapter(folder, adapter, base_model=self.base_model, task_type=self.task_type or None,
+                             fan_in_fan_out=self.fan_in_fan_out)  # fmt: skip
+
+    def _write_merged(self, folder: Path, applied: dict, offsets: dict[str, Tensor], tensors: dict,
+                      saved: bool = False) -> None:  # fmt: skip
+        """The base model with ``W_0 + offsets + B A`` in every LoRA module and ``tensors`` (FS names, or PEFT's saved
+        names with ``saved``) in place, as HF state-dict keys in ``model.safetensors``, and its ``config.json``."""
+        weights: dict[str, Tensor] = {}
+        layers = lora.lora_layers(self.model)
+        for name, layer in layers.items():
+            w0 = getattr(layer, "_fedpa_w0", None)
+            w0 = layer.get_base_layer().weight if w0 is None else w0
+            B, A = applied[name]
+            dtype = torch.promote_types(w0.dtype, torch.float32)
+            delta = B.to(dtype) @ A.to(dtype)
+            if name in offsets:
+                delta = delta + offsets[name].to(delta)
+            if self.fan_in_fan_out:
+                delta = delta.T
+            weights[f"{self.paths[name]}.weight"] = (w0.to(dtype) + delta.to(w0.device)).to(w0.dtype)
+        for name, p in _peft_model(self.model).state_dict().items():
+            if "lora_" in name or ".original_module." in name:
+                continue  # the factors (merged above), and a wrapped module's original (its copy is kept)
+            key = export.module_path(name).replace(".base_layer.", ".")
+            weights.setdefault(key, p)
+        for key, value in tensors.items() if saved else export.saved_tensors(tensors).items():
+            weights[key[len(export.PEFT_ROOT) :]] = value
+        export.write_tensors(folder / export.MERGED, weights)
+        _peft_model(self.model).get_base_model().config.save_pretrained(str(folder))
+
+    def finish(self, global_entry: dict, clients: dict[int, dict], run_info: dict) -> None:
+        """``export.json`` and ``README.md``."""
+        info = {
+            "method": self.method.name,
+            "task_type": self.task_type,
+            "base_model": self.base_model,
+            "lora_alpha": self.alpha,
+            "use_rslora": self.rslora,
+            "client_ranks": list(self.method.plan.client_ranks),
+            "reference_ranks": list(self.method.plan.reference_ranks),
+            "R_g": self.method.plan.R_g,
+            **run_info,
+            "global": global_entry,
+            "clients": {str(c): e for c, e in sorted(clients.items())},
+        }
+        (self.out / export.MANIFEST).write_text(json.dumps(info, indent=1))
+        (self.out / "README.md").write_text(readme(info))
+        logger.info(f"[fedpa] adapters exported to {self.out}")
+
+
+def _peft_model(model: nn.Module) -> nn.Module:
+    """The ``PeftModel`` inside FS's wrapper."""
+    from peft import PeftModel
+
+    return next(m for m in model.modules() if isinstance(m, PeftModel))
+
+
+def base_model_name(cfg) -> str:
+    """The run's base model: a local folder (MiniLM's shipped one by name) or a hub name."""
+    name = cfg.model.type.split("@")[0]
+    if cfg.model.type.lower().endswith("@seqcls_llm"):
+        from fs_fedpa.plugin.seqcls import resolve_model_path
+
+        return resolve_model_path(name)
+    return name
+
+
+def config_hash(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12] if path and os.path.isfile(path) else ""
+
+
+def readme(info: dict) -> str:
+    """The export's README: what was trained and how to load each part."""
+    task = info["task_type"]
+    auto = "AutoModelForSequenceClassification" if task == "SEQ_CLS" else "AutoModelForCausalLM"
+    labels = f", num_labels={info['num_labels']}" if info.get("num_labels") else ""
+    accuracy = info.get("final_metrics") or {}
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(accuracy.items())) or "not recorded"
+    clients = info["clients"]
+    first = next(iter(clients), None)
+    lines = [
+        f"# {info['method']} adapters, exported by fs_fedpa",
+        "",
+        f"- method: `{info['method']}`; rounds: {info.get('rounds', '?')}; "
+        f"config hash: `{info.get('config_hash', '')}`",
+        f"- base model: `{info['base_model']}` ({task or 'no task type'}); lora_alpha {info['lora_alpha']:g}, "
+        f"rsLoRA {info['use_rslora']}",
+        f"- ranks: clients r_i {info['client_ranks']}, references R_i {info['reference_ranks']}, "
+        f"global R_g {info['R_g']}",
+        f"- the run's final metrics (weighted over clients; `local.` = the clients' own factors): {shown}",
+        "",
+        "## The global model",
+        "",
+    ]
+    if "merged" in info["global"]:
+        lines += [
+            "`global/` holds merged weights (this method's dense residual has no low-rank form):",
+            "```python",
+            "from transformers import " + auto,
+            f'model = {auto}.from_pretrained("global"{labels})',
+            "```",
+        ]
+    else:
+        lines += [
+            "`global/` is a PEFT LoRA directory (PEFT applies exactly the update the server aggregated):",
+            "```python",
+            "from peft import PeftModel",
+            "from transformers import " + auto,
+            f'model = PeftModel.from_pretrained({auto}.from_pretrained("{info["base_model"]}"{labels}), "global")',
+            "```",
+        ]
+    if first is not None:
+        entry = clients[first].get("paper", {})
+        lines += [
+            "",
+            f"## Client {first}'s model (paper protocol: the global reference at its rank R_i and its head)",
+            "",
+        ]
+        if "mix" in entry:
+            lines += ["FedDPA mixes two adapters per input; `fs_fedpa.export.load` rebuilds the mixing:"]
+        elif entry.get("global") and entry.get("head"):
+            lines += [
+                "```python",
+                "from peft import PeftModel",
+                "from safetensors.torch import load_file",
+                f'model = PeftModel.from_pretrained({auto}.from_pretrained("{info["base_model"]}"{labels}), "global")',
+                f'model.load_state_dict(load_file("{entry["head"]}"), strict=False)',
+                "```",
+                "(`global_r<R>` in place of `global` for a client whose reference rank R_i is below R_g.)",
+            ] if "adapter" in info["global"] else []  # fmt: skip
+        lines += [
+            "",
+            "Any client and protocol, with the manifest `export.json`:",
+            "```python",
+            "from fs_fedpa.export import load",
+            f'model = load({auto}.from_pretrained("{info["base_model"]}"{labels}), ".", client={first}, '
+            'protocol="paper")  # or "local": its own factors (client_<id>/, written with --clients)',
+            "```",
+        ]
+    lines += [
+        "",
+        "## Contents",
+        "",
+        "- `global/`: the global adapter; `global_r<R>/`: the same at a client's smaller reference rank R",
+        "- `heads/client_<id>.safetensors`: a client's local tensors (its head), under PEFT's saved key names",
+        "- `client_<id>/`: a client's own model (its own factors at rank r_i, its head as `modules_to_save`)",
+        "- `paper_client_<id>/`: a client's paper-protocol model where it is its own "
+        "(FedSA-LoRA, local training, FedDPA)",
+        "- `export.json`: per client, which directory and head make each protocol's model",
+        "",
+        f"Clients exported: {', '.join(clients) or 'none'}."
+        + (
+            f" Not exported (never trained, no end state): {info['missing_clients']}."
+            if info.get("missing_clients")
+            else ""
+        ),  # fmt: skip
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------- from a run's files
+def run_files(run, cfg_file=None) -> tuple[object, Path, Path]:
+    """``(cfg, checkpoint, outdir)`` of a finished run: ``run`` is its FS output folder (its ``config.yaml`` names
+    ``federate.save_to``; FS's ``final_`` checkpoint is preferred) or a checkpoint with ``cfg_file``."""
+    from federatedscope.core.configs.config import global_cfg
+
+    run = Path(run)
+    if run.is_dir():
+        cfg_file = run / "config.yaml"
+        if not cfg_file.is_file():
+            raise ValueError(
+                f"{run} has no config.yaml: give a finished run's FS output folder, or a checkpoint --cfg"
+            )
+    elif not run.is_file():
+        raise ValueError(f"{run}: no such run folder or checkpoint")
+    elif cfg_file is None:
+        raise ValueError(f"{run} is a checkpoint: name the run's config with --cfg")
+    cfg = global_cfg.clone()
+    cfg.merge_from_file(str(cfg_file))
+    if run.is_file():
+        return cfg, run, Path(cfg.outdir)
+    save_to = cfg.federate.save_to
+    if not save_to:
+        raise ValueError(f"{run}: the run did not set federate.save_to, so it saved no checkpoint to export")
+    saved = Path(save_to)
+    candidates = [saved, run / saved.name, run.parent / saved, Path(cfg_file).parent / saved.name]
+    for place in candidates:
+        final = place.parent / f"final_{place.name}"
+        for path in (final, place):
+            if path.is_file():
+                return cfg, path, run
+    resume_point = [p for p in candidates if (p.parent / f"fedpa_resume_{p.name}").is_file()]
+    if resume_point:
+        raise ValueError(f"{run}: the run has not finished (only its resume point {resume_point[0].parent} is there); "
+                         "resume it with federate.restore_from, then export")  # fmt: skip
+    raise ValueError(f"{run}: no checkpoint found for federate.save_to {save_to!r} (looked in "
+                     f"{', '.join(str(p.parent) for p in candidates)})")  # fmt: skip
+
+
+def client_file(checkpoint: Path, client: int) -> Path:
+    """Where a client's end state lies: ``fedpa_client_<id>_<save_to name>`` beside the checkpoint."""
+    name = checkpoint.name[len("final_") :] if checkpoint.name.startswith("final_") else checkpoint.name
+    return checkpoint.parent / f"fedpa_client_{client}_{name}"
+
+
+def export_run(run, out, *, clients: bool = False, force: bool = False, cfg_file=None) -> Path:
+    """Export a finished run (see :func:`run_files`) into ``out``; returns ``out``."""
+    from federatedscope.core.auxiliaries.model_builder import get_model
+
+    from fs_fedpa.plugin.common import build_method
+
+    cfg, checkpoint, outdir = run_files(run, cfg_file)
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    section = saved.get("fedpa") if isinstance(saved, dict) else None
+    if not isinstance(section, dict) or "global" not in section:
+        raise ValueError(f"{checkpoint} is not a checkpoint of an fs_fedpa run (no 'fedpa' section)")
+    if int(saved.get("cur_round", 0)) < 1:
+        raise ValueError(f"{checkpoint}: the run has no finished round (cur_round {saved.get('cur_round')})")
+    model = get_model(cfg)
+    method = build_method(cfg, model)
+    plan = method.plan
+    if section["method"] != method.name or (list(section["client_ranks"]), list(section["reference_ranks"])) != (
+        list(plan.client_ranks),
+        list(plan.reference_ranks),
+    ):
+        raise ValueError(
+            f"{checkpoint} was saved by method {section['method']!r} with ranks r_i {section['client_ranks']}, R_i "
+            f"{section['reference_ranks']}; its config says {method.name!r} with {list(plan.client_ranks)}, "
+            f"{list(plan.reference_ranks)}"
+        )
+    if method.merges and "merged" not in section:
+        raise ValueError(f"{checkpoint}: {method.name} merges into the base weights, and this checkpoint (an older "
+                         "fs_fedpa's) does not hold the merged offsets")  # fmt: skip
+    if method.merges:
+        lora.keep_base(model)
+    exporter = Exporter(cfg, model, method, out, force=force)
+    model_state = {export.module_path(f"model.{k}") if export.PEFT_ROOT in k else k: v
+                   for k, v in saved.get("model", {}).items()}  # fmt: skip
+    shared = {n: model_state[export.module_path(n)] for n in exporter.shared_names if
+              export.module_path(n) in model_state}  # fmt: skip
+    global_ = section["global"]
+    global_entry = exporter.write_global(global_, section.get("merged", {}), shared)
+    entries, missing = {}, []
+    for client in range(1, cfg.federate.client_num + 1):
+        path = client_file(checkpoint, client)
+        if not path.is_file():
+            missing.append(client)
+            continue
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        check_state(state, path, client, method)
+        received = exporter.received(client, global_, state["factors"])
+        entries[client] = exporter.client_entry(client, state, received, own_models=clients)
+    if missing:
+        logger.warning(f"[fedpa] export: clients {missing} have no end state (never trained); they are not exported")
+    exporter.finish(global_entry, entries, run_info(cfg, outdir, int(saved["cur_round"]), missing))
+    return exporter.out
+
+
+def check_state(state, path: Path, client: int, method: FederatedMethod) -> None:
+    """A client's end state must be that client's, of this rank plan and model."""
+    if not isinstance(state, dict) or not isinstance(state.get("factors"), dict):
+        raise ValueError(f"{path}: not a client end state of fs_fedpa")
+    rank = method.plan.client_ranks[client - 1]
+    if state.get("client") != client or state.get("rank") != rank:
+        raise ValueError(f"{path}: written by client {state.get('client')} at rank {state.get('rank')}; expected "
+                         f"client {client} at rank {rank}")  # fmt: skip
+    if unknown := sorted(set(state["factors"]) - set(method.shapes)):
+        raise ValueError(f"{path}: factors of modules {unknown[:3]} that the model does not have")
+
+
+def run_info(cfg, outdir: Path, rounds: int, missing: list[int]) -> dict:
+    """What the README says of the run: rounds, config hash, final metrics from FS's eval_results.log."""
+    from fs_fedpa.fs_results import weighted_avg_by_round
+
+    log = Path(outdir) / "eval_results.log"
+    metrics = {}
+    if log.is_file():
+        by_round = weighted_avg_by_round(log)
+        if by_round:
+            last = by_round[max(by_round)]
+            metrics = {k: float(v) for k, v in last.items() if k.endswith(("_acc", "_loss"))}
+    info = {"rounds": rounds, "config_hash": config_hash(Path(outdir) / "config.yaml"), "final_metrics": metrics,
+            "missing_clients": missing}  # fmt: skip
+    if cfg.model.type.lower().endswith("@seqcls_llm"):
+        info["num_labels"] = int(cfg.model.seqcls.num_labels)
+    return info
