@@ -154,8 +154,9 @@ def manifest(export_dir) -> dict:
     if not (root / MANIFEST).is_file():
         raise ValueError(f"{export_dir}: no {MANIFEST}; not a directory written by fs_fedpa's export")
     info = json.loads((root / MANIFEST).read_text())
+    info.setdefault("clients", {})
     for part in sorted(root.glob("export_client_*.json")):
-        info.setdefault("clients", {}).update(json.loads(part.read_text()))
+        info["clients"].update(json.loads(part.read_text()))
     return info
 
 

