@@ -227,6 +227,16 @@ class FedPAConfig:
             )
         },
     )
+    state_budget_mb: float = field(
+        default=0.0,
+        metadata={
+            "help": (
+                "host memory (MiB) for what the clients keep between their rounds (own factors, local tensors, "
+                "merges, personal adapters), off the accelerator; beyond it the least recently used clients are "
+                "written to <outdir>/fedpa_state/ (safetensors) and read back when sampled. 0: no limit"
+            )
+        },
+    )
     export_dir: str = field(
         default="",
         metadata={
@@ -317,6 +327,7 @@ class FedPAConfig:
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"fedpa.{flag} must be True or False, got {getattr(self, flag)!r}")
         self.num_threads = _integer(self.num_threads, "num_threads", minimum=0)
+        self.state_budget_mb = _number(self.state_budget_mb, "state_budget_mb", minimum=0.0)
         cpus = os.cpu_count() or 1
         if self.num_threads > cpus:
             raise ValueError(f"fedpa.num_threads(={self.num_threads}) > the {cpus} CPUs of this machine")

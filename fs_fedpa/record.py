@@ -19,7 +19,7 @@ OUTCOMES_FILE = "fedpa_outcomes.jsonl"
 EVAL_SHARDS_FILE = "fedpa_eval_shards.json"
 
 # What each client reports about its round (fs_fedpa.plugin.client); the record keeps them per client and summarised.
-CLIENT_STATS = ("delta_norm", "drift", "drift_rel", "grad_ratio_first", "grad_ratio_last")
+CLIENT_STATS = ("delta_norm", "drift", "drift_rel", "grad_ratio_first", "grad_ratio_last", "staleness", "drift_start")
 
 
 def _f(help: str, default: Any = None, factory: Any = None):
@@ -73,6 +73,12 @@ class RoundRecord:
         factory=dict,
     )
     grad_ratio_last: dict = _f("per client: the same at the round's last step", factory=dict)
+    staleness: dict = _f("per client that trained before: rounds since its last training round", factory=dict)
+    drift_start: dict = _f(
+        "per client that trained before: ||s_i B_i A_i - X_g,i||_F at the round's start, its preserved product "
+        "against the reference it received, all modules (does a factor that sat out drift from the reference?)",
+        factory=dict,
+    )
     spread: dict = _f(
         "per client field of CLIENT_STATS: [mean, std, min, max] over the clients that report it", factory=dict
     )

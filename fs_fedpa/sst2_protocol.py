@@ -21,6 +21,7 @@ alpha = 8, local heads, 10 local steps of 16 sentences):
 5. ``head``: FedIT with its classifier head federated, seeds 0-4, T rounds (the head asymmetry).
 6. ``long``: the long horizon, :data:`LONG_ARMS` over :data:`LONG_ROUNDS` rounds, seeds 0-3, with per-sentence
    outcomes of every evaluation (``fedpa.save_outcomes``).
+7. ``partial``: partial participation, 100 clients, 10 sampled a round, 60 rounds, :data:`PARTIAL_ARMS`, seeds 0-2.
 
 Every finished run is reduced to one small JSON file in ``--report/runs/<stage>/`` (curves and diagnostics; no
 checkpoints), which is committed: a stopped grid continues where it stopped, on this machine or another. FS's own
@@ -254,6 +255,29 @@ def long_runs(selected: dict, rounds: int = LONG_ROUNDS) -> list[Run]:
     return runs
 
 
+PARTIAL_CLIENTS, PARTIAL_SAMPLED, PARTIAL_ROUNDS, PARTIAL_EVERY, PARTIAL_SEEDS = 100, 10, 60, 6, (0, 1, 2)
+PARTIAL_ARMS = (  # fixed before any run: nothing here is picked on the dev set
+    ("fedpa", "fedpa", None),  # as selected
+    ("fedpa_adamw5e-3_lam1", "fedpa", ("AdamW", 5e-3, 1.0)),  # the paper's SST-2 lambda at FedIT's rate
+    ("fedit", "fedit", None),
+    ("fedsa_lora", "fedsa_lora", None),  # the stateful baseline: it keeps its own B
+)
+
+
+def partial_runs(selected: dict, rounds: int = PARTIAL_ROUNDS) -> list[Run]:
+    """Partial participation: :data:`PARTIAL_CLIENTS` clients by LDA (the main cell's beta), :data:`PARTIAL_SAMPLED`
+    sampled a round (each trains about ``rounds * K / N`` times), every client's dev shard evaluated every
+    :data:`PARTIAL_EVERY` rounds under both protocols, seeds :data:`PARTIAL_SEEDS`, :data:`PARTIAL_ARMS`."""
+    chosen, runs = selected["methods"], []
+    many = ("federate.client_num", str(PARTIAL_CLIENTS), "federate.sample_client_num", str(PARTIAL_SAMPLED),
+            "eval.freq", str(PARTIAL_EVERY))  # fmt: skip
+    for seed in PARTIAL_SEEDS:
+        for name, method, values in PARTIAL_ARMS:
+            opts = selected_opts(chosen[method]) if values is None else hparams(*values, method=method)
+            runs.append(Run("partial", name, method, (*opts, *FINAL_EVAL, *many, *ONE_THREAD), seed, rounds))
+    return runs
+
+
 def head_runs(selected: dict, T: int) -> list[Run]:
     """The head asymmetry: FedIT as selected, its head federated (``personalization.local_param []``), T rounds,
     seeds :data:`HEAD_SEEDS`; paired with FedPA-LoRA's final runs and its no-local-head ablation."""
@@ -325,6 +349,7 @@ def plan(results: dict, report: Path) -> list[tuple[str, list[Run]]]:
     stages.append(("beyond the main cell", extra_runs(selected, selected["T"], selected["strongest"])))
     stages.append(("head asymmetry", head_runs(selected, selected["T"])))
     stages.append(("long horizon", long_runs(selected)))
+    stages.append(("partial participation", partial_runs(selected)))
     return stages
 
 

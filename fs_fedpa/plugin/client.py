@@ -34,10 +34,12 @@ from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainable
 from fs_fedpa.plugin.payload import decode_factors, decode_merge, decode_tensors, encode_parts, encode_tensors
 from fs_fedpa.plugin.trainer import install_alignment_hook
 from fs_fedpa.record import OUTCOMES_FILE
+from fs_fedpa.state_store import SpillError, StateStore, flatten, unflatten
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 CLIENT_TIMEOUT = "fedpa_client_timeout"  # the client watchdog's message type
 INSTANCES = 5  # FedDPA's test time: training inputs compared with each test input (the authors' instance_num)
+_STORES: dict[str, StateStore] = {}  # one per run folder: the clients of a standalone run share its budget
 
 
 class FedPAClient(Client):
@@ -65,6 +67,8 @@ class FedPAClient(Client):
         self._penalty_steps = 0
         self._e_init: dict[str, float] = {}
         self._rounds_trained = 0
+        self._last_trained: int | None = None  # the last round it trained (partial participation's staleness)
+        self._stale: dict[str, float] = {}
         self._restarted = False
         self._received: dict[str, tuple[Tensor, Tensor]] = {}
         self._last_received: dict[str, tuple[Tensor, Tensor]] | None = None
@@ -73,6 +77,11 @@ class FedPAClient(Client):
         self._resume_out = resume.server_path(save_to) if save_to else None
         self._resume_in = restore_from or None  # read at the first message, which names the round
         install_alignment_hook(self.trainer, self)
+        self.store = _store(self._cfg, self.method.cfg.state_budget_mb)
+        if self.store.initial_local is None:  # what a client whose state is lost starts from again
+            self.store.initial_local = {n: t.detach().cpu().clone() for n, t in self.local_tensors.items()}
+        self._parked = False
+        self._state_lost = self._lost_this_round = False
         self._token = secrets.token_hex(16)  # marks the watchdog's own message
         self._heard = time.monotonic()  # the last time it heard from the server, or stopped waiting
         self._waiting = False
@@ -80,6 +89,8 @@ class FedPAClient(Client):
             self._key = auth.read_key(self.method.cfg.auth_key)
             send = self.comm_manager.send
             self.comm_manager.send = lambda message: send(self._signed(message))
+        if self.ID >= 1:  # from here on its state lives in the store between messages (distributed: once joined)
+            self._park()
 
     def _set_space(self) -> None:
         """The client's factor space at its rank r_i; in distributed mode its id, and so its rank, arrives when it
@@ -148,11 +159,13 @@ class FedPAClient(Client):
 
     # ----------------------------------------------------------------------------------- training
     def callback_funcs_for_model_para(self, message: Message):
+        self._unpark()
         self._restore(message.state)
         self.state = message.state
         self._enter_round(message.content)
         sample_size, _, results = self.trainer.train()
         upload = self._leave_round()
+        self._park()
         logger.info(self._monitor.format_eval_res(results, rnd=self.state, role=f"Client #{self.ID}", return_raw=True))
         self.comm_manager.send(
             Message(
@@ -169,6 +182,10 @@ class FedPAClient(Client):
         if self.factors is None:
             self.factors = self._initial_factors()
         received = self._receive(payload)
+        self._lost_this_round = self._state_lost
+        self._stale = self._staleness(received)
+        if self._state_lost:  # its stored state could not be read back: it restarts from the reference
+            self._received, self.factors, self._state_lost = received, self._restart_factors(), False
         self._train_personal(received, payload)
         start = self.method.start_round(received, self.factors, self.index, self.state)
         self._e_init = self._init_error(start, self.factors)
@@ -226,6 +243,7 @@ class FedPAClient(Client):
         self.factors = self.method.end_round(trained, self.index, self.state)
         self.local_tensors = local
         self._rounds_trained += 1
+        self._last_trained = self.state
         term = float(self._penalty_sum) / self._penalty_steps if self._penalty_steps else 0.0
         if self._resume_out:
             self._write_resume_file()
@@ -238,6 +256,8 @@ class FedPAClient(Client):
                 "lam": float(self.lam),
                 "num_train_data": int(getattr(self.trainer.ctx, "num_train_data", 0) or 0),
                 "restarted": int(self._restarted),
+                "state_lost": int(self._lost_this_round),
+                **self._stale,
                 **self._e_init,
                 **self._round_stats(self.method.expand(self._whole_update(sent))),
             },
@@ -309,12 +329,18 @@ class FedPAClient(Client):
     def callback_funcs_for_evaluate(self, message: Message):
         """Paper protocol (global rank-R_i reference + own local tensors) and, with fedpa.eval_local, the
         client's own preserved factors, reported as ``local.<split>_<metric>``."""
+        self._unpark()
         self._restore(message.state)
         self.state = message.state
         payload = message.content
-        if self.factors is None:
+        # a client that never trained evaluates its initial factors, which it need not keep: any worker can draw them
+        # again from the run's seed, so N never-sampled clients store nothing
+        untrained = self.factors is None and not self._state_lost
+        if untrained:
             self.factors = self._initial_factors()
         received = self._receive(payload)
+        if self._state_lost:
+            self._received, self.factors, self._state_lost = received, self._restart_factors(), False
         self._last_received = received  # what an export at the end of the run evaluates
         evaluated = self.method.evaluation_factors(received, self.factors, self.index, personal=self.personal)
         self._set_base()
@@ -351,6 +377,9 @@ class FedPAClient(Client):
                 self.best_results, formatted["Results_raw"], results_type=f"client #{self.ID}"
             )
         self.history_results = merge_dict_of_results(self.history_results, formatted["Results_raw"])
+        if untrained:
+            self.factors = None
+        self._park()
         self.comm_manager.send(
             Message(
                 msg_type="metrics",
@@ -451,7 +480,13 @@ class FedPAClient(Client):
         """This client's state after round ``self.state``; the two newest files are kept."""
         owner = resume.client_owner(self._cfg, self.method, self.ID)  # whose it is: checked by every restore
         resume.save(
-            {**self.local_state(), **owner, "rounds_trained": self._rounds_trained, "rng": resume.rng_state()},
+            {
+                **self.local_state(),
+                **owner,
+                "rounds_trained": self._rounds_trained,
+                "rng": resume.rng_state(),
+                "last_trained": self.state,
+            },  # fmt: skip
             resume.client_path(self._resume_out, self.ID, self.state),
         )
         for _, path in sorted(resume.client_files(self._resume_out, self.ID).items())[:-2]:
@@ -482,6 +517,7 @@ class FedPAClient(Client):
         self.base_offset = {n: t.to(device) for n, t in saved.get("base_offset", {}).items()}
         self.personal = {n: (B.to(device), A.to(device)) for n, (B, A) in saved.get("personal", {}).items()} or None
         self._rounds_trained = saved["rounds_trained"]
+        self._last_trained = saved["round"]  # a client writes its file in the round it trains
         if self._cfg.federate.mode == "distributed":  # its own process: its own random stream
             resume.set_rng_state(saved["rng"])
         logger.info(f"[fedpa] client {self.ID} resumed its state of round {saved['round']}")
@@ -489,6 +525,11 @@ class FedPAClient(Client):
     def callback_funcs_for_finish(self, message: Message):
         """Never load the server's model (its factors have rank R_g); save this client's own state."""
         logger.info(f"================= client {self.ID} received finish message =================")
+        self._unpark()
+        self.store.drop(self.ID)
+        if not self.store.reported:
+            self.store.reported = True
+            logger.info(f"[fedpa] client state store: {self.store.summary()}")
         if self.factors is not None:
             # what its own-factor evaluation adds to the base weights (Fed-PLoRA's undrawn modules): for the export
             state = {**self.local_state(), "fold": lora.copy_factors(self._fold or {}, "cpu")}
@@ -497,6 +538,45 @@ class FedPAClient(Client):
             if self.method.cfg.export_dir:
                 self._export(state)
         self._monitor.finish_fl()
+
+    # ------------------------------------------------------------------------------ state between messages
+    def _park(self) -> None:
+        """After each message: what this client keeps goes to the state store (host memory, or disk beyond
+        ``fedpa.state_budget_mb``), and nothing of it, nor of the round's reference, stays on the model's device."""
+        parts = {"factors": self.factors, "local": self.local_tensors, "base_offset": self.base_offset,
+                 "personal": self.personal, "fold": self._fold}  # fmt: skip
+        if self.method.cfg.export_dir:
+            parts["received"] = self._last_received
+        self.store.put(self.ID, flatten(parts))
+        self._parked = True
+        self.factors = self.personal = self._fold = self._last_received = None
+        self.local_tensors, self.base_offset = {}, {}
+        self.reference, self._received, self._live = {}, {}, {}
+
+    def _unpark(self) -> None:
+        """Before each message: this client's state from the store onto the model's device. A stored state that
+        cannot be read back is this client's loss alone: it is logged, and the client restarts from the reference
+        it receives, with the initial local tensors (docs/errors.md)."""
+        if not self._parked:
+            return
+        self._parked = False
+        try:
+            flat = self.store.get(self.ID) or {}
+        except SpillError as exc:
+            logger.warning(f"[fedpa] {exc}; client #{self.ID} restarts from the global reference it receives and "
+                           "its initial local tensors")  # fmt: skip
+            flat, self._state_lost = flatten({"local": self.store.initial_local}), True
+        parts = unflatten(flat)
+        device = next(iter(lora.get_factors(self.model).values()))[0].device
+
+        def pairs(part):
+            return {n: (B.to(device), A.to(device)) for n, (B, A) in parts[part].items()} if part in parts else None
+
+        self.factors, self.personal, self._fold, self._last_received = (
+            pairs(p) for p in ("factors", "personal", "fold", "received")
+        )
+        self.local_tensors = {n: t.to(device) for n, t in parts.get("local", {}).items()}
+        self.base_offset = {n: t.to(device) for n, t in parts.get("base_offset", {}).items()}
 
     def _export(self, state: dict) -> None:
         """This client's head (and with ``fedpa.export_clients`` its own models) into ``fedpa.export_dir``, with its
@@ -551,6 +631,10 @@ class FedPAClient(Client):
         for name, (B, A) in self.factors.items():
             if name not in received:
                 received[name] = (torch.zeros_like(B), torch.zeros_like(A))
+        if "base_total" in payload:  # it lacked more than the newest merge: the sum of all, in place of its own
+            device = next(iter(self.factors.values()))[0].device
+            self.base_offset = {n: t.to(device, torch.promote_types(t.dtype, torch.float32)) for n, t in
+                                decode_tensors(payload["base_total"]).items()}  # fmt: skip
         for merge in decode_merge(payload.get("base", {})):  # one by one, as they were merged
             for name, increment in merge.items():
                 if name not in self.factors:
@@ -587,6 +671,16 @@ class FedPAClient(Client):
             for name, value in tensors.items():
                 params[name].copy_(value)
 
+    def _staleness(self, received) -> dict[str, float]:
+        """For a client that trained before: the rounds since it last trained, and ``||s_i B_i A_i - X_g,i||_F`` of
+        its preserved factors against the reference ``received`` at the start of this round (partial
+        participation: does a preserved factor that sat out drift from the reference?)."""
+        if self._last_trained is None or self.factors is None:
+            return {}
+        own, reference = (self.method.expand(self.space.upload(f)) for f in (self.factors, received))
+        sq = sum(float(product_distance(B, A, *reference[n])) ** 2 for n, (B, A) in own.items() if n in reference)
+        return {"staleness": self.state - self._last_trained, "drift_start": sq**0.5}
+
     def _init_error(self, start, previous) -> dict[str, float]:
         """E_init(B), E_init(A) of this client for the first LoRA module (§3.3; the paper plots one module)."""
         if self._rounds_trained == 0:
@@ -602,3 +696,11 @@ def _grads(loss: Tensor, Bs: list[Tensor], As: list[Tensor]) -> tuple[list[Tenso
     grads = torch.autograd.grad(loss, Bs + As, retain_graph=True, allow_unused=True)
     grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, Bs + As)]
     return grads[: len(Bs)], grads[len(Bs) :]
+
+
+def _store(cfg, budget_mb: float) -> StateStore:
+    """The state store of this run's folder (shared by the clients of a standalone run)."""
+    folder = os.path.join(os.path.abspath(cfg.outdir), "fedpa_state")
+    if folder not in _STORES:
+        _STORES[folder] = StateStore(folder, int(budget_mb * 2**20) if budget_mb > 0 else None)
+    return _STORES[folder]

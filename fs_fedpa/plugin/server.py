@@ -27,6 +27,7 @@ from torch import Tensor
 
 from fs_fedpa import lora
 from fs_fedpa.core.diagnostics import aggregate_norm, aggregation_error, factored_norm
+from fs_fedpa.methods.base import FederatedMethod
 from fs_fedpa.plugin import auth, resume
 from fs_fedpa.plugin.common import build_method, global_init, layer_shapes, non_lora_trainables
 from fs_fedpa.plugin.intake import (
@@ -70,9 +71,9 @@ class FedPAServer(Server):
         self._down_bytes: dict[int, int] = {}
         self._late_down: dict[int, int] = {}  # merge bytes that rode on evaluation messages: next round's downlink
         self.merged: dict[str, Tensor] = {}  # sum of every merge so far, (d, k) per module (exact-aggregation methods)
-        self._merges: list[dict] = []  # merges some client has not received yet, as they travel (see install_global)
-        self._merges_dropped = 0  # merges every client has received, no longer kept
-        self._merged_upto: dict[int, int] = {}  # per client: how many merges it has received
+        self._last_merge: dict | None = None  # the newest merge, as it travels (see install_global)
+        self._merge_count = 0  # merges so far
+        self._merged_upto: dict[int, int] = {}  # per client: how many merges its base offset holds
         self._merged_kept: dict[int, int] = {}  # ... by its last training message: what its resume file holds
         self._totals = {"up": 0, "down": 0}
         self._records: list[dict] = []  # diagnostics history, carried by resume points
@@ -128,19 +129,30 @@ class FedPAServer(Server):
         wire = self._cfg.federate.mode.lower() == "distributed"  # tensors as explicit encodings, never pickled
         shared = encode_tensors({n: params[n] for n in self.shared_names}, wire)
         rnd = self.state - 1 if msg_type == "evaluate" else self.state  # FS: evaluation closes a round
+        # Standalone: the receivers of one reference rank share one read-only copy of it (the method's default
+        # downlink), so a broadcast to N clients holds one copy per rank, not N (clients never change it in place).
+        shared_downlink = not wire and type(self.method).downlink is FederatedMethod.downlink
+        copies: dict[int, dict] = {}
         for client_id in receivers:
-            down = encode_factors(self.method.downlink(self.global_factors, client_id - 1), wire=wire)
+            R_i = self.method.plan.reference_ranks[client_id - 1]
+            if not shared_downlink or R_i not in copies:
+                copies[R_i] = encode_factors(self.method.downlink(self.global_factors, client_id - 1), wire=wire)
+            down = copies[R_i] if shared_downlink else copies.pop(R_i)
             # FS's gRPC encoder fails on empty dicts, and rewrites dicts in place: one per receiver
-            payload = {"lora": down} if down else {"zero_reference": 1}
+            payload = {"lora": dict(down)} if down else {"zero_reference": 1}
             if shared:
                 payload["shared"] = dict(shared)
-            if merges := self._pending_merges(client_id):
-                payload["base"] = encode_merge(merges, wire)
+            merges = self._pending_merges(client_id)
+            if merges is not None:
+                kind, value = merges
+                payload[kind] = encode_merge(value, wire) if kind == "base" else (
+                    encode_tensors(value, wire) if wire else dict(value))  # fmt: skip
             if msg_type == "model_para":
                 self._down_bytes[client_id] = nbytes(payload) + self._late_down.pop(client_id, 0)
                 self._merged_kept[client_id] = self._merged_upto.get(client_id, 0)
-            elif merges:
-                self._late_down[client_id] = self._late_down.get(client_id, 0) + nbytes({"base": payload["base"]})
+            elif merges is not None:
+                late = nbytes({merges[0]: payload[merges[0]]})
+                self._late_down[client_id] = self._late_down.get(client_id, 0) + late
             self.comm_manager.send(
                 Message(
                     msg_type=msg_type,
@@ -155,20 +167,19 @@ class FedPAServer(Server):
             self.sampler.change_state(self.unseen_clients_id, "seen")
         self._progress = time.monotonic()  # the round's wait starts now: sending to every receiver can take a while
 
-    def _pending_merges(self, client_id: int) -> list[dict]:
-        """The merges ``client_id`` has not received, in order, now counted as received. A merge is forgotten once
-        every client has trained after receiving it: a client's resume file holds what it had at its last training,
-        and a resumed run sends each client what came after that."""
+    def _pending_merges(self, client_id: int) -> tuple[str, object] | None:
+        """What ``client_id`` lacks of the merges, now counted as received: ``("base", [newest merge])`` when it
+        lacks only the newest (every client, every round, with full participation), ``("base_total", merged)``, the
+        sum of every merge (d, k), which replaces its base offset, when it lacks more; None when it lacks none. The
+        server keeps the newest merge and the sum, whatever the number of clients and however long one sits out:
+        the sum is what the client would have added up, in the same order, so its base offset is the same."""
         upto = self._merged_upto.get(client_id, 0)
-        pending = self._merges[upto - self._merges_dropped :]
-        if not pending:
-            return []
-        self._merged_upto[client_id] = self._merges_dropped + len(self._merges)
-        if len(self._merged_kept) == self.client_num:
-            done = min(self._merged_kept.values()) - self._merges_dropped
-            del self._merges[:done]
-            self._merges_dropped += done
-        return pending
+        if upto >= self._merge_count:
+            return None
+        self._merged_upto[client_id] = self._merge_count
+        if upto == self._merge_count - 1 and self._last_merge is not None:
+            return "base", [self._last_merge]
+        return "base_total", self.merged
 
     # ---------------------------------------------------------------------------------- liveness
     def run(self):
@@ -351,7 +362,7 @@ class FedPAServer(Server):
                 self.merged[name] = self.merged[name] + increment if name in self.merged else increment
                 # per module its dense increment (formed here once, not once per receiver) or a copy of its factors
                 travels[name] = increment.to(B.dtype) if dense else (B.detach().clone(), A.detach().clone())
-            self._merges.append(travels)
+            self._last_merge, self._merge_count = travels, self._merge_count + 1
         if self.merged:
             lora.set_base_offsets(self.model, self.merged)
         if shared:
@@ -404,8 +415,8 @@ class FedPAServer(Server):
                     "down_bytes": dict(self._down_bytes),
                     "merges": {
                         "merged": {n: t.cpu() for n, t in self.merged.items()},
-                        "pending": [_moved(m, "cpu") for m in self._merges],
-                        "dropped": self._merges_dropped,
+                        "last": _moved(self._last_merge, "cpu") if self._last_merge is not None else {},
+                        "count": self._merge_count,
                         "kept": dict(self._merged_kept),  # evaluation messages are sent again after a resume
                     },
                     "records": resume.plain(self._records),
@@ -463,8 +474,13 @@ class FedPAServer(Server):
         self._totals, self._down_bytes = dict(saved["totals"]), dict(saved["down_bytes"])
         merges = saved.get("merges", {})
         self.merged = {n: t.to(device) for n, t in merges.get("merged", {}).items()}
-        self._merges = [_moved(m, device) for m in merges.get("pending", [])]
-        self._merges_dropped = merges.get("dropped", 0)
+        if "pending" in merges:  # a resume point of an older fs_fedpa: every merge some client lacked, in order
+            pending = merges["pending"]
+            self._merge_count = merges.get("dropped", 0) + len(pending)
+            self._last_merge = _moved(pending[-1], device) if pending else None
+        else:
+            self._merge_count = merges.get("count", 0)
+            self._last_merge = _moved(merges["last"], device) if merges.get("last") else None
         self._merged_upto, self._merged_kept = dict(merges.get("kept", {})), dict(merges.get("kept", {}))
         if self.merged:
             lora.set_base_offsets(self.model, self.merged)
@@ -579,6 +595,9 @@ class FedPAAggregator(Aggregator):
             record = _round_record(server, uploads, weights, kept, _with_merge(new_global, merge), spectra, stats)
             record.dropped, record.bytes_up = dropped, bytes_up
             record.restarted = [c for c, st in zip(kept, stats) if st.get("restarted")]
+            for c, st in zip(kept, stats):
+                if st.get("state_lost"):  # its stored state, merges included, is gone: the next message sends them all
+                    server._merged_upto[c] = 0
             if bad := record.not_finite():  # a diagnostic problem: the aggregate itself is finite (checked above)
                 logger.warning(
                     f"[fedpa] round {server.state}: the diagnostics {', '.join(bad)} are not finite; recorded as null"

@@ -12,10 +12,12 @@ only copy what passes through the plugin's own seams; they change nothing:
 - ``loss_gap``: ``loss_task - loss_batch`` of every training batch (the added alignment term);
 - ``personal``: per client and round with a personal phase (FedDPA), its personal factors before and after, and the
   model as that phase trains it (LoRA factors, base weights, PEFT scaling) with the reference it received;
-- ``final``: every client's kept factors, base offset and personal adapter, the server's global factors and merges
-  at the end;
+- ``final``: every client's kept factors, base offset, personal adapter and local tensors, the server's global
+  factors and merges at the end;
 - ``sent``: per client and round, the sample size and the factors of its upload (``module -> {part: tensor}``) as
   the client made it.
+
+``FS_PROBE_DAMAGE_SPILL=1`` cuts short the third file the client state store spills (a disk fault).
 
 ``FS_PROBE_NAN_LOCAL="client:round,..."`` puts a NaN into that client's live factors at the end of that round's
 training, as a diverging step would.
@@ -74,6 +76,19 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
     from tests.integration.fault_cases import corrupt
 
     record = {"enter": [], "leave": [], "aggregate": [], "loss_gap": [], "sent": []}
+    if os.environ.get("FS_PROBE_DAMAGE_SPILL"):  # the third file the state store writes is cut short on disk
+        from fs_fedpa.state_store import StateStore
+
+        write, written = StateStore._write, []
+
+        def damaging_write(self, client, state):
+            write(self, client, state)
+            written.append(client)
+            if len(written) == 3:
+                path = self._path(client)
+                path.write_bytes(path.read_bytes()[:40])
+
+        StateStore._write = damaging_write
     faults = _faults()
     poison_local = {
         tuple(map(int, f.split(":"))) for f in os.environ.get("FS_PROBE_NAN_LOCAL", "").split(",") if f
@@ -252,6 +267,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         "merged": {n: t.cpu().clone() for n, t in runner.server.merged.items()},
         "offsets": {cid: {n: t.cpu().clone() for n, t in c.base_offset.items()} for cid, c in runner.client.items()},
         "personal": {cid: _copy(c.personal) for cid, c in runner.client.items() if c.personal is not None},
+        "local": {cid: {n: t.cpu().clone() for n, t in c.local_tensors.items()} for cid, c in runner.client.items()},
         "outdir": cfg.outdir,
     }
     torch.save(record, out)

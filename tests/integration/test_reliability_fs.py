@@ -179,9 +179,11 @@ def test_a_run_killed_after_round_k_resumes_to_the_same_result(tiny_llm, tmp_pat
         return fedpa_cfg(tiny_llm, tmp_path / name, **changes, **more)
 
     full = probe(cfg("full"), tmp_path / "full")
-    # Execute: the same run killed once round 2 has started, then resumed from its resume point
-    point = _kill_after_resume_point(cfg("killed"), tmp_path / "killed", rnd=2)
-    resumed = probe(cfg("resumed", **{"federate.restore_from": str(point)}), tmp_path / "resumed")
+    # Execute: the same run killed once round 2 has started, then resumed from its resume point; both with a state
+    # budget of about one client, so the clients' states are spilled to disk and read back between their rounds
+    tight = {"fedpa.state_budget_mb": 0.001}
+    point = _kill_after_resume_point(cfg("killed", **tight), tmp_path / "killed", rnd=2)
+    resumed = probe(cfg("resumed", **{"federate.restore_from": str(point)}, **tight), tmp_path / "resumed")
     # Assert: the same global adapter, client factors and metrics, bit for bit
     assert [a["round"] for a in resumed["aggregate"]] == [2, 3]
     for name, (B, A) in full["final"]["global"].items():

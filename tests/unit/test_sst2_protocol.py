@@ -320,13 +320,18 @@ def test_selections_at_the_grids_top_are_checked_one_step_above_without_changing
     for run in dict(sp.plan(results, tmp_path))["final"]:
         results[run.key] = _result(run, {selected["T"]: 0.85 + 0.001 * run.seed})
     stages = sp.plan(results, tmp_path)
-    assert [s for s, _ in stages][-5:] == [
+    assert [s for s, _ in stages][-6:] == [
         "final, more seeds",
         "tuning grid edge",
         "beyond the main cell",
         "head asymmetry",
         "long horizon",
+        "partial participation",
     ]
+    partial = dict(stages)["partial participation"]  # fixed cells: 4 arms x seeds 0-2, 100 clients, 10 a round
+    assert len(partial) == 12 and {r.name for r in partial} == {"fedpa", "fedpa_adamw5e-3_lam1", "fedit", "fedsa_lora"}
+    assert all({"federate.client_num": "100", "federate.sample_client_num": "10", "eval.freq": "6"}.items()
+               <= dict(zip(r.opts[::2], r.opts[1::2])).items() and r.rounds == 60 for r in partial)  # fmt: skip
     edge = dict(stages)["tuning grid edge"]
     at_top = {m for m, c in selected["methods"].items() if (c["optimizer"], c["lr"]) == ("AdamW", 0.005)}
     assert {r.method for r in edge} == at_top and "fedrot_lora" not in at_top and "fedpa" not in at_top

@@ -1,0 +1,172 @@
+"""What every client keeps between its rounds, in host memory up to a budget and on disk beyond it. No FederatedScope.
+
+A client's state is a flat ``name -> tensor`` mapping (its own factors, local tensors, merges, personal adapter,
+fold; :func:`flatten` / :func:`unflatten`). :meth:`StateStore.put` keeps a CPU copy; when the copies held exceed the
+budget, the least recently used clients are written to ``<folder>/client_<id>.safetensors`` (atomically: a temporary
+file, then a rename) and dropped from memory; :meth:`StateStore.get` reads a spilled client back, checking that the
+file holds exactly the tensors that were written. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+SEP = "|"
+
+
+class SpillError(ValueError):
+    """A spilled client's file is missing, unreadable, or not what was written: that client's state is lost."""
+
+    def __init__(self, client: int, path: Path, reason: str):
+        super().__init__(f"client #{client}: its spilled state {path} {reason}")
+        self.client, self.path, self.reason = client, path, reason
+
+
+def flatten(parts: Mapping[str, Mapping[str, object]]) -> dict[str, Tensor]:
+    """``{"factors": {name: (B, A)}, "local": {name: t}, ...}`` -> ``{"factors|name|0": B, "factors|name|1": A,
+    "local|name": t, ...}``; a part that is None or empty contributes nothing."""
+    flat = {}
+    for part, values in parts.items():
+        for name, value in (values or {}).items():
+            if isinstance(value, tuple):
+                for i, t in enumerate(value):
+                    flat[f"{part}{SEP}{name}{SEP}{i}"] = t
+            else:
+                flat[f"{part}{SEP}{name}"] = value
+    return flat
+
+
+def unflatten(flat: Mapping[str, Tensor]) -> dict[str, dict[str, object]]:
+    """Inverse of :func:`flatten` (pairs come back as tuples; absent parts are absent)."""
+    parts: dict[str, dict[str, object]] = {}
+    pairs: dict[tuple[str, str], dict[int, Tensor]] = {}
+    for key, t in flat.items():
+        part, rest = key.split(SEP, 1)
+        name, sep, index = rest.rpartition(SEP)
+        if sep and index.isdigit() and name:
+            pairs.setdefault((part, name), {})[int(index)] = t
+        else:
+            parts.setdefault(part, {})[rest] = t
+    for (part, name), items in pairs.items():
+        parts.setdefault(part, {})[name] = tuple(items[i] for i in sorted(items))
+    return parts
+
+
+def nbytes(tensors: Mapping[str, Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+class StateStore:
+    """Per-client states in host memory up to ``budget_bytes`` (None: no limit), the least recently used beyond it
+    on disk under ``folder``. A client's state is held at most once: in memory or in one file."""
+
+    def __init__(self, folder, budget_bytes: int | None = None):
+        self.folder = Path(folder)
+        self.budget = budget_bytes
+        self._held: OrderedDict[int, dict[str, Tensor]] = OrderedDict()
+        self._held_bytes = 0
+        self._spilled: dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}  # what each file must hold
+        self.spills = self.reads = 0  # counts, for the log and the benchmark
+        self.initial_local: dict[str, Tensor] | None = None  # set by the owner: what a lost state restarts from
+        self.peak_bytes = 0  # the most bytes held in memory at once
+        self.reported = False
+
+    def __contains__(self, client: int) -> bool:
+        return client in self._held or client in self._spilled
+
+    @property
+    def memory_bytes(self) -> int:
+        return self._held_bytes
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(self._path(c).stat().st_size for c in self._spilled if self._path(c).is_file())
+
+    def summary(self) -> str:
+        budget = "no budget" if self.budget is None else f"budget {self.budget / 2**20:.3g} MiB"
+        peak, disk = self.peak_bytes / 2**20, self.disk_bytes / 2**20
+        where = f"peak {peak:.3g} MiB in memory ({budget}), {disk:.3g} MiB on disk now"
+        return f"{self.spills} spills, {self.reads} reads back, {where}"
+
+    def put(self, client: int, state: Mapping[str, Tensor]) -> None:
+        """Keep a CPU copy of ``state`` as ``client``'s (replacing any), then spill beyond the budget."""
+        self.drop(client)
+        copy = {k: t.detach().to("cpu", copy=True).contiguous() for k, t in state.items()}
+        self._held[client] = copy
+        self._held_bytes += nbytes(copy)
+        self._spill_beyond_budget(keep=client)
+        self.peak_bytes = max(self.peak_bytes, self._held_bytes)
+
+    def get(self, client: int) -> dict[str, Tensor] | None:
+        """``client``'s state (CPU tensors the caller must not change in place), read back if it was spilled; None
+        if it has none. Raises :class:`SpillError` if its file is not what was written (the state is then gone)."""
+        if client in self._held:
+            self._held.move_to_end(client)
+            return self._held[client]
+        if client not in self._spilled:
+            return None
+        expected = self._spilled.pop(client)
+        path = self._path(client)
+        state = _read(client, path, expected)
+        path.unlink(missing_ok=True)
+        self.reads += 1
+        self._held[client] = state
+        self._held_bytes += nbytes(state)
+        self._spill_beyond_budget(keep=client)
+        return state
+
+    def drop(self, client: int) -> None:
+        """Forget ``client``'s state (memory and file)."""
+        if client in self._held:
+            self._held_bytes -= nbytes(self._held.pop(client))
+        if self._spilled.pop(client, None) is not None:
+            self._path(client).unlink(missing_ok=True)
+
+    def _path(self, client: int) -> Path:
+        return self.folder / f"client_{client}.safetensors"
+
+    def _spill_beyond_budget(self, keep: int) -> None:
+        if self.budget is None:
+            return
+        while self._held_bytes > self.budget and len(self._held) > 1:
+            client = next(iter(self._held))
+            if client == keep:
+                self._held.move_to_end(client)
+                continue
+            state = self._held.pop(client)
+            self._held_bytes -= nbytes(state)
+            self._write(client, state)
+
+    def _write(self, client: int, state: dict[str, Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self._path(client)
+        tmp = path.with_suffix(".tmp")
+        save_file(state, str(tmp))
+        os.replace(tmp, path)
+        self._spilled[client] = {k: (tuple(t.shape), t.dtype) for k, t in state.items()}
+        self.spills += 1
+
+
+def _read(client: int, path: Path, expected: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise SpillError(client, path, "is missing")
+    try:
+        state = load_file(str(path))
+    except Exception as exc:  # safetensors raises its own error types for a truncated or garbled file
+        raise SpillError(client, path, f"cannot be read ({type(exc).__name__}: {exc})") from None
+    if set(state) != set(expected):
+        raise SpillError(client, path, f"holds other tensors than were written ({len(state)} vs {len(expected)})")
+    for key, t in state.items():
+        if (tuple(t.shape), t.dtype) != expected[key]:
+            raise SpillError(client, path, f"holds {key} as {tuple(t.shape)} {t.dtype}, written as {expected[key]}")
+    return state
