@@ -480,13 +480,7 @@ class FedPAClient(Client):
         """This client's state after round ``self.state``; the two newest files are kept."""
         owner = resume.client_owner(self._cfg, self.method, self.ID)  # whose it is: checked by every restore
         resume.save(
-            {
-                **self.local_state(),
-                **owner,
-                "rounds_trained": self._rounds_trained,
-                "rng": resume.rng_state(),
-                "last_trained": self.state,
-            },  # fmt: skip
+            {**self.local_state(), **owner, "rounds_trained": self._rounds_trained, "rng": resume.rng_state()},
             resume.client_path(self._resume_out, self.ID, self.state),
         )
         for _, path in sorted(resume.client_files(self._resume_out, self.ID).items())[:-2]:
