@@ -228,8 +228,11 @@ def _fmt(v: tuple[float, float] | None, column: str) -> str:
     return f"{v[0]:.{digits}f} ± {v[1]:.{digits}f}"
 
 
+SPARSE = ("staleness_mean", "drift_start_mean")  # partial participation only: shown where some run has them
+
+
 def write_table(rows: list[dict], metric: str, out: Path, protocol_note: str) -> str:
-    cols = columns(metric)
+    cols = [c for c in columns(metric) if c not in SPARSE or any(r.get(c) is not None for r in rows)]
     lines = [f"| cell | method | seeds | {' | '.join(cols)} |", "|---|---|---|" + "---|" * len(cols)]
     lines += [
         f"| {r['cell']} | {r['method']} | {r['seeds']} | " + " | ".join(_fmt(r[c], c) for c in cols) + " |"
