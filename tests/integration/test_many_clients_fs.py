@@ -30,7 +30,7 @@ def many(tmp_path_factory, tiny_glue):
 def _cfg(many, tmp_path, method, **more):
     return fs_glue_yaml(tmp_path, many["model"], many["glue"], **{
         "federate.method": method, "federate.client_num": 50, "federate.sample_client_num": 5,
-        "federate.total_round_num": 3, "data.splitter": "iid", "data.splitter_args": [], "fedpa.eval_local": True,
+        "federate.total_round_num": 2, "data.splitter": "iid", "data.splitter_args": [], "fedpa.eval_local": True,
         "train.local_update_steps": 2, "expname": method, **more,
     })  # fmt: skip
 
