@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def child(n: int, k: int, rounds: int, method: str, budget_mb: float, work: Path) -> dict:
+def child(n: int, k: int, rounds: int, method: str, budget_mb: float, work: Path, lam: float = 0.01) -> dict:
     sys.path.insert(0, str(ROOT))
     from federatedscope.core.auxiliaries.data_builder import get_data
     from federatedscope.core.auxiliaries.logging import update_logger
@@ -48,7 +48,7 @@ def child(n: int, k: int, rounds: int, method: str, budget_mb: float, work: Path
         "federate.total_round_num": rounds, "federate.share_local_model": True, "eval.freq": rounds,
         "llm.adapter.args": [{"adapter_package": "peft", "adapter_method": "lora", "r": 64, "lora_alpha": 128,
                               "lora_dropout": 0.0, "target_modules": targets}],
-        "fedpa.state_budget_mb": budget_mb, "fedpa.lam": 0.01, "fedpa.diagnostics": False,
+        "fedpa.state_budget_mb": budget_mb, "fedpa.lam": lam, "fedpa.diagnostics": False,
         "train.local_update_steps": 2, "expname": f"{method}_{n}", "data.splitter": "iid",
         "data.splits": [0.98, 0.01, 0.01], "eval.split": ["val"],
     })  # fmt: skip
@@ -75,6 +75,16 @@ def child(n: int, k: int, rounds: int, method: str, budget_mb: float, work: Path
         return broadcast(self, msg_type, *args, **kwargs)
 
     server_mod.FedPAServer.broadcast_model_para = timed
+    aggregate, spent = server_mod.FedPAAggregator.aggregate, []
+
+    def timed_aggregate(self, agg_info):
+        begin = time.perf_counter()
+        try:
+            return aggregate(self, agg_info)
+        finally:
+            spent.append(time.perf_counter() - begin)
+
+    server_mod.FedPAAggregator.aggregate = timed_aggregate
     runner.run()
     store = next(iter(client_mod._STORES.values()))
     end = time.perf_counter()
@@ -88,7 +98,7 @@ def child(n: int, k: int, rounds: int, method: str, budget_mb: float, work: Path
         "eval_round_s": evals[-1] if evals else float("nan"),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "state_peak_mb": store.peak_bytes / 2**20, "state_disk_mb": disk[0] / 2**20,
-        "adapter_mb": adapter / 2**20,
+        "adapter_mb": adapter / 2**20, "aggregate_s": sum(spent) / max(1, len(spent)),
     }  # fmt: skip
 
 
@@ -99,11 +109,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--budget-mb", type=float, default=64.0)
     parser.add_argument("--methods", nargs="+", default=["fedit", "fedpa"])
+    parser.add_argument("--lam", type=float, default=0.01, help="FedPA-LoRA's lambda (0: no alignment term)")
     parser.add_argument("--child", nargs=2, metavar=("N", "METHOD"))
     args = parser.parse_args()
     if args.child:
         with tempfile.TemporaryDirectory() as work:
-            out = child(int(args.child[0]), args.sampled, args.rounds, args.child[1], args.budget_mb, Path(work))
+            out = child(
+                int(args.child[0]), args.sampled, args.rounds, args.child[1], args.budget_mb, Path(work), args.lam
+            )
         print("BENCH " + json.dumps(out), flush=True)
         return
     env = dict(os.environ, PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
@@ -112,7 +125,8 @@ def main() -> None:
     for n in args.clients:
         for method in args.methods:  # side by side for each N, in one run of this script
             cmd = [sys.executable, __file__, "--child", str(n), method, "--sampled", str(args.sampled),
-                   "--rounds", str(args.rounds), "--budget-mb", str(args.budget_mb)]  # fmt: skip
+                   "--rounds", str(args.rounds), "--budget-mb", str(args.budget_mb),
+                   "--lam", str(args.lam)]  # fmt: skip
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("BENCH ")), None)
             if proc.returncode != 0 or line is None:
@@ -122,7 +136,8 @@ def main() -> None:
             print(f"N={n:5d} {method:6s} setup {r['setup_s']:7.1f} s | train round {r['train_round_s']:6.2f} s | "
                   f"eval round {r['eval_round_s']:7.2f} s | peak RSS {r['peak_rss_mb']:7.0f} MiB | client state "
                   f"{r['state_peak_mb']:6.1f} MiB in memory (peak), {r['state_disk_mb']:6.1f} MiB on disk (max) | "
-                  f"adapter {r['adapter_mb']:.2f} MiB", flush=True)  # fmt: skip
+                  f"adapter {r['adapter_mb']:.2f} MiB | server aggregation {r['aggregate_s']:.2f} s a round",
+                  flush=True)  # fmt: skip
     small, large = min(args.clients), max(args.clients)
     print(f"\nbudget {args.budget_mb:g} MiB, K = {args.sampled}, {args.rounds} rounds")
     for method in args.methods:
@@ -138,6 +153,15 @@ def main() -> None:
         ratios = ", ".join(f"N={n}: {rows[(n, 'fedpa')]['train_round_s'] / rows[(n, 'fedit')]['train_round_s']:.3f}"
                            for n in args.clients)  # fmt: skip
         print(f"FedPA-LoRA / FedIT training round: {ratios} (goal <= 1.05)")
+        parts = []
+        for n in args.clients:
+            ours, fedit = rows[(n, "fedpa")], rows[(n, "fedit")]
+            clients_part = (ours["train_round_s"] - ours["aggregate_s"]) / (
+                fedit["train_round_s"] - fedit["aggregate_s"]
+            )
+            parts.append(f"N={n}: {clients_part:.3f}")
+        local = ", ".join(parts)
+        print(f"the same without the server's aggregation (the clients' part of a round): {local}")
 
 
 if __name__ == "__main__":
