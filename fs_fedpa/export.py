@@ -254,18 +254,9 @@ class InstanceMix(nn.Module):
 
     def representation(self, **inputs) -> Tensor:
         """(n, h): the last layer's state under the personal adapter alone."""
-        self.gate.g = torch.zeros(inputs["input_ids"].shape[0])
-        try:
-            with torch.no_grad():
-                hidden = self.model(**inputs, output_hidden_states=True).hidden_states[-1]
-        finally:
-            self.gate.g = None
-        if self.classifier:
-            return hidden[:, 0]
-        mask = inputs.get("attention_mask")
-        mask = torch.ones_like(inputs["input_ids"]) if mask is None else mask
-        last = (mask * torch.arange(1, mask.shape[1] + 1, device=mask.device)).argmax(dim=1)
-        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+        from fs_fedpa.core.instance import representation
+
+        return representation(self.model, self.gate, inputs, self.classifier)
 
     def weights(self, inputs: Mapping[str, Tensor], references: Mapping[str, Tensor]) -> Tensor:
         """(n,) the weight g of the global adapter for each input row."""

@@ -15,3 +15,21 @@ def instance_weights(emb: Tensor, refs: Tensor, scale: float = 0.5) -> Tensor:
     dtype = torch.promote_types(emb.dtype, torch.float32)
     cos = torch.nn.functional.cosine_similarity(emb.to(dtype)[:, None, :], refs.to(dtype), dim=-1)
     return scale * cos.mean(dim=1)
+
+
+def representation(model: torch.nn.Module, gate, inputs: dict[str, Tensor], classifier: bool) -> Tensor:
+    """(batch, hidden): the last layer's state of ``model`` under the personal adapter alone (``gate.g`` 0 for the
+    pass, :class:`fs_fedpa.lora.RowGate`): [CLS] for a classifier, the last attended token otherwise (either padding
+    side)."""
+    previous, gate.g = gate.g, torch.zeros(inputs["input_ids"].shape[0])
+    try:
+        with torch.no_grad():
+            hidden = model(**inputs, output_hidden_states=True).hidden_states[-1]
+    finally:
+        gate.g = previous
+    if classifier:
+        return hidden[:, 0]
+    mask = inputs.get("attention_mask")
+    mask = torch.ones_like(inputs["input_ids"]) if mask is None else mask
+    last = (mask * torch.arange(1, mask.shape[1] + 1, device=mask.device)).argmax(dim=1)
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]

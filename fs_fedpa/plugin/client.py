@@ -26,7 +26,7 @@ from torch import Tensor
 from fs_fedpa import lora
 from fs_fedpa.core.adaptive import lam_direction, lam_grad, lam_loss, normalized_factor_grads
 from fs_fedpa.core.diagnostics import GradientSplit, factored_norm, initialization_error, product_distance
-from fs_fedpa.core.instance import instance_weights
+from fs_fedpa.core.instance import instance_weights, representation
 from fs_fedpa.core.penalty import product_penalty
 from fs_fedpa.core.ranks import truncate_factors
 from fs_fedpa.plugin import auth, resume
@@ -440,17 +440,9 @@ class FedPAClient(Client):
         return undo
 
     def _representation(self, gate: lora.RowGate, inputs: dict[str, Tensor], device: torch.device) -> Tensor:
-        """(batch, hidden): the last layer's state under the personal adapter alone (gate 0): [CLS] for a
-        classifier, the last attended token otherwise (either padding side)."""
+        """(batch, hidden) under the personal adapter alone (:func:`fs_fedpa.core.instance.representation`)."""
         inputs = {k: v.to(device) for k, v in inputs.items()}
-        gate.g = torch.zeros(inputs["input_ids"].shape[0])
-        with torch.no_grad():
-            hidden = self.model(**inputs, output_hidden_states=True).hidden_states[-1]
-        if self._cfg.trainer.type == "seqcls":
-            return hidden[:, 0]
-        mask = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"]))
-        last = (mask * torch.arange(1, mask.shape[1] + 1, device=mask.device)).argmax(dim=1)
-        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+        return representation(self.model, gate, inputs, classifier=self._cfg.trainer.type == "seqcls")
 
     def _take_outcomes(self) -> dict[str, str]:
         """The last evaluation's per-example outcomes (:class:`SeqClsTrainer`), split -> "0110..."; cleared."""

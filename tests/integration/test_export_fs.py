@@ -18,10 +18,7 @@ from tests.integration.tiny_assets import fs_env, fs_glue_yaml, outdir_of, read_
 pytestmark = pytest.mark.integration
 
 HETERO = {"fedpa.client_ranks": [2, 4, 8], "model.seqcls.r": 8}
-NEEDS = {  # what a method needs of the rank plan (as in test_baselines_fs)
-    "fedex_lora": {},
-    "ravan": {"fedpa.ravan_head_rank": 2},
-}
+NEEDS = {"ravan": {"fedpa.ravan_head_rank": 2}}  # what a method needs of the rank plan (as in test_baselines_fs)
 
 
 def _run(tiny_glue, tmp_path: Path, method: str, **overrides) -> tuple[dict, Path]:
