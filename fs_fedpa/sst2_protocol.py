@@ -64,6 +64,7 @@ MAIN_R, HETERO_R = 4, 16  # model.seqcls.r of the config and of the heterogeneou
 # heterogeneous cell's r = 16 would make the selected lambda weigh the same ||dW_i - X|| (16/4)^2 = 16 times more.
 # Its FedPA runs therefore use lam * (s(16) / s(4))^2 = lam / 16: the penalty per unit of update of the tuned cell.
 HETERO_LAM = (MAIN_R / HETERO_R) ** 2
+STAGES = ("pilot", "tune", "final", "ablation", "beta", "hetero", "adaptive", "head", "long", "partial")  # Run.stage
 SECONDS_PER_ROUND = 28.0  # measured: 10 clients x 10 steps; used until a finished run gives a better figure
 
 

@@ -593,8 +593,16 @@ class FedPAClient(Client):
 
     # ------------------------------------------------------------------------------------ helpers
     def _initial_factors(self) -> dict[str, tuple[Tensor, Tensor]]:
-        """Alg. 1 l.4 from the global initialisation that server and clients draw from one seed."""
-        return self.method.client_init(self.space.download(global_init(self.model, self.method)), self.index)
+        """Alg. 1 l.4 from the global initialisation that server and clients draw from one seed (drawn on the host,
+        then put on the model's device, like the factors it keeps)."""
+        device = self._device
+        initial = self.method.client_init(self.space.download(global_init(self.model, self.method)), self.index)
+        return {n: (B.to(device), A.to(device)) for n, (B, A) in initial.items()}
+
+    @property
+    def _device(self) -> torch.device:
+        """Where the model's LoRA factors are (FS puts a shared model on the run's device when it is built)."""
+        return next(iter(lora.get_factors(self.model).values()))[0].device
 
     def _restart_factors(self) -> dict[str, tuple[Tensor, Tensor]]:
         """Rank-r_i factors whose product is the reference received this round: its R_i columns/rows, then zero
@@ -613,10 +621,14 @@ class FedPAClient(Client):
     def _receive(self, payload: dict) -> dict[str, tuple[Tensor, Tensor]]:
         """The reference of a server message in this client's space (zero at rank r_i where the method sends none),
         after adding any merge it carries to this client's base offset."""
-        received = self.space.download(decode_factors(payload.get("lora", {})))
+        # on the model's device, where the client computes with it (its own factors, its round's statistics); the
+        # scaling is applied first, on the host, so the values are those of a CPU run
+        device = self._device
+        received = {n: (B.to(device), A.to(device)) for n, (B, A) in
+                    self.space.download(decode_factors(payload.get("lora", {}))).items()}  # fmt: skip
         for name, (B, A) in self.factors.items():
             if name not in received:
-                received[name] = (torch.zeros_like(B), torch.zeros_like(A))
+                received[name] = (torch.zeros_like(B, device=device), torch.zeros_like(A, device=device))
         if "base_total" in payload:  # it lacked more than the newest merge: the sum of all, in place of its own
             device = next(iter(self.factors.values()))[0].device
             self.base_offset = {n: t.to(device, torch.promote_types(t.dtype, torch.float32)) for n, t in

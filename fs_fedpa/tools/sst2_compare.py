@@ -3,6 +3,7 @@
     ./run.sh compare --data <GLUE dir>            # or: python -m fs_fedpa.tools.sst2_compare --data <GLUE dir>
     ./run.sh compare --plan                       # the stages, their runs and the expected CPU time; runs nothing
     ./run.sh compare --report-only                # rebuild the report from the committed results
+    ./run.sh compare --data <GLUE dir> --stage partial --jobs 12 use_gpu True device 0   # one stage, on a GPU host
 
 The protocol itself (its stages, runs and plan) is :mod:`fs_fedpa.sst2_protocol`; the report is
 :mod:`fs_fedpa.tools.sst2_report`. This module runs the plan: FS subprocesses, ``jobs`` at a time, each
@@ -25,6 +26,7 @@ from fs_fedpa.sst2_protocol import (
     PILOT_ROUNDS,
     REPORT,
     RUNNER_FIELDS,
+    STAGES,
     WORK,
     Run,
     load_results,
@@ -127,6 +129,14 @@ def main(argv: list[str] | None = None) -> int:
         metavar="STAGE",
         help="rewrite these stages' committed runs from their FS outputs in --work (this machine's), then go on",
     )
+    parser.add_argument(
+        "--stage",
+        action="append",
+        dest="stages",
+        metavar="STAGE",
+        help="run only this stage's runs (repeat for several), e.g. on a GPU host while this machine runs the others; "
+        "a stage still waits for the committed results it depends on",
+    )
     parser.add_argument("--hours", type=float, default=0.0, help="stop after the run that ends past this many hours")
     parser.add_argument(
         "--jobs",
@@ -145,6 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     if not CFG.is_file():
         sys.exit(f"{CFG} not found: run this from a checkout of fs_fedpa (the config lives in yaml_configs/)")
     args.fs_opts = with_threads(args.fs_opts, args.jobs, os.cpu_count() or 1)
+    if args.stages and not set(args.stages) <= set(STAGES):
+        sys.exit(f"--stage: unknown {sorted(set(args.stages) - set(STAGES))}; the stages are {' '.join(STAGES)}")
+
+    def wanted(run: Run) -> bool:
+        return not args.stages or run.stage in args.stages
+
     report, work = Path(args.report), Path(args.work)
     results = load_results(report)
     if args.recollect:
@@ -158,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             while True:
                 stages = plan(results, report)
-                todo = [(s, [r for r in runs if r.key not in results]) for s, runs in stages]
+                todo = [(s, [r for r in runs if r.key not in results and wanted(r)]) for s, runs in stages]
                 todo = [(s, runs) for s, runs in todo if runs]
                 if not todo or not execute(todo[0][1], results, report, work, glue, budget, args.jobs, args.fs_opts):
                     break  # done, or every run left in the stage failed: see their fs.log

@@ -4,6 +4,7 @@ written to selected.json and final runs that use exactly its values; and the com
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -496,3 +497,27 @@ def test_finished_fs_outputs_of_a_pending_run_are_taken_and_said_so(tmp_path, mo
     (out / "result.json").write_text("{}")
     sc.execute([run], {}, tmp_path, tmp_path / "work", tmp_path, {"ran": 0.0, "stop_at": 0.0})
     assert f"{out} holds a finished FS run: its outputs are taken, not rerun" in capsys.readouterr().out
+
+
+def test_stage_runs_only_the_named_stages_runs_and_refuses_an_unknown_stage(tmp_path, monkeypatch):
+    calls = fake_fs_runs(monkeypatch)
+    report = tmp_path / "report"
+    shutil.copytree(sp.REPORT, report, ignore=shutil.ignore_patterns("*.png", "*.md"))
+    long_left = [r for r in sp.long_runs(json.loads((report / "selected.json").read_text())) if r.key not in
+                 sp.load_results(report)]  # fmt: skip
+    assert long_left, "the long stage is complete: pick another unfinished stage for this test"
+    monkeypatch.setattr(sc, "find_glue_dir", lambda data: tmp_path)
+    monkeypatch.setattr(sc, "write_report", lambda *args: report / "report.md")
+    argv = ["--report", str(report), "--work", str(tmp_path / "work"), "--jobs", "2", "--stage", "partial"]
+    assert sc.main([*argv, "use_gpu", "True", "device", "0"]) == 0
+    partial = sp.partial_runs(json.loads((report / "selected.json").read_text()))
+    assert sorted(name for name, _ in calls) == sorted(r.name for r in partial)  # every partial run, nothing else
+    assert all(opts[-6:] == ["use_gpu", "True", "device", "0", "fedpa.num_threads", "1"] for _, opts in calls)
+    assert not any(r.key in sp.load_results(report) for r in long_left)  # the long stage before it did not run
+    with pytest.raises(SystemExit, match=r"--stage: unknown \['longer'\]; the stages are pilot tune"):
+        sc.main([*argv[:-1], "longer"])
+
+
+def test_every_run_of_the_plan_belongs_to_a_named_stage():
+    stages = sp.plan(sp.load_results(sp.REPORT), sp.REPORT)
+    assert {r.stage for _, runs in stages for r in runs} == set(sp.STAGES)
