@@ -242,6 +242,44 @@ def plot_mechanism(runs: Sequence[dict], path: Path) -> Path:
     return _save(fig, path)
 
 
+def stale_drift(run: dict) -> tuple[list[tuple[float, float]], bool]:
+    """A run's ``(staleness, drift_start)`` points and whether they are per client: its ``stale_drift`` pairs
+    (every returning client of every round) or, for a run recorded before those were kept, one point per round
+    from the round means."""
+    diagnostics = run.get("diagnostics", [])
+    pairs = [tuple(p) for d in diagnostics for p in d.get("stale_drift", [])]
+    if pairs:
+        return pairs, True
+    means = [(d["staleness_mean"], d["drift_start_mean"]) for d in diagnostics
+             if d.get("staleness_mean") is not None and d.get("drift_start_mean") is not None]  # fmt: skip
+    return means, False
+
+
+def plot_staleness(runs: Sequence[dict], path: Path) -> Path:
+    """Partial participation: a returning client's drift from the reference at its round's start,
+    ``||s_i B_i A_i - X_g,i||_F``, against the rounds it sat out; one colour per cell, all seeds. Filled: one point
+    per client and round; hollow: round means (runs recorded before the per-client pairs were kept)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (cell, group) in enumerate(by_cell(runs).items()):
+        for kind in (True, False):
+            points = []
+            for run in group:
+                found, per_client = stale_drift(run)
+                points += found if per_client == kind else []
+            if points:
+                color = COLORS[i % len(COLORS)]
+                face = color if kind else "none"
+                label = cell + ("" if kind else " (round means)")
+                ax.scatter(*zip(*points), s=10 if kind else 18, facecolors=face, edgecolors=color, alpha=0.6,
+                           marker=MARKERS[i % len(MARKERS)], label=label)  # fmt: skip
+    ax.set(xlabel="rounds since the client last trained", ylabel="drift at round start ‖s_i B_i A_i − X_g,i‖_F",
+           title="Does a preserved factor that sat out drift from the reference?", yscale="log")  # fmt: skip
+    ax.grid(alpha=0.3)
+    _legend(ax, fontsize=8)
+    return _save(fig, path)
+
+
 def plot_all(runs: Sequence[dict], metric: str, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     return [

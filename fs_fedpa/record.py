@@ -135,7 +135,9 @@ def _finite(value: Any) -> Any:
 def compact(record: dict) -> dict:
     """What the comparison keeps of a record: its scalar fields, each client field's mean over clients
     (``<field>_mean``; E_init's as ``e_init_B``/``e_init_A``), the clients' λ as ``lam_mean``, ``lam_min`` and
-    ``lam_max`` (an adaptive rule's λ_i^(t) differ per client), the probe's spectrum and the bytes so far."""
+    ``lam_max`` (an adaptive rule's λ_i^(t) differ per client), the probe's spectrum, the bytes so far and, under
+    partial participation, each returning client's ``[staleness, drift_start]`` (``stale_drift``: does a preserved
+    factor that sat out drift further from the reference?)."""
     out = {k: v for k, v in record.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
     lams = [v for v in record.get("lam", {}).values() if _number(v)]
     if lams:
@@ -146,6 +148,9 @@ def compact(record: dict) -> dict:
     for key, (mean, *_) in record.get("spread", {}).items():
         out[f"{key}_mean"] = mean
     out["spectrum_probe"] = record.get("spectrum_probe", [])
+    stale, start = record.get("staleness", {}), record.get("drift_start", {})
+    if pairs := [[stale[c], start[c]] for c in sorted(stale, key=int) if _number(stale[c]) and _number(start.get(c))]:
+        out["stale_drift"] = pairs
     out["bytes_total"] = record.get("bytes_up_total", 0) + record.get("bytes_down_total", 0)
     return out
 

@@ -309,10 +309,18 @@ def write_run(report: Path, key: str, result: dict) -> dict:
     return {**result, "rounds": {int(r): m for r, m in result["rounds"].items()}}
 
 
+def _on_gpu(run: dict) -> bool:
+    opts = run.get("fs_opts", [])
+    return dict(zip(opts[::2], opts[1::2])).get("use_gpu") == "True"
+
+
 def seconds_per_round(results: dict) -> float:
-    """Median machine time per round of the committed runs: wall time / rounds / runs side by side (--jobs)."""
+    """Median machine time per round of the committed CPU runs: wall time / rounds / runs side by side (--jobs);
+    runs made on a GPU host (``use_gpu True`` among their FS overrides) say nothing of this machine's time."""
     rates = [
-        r["seconds"] / r["rounds_planned"] / r.get("jobs", 1) for r in results.values() if r.get("rounds_planned")
+        r["seconds"] / r["rounds_planned"] / r.get("jobs", 1)
+        for r in results.values()
+        if r.get("rounds_planned") and not _on_gpu(r)
     ]
     return statistics.median(rates) if rates else SECONDS_PER_ROUND
 

@@ -455,6 +455,122 @@ def _reproduction(results: dict, runs: list[dict]) -> list[str]:
     ]
 
 
+DEV_SENTENCES = 872  # the SST-2 dev set: FS's weighted val_total of an evaluation is this over the clients evaluated
+STALENESS_BINS = ((1, 2), (3, 5), (6, 10), (11, 20), (21, None))
+
+
+def partial_section(results: dict, report: Path) -> list[str]:
+    """Partial participation: each arm's final evaluation under both protocols, the paired intervals of each
+    FedPA-LoRA arm against the baselines, where each run ran, and drift at a returning client's start against the
+    rounds it sat out (figure and table)."""
+    runs = [r for key, r in results.items() if key.startswith("partial/")]
+    title = f"## Partial participation: {sp.PARTIAL_CLIENTS} clients, {sp.PARTIAL_SAMPLED} sampled a round"
+    if not runs:
+        return [title, "", "Not run yet.", ""]
+    folder = report / "partial"
+    folder.mkdir(exist_ok=True)
+    order = [name for name, _, _ in sp.PARTIAL_ARMS]
+    runs.sort(key=lambda r: (order.index(r["cell"]), r["seed"]))
+    try:
+        from fs_fedpa.plots import plot_protocols, plot_staleness
+
+        plot_protocols(runs, "val_acc", folder / "curves.png")
+        plot_staleness(runs, folder / "staleness.png")
+    except ImportError:  # matplotlib is an extra
+        pass
+    seeds = sorted({r["seed"] for r in runs})
+    times = sp.PARTIAL_ROUNDS * sp.PARTIAL_SAMPLED // sp.PARTIAL_CLIENTS
+    lines = [
+        title,
+        "",
+        f"LDA β = 0.5 over {sp.PARTIAL_CLIENTS} clients, {sp.PARTIAL_SAMPLED} sampled a round, "
+        f"{sp.PARTIAL_ROUNDS} rounds (a client trains about {times} times), every client's dev shard evaluated "
+        f"every {sp.PARTIAL_EVERY} rounds under both protocols; arms "
+        f"fixed before the runs; seeds run so far: {', '.join(map(str, seeds))} of "
+        f"{', '.join(map(str, sp.PARTIAL_SEEDS))}. Endpoint as in the main cell: the final evaluation. "
+        "`partial/curves.png`: the curves; `partial/staleness.png`: drift against staleness.",
+        "",
+        *_where_runs_ran(runs),
+        "| arm | val_acc (paper protocol) | local.val_acc | clients evaluated |",
+        "|---|---|---|---|",
+    ]
+    values = {m: sp.cell_values(results, m, "partial") for m in METRICS}
+    for cell in dict.fromkeys(r["cell"] for r in runs):
+        counts = sorted({round(DEV_SENTENCES / v) for r in runs if r["cell"] == cell
+                         for v in [sp.final_metric(r, "val_total")] if v})  # fmt: skip
+        shown = [_pm(list(values[m].get(cell, {}).values())) for m in METRICS]
+        lines.append(f"| {cell} | {shown[0]} | {shown[1]} | {', '.join(map(str, counts))} of {sp.PARTIAL_CLIENTS} |")
+    lines += ["", "Clients evaluated: those with a non-empty dev shard (SST-2 dev size over FS's weighted val_total); "
+              "the others are skipped by FS and counted here.", ""]  # fmt: skip
+    lines += _partial_pairs(results, values, len(seeds))
+    lines += _staleness_table(runs)
+    return lines
+
+
+def _where_runs_ran(runs: list[dict]) -> list[str]:
+    places: dict[str, list[str]] = {}
+    for run in runs:
+        opts = dict(zip(run.get("fs_opts", [])[::2], run.get("fs_opts", [])[1::2]))
+        where = "GPU" if opts.get("use_gpu") == "True" else "CPU"
+        places.setdefault(f"{where}, torch {run.get('torch') or '?'}", []).append(f"{run['cell']} s{run['seed']}")
+    text = "; ".join(f"{place}: {', '.join(names)}" for place, names in places.items())
+    return [
+        f"Where the runs ran: {text}. A seed's arms ran on one machine, so every paired difference is between runs of "
+        "one device and torch build (they change results at the rounding level). The GPU runs read MiniLM weights "
+        "that travelled to the GPU host as fp16 and were widened back to fp32 there.",
+        "",
+    ]
+
+
+def _partial_pairs(results: dict, values: dict, n_seeds: int) -> list[str]:
+    """Each FedPA-LoRA arm − each baseline arm, per protocol; Holm within one FedPA-LoRA arm and protocol."""
+    ours = [name for name, method, _ in sp.PARTIAL_ARMS if method == "fedpa"]
+    others = [name for name, method, _ in sp.PARTIAL_ARMS if method != "fedpa"]
+    lines = ["| FedPA-LoRA arm − baseline | paper protocol | own factors |", "|---|---|---|"]
+    for arm in ours:
+        shown = {}
+        for m in METRICS:
+            cells = {c: values[m][c] for c in (arm, *others) if c in values[m]}
+            shown[m] = sp.with_holm(sp.paired_rows(results, m, ours=arm, cells=cells))
+        for other in others:
+            row = [_interval(shown[m].get(other)).replace("FedPA ", "arm ") for m in METRICS]
+            lines.append(f"| {arm} − {other} | {row[0]} | {row[1]} |")
+    note = "Paired 95% t interval over seeds. " + HOLM_NOTE
+    if n_seeds < 2:
+        note = f"No interval yet: {n_seeds} seed run, a paired interval needs 2. " + note
+    return [*lines, "", note, ""]
+
+
+def _staleness_table(runs: list[dict]) -> list[str]:
+    """Mean drift at round start per staleness bin and arm, over every returning client of every round and seed."""
+    from fs_fedpa.plots import stale_drift
+
+    def label(low: int, high: int | None) -> str:
+        return f"{low}+" if high is None else f"{low}-{high}"
+
+    head = " | ".join(f"staleness {label(*b)}" for b in STALENESS_BINS)
+    lines = [
+        "Drift at a returning client's round start, ‖s_i B_i A_i − X_g,i‖_F over all modules, by the rounds it sat "
+        "out: mean (points). For FedIT this is the product it discards when it loads the global factors.",
+        "",
+        f"| arm | {head} |",
+        "|---|" + "---|" * len(STALENESS_BINS),
+    ]
+    for cell in dict.fromkeys(r["cell"] for r in runs):
+        points, kinds = [], set()
+        for run in (r for r in runs if r["cell"] == cell):
+            found, per_client = stale_drift(run)
+            points += found
+            kinds.add(per_client)
+        cells = []
+        for low, high in STALENESS_BINS:
+            inside = [d for st, d in points if st >= low and (high is None or st <= high)]
+            cells.append(f"{statistics.fmean(inside):.3f} ({len(inside)})" if inside else "–")
+        name = cell if kinds == {True} else f"{cell} (round means{'' if kinds == {False} else ', in part'})"
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
 # The last round's diagnostics that explain a ranking (docs/compare.md, "The mechanism").
 MECHANISM = (
     ("global_update_norm", "‖Σ w_i ΔW_i‖"),
@@ -596,6 +712,7 @@ def write_report(report: Path, results: dict, stages: list) -> Path:
                        {c: "fedpa" for k, r in results.items() if k.startswith("adaptive/") for c in [r["cell"]]}),
         *head_section(results),
         *long_section(results, report),
+        *partial_section(results, report),
     ]  # fmt: skip
     path = report / "report.md"
     path.write_text("\n".join(lines) + "\n")

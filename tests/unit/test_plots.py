@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from fs_fedpa.plots import bytes_vs_metric, mean_curve, plot_all, style
+from fs_fedpa.plots import bytes_vs_metric, mean_curve, plot_all, plot_staleness, stale_drift, style
 
 
 def _run(seed, acc, sent, cell="fedpa"):
@@ -81,3 +81,17 @@ def test_both_protocols_are_drawn_side_by_side(tmp_path):
         path = plot_protocols(runs, "val_acc", tmp_path / "protocols.png")
     fig = __import__("matplotlib.image", fromlist=["imread"]).imread(path)
     assert path.is_file() and fig.shape[1] > 1.5 * fig.shape[0]  # two panels side by side
+
+
+def test_staleness_points_are_per_client_pairs_where_recorded_else_round_means(tmp_path):
+    pairs = {
+        "diagnostics": [{"round": 3, "stale_drift": [[2, 0.5], [7, 1.5]]}, {"round": 4, "stale_drift": [[1, 0.2]]}]
+    }
+    means = {"diagnostics": [{"round": 3, "staleness_mean": 4.5, "drift_start_mean": 1.0}, {"round": 0}]}
+    assert stale_drift(pairs) == ([(2, 0.5), (7, 1.5), (1, 0.2)], True)
+    assert stale_drift(means) == ([(4.5, 1.0)], False)
+    assert stale_drift({"diagnostics": [{"round": 0}]}) == ([], False)  # full participation: nothing to draw
+    pytest.importorskip("matplotlib")
+    runs = [{"cell": "fedpa", "seed": 0, **pairs}, {"cell": "fedit", "seed": 0, **means}]
+    path = plot_staleness(runs, tmp_path / "staleness.png")
+    assert path.stat().st_size > 1000

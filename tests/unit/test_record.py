@@ -46,6 +46,17 @@ def test_compact_keeps_scalars_and_client_means():
     assert "drift" in CLIENT_STATS
 
 
+def test_compact_keeps_each_returning_clients_staleness_and_start_drift_as_a_pair():
+    record = RoundRecord(round=9)
+    stats = [{"staleness": 7, "drift_start": 0.5}, {}, {"staleness": 2, "drift_start": float("nan")},
+             {"staleness": 3, "drift_start": 1.5}]  # fmt: skip
+    record.add_client_stats([12, 3, 5, 10], stats)  # client 3 trains for the first time; 5's drift overflowed
+    out = compact(record.to_dict())
+    assert out["stale_drift"] == [[3, 1.5], [7, 0.5]]  # by client id: 10, then 12
+    assert out["staleness_mean"] == 4.0 and out["drift_start_mean"] == 1.0
+    assert "stale_drift" not in compact(RoundRecord(round=0).to_dict())  # full participation: nothing to pair
+
+
 def test_compact_keeps_the_clients_lambda_range_for_the_adaptive_rules():
     record = RoundRecord(round=2)
     record.add_client_stats([1, 2, 3], [{"lam": 0.004}, {"lam": 0.01}, {"lam": 10.0}])

@@ -279,6 +279,8 @@ def test_the_time_estimate_counts_machine_time_per_round_whatever_the_jobs():
     results = {"a": {"seconds": 200.0, "rounds_planned": 10, "jobs": 2}, "b": {"seconds": 100.0, "rounds_planned": 10}}
     assert sp.seconds_per_round(results) == 10.0  # 200 s of wall time shared by two runs = 10 s a round each
     assert sp.seconds_per_round({}) == sp.SECONDS_PER_ROUND
+    gpu = {"seconds": 12.0, "rounds_planned": 10, "jobs": 12, "fs_opts": ["use_gpu", "True", "device", "0"]}
+    assert sp.seconds_per_round({**results, "c": gpu, "d": gpu, "e": gpu}) == 10.0  # a GPU host's runs: not this CPU
 
 
 def test_the_lambda_table_shows_fedpas_sweep_at_the_pilot_rate_beside_fedit_and_local_training():
@@ -521,3 +523,45 @@ def test_stage_runs_only_the_named_stages_runs_and_refuses_an_unknown_stage(tmp_
 def test_every_run_of_the_plan_belongs_to_a_named_stage():
     stages = sp.plan(sp.load_results(sp.REPORT), sp.REPORT)
     assert {r.stage for _, runs in stages for r in runs} == set(sp.STAGES)
+
+
+def test_the_partial_participation_section_pairs_each_fedpa_arm_with_each_baseline_and_bins_drift_by_staleness(
+    tmp_path, monkeypatch
+):
+    from fs_fedpa import plots
+    from fs_fedpa.tools.sst2_report import write_report
+
+    monkeypatch.setattr(plots, "plot_protocols", lambda *args: None)  # the figures are test_plots.py's
+    monkeypatch.setattr(plots, "plot_staleness", lambda *args: None)
+    selected = {"T": 4, "methods": {m: {"method": m, "optimizer": "AdamW", "lr": 2e-3, "lam": 0.01} for m in sp.MAIN}}
+    accs = {
+        "fedpa": (0.86, 0.88),
+        "fedpa_adamw5e-3_lam1": (0.87, 0.87),
+        "fedit": (0.90, 0.91),
+        "fedsa_lora": (0.85, 0.86),
+    }
+    results = {}
+    for run in sp.partial_runs(selected, rounds=12):
+        if run.seed > 1:
+            continue
+        result = _result(run, {11: accs[run.name][run.seed]})
+        result["rounds"][11]["val_total"] = 872 / 97  # 97 clients with a non-empty dev shard
+        if run.seed == 0:  # per-client pairs in round 6, a round mean in round 8 (a run recorded before the pairs)
+            result["diagnostics"] = [{"round": 6, "stale_drift": [[1, 0.5], [4, 1.0], [30, 9.0]]}]
+        else:
+            result["diagnostics"] = [{"round": 8, "staleness_mean": 5.0, "drift_start_mean": 2.0}]
+        result["fs_opts"] = ["use_gpu", "True"] if run.seed == 0 else []
+        results[run.key] = result
+    section = write_report(tmp_path, results, []).read_text().split("## Partial participation", 1)[1]
+    assert "seeds run so far: 0, 1 of 0, 1, 2" in section
+    assert (
+        "GPU, torch ?: fedpa s0, fedpa_adamw5e-3_lam1 s0, fedit s0, fedsa_lora s0; CPU, torch ?: fedpa s1" in section
+    )
+    assert "| fedit | 0.9050 ± 0.0050 (2) | 0.9050 ± 0.0050 (2) | 97 of 100 |" in section
+    # fedpa − fedit: differences -0.04, -0.03; mean -0.035, sd 0.00707, t(0.975, 1) = 12.706: ± 0.0635
+    row = next(line for line in section.splitlines() if line.startswith("| fedpa − fedit |"))
+    assert "-0.0350 [-0.0985, +0.0285] n=2: arm ties" in row
+    assert sum(line.startswith("| fedpa") and " − " in line for line in section.splitlines()) == 4
+    # staleness 1-2: 0.5 (seed 0's client); 3-5: 1.0 and the seed-1 round mean 2.0; 21+: 9.0
+    row = next(line for line in section.splitlines() if line.startswith("| fedit (round means, in part) |"))
+    assert row == "| fedit (round means, in part) | 0.500 (1) | 1.500 (2) | – | – | 9.000 (1) |"
