@@ -12,7 +12,9 @@ applied, never formed), the SVD of the small core ``H = R_B R_A^T = U S V^T``, a
 ``B_g = Q_B U_R S_R``, ``A_g = (Q_A V_R)^T``: by Eckart-Young this is exactly the best rank-R_g
 approximation of the aggregate, at ``O(d r_tot^2 + r_tot^3)`` instead of ``O(d^2 k)``. That is the route for
 float64 uploads; float32 and half-precision uploads reach the same optimum through float64 Gram matrices of the
-stacks (:func:`_gram_route`), which stays at the float32 floor where float32 Householder QR loses digits.
+stacks (:func:`_gram_route`), which stays at the float32 floor where float32 Householder QR loses digits, while
+``r_tot <= min(d, k)``; past that the Grams' ``r_tot x r_tot`` eigenproblems outgrow the QR core
+``min(d, r_tot) x min(k, r_tot)`` and they take the Householder route in float64 (:func:`_reduced64`).
 ``randomized`` replaces the two QRs by a Gaussian sketch of width ``l = min(R_g + p, r_tot)``
 applied through the factored form (Appendix G.1.2, Halko et al. 2011, Alg. 4.1 + 5.1), at
 ``O(N d r l)``. ``dense`` forms the aggregate and takes its SVD; it exists only as the
@@ -145,7 +147,7 @@ def reconstruct_adapter(
     for (_, _, ranks, dtype, _), group in groups.items():
         try:
             if mode == "reduced" and dtype != torch.float64:  # straight from the uploads into the float64 stacks
-                B_g, A_g, S = _in_dtype(*_gram_route(*_stack_modules(uploads, group, ranks), ranks, rank, w), dtype)
+                B_g, A_g, S = _in_dtype(*_reduced64(*_stack_modules(uploads, group, ranks), ranks, rank, w), dtype)
             else:  # one batch per group: client i's factors of every module in the group, on a leading dim
                 Bs = [torch.stack([u[n][0].mT for n in group]).mT for u in uploads]
                 As = [torch.stack([u[n][1] for n in group]) for u in uploads]
@@ -193,7 +195,7 @@ def _reconstruct_clients(Bs, As, rank, w, mode, oversample, generator) -> tuple[
     try:
         if mode == "reduced" and dtype != torch.float64:
             ranks = [B.shape[-1] for B in Bs]
-            B_g, A_g, S = _gram_route(_stack64([B.mT for B in Bs], "B"), _stack64(As, "A"), ranks, rank, w)
+            B_g, A_g, S = _reduced64(_stack64([B.mT for B in Bs], "B"), _stack64(As, "A"), ranks, rank, w)
         else:
             B_cat, A_cat = weighted_stack(Bs, As, w, compute_dtype(dtype))
             B_g, A_g, S = _reconstruct_cat(B_cat, A_cat, rank, mode, oversample, generator)
@@ -214,6 +216,19 @@ def _in_dtype(B_g: Tensor, A_g: Tensor, S: Tensor, dtype: torch.dtype) -> tuple[
             f"largest representable {torch.finfo(dtype).max:.3g}); aggregate float32 uploads instead"
         )
     return out_B, out_A, S
+
+
+def _reduced64(Bt: Tensor, A: Tensor, ranks: Sequence[int], rank: int, w) -> tuple[Tensor, Tensor, Tensor]:
+    """``reduced`` on the unweighted float64 stacks ``Bt: (*, m, d)``, ``A: (*, m, k)`` of float32 / half uploads:
+    the Gram route while ``m = sum_i r_i <= min(d, k)``; beyond, Householder QR in float64, whose core is
+    ``min(d, m) x min(k, m)`` where the Gram route's eigenproblems would be ``m x m`` (K = 10 clients of r = 64 on a
+    256-wide layer: 3-6x faster, same optimum)."""
+    m, d, k = A.shape[-2], Bt.shape[-1], A.shape[-1]
+    if m <= min(d, k):
+        return _gram_route(Bt, A, ranks, rank, w)
+    ranks = torch.tensor(list(ranks), device=Bt.device)
+    sw = torch.tensor(list(w), dtype=Bt.dtype, device=Bt.device).sqrt().repeat_interleave(ranks)[:, None]
+    return _reconstruct_cat((Bt * sw).mT, A * sw, rank, "reduced", 0, None)
 
 
 def _gram_route(Bt: Tensor, A: Tensor, ranks: Sequence[int], rank: int, w) -> tuple[Tensor, Tensor, Tensor]:

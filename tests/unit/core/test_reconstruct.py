@@ -311,3 +311,23 @@ def test_adapter_names_the_module_with_bad_factors():
     bad[0, 0] = float("nan")
     with pytest.raises(ValueError, match=r"module 'v': B of client 1 contains NaN or Inf"):
         reconstruct_adapter([{"q": (Bs[0], As[0]), "v": (Bs[0], As[0])}, {"q": (Bs[1], As[1]), "v": (bad, As[1])}], 2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("d", "k"), [(24, 80), (80, 24), (20, 20)])
+def test_float32_stacks_wider_than_the_layer_take_float64_householder_and_reach_the_optimum(monkeypatch, kind, d, k):
+    from fs_fedpa.core import reconstruct as module
+
+    gram = module._gram_route
+    calls = []
+    monkeypatch.setattr(module, "_gram_route", lambda *args: calls.append(args[0].shape) or gram(*args))
+    Bs, As = client_factors(3, d, k, [8] * 5, kind, dtype=torch.float32)  # sum r_i = 40 > min(d, k)
+    weights = [1.0, 2.0, 0.5, 1.0, 3.0]
+    B_g, A_g = reconstruct(Bs, As, 8, weights=weights, mode="reduced")
+    adapter = reconstruct_adapter([{"m": (B, A)} for B, A in zip(Bs, As)], 8, weights=weights)["m"]
+    assert calls == []  # the 40 x 40 Gram eigenproblems would outgrow the min(d, 40) x min(k, 40) QR core
+    assert abs(excess_error(Bs, As, weights, B_g, A_g, 8)) <= 1e-5
+    assert abs(excess_error(Bs, As, weights, *adapter, 8)) <= 1e-5
+    Bs, As = client_factors(3, 48, 48, [8] * 5, kind, dtype=torch.float32)  # 40 <= min(d, k): the Gram route
+    B_g, A_g = reconstruct(Bs, As, 8, weights=weights, mode="reduced")
+    assert len(calls) == 1 and abs(excess_error(Bs, As, weights, B_g, A_g, 8)) <= 1e-5
