@@ -393,14 +393,20 @@ def _long_endpoints(runs: list[dict]) -> list[str]:
             row = intervals[m].get(cell)
             boot = _bootstrap(seeds, reference, protocol_name)
             text = "–" if row is None else _interval(row).replace("FedPA ", "arm ")
-            shown.append(text + ("" if boot is None else f"; {boot[0]:+.4f} [{boot[1]:+.4f}, {boot[2]:+.4f}]"))
+            shown.append(
+                text + ("" if boot is None else f"; {boot[0]:+.4f} [{boot[1]:+.4f}, {boot[2]:+.4f}] n={boot[3]}")
+            )
         lines.append(f"| {cell} | " + " | ".join(shown) + " |")
-    note = "t: paired 95% t interval over seeds (from 2 seed pairs); bootstrap: 95% percentile interval (from 1)."
+    note = (
+        "t: paired 95% t interval over the n seed pairs; bootstrap: 95% percentile interval of the paired bootstrap "
+        "over the n seed pairs whose per-sentence outcomes are stored."
+    )
     return [*lines, "", note + " " + HOLM_NOTE, ""]
 
 
 def _bootstrap(arm: dict[int, dict], reference: dict[int, dict], protocol_name: str) -> tuple | None:
-    """The paired bootstrap of arm − reference over their shared seeds, from the stored per-sentence outcomes."""
+    """The paired bootstrap of arm − reference over their shared seeds, from the stored per-sentence outcomes:
+    ``(mean, low, high, seeds used)``."""
     seeds = sorted(s for s in set(arm) & set(reference) if "outcomes" in arm[s] and "outcomes" in reference[s])
     if not seeds:
         return None
@@ -413,7 +419,7 @@ def _bootstrap(arm: dict[int, dict], reference: dict[int, dict], protocol_name: 
         x.append(xs)
         y.append(ys)
         strata = sx
-    return protocol.paired_bootstrap(x, y, strata, draws=10_000, seed=0)
+    return (*protocol.paired_bootstrap(x, y, strata, draws=10_000, seed=0), len(seeds))
 
 
 CURVE_ROUNDS = (20, 29, 38, 47, 59)  # where the long horizon's table samples the curves (FS round indices)

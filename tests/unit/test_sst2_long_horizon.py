@@ -133,6 +133,7 @@ def test_the_long_horizon_section_states_endpoints_both_intervals_and_the_reprod
     t_mean = float(rows["fedpa"][3].split(" ")[0])
     assert t_part in ("wins", "ties", "loses")
     assert float(boot_part.split(" ")[0]) == pytest.approx(t_mean, abs=1e-4)
+    assert boot_part.endswith("] n=3") and " n=3: arm " in rows["fedpa"][3]  # both over the 3 seed pairs
     gap = sum(sp.endpoint(results[f"long/fedpa_s{s}"], "val_acc") - sp.endpoint(results[f"long/fedit_s{s}"], "val_acc")
               for s in (0, 1, 2)) / 3  # fmt: skip
     assert t_mean == pytest.approx(gap, abs=1e-4)
