@@ -630,7 +630,6 @@ class FedPAClient(Client):
             if name not in received:
                 received[name] = (torch.zeros_like(B, device=device), torch.zeros_like(A, device=device))
         if "base_total" in payload:  # it lacked more than the newest merge: the sum of all, in place of its own
-            device = next(iter(self.factors.values()))[0].device
             self.base_offset = {n: t.to(device, torch.promote_types(t.dtype, torch.float32)) for n, t in
                                 decode_tensors(payload["base_total"]).items()}  # fmt: skip
         for merge in decode_merge(payload.get("base", {})):  # one by one, as they were merged
@@ -638,7 +637,7 @@ class FedPAClient(Client):
                 if name not in self.factors:
                     raise KeyError(f"the server merged into {name!r}, which is not a LoRA module of this model")
                 dtype = torch.promote_types(increment.dtype, torch.float32)
-                increment = increment.to(self.factors[name][0].device, dtype)
+                increment = increment.to(device, dtype)
                 self.base_offset[name] = self.base_offset[name] + increment if name in self.base_offset else increment
         return received
 
