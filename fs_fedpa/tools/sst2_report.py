@@ -462,7 +462,7 @@ def _reproduction(results: dict, runs: list[dict]) -> list[str]:
 
 
 DEV_SENTENCES = 872  # the SST-2 dev set: FS's weighted val_total of an evaluation is this over the clients evaluated
-STALENESS_BINS = ((1, 2), (3, 5), (6, 10), (11, 20), (21, None))
+STALENESS_EDGES = (1, 3, 6, 11, 21)  # bins [1, 3), [3, 6), ..., [21, inf): round means are not whole numbers
 
 
 def partial_section(results: dict, report: Path) -> list[str]:
@@ -522,8 +522,8 @@ def _where_runs_ran(runs: list[dict]) -> list[str]:
     text = "; ".join(f"{place}: {', '.join(names)}" for place, names in places.items())
     return [
         f"Where the runs ran: {text}. A seed's arms ran on one machine, so every paired difference is between runs of "
-        "one device and torch build (they change results at the rounding level). The GPU runs read MiniLM weights "
-        "that travelled to the GPU host as fp16 and were widened back to fp32 there.",
+        "one device and torch build (they change results from the rounding level on). The GPU runs read MiniLM "
+        "weights that travelled to the GPU host as fp16 and were widened back to fp32 there.",
         "",
     ]
 
@@ -551,16 +551,14 @@ def _staleness_table(runs: list[dict]) -> list[str]:
     """Mean drift at round start per staleness bin and arm, over every returning client of every round and seed."""
     from fs_fedpa.plots import stale_drift
 
-    def label(low: int, high: int | None) -> str:
-        return f"{low}+" if high is None else f"{low}-{high}"
-
-    head = " | ".join(f"staleness {label(*b)}" for b in STALENESS_BINS)
+    bins = list(zip(STALENESS_EDGES, (*STALENESS_EDGES[1:], None)))
+    head = " | ".join(f"staleness [{low}, {high or '∞'})" for low, high in bins)
     lines = [
         "Drift at a returning client's round start, ‖s_i B_i A_i − X_g,i‖_F over all modules, by the rounds it sat "
         "out: mean (points). For FedIT this is the product it discards when it loads the global factors.",
         "",
         f"| arm | {head} |",
-        "|---|" + "---|" * len(STALENESS_BINS),
+        "|---|" + "---|" * len(bins),
     ]
     for cell in dict.fromkeys(r["cell"] for r in runs):
         points, kinds = [], set()
@@ -569,8 +567,8 @@ def _staleness_table(runs: list[dict]) -> list[str]:
             points += found
             kinds.add(per_client)
         cells = []
-        for low, high in STALENESS_BINS:
-            inside = [d for st, d in points if st >= low and (high is None or st <= high)]
+        for low, high in bins:
+            inside = [d for st, d in points if low <= st and (high is None or st < high)]
             cells.append(f"{statistics.fmean(inside):.3f} ({len(inside)})" if inside else "–")
         name = cell if kinds == {True} else f"{cell} (round means{'' if kinds == {False} else ', in part'})"
         lines.append(f"| {name} | " + " | ".join(cells) + " |")

@@ -549,7 +549,8 @@ def test_the_partial_participation_section_pairs_each_fedpa_arm_with_each_baseli
         if run.seed == 0:  # per-client pairs in round 6, a round mean in round 8 (a run recorded before the pairs)
             result["diagnostics"] = [{"round": 6, "stale_drift": [[1, 0.5], [4, 1.0], [30, 9.0]]}]
         else:
-            result["diagnostics"] = [{"round": 8, "staleness_mean": 5.0, "drift_start_mean": 2.0}]
+            result["diagnostics"] = [{"round": 8, "staleness_mean": 5.5, "drift_start_mean": 2.0},
+                                     {"round": 10, "staleness_mean": 2.6, "drift_start_mean": 4.0}]  # fmt: skip
         result["fs_opts"] = ["use_gpu", "True"] if run.seed == 0 else []
         results[run.key] = result
     section = write_report(tmp_path, results, []).read_text().split("## Partial participation", 1)[1]
@@ -562,6 +563,10 @@ def test_the_partial_participation_section_pairs_each_fedpa_arm_with_each_baseli
     row = next(line for line in section.splitlines() if line.startswith("| fedpa − fedit |"))
     assert "-0.0350 [-0.0985, +0.0285] n=2: arm ties" in row
     assert sum(line.startswith("| fedpa") and " − " in line for line in section.splitlines()) == 4
-    # staleness 1-2: 0.5 (seed 0's client); 3-5: 1.0 and the seed-1 round mean 2.0; 21+: 9.0
+    # [1, 3): 0.5 (seed 0's client) and the seed-1 round mean at 2.6 (4.0); [3, 6): 1.0 and the mean at 5.5 (2.0)
     row = next(line for line in section.splitlines() if line.startswith("| fedit (round means, in part) |"))
-    assert row == "| fedit (round means, in part) | 0.500 (1) | 1.500 (2) | – | – | 9.000 (1) |"
+    assert row == "| fedit (round means, in part) | 2.250 (2) | 1.500 (2) | – | – | 9.000 (1) |"
+    assert (
+        "| arm | staleness [1, 3) | staleness [3, 6) | staleness [6, 11) | staleness [11, 21) | staleness [21, ∞) |"
+        in section
+    )
