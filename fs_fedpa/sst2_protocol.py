@@ -309,7 +309,8 @@ def write_run(report: Path, key: str, result: dict) -> dict:
     return {**result, "rounds": {int(r): m for r, m in result["rounds"].items()}}
 
 
-def _on_gpu(run: dict) -> bool:
+def on_gpu(run: dict) -> bool:
+    """Whether a run was made on a GPU host: ``use_gpu True`` among the runner's FS overrides."""
     opts = run.get("fs_opts", [])
     return dict(zip(opts[::2], opts[1::2])).get("use_gpu") == "True"
 
@@ -320,7 +321,7 @@ def seconds_per_round(results: dict) -> float:
     rates = [
         r["seconds"] / r["rounds_planned"] / r.get("jobs", 1)
         for r in results.values()
-        if r.get("rounds_planned") and not _on_gpu(r)
+        if r.get("rounds_planned") and not on_gpu(r)
     ]
     return statistics.median(rates) if rates else SECONDS_PER_ROUND
 

@@ -397,7 +397,7 @@ class FedPAClient(Client):
         ``INSTANCES`` of this client's training inputs drawn for it, all under the personal adapter alone
         (:func:`fs_fedpa.core.instance.instance_weights`). Returns the function that takes the hooks off."""
         gate = lora.RowGate(self.model, split)
-        device = next(iter(lora.get_factors(self.model).values()))[0].device
+        device = self._device
         train = self.trainer.ctx.data["train"]  # FS's DataLoader of this client's training split
         stream = torch.Generator().manual_seed(self.method.seed * 1_000_003 + self.state * 1_009 + self.ID)
         busy = False
@@ -497,7 +497,7 @@ class FedPAClient(Client):
             initial=self._initial_factors(),
             local=self.local_tensors,
         )
-        device = next(iter(lora.get_factors(self.model).values()))[0].device
+        device = self._device
         self.factors = {n: (B.to(device), A.to(device)) for n, (B, A) in saved["factors"].items()}
         self.local_tensors = {n: t.to(device) for n, t in saved["local"].items()}
         self.base_offset = {n: t.to(device) for n, t in saved.get("base_offset", {}).items()}
@@ -553,7 +553,7 @@ class FedPAClient(Client):
                            "its initial local tensors")  # fmt: skip
             flat, self._state_lost = flatten({"local": self.store.initial_local}), True
         parts = unflatten(flat)
-        device = next(iter(lora.get_factors(self.model).values()))[0].device
+        device = self._device
 
         def pairs(part):
             return {n: (B.to(device), A.to(device)) for n, (B, A) in parts[part].items()} if part in parts else None

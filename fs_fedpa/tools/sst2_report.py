@@ -326,17 +326,24 @@ def head_section(results: dict) -> list[str]:
     return [*lines, ""]
 
 
+def _arm_runs(results: dict, report: Path, stage: str, arms: tuple) -> tuple[list[dict], Path]:
+    """The runs of a stage of fixed arms, in arm then seed order, and its figures' folder (made when it has runs)."""
+    order = [name for name, _, _ in arms]
+    runs = sorted((r for key, r in results.items() if key.startswith(f"{stage}/")),
+                  key=lambda r: (order.index(r["cell"]), r["seed"]))  # fmt: skip
+    folder = report / stage
+    if runs:
+        folder.mkdir(exist_ok=True)
+    return runs, folder
+
+
 def long_section(results: dict, report: Path) -> list[str]:
     """The long horizon: the four arms' curves (figure), their endpoints with paired t and bootstrap intervals
     against FedIT, and the check that its first T rounds reproduce the committed final runs."""
-    runs = [r for key, r in results.items() if key.startswith("long/")]
+    runs, folder = _arm_runs(results, report, "long", sp.LONG_ARMS)
     title = f"## The long horizon: {sp.LONG_ROUNDS} rounds"
     if not runs:
         return [title, "", "Not run yet.", ""]
-    folder = report / "long"
-    folder.mkdir(exist_ok=True)
-    order = [name for name, _, _ in sp.LONG_ARMS]
-    runs.sort(key=lambda r: (order.index(r["cell"]), r["seed"]))
     try:
         from fs_fedpa.plots import plot_protocols
 
@@ -469,14 +476,10 @@ def partial_section(results: dict, report: Path) -> list[str]:
     """Partial participation: each arm's final evaluation under both protocols, the paired intervals of each
     FedPA-LoRA arm against the baselines, where each run ran, and drift at a returning client's start against the
     rounds it sat out (figure and table)."""
-    runs = [r for key, r in results.items() if key.startswith("partial/")]
+    runs, folder = _arm_runs(results, report, "partial", sp.PARTIAL_ARMS)
     title = f"## Partial participation: {sp.PARTIAL_CLIENTS} clients, {sp.PARTIAL_SAMPLED} sampled a round"
     if not runs:
         return [title, "", "Not run yet.", ""]
-    folder = report / "partial"
-    folder.mkdir(exist_ok=True)
-    order = [name for name, _, _ in sp.PARTIAL_ARMS]
-    runs.sort(key=lambda r: (order.index(r["cell"]), r["seed"]))
     try:
         from fs_fedpa.plots import plot_protocols, plot_staleness
 
@@ -516,8 +519,7 @@ def partial_section(results: dict, report: Path) -> list[str]:
 def _where_runs_ran(runs: list[dict]) -> list[str]:
     places: dict[str, list[str]] = {}
     for run in runs:
-        opts = dict(zip(run.get("fs_opts", [])[::2], run.get("fs_opts", [])[1::2]))
-        where = "GPU" if opts.get("use_gpu") == "True" else "CPU"
+        where = "GPU" if sp.on_gpu(run) else "CPU"
         places.setdefault(f"{where}, torch {run.get('torch') or '?'}", []).append(f"{run['cell']} s{run['seed']}")
     text = "; ".join(f"{place}: {', '.join(names)}" for place, names in places.items())
     return [
