@@ -196,7 +196,7 @@ class FedPAClient(Client):
         self._load_tensors(decode_tensors(payload.get("shared", {})))
         self._load_tensors(self.local_tensors)
         self._live = self.method.read(self.model)
-        device = next(iter(self._live.values()))[0].device
+        device = self._device
         self.reference = {n: (B.to(device), A.to(device)) for n, (B, A) in received.items()}
         self.lam = self.method.cfg.lam
         self._lam_pending = self.method.cfg.adaptive_lam != "none"
@@ -601,8 +601,13 @@ class FedPAClient(Client):
 
     @property
     def _device(self) -> torch.device:
-        """Where the model's LoRA factors are (FS puts a shared model on the run's device when it is built)."""
-        return next(iter(lora.get_factors(self.model).values()))[0].device
+        """Where this client trains and evaluates: its trainer's device. Not the model's device between two routines:
+        with ``federate.share_local_model False`` FS moves the model there when a routine starts and back to the
+        host when it ends (``discharge_model``), so a message finds the model on the host."""
+        device = getattr(getattr(self.trainer, "ctx", None), "device", None)
+        if device is None:
+            return next(iter(lora.get_factors(self.model).values()))[0].device
+        return torch.device(device)
 
     def _restart_factors(self) -> dict[str, tuple[Tensor, Tensor]]:
         """Rank-r_i factors whose product is the reference received this round: its R_i columns/rows, then zero

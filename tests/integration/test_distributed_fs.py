@@ -142,3 +142,23 @@ def test_a_killed_client_neither_hangs_the_server_nor_the_others(tiny_llm, tmp_p
     assert "no update from clients [3] within fedpa.round_timeout_s=8 s; aggregating the 2 that arrived" in server
     rounds = [line for line in server.splitlines() if "[fedpa] round" in line and "E_agg" in line]
     assert len(rounds) == 4  # every round aggregated
+
+
+def test_a_client_puts_what_it_receives_on_its_trainers_device_not_where_fs_parked_the_model():
+    """With ``share_local_model False`` FS parks the model on the host between routines (``discharge_model``) and
+    moves it to the trainer's device when one starts: a reference or factors put "where the model is" at message time
+    would land on the host and meet the factors on the accelerator in the penalty. Here the model is parked on the
+    meta device, which no CPU run has, so the device the client picks must come from its trainer."""
+    from types import SimpleNamespace
+
+    peft = pytest.importorskip("peft")
+    from fs_fedpa.plugin.client import FedPAClient
+
+    base = torch.nn.Sequential(torch.nn.Linear(6, 5))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["0"])).to("meta")
+    client = SimpleNamespace(model=model, trainer=SimpleNamespace(ctx=SimpleNamespace(device="cpu")))
+    assert FedPAClient._device.fget(client) == torch.device("cpu")
+    client.trainer.ctx.device = "cuda:1"
+    assert FedPAClient._device.fget(client) == torch.device("cuda:1")
+    del client.trainer.ctx.device  # no trainer device (a test double): where the factors are
+    assert FedPAClient._device.fget(client) == torch.device("meta")
