@@ -214,7 +214,8 @@ class FedPAConfig:
     diagnostics: bool = field(
         default=True,
         metadata={
-            "help": "write per-round diagnostics (E_agg, spectrum, penalty, bytes) to <outdir>/fedpa_diagnostics.jsonl"
+            "help": "compute and write per-round diagnostics (E_agg, spectrum, penalty, bytes) to "
+            "<outdir>/fedpa_diagnostics.jsonl; False computes none (E_agg costs a reconstruction's time)"
         },
     )
     save_outcomes: bool = field(

@@ -183,12 +183,12 @@ class FedPAClient(Client):
             self.factors = self._initial_factors()
         received = self._receive(payload)
         self._lost_this_round = self._state_lost
-        self._stale = self._staleness(received)
+        self._stale = self._staleness(received) if self.method.cfg.diagnostics else {}
         if self._state_lost:  # its stored state could not be read back: it restarts from the reference
             self._received, self.factors, self._state_lost = received, self._restart_factors(), False
         self._train_personal(received, payload)
         start = self.method.start_round(received, self.factors, self.index, self.state)
-        self._e_init = self._init_error(start, self.factors)
+        self._e_init = self._init_error(start, self.factors) if self.method.cfg.diagnostics else {}
         self._received = received
         self._fold = self.method.fold(received, self.index, self.state)
         self._set_base(self._fold)
@@ -201,7 +201,8 @@ class FedPAClient(Client):
         self.lam = self.method.cfg.lam
         self._lam_pending = self.method.cfg.adaptive_lam != "none"
         self._penalty_sum, self._penalty_steps = None, 0
-        self._grads.watch(self._live)
+        if self.method.cfg.diagnostics:  # off: no diagnostic is computed, not only none written
+            self._grads.watch(self._live)
 
     def _train_personal(self, received: dict[str, tuple[Tensor, Tensor]], payload: dict) -> None:
         """The personal phase, if the method has one this round: the model applies ``a * personal + (1 - a) *
@@ -259,7 +260,11 @@ class FedPAClient(Client):
                 "state_lost": int(self._lost_this_round),
                 **self._stale,
                 **self._e_init,
-                **self._round_stats(self.method.expand(self._whole_update(sent))),
+                **(
+                    self._round_stats(self.method.expand(self._whole_update(sent)))
+                    if self.method.cfg.diagnostics
+                    else {}
+                ),
             },
         }
         if self.shared_names:  # FS's gRPC encoder fails on empty dicts
@@ -304,7 +309,8 @@ class FedPAClient(Client):
             self.lam = self._adaptive_lam(ctx.loss_batch)
             self._lam_pending = False
             self._grads.discard()  # the probe's autograd.grad is not a training step
-        term = self.method.alignment(self._grads.alias(self._live), self.reference, self.lam * self.penalty_weight)
+        live = self._grads.alias(self._live) if self.method.cfg.diagnostics else self._live
+        term = self.method.alignment(live, self.reference, self.lam * self.penalty_weight)
         if term is not None:
             value = term.detach()
             self._penalty_sum = value if self._penalty_sum is None else self._penalty_sum + value

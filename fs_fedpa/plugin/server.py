@@ -378,10 +378,11 @@ class FedPAServer(Server):
         record.update(bytes_up_total=self._totals["up"], bytes_down_total=self._totals["down"])
         self._records.append(record)
         self._write_diagnostics([record])
+        e_agg = (f"E_agg={_g(record['e_agg'])} (rel {_g(record['e_agg_rel'], '.3g')}), " if self.method.cfg.diagnostics
+                 else "")  # fmt: skip
         logger.info(
-            f"[fedpa] round {record['round']}: E_agg={_g(record['e_agg'])} (rel {_g(record['e_agg_rel'], '.3g')}), "
-            f"alignment={_g(record['alignment_loss_mean'])}, up {sum(record['bytes_up'].values())} B, "
-            f"down {sum(record['bytes_down'].values())} B"
+            f"[fedpa] round {record['round']}: {e_agg}alignment={_g(record['alignment_loss_mean'])}, "
+            f"up {sum(record['bytes_up'].values())} B, down {sum(record['bytes_down'].values())} B"
         )
 
     def _write_diagnostics(self, records: list[dict]) -> None:
@@ -811,32 +812,44 @@ def _new_record(server, clients) -> RoundRecord:
 def _round_record(server, uploads, weights, clients, new_global, spectra, stats) -> RoundRecord:
     """Diagnostics of one aggregation, from factors only (no d x k matrix). A diagnostic is never a reason to drop
     an upload or stop a round: one that cannot be computed (e.g. an overflow after a legal but huge upload) is None,
-    with a warning, and one that is not finite is written as null (:meth:`RoundRecord.to_dict`)."""
+    with a warning, and one that is not finite is written as null (:meth:`RoundRecord.to_dict`). With
+    ``fedpa.diagnostics False`` the aggregate's diagnostics, which cost as much as a reconstruction, are not computed
+    either: they are None."""
     uploads = [server.method.expand(u) for u in uploads]  # each expanded once already, when it was checked
     record = _new_record(server, clients)
-    probe = record.probe_module
     record.clients, record.weights = list(clients), list(weights)
-    try:
-        new_global = server.method.expand(new_global)
-        errors, norms, global_sq = {}, {}, 0.0
-        for name, (B_g, A_g) in new_global.items():
-            Bs = [u[name][0] for u in uploads]
-            As = [u[name][1] for u in uploads]
-            errors[name] = float(aggregation_error(Bs, As, B_g, A_g, weights=weights))
-            norms[name] = float(aggregate_norm(Bs, As, weights=weights))
-            global_sq += float(factored_norm(B_g, A_g)) ** 2
-        e_agg = math.sqrt(sum(e**2 for e in errors.values()))
-        ideal = math.sqrt(sum(n**2 for n in norms.values()))
-        record.e_agg, record.e_agg_rel = e_agg, (e_agg / ideal if ideal > 0 else 0.0)
-        record.global_update_norm, record.global_norm = ideal, math.sqrt(global_sq)
-        record.e_agg_probe = errors[probe]
-        record.spectrum_probe = [float(s) for s in spectra.get(probe, torch.zeros(0))]
-    except (RuntimeError, ValueError, ArithmeticError) as err:
-        logger.warning(
-            f"[fedpa] round {server.state}: the aggregate's diagnostics cannot be computed ({type(err).__name__}: "
-            f"{err}); recorded as null, and the aggregate is installed"
-        )
-        record.e_agg = record.e_agg_rel = record.global_update_norm = record.global_norm = record.e_agg_probe = None
+    _blank_aggregate(record)
+    if server.method.cfg.diagnostics:
+        try:
+            _aggregate_diagnostics(record, server.method.expand(new_global), uploads, weights, spectra)
+        except (RuntimeError, ValueError, ArithmeticError) as err:
+            logger.warning(
+                f"[fedpa] round {server.state}: the aggregate's diagnostics cannot be computed ({type(err).__name__}: "
+                f"{err}); recorded as null, and the aggregate is installed"
+            )
+            _blank_aggregate(record)
     record.add_client_stats(list(clients), stats)
     record.upload_ranks = {str(c): sorted({B.shape[1] for B, _ in u.values()}) for c, u in zip(clients, uploads)}
     return record
+
+
+def _blank_aggregate(record: RoundRecord) -> None:
+    record.e_agg = record.e_agg_rel = record.global_update_norm = record.global_norm = record.e_agg_probe = None
+
+
+def _aggregate_diagnostics(record: RoundRecord, new_global, uploads, weights, spectra) -> None:
+    """E_agg (absolute, relative, of the probe module), ||sum_i w_i Delta W_i||_F, ||B_g A_g||_F, the probe's
+    spectrum: summed over modules, into ``record``."""
+    errors, norms, global_sq = {}, {}, 0.0
+    for name, (B_g, A_g) in new_global.items():
+        Bs = [u[name][0] for u in uploads]
+        As = [u[name][1] for u in uploads]
+        errors[name] = float(aggregation_error(Bs, As, B_g, A_g, weights=weights))
+        norms[name] = float(aggregate_norm(Bs, As, weights=weights))
+        global_sq += float(factored_norm(B_g, A_g)) ** 2
+    e_agg = math.sqrt(sum(e**2 for e in errors.values()))
+    ideal = math.sqrt(sum(n**2 for n in norms.values()))
+    record.e_agg, record.e_agg_rel = e_agg, (e_agg / ideal if ideal > 0 else 0.0)
+    record.global_update_norm, record.global_norm = ideal, math.sqrt(global_sq)
+    record.e_agg_probe = errors[record.probe_module]
+    record.spectrum_probe = [float(s) for s in spectra.get(record.probe_module, torch.zeros(0))]

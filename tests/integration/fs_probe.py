@@ -15,7 +15,8 @@ only copy what passes through the plugin's own seams; they change nothing:
 - ``final``: every client's kept factors, base offset, personal adapter and local tensors, the server's global
   factors and merges at the end;
 - ``sent``: per client and round, the sample size and the factors of its upload (``module -> {part: tensor}``) as
-  the client made it.
+  the client made it, and its stats;
+- ``e_agg_calls``: how many times the server computed E_agg of a module (its aggregate diagnostics).
 
 ``FS_PROBE_DAMAGE_SPILL=1`` cuts short the third file the client state store spills (a disk fault).
 
@@ -241,6 +242,14 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         return spy_undo
 
     Client._instance_mix = instance_mix
+    record["e_agg_calls"] = 0
+    aggregation_error = server_mod.aggregation_error
+
+    def counted_aggregation_error(*args, **kwargs):  # the server's diagnostics: computed only when written
+        record["e_agg_calls"] += 1
+        return aggregation_error(*args, **kwargs)
+
+    server_mod.aggregation_error = counted_aggregation_error
     Client.__init__, Client._enter_round, Client._leave_round = init, enter, leave
     Client._train_personal = train_personal
     Aggregator.aggregate = aggregate

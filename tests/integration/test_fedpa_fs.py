@@ -132,6 +132,29 @@ def test_dense_and_reduced_runs_give_the_same_global_adapter(tiny_llm, tmp_path,
         assert torch.linalg.matrix_norm(P - reduced_products[name]) <= 1e-5 * (1 + torch.linalg.matrix_norm(P))
 
 
+def test_diagnostics_off_computes_none_and_changes_nothing_else(tiny_llm, tmp_path, shared_run):
+    """``fedpa.diagnostics False``: no E_agg on the server, no mechanism stats from the clients, no file; the run
+    itself (global factors, every client's factors and local tensors) is bit for bit the run with diagnostics."""
+    quiet = probe(fedpa_cfg(tiny_llm, tmp_path, **{"fedpa.diagnostics": False}), tmp_path)
+    assert shared_run["e_agg_calls"] > 0 and quiet["e_agg_calls"] == 0
+    assert not (Path(quiet["final"]["outdir"]) / "fedpa_diagnostics.jsonl").exists()
+    costly = {"delta_norm", "drift", "drift_rel", "e_init_B", "e_init_A", "drift_start", "grad_ratio_first"}
+    assert any(costly & set(s["stats"]) for s in shared_run["sent"])
+    assert not any(costly & set(s["stats"]) for s in quiet["sent"])
+    assert [s["stats"]["alignment_loss"] for s in quiet["sent"]] == [s["stats"]["alignment_loss"] for s in
+                                                                     shared_run["sent"]]  # fmt: skip
+    for part in ("global", "clients", "local"):
+        assert _equal(quiet["final"][part], shared_run["final"][part]), part
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return torch.equal(a, b)
+
+
 def test_penalty_changes_training_and_lambda_zero_trains_on_the_task_loss_alone(tiny_llm, tmp_path, shared_run):
     # Prepare / Execute
     plain = probe(fedpa_cfg(tiny_llm, tmp_path, **{"fedpa.lam": 0.0}), tmp_path)
