@@ -181,9 +181,7 @@ def weighted_stack(Bs: Sequence[Tensor], As: Sequence[Tensor], w: Sequence[float
 
     ``B_cat`` is built transposed and returned as a view, so that it is column-major for LAPACK's QR.
     """
-    ranks = [B.shape[-1] for B in Bs]
-    sw = torch.tensor(list(w), dtype=torch.float64).sqrt().to(dtype)
-    scale = sw.repeat_interleave(torch.tensor(ranks)).to(Bs[0].device)[:, None]
+    scale = _column_weights(w, [B.shape[-1] for B in Bs], dtype, Bs[0].device)[:, None]
     Bt = torch.cat([B.mT for B in Bs], dim=-2).to(dtype) * scale
     A_cat = torch.cat(list(As), dim=-2).to(dtype) * scale
     return Bt.mT, A_cat
@@ -218,6 +216,12 @@ def _in_dtype(B_g: Tensor, A_g: Tensor, S: Tensor, dtype: torch.dtype) -> tuple[
     return out_B, out_A, S
 
 
+def _column_weights(w: Sequence[float], ranks: Sequence[int], dtype: torch.dtype, device) -> Tensor:
+    """``(sum_i r_i,)``: sqrt(w_i) for each of client i's ``ranks[i]`` columns (the square root taken in float64)."""
+    sw = torch.tensor(list(w), dtype=torch.float64).sqrt().to(dtype)
+    return sw.repeat_interleave(torch.tensor(list(ranks))).to(device)
+
+
 def _reduced64(Bt: Tensor, A: Tensor, ranks: Sequence[int], rank: int, w) -> tuple[Tensor, Tensor, Tensor]:
     """``reduced`` on the unweighted float64 stacks ``Bt: (*, m, d)``, ``A: (*, m, k)`` of float32 / half uploads:
     the Gram route while ``m = sum_i r_i <= min(d, k)``; beyond, Householder QR in float64, whose core is
@@ -226,8 +230,7 @@ def _reduced64(Bt: Tensor, A: Tensor, ranks: Sequence[int], rank: int, w) -> tup
     m, d, k = A.shape[-2], Bt.shape[-1], A.shape[-1]
     if m <= min(d, k):
         return _gram_route(Bt, A, ranks, rank, w)
-    ranks = torch.tensor(list(ranks), device=Bt.device)
-    sw = torch.tensor(list(w), dtype=Bt.dtype, device=Bt.device).sqrt().repeat_interleave(ranks)[:, None]
+    sw = _column_weights(w, ranks, Bt.dtype, Bt.device)[:, None]
     return _reconstruct_cat((Bt * sw).mT, A * sw, rank, "reduced", 0, None)
 
 
@@ -253,8 +256,7 @@ def _gram_route(Bt: Tensor, A: Tensor, ranks: Sequence[int], rank: int, w) -> tu
     about 1e-8 sigma_1: below the float32 floor, so the float32 result is as good as the exact one rounded.
     """
     f64 = torch.float64  # Bt: (*, m, d) is the fast layout for B^T B
-    ranks = torch.tensor(list(ranks), device=Bt.device)
-    sw = torch.tensor(list(w), dtype=f64, device=Bt.device).sqrt().repeat_interleave(ranks)
+    sw = _column_weights(w, ranks, f64, Bt.device)
     G_B, G_A = Bt @ Bt.mT, A @ A.mT
     nb, na = G_B.diagonal(dim1=-2, dim2=-1).sqrt(), G_A.diagonal(dim1=-2, dim2=-1).sqrt()
     if not bool(torch.isfinite(nb).all() and torch.isfinite(na).all()):  # the squared column norms hold any NaN/Inf
