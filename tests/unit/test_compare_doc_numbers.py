@@ -84,3 +84,28 @@ def test_every_interval_and_spread_quoted_is_the_reports_rounded_once():
 def test_the_checker_catches_a_double_rounding():
     # centralized LoRA's +3.647 points: +3.6 rounded once; +3.7 is 3.65 rounded again
     assert _points(0.03647, "3.7") == "3.6" and _points(-0.00004, "0.0") == "0.0"
+
+
+def test_the_long_horizon_rows_quote_each_arms_own_interval():
+    """Among thousands of intervals a stale number can match another pair's by chance (the interim row's −1.5 did);
+    each long-horizon row of the verdict table must quote its own arm − FedIT interval, paper protocol then own
+    factors, rounded once."""
+    if not (ROOT / sp.REPORT / "runs" / "long").is_dir():
+        pytest.skip("no committed long-horizon runs")
+    results = sp.load_results(ROOT / sp.REPORT)
+    letters = {"b": "fedpa", "c": "fedpa_adamw5e-3_lam1", "d": "fedpa_adamw5e-3_lam0.1"}
+    assert [cell for cell, _, _ in sp.LONG_ARMS[1:]] == list(letters.values())
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| long horizon, 60 rounds: \(([bcd])\).*$",
+                                                        _protocol_section(), re.M)}  # fmt: skip
+    assert sorted(rows) == ["b", "c", "d"]
+    for letter, cell in letters.items():
+        columns = rows[letter].split(" | ")[1:3]
+        for metric, column in zip(("val_acc", "local.val_acc"), columns):
+            ends = {}
+            for key, run in results.items():
+                if key.startswith("long/") and (v := sp.endpoint(run, metric)) is not None:
+                    ends.setdefault(run["cell"], {})[run["seed"]] = v
+            seeds = sorted(set(ends[cell]) & set(ends[sp.LONG_REFERENCE]))
+            want = protocol.paired_interval([ends[cell][s] - ends[sp.LONG_REFERENCE][s] for s in seeds])
+            printed = [_plain(g) for g in INTERVAL.search(column).groups()]
+            assert [_points(v, p) for v, p in zip(want, printed)] == printed, (letter, metric, column)
