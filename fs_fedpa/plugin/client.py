@@ -164,6 +164,7 @@ class FedPAClient(Client):
         self.state = message.state
         self._enter_round(message.content)
         sample_size, _, results = self.trainer.train()
+        self._release_optimizer()
         upload = self._leave_round()
         self._park()
         logger.info(self._monitor.format_eval_res(results, rnd=self.state, role=f"Client #{self.ID}", return_raw=True))
@@ -530,6 +531,16 @@ class FedPAClient(Client):
             if self.method.cfg.export_dir:
                 self._export(state)
         self._monitor.finish_fl()
+
+    def _release_optimizer(self) -> None:
+        """FS builds a new optimizer and scheduler at the start of every training routine but keeps the last ones on
+        the trainer's context: per client that ever trained, its AdamW moments and the round's factor parameters
+        (3x its adapter), which grows with the number of clients trained. Nothing reads them after the routine."""
+        ctx = self.trainer.ctx
+        if not self._cfg.llm.deepspeed.use:  # deepspeed's engine owns and reuses its optimizer
+            for name in ("optimizer", "scheduler"):
+                if getattr(ctx, name, None) is not None:
+                    setattr(ctx, name, None)
 
     # ------------------------------------------------------------------------------ state between messages
     def _park(self) -> None:

@@ -363,7 +363,7 @@ def long_section(results: dict, report: Path) -> list[str]:
         "",
         *_long_endpoints(runs),
         *_long_curve_table(runs),
-        f"The mechanism at the last round (round {sp.LONG_ROUNDS - 1}), as in \"The mechanism\": per arm, best "
+        f'The mechanism at the last round (round {sp.LONG_ROUNDS - 1}), as in "The mechanism": per arm, best '
         "paper-protocol accuracy first, the last round's diagnostics, mean over seeds (the gradient ratio: median).",
         "",
         *mechanism_table(runs),

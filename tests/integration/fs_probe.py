@@ -278,6 +278,9 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         "personal": {cid: _copy(c.personal) for cid, c in runner.client.items() if c.personal is not None},
         "local": {cid: {n: t.cpu().clone() for n, t in c.local_tensors.items()} for cid, c in runner.client.items()},
         "outdir": cfg.outdir,
+        "optimizers_kept": sorted(
+            cid for cid, c in runner.client.items() if getattr(c.trainer.ctx, "optimizer", None) is not None
+        ),  # fmt: skip
     }
     torch.save(record, out)
 

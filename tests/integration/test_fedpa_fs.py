@@ -132,6 +132,12 @@ def test_dense_and_reduced_runs_give_the_same_global_adapter(tiny_llm, tmp_path,
         assert torch.linalg.matrix_norm(P - reduced_products[name]) <= 1e-5 * (1 + torch.linalg.matrix_norm(P))
 
 
+def test_no_client_keeps_its_last_optimizer(shared_run):
+    """FS leaves each routine's optimizer (AdamW moments, and the round's factor parameters, 3x the adapter) on the
+    trainer's context: kept by every client that ever trained, it grew with the clients sampled (issue 34)."""
+    assert len(shared_run["leave"]) > 0 and shared_run["final"]["optimizers_kept"] == []
+
+
 def test_diagnostics_off_computes_none_and_changes_nothing_else(tiny_llm, tmp_path, shared_run):
     """``fedpa.diagnostics False``: no E_agg on the server, no mechanism stats from the clients, no file; the run
     itself (global factors, every client's factors and local tensors) is bit for bit the run with diagnostics."""
