@@ -8,7 +8,7 @@ clients"): a training round at N = 1000 within 1.1x of N = 10; peak RSS at N = 1
 clients' states plus what N = 10 needs; FedPA-LoRA's round within 1.05x FedIT's; an evaluation round growing with N
 only by a per-client overhead (printed in ms per client).
 
-    python benchmarks/bench_clients.py [--clients 10 100 1000] [--sampled 10] [--rounds 3] [--budget-mb 64]
+    python benchmarks/bench_clients.py [--clients 10 100 1000] [--sampled 10] [--rounds 6] [--budget-mb 64]
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[10, 100, 1000])
     parser.add_argument("--sampled", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=6)  # several, so that sampled clients rotate
     parser.add_argument("--budget-mb", type=float, default=64.0)
     parser.add_argument("--methods", nargs="+", default=["fedit", "fedpa"])
     parser.add_argument("--lam", type=float, default=0.01, help="FedPA-LoRA's lambda (0: no alignment term)")
