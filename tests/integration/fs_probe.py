@@ -13,7 +13,7 @@ only copy what passes through the plugin's own seams; they change nothing:
 - ``personal``: per client and round with a personal phase (FedDPA), its personal factors before and after, and the
   model as that phase trains it (LoRA factors, base weights, PEFT scaling) with the reference it received;
 - ``final``: every client's kept factors, base offset, personal adapter and local tensors, the server's global
-  factors and merges at the end;
+  factors and merges at the end, and which clients' trainers still hold an optimizer (``optimizers_kept``);
 - ``sent``: per client and round, the sample size and the factors of its upload (``module -> {part: tensor}``) as
   the client made it, and its stats;
 - ``e_agg_calls``: how many times the server computed E_agg of a module (its aggregate diagnostics).
@@ -280,7 +280,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         "outdir": cfg.outdir,
         "optimizers_kept": sorted(
             cid for cid, c in runner.client.items() if getattr(c.trainer.ctx, "optimizer", None) is not None
-        ),  # fmt: skip
+        ),
     }
     torch.save(record, out)
 
