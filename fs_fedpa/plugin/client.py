@@ -184,12 +184,12 @@ class FedPAClient(Client):
             self.factors = self._initial_factors()
         received = self._receive(payload)
         self._lost_this_round = self._state_lost
-        self._stale = self._staleness(received) if self.method.cfg.diagnostics else {}
+        self._stale = self._staleness(received)
         if self._state_lost:  # its stored state could not be read back: it restarts from the reference
             self._received, self.factors, self._state_lost = received, self._restart_factors(), False
         self._train_personal(received, payload)
         start = self.method.start_round(received, self.factors, self.index, self.state)
-        self._e_init = self._init_error(start, self.factors) if self.method.cfg.diagnostics else {}
+        self._e_init = self._init_error(start, self.factors)
         self._received = received
         self._fold = self.method.fold(received, self.index, self.state)
         self._set_base(self._fold)
@@ -261,11 +261,7 @@ class FedPAClient(Client):
                 "state_lost": int(self._lost_this_round),
                 **self._stale,
                 **self._e_init,
-                **(
-                    self._round_stats(self.method.expand(self._whole_update(sent)))
-                    if self.method.cfg.diagnostics
-                    else {}
-                ),
+                **self._round_stats(sent),
             },
         }
         if self.shared_names:  # FS's gRPC encoder fails on empty dicts
@@ -282,10 +278,14 @@ class FedPAClient(Client):
                 sent.items()}  # fmt: skip
 
     def _round_stats(self, sent) -> dict[str, float]:
-        """This round's mechanism (issue: diagnostics that explain a result), summed over LoRA modules:
-        ||Delta W_i||_F, the drift ||Delta W_i - X_g,i||_F from the received reference X_g,i (and relative to
-        ||X_g,i||_F, absent while the reference is 0), and ||grad of the alignment term|| / ||grad of the task
-        loss|| on the client's factors at the round's first and last step (absent for methods without a term)."""
+        """This round's mechanism (issue: diagnostics that explain a result), summed over LoRA modules, of its whole
+        update (``sent`` and any fold): ||Delta W_i||_F, the drift ||Delta W_i - X_g,i||_F from the received reference
+        X_g,i (and relative to ||X_g,i||_F, absent while the reference is 0), and ||grad of the alignment term|| /
+        ||grad of the task loss|| on the client's factors at the round's first and last step (absent for methods
+        without a term). None of it with ``fedpa.diagnostics False``."""
+        if not self.method.cfg.diagnostics:
+            return {}
+        sent = self.method.expand(self._whole_update(sent))
         reference = self.method.expand(self.space.upload(self._received))
         delta_sq = drift_sq = ref_sq = 0.0
         for name, (B, A) in sent.items():
@@ -693,16 +693,17 @@ class FedPAClient(Client):
     def _staleness(self, received) -> dict[str, float]:
         """For a client that trained before: the rounds since it last trained, and ``||s_i B_i A_i - X_g,i||_F`` of
         its preserved factors against the reference ``received`` at the start of this round (partial
-        participation: does a preserved factor that sat out drift from the reference?)."""
-        if self._last_trained is None or self.factors is None:
+        participation: does a preserved factor that sat out drift from the reference?). None without diagnostics."""
+        if not self.method.cfg.diagnostics or self._last_trained is None or self.factors is None:
             return {}
         own, reference = (self.method.expand(self.space.upload(f)) for f in (self.factors, received))
         sq = sum(float(product_distance(B, A, *reference[n])) ** 2 for n, (B, A) in own.items() if n in reference)
         return {"staleness": self.state - self._last_trained, "drift_start": sq**0.5}
 
     def _init_error(self, start, previous) -> dict[str, float]:
-        """E_init(B), E_init(A) of this client for the first LoRA module (§3.3; the paper plots one module)."""
-        if self._rounds_trained == 0:
+        """E_init(B), E_init(A) of this client for the first LoRA module (§3.3; the paper plots one module); none
+        without diagnostics."""
+        if not self.method.cfg.diagnostics or self._rounds_trained == 0:
             return {}
         name = next(iter(start))
         return {
