@@ -315,7 +315,9 @@ def test_adapter_names_the_module_with_bad_factors():
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(("d", "k"), [(24, 80), (80, 24), (20, 20)])
-def test_float32_stacks_wider_than_the_layer_take_float64_householder_and_reach_the_optimum(monkeypatch, kind, d, k):
+def test_float32_stacks_wider_than_the_layer_take_the_float64_qr_core_and_reach_the_optimum(monkeypatch, kind, d, k):
+    # (24, 80): QR of A only, core 24 x 40 (the Gram of H H^T); (80, 24): QR of B only (H^T H); (20, 20): no QR,
+    # the core is the aggregate
     from fs_fedpa.core import reconstruct as module
 
     gram = module._gram_route
