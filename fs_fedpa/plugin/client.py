@@ -30,7 +30,7 @@ from fs_fedpa.core.instance import instance_weights, representation
 from fs_fedpa.core.penalty import product_penalty
 from fs_fedpa.core.ranks import truncate_factors
 from fs_fedpa.plugin import auth, resume
-from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainables, without_empty_splits
+from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainables, share_equal, without_empty_splits
 from fs_fedpa.plugin.payload import decode_factors, decode_merge, decode_tensors, encode_parts, encode_tensors
 from fs_fedpa.plugin.trainer import install_alignment_hook
 from fs_fedpa.record import OUTCOMES_FILE
@@ -44,9 +44,13 @@ _STORES: dict[str, StateStore] = {}  # one per run folder: the clients of a stan
 
 class FedPAClient(Client):
     def __init__(self, *args, **kwargs):
+        if kwargs.get("config") is not None:
+            kwargs["config"] = share_equal("config", kwargs["config"])
         super().__init__(*args, **kwargs)
         if self._cfg is None:  # FS builds an unconfigured client to list message handlers
             return
+        ctx = self.trainer.ctx
+        ctx.trainable_para_names = share_equal("names", ctx.trainable_para_names)
         self.method = build_method(self._cfg, self.model)
         self._set_space()
         self.local_names, self.shared_names = non_lora_trainables(self.model, self._cfg.personalization.local_param)
@@ -96,7 +100,8 @@ class FedPAClient(Client):
         """The client's factor space at its rank r_i; in distributed mode its id, and so its rank, arrives when it
         has joined (:meth:`callback_funcs_for_assign_id`)."""
         if self.method.state_is_factors and self.ID >= 1:
-            self.space = lora.ClientSpace(lora.Scaling.of(self.model), self.method.plan.client_ranks[self.index])
+            scaling = share_equal("scaling", lora.Scaling.of(self.model))
+            self.space = lora.ClientSpace(scaling, self.method.plan.client_ranks[self.index])
         else:
             self.space = lora.UnitSpace()
         self.penalty_weight = self.space.penalty_weight(self.method.plan.lam_rank)  # one lambda for every client

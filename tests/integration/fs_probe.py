@@ -13,7 +13,8 @@ only copy what passes through the plugin's own seams; they change nothing:
 - ``personal``: per client and round with a personal phase (FedDPA), its personal factors before and after, and the
   model as that phase trains it (LoRA factors, base weights, PEFT scaling) with the reference it received;
 - ``final``: every client's kept factors, base offset, personal adapter and local tensors, the server's global
-  factors and merges at the end, and which clients' trainers still hold an optimizer (``optimizers_kept``);
+  factors and merges at the end, which clients' trainers still hold an optimizer (``optimizers_kept``), and how
+  many distinct config, parameter-name and rank-plan objects the clients hold (``distinct``);
 - ``sent``: per client and round, the sample size and the factors of its upload (``module -> {part: tensor}``) as
   the client made it, and its stats;
 - ``e_agg_calls``: how many times the server computed E_agg of a module (its aggregate diagnostics).
@@ -281,6 +282,12 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         "optimizers_kept": sorted(
             cid for cid, c in runner.client.items() if getattr(c.trainer.ctx, "optimizer", None) is not None
         ),
+        "distinct": {  # how many objects the clients hold of what FS and the method build alike for each
+            "config": len({id(c._cfg) for c in runner.client.values()}),
+            "trainer config": len({id(c.trainer.ctx.cfg) for c in runner.client.values()}),
+            "names": len({id(c.trainer.ctx.trainable_para_names) for c in runner.client.values()}),
+            "plan": len({id(c.method.plan) for c in runner.client.values()}),
+        },
     }
     torch.save(record, out)
 

@@ -138,6 +138,13 @@ def test_no_client_keeps_its_last_optimizer(shared_run):
     assert len(shared_run["leave"]) > 0 and shared_run["final"]["optimizers_kept"] == []
 
 
+def test_clients_share_one_config_name_set_and_rank_plan(shared_run):
+    """FS deep-copies the config for every client and each trainer builds a set of every parameter name; the method
+    a rank plan with per-client tuples of length N: about 110 KiB a client held N times (issue 34)."""
+    assert len(shared_run["final"]["clients"]) > 1
+    assert shared_run["final"]["distinct"] == {"config": 1, "trainer config": 1, "names": 1, "plan": 1}
+
+
 def test_diagnostics_off_computes_none_and_changes_nothing_else(tiny_llm, tmp_path, shared_run):
     """``fedpa.diagnostics False``: no E_agg on the server, no mechanism stats from the clients, no file; the run
     itself (global factors, every client's factors and local tensors) is bit for bit the run with diagnostics."""

@@ -64,3 +64,37 @@ def test_a_damaged_spill_file_is_that_clients_loss_alone(many, tmp_path):
     log = (tmp_path / "exp" / "fedpa" / "exp_print.log").read_text()
     assert "its spilled state" in log and "restarts from the global reference" in log
     assert [a["round"] for a in run["aggregate"]] == [0, 1, 2]  # the federation went on
+
+
+def test_share_equal_shares_only_equal_frozen_values():
+    """What clients share of their setup (:func:`fs_fedpa.plugin.common.share_equal`): an equal frozen config is
+    the previous one, an unequal or unfrozen one stays its own, and one edited after it was shared is no longer
+    handed out for the unedited value."""
+    from federatedscope.core.configs.config import global_cfg
+
+    from fs_fedpa.plugin.common import share_equal
+
+    first = global_cfg.clone()
+    first.freeze()
+    second = first.clone()
+    assert second is not first and share_equal("test cfg", first) is first
+    assert share_equal("test cfg", second) is first
+    other = first.clone()
+    other.defrost()
+    other.seed = first.seed + 1
+    other.freeze()
+    assert share_equal("test cfg", other) is other  # unequal: its own, and now the one the next may share
+    unfrozen = other.clone()
+    unfrozen.defrost()
+    assert share_equal("test cfg", unfrozen) is unfrozen
+    other.defrost()  # a wrapper edits the shared one in place (FS's FedProx and NbAFL trainers do)
+    other.seed = first.seed + 2
+    other.freeze()
+    fresh = first.clone()
+    fresh.defrost()
+    fresh.seed = first.seed + 1
+    fresh.freeze()
+    assert share_equal("test cfg", fresh) is fresh
+    assert share_equal("test names", {"a", "b"}) == {"a", "b"}
+    names = share_equal("test names", {"a", "b"})
+    assert share_equal("test names", {"b", "a"}) is names and share_equal("test names", {"a"}) == {"a"}
