@@ -521,7 +521,9 @@ class FedPAClient(Client):
         logger.info(f"[fedpa] client {self.ID} resumed its state of round {saved['round']}")
 
     def callback_funcs_for_finish(self, message: Message):
-        """Never load the server's model (its factors have rank R_g); save this client's own state."""
+        """Never load the server's model (its factors have rank R_g); save this client's own state where asked
+        (``federate.save_to``, ``fedpa.export_dir``), then let it go: the run is over, and every client's state in
+        memory at once would undo ``fedpa.state_budget_mb``."""
         logger.info(f"================= client {self.ID} received finish message =================")
         self._unpark()
         self.store.drop(self.ID)
@@ -535,6 +537,7 @@ class FedPAClient(Client):
                 torch.save(state, add_prefix_to_path(f"fedpa_client_{self.ID}_", self._cfg.federate.save_to))
             if self.method.cfg.export_dir:
                 self._export(state)
+        self._release_state()  # saved where asked; N clients' states must not all come back into memory at the end
         self._monitor.finish_fl()
 
     def _release_optimizer(self) -> None:
@@ -557,6 +560,10 @@ class FedPAClient(Client):
             parts["received"] = self._last_received
         self.store.put(self.ID, flatten(parts))
         self._parked = True
+        self._release_state()
+
+    def _release_state(self) -> None:
+        """Drop this client's references to its state and to the round's reference (parked, or the run is over)."""
         self.factors = self.personal = self._fold = self._last_received = None
         self.local_tensors, self.base_offset = {}, {}
         self.reference, self._received, self._live = {}, {}, {}

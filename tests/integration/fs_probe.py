@@ -12,9 +12,11 @@ only copy what passes through the plugin's own seams; they change nothing:
 - ``loss_gap``: ``loss_task - loss_batch`` of every training batch (the added alignment term);
 - ``personal``: per client and round with a personal phase (FedDPA), its personal factors before and after, and the
   model as that phase trains it (LoRA factors, base weights, PEFT scaling) with the reference it received;
-- ``final``: every client's kept factors, base offset, personal adapter and local tensors, the server's global
-  factors and merges at the end, which clients' trainers still hold an optimizer (``optimizers_kept``), and how
-  many distinct config, parameter-name and rank-plan objects the clients hold (``distinct``);
+- ``final``: every client's kept factors, base offset, personal adapter and local tensors, as each leaves them at
+  its finish message before letting them go, the server's global factors and merges at the end, the clients that
+  still hold any state after the run (``held_after_finish``), which clients' trainers still hold an optimizer
+  (``optimizers_kept``), and how many distinct config, parameter-name and rank-plan objects the clients hold
+  (``distinct``);
 - ``sent``: per client and round, the sample size and the factors of its upload (``module -> {part: tensor}``) as
   the client made it, and its stats;
 - ``e_agg_calls``: how many times the server computed E_agg of a module (its aggregate diagnostics).
@@ -254,6 +256,32 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
     Client.__init__, Client._enter_round, Client._leave_round = init, enter, leave
     Client._train_personal = train_personal
     Aggregator.aggregate = aggregate
+    ends, orig_finish = {}, Client.callback_funcs_for_finish
+
+    def finish(self, message):  # each client's end state, as the run leaves it, before the client lets it go
+        def snapshot():
+            ends[self.ID] = {
+                "factors": _copy(self.factors) if self.factors is not None else None,
+                "offsets": {n: t.cpu().clone() for n, t in self.base_offset.items()},
+                "personal": _copy(self.personal) if self.personal is not None else None,
+                "local": {n: t.cpu().clone() for n, t in self.local_tensors.items()},
+            }
+
+        release = self._release_state
+
+        def capture():
+            snapshot()
+            release()
+
+        self._release_state = capture
+        try:
+            return orig_finish(self, message)
+        finally:
+            del self._release_state
+            if self.ID not in ends:  # a client that never lets its state go: held_after_finish names it
+                snapshot()
+
+    Client.callback_funcs_for_finish = finish
 
     cfg = global_cfg.clone()
     cfg.merge_from_file(cfg_file)
@@ -272,12 +300,18 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
     )
     runner.run()
     record["final"] = {
-        "clients": {cid: _copy(c.factors) for cid, c in runner.client.items() if c.factors is not None},
+        "clients": {cid: e["factors"] for cid, e in ends.items() if e["factors"] is not None},
         "global": _copy(runner.server.global_factors),
         "merged": {n: t.cpu().clone() for n, t in runner.server.merged.items()},
-        "offsets": {cid: {n: t.cpu().clone() for n, t in c.base_offset.items()} for cid, c in runner.client.items()},
-        "personal": {cid: _copy(c.personal) for cid, c in runner.client.items() if c.personal is not None},
-        "local": {cid: {n: t.cpu().clone() for n, t in c.local_tensors.items()} for cid, c in runner.client.items()},
+        "offsets": {cid: e["offsets"] for cid, e in ends.items()},
+        "personal": {cid: e["personal"] for cid, e in ends.items() if e["personal"] is not None},
+        "local": {cid: e["local"] for cid, e in ends.items()},
+        "finished": sorted(ends),
+        "held_after_finish": sorted(
+            cid
+            for cid, c in runner.client.items()
+            if c.factors is not None or c.personal is not None or c.local_tensors or c.base_offset
+        ),
         "outdir": cfg.outdir,
         "optimizers_kept": sorted(
             cid for cid, c in runner.client.items() if getattr(c.trainer.ctx, "optimizer", None) is not None
