@@ -45,9 +45,10 @@ def share_equal(kind: str, value):
     """``value``, or the equal one of ``kind`` that the previous worker of this process holds. FS's standalone
     runner gives every client a deep copy of the whole config, each trainer's context a set of every parameter name
     of the shared model, and every client builds its own rank plan (per-client tuples of length N) and module tables:
-    about 110 KiB a client at N = 200, so about 110 MiB at N = 1000. All are read-only once set up: the config is
-    frozen (a trainer wrapper that defrosts and edits one makes it unequal to the next, which keeps its own), and an
-    unfrozen config is never shared."""
+    shared, FS's setup costs 17 KiB a client instead of 117 (docs/plugin.md). All are read-only once set up: the
+    config is frozen and an unfrozen one is never shared. A trainer wrapper that defrosts and edits a shared config
+    (FS's FedProx and NbAFL do) edits it for its sharers too, which is harmless where, as there, every client makes
+    the same edit; the next client's config is then unequal and keeps its own."""
     frozen = getattr(value, "is_frozen", lambda: True)()
     last = _PEER.get(kind)
     if frozen and last is not None and last is not value and type(last) is type(value) and last == value:
