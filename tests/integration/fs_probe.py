@@ -307,6 +307,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         "personal": {cid: e["personal"] for cid, e in ends.items() if e["personal"] is not None},
         "local": {cid: e["local"] for cid, e in ends.items()},
         "finished": sorted(ends),
+        "client_ids": sorted(runner.client),
         "held_after_finish": sorted(
             cid
             for cid, c in runner.client.items()
