@@ -263,8 +263,7 @@ def _gram_route(Bt: Tensor, A: Tensor, ranks: Sequence[int], rank: int, w) -> tu
     sw = _column_weights(w, ranks, f64, Bt.device)
     G_B, G_A = Bt @ Bt.mT, A @ A.mT
     nb, na = G_B.diagonal(dim1=-2, dim2=-1).sqrt(), G_A.diagonal(dim1=-2, dim2=-1).sqrt()
-    if not bool(torch.isfinite(nb).all() and torch.isfinite(na).all()):  # the squared column norms hold any NaN/Inf
-        raise _NonFinite("NaN or Inf in the factors")
+    _require_finite(nb, na)  # the squared column norms hold any NaN/Inf
     both = (nb > 0) & (na > 0)
     c = torch.where(both, (na / torch.where(both, nb, 1)).sqrt(), torch.ones_like(nb))
     beta, alpha = sw * c, sw / c
@@ -272,8 +271,7 @@ def _gram_route(Bt: Tensor, A: Tensor, ranks: Sequence[int], rank: int, w) -> tu
     BP = beta[..., :, None] * P  # diag(beta) P: (*, m, m)
     K = BP.mT @ G_B @ BP
     lam, Z = torch.linalg.eigh((K + K.mT) / 2)
-    if not bool(torch.isfinite(lam).all()):  # an entry near the float64 limit overflowed in a Gram
-        raise _NonFinite("NaN or Inf in the factors")
+    _require_finite(lam)  # an entry near the float64 limit overflowed in a Gram
     lam, Z = lam.flip(-1), Z.flip(-1)  # descending
     m = A.shape[-2]
     q = min(Bt.shape[-1], A.shape[-1], m)
@@ -294,6 +292,12 @@ def _check_mode(mode: str, oversample: int) -> None:
 
 class _NonFinite(ValueError):
     """NaN/Inf reached the reconstruction; the public entry points name the client it came from."""
+
+
+def _require_finite(*tensors: Tensor) -> None:
+    """Raise :class:`_NonFinite` if any of ``tensors`` holds NaN or Inf."""
+    if not all(bool(torch.isfinite(t).all()) for t in tensors):
+        raise _NonFinite("NaN or Inf in the factors")
 
 
 _WORKSPACES = threading.local()  # per thread: the float64 stacks of the last few shapes, reused round after round
@@ -416,13 +420,11 @@ def _gram_pairs(H: Tensor, rank: int) -> tuple[Tensor, Tensor, Tensor]:
     subspace, without dividing by a singular value, and ``A_c`` has orthonormal rows. The eigenvalues carry an
     absolute error of about ``eps_64 sigma_1^2``, so each sigma one of at most ``sqrt(eps_64) sigma_1`` (1.5e-8
     sigma_1): below the float32 floor, as in :func:`_gram_route`."""
-    if not bool(torch.isfinite(H).all()):
-        raise _NonFinite("NaN or Inf in the factors")
+    _require_finite(H)
     p, q = H.shape[-2], H.shape[-1]
     n = min(rank, p, q)
     lam, E = torch.linalg.eigh(H.mT @ H if q <= p else H @ H.mT)  # ascending
-    if not bool(torch.isfinite(lam).all()):  # an entry near the float64 limit overflowed in the Gram
-        raise _NonFinite("NaN or Inf in the factors")
+    _require_finite(lam)  # an entry near the float64 limit overflowed in the Gram
     S = lam.flip(-1).clamp_min(0).sqrt()
     E_n = E[..., -n:].flip(-1)  # the leading n eigenvectors, descending
     if q <= p:
@@ -456,8 +458,7 @@ def _reconstruct_cat(
 
 
 def _svd(M: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    if not bool(torch.isfinite(M).all()):
-        raise _NonFinite("NaN or Inf in the factors")
+    _require_finite(M)
     return torch.linalg.svd(M, full_matrices=False)
 
 
