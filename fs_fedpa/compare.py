@@ -115,8 +115,40 @@ def run_one(cfg: str, cell: Cell, seed: int, out: Path, opts: list[str], total_r
     if cpu is not None:
         result["cpu_seconds"] = round(cpu, 1)
     result["torch"] = _version("torch")  # the thread count and the torch build change results at the rounding level
+    result["commit"] = code_commit()
     (out / "result.json").write_text(json.dumps(result))
     return seconds
+
+
+def code_commit() -> str | None:
+    """The git commit of the checkout this ``fs_fedpa`` was imported from (the code a run ran), with ``+dirty``
+    where tracked files differ from it; None for an installed copy outside a git checkout."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
+        if sha.returncode != 0:
+            return None
+        status = ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"]
+        dirty = subprocess.run(status, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sha.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def split_seed(folder: Path) -> int | None:
+    """The seed of a finished run's client split, from the config FS saved in ``folder``: its
+    ``data.glue_split_seed``, or FS's fixed :data:`~fs_fedpa.tasks.glue.FS_SPLIT_SEED` where that is -1 or absent;
+    None where the config cannot be read."""
+    import yaml
+
+    from fs_fedpa.tasks.glue import FS_SPLIT_SEED
+
+    try:
+        cfg = yaml.safe_load((folder / "config.yaml").read_text())
+        seed = cfg.get("data", {}).get("glue_split_seed", -1)
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    return FS_SPLIT_SEED if seed in (-1, None) else int(seed)
 
 
 def _version(package: str) -> str | None:
@@ -137,6 +169,7 @@ def collect(out: Path) -> dict:
     """A finished run: its ``result.json`` plus per-round metrics and compact diagnostics read from its files."""
     run = json.loads((out / "result.json").read_text())
     run.setdefault("cell", run.get("method"))
+    run["split_seed"] = split_seed(out / "run")
     run["rounds"] = {int(r): m for r, m in weighted_avg_by_round(out / "run" / "eval_results.log").items()}
     path = out / "run" / DIAGNOSTICS_FILE
     lines = path.read_text().splitlines() if path.is_file() else []

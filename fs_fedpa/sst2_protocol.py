@@ -22,6 +22,9 @@ alpha = 8, local heads, 10 local steps of 16 sentences):
 6. ``long``: the long horizon, :data:`LONG_ARMS` over :data:`LONG_ROUNDS` rounds, seeds 0-3, with per-sentence
    outcomes of every evaluation (``fedpa.save_outcomes``).
 7. ``partial``: partial participation, 100 clients, 10 sampled a round, 60 rounds, :data:`PARTIAL_ARMS`, seeds 0-2.
+8. ``splits``: the client split as a factor: FedPA-LoRA and FedIT as selected, at beta 0.5 and 0.1, on the two new
+   client splits of :data:`SPLIT_SEEDS` (``data.glue_split_seed``), seeds 0-2, T rounds; the committed split's runs
+   are those of ``final`` and ``beta``.
 
 Every finished run is reduced to one small JSON file in ``--report/runs/<stage>/`` (curves and diagnostics; no
 checkpoints), which is committed: a stopped grid continues where it stopped, on this machine or another. FS's own
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fs_fedpa import compare, protocol
+from fs_fedpa.tasks.glue import FS_SPLIT_SEED
 
 CFG_NAME = Path("yaml_configs") / "compare_sst2_protocol.yaml"
 CFG = CFG_NAME if CFG_NAME.is_file() else Path(__file__).resolve().parents[1] / CFG_NAME
@@ -64,7 +68,7 @@ MAIN_R, HETERO_R = 4, 16  # model.seqcls.r of the config and of the heterogeneou
 # heterogeneous cell's r = 16 would make the selected lambda weigh the same ||dW_i - X|| (16/4)^2 = 16 times more.
 # Its FedPA runs therefore use lam * (s(16) / s(4))^2 = lam / 16: the penalty per unit of update of the tuned cell.
 HETERO_LAM = (MAIN_R / HETERO_R) ** 2
-STAGES = ("pilot", "tune", "final", "ablation", "beta", "hetero", "adaptive", "head", "long", "partial")  # Run.stage
+STAGES = ("pilot", "tune", "final", "ablation", "beta", "hetero", "adaptive", "head", "long", "partial", "splits")
 SECONDS_PER_ROUND = 28.0  # measured: 10 clients x 10 steps; used until a finished run gives a better figure
 
 
@@ -279,6 +283,40 @@ def partial_runs(selected: dict, rounds: int = PARTIAL_ROUNDS) -> list[Run]:
     return runs
 
 
+# Issue 41, fixed before its runs. Every earlier run shares FS's one client split (FS_SPLIT_SEED), so every interval
+# is conditional on it. Two more splits, FedPA-LoRA and FedIT as selected, in the main cell and at beta = 0.1 (the one
+# setting where FedPA-LoRA led on average); the committed split's runs are final/{fedpa,fedit} and
+# beta/{fedpa,fedit}_beta0.1. Endpoint: the final-round dev accuracy under both protocols, as in those stages.
+SPLIT_SEEDS = (FS_SPLIT_SEED, 1, 2)  # the committed split first
+SPLITS_ARMS, SPLITS_BETAS = ("fedpa", "fedit"), (0.5, 0.1)  # 0.5: the main cell's
+
+
+def splits_cell(method: str, beta: float, split: int) -> str:
+    """The cell of ``method`` at ``beta`` on the split drawn by ``split``: a committed cell (``fedpa``,
+    ``fedpa_beta0.1``) for :data:`FS_SPLIT_SEED`, ``<that>_split<seed>`` for the others."""
+    name = method if beta == SPLITS_BETAS[0] else f"{method}_beta{beta:g}"
+    return name if split == FS_SPLIT_SEED else f"{name}_split{split}"
+
+
+def splits_key(method: str, beta: float, split: int, seed: int) -> str:
+    """The run key of a cell of the split analysis, on the committed split in ``final``/``beta``."""
+    stage = "splits" if split != FS_SPLIT_SEED else "final" if beta == SPLITS_BETAS[0] else "beta"
+    return f"{stage}/{splits_cell(method, beta, split)}_s{seed}"
+
+
+def splits_runs(selected: dict, T: int) -> list[Run]:
+    """The new runs of the split stage, seed-major, the two methods of one (split, beta, seed) side by side."""
+    chosen, runs = selected["methods"], []
+    for seed in SEEDS:
+        for split in SPLIT_SEEDS[1:]:
+            for beta in SPLITS_BETAS:
+                splitter = () if beta == SPLITS_BETAS[0] else ("data.splitter_args", f"[{{'alpha': {beta}}}]")
+                for method in SPLITS_ARMS:
+                    opts = (*selected_opts(chosen[method]), *FINAL_EVAL, *splitter, "data.glue_split_seed", str(split))
+                    runs.append(Run("splits", splits_cell(method, beta, split), method, (*opts, *ONE_THREAD), seed, T))
+    return runs
+
+
 def head_runs(selected: dict, T: int) -> list[Run]:
     """The head asymmetry: FedIT as selected, its head federated (``personalization.local_param []``), T rounds,
     seeds :data:`HEAD_SEEDS`; paired with FedPA-LoRA's final runs and its no-local-head ablation."""
@@ -360,6 +398,7 @@ def plan(results: dict, report: Path) -> list[tuple[str, list[Run]]]:
     stages.append(("head asymmetry", head_runs(selected, selected["T"])))
     stages.append(("long horizon", long_runs(selected)))
     stages.append(("partial participation", partial_runs(selected)))
+    stages.append(("client splits", splits_runs(selected, selected["T"])))
     return stages
 
 

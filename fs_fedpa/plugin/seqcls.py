@@ -44,7 +44,19 @@ def extend_seqcls_cfg(cfg) -> None:
     # > 0: hold out this fraction (< 1) or count (>= 1) of each client's train shard as its `val` split, for
     # hyper-parameter selection; the dev split then becomes `test` (fs_fedpa.tasks.glue.holdout_split)
     cfg.data.glue_holdout = 0.0
+    # >= 0: numpy (and random, torch) are seeded with this right before FS splits the data among the clients, and
+    # with the run's seed after; -1 keeps FS's own draw, seeded with tasks.glue.FS_SPLIT_SEED whatever the run's seed
+    cfg.data.glue_split_seed = -1
     cfg.register_cfg_check_fun(_check_seqcls_cfg)
+
+
+def split_seed(cfg) -> int:
+    """The seed numpy held when FS split the run's data among its clients: ``data.glue_split_seed``, or
+    :data:`FS_SPLIT_SEED` where it is -1 (FS's fixed draw)."""
+    from fs_fedpa.tasks.glue import FS_SPLIT_SEED
+
+    seed = cfg.data.glue_split_seed
+    return FS_SPLIT_SEED if seed == -1 else int(seed)
 
 
 def _check_seqcls_cfg(cfg) -> None:
@@ -55,6 +67,10 @@ def _check_seqcls_cfg(cfg) -> None:
         raise ValueError(f"model.seqcls.precision(={s.precision!r}) must be 'fp32', 'fp16' or 'bf16'")
     if not cfg.data.glue_holdout >= 0:
         raise ValueError(f"data.glue_holdout(={cfg.data.glue_holdout}) must be 0 (off), a fraction or a count")
+    if not (cfg.data.glue_split_seed == -1 or 0 <= cfg.data.glue_split_seed < 2**32):
+        raise ValueError(
+            f"data.glue_split_seed(={cfg.data.glue_split_seed}) must be -1 (FS's fixed split) or a seed in [0, 2**32)"
+        )
     if cfg.data.type.lower().endswith(SUFFIX_DATA):
         from fs_fedpa.tasks.glue import get_task
 
@@ -101,7 +117,10 @@ def load_glue_data(config, client_cfgs=None):
     config.model.seqcls.num_labels = task.num_labels
     translator = _holdout_translator() if config.data.glue_holdout > 0 else BaseDataTranslator
     evaluation = _encode(dev, tokenizer, max_len)
-    data = translator(config, client_cfgs)((_encode(train, tokenizer, max_len), evaluation, []))
+    encoded = _encode(train, tokenizer, max_len)
+    if config.data.glue_split_seed >= 0:
+        setup_seed(config.data.glue_split_seed)  # as FS seeds its own draw, so FS_SPLIT_SEED gives FS's split
+    data = translator(config, client_cfgs)((encoded, evaluation, []))
     if config.fedpa.save_outcomes:
         path = Path(config.outdir) / EVAL_SHARDS_FILE
         path.parent.mkdir(parents=True, exist_ok=True)

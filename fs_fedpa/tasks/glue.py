@@ -218,6 +218,9 @@ def _from_hf(task: GlueTask, split: str, limit: int | None) -> list[GlueExample]
 
 
 # ------------------------------------------------------------------------------------- held-out validation
+# FS's data builder seeds numpy with this before every registered data builder, so it is the seed of the client split
+# of every run that sets no data.glue_split_seed (federatedscope.core.auxiliaries.data_builder.get_data)
+FS_SPLIT_SEED = 12345
 HOLDOUT_SEED = 12345  # like FS's data split: every run, method and seed holds out the same examples
 
 

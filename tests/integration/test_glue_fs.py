@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
+from fs_fedpa.record import EVAL_SHARDS_FILE
 from tests.integration.conftest import probe
 from tests.integration.tiny_assets import (
     fs_glue_yaml,
@@ -159,3 +163,54 @@ def test_trimming_trailing_padding_leaves_the_logits_unchanged():
         torch.testing.assert_close(model(**trimmed).logits, model(**batch).logits, atol=1e-6, rtol=1e-5)
     full = {k: v[:, :9] for k, v in batch.items()}  # nothing to trim: the same tensors come back
     assert trim_padding(full) is full
+
+
+def _dev_shards(cfg_dict: dict, tmp_path: Path, **overrides) -> dict[str, list[int]]:
+    """client -> indices into the dev file of its evaluation shard, as FS's data builder splits it (no training)."""
+    from federatedscope.core.auxiliaries.data_builder import get_data
+    from federatedscope.core.configs.config import global_cfg
+
+    from tests.integration.tiny_assets import dump_yaml
+
+    cfg = global_cfg.clone()
+    cfg.merge_from_file(dump_yaml(cfg_dict, tmp_path / "cfg.yaml"))
+    cfg.merge_from_list([x for kv in overrides.items() for x in (kv[0], str(kv[1]))])
+    out = tmp_path / f"shards_{len(list(tmp_path.glob('shards_*')))}"
+    cfg.merge_from_list(["outdir", str(out), "fedpa.save_outcomes", "True"])
+    get_data(cfg)
+    return json.loads((out / EVAL_SHARDS_FILE).read_text())["splits"]["val"]
+
+
+def test_glue_split_seed_12345_is_fs_split_and_another_seed_draws_another(tiny_glue, tmp_path):
+    cfg = fs_glue_yaml(tmp_path, tiny_glue["model"], tiny_glue["glue"])
+    fs_split = _dev_shards(cfg, tmp_path)
+    assert _dev_shards(cfg, tmp_path, **{"data.glue_split_seed": 12345}) == fs_split
+    other = _dev_shards(cfg, tmp_path, **{"data.glue_split_seed": 7})
+    assert other != fs_split
+    assert sorted(sum(other.values(), [])) == sorted(sum(fs_split.values(), []))  # a partition of the same file
+    assert _dev_shards(cfg, tmp_path, **{"data.glue_split_seed": 7, "seed": 3}) == other  # not the run's seed
+
+
+def test_bad_glue_split_seed_is_refused(tiny_glue, tmp_path):
+    cfg = fs_glue_yaml(tmp_path, tiny_glue["model"], tiny_glue["glue"], **{"data.glue_split_seed": -2})
+    proc = run_fs(cfg, tmp_path)
+    assert proc.returncode != 0 and "data.glue_split_seed(=-2)" in proc.stdout + proc.stderr
+
+
+REAL_GLUE = Path(__file__).resolve().parents[3] / "shared" / "data" / "glue"
+LONG_RUN = Path(__file__).resolve().parents[2] / "docs/reference/sst2_protocol/runs/long/fedit_s0.json"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (REAL_GLUE / "SST-2" / "train.tsv").is_file(), reason=f"no SST-2 in {REAL_GLUE}")
+def test_split_seed_12345_reproduces_the_committed_protocol_split(tiny_glue, tmp_path):
+    """The committed long-stage run's client shards of the dev set, from FS's data builder alone: seed 12345 gives
+    them, as FS's own draw does; seed 1 (the split stage's) gives others."""
+    import yaml
+
+    committed = json.loads(LONG_RUN.read_text())["outcomes"]["shards"]
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[2] / "yaml_configs/compare_sst2_protocol.yaml").read_text())
+    cfg["data"]["root"] = str(REAL_GLUE)
+    cfg["model"]["type"] = f"{Path(tiny_glue['model']).resolve()}@seqcls_llm"  # the split needs no MiniLM tokens
+    assert _dev_shards(cfg, tmp_path, **{"data.glue_split_seed": 12345}) == committed
+    assert _dev_shards(cfg, tmp_path, **{"data.glue_split_seed": 1}) != committed

@@ -323,14 +323,16 @@ def test_selections_at_the_grids_top_are_checked_one_step_above_without_changing
     for run in dict(sp.plan(results, tmp_path))["final"]:
         results[run.key] = _result(run, {selected["T"]: 0.85 + 0.001 * run.seed})
     stages = sp.plan(results, tmp_path)
-    assert [s for s, _ in stages][-6:] == [
+    assert [s for s, _ in stages][-7:] == [
         "final, more seeds",
         "tuning grid edge",
         "beyond the main cell",
         "head asymmetry",
         "long horizon",
         "partial participation",
+        "client splits",
     ]
+    assert len(dict(stages)["client splits"]) == 24
     partial = dict(stages)["partial participation"]  # fixed cells: 4 arms x seeds 0-2, 100 clients, 10 a round
     assert len(partial) == 12 and {r.name for r in partial} == {"fedpa", "fedpa_adamw5e-3_lam1", "fedit", "fedsa_lora"}
     assert all({"federate.client_num": "100", "federate.sample_client_num": "10", "eval.freq": "6"}.items()
@@ -570,3 +572,48 @@ def test_the_partial_participation_section_pairs_each_fedpa_arm_with_each_baseli
         "| arm | staleness [1, 3) | staleness [3, 6) | staleness [6, 11) | staleness [11, 21) | staleness [21, ∞) |"
         in section
     )
+
+
+def test_the_split_stage_runs_both_methods_at_both_betas_on_the_two_new_splits_and_reuses_the_committed_one():
+    selected = json.loads((sp.REPORT / "selected.json").read_text())
+    runs = sp.splits_runs(selected, selected["T"])
+    assert len(runs) == 24 and len({r.key for r in runs}) == 24
+    assert {r.stage for r in runs} == {"splits"} and {r.rounds for r in runs} == {21}
+    combos = set()
+    for run in runs:
+        opts = dict(zip(run.opts[::2], run.opts[1::2]))
+        split, beta = int(opts["data.glue_split_seed"]), opts.get("data.splitter_args")
+        assert split in (1, 2) and beta in (None, "[{'alpha': 0.1}]")
+        assert opts["fedpa.num_threads"] == "1" and opts["data.glue_holdout"] == "0"  # the dev set, one thread
+        chosen = selected["methods"][run.method]
+        assert (opts["train.optimizer.type"], float(opts["train.optimizer.lr"])) == (chosen["optimizer"], chosen["lr"])
+        combos.add((run.method, 0.5 if beta is None else 0.1, split, run.seed))
+    methods, betas, splits, seeds = ("fedpa", "fedit"), (0.5, 0.1), (1, 2), (0, 1, 2)
+    assert combos == {(m, b, s, seed) for m in methods for b in betas for s in splits for seed in seeds}
+    # the committed split's cells are the committed final and beta runs, which carry split_seed 12345
+    results = sp.load_results(sp.REPORT)
+    for method in ("fedpa", "fedit"):
+        for beta in (0.5, 0.1):
+            for seed in (0, 1, 2):
+                assert results[sp.splits_key(method, beta, 12345, seed)]["split_seed"] == 12345
+    assert sp.splits_key("fedpa", 0.1, 2, 1) == "splits/fedpa_beta0.1_split2_s1"
+    assert all(r["split_seed"] == 12345 for r in results.values() if not r.get("stage") == "splits")
+
+
+def test_a_run_file_records_its_split_seed_from_the_config_fs_saved_and_the_commit_it_ran(tmp_path):
+    import subprocess
+
+    from fs_fedpa import compare
+
+    for value, expected in ((None, 12345), (-1, 12345), (7, 7)):
+        folder = tmp_path / str(value)
+        folder.mkdir()
+        data = {"type": "sst2@glue"} if value is None else {"glue_split_seed": value}
+        (folder / "config.yaml").write_text(json.dumps({"data": data}))
+        assert compare.split_seed(folder) == expected
+    assert compare.split_seed(tmp_path / "nowhere") is None
+    root = Path(compare.__file__).resolve().parents[1]
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("fs_fedpa is not imported from a git checkout")
+    assert compare.code_commit().split("+")[0] == head.stdout.strip()
