@@ -210,7 +210,10 @@ def read_outcomes(folder: Path, last: int = OUTCOME_EVALS) -> dict | None:
 
 
 def _stat(values: list[float]) -> tuple[float, float] | None:
-    return (statistics.mean(values), statistics.pstdev(values)) if values else None
+    """(mean, sample standard deviation) over seeds; the deviation of a single seed is 0."""
+    if not values:
+        return None
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def summarize(runs: list[dict], metric: str, larger_is_better: bool) -> list[dict]:
@@ -285,7 +288,7 @@ def protocol_note(metric: str, cfg: str, cells: list[Cell], seeds: list[int], op
     overrides = "; ".join(f"`{c.name}`: {' '.join(c.opts)}" for c in cells if c.opts)
     return "\n".join(
         [
-            f"Config `{cfg}`{' with ' + ' '.join(opts) if opts else ''}; seeds {seeds}; mean ± std over seeds.",
+            f"Config `{cfg}`{' with ' + ' '.join(opts) if opts else ''}; seeds {seeds}; mean ± sample std over seeds.",
             f"- `{metric}` (paper protocol): each client evaluates on its own dev shard, FedPA-style methods with "
             f"the global reference product plus the client's local tensors, the others with the model they hold "
             f"after the round; weighted by shard size.",

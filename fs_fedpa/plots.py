@@ -10,7 +10,9 @@ each figure shows the mean over seeds of every cell (a band for the spread where
 - ``bytes.png``: the metric vs cumulative uplink + downlink bytes;
 - ``mechanism.png``: what explains a ranking, per round: the norm of the global update ||sum_i w_i Delta W_i||_F,
   the clients' own ||Delta W_i||_F, their drift from the reference they received (relative), and the ratio of the
-  alignment term's gradient to the task loss's gradient at a round's last step (client fields: mean over clients).
+  alignment term's gradient to the task loss's gradient at a round's last step (client fields: mean over clients);
+- ``verdict.png`` (:func:`plot_verdict`): the SST-2 protocol's paired intervals of FedPA-LoRA − baseline, one row
+  per setting and baseline, one panel per evaluation protocol.
 """
 
 from __future__ import annotations
@@ -51,10 +53,10 @@ def by_cell(runs: Sequence[dict]) -> dict[str, list[dict]]:
 
 
 def mean_curve(series: Sequence[dict[int, float]]) -> tuple[list[int], list[float], list[float]]:
-    """Rounds present in every seed, with the mean and the population std over seeds."""
+    """Rounds present in every seed, with the mean and the sample standard deviation over seeds (0 for one)."""
     common = sorted(set.intersection(*(set(s) for s in series))) if series else []
     means = [statistics.mean(s[r] for s in series) for r in common]
-    stds = [statistics.pstdev([s[r] for s in series]) for r in common]
+    stds = [statistics.stdev([s[r] for s in series]) if len(series) > 1 else 0.0 for r in common]
     return common, means, stds
 
 
@@ -278,6 +280,55 @@ def plot_staleness(runs: Sequence[dict], path: Path) -> Path:
     ax.grid(alpha=0.3)
     _legend(ax, fontsize=8)
     return _save(fig, path)
+
+
+VERDICT_COLOURS = {"wins": "#1a9850", "loses": "#d73027", "ties": "#808080"}
+
+
+def plot_verdict(rows: Sequence[dict], path: Path) -> Path:
+    """One horizontal interval per row (``{"setting", "against", "val_acc": row, "local.val_acc": row}``, each row
+    ``{"mean", "low", "high", "verdict", "holm"}`` as fractions), in points; a panel per protocol, zero drawn,
+    coloured by the raw verdict, the dot filled where the Holm label is not a tie; settings separated and named."""
+    plt = _pyplot()
+    panels = (("val_acc", "paper protocol (global adapter + local head)"), ("local.val_acc", "own factors"))
+    labels, ys, y, edges = [], [], 0.0, []
+    for i, row in enumerate(rows):
+        if i and row["setting"] != rows[i - 1]["setting"]:
+            y += 0.8
+            edges.append(y - 0.9)
+        ys.append(y)
+        labels.append(str(row["against"]))
+        y += 1
+    height = 1.2 + 0.24 * y
+    fig, axes = plt.subplots(1, 2, figsize=(12, height), sharey=True)
+    for ax, (metric, title) in zip(axes, panels):
+        for yi, row in zip(ys, rows):
+            r = row.get(metric)
+            if r is None:
+                continue
+            colour = VERDICT_COLOURS[r["verdict"]]
+            ax.plot([100 * r["low"], 100 * r["high"]], [yi, yi], color=colour, lw=2)
+            filled = r.get("holm", r["verdict"]) != "ties"
+            ax.plot(100 * r["mean"], yi, "o", color=colour, mfc=colour if filled else "white", ms=6)
+        ax.axvline(0, color="black", lw=0.8)
+        for edge in edges:
+            ax.axhline(edge, color="#cccccc", lw=0.6)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("accuracy points")
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks(ys)
+    axes[0].set_yticklabels(labels, fontsize=8)
+    axes[0].invert_yaxis()
+    starts = [ys[i] for i, row in enumerate(rows) if i == 0 or row["setting"] != rows[i - 1]["setting"]]
+    for start, row in zip(starts, [r for i, r in enumerate(rows) if i == 0 or r["setting"] != rows[i - 1]["setting"]]):
+        axes[1].annotate(row["setting"], xy=(1.02, start), xycoords=("axes fraction", "data"), fontsize=8,
+                         va="center", ha="left", fontweight="bold")  # fmt: skip
+    fig.suptitle("FedPA-LoRA − baseline, 95% interval: wins (green), ties (grey), loses (red); filled: survives Holm",
+                 fontsize=11)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
 
 
 def plot_all(runs: Sequence[dict], metric: str, out: Path) -> list[Path]:

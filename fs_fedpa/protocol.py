@@ -214,3 +214,83 @@ def seed_rule_exclusions(
     early = excludes(d[..., :first])
     spurious = early | (~early & excludes(d))
     return float(spurious.mean()), float(spurious.sum(1).mean())
+
+
+# ------------------------------------------------------------------------------------------ issue 41's additions
+def _groups(differences: Mapping[object, Sequence[float]]) -> list[list[float]]:
+    groups = [list(map(float, values)) for values in differences.values()]
+    if len(groups) < 2 or any(len(g) < 1 for g in groups):
+        raise ValueError(f"needs at least 2 splits with at least 1 paired difference each, got {len(groups)} splits")
+    return groups
+
+
+def nested_bootstrap(
+    differences: Mapping[object, Sequence[float]], draws: int = 10_000, seed: int = 0
+) -> tuple[float, float, float]:
+    """``(mean, low, high)``: the mean over splits of each split's mean paired difference, and its 95% percentile
+    interval from a two-stage (hierarchical) bootstrap: each draw resamples the splits with replacement and then,
+    independently for every split drawn, that split's seeds with replacement.
+
+    ``differences[split]``: the paired differences d_{js} (ours − theirs) of the seeds s run on client split j. Unlike
+    an interval over all runs pooled, it lets the split vary as well as the seed, so its width carries the
+    split-to-split variance; with k splits it can be no better informed about that variance than k values are."""
+    import numpy as np
+
+    groups = _groups(differences)
+    rng = np.random.default_rng(seed)
+    k = len(groups)
+    reps = np.zeros(draws)
+    picks = rng.integers(0, k, size=(draws, k))
+    for j, values in enumerate(groups):
+        v = np.asarray(values)
+        # a draw's mean of split j, resampled within the split; used wherever split j was drawn
+        inner = v[rng.integers(0, len(v), size=(draws, k, len(v)))].mean(-1)
+        reps += np.where(picks == j, inner, 0.0).sum(1)
+    reps /= k
+    low, high = np.percentile(reps, [2.5, 97.5])
+    return float(statistics.fmean(statistics.fmean(g) for g in groups)), float(low), float(high)
+
+
+def split_variance(differences: Mapping[object, Sequence[float]]) -> dict[str, float]:
+    """The one-way random-effects decomposition d_{js} = μ + a_j + e_{js} of paired differences by client split j
+    (a_j ~ (0, σ²_split), e_{js} ~ (0, σ²_seed)), by the ANOVA method of moments:
+
+    MS_between = Σ_j n_j (d̄_j − d̄)² / (k − 1), MS_within = Σ_j Σ_s (d_{js} − d̄_j)² / (N − k),
+    σ²_seed = MS_within, σ²_split = max(0, (MS_between − MS_within) / n_0), n_0 = (N − Σ n_j² / N) / (k − 1).
+
+    Returns those with ``df_between`` = k − 1, ``df_within`` = N − k, F = MS_between / MS_within, its p-value for
+    σ²_split = 0 and, for balanced splits, the exact 95% interval of the ratio σ²_split / σ²_seed,
+    [(F / F_{0.975} − 1) / n, (F / F_{0.025} − 1) / n] clipped at 0 (F quantiles at those df)."""
+    from scipy import stats
+
+    groups = _groups(differences)
+    k, sizes = len(groups), [len(g) for g in groups]
+    total = sum(sizes)
+    if total <= k:
+        raise ValueError("needs a split with at least 2 paired differences: the seed variance is unidentified")
+    grand = statistics.fmean(x for g in groups for x in g)
+    means = [statistics.fmean(g) for g in groups]
+    ms_between = sum(n * (m - grand) ** 2 for n, m in zip(sizes, means)) / (k - 1)
+    ms_within = sum((x - m) ** 2 for g, m in zip(groups, means) for x in g) / (total - k)
+    n0 = (total - sum(n * n for n in sizes) / total) / (k - 1)
+    df1, df2 = k - 1, total - k
+    out = {
+        "splits": k,
+        "runs": total,
+        "df_between": df1,
+        "df_within": df2,
+        "ms_between": ms_between,
+        "ms_within": ms_within,
+        "var_seed": ms_within,
+        "var_split": max(0.0, (ms_between - ms_within) / n0),
+    }
+    if ms_within == 0:
+        return out
+    F = ms_between / ms_within
+    out.update(F=F, p=float(stats.f.sf(F, df1, df2)))
+    if len(set(sizes)) == 1:
+        n = sizes[0]
+        low = (F / stats.f.ppf(0.975, df1, df2) - 1) / n
+        high = (F / stats.f.ppf(0.025, df1, df2) - 1) / n
+        out.update(ratio_low=max(0.0, float(low)), ratio_high=max(0.0, float(high)))
+    return out

@@ -15,16 +15,18 @@ from pathlib import Path
 
 from fs_fedpa import compare, protocol
 from fs_fedpa import sst2_protocol as sp
+from fs_fedpa import sst2_verdict as sv
 
 METRICS = ("val_acc", "local.val_acc")
 
 
 def _pm(values: list[float]) -> str:
+    """mean ± the sample standard deviation (n − 1 in the denominator) over ``values`` (n); one value: mean (1)."""
     if not values:
         return "–"
-    mean = sum(values) / len(values)
-    std = (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
-    return f"{mean:.4f} ± {std:.4f} ({len(values)})"
+    if len(values) == 1:
+        return f"{values[0]:.4f} (1)"
+    return f"{statistics.fmean(values):.4f} ± {statistics.stdev(values):.4f} ({len(values)})"
 
 
 def _interval(row: dict | None) -> str:
@@ -35,10 +37,11 @@ def _interval(row: dict | None) -> str:
 
 
 HOLM_NOTE = (
-    "Holm: the label after Holm's correction over the comparisons of the same table and protocol (paired t tests' "
-    "p-values at the final n; the correction ignores the 3-then-5 seed rule, which adds its own chance of a spurious "
-    "exclusion)."
+    "Holm: the label after Holm's correction over one family, every comparison of the same table under the same "
+    "protocol (paired t tests' p-values at the final n; the correction ignores the 3-then-5 seed rule, which adds its "
+    "own chance of a spurious exclusion)."
 )
+SPREAD_NOTE = "mean ± sample standard deviation over seeds (n)"
 
 
 def _score(value: float | None) -> str:
@@ -181,7 +184,7 @@ def stage_section(title: str, stage: str, results: dict, report: Path, pairs: di
     lines = [
         f"## {title}",
         "",
-        f"Final round, mean ± std over seeds (n); `{stage}/results.md` has the best round and the diagnostics, "
+        f"Final round, {SPREAD_NOTE}; `{stage}/results.md` has the best round and the diagnostics, "
         f"`{stage}/*.png` the curves. Interval: paired 95% t interval of (FedPA-LoRA − cell) over shared seeds. "
         + HOLM_NOTE,
         "",
@@ -202,15 +205,15 @@ def stage_section(title: str, stage: str, results: dict, report: Path, pairs: di
 
 
 def _family_rows(results: dict, values: dict, pairs: dict[str, str], metric: str) -> dict[str, dict]:
-    """Per cell of a stage, its paired row against its reference ``pairs[cell]``; the cells that share a reference
-    are one family for Holm's correction (one setting: β = 0.1 and β = 100 are two)."""
-    families: dict[str, dict[str, dict]] = {}
+    """Per cell of a stage, its paired row against its reference ``pairs[cell]``; every row of the table (under one
+    protocol, ``metric``) is one family for Holm's correction, whatever its reference (:data:`HOLM_NOTE`)."""
+    family: dict[str, dict] = {}
     for cell, ours in pairs.items():
         if ours and ours != cell and ours in values and cell in values:
             cells = {ours: values[ours], cell: values[cell]}
             if row := sp.paired_rows(results, metric, ours=ours, cells=cells).get(cell):
-                families.setdefault(ours, {})[cell] = row
-    return {cell: row for family in families.values() for cell, row in sp.with_holm(family).items()}
+                family[cell] = row
+    return sp.with_holm(family)
 
 
 def lambda_trajectory(runs: list[dict]) -> list[str]:
@@ -292,21 +295,7 @@ def head_section(results: dict) -> list[str]:
     title = "## The head asymmetry: FedIT without a local head"
     if not runs:
         return [title, "", "Not run yet.", ""]
-    comparisons = (  # label, (stage, cell) minus (stage, cell)
-        ("FedPA-LoRA (local head) − FedIT without head", ("final", "fedpa"), ("head", sp.HEAD_CELL)),
-        ("FedPA-LoRA without head − FedIT without head", ("ablation", "fedpa_no_local_head"), ("head", sp.HEAD_CELL)),
-        ("FedIT (local head) − FedIT without head: the head's worth to FedIT", ("final", "fedit"),
-         ("head", sp.HEAD_CELL)),
-    )  # fmt: skip
-    rows = {}
-    for m in METRICS:
-        family = {}
-        for label, (stage_a, a), (stage_b, b) in comparisons:
-            first = sp.cell_values(results, m, stage_a).get(a, {})
-            second = sp.cell_values(results, m, stage_b).get(b, {})
-            if row := sp.paired_rows(results, m, ours="first", cells={"first": first, b: second}).get(b):
-                family[label] = row
-        rows[m] = sp.with_holm(family)
+    rows = {m: sv.head_intervals(results, m) for m in METRICS}
     values = {m: list(sp.cell_values(results, m, "head").get(sp.HEAD_CELL, {}).values()) for m in METRICS}
     lines = [
         title,
@@ -320,7 +309,7 @@ def head_section(results: dict) -> list[str]:
         "| difference | paper protocol | own factors |",
         "|---|---|---|",
     ]
-    for label, *_ in comparisons:
+    for label, *_ in sv.HEAD_COMPARISONS:
         shown = [_interval(rows[m].get(label)).replace("FedPA ", "first ") for m in METRICS]
         lines.append(f"| {label} | {shown[0]} | {shown[1]} |")
     return [*lines, ""]
@@ -359,7 +348,7 @@ def long_section(results: dict, report: Path) -> list[str]:
         f"{sp.LONG_REFERENCE} with its 95% t interval over seeds (Holm over the three arms) and a paired bootstrap "
         "interval that resamples seeds and, independently, dev sentences within each client's shard "
         "(`fs_fedpa.protocol.paired_bootstrap`, 10,000 draws): a statement about SST-2 sentences, not only these "
-        "872. `long/curves.png`: the curves, mean ± std over seeds.",
+        f"872. `long/curves.png`: the curves, {SPREAD_NOTE}.",
         "",
         *_long_endpoints(runs),
         *_long_curve_table(runs),
@@ -379,18 +368,12 @@ def _long_endpoints(runs: list[dict]) -> list[str]:
     for run in runs:
         arms.setdefault(run["cell"], {})[run["seed"]] = run
     reference = arms.get(sp.LONG_REFERENCE, {})
-    endpoints, intervals = {}, {}
-    for m in METRICS:
-        endpoints[m] = {
-            cell: {s: v for s, run in seeds.items() if (v := sp.endpoint(run, m)) is not None}
-            for cell, seeds in arms.items()
-        }
-        family = {}
-        for cell in arms:
-            pair = {cell: endpoints[m][cell], "reference": endpoints[m].get(sp.LONG_REFERENCE, {})}
-            if cell != sp.LONG_REFERENCE and (row := sp.paired_rows({}, m, ours=cell, cells=pair).get("reference")):
-                family[cell] = row
-        intervals[m] = sp.with_holm(family)
+    endpoints = {
+        m: {cell: {s: v for s, run in seeds.items() if (v := sp.endpoint(run, m)) is not None}
+            for cell, seeds in arms.items()}
+        for m in METRICS
+    }  # fmt: skip
+    intervals = {m: sv.long_intervals(runs, m) for m in METRICS}
     lines = [
         f"| arm | endpoint, paper protocol | endpoint, own factors | arm − {sp.LONG_REFERENCE}, paper protocol: t; "
         "bootstrap | own factors: t; bootstrap |",
@@ -516,7 +499,7 @@ def partial_section(results: dict, report: Path) -> list[str]:
         lines.append(f"| {cell} | {shown[0]} | {shown[1]} | {', '.join(map(str, counts))} of {sp.PARTIAL_CLIENTS} |")
     lines += ["", "Clients evaluated: those with a non-empty dev shard (SST-2 dev size over FS's weighted val_total); "
               "the others are skipped by FS and counted here.", ""]  # fmt: skip
-    lines += _partial_pairs(results, values, len(seeds))
+    lines += _partial_pairs(results, len(seeds))
     lines += _staleness_table(runs)
     return lines
 
@@ -535,18 +518,15 @@ def _where_runs_ran(runs: list[dict]) -> list[str]:
     ]
 
 
-def _partial_pairs(results: dict, values: dict, n_seeds: int) -> list[str]:
-    """Each FedPA-LoRA arm − each baseline arm, per protocol; Holm within one FedPA-LoRA arm and protocol."""
+def _partial_pairs(results: dict, n_seeds: int) -> list[str]:
+    """Each FedPA-LoRA arm − each baseline arm, per protocol; Holm over the whole table under one protocol."""
     ours = [name for name, method, _ in sp.PARTIAL_ARMS if method == "fedpa"]
     others = [name for name, method, _ in sp.PARTIAL_ARMS if method != "fedpa"]
     lines = ["| FedPA-LoRA arm − baseline | paper protocol | own factors |", "|---|---|---|"]
+    shown = sv.partial_intervals(results)
     for arm in ours:
-        shown = {}
-        for m in METRICS:
-            cells = {c: values[m][c] for c in (arm, *others) if c in values[m]}
-            shown[m] = sp.with_holm(sp.paired_rows(results, m, ours=arm, cells=cells))
         for other in others:
-            row = [_interval(shown[m].get(other)).replace("FedPA ", "arm ") for m in METRICS]
+            row = [_interval(shown[m].get((arm, other))).replace("FedPA ", "arm ") for m in METRICS]
             lines.append(f"| {arm} − {other} | {row[0]} | {row[1]} |")
     note = "Paired 95% t interval over seeds. " + HOLM_NOTE
     if n_seeds < 2:
@@ -580,6 +560,112 @@ def _staleness_table(runs: list[dict]) -> list[str]:
         name = cell if kinds == {True} else f"{cell} (round means{'' if kinds == {False} else ', in part'})"
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return [*lines, ""]
+
+
+def splits_section(results: dict) -> list[str]:
+    """The client split as a factor: per beta and protocol, FedPA-LoRA − FedIT on each split, the nested bootstrap
+    across splits, the pooled interval that ignores the split, and the split's variance component."""
+    title = "## The client split as a factor"
+    found = {(b, m): sv.split_analysis(results, b, m) for b in sp.SPLITS_BETAS for m in METRICS}
+    if not any(len(f["splits"]) > 1 for f in found.values()):
+        return [title, "", "Not run yet.", ""]
+    splits = ", ".join(f"{s}" + (" (FS's own, the committed runs)" if s == sp.FS_SPLIT_SEED else "")
+                       for s in sp.SPLIT_SEEDS)  # fmt: skip
+    lines = [
+        title,
+        "",
+        f"FedPA-LoRA − FedIT, both as selected, final-round dev accuracy, training seeds "
+        f"{sp.SEEDS[0]}-{sp.SEEDS[-1]} on each client split (`data.glue_split_seed` {splits}); T rounds, the main "
+        "cell otherwise. Per split: the paired 95% t interval over its seeds and in how many seeds FedPA-LoRA is "
+        "ahead. Across splits: the nested bootstrap (`fs_fedpa.protocol.nested_bootstrap`: splits with "
+        "replacement, then seeds within each, 10,000 draws; the mean of the split means), the pooled t interval "
+        "over every run, which treats the split as fixed, and the one-way random-effects decomposition of the "
+        "paired differences by split (`fs_fedpa.protocol.split_variance`, ANOVA moments; sd in points).",
+        "",
+    ]
+    for beta in sp.SPLITS_BETAS:
+        lines += [f"**β = {beta:g}**", "", "| split | paper protocol | own factors |", "|---|---|---|"]
+        for split in sp.SPLIT_SEEDS:
+            cells = []
+            for m in METRICS:
+                row = found[(beta, m)]["splits"].get(split)
+                if row is None:
+                    cells.append("–")
+                    continue
+                text = f"{row['mean']:+.4f}"
+                if "low" in row:
+                    text += f" [{row['low']:+.4f}, {row['high']:+.4f}] {row['verdict']}"
+                cells.append(text + f"; n={row['n']}, ahead in {row['ahead']}")
+            lines.append(f"| {split} | {cells[0]} | {cells[1]} |")
+        across = [found[(beta, m)] for m in METRICS]
+        if all("nested" in f for f in across):
+            boot = [f"{f['nested'][0]:+.4f} [{f['nested'][1]:+.4f}, {f['nested'][2]:+.4f}]" for f in across]
+            pooled = [f"{f['pooled'][0]:+.4f} [{f['pooled'][1]:+.4f}, {f['pooled'][2]:+.4f}]" for f in across]
+            lines.append(f"| across splits: nested bootstrap | {boot[0]} | {boot[1]} |")
+            lines.append(f"| all runs pooled, split taken as fixed: t | {pooled[0]} | {pooled[1]} |")
+            lines.append("| split variance: sd_split, sd_seed (points); F, p (df); ratio σ²_split/σ²_seed, 95% | "
+                         + " | ".join(_variance_text(f["variance"]) for f in across) + " |")  # fmt: skip
+        lines.append("")
+    lines += [
+        "With three splits the split component has 2 degrees of freedom: its estimate can say whether the split "
+        "moves the difference by as much as the seed does, but its 95% interval (the ratio column, exact under "
+        "normality) runs from no split effect to one many times the seed variance, so a split component of zero "
+        "cannot be told from a large one. Survival across splits is read from the per-split signs and intervals.",
+        "",
+    ]
+    return lines
+
+
+def _variance_text(v: dict) -> str:
+    text = f"{100 * v['var_split'] ** 0.5:.2f}, {100 * v['var_seed'] ** 0.5:.2f}"
+    if "F" in v:
+        text += f"; F {v['F']:.2f}, p {v['p']:.2f} ({v['df_between']}, {v['df_within']})"
+    if "ratio_low" in v:
+        text += f"; [{v['ratio_low']:.2f}, {v['ratio_high']:.1f}]"
+    return text
+
+
+def deployment_section(results: dict) -> list[str]:
+    """Which model to give client i: fixed pairs across the two protocols, paired by seed, Holm over the table."""
+    rows = sv.deployment_rows(results)
+    if not rows:
+        return []
+    lines = [
+        "## One model per client: which to deploy",
+        "",
+        "A user who deploys one model per client asks which to give client i: FedPA-LoRA's own adapter (its own "
+        "factors and head, `local.val_acc`) or FedIT's global adapter with the client's local head (`val_acc`), or "
+        "either method's other model. Fixed pairs, never the better of two picked on the dev set they are judged "
+        "on; paired by seed (a seed's runs share the split and the initialisation); endpoint as in each setting's "
+        "section. One Holm family: the whole table, since its comparisons cross the protocols.",
+        "",
+        "| setting | comparison | first − second, mean [95% t] n: raw; Holm |",
+        "|---|---|---|",
+    ]
+    for setting, label, row in rows:
+        lines.append(f"| {setting} | {label} | " + _interval(row).replace("FedPA ", "first ") + " |")
+    return [*lines, ""]
+
+
+def verdict_figure(results: dict, report: Path) -> list[str]:
+    """``verdict.png``: every setting's FedPA-LoRA − baseline intervals under both protocols."""
+    rows = sv.verdict_rows(results, _family_rows)
+    if not rows:
+        return []
+    try:
+        from fs_fedpa.plots import plot_verdict
+
+        plot_verdict(rows, report / "verdict.png")
+    except ImportError:  # matplotlib is an extra
+        return []
+    return [
+        "![verdict](verdict.png)",
+        "",
+        "`verdict.png`: FedPA-LoRA − baseline per setting, in points, paired 95% t intervals (across client splits: "
+        "the nested bootstrap); green: the interval lies above 0, red: below, grey: across; a filled dot: the "
+        "label survives Holm's correction (for the bootstrap rows: the raw label).",
+        "",
+    ]
 
 
 # The last round's diagnostics that explain a ranking (docs/compare.md, "The mechanism").
@@ -707,7 +793,9 @@ def write_report(report: Path, results: dict, stages: list) -> Path:
         + (", ".join(f"{s}: {n}" for s, n in pending if n) or "none of the stages known now")
         + ".",
         "",
+        *verdict_figure(results, report),
         *verdict_section(results),
+        *deployment_section(results),
         *pilot_section(results),
         *tuning_section(results, stages, report),
         *selected_section(report),
@@ -724,6 +812,7 @@ def write_report(report: Path, results: dict, stages: list) -> Path:
         *head_section(results),
         *long_section(results, report),
         *partial_section(results, report),
+        *splits_section(results),
     ]  # fmt: skip
     path = report / "report.md"
     path.write_text("\n".join(lines) + "\n")

@@ -40,7 +40,7 @@ def _points(x: float, printed: str) -> str:
 def _report_values() -> tuple[list[tuple[float, float, float]], list[tuple[float, float]]]:
     """Every paired interval (both directions) between two cells of a stage, the final runs and the ablation joined
     to every stage (the later stages compare against them), under both protocols; every cell's final mean and
-    population std."""
+    sample standard deviation (n - 1), as the report prints them."""
     results = sp.load_results(ROOT / sp.REPORT)
     intervals, spreads = [], []
     finals = {m: sp.cell_values(results, m, "final") for m in ("val_acc", "local.val_acc")}
@@ -56,7 +56,7 @@ def _report_values() -> tuple[list[tuple[float, float, float]], list[tuple[float
         joined = {**{f"final:{c}": v for c, v in finals[metric].items()}, **ablation[metric]}
         cells = {**joined, **cells}  # the head asymmetry pairs with the final runs and the ablation
         for values in cells.values():
-            spreads.append((statistics.fmean(values.values()), statistics.pstdev(values.values())))
+            spreads.append((statistics.fmean(values.values()), statistics.stdev(values.values())))
         for a, b in itertools.permutations(cells, 2):
             seeds = sorted(set(cells[a]) & set(cells[b]))
             if len(seeds) >= 2:

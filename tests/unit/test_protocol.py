@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fs_fedpa import protocol
 from fs_fedpa.protocol import paired_interval, plateau_round, select, t_quantile_975, verdict
 
 
@@ -198,3 +199,80 @@ def test_the_seed_rule_simulation_against_an_independent_one():
         hits += stats.ttest_1samp(d[:3], 0).pvalue < 0.05 or stats.ttest_1samp(d, 0).pvalue < 0.05
     assert rate == pytest.approx(hits / sims, abs=0.006) and 0.075 < rate < 0.1
     assert seed_rule_exclusions([0.01] * 3, sims=1000, seed=5) == seed_rule_exclusions([0.01] * 3, sims=1000, seed=5)
+
+
+# ------------------------------------------------------------------------------------------ the client split
+def _synthetic(rng, k: int, n: int, mu: float, sd_split: float, sd_seed: float) -> dict[int, list[float]]:
+    """Paired differences with a known split effect: d_js = mu + a_j + e_js."""
+    return {j: list(mu + sd_split * rng.standard_normal() + sd_seed * rng.standard_normal(n)) for j in range(k)}
+
+
+def test_the_nested_bootstrap_covers_the_mean_where_a_pooled_interval_over_runs_does_not():
+    """A strong split effect (sd 1 against 0.3 for seeds): the two-stage bootstrap over splits then seeds covers the
+    true mean about as often as it says; an interval that pools the runs and ignores the split covers far less
+    often. A bootstrap that resampled only seeds within fixed splits would fail the first assertion."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    covered = pooled = 0
+    trials = 300
+    for t in range(trials):
+        d = _synthetic(rng, k=8, n=6, mu=0.5, sd_split=1.0, sd_seed=0.3)
+        _, low, high = protocol.nested_bootstrap(d, draws=2000, seed=t)
+        covered += low <= 0.5 <= high
+        _, plow, phigh = protocol.paired_interval([x for g in d.values() for x in g])
+        pooled += plow <= 0.5 <= phigh
+    assert covered / trials >= 0.85
+    assert pooled / trials <= 0.70
+
+
+def test_the_nested_bootstrap_width_matches_the_standard_error_of_the_split_means():
+    """With many splits its 95% half-width is 1.96 times the standard error of the mean of split means, computed
+    directly: sd(split means) / sqrt(k) (the bootstrap's plug-in (k - 1)/k aside)."""
+    import numpy as np
+
+    rng = np.random.default_rng(2)
+    d = _synthetic(rng, k=60, n=3, mu=-0.2, sd_split=0.8, sd_seed=0.2)
+    mean, low, high = protocol.nested_bootstrap(d, draws=20_000, seed=0)
+    means = np.array([np.mean(v) for v in d.values()])
+    assert mean == pytest.approx(means.mean())
+    se = means.std(ddof=0) / np.sqrt(len(means))
+    assert (high - low) / 2 == pytest.approx(1.96 * se, rel=0.08)
+
+
+def test_the_split_variance_matches_a_one_way_anova_and_recovers_a_known_split_effect():
+    import numpy as np
+    from scipy import stats
+
+    rng = np.random.default_rng(3)
+    d = _synthetic(rng, k=3, n=3, mu=0.01, sd_split=0.02, sd_seed=0.01)
+    out = protocol.split_variance(d)
+    assert out["F"] == pytest.approx(stats.f_oneway(*d.values()).statistic)
+    assert (out["df_between"], out["df_within"]) == (2, 6)
+    assert out["ratio_low"] <= out["ratio_high"]
+    # unbalanced splits: still f_oneway's F
+    d[3] = [0.05, 0.04]
+    assert protocol.split_variance(d)["F"] == pytest.approx(stats.f_oneway(*d.values()).statistic)
+    # many splits: the components come back
+    big = protocol.split_variance(_synthetic(rng, k=2000, n=3, mu=0.0, sd_split=1.0, sd_seed=0.5))
+    assert big["var_split"] == pytest.approx(1.0, rel=0.1) and big["var_seed"] == pytest.approx(0.25, rel=0.05)
+    # the ratio interval covers the true ratio 4 about 95% of the time
+    hits = 0
+    for _ in range(400):
+        r = protocol.split_variance(_synthetic(rng, k=5, n=3, mu=0.0, sd_split=1.0, sd_seed=0.5))
+        hits += r["ratio_low"] <= 4.0 <= r["ratio_high"]
+    assert 0.90 <= hits / 400 <= 0.99
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(st.lists(st.floats(-1, 1), min_size=2, max_size=4), min_size=2, max_size=5),
+    st.floats(-1, 1),
+    st.floats(0.1, 10),
+)
+def test_the_split_variance_is_shift_invariant_and_scales_with_the_square(groups, shift, scale):
+    d = dict(enumerate(groups))
+    base = protocol.split_variance(d)
+    moved = protocol.split_variance({j: [scale * x + shift for x in g] for j, g in d.items()})
+    for key in ("var_split", "var_seed"):
+        assert moved[key] == pytest.approx(scale**2 * base[key], rel=1e-6, abs=1e-9)

@@ -1,0 +1,219 @@
+"""The SST-2 protocol's verdict across settings, from the committed run files (no torch, no FS):
+
+- :func:`split_analysis`: FedPA-LoRA − FedIT on each client split of the ``splits`` stage (per split: the paired t
+  interval over seeds and the sign of each seed), the nested bootstrap over splits then seeds, and the one-way
+  random-effects estimate of the split's share of the variance (:mod:`fs_fedpa.protocol`);
+- :func:`deployment_rows`: the question of a user who deploys one model per client, "which model do I give client
+  i": FedPA-LoRA's own adapter against FedIT's global adapter with the client's local head, and each method's two
+  models against each other, fixed pairs by seed across the two evaluation protocols;
+- :func:`verdict_rows`: one row per setting and baseline, FedPA-LoRA − baseline under both protocols with its Holm
+  label, for ``verdict.png`` (:func:`fs_fedpa.plots.plot_verdict`).
+
+Holm's correction is applied to one family per table and protocol: every comparison of that table made under that
+protocol; a table whose comparisons cross the protocols (the deployment table) is one family.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from fs_fedpa import protocol
+from fs_fedpa import sst2_protocol as sp
+
+METRICS = ("val_acc", "local.val_acc")  # the paper protocol (global factors + local head), the clients' own factors
+PROTOCOL_NAMES = {"val_acc": "paper protocol", "local.val_acc": "own factors"}
+
+
+# ------------------------------------------------------------------------------------------------ client splits
+def split_values(results: dict, method: str, beta: float, metric: str) -> dict[int, dict[int, float]]:
+    """split seed -> training seed -> the final-round ``metric`` of ``method`` at ``beta``, over
+    :data:`~fs_fedpa.sst2_protocol.SPLIT_SEEDS` and seeds 0-2 (the committed split's runs come from ``final`` and
+    ``beta``, whose extra seeds 3-4 are left out so that every split has the same seeds)."""
+    out: dict[int, dict[int, float]] = {}
+    for split in sp.SPLIT_SEEDS:
+        for seed in sp.SEEDS:
+            run = results.get(sp.splits_key(method, beta, split, seed))
+            if run is not None and (value := sp.final_metric(run, metric)) is not None:
+                out.setdefault(split, {})[seed] = value
+    return out
+
+
+def split_differences(results: dict, beta: float, metric: str) -> dict[int, list[float]]:
+    """split seed -> the paired differences FedPA-LoRA − FedIT over the seeds both ran on that split."""
+    ours, theirs = (split_values(results, m, beta, metric) for m in sp.SPLITS_ARMS)
+    out = {}
+    for split in sp.SPLIT_SEEDS:
+        seeds = sorted(set(ours.get(split, {})) & set(theirs.get(split, {})))
+        if seeds:
+            out[split] = [ours[split][s] - theirs[split][s] for s in seeds]
+    return out
+
+
+def split_analysis(results: dict, beta: float, metric: str, draws: int = 10_000) -> dict:
+    """Per split: n, mean, the paired t interval (n >= 2), its verdict and how many seeds FedPA-LoRA is ahead in;
+    across the splits that have at least 2 seeds (at least 2 such splits): the nested bootstrap, the pooled t
+    interval over every run (which ignores the split) and :func:`fs_fedpa.protocol.split_variance`."""
+    differences = split_differences(results, beta, metric)
+    per_split = {}
+    for split, d in differences.items():
+        row = {
+            "n": len(d),
+            "mean": statistics.fmean(d),
+            "ahead": sum(x > 0 for x in d),
+            "behind": sum(x < 0 for x in d),
+        }
+        if len(d) >= 2:
+            _, low, high = protocol.paired_interval(d)
+            row.update(low=low, high=high, verdict=protocol.verdict(low, high))
+        per_split[split] = row
+    out: dict = {"beta": beta, "metric": metric, "splits": per_split}
+    full = {split: d for split, d in differences.items() if len(d) >= 2}
+    if len(full) >= 2:
+        out["nested"] = protocol.nested_bootstrap(full, draws=draws, seed=0)
+        out["pooled"] = protocol.paired_interval([x for d in full.values() for x in d])
+        out["variance"] = protocol.split_variance(full)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ deployment
+DEPLOYMENT = (  # label, (cell, metric) − (cell, metric); the cells are each setting's FedPA-LoRA and FedIT
+    ("FedPA-LoRA own adapter − FedIT global adapter with the local head", ("fedpa", "local.val_acc"),
+     ("fedit", "val_acc")),
+    ("FedPA-LoRA: own adapter − global adapter with the local head", ("fedpa", "local.val_acc"),
+     ("fedpa", "val_acc")),
+    ("FedIT: own adapter − global adapter with the local head", ("fedit", "local.val_acc"), ("fedit", "val_acc")),
+)  # fmt: skip
+DEPLOYMENT_SETTINGS = (  # label, stage, FedPA-LoRA's cell, FedIT's cell, per-run value
+    ("main cell, 21 rounds", "final", "fedpa", "fedit", "final"),
+    ("β = 0.1, 21 rounds", "beta", "fedpa_beta0.1", "fedit_beta0.1", "final"),
+    ("β = 100, 21 rounds", "beta", "fedpa_beta100", "fedit_beta100", "final"),
+    ("long horizon, 60 rounds (mean of the last 3 evaluations)", "long", "fedpa", "fedit", "endpoint"),
+    ("partial participation, 100 clients, 60 rounds", "partial", "fedpa", "fedit", "final"),
+)
+
+
+def _per_seed(results: dict, stage: str, cell: str, metric: str, how: str) -> dict[int, float]:
+    out = {}
+    for key, run in results.items():
+        if key.startswith(f"{stage}/") and run["cell"] == cell:
+            value = sp.endpoint(run, metric) if how == "endpoint" else sp.final_metric(run, metric)
+            if value is not None:
+                out[run["seed"]] = value
+    return out
+
+
+def deployment_rows(results: dict) -> list[tuple[str, str, dict]]:
+    """``(setting, comparison, row)`` for every setting of :data:`DEPLOYMENT_SETTINGS` with runs and every
+    comparison of :data:`DEPLOYMENT`: the paired t row over the seeds both sides share, with its Holm label over
+    the whole table (one family: its comparisons cross the protocols)."""
+    family = {}
+    for setting, stage, fedpa, fedit, how in DEPLOYMENT_SETTINGS:
+        cells = {"fedpa": fedpa, "fedit": fedit}
+        for label, (a, metric_a), (b, metric_b) in DEPLOYMENT:
+            first = _per_seed(results, stage, cells[a], metric_a, how)
+            second = _per_seed(results, stage, cells[b], metric_b, how)
+            row = sp.paired_rows({}, "", ours="first", cells={"first": first, "second": second}).get("second")
+            if row is not None:
+                family[(setting, label)] = row
+    labelled = sp.with_holm(family)
+    return [(setting, label, labelled[(setting, label)]) for setting, label in family]
+
+
+# ------------------------------------------------------------------------------------------------ the figure
+def verdict_rows(results: dict, family_rows) -> list[dict]:
+    """One row per setting and baseline for ``verdict.png``: ``{"setting", "against", metric: row with "holm"}``,
+    FedPA-LoRA (or one of its arms) − the baseline. ``family_rows(results, values, pairs, metric)``: the report's
+    Holm-labelled rows of one stage table (:func:`fs_fedpa.tools.sst2_report._family_rows`)."""
+    rows: list[dict] = []
+
+    def add(setting: str, by_metric: dict[str, dict[str, dict]], names: dict[str, str] | None = None) -> None:
+        for cell in dict.fromkeys(c for m in METRICS for c in by_metric.get(m, {})):
+            entry = {"setting": setting, "against": (names or {}).get(cell, cell)}
+            entry.update({m: by_metric[m][cell] for m in METRICS if cell in by_metric.get(m, {})})
+            rows.append(entry)
+
+    add("main cell (final runs)", {m: sp.with_holm(sp.paired_rows(results, m)) for m in METRICS})
+    for beta in ("0.1", "100"):
+        pairs = {c: f"fedpa_beta{beta}" for c in ("fedit", "lora_fair", "fedrot_lora", "flexlora", "fedex_lora")}
+        pairs = {f"{c}_beta{beta}": ours for c, ours in pairs.items()}
+        table = {c: f"fedpa_beta{c.rsplit('_beta', 1)[1]}" for k, r in results.items() if k.startswith("beta/")
+                 for c in [r["cell"]]}  # fmt: skip
+        by_metric = {}
+        for m in METRICS:
+            labelled = family_rows(results, sp.cell_values(results, m, "beta"), table, m)
+            by_metric[m] = {c: row for c, row in labelled.items() if c in pairs}
+        add(f"β = {beta}", by_metric, {c: c.rsplit("_beta", 1)[0] for c in pairs})
+    hetero = {r["cell"]: "fedpa_r2_4_16" for k, r in results.items() if k.startswith("hetero/")}
+    add("r_i ∈ {2, 4, 16}",
+        {m: family_rows(results, sp.cell_values(results, m, "hetero"), hetero, m) for m in METRICS},
+        {c: c.replace("_r2_4_16", "") for c in hetero})  # fmt: skip
+    heads = {m: head_intervals(results, m) for m in METRICS}
+    names = {label: label.split(" − ")[0] + " − FedIT" for label, *_ in HEAD_COMPARISONS[:2]}
+    add("FedIT without a local head", {m: {k: v for k, v in heads[m].items() if k in names} for m in METRICS}, names)
+    long_runs = [r for k, r in results.items() if k.startswith("long/")]
+    long_rows = {m: long_intervals(long_runs, m) for m in METRICS}
+    add("long horizon, 60 rounds (arm − FedIT)", long_rows, {c: f"arm {c}" for c in long_rows["val_acc"]})
+    partial = partial_intervals(results)
+    add("partial participation (arm − baseline)", partial, {k: f"{k[0]} − {k[1]}" for k in partial["val_acc"]})
+    for beta in sp.SPLITS_BETAS:
+        by_metric = {}
+        for m in METRICS:
+            found = split_analysis(results, beta, m, draws=2000)
+            if "nested" in found:
+                mean, low, high = found["nested"]
+                label = "ties" if low <= 0 <= high else "wins" if low > 0 else "loses"
+                k = len([s for s in found["splits"].values() if "low" in s])
+                by_metric[m] = {"fedit": {"mean": mean, "low": low, "high": high, "verdict": label, "holm": label,
+                                          "seeds": k, "bootstrap": True}}  # fmt: skip
+        if by_metric:
+            add(f"β = {beta:g} across client splits (nested bootstrap)", by_metric)
+    return rows
+
+
+HEAD_COMPARISONS = (  # label, (stage, cell) minus (stage, cell)
+    ("FedPA-LoRA (local head) − FedIT without head", ("final", "fedpa"), ("head", sp.HEAD_CELL)),
+    ("FedPA-LoRA without head − FedIT without head", ("ablation", "fedpa_no_local_head"), ("head", sp.HEAD_CELL)),
+    ("FedIT (local head) − FedIT without head: the head's worth to FedIT", ("final", "fedit"), ("head", sp.HEAD_CELL)),
+)
+
+
+def head_intervals(results: dict, metric: str) -> dict[str, dict]:
+    """The head asymmetry's :data:`HEAD_COMPARISONS` under one protocol, Holm over the three."""
+    family = {}
+    for label, (stage_a, a), (stage_b, b) in HEAD_COMPARISONS:
+        first = sp.cell_values(results, metric, stage_a).get(a, {})
+        second = sp.cell_values(results, metric, stage_b).get(b, {})
+        if row := sp.paired_rows(results, metric, ours="first", cells={"first": first, b: second}).get(b):
+            family[label] = row
+    return sp.with_holm(family)
+
+
+def long_intervals(runs: list[dict], metric: str) -> dict[str, dict]:
+    """Each FedPA-LoRA arm of the long horizon's ``runs`` − FedIT, on the endpoint (:func:`sp.endpoint`), Holm over
+    the arms of one protocol."""
+    ends: dict[str, dict[int, float]] = {}
+    for run in runs:
+        if (v := sp.endpoint(run, metric)) is not None:
+            ends.setdefault(run["cell"], {})[run["seed"]] = v
+    family = {}
+    for cell in ends:
+        pair = {cell: ends[cell], "reference": ends.get(sp.LONG_REFERENCE, {})}
+        if cell != sp.LONG_REFERENCE and (row := sp.paired_rows({}, metric, ours=cell, cells=pair).get("reference")):
+            family[cell] = row
+    return sp.with_holm(family)
+
+
+def partial_intervals(results: dict) -> dict[str, dict]:
+    """metric -> (FedPA-LoRA arm, baseline) -> its row, Holm over the whole table under one protocol."""
+    ours = [name for name, method, _ in sp.PARTIAL_ARMS if method == "fedpa"]
+    others = [name for name, method, _ in sp.PARTIAL_ARMS if method != "fedpa"]
+    out = {}
+    for m in METRICS:
+        values = sp.cell_values(results, m, "partial")
+        family = {}
+        for arm in ours:
+            cells = {c: values[c] for c in (arm, *others) if c in values}
+            for other, row in sp.paired_rows(results, m, ours=arm, cells=cells).items():
+                family[(arm, other)] = row
+        out[m] = sp.with_holm(family)
+    return out
