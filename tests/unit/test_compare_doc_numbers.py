@@ -45,22 +45,26 @@ def _report_values() -> tuple[list[tuple[float, float, float]], list[tuple[float
     intervals, spreads = [], []
     finals = {m: sp.cell_values(results, m, "final") for m in ("val_acc", "local.val_acc")}
     ablation = {m: sp.cell_values(results, m, "ablation") for m in ("val_acc", "local.val_acc")}
-    for stage, metric in itertools.product(STAGES, ("val_acc", "local.val_acc")):
-        if stage == "long":
-            cells: dict = {}
-            for key, run in results.items():
-                if key.startswith("long/") and (v := sp.endpoint(run, metric)) is not None:
-                    cells.setdefault(run["cell"], {})[run["seed"]] = v
-        else:
-            cells = sp.cell_values(results, metric, stage)
-        joined = {**{f"final:{c}": v for c, v in finals[metric].items()}, **ablation[metric]}
-        cells = {**joined, **cells}  # the head asymmetry pairs with the final runs and the ablation
-        for values in cells.values():
-            spreads.append((statistics.fmean(values.values()), statistics.stdev(values.values())))
-        for a, b in itertools.permutations(cells, 2):
-            seeds = sorted(set(cells[a]) & set(cells[b]))
+    for stage in STAGES:
+        both = {}  # (metric, cell) -> seed -> value: the deployment table pairs cells across the protocols
+        for metric in ("val_acc", "local.val_acc"):
+            if stage == "long":
+                cells: dict = {}
+                for key, run in results.items():
+                    if key.startswith("long/") and (v := sp.endpoint(run, metric)) is not None:
+                        cells.setdefault(run["cell"], {})[run["seed"]] = v
+            else:
+                cells = sp.cell_values(results, metric, stage)
+            joined = {**{f"final:{c}": v for c, v in finals[metric].items()}, **ablation[metric]}
+            cells = {**joined, **cells}  # the head asymmetry pairs with the final runs and the ablation
+            for values in cells.values():
+                if len(values) > 1:
+                    spreads.append((statistics.fmean(values.values()), statistics.stdev(values.values())))
+            both.update({(metric, c): v for c, v in cells.items()})
+        for a, b in itertools.permutations(both, 2):
+            seeds = sorted(set(both[a]) & set(both[b]))
             if len(seeds) >= 2:
-                intervals.append(protocol.paired_interval([cells[a][s] - cells[b][s] for s in seeds]))
+                intervals.append(protocol.paired_interval([both[a][s] - both[b][s] for s in seeds]))
     return intervals, spreads
 
 
@@ -109,3 +113,26 @@ def test_the_long_horizon_rows_quote_each_arms_own_interval():
             want = protocol.paired_interval([ends[cell][s] - ends[sp.LONG_REFERENCE][s] for s in seeds])
             printed = [_plain(g) for g in INTERVAL.search(column).groups()]
             assert [_points(v, p) for v, p in zip(want, printed)] == printed, (letter, metric, column)
+
+
+def test_the_one_model_per_client_numbers_quote_fedpas_own_adapter_against_fedits_global_adapter():
+    """The deployment row and "Plainly" quote FedPA-LoRA's own adapter (local.val_acc) − FedIT's global adapter with
+    the local head (val_acc), paired by seed: main cell (final round), 60 rounds (endpoint), partial participation."""
+    if not (ROOT / sp.REPORT / "runs" / "partial").is_dir():
+        pytest.skip("no committed partial-participation runs")
+    results = sp.load_results(ROOT / sp.REPORT)
+
+    def per_seed(stage, cell, metric, endpoint=False):
+        return {r["seed"]: (sp.endpoint(r, metric) if endpoint else sp.final_metric(r, metric))
+                for k, r in results.items() if k.startswith(f"{stage}/") and r["cell"] == cell}  # fmt: skip
+
+    section = _protocol_section()
+    row = next(line for line in section.splitlines() if line.startswith("| one model per client"))
+    for text, stage, endpoint in (("main cell", "final", False), ("60 rounds", "long", True),
+                                  ("partial participation", "partial", False)):  # fmt: skip
+        own, glob = per_seed(stage, "fedpa", "local.val_acc", endpoint), per_seed(stage, "fedit", "val_acc", endpoint)
+        seeds = sorted(set(own) & set(glob))
+        want = protocol.paired_interval([own[s] - glob[s] for s in seeds])
+        match = INTERVAL.search(row[row.index(text) :])
+        printed = [_plain(g) for g in match.groups()]
+        assert [_points(v, p) for v, p in zip(want, printed)] == printed, (text, match.group(0))
