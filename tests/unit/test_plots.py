@@ -95,3 +95,20 @@ def test_staleness_points_are_per_client_pairs_where_recorded_else_round_means(t
     runs = [{"cell": "fedpa", "seed": 0, **pairs}, {"cell": "fedit", "seed": 0, **means}]
     path = plot_staleness(runs, tmp_path / "staleness.png")
     assert path.stat().st_size > 1000
+
+
+def test_the_verdict_figure_draws_every_row_and_a_missing_protocol(tmp_path):
+    from fs_fedpa.plots import plot_verdict
+
+    def row(mean, verdict, holm):
+        return {"mean": mean, "low": mean - 0.01, "high": mean + 0.01, "verdict": verdict, "holm": holm}
+
+    rows = [
+        {"setting": "main", "against": "fedit", "val_acc": row(-0.012, "loses", "ties"),
+         "local.val_acc": row(0.005, "ties", "ties")},
+        {"setting": "main", "against": "ffa_lora", "val_acc": row(0.03, "wins", "wins")},
+        {"setting": "β = 0.1", "against": "fedit", "val_acc": row(0.014, "ties", "ties"),
+         "local.val_acc": row(0.06, "ties", "ties")},
+    ]  # fmt: skip
+    path = plot_verdict(rows, tmp_path / "verdict.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000

@@ -71,3 +71,43 @@ def test_the_split_analysis_pairs_by_split_and_seed_and_takes_the_committed_spli
     assert found["nested"][1] < -0.01 and found["nested"][2] > 0.01  # the split effect widens it
     v = found["variance"]
     assert (v["df_between"], v["df_within"]) == (2, 6) and v["var_split"] == pytest.approx(0.0004 - 1e-6 / 3, rel=0.01)
+
+
+def _holm_by_hand(p: dict) -> dict:
+    """Holm's step-down at 0.05, written out: the i-th smallest p is compared with 0.05 / (m - i); stop at the
+    first that fails."""
+    order, out, m = sorted(p, key=p.get), {k: False for k in p}, len(p)
+    for i, key in enumerate(order):
+        if p[key] >= 0.05 / (m - i):
+            break
+        out[key] = True
+    return out
+
+
+@pytest.mark.skipif(not (RUNS / "partial").is_dir(), reason="no committed partial-participation runs")
+def test_holm_takes_one_family_per_table_and_protocol_in_the_partial_and_beta_tables():
+    from scipy import stats
+
+    from fs_fedpa.tools.sst2_report import _family_rows
+
+    results = sp.load_results(ROOT / sp.REPORT)
+    for metric in sv.METRICS:
+        rows = sv.partial_intervals(results)[metric]
+        assert len(rows) == 4  # 2 FedPA-LoRA arms x 2 baselines: one family
+        p = {}
+        for arm, other in rows:
+            a = {s: _last(RUNS / "partial" / f"{arm}_s{s}.json", metric) for s in (0, 1, 2)}
+            b = {s: _last(RUNS / "partial" / f"{other}_s{s}.json", metric) for s in (0, 1, 2)}
+            p[(arm, other)] = stats.ttest_rel(list(a.values()), list(b.values())).pvalue
+        survives = _holm_by_hand(p)
+        assert {k: r["holm"] != "ties" for k, r in rows.items()} == survives
+    # the case the two-per-arm families got wrong: lambda = 1 - FedIT with own factors is a raw loss, a Holm tie
+    row = sv.partial_intervals(results)["local.val_acc"][("fedpa_adamw5e-3_lam1", "fedit")]
+    assert row["verdict"] == "loses" and row["holm"] == "ties"
+    # the beta table: beta = 0.1 and beta = 100 together, one family of every row under one protocol
+    beta = {
+        r["cell"]: f"fedpa_beta{r['cell'].rsplit('_beta', 1)[1]}" for k, r in results.items() if k.startswith("beta/")
+    }
+    rows = _family_rows(results, sp.cell_values(results, "val_acc", "beta"), beta, "val_acc")
+    assert len(rows) == 6
+    assert {c: r["holm"] != "ties" for c, r in rows.items()} == _holm_by_hand({c: r["p"] for c, r in rows.items()})
