@@ -158,7 +158,7 @@ def verdict_rows(results: dict, family_rows) -> list[dict]:
     for beta in sp.SPLITS_BETAS:
         by_metric = {}
         for m in METRICS:
-            found = split_analysis(results, beta, m, draws=2000)
+            found = split_analysis(results, beta, m)
             if "nested" in found:
                 mean, low, high = found["nested"]
                 label = "ties" if low <= 0 <= high else "wins" if low > 0 else "loses"

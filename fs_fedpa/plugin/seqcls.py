@@ -50,15 +50,6 @@ def extend_seqcls_cfg(cfg) -> None:
     cfg.register_cfg_check_fun(_check_seqcls_cfg)
 
 
-def split_seed(cfg) -> int:
-    """The seed numpy held when FS split the run's data among its clients: ``data.glue_split_seed``, or
-    :data:`FS_SPLIT_SEED` where it is -1 (FS's fixed draw)."""
-    from fs_fedpa.tasks.glue import FS_SPLIT_SEED
-
-    seed = cfg.data.glue_split_seed
-    return FS_SPLIT_SEED if seed == -1 else int(seed)
-
-
 def _check_seqcls_cfg(cfg) -> None:
     s = cfg.model.seqcls
     if s.r <= 0:
