@@ -46,6 +46,7 @@ class Exporter:
         if self.out.exists() and any(self.out.iterdir()) and not force:
             raise ValueError(f"export folder {self.out} is not empty; pass --force to write into it")
         self.out.mkdir(parents=True, exist_ok=True)
+        _unlink_links(self.out)  # with --force: a link inside would send a write outside the folder
 
     # ------------------------------------------------------------------------------------------------ global
     def write_global(self, global_: dict, merged: dict[str, Tensor], shared: dict[str, Tensor]) -> dict:
@@ -327,8 +328,13 @@ def run_files(run, cfg_file=None) -> tuple[object, Path, Path]:
     if run.is_dir():
         cfg_file = run / "config.yaml"
         if not cfg_file.is_file():
+            runs = sorted(p.parent for p in run.glob("*/config.yaml"))
+            if len(runs) == 1:  # FS's outdir, which holds the run's folder <expname>/
+                logger.warning(f"[fedpa] export: {run} holds one run, {runs[0]}: exporting it")
+                return run_files(runs[0])
+            found = f"; it holds the runs {', '.join(p.name for p in runs)}: name one" if runs else ""
             raise ValueError(
-                f"{run} has no config.yaml: give a finished run's FS output folder, or a checkpoint --cfg"
+                f"{run} has no config.yaml: give a finished run's FS output folder, or a checkpoint --cfg{found}"
             )
     elif not run.is_file():
         raise ValueError(f"{run}: no such run folder or checkpoint")
@@ -369,12 +375,22 @@ def export_run(run, out, *, clients: bool = False, force: bool = False, cfg_file
     from fs_fedpa.plugin.common import build_method
 
     cfg, checkpoint, outdir = run_files(run, cfg_file)
-    saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    saved = _load(checkpoint)
     section = saved.get("fedpa") if isinstance(saved, dict) else None
     if not isinstance(section, dict) or "global" not in section:
         raise ValueError(f"{checkpoint} is not a checkpoint of an fs_fedpa run (no 'fedpa' section)")
     if int(saved.get("cur_round", 0)) < 1:
         raise ValueError(f"{checkpoint}: the run has no finished round (cur_round {saved.get('cur_round')})")
+    require_finite({"global": section["global"], "merged": section.get("merged", {})}, checkpoint)
+    states, missing = {}, []  # every input is read and checked before the model is built or anything written
+    for client in range(1, cfg.federate.client_num + 1):
+        path = client_file(checkpoint, client)
+        if not path.is_file():
+            missing.append(client)
+            continue
+        states[client] = _load(path)
+        if isinstance(states[client], dict):
+            require_finite(states[client], path)
     model = get_model(cfg)
     method = build_method(cfg, model)
     plan = method.plan
@@ -392,27 +408,76 @@ def export_run(run, out, *, clients: bool = False, force: bool = False, cfg_file
                          "fs_fedpa's) does not hold the merged offsets")  # fmt: skip
     if method.merges:
         lora.keep_base(model)
+    for client, state in states.items():
+        check_state(state, client_file(checkpoint, client), client, method)
     exporter = Exporter(cfg, model, method, out, force=force)
     model_state = {export.module_path(f"model.{k}") if export.PEFT_ROOT in k else k: v
                    for k, v in saved.get("model", {}).items()}  # fmt: skip
     shared = {n: model_state[export.module_path(n)] for n in exporter.shared_names if
               export.module_path(n) in model_state}  # fmt: skip
+    require_finite({"model": shared}, checkpoint)
     global_ = section["global"]
     global_entry = exporter.write_global(global_, section.get("merged", {}), shared)
-    entries, missing = {}, []
-    for client in range(1, cfg.federate.client_num + 1):
-        path = client_file(checkpoint, client)
-        if not path.is_file():
-            missing.append(client)
-            continue
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        check_state(state, path, client, method)
+    entries = {}
+    for client, state in states.items():
         received = exporter.received(client, global_, state["factors"])
         entries[client] = exporter.client_entry(client, state, received, own_models=clients)
     if missing:
         logger.warning(f"[fedpa] export: clients {missing} have no end state (never trained); they are not exported")
     exporter.finish(global_entry, entries, run_info(cfg, outdir, int(saved["cur_round"]), missing))
     return exporter.out
+
+
+def check_export_dir(folder: str) -> None:
+    """``fedpa.export_dir`` must be absent or an empty folder (checked when the server starts)."""
+    if not folder or not os.path.lexists(folder):
+        return
+    if os.path.islink(folder) or not os.path.isdir(folder):
+        raise ValueError(f"fedpa.export_dir {folder!r} exists and is not a folder: name an empty or new folder")
+    if os.listdir(folder):
+        raise ValueError(f"fedpa.export_dir {folder!r} is not empty: the run would overwrite another export")
+
+
+def _load(path: Path):
+    """A checkpoint or end state, tensors and plain containers only (``weights_only``); anything else (a pickle that
+    needs code, a truncated or foreign file) is a ValueError naming the file."""
+    import pickle
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(f"{path}: holds objects other than tensors (a pickle that runs code); not read") from None
+    except (RuntimeError, EOFError, OSError, ValueError, AttributeError) as exc:
+        reason = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"{path}: not a tensor file fs_fedpa wrote ({type(exc).__name__}: {reason})") from None
+
+
+def _tensors(value, name: str = ""):
+    """``(dotted name, tensor)`` of every tensor inside nested dicts, lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        yield name, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensors(item, f"{name}.{key}" if name else str(key))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _tensors(item, f"{name}[{i}]")
+
+
+def require_finite(value, path: Path) -> None:
+    """Refuse to export a NaN or an infinity: the first tensor holding one is named with its file."""
+    for name, tensor in _tensors(value):
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{path}: tensor {name} holds NaN or Inf; refusing to export it")
+
+
+def _unlink_links(folder: Path) -> None:
+    """Remove every symbolic link under ``folder`` (files and folders alike), never following one, so that what
+    the export then writes there lands inside ``folder``."""
+    for root, dirs, files in os.walk(folder, followlinks=False):
+        for name in [*dirs, *files]:
+            if os.path.islink(os.path.join(root, name)):
+                os.unlink(os.path.join(root, name))
 
 
 def check_state(state, path: Path, client: int, method: FederatedMethod) -> None:

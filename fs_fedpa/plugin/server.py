@@ -30,6 +30,7 @@ from fs_fedpa.core.diagnostics import aggregate_norm, aggregation_error, factore
 from fs_fedpa.methods.base import FederatedMethod
 from fs_fedpa.plugin import auth, resume
 from fs_fedpa.plugin.common import build_method, global_init, layer_shapes, non_lora_trainables
+from fs_fedpa.plugin.export import check_export_dir
 from fs_fedpa.plugin.intake import (
     Accepted,
     cap_weights,
@@ -86,9 +87,7 @@ class FedPAServer(Server):
             self._keyring = auth.read_keyring(self.method.cfg.auth_keyring, self.client_num)
         if self._cfg.federate.restore_from:
             self.restore(self._cfg.federate.restore_from)
-        export_dir = self.method.cfg.export_dir
-        if export_dir and os.path.isdir(export_dir) and os.listdir(export_dir):
-            raise ValueError(f"fedpa.export_dir {export_dir!r} is not empty: the run would overwrite another export")
+        check_export_dir(self.method.cfg.export_dir)  # now, not after every round has trained
 
     def terminate(self, msg_type="finish"):
         """FS's end of the run; with ``fedpa.export_dir``, the global adapter is written first (the clients write

@@ -3,6 +3,7 @@ run evaluated, prediction by prediction, for every method (tiny BERT on tiny SST
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -243,3 +244,77 @@ def test_real_sst2_with_minilm_round_trips(tmp_path):
     outdir = outdir_of(cfg)
     assert _export(outdir, tmp_path / "cli", "--clients").returncode == 0
     _check_round_trip(assets, outdir, tmp_path / "cli", "fedpa")
+
+
+def _one_line_refusal(proc: subprocess.CompletedProcess, *words: str) -> None:
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and "WARNING" not in line]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert all(w in lines[0] for w in words), lines[0]
+
+
+def test_export_reads_and_checks_every_input_before_it_writes_anything(tiny_glue, tmp_path):
+    """Issue 42: a planted (pickled) client end state, a NaN in an end state or in the global factors: one line,
+    exit 2, and nothing written; FS's outdir holding one run is taken; links inside --out are replaced, not
+    followed."""
+    import pickle
+
+    cfg, outdir = _run(tiny_glue, tmp_path, "fedpa")
+    checkpoint = Path(cfg["federate"]["save_to"]).parent / "final_model.pt"
+    end_state = checkpoint.parent / "fedpa_client_2_model.pt"
+    good_state, good_checkpoint = end_state.read_bytes(), checkpoint.read_bytes()
+
+    class Planted:  # what a hostile file would hold: an object whose unpickling runs code
+        def __reduce__(self):
+            return (print, ("ran code",))
+
+    end_state.write_bytes(pickle.dumps({"factors": Planted()}))
+    proc = _export(outdir, tmp_path / "planted")
+    _one_line_refusal(proc, str(end_state), "pickle")
+    assert "ran code" not in proc.stdout and not (tmp_path / "planted").exists()
+
+    state = torch.load(io.BytesIO(good_state), weights_only=True)
+    name = next(iter(state["factors"]))
+    state["factors"][name][0][0, 0] = float("nan")
+    torch.save(state, end_state)
+    proc = _export(outdir, tmp_path / "nan_client")
+    _one_line_refusal(proc, str(end_state), "NaN", name)
+    assert not (tmp_path / "nan_client").exists()
+    end_state.write_bytes(good_state)
+
+    saved = torch.load(checkpoint, weights_only=True)
+    name = next(iter(saved["fedpa"]["global"]))
+    saved["fedpa"]["global"][name][1][0, 0] = float("inf")
+    torch.save(saved, checkpoint)
+    proc = _export(outdir, tmp_path / "nan_global")
+    _one_line_refusal(proc, str(checkpoint), "NaN", name)
+    assert not (tmp_path / "nan_global").exists()
+    checkpoint.write_bytes(good_checkpoint)
+
+    # FS's outdir (cfg outdir) holds the one run folder <expname>/: it is taken
+    assert outdir.parent == Path(cfg["outdir"])
+    assert _export(Path(cfg["outdir"]), tmp_path / "from_outdir").returncode == 0
+    assert (tmp_path / "from_outdir" / "global").is_dir()
+
+    # --force into a folder whose files are links to elsewhere: the links are replaced, their targets untouched
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep me")
+    out = tmp_path / "linked"
+    (out / "global").mkdir(parents=True)
+    (out / "README.md").symlink_to(outside)
+    (out / "global" / "adapter_config.json").symlink_to(outside)
+    (out / "heads").symlink_to(tmp_path, target_is_directory=True)
+    assert _export(outdir, out, "--force").returncode == 0
+    assert outside.read_text() == "keep me"
+    assert not any(p.is_symlink() for p in out.rglob("*")) and (out / "README.md").read_text().startswith("#")
+    assert not (tmp_path / "client_1.safetensors").exists()
+
+
+def test_an_export_dir_that_is_a_file_or_not_empty_is_refused_before_the_first_round(tiny_glue, tmp_path):
+    for name, make in (("a_file", lambda p: p.write_text("x")), ("full", lambda p: (p.mkdir(), (p / "x").touch()))):
+        target = tmp_path / name
+        make(target)
+        cfg = fs_glue_yaml(tmp_path, tiny_glue["model"], tiny_glue["glue"], **{"fedpa.export_dir": str(target)})
+        proc = run_fs(cfg, tmp_path)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and f"fedpa.export_dir '{target}'" in out, out[-3000:]
+        assert "Starting training" not in out
