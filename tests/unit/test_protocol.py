@@ -215,10 +215,10 @@ def test_the_nested_bootstrap_covers_the_mean_where_a_pooled_interval_over_runs_
 
     rng = np.random.default_rng(1)
     covered = pooled = 0
-    trials = 300
+    trials = 200
     for t in range(trials):
         d = _synthetic(rng, k=8, n=6, mu=0.5, sd_split=1.0, sd_seed=0.3)
-        _, low, high = protocol.nested_bootstrap(d, draws=2000, seed=t)
+        _, low, high = protocol.nested_bootstrap(d, draws=1000, seed=t)
         covered += low <= 0.5 <= high
         _, plow, phigh = protocol.paired_interval([x for g in d.values() for x in g])
         pooled += plow <= 0.5 <= phigh
