@@ -21,7 +21,6 @@ from fs_fedpa import protocol
 from fs_fedpa import sst2_protocol as sp
 
 METRICS = ("val_acc", "local.val_acc")  # the paper protocol (global factors + local head), the clients' own factors
-PROTOCOL_NAMES = {"val_acc": "paper protocol", "local.val_acc": "own factors"}
 
 
 # ------------------------------------------------------------------------------------------------ client splits
