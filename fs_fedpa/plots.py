@@ -291,13 +291,13 @@ def plot_verdict(rows: Sequence[dict], path: Path) -> Path:
     coloured by the raw verdict, the dot filled where the Holm label is not a tie; settings separated and named."""
     plt = _pyplot()
     panels = (("val_acc", "paper protocol (global adapter + local head)"), ("local.val_acc", "own factors"))
-    labels, ys, y, edges = [], [], 0.0, []
-    for i, row in enumerate(rows):
-        if i and row["setting"] != rows[i - 1]["setting"]:
+    firsts = [i for i, row in enumerate(rows) if i == 0 or row["setting"] != rows[i - 1]["setting"]]
+    ys, y, edges = [], 0.0, []
+    for i in range(len(rows)):
+        if i and i in firsts:  # a gap and a rule between settings
             y += 0.8
             edges.append(y - 0.9)
         ys.append(y)
-        labels.append(str(row["against"]))
         y += 1
     height = 1.2 + 0.24 * y
     fig, axes = plt.subplots(1, 2, figsize=(12, height), sharey=True)
@@ -317,11 +317,10 @@ def plot_verdict(rows: Sequence[dict], path: Path) -> Path:
         ax.set_xlabel("accuracy points")
         ax.grid(axis="x", alpha=0.3)
     axes[0].set_yticks(ys)
-    axes[0].set_yticklabels(labels, fontsize=8)
+    axes[0].set_yticklabels([str(row["against"]) for row in rows], fontsize=8)
     axes[0].invert_yaxis()
-    starts = [ys[i] for i, row in enumerate(rows) if i == 0 or row["setting"] != rows[i - 1]["setting"]]
-    for start, row in zip(starts, [r for i, r in enumerate(rows) if i == 0 or r["setting"] != rows[i - 1]["setting"]]):
-        axes[1].annotate(row["setting"], xy=(1.02, start), xycoords=("axes fraction", "data"), fontsize=8,
+    for i in firsts:
+        axes[1].annotate(rows[i]["setting"], xy=(1.02, ys[i]), xycoords=("axes fraction", "data"), fontsize=8,
                          va="center", ha="left", fontweight="bold")  # fmt: skip
     fig.suptitle("FedPA-LoRA − baseline, 95% interval: wins (green), ties (grey), loses (red); filled: survives Holm",
                  fontsize=11)  # fmt: skip

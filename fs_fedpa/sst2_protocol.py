@@ -430,11 +430,13 @@ def final_metric(run: dict, metric: str) -> float | None:
     return values[-1] if values else None
 
 
-def cell_values(results: dict, metric: str, stage: str = "final") -> dict[str, dict[int, float]]:
-    """``cell -> seed -> final metric`` of the runs of ``stage``."""
+def cell_values(results: dict, metric: str, stage: str = "final", value=None) -> dict[str, dict[int, float]]:
+    """``cell -> seed -> value(run, metric)`` of the runs of ``stage``; ``value`` is :func:`final_metric` unless
+    given (the long horizon's :func:`endpoint`)."""
+    value_of = value or final_metric
     cells: dict[str, dict[int, float]] = {}
     for key, run in results.items():
-        if key.startswith(f"{stage}/") and (value := final_metric(run, metric)) is not None:
+        if key.startswith(f"{stage}/") and (value := value_of(run, metric)) is not None:
             cells.setdefault(run["cell"], {})[run["seed"]] = value
     return cells
 

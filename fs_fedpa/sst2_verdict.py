@@ -6,6 +6,7 @@
 - :func:`deployment_rows`: the question of a user who deploys one model per client, "which model do I give client
   i": FedPA-LoRA's own adapter against FedIT's global adapter with the client's local head, and each method's two
   models against each other, fixed pairs by seed across the two evaluation protocols;
+- :func:`family_rows`: a stage table's rows against their references, one Holm family;
 - :func:`verdict_rows`: one row per setting and baseline, FedPA-LoRA − baseline under both protocols with its Holm
   label, for ``verdict.png`` (:func:`fs_fedpa.plots.plot_verdict`).
 
@@ -83,22 +84,12 @@ DEPLOYMENT = (  # label, (cell, metric) − (cell, metric); the cells are each s
     ("FedIT: own adapter − global adapter with the local head", ("fedit", "local.val_acc"), ("fedit", "val_acc")),
 )  # fmt: skip
 DEPLOYMENT_SETTINGS = (  # label, stage, FedPA-LoRA's cell, FedIT's cell, per-run value
-    ("main cell, 21 rounds", "final", "fedpa", "fedit", "final"),
-    ("β = 0.1, 21 rounds", "beta", "fedpa_beta0.1", "fedit_beta0.1", "final"),
-    ("β = 100, 21 rounds", "beta", "fedpa_beta100", "fedit_beta100", "final"),
-    ("long horizon, 60 rounds (mean of the last 3 evaluations)", "long", "fedpa", "fedit", "endpoint"),
-    ("partial participation, 100 clients, 60 rounds", "partial", "fedpa", "fedit", "final"),
+    ("main cell, 21 rounds", "final", "fedpa", "fedit", sp.final_metric),
+    ("β = 0.1, 21 rounds", "beta", "fedpa_beta0.1", "fedit_beta0.1", sp.final_metric),
+    ("β = 100, 21 rounds", "beta", "fedpa_beta100", "fedit_beta100", sp.final_metric),
+    ("long horizon, 60 rounds (mean of the last 3 evaluations)", "long", "fedpa", "fedit", sp.endpoint),
+    ("partial participation, 100 clients, 60 rounds", "partial", "fedpa", "fedit", sp.final_metric),
 )
-
-
-def _per_seed(results: dict, stage: str, cell: str, metric: str, how: str) -> dict[int, float]:
-    out = {}
-    for key, run in results.items():
-        if key.startswith(f"{stage}/") and run["cell"] == cell:
-            value = sp.endpoint(run, metric) if how == "endpoint" else sp.final_metric(run, metric)
-            if value is not None:
-                out[run["seed"]] = value
-    return out
 
 
 def deployment_rows(results: dict) -> list[tuple[str, str, dict]]:
@@ -106,11 +97,11 @@ def deployment_rows(results: dict) -> list[tuple[str, str, dict]]:
     comparison of :data:`DEPLOYMENT`: the paired t row over the seeds both sides share, with its Holm label over
     the whole table (one family: its comparisons cross the protocols)."""
     family = {}
-    for setting, stage, fedpa, fedit, how in DEPLOYMENT_SETTINGS:
+    for setting, stage, fedpa, fedit, value in DEPLOYMENT_SETTINGS:
         cells = {"fedpa": fedpa, "fedit": fedit}
         for label, (a, metric_a), (b, metric_b) in DEPLOYMENT:
-            first = _per_seed(results, stage, cells[a], metric_a, how)
-            second = _per_seed(results, stage, cells[b], metric_b, how)
+            first = sp.cell_values(results, metric_a, stage, value).get(cells[a], {})
+            second = sp.cell_values(results, metric_b, stage, value).get(cells[b], {})
             row = sp.paired_rows({}, "", ours="first", cells={"first": first, "second": second}).get("second")
             if row is not None:
                 family[(setting, label)] = row
@@ -118,39 +109,56 @@ def deployment_rows(results: dict) -> list[tuple[str, str, dict]]:
     return [(setting, label, labelled[(setting, label)]) for setting, label in family]
 
 
+# ------------------------------------------------------------------------------------------------ the tables
+def family_rows(results: dict, values: dict, pairs: dict[str, str], metric: str) -> dict[str, dict]:
+    """Per cell of a stage, its paired row against its reference ``pairs[cell]``; every row of the table (under one
+    protocol, ``metric``) is one family for Holm's correction, whatever its reference."""
+    family: dict[str, dict] = {}
+    for cell, ours in pairs.items():
+        if ours and ours != cell and ours in values and cell in values:
+            cells = {ours: values[ours], cell: values[cell]}
+            if row := sp.paired_rows(results, metric, ours=ours, cells=cells).get(cell):
+                family[cell] = row
+    return sp.with_holm(family)
+
+
+def beta_pairs(results: dict) -> dict[str, str]:
+    """Each cell of the β stage -> FedPA-LoRA's cell at the same β (``fedit_beta0.1`` -> ``fedpa_beta0.1``)."""
+    cells = [r["cell"] for k, r in results.items() if k.startswith("beta/")]
+    return {c: f"fedpa_beta{c.rsplit('_beta', 1)[1]}" for c in cells}
+
+
+def hetero_pairs(results: dict) -> dict[str, str]:
+    """Each cell of the heterogeneous-rank stage -> FedPA-LoRA's cell there."""
+    return {r["cell"]: "fedpa_r2_4_16" for k, r in results.items() if k.startswith("hetero/")}
+
+
 # ------------------------------------------------------------------------------------------------ the figure
-def verdict_rows(results: dict, family_rows) -> list[dict]:
+def verdict_rows(results: dict) -> list[dict]:
     """One row per setting and baseline for ``verdict.png``: ``{"setting", "against", metric: row with "holm"}``,
-    FedPA-LoRA (or one of its arms) − the baseline. ``family_rows(results, values, pairs, metric)``: the report's
-    Holm-labelled rows of one stage table (:func:`fs_fedpa.tools.sst2_report._family_rows`)."""
+    FedPA-LoRA (or one of its arms) − the baseline, each labelled by its own table's Holm family."""
     rows: list[dict] = []
 
-    def add(setting: str, by_metric: dict[str, dict[str, dict]], names: dict[str, str] | None = None) -> None:
+    def add(setting: str, by_metric: dict[str, dict[str, dict]], names: dict | None = None) -> None:
         for cell in dict.fromkeys(c for m in METRICS for c in by_metric.get(m, {})):
             entry = {"setting": setting, "against": (names or {}).get(cell, cell)}
             entry.update({m: by_metric[m][cell] for m in METRICS if cell in by_metric.get(m, {})})
             rows.append(entry)
 
     add("main cell (final runs)", {m: sp.with_holm(sp.paired_rows(results, m)) for m in METRICS})
+    table = beta_pairs(results)
+    labelled = {m: family_rows(results, sp.cell_values(results, m, "beta"), table, m) for m in METRICS}
     for beta in ("0.1", "100"):
-        pairs = {c: f"fedpa_beta{beta}" for c in ("fedit", "lora_fair", "fedrot_lora", "flexlora", "fedex_lora")}
-        pairs = {f"{c}_beta{beta}": ours for c, ours in pairs.items()}
-        table = {c: f"fedpa_beta{c.rsplit('_beta', 1)[1]}" for k, r in results.items() if k.startswith("beta/")
-                 for c in [r["cell"]]}  # fmt: skip
-        by_metric = {}
-        for m in METRICS:
-            labelled = family_rows(results, sp.cell_values(results, m, "beta"), table, m)
-            by_metric[m] = {c: row for c, row in labelled.items() if c in pairs}
-        add(f"β = {beta}", by_metric, {c: c.rsplit("_beta", 1)[0] for c in pairs})
-    hetero = {r["cell"]: "fedpa_r2_4_16" for k, r in results.items() if k.startswith("hetero/")}
+        mine = {m: {c: row for c, row in labelled[m].items() if c.endswith(f"_beta{beta}")} for m in METRICS}
+        add(f"β = {beta}", mine, {c: c.rsplit("_beta", 1)[0] for c in table})
+    hetero = hetero_pairs(results)
     add("r_i ∈ {2, 4, 16}",
         {m: family_rows(results, sp.cell_values(results, m, "hetero"), hetero, m) for m in METRICS},
         {c: c.replace("_r2_4_16", "") for c in hetero})  # fmt: skip
     heads = {m: head_intervals(results, m) for m in METRICS}
     names = {label: label.split(" − ")[0] + " − FedIT" for label, *_ in HEAD_COMPARISONS[:2]}
     add("FedIT without a local head", {m: {k: v for k, v in heads[m].items() if k in names} for m in METRICS}, names)
-    long_runs = [r for k, r in results.items() if k.startswith("long/")]
-    long_rows = {m: long_intervals(long_runs, m) for m in METRICS}
+    long_rows = {m: long_intervals(results, m) for m in METRICS}
     add("long horizon, 60 rounds (arm − FedIT)", long_rows, {c: f"arm {c}" for c in long_rows["val_acc"]})
     partial = partial_intervals(results)
     add("partial participation (arm − baseline)", partial, {k: f"{k[0]} − {k[1]}" for k in partial["val_acc"]})
@@ -160,10 +168,8 @@ def verdict_rows(results: dict, family_rows) -> list[dict]:
             found = split_analysis(results, beta, m)
             if "nested" in found:
                 mean, low, high = found["nested"]
-                label = "ties" if low <= 0 <= high else "wins" if low > 0 else "loses"
-                k = len([s for s in found["splits"].values() if "low" in s])
-                by_metric[m] = {"fedit": {"mean": mean, "low": low, "high": high, "verdict": label, "holm": label,
-                                          "seeds": k, "bootstrap": True}}  # fmt: skip
+                label = protocol.verdict(low, high)  # no Holm family: the raw label
+                by_metric[m] = {"fedit": {"mean": mean, "low": low, "high": high, "verdict": label, "holm": label}}
         if by_metric:
             add(f"β = {beta:g} across client splits (nested bootstrap)", by_metric)
     return rows
@@ -187,13 +193,10 @@ def head_intervals(results: dict, metric: str) -> dict[str, dict]:
     return sp.with_holm(family)
 
 
-def long_intervals(runs: list[dict], metric: str) -> dict[str, dict]:
-    """Each FedPA-LoRA arm of the long horizon's ``runs`` − FedIT, on the endpoint (:func:`sp.endpoint`), Holm over
-    the arms of one protocol."""
-    ends: dict[str, dict[int, float]] = {}
-    for run in runs:
-        if (v := sp.endpoint(run, metric)) is not None:
-            ends.setdefault(run["cell"], {})[run["seed"]] = v
+def long_intervals(results: dict, metric: str) -> dict[str, dict]:
+    """Each FedPA-LoRA arm of the long horizon − FedIT, on the endpoint (:func:`sp.endpoint`), Holm over the arms of
+    one protocol."""
+    ends = sp.cell_values(results, metric, "long", sp.endpoint)
     family = {}
     for cell in ends:
         pair = {cell: ends[cell], "reference": ends.get(sp.LONG_REFERENCE, {})}

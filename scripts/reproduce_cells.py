@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -74,8 +75,6 @@ def main(argv: list[str] | None = None) -> int:
     def one(run: sp.Run) -> tuple[str, list]:
         out = work / run.name
         if out.exists():
-            import shutil
-
             shutil.rmtree(out)
         compare.run_one(str(sp.CFG), run.cell(), 0, out, ["data.root", args.data], str(ROUNDS))
         return run.name, differences(results[f"final/{run.name}_s0"], compare.collect(out))

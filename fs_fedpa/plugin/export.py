@@ -382,15 +382,13 @@ def export_run(run, out, *, clients: bool = False, force: bool = False, cfg_file
     if int(saved.get("cur_round", 0)) < 1:
         raise ValueError(f"{checkpoint}: the run has no finished round (cur_round {saved.get('cur_round')})")
     require_finite({"global": section["global"], "merged": section.get("merged", {})}, checkpoint)
-    states, missing = {}, []  # every input is read and checked before the model is built or anything written
-    for client in range(1, cfg.federate.client_num + 1):
-        path = client_file(checkpoint, client)
-        if not path.is_file():
-            missing.append(client)
-            continue
-        states[client] = _load(path)
+    paths = {client: client_file(checkpoint, client) for client in range(1, cfg.federate.client_num + 1)}
+    missing = [client for client, path in paths.items() if not path.is_file()]
+    states = {}  # every input is read and checked before the model is built or anything written
+    for client in (c for c in paths if c not in missing):
+        states[client] = _load(paths[client])
         if isinstance(states[client], dict):
-            require_finite(states[client], path)
+            require_finite(states[client], paths[client])
     model = get_model(cfg)
     method = build_method(cfg, model)
     plan = method.plan
@@ -409,7 +407,7 @@ def export_run(run, out, *, clients: bool = False, force: bool = False, cfg_file
     if method.merges:
         lora.keep_base(model)
     for client, state in states.items():
-        check_state(state, client_file(checkpoint, client), client, method)
+        check_state(state, paths[client], client, method)
     exporter = Exporter(cfg, model, method, out, force=force)
     model_state = {export.module_path(f"model.{k}") if export.PEFT_ROOT in k else k: v
                    for k, v in saved.get("model", {}).items()}  # fmt: skip

@@ -192,7 +192,7 @@ def stage_section(title: str, stage: str, results: dict, report: Path, pairs: di
         "factors |",
         "|---|---|---|---|---|",
     ]
-    intervals = {m: _family_rows(results, values[m], pairs, m) for m in METRICS}
+    intervals = {m: sv.family_rows(results, values[m], pairs, m) for m in METRICS}
     for cell in dict.fromkeys(r["cell"] for r in runs):
         means = [_pm(list(values[m].get(cell, {}).values())) for m in METRICS]
         shown = [_interval(intervals[m].get(cell)) for m in METRICS]
@@ -202,18 +202,6 @@ def stage_section(title: str, stage: str, results: dict, report: Path, pairs: di
     if stage == "adaptive":
         lines += lambda_trajectory(runs)
     return [*lines, ""]
-
-
-def _family_rows(results: dict, values: dict, pairs: dict[str, str], metric: str) -> dict[str, dict]:
-    """Per cell of a stage, its paired row against its reference ``pairs[cell]``; every row of the table (under one
-    protocol, ``metric``) is one family for Holm's correction, whatever its reference (:data:`HOLM_NOTE`)."""
-    family: dict[str, dict] = {}
-    for cell, ours in pairs.items():
-        if ours and ours != cell and ours in values and cell in values:
-            cells = {ours: values[ours], cell: values[cell]}
-            if row := sp.paired_rows(results, metric, ours=ours, cells=cells).get(cell):
-                family[cell] = row
-    return sp.with_holm(family)
 
 
 def lambda_trajectory(runs: list[dict]) -> list[str]:
@@ -350,7 +338,7 @@ def long_section(results: dict, report: Path) -> list[str]:
         "(`fs_fedpa.protocol.paired_bootstrap`, 10,000 draws): a statement about SST-2 sentences, not only these "
         f"872. `long/curves.png`: the curves, {SPREAD_NOTE}.",
         "",
-        *_long_endpoints(runs),
+        *_long_endpoints(results, runs),
         *_long_curve_table(runs),
         f'The mechanism at the last round (round {sp.LONG_ROUNDS - 1}), as in "The mechanism": per arm, best '
         "paper-protocol accuracy first, the last round's diagnostics, mean over seeds (the gradient ratio: median).",
@@ -362,25 +350,21 @@ def long_section(results: dict, report: Path) -> list[str]:
     return lines
 
 
-def _long_endpoints(runs: list[dict]) -> list[str]:
+def _long_endpoints(results: dict, runs: list[dict]) -> list[str]:
     """Per arm: its endpoint under both protocols and, for the FedPA-LoRA arms, arm − reference (t and bootstrap)."""
     arms: dict[str, dict[int, dict]] = {}
     for run in runs:
         arms.setdefault(run["cell"], {})[run["seed"]] = run
     reference = arms.get(sp.LONG_REFERENCE, {})
-    endpoints = {
-        m: {cell: {s: v for s, run in seeds.items() if (v := sp.endpoint(run, m)) is not None}
-            for cell, seeds in arms.items()}
-        for m in METRICS
-    }  # fmt: skip
-    intervals = {m: sv.long_intervals(runs, m) for m in METRICS}
+    endpoints = {m: sp.cell_values(results, m, "long", sp.endpoint) for m in METRICS}
+    intervals = {m: sv.long_intervals(results, m) for m in METRICS}
     lines = [
         f"| arm | endpoint, paper protocol | endpoint, own factors | arm − {sp.LONG_REFERENCE}, paper protocol: t; "
         "bootstrap | own factors: t; bootstrap |",
         "|---|---|---|---|---|",
     ]
     for cell, seeds in arms.items():
-        shown = [_pm(list(endpoints[m][cell].values())) for m in METRICS]
+        shown = [_pm(list(endpoints[m].get(cell, {}).values())) for m in METRICS]
         for m, protocol_name in zip(METRICS, ("global", "local")):
             if cell == sp.LONG_REFERENCE:
                 shown.append("–")
@@ -649,7 +633,7 @@ def deployment_section(results: dict) -> list[str]:
 
 def verdict_figure(results: dict, report: Path) -> list[str]:
     """``verdict.png``: every setting's FedPA-LoRA − baseline intervals under both protocols."""
-    rows = sv.verdict_rows(results, _family_rows)
+    rows = sv.verdict_rows(results)
     if not rows:
         return []
     try:
@@ -782,9 +766,6 @@ def write_report(report: Path, results: dict, stages: list) -> Path:
     spent = sp.time_spent(results)
     pending = [(stage, sum(r.key not in results for r in runs)) for stage, runs in stages]
     finals = {r["cell"] for k, r in results.items() if k.startswith("final/")}
-    beta_cells = [r["cell"] for k, r in results.items() if k.startswith("beta/")]
-    beta_pairs = {c: f"fedpa_beta{c.rsplit('_beta', 1)[1]}" for c in beta_cells}
-    hetero_pairs = {r["cell"]: "fedpa_r2_4_16" for k, r in results.items() if k.startswith("hetero/")}
     lines = [
         "# SST-2 protocol: results",
         "",
@@ -803,8 +784,8 @@ def write_report(report: Path, results: dict, stages: list) -> Path:
         *stage_section("Final runs (dev set)", "final", results, report, {c: "fedpa" for c in finals}),
         *mechanism_section(results),
         *lambda_section(results, stages),
-        *stage_section("Data heterogeneity: β = 0.1 and 100", "beta", results, report, beta_pairs),
-        *stage_section("Heterogeneous ranks r_i ∈ {2, 4, 16}", "hetero", results, report, hetero_pairs),
+        *stage_section("Data heterogeneity: β = 0.1 and 100", "beta", results, report, sv.beta_pairs(results)),
+        *stage_section("Heterogeneous ranks r_i ∈ {2, 4, 16}", "hetero", results, report, sv.hetero_pairs(results)),
         *stage_section("Ablation (against the final FedPA-LoRA runs)", "ablation", results | _finals(results), report,
                        {c: "fedpa" for k, r in results.items() if k.startswith("ablation/") for c in [r["cell"]]}),
         *stage_section("Adaptive λ (Appendix F; against fixed λ)", "adaptive", results | _finals(results), report,

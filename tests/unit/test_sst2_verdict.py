@@ -88,8 +88,6 @@ def _holm_by_hand(p: dict) -> dict:
 def test_holm_takes_one_family_per_table_and_protocol_in_the_partial_and_beta_tables():
     from scipy import stats
 
-    from fs_fedpa.tools.sst2_report import _family_rows
-
     results = sp.load_results(ROOT / sp.REPORT)
     for metric in sv.METRICS:
         rows = sv.partial_intervals(results)[metric]
@@ -108,6 +106,6 @@ def test_holm_takes_one_family_per_table_and_protocol_in_the_partial_and_beta_ta
     beta = {
         r["cell"]: f"fedpa_beta{r['cell'].rsplit('_beta', 1)[1]}" for k, r in results.items() if k.startswith("beta/")
     }
-    rows = _family_rows(results, sp.cell_values(results, "val_acc", "beta"), beta, "val_acc")
+    rows = sv.family_rows(results, sp.cell_values(results, "val_acc", "beta"), beta, "val_acc")
     assert len(rows) == 6
     assert {c: r["holm"] != "ties" for c, r in rows.items()} == _holm_by_hand({c: r["p"] for c, r in rows.items()})
