@@ -10,7 +10,10 @@ bit (a refactor; a feature that is off) must print ``identical`` for every cell.
 Exit 0 when every field of every cell is equal, 1 otherwise (each difference is printed: cell, round, field, the
 committed and the new value). The committed runs were made with torch 2.13.0+cpu on one thread; another torch
 build or CPU kernel (an AVX-512 host against an AVX2 one) can differ from the rounding level on, so run it on the
-commit before a change first (the baseline), then after, on the same machine.
+commit before a change first (the baseline), then after, on the same machine. Where the baseline itself differs
+from the committed runs (another CPU), compare the after run with the baseline's FS outputs instead:
+
+    python scripts/reproduce_cells.py --data ../shared/data/glue --work exp/after --against exp/baseline
 """
 
 from __future__ import annotations
@@ -62,31 +65,51 @@ def differences(old: dict, new: dict, rounds: int = ROUNDS) -> list[tuple]:
     return out
 
 
+def reference_runs(folder) -> dict[str, dict]:
+    """The results of an earlier call's FS outputs (``folder/<cell>``), keyed as the committed ones are."""
+    out = {}
+    for cell in CELLS:
+        if (Path(folder) / cell).is_dir():
+            out[f"final/{cell}_s0"] = compare.collect(Path(folder) / cell)
+    if not out:
+        raise SystemExit(f"--against {folder}: no cell's FS output in it (an earlier call's --work)")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", required=True, help="GLUE folder with SST-2/train.tsv and SST-2/dev.tsv")
     parser.add_argument("--work", default="exp/reproduce_cells", help="FS outputs (deleted and rerun each call)")
     parser.add_argument("--jobs", type=int, default=1, help="FS runs at a time (each on one thread)")
     parser.add_argument("--cells", nargs="+", default=list(CELLS), choices=CELLS)
+    parser.add_argument(
+        "--against",
+        metavar="DIR",
+        help="compare with the FS outputs of an earlier call's --work (the baseline on this machine), not the "
+        "committed run files",
+    )
     args = parser.parse_args(argv)
-    results = sp.load_results(ROOT / sp.REPORT)
     work = Path(args.work)
+    if args.against and Path(args.against).resolve() == work.resolve():
+        parser.error("--against must not be --work: each call deletes and reruns its --work")
+    reference = reference_runs(args.against) if args.against else sp.load_results(ROOT / sp.REPORT)
+    what = f"the runs in {args.against}" if args.against else "the committed runs"
 
     def one(run: sp.Run) -> tuple[str, list]:
         out = work / run.name
         if out.exists():
             shutil.rmtree(out)
         compare.run_one(str(sp.CFG), run.cell(), 0, out, ["data.root", args.data], str(ROUNDS))
-        return run.name, differences(results[f"final/{run.name}_s0"], compare.collect(out))
+        return run.name, differences(reference[f"final/{run.name}_s0"], compare.collect(out))
 
     failed = 0
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         for name, diffs in pool.map(one, runs(args.cells)):
             print(f"{name}: {'identical' if not diffs else f'{len(diffs)} fields differ'}", flush=True)
             for r, field, a, b in diffs[:20]:
-                print(f"    round {r} {field}: committed {a!r}, now {b!r}")
+                print(f"    round {r} {field}: then {a!r}, now {b!r}")
             failed += bool(diffs)
-    print(f"{len(args.cells) - failed} of {len(args.cells)} cells identical to the committed runs")
+    print(f"{len(args.cells) - failed} of {len(args.cells)} cells identical to {what}")
     return 1 if failed else 0
 
 

@@ -47,3 +47,13 @@ def test_the_harness_reports_every_field_that_differs_and_nothing_else():
         (1, "diag:e_agg", 2.0, 2.5),
         (2, "diag:extra", None, 1),
     ]
+
+
+def test_against_compares_with_an_earlier_calls_outputs_and_refuses_its_own_work_folder(tmp_path):
+    import pytest
+
+    h = _harness()
+    with pytest.raises(SystemExit, match="no cell's FS output"):
+        h.reference_runs(tmp_path)
+    with pytest.raises(SystemExit):  # argparse's error: --work would delete the baseline it compares with
+        h.main(["--data", str(tmp_path), "--work", str(tmp_path / "b"), "--against", str(tmp_path / "b")])
