@@ -119,6 +119,16 @@ class FedPAConfig:
         default=1,
         metadata={"help": "distributed mode: the fewest updates a round may aggregate after round_timeout_s (>= 1)"},
     )
+    join_timeout_s: float = field(
+        default=3600.0,
+        metadata={
+            "help": (
+                "distributed mode: seconds the server waits for the next client to join; after it, it stops the run "
+                "non-zero naming the clients that never joined (a join it refused, e.g. with a wrong key, does not "
+                "count) and tells those that joined to finish; 0: wait forever (FS's behaviour)"
+            )
+        },
+    )
     client_timeout_s: float = field(
         default=9000.0,
         metadata={
@@ -303,6 +313,7 @@ class FedPAConfig:
         self.max_failed_rounds = _integer(self.max_failed_rounds, "max_failed_rounds", minimum=0)
         self.round_timeout_s = _number(self.round_timeout_s, "round_timeout_s", minimum=0.0)
         self.min_received = _integer(self.min_received, "min_received", minimum=1)
+        self.join_timeout_s = _number(self.join_timeout_s, "join_timeout_s", minimum=0.0)
         self.client_timeout_s = _number(self.client_timeout_s, "client_timeout_s", minimum=0.0)
         if 0 < self.client_timeout_s <= self.round_timeout_s:
             raise ValueError(

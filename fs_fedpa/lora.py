@@ -125,14 +125,25 @@ def set_base_offsets(model: nn.Module, offsets: Mapping[str, Tensor]) -> None:
             if offset is None:
                 weight.copy_(w0)
                 continue
-            if getattr(layer, "fan_in_fan_out", False):  # e.g. GPT-2's Conv1D stores W^T
-                offset = offset.T
-            if offset.shape != w0.shape:
-                raise ValueError(
-                    f"{name}: base offset {tuple(offset.shape)} does not fit the weight {tuple(w0.shape)}"
-                )
-            dtype = torch.promote_types(w0.dtype, torch.float32)
-            weight.copy_((w0.to(dtype) + offset.to(w0.device, dtype)).to(weight.dtype))
+            weight.copy_(offset_base(layer, offset, name))
+
+
+def offset_base(layer: nn.Module, offset: Tensor, name: str = "") -> Tensor:
+    """``W_0 + offset`` of a LoRA module (``offset`` (d, k), the update's orientation), computed in at least float32
+    and returned in the weight's dtype and orientation, beside the layer's live weight."""
+    weight, w0 = layer.get_base_layer().weight, _kept_base(layer)
+    if getattr(layer, "fan_in_fan_out", False):  # e.g. GPT-2's Conv1D stores W^T
+        offset = offset.T
+    if offset.shape != w0.shape:
+        raise ValueError(f"{name}: base offset {tuple(offset.shape)} does not fit the weight {tuple(w0.shape)}")
+    dtype = torch.promote_types(w0.dtype, torch.float32)
+    return (w0.to(dtype) + offset.to(w0.device, dtype)).to(weight.dtype)
+
+
+def adapter_weights(layer: nn.Module) -> tuple[nn.Parameter, nn.Parameter]:
+    """The ``(B, A)`` weights of a LoRA module's one active adapter."""
+    adapter = _adapter(layer)
+    return layer.lora_B[adapter].weight, layer.lora_A[adapter].weight
 
 
 class RowGate:
@@ -238,6 +249,10 @@ class Scaling:
             {n: float(layer.lora_alpha[_adapter(layer)]) for n, layer in layers.items()},
             {n: bool(layer.use_rslora.get(_adapter(layer), False)) for n, layer in layers.items()},
         )
+
+    def record(self) -> dict[str, dict]:
+        """``{"alpha": {module: lora_alpha}, "rslora": {module: use_rslora}}``: what a checkpoint keeps of it."""
+        return {"alpha": dict(self.alpha), "rslora": dict(self.rslora)}
 
     def s(self, name: str, r: int) -> float:
         """``s(r)`` of module ``name``."""

@@ -3,16 +3,23 @@
 A client's state is a flat ``name -> tensor`` mapping (its own factors, local tensors, merges, personal adapter,
 fold; :func:`flatten` / :func:`unflatten`). :meth:`StateStore.put` keeps a CPU copy; when the copies held exceed the
 budget, the least recently used clients are written to ``<folder>/client_<id>.safetensors`` (atomically: a temporary
-file, then a rename) and dropped from memory; :meth:`StateStore.get` reads a spilled client back, checking that the
-file holds exactly the tensors that were written. Nothing is pickled.
+file, then a rename) and dropped from memory; :meth:`StateStore.get` reads a spilled client back. A file is read only
+if it is the regular file that was written: not a link, of the size written, naming its client and this store's run
+in its metadata (so two clients' files swapped are refused), and holding exactly the tensors written. Nothing is
+pickled.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import os
+import secrets
+import stat
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -71,7 +78,8 @@ class StateStore:
         self.budget = budget_bytes
         self._held: OrderedDict[int, dict[str, Tensor]] = OrderedDict()
         self._held_bytes = 0
-        self._spilled: dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}  # what each file must hold
+        self._spilled: dict[int, Written] = {}  # what each file must be
+        self.run = secrets.token_hex(8)  # this store's identity, in every file it writes
         self.spills = self.reads = 0  # counts, for the log and the benchmark
         self.initial_local: dict[str, Tensor] | None = None  # set by the owner: what a lost state restarts from
         self.peak_bytes = 0  # the most bytes held in memory at once
@@ -113,7 +121,7 @@ class StateStore:
             return None
         expected = self._spilled.pop(client)
         path = self._path(client)
-        state = _read(client, path, expected)
+        state = _read(client, path, expected, self.run)
         path.unlink(missing_ok=True)
         self.reads += 1
         self._held[client] = state
@@ -149,24 +157,63 @@ class StateStore:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self._path(client)
         tmp = path.with_suffix(".tmp")
-        save_file(state, str(tmp))
+        save_file(state, str(tmp), metadata={"client": str(client), "run": self.run})
         os.replace(tmp, path)
-        self._spilled[client] = {k: (tuple(t.shape), t.dtype) for k, t in state.items()}
+        shapes = {k: (tuple(t.shape), t.dtype) for k, t in state.items()}
+        self._spilled[client] = Written(os.stat(path).st_size, shapes)
         self.spills += 1
 
 
-def _read(client: int, path: Path, expected: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, Tensor]:
-    from safetensors.torch import load_file
+class Written(NamedTuple):
+    """What a spilled file must be: its size in bytes and each tensor's shape and dtype."""
 
-    if not path.is_file():
-        raise SpillError(client, path, "is missing")
+    size: int
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def _read(client: int, path: Path, expected: Written, run: str) -> dict[str, Tensor]:
+    """The tensors of ``client``'s spilled file, or :class:`SpillError` if it is not the file that was written. The
+    file is opened without following a link or blocking, checked to be a regular file of the size written, then read
+    whole into memory (never mapped: a file cut short while in use would kill the process) and parsed."""
+    from safetensors.torch import load
+
     try:
-        state = load_file(str(path))
-    except Exception as exc:  # safetensors raises its own error types for a truncated or garbled file
-        raise SpillError(client, path, f"cannot be read ({type(exc).__name__}: {exc})") from None
-    if set(state) != set(expected):
-        raise SpillError(client, path, f"holds other tensors than were written ({len(state)} vs {len(expected)})")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise SpillError(client, path, "is missing") from None
+    except OSError as exc:
+        if errno.ELOOP == exc.errno:
+            raise SpillError(
+                client, path, f"is a link (to {os.readlink(path)!r}), not the file that was written"
+            ) from None
+        raise SpillError(client, path, f"cannot be opened ({exc})") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise SpillError(client, path, "is not a regular file")
+        if info.st_size != expected.size:
+            raise SpillError(client, path, f"is {info.st_size} bytes, written as {expected.size}")
+        data = f.read(expected.size + 1)
+    if len(data) != expected.size:
+        raise SpillError(client, path, f"changed while it was read ({len(data)} bytes, written as {expected.size})")
+    try:
+        n = int.from_bytes(data[:8], "little")
+        owner = json.loads(data[8 : 8 + n]).get("__metadata__") or {}
+        if owner.get("client") != str(client) or owner.get("run") != run:
+            who = f"client {owner.get('client')!r} of run {owner.get('run')!r}"
+            raise SpillError(client, path, f"was written for {who}, not for this client of this run")
+        state = load(data)
+    except SpillError:
+        raise
+    except Exception as exc:  # safetensors raises its own error types for a garbled file
+        raise SpillError(client, path, f"cannot be read ({type(exc).__name__}: {str(exc)[:200]})") from None
+    if set(state) != set(expected.shapes):
+        raise SpillError(
+            client, path, f"holds other tensors than were written ({len(state)} vs {len(expected.shapes)})"
+        )
     for key, t in state.items():
-        if (tuple(t.shape), t.dtype) != expected[key]:
-            raise SpillError(client, path, f"holds {key} as {tuple(t.shape)} {t.dtype}, written as {expected[key]}")
+        if (tuple(t.shape), t.dtype) != expected.shapes[key]:
+            raise SpillError(
+                client, path, f"holds {key} as {tuple(t.shape)} {t.dtype}, written as {expected.shapes[key]}"
+            )
     return state

@@ -6,6 +6,11 @@ not FS shares one model object between clients; training adds the method's align
 trained factors and local tensors and uploads the factors (applied, ``s_i B_i``) and any shared non-LoRA tensors.
 Local tensors never leave the client. Factors live in the client's one space (:class:`fs_fedpa.lora.ClientSpace`)
 and are converted only at download, upload and when loaded into the model.
+
+This module holds entering and leaving a round; each other concern is a mixin in a module of its name:
+:mod:`~fs_fedpa.plugin.liveness` (the watchdog), :mod:`~fs_fedpa.plugin.client_state` (parking between messages),
+:mod:`~fs_fedpa.plugin.resume_points`, :mod:`~fs_fedpa.plugin.alignment` (the training term, adaptive lam),
+:mod:`~fs_fedpa.plugin.evaluation` (both protocols, outcomes) and :mod:`~fs_fedpa.plugin.round_records`.
 """
 
 from __future__ import annotations
@@ -14,35 +19,35 @@ import json
 import logging
 import os
 import secrets
-import threading
 import time
 
 import torch
-from federatedscope.core.auxiliaries.utils import add_prefix_to_path, merge_dict_of_results
+from federatedscope.core.auxiliaries.utils import add_prefix_to_path
 from federatedscope.core.message import Message
 from federatedscope.core.workers import Client
 from torch import Tensor
 
 from fs_fedpa import lora
-from fs_fedpa.core.adaptive import lam_direction, lam_grad, lam_loss, normalized_factor_grads
-from fs_fedpa.core.diagnostics import GradientSplit, factored_norm, initialization_error, product_distance
-from fs_fedpa.core.instance import instance_weights, representation
-from fs_fedpa.core.penalty import product_penalty
+from fs_fedpa.core.diagnostics import GradientSplit
 from fs_fedpa.core.ranks import truncate_factors
 from fs_fedpa.plugin import auth, resume
-from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainables, share_equal, without_empty_splits
+from fs_fedpa.plugin.alignment import ClientAlignment
+from fs_fedpa.plugin.client_state import ClientState, state_store
+from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainables, share_equal
+from fs_fedpa.plugin.evaluation import ClientEvaluation
+from fs_fedpa.plugin.liveness import ClientLiveness
+from fs_fedpa.plugin.messages import reply_problem
 from fs_fedpa.plugin.payload import decode_factors, decode_merge, decode_tensors, encode_parts, encode_tensors
+from fs_fedpa.plugin.resume_points import ClientResume
+from fs_fedpa.plugin.round_records import ClientDiagnostics
 from fs_fedpa.plugin.trainer import install_alignment_hook
-from fs_fedpa.record import OUTCOMES_FILE
-from fs_fedpa.state_store import SpillError, StateStore, flatten, unflatten
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
-CLIENT_TIMEOUT = "fedpa_client_timeout"  # the client watchdog's message type
-INSTANCES = 5  # FedDPA's test time: training inputs compared with each test input (the authors' instance_num)
-_STORES: dict[str, StateStore] = {}  # one per run folder: the clients of a standalone run share its budget
 
 
-class FedPAClient(Client):
+class FedPAClient(
+    ClientLiveness, ClientState, ClientResume, ClientAlignment, ClientEvaluation, ClientDiagnostics, Client
+):
     def __init__(self, *args, **kwargs):
         if kwargs.get("config") is not None:
             kwargs["config"] = share_equal("config", kwargs["config"])
@@ -81,18 +86,21 @@ class FedPAClient(Client):
         self._resume_out = resume.server_path(save_to) if save_to else None
         self._resume_in = restore_from or None  # read at the first message, which names the round
         install_alignment_hook(self.trainer, self)
-        self.store = _store(self._cfg, self.method.cfg.state_budget_mb)
+        self.store = state_store(self._cfg, self.method.cfg.state_budget_mb)
         if self.store.initial_local is None:  # what a client whose state is lost starts from again
             self.store.initial_local = {n: t.detach().cpu().clone() for n, t in self.local_tensors.items()}
         self._parked = False
-        self._state_lost = self._lost_this_round = False
+        self._state_lost = self._lost_this_round = self._lost_unreported = False
         self._token = secrets.token_hex(16)  # marks the watchdog's own message
         self._heard = time.monotonic()  # the last time it heard from the server, or stopped waiting
         self._waiting = False
+        self._answered = (0, 0.0)  # round and timestamp of the server's message it answers now
+        self._send = self.comm_manager.send  # the transport, under the check of what the client sends
         if self._cfg.federate.mode.lower() == "distributed" and self.method.cfg.auth_key:
             self._key = auth.read_key(self.method.cfg.auth_key)
-            send = self.comm_manager.send
-            self.comm_manager.send = lambda message: send(self._signed(message))
+            transport = self._send
+            self._send = lambda message: transport(self._signed(message))
+        self.comm_manager.send = self._send_checked
         if self.ID >= 1:  # from here on its state lives in the store between messages (distributed: once joined)
             self._park()
 
@@ -110,52 +118,32 @@ class FedPAClient(Client):
         super().callback_funcs_for_assign_id(message)
         self._set_space()
 
-    # ------------------------------------------------------------------------------ distributed: liveness, keys
+    # ------------------------------------------------------------------------------ what leaves the client
+    def _send_checked(self, message: Message) -> None:
+        """Send ``message`` if the server would accept its fields (:func:`fs_fedpa.plugin.messages.reply_problem`,
+        the checks of the server's intake); otherwise raise, naming the field: a subclass's mistake (a round of -1,
+        a string state, an earlier timestamp) must not reach FS's runner, which fails on it far from the cause."""
+        if message.msg_type in ("model_para", "metrics"):
+            rnd, since = self._answered
+            fields = (message.msg_type, message.sender, message.state, message.timestamp, message.content)
+            if problem := reply_problem(*fields, self.ID, rnd, since, *self._run_size):
+                raise ValueError(
+                    f"[fedpa] client #{self.ID}, round {rnd}: its {message.msg_type} message is malformed and was not "
+                    f"sent: {problem}"
+                )
+        self._send(message)
+
+    @property
+    def _run_size(self) -> tuple[int, int]:
+        """(rounds, clients) of the run, as the server checks a message against them."""
+        return self._cfg.federate.total_round_num, self._cfg.federate.client_num
+
     def _signed(self, message: Message) -> Message:
         """``message`` to the server with its content signed by this client's key (:mod:`fs_fedpa.plugin.auth`)."""
         if self.server_id in (message.receiver if isinstance(message.receiver, list) else [message.receiver]):
             fields = (message.msg_type, message.sender, message.state, message.timestamp)
             message.content = auth.sign(self._key, *fields, message.content)
         return message
-
-    def run(self):
-        """FS's distributed loop, with a watchdog: a client that hears nothing from the server for
-        ``fedpa.client_timeout_s`` while it waits exits non-zero with the reason instead of waiting forever."""
-        timeout = self.method.cfg.client_timeout_s
-        if self._cfg.federate.mode.lower() == "distributed" and timeout > 0:
-            self.register_handlers(CLIENT_TIMEOUT, self._on_client_timeout, [None])
-            receive = self.comm_manager.receive
-
-            def waiting_receive():
-                self._heard, self._waiting = time.monotonic(), True
-                try:
-                    return receive()
-                finally:
-                    self._heard, self._waiting = time.monotonic(), False
-
-            self.comm_manager.receive = waiting_receive
-            threading.Thread(target=self._watchdog, args=(timeout,), daemon=True, name="fedpa-client-watchdog").start()
-        return super().run()
-
-    def _watchdog(self, timeout: float) -> None:
-        """Puts a timeout message into the client's own queue once it has waited ``timeout`` seconds."""
-        while True:
-            time.sleep(min(1.0, timeout / 10))
-            if self._waiting and time.monotonic() - self._heard > timeout:
-                message = Message(
-                    msg_type=CLIENT_TIMEOUT, sender=self.ID, receiver=[self.ID], state=2**30, content=self._token
-                )
-                self.comm_manager.server_funcs.msg_queue.append(message.transform(to_list=True))
-                return
-
-    def _on_client_timeout(self, message: Message):
-        if message.content != self._token:  # not its own watchdog's: a peer's forgery
-            logger.warning(f"[fedpa] client #{self.ID}: ignored a {CLIENT_TIMEOUT} message it did not send itself")
-            return
-        raise RuntimeError(
-            f"[fedpa] client #{self.ID}: no message from the server for fedpa.client_timeout_s="
-            f"{self.method.cfg.client_timeout_s:g} s (round {self.state}); the server is gone or unreachable, exiting"
-        )
 
     @property
     def index(self) -> int:
@@ -166,7 +154,7 @@ class FedPAClient(Client):
     def callback_funcs_for_model_para(self, message: Message):
         self._unpark()
         self._restore(message.state)
-        self.state = message.state
+        self.state, self._answered = message.state, (message.state, message.timestamp)
         self._enter_round(message.content)
         sample_size, _, results = self.trainer.train()
         self._release_optimizer()
@@ -185,13 +173,11 @@ class FedPAClient(Client):
         )
 
     def _enter_round(self, payload: dict) -> None:
-        if self.factors is None:
+        if self.factors is None and not self._state_lost:
             self.factors = self._initial_factors()
-        received = self._receive(payload)
-        self._lost_this_round = self._state_lost
+        received = self._own_and_received(payload)
+        self._lost_this_round, self._lost_unreported = self._lost_unreported, False  # the server resends merges
         self._stale = self._staleness(received)
-        if self._state_lost:  # its stored state could not be read back: it restarts from the reference
-            self._received, self.factors, self._state_lost = received, self._restart_factors(), False
         self._train_personal(received, payload)
         start = self.method.start_round(received, self.factors, self.index, self.state)
         self._e_init = self._init_error(start, self.factors)
@@ -273,253 +259,6 @@ class FedPAClient(Client):
             upload["shared"] = encode_tensors({n: params[n] for n in self.shared_names}, wire)
         return upload
 
-    def _whole_update(self, sent: dict[str, tuple[Tensor, Tensor]]) -> dict[str, tuple[Tensor, Tensor]]:
-        """The client's whole update as applied factors: what it sends plus what it folded into its base weights
-        for the round (Fed-PLoRA's undrawn modules), so its diagnostics compare like with like."""
-        if self._fold is None:
-            return sent
-        folded = self.space.upload(self._fold)
-        return {n: (torch.cat([B, folded[n][0].to(B)], 1), torch.cat([A, folded[n][1].to(A)], 0)) for n, (B, A) in
-                sent.items()}  # fmt: skip
-
-    def _round_stats(self, sent) -> dict[str, float]:
-        """This round's mechanism (issue: diagnostics that explain a result), summed over LoRA modules, of its whole
-        update (``sent`` and any fold): ||Delta W_i||_F, the drift ||Delta W_i - X_g,i||_F from the received reference
-        X_g,i (and relative to ||X_g,i||_F, absent while the reference is 0), and ||grad of the alignment term|| /
-        ||grad of the task loss|| on the client's factors at the round's first and last step (absent for methods
-        without a term). None of it with ``fedpa.diagnostics False``."""
-        if not self.method.cfg.diagnostics:
-            return {}
-        sent = self.method.expand(self._whole_update(sent))
-        reference = self.method.expand(self.space.upload(self._received))
-        delta_sq = drift_sq = ref_sq = 0.0
-        for name, (B, A) in sent.items():
-            B_ref, A_ref = reference[name]
-            delta_sq += float(factored_norm(B, A)) ** 2
-            drift_sq += float(product_distance(B, A, B_ref, A_ref)) ** 2
-            ref_sq += float(factored_norm(B_ref, A_ref)) ** 2
-        stats = {"delta_norm": delta_sq**0.5, "drift": drift_sq**0.5}
-        if ref_sq > 0:
-            stats["drift_rel"] = (drift_sq / ref_sq) ** 0.5
-        if self._penalty_steps:
-            for when, (align, task) in self._grads.norms().items():
-                stats[f"grad_ratio_{when}"] = align / task if task > 0 else float("inf")
-        return stats
-
-    def alignment_term(self, ctx) -> Tensor | None:
-        """lam/2 * sum of the method's alignment term over LoRA modules, for the trainer hook (train only)."""
-        self._grads.end_step()  # the previous step's backward is complete
-        if not self.reference:
-            return None
-        if self._lam_pending and not getattr(ctx, "skip_this_batch", False):
-            self.lam = self._adaptive_lam(ctx.loss_batch)
-            self._lam_pending = False
-            self._grads.discard()  # the probe's autograd.grad is not a training step
-        live = self._grads.alias(self._live) if self.method.cfg.diagnostics else self._live
-        term = self.method.alignment(live, self.reference, self.lam * self.penalty_weight)
-        if term is not None:
-            value = term.detach()
-            self._penalty_sum = value if self._penalty_sum is None else self._penalty_sum + value
-            self._penalty_steps += 1
-        return term
-
-    def _adaptive_lam(self, task_loss: Tensor) -> float:
-        """lam_i^(t) from the first mini-batch of the round (Appendix F)."""
-        cfg = self.method.cfg
-        if cfg.adaptive_lam == "loss":
-            return lam_loss(task_loss.detach(), cfg.lam, cfg.adaptive_alpha)
-        Bs = [B for B, _ in self._live.values()]
-        As = [A for _, A in self._live.values()]
-        g_f = normalized_factor_grads(*_grads(task_loss, Bs, As), Bs, As)
-        penalty = torch.stack([product_penalty(B, A, *self.reference[n]) for n, (B, A) in self._live.items()]).sum()
-        if cfg.adaptive_lam == "grad":
-            return lam_grad(g_f.norm(), penalty.detach().sqrt(), cfg.adaptive_alpha, cfg.lam_min, cfg.lam_max)
-        g_r = normalized_factor_grads(*_grads(penalty, Bs, As), Bs, As)
-        return lam_direction(g_f, g_r, cfg.lam)
-
-    # --------------------------------------------------------------------------------- evaluation
-    def callback_funcs_for_evaluate(self, message: Message):
-        """Paper protocol (global rank-R_i reference + own local tensors) and, with fedpa.eval_local, the
-        client's own preserved factors, reported as ``local.<split>_<metric>``."""
-        self._unpark()
-        self._restore(message.state)
-        self.state = message.state
-        payload = message.content
-        # a client that never trained evaluates its initial factors, which it need not keep: any worker can draw them
-        # again from the run's seed, so N never-sampled clients store nothing
-        untrained = self.factors is None and not self._state_lost
-        if untrained:
-            self.factors = self._initial_factors()
-        received = self._receive(payload)
-        if self._state_lost:
-            self._received, self.factors, self._state_lost = received, self._restart_factors(), False
-        self._last_received = received  # what an export at the end of the run evaluates
-        evaluated = self.method.evaluation_factors(received, self.factors, self.index, personal=self.personal)
-        self._set_base()
-        self._load(evaluated)
-        self._load_tensors(decode_tensors(payload.get("shared", {})))
-        self._load_tensors(self.local_tensors)
-        mixed = self.method.instance_mix is not None and self.personal is not None
-        undo = self._instance_mix(next(iter(received.values()))[0].shape[1]) if mixed else lambda: None
-        try:
-            metrics = self._evaluate_splits()
-        finally:
-            undo()
-        outcomes = {"global": self._take_outcomes()}
-        if self.method.cfg.eval_local:
-            # the model it trained: Fed-PLoRA's own modules sit on the undrawn ones it folded into the base
-            self._set_base(self._fold)
-            self._load(self.factors)
-            # FS derives the split from the text before the first "_" and the metric from the text after
-            # "<split>_", so the protocol goes in front: local.test_acc, local.test_total, ...
-            metrics.update({f"local.{key}": value for key, value in self._evaluate_splits().items()})
-            outcomes["local"] = self._take_outcomes()
-        if self.method.cfg.save_outcomes:
-            self._write_outcomes(outcomes)
-        metrics, empty = without_empty_splits(metrics)
-        if empty:
-            logger.warning(f"[fedpa] client #{self.ID}: no example in {empty}; those metrics are missing, not 0")
-
-        formatted = self._monitor.format_eval_res(
-            metrics, rnd=self.state, role=f"Client #{self.ID}", forms=["raw"], return_raw=True
-        )
-        logger.info(formatted)
-        if any(self._cfg.eval.best_res_update_round_wise_key in key for key in metrics):  # FS raises without it
-            self._monitor.update_best_result(
-                self.best_results, formatted["Results_raw"], results_type=f"client #{self.ID}"
-            )
-        self.history_results = merge_dict_of_results(self.history_results, formatted["Results_raw"])
-        if untrained:
-            self.factors = None
-        self._park()
-        self.comm_manager.send(
-            Message(
-                msg_type="metrics",
-                sender=self.ID,
-                receiver=[message.sender],
-                state=self.state,
-                timestamp=message.timestamp,
-                content=metrics,
-            )
-        )
-
-    def _instance_mix(self, split: int):
-        """FedDPA's test time on the loaded ``([B_g, B_l], [A_g; A_l])`` (``B_g`` of rank ``split``): before every
-        evaluation forward, each input's weight g of the global adapter from its representation and those of
-        ``INSTANCES`` of this client's training inputs drawn for it, all under the personal adapter alone
-        (:func:`fs_fedpa.core.instance.instance_weights`). Returns the function that takes the hooks off."""
-        gate = lora.RowGate(self.model, split)
-        device = self._device
-        train = self.trainer.ctx.data["train"]  # FS's DataLoader of this client's training split
-        stream = torch.Generator().manual_seed(self.method.seed * 1_000_003 + self.state * 1_009 + self.ID)
-        busy = False
-
-        def weigh(module, args, kwargs):
-            nonlocal busy
-            if busy:  # the representation passes below
-                return None
-            if args or "input_ids" not in kwargs:
-                raise ValueError("FedDPA's instance-wise weighting needs the model called with input_ids=...")
-            inputs = {k: kwargs[k] for k in ("input_ids", "attention_mask") if kwargs.get(k) is not None}
-            rows, n = inputs["input_ids"].shape[0], len(train.dataset)
-            picks = torch.multinomial(torch.ones(rows, n), min(INSTANCES, n), generator=stream)
-            refs = train.collate_fn([train.dataset[i] for i in picks.flatten().tolist()])
-            refs = refs[0] if isinstance(refs, (tuple, list)) else refs  # seqcls: (features, labels)
-            refs = {k: refs[k] for k in ("input_ids", "attention_mask") if k in refs}
-            busy = True
-            try:
-                emb = self._representation(gate, inputs, device)
-                ref = self._representation(gate, refs, device).view(rows, picks.shape[1], -1)
-            finally:
-                busy = False
-            gate.g = instance_weights(emb, ref, self.method.instance_mix)
-            self.instance_weights.append(gate.g.detach().cpu())
-            return None
-
-        self.instance_weights: list[Tensor] = []  # this evaluation's g per batch (diagnostics, tests)
-        handle = self.model.register_forward_pre_hook(weigh, with_kwargs=True)
-
-        def undo() -> None:
-            handle.remove()
-            gate.remove()
-            if self.instance_weights:
-                g = torch.cat(self.instance_weights)
-                logger.info(
-                    f"[fedpa] client #{self.ID}, round {self.state}: FedDPA's weight of the global adapter over "
-                    f"{len(g)} inputs: mean {float(g.mean()):.3f}, min {float(g.min()):.3f}, max {float(g.max()):.3f}"
-                )
-
-        return undo
-
-    def _representation(self, gate: lora.RowGate, inputs: dict[str, Tensor], device: torch.device) -> Tensor:
-        """(batch, hidden) under the personal adapter alone (:func:`fs_fedpa.core.instance.representation`)."""
-        inputs = {k: v.to(device) for k, v in inputs.items()}
-        return representation(self.model, gate, inputs, classifier=self._cfg.trainer.type == "seqcls")
-
-    def _take_outcomes(self) -> dict[str, str]:
-        """The last evaluation's per-example outcomes (:class:`SeqClsTrainer`), split -> "0110..."; cleared."""
-        taken = getattr(self.trainer, "outcomes", None) or {}
-        self.trainer.outcomes = {}
-        return {split: "".join("1" if c else "0" for c in correct.tolist()) for split, correct in taken.items()}
-
-    def _write_outcomes(self, outcomes: dict[str, dict[str, str]]) -> None:
-        """Append this evaluation's outcomes to ``<outdir>/fedpa_outcomes.jsonl`` (:data:`OUTCOMES_FILE`)."""
-        lines = [
-            {"round": self.state, "client": self.ID, "protocol": protocol, "split": split, "correct": bits}
-            for protocol, splits in outcomes.items()
-            for split, bits in splits.items()
-        ]
-        with open(os.path.join(self._cfg.outdir, OUTCOMES_FILE), "a", encoding="utf-8") as f:
-            f.writelines(json.dumps(line) + "\n" for line in lines)
-
-    def _evaluate_splits(self) -> dict:
-        metrics = {}
-        with resume.fork_rng():  # evaluations never shift the random stream of training
-            for split in self._cfg.eval.split:
-                metrics.update(**self.trainer.evaluate(target_data_split_name=split))
-        return metrics
-
-    # ------------------------------------------------------------------------------------- resume
-    def _write_resume_file(self) -> None:
-        """This client's state after round ``self.state``; the two newest files are kept."""
-        owner = resume.client_owner(self._cfg, self.method, self.ID)  # whose it is: checked by every restore
-        resume.save(
-            {**self.local_state(), **owner, "rounds_trained": self._rounds_trained, "rng": resume.rng_state()},
-            resume.client_path(self._resume_out, self.ID, self.state),
-        )
-        for _, path in sorted(resume.client_files(self._resume_out, self.ID).items())[:-2]:
-            path.unlink(missing_ok=True)
-
-    def _restore(self, rnd: int) -> None:
-        """Once, in a resumed run: this client's newest state from before round ``rnd``, if it ever trained."""
-        if self._resume_in is None:
-            return
-        path, self._resume_in = self._resume_in, None
-        older = {r: p for r, p in resume.client_files(path, self.ID).items() if r < rnd}
-        if not older:
-            return  # never trained before the resume point: it starts as a new client would
-        saved = resume.load(older[max(older)])
-        resume.check_client_file(  # the server checked it too; this client checks what it actually reads
-            saved,
-            older[max(older)],
-            max(older),
-            cfg=self._cfg,
-            method=self.method,
-            client=self.ID,
-            initial=self._initial_factors(),
-            local=self.local_tensors,
-        )
-        device = self._device
-        self.factors = {n: (B.to(device), A.to(device)) for n, (B, A) in saved["factors"].items()}
-        self.local_tensors = {n: t.to(device) for n, t in saved["local"].items()}
-        self.base_offset = {n: t.to(device) for n, t in saved.get("base_offset", {}).items()}
-        self.personal = {n: (B.to(device), A.to(device)) for n, (B, A) in saved.get("personal", {}).items()} or None
-        self._rounds_trained = saved["rounds_trained"]
-        self._last_trained = saved["round"]  # a client writes its file in the round it trains
-        if self._cfg.federate.mode == "distributed":  # its own process: its own random stream
-            resume.set_rng_state(saved["rng"])
-        logger.info(f"[fedpa] client {self.ID} resumed its state of round {saved['round']}")
-
     def callback_funcs_for_finish(self, message: Message):
         """Never load the server's model (its factors have rank R_g); save this client's own state where asked
         (``federate.save_to``, ``fedpa.export_dir``), then let it go: the run is over, and every client's state in
@@ -532,7 +271,8 @@ class FedPAClient(Client):
             logger.info(f"[fedpa] client state store: {self.store.summary()}")
         if self.factors is not None:
             # what its own-factor evaluation adds to the base weights (Fed-PLoRA's undrawn modules): for the export
-            state = {**self.local_state(), "fold": lora.copy_factors(self._fold or {}, "cpu")}
+            state = {**self.local_state(), "fold": lora.copy_factors(self._fold or {}, "cpu"),
+                     "scaling": lora.Scaling.of(self.model).record()}  # fmt: skip
             if self._cfg.federate.save_to:
                 torch.save(state, add_prefix_to_path(f"fedpa_client_{self.ID}_", self._cfg.federate.save_to))
             if self.method.cfg.export_dir:
@@ -551,48 +291,6 @@ class FedPAClient(Client):
                     setattr(ctx, name, None)
 
     # ------------------------------------------------------------------------------ state between messages
-    def _park(self) -> None:
-        """After each message: what this client keeps goes to the state store (host memory, or disk beyond
-        ``fedpa.state_budget_mb``), and nothing of it, nor of the round's reference, stays on the model's device."""
-        parts = {"factors": self.factors, "local": self.local_tensors, "base_offset": self.base_offset,
-                 "personal": self.personal, "fold": self._fold}  # fmt: skip
-        if self.method.cfg.export_dir:
-            parts["received"] = self._last_received
-        self.store.put(self.ID, flatten(parts))
-        self._parked = True
-        self._release_state()
-
-    def _release_state(self) -> None:
-        """Drop this client's references to its state and to the round's reference (parked, or the run is over)."""
-        self.factors = self.personal = self._fold = self._last_received = None
-        self.local_tensors, self.base_offset = {}, {}
-        self.reference, self._received, self._live = {}, {}, {}
-
-    def _unpark(self) -> None:
-        """Before each message: this client's state from the store onto the model's device. A stored state that
-        cannot be read back is this client's loss alone: it is logged, and the client restarts from the reference
-        it receives, with the initial local tensors (docs/errors.md)."""
-        if not self._parked:
-            return
-        self._parked = False
-        try:
-            flat = self.store.get(self.ID) or {}
-        except SpillError as exc:
-            logger.warning(f"[fedpa] {exc}; client #{self.ID} restarts from the global reference it receives and "
-                           "its initial local tensors")  # fmt: skip
-            flat, self._state_lost = flatten({"local": self.store.initial_local}), True
-        parts = unflatten(flat)
-        device = self._device
-
-        def pairs(part):
-            return {n: (B.to(device), A.to(device)) for n, (B, A) in parts[part].items()} if part in parts else None
-
-        self.factors, self.personal, self._fold, self._last_received = (
-            pairs(p) for p in ("factors", "personal", "fold", "received")
-        )
-        self.local_tensors = {n: t.to(device) for n, t in parts.get("local", {}).items()}
-        self.base_offset = {n: t.to(device) for n, t in parts.get("base_offset", {}).items()}
-
     def _export(self, state: dict) -> None:
         """This client's head (and with ``fedpa.export_clients`` its own models) into ``fedpa.export_dir``, with its
         manifest entry ``export_client_<id>.json`` (:mod:`fs_fedpa.plugin.export`)."""
@@ -607,18 +305,6 @@ class FedPAClient(Client):
         with open(path + ".tmp", "w", encoding="utf-8") as f:
             json.dump({str(self.ID): entry}, f)
         os.replace(path + ".tmp", path)
-
-    def local_state(self) -> dict:
-        """Everything this client keeps across rounds (raw factors, local tensors), on the CPU."""
-        return {
-            "round": self.state,
-            "client": self.ID,
-            "rank": self.method.plan.client_ranks[self.index],
-            "factors": lora.copy_factors(self.factors, "cpu"),
-            "local": {n: t.detach().cpu().clone() for n, t in self.local_tensors.items()},
-            "base_offset": {n: t.cpu() for n, t in self.base_offset.items()},
-            "personal": lora.copy_factors(self.personal, "cpu") if self.personal is not None else {},
-        }
 
     # ------------------------------------------------------------------------------------ helpers
     def _initial_factors(self) -> dict[str, tuple[Tensor, Tensor]]:
@@ -651,6 +337,19 @@ class FedPAClient(Client):
             A_r[R:] = initial[name][1][R:].to(A_r)
             out[name] = (B_r, A_r)
         return out
+
+    def _own_and_received(self, payload: dict) -> dict[str, tuple[Tensor, Tensor]]:
+        """The reference of ``payload`` (:meth:`_receive`), with this client's own factors ready beside it: those it
+        kept or, if its stored state could not be read back (:meth:`_unpark`), factors restarted from that reference
+        (training and evaluation alike, whatever the diagnostics)."""
+        lost = self._state_lost
+        if lost:
+            self.factors = self._initial_factors()  # the modules and ranks the reference is completed to
+        received = self._receive(payload)
+        if lost:
+            self._received = received
+            self.factors, self._state_lost, self._lost_unreported = self._restart_factors(), False, True
+        return received
 
     def _receive(self, payload: dict) -> dict[str, tuple[Tensor, Tensor]]:
         """The reference of a server message in this client's space (zero at rank r_i where the method sends none),
@@ -701,38 +400,3 @@ class FedPAClient(Client):
         with torch.no_grad():
             for name, value in tensors.items():
                 params[name].copy_(value)
-
-    def _staleness(self, received) -> dict[str, float]:
-        """For a client that trained before: the rounds since it last trained, and ``||s_i B_i A_i - X_g,i||_F`` of
-        its preserved factors against the reference ``received`` at the start of this round (partial
-        participation: does a preserved factor that sat out drift from the reference?). None without diagnostics."""
-        if not self.method.cfg.diagnostics or self._last_trained is None or self.factors is None:
-            return {}
-        own, reference = (self.method.expand(self.space.upload(f)) for f in (self.factors, received))
-        sq = sum(float(product_distance(B, A, *reference[n])) ** 2 for n, (B, A) in own.items() if n in reference)
-        return {"staleness": self.state - self._last_trained, "drift_start": sq**0.5}
-
-    def _init_error(self, start, previous) -> dict[str, float]:
-        """E_init(B), E_init(A) of this client for the first LoRA module (§3.3; the paper plots one module); none
-        without diagnostics."""
-        if not self.method.cfg.diagnostics or self._rounds_trained == 0:
-            return {}
-        name = next(iter(start))
-        return {
-            "e_init_B": initialization_error([start[name][0]], [previous[name][0]]),
-            "e_init_A": initialization_error([start[name][1]], [previous[name][1]]),
-        }
-
-
-def _grads(loss: Tensor, Bs: list[Tensor], As: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
-    grads = torch.autograd.grad(loss, Bs + As, retain_graph=True, allow_unused=True)
-    grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, Bs + As)]
-    return grads[: len(Bs)], grads[len(Bs) :]
-
-
-def _store(cfg, budget_mb: float) -> StateStore:
-    """The state store of this run's folder (shared by the clients of a standalone run)."""
-    folder = os.path.join(os.path.abspath(cfg.outdir), "fedpa_state")
-    if folder not in _STORES:
-        _STORES[folder] = StateStore(folder, int(budget_mb * 2**20) if budget_mb > 0 else None)
-    return _STORES[folder]

@@ -90,3 +90,18 @@ def content_problem(msg_type: str, content: object) -> str | None:
         if not isinstance(host, str) or not (_integer(port) or (isinstance(port, str) and port.isdigit())):
             return "content: a join needs the client's address {'host': str, 'port': int}"
     return None
+
+
+def reply_problem(msg_type: str, sender: object, state: object, timestamp: object, content: object, client: int,
+                  rnd: int, since: float, total_rounds: int, client_num: int) -> str | None:  # fmt: skip
+    """Why the server would drop client ``client``'s reply of ``msg_type`` to its message of round ``rnd`` sent at
+    ``since`` (:func:`message_problem`, as the server at round ``rnd`` sees it), or why FS's runner would fail on it
+    (a timestamp before ``since``); None if neither."""
+    view = ServerView(rnd, total_rounds, client_num, frozenset({client}))
+    if problem := message_problem(msg_type, sender, state, timestamp, content, view):
+        return problem
+    if sender != client:
+        return f"sender {sender} is not this client's id {client}"
+    if timestamp < since:
+        return f"timestamp {timestamp!r} is earlier than {since!r}, that of the server's message it answers"
+    return None

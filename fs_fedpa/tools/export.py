@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     import federatedscope  # noqa: F401  (fs_fedpa registers its config with FS on import)
 
     from fs_fedpa.export import manifest
-    from fs_fedpa.plugin.export import export_run
+    from fs_fedpa.plugin.export_run import export_run
 
     try:
         out = export_run(args.run, args.out, clients=args.clients, force=args.force, cfg_file=args.cfg)

@@ -21,7 +21,9 @@ only copy what passes through the plugin's own seams; they change nothing:
   the client made it, and its stats;
 - ``e_agg_calls``: how many times the server computed E_agg of a module (its aggregate diagnostics).
 
-``FS_PROBE_DAMAGE_SPILL=1`` cuts short the third file the client state store spills (a disk fault).
+``FS_PROBE_DAMAGE_SPILL=1`` cuts short the third file the client state store spills (a disk fault); a list of kinds
+(``truncate,zero_link,grow,pickle,swap,link_other,rmtree``) damages every fourth file from the third on, each kind in
+turn (:func:`_damage`).
 
 ``FS_PROBE_NAN_LOCAL="client:round,..."`` puts a NaN into that client's live factors at the end of that round's
 training, as a diverging step would.
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import sys
 
 import torch
@@ -74,13 +77,14 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
     from federatedscope.core.configs.config import global_cfg
 
     from fs_fedpa import lora
+    from fs_fedpa.plugin import aggregator as aggregator_mod
     from fs_fedpa.plugin import client as client_mod
-    from fs_fedpa.plugin import server as server_mod
+    from fs_fedpa.plugin import round_records as records_mod
     from fs_fedpa.plugin.payload import decode_factors, decode_parts
     from tests.integration.fault_cases import corrupt
 
     record = {"enter": [], "leave": [], "aggregate": [], "loss_gap": [], "sent": []}
-    if os.environ.get("FS_PROBE_DAMAGE_SPILL"):  # the third file the state store writes is cut short on disk
+    if damages := _damages(os.environ.get("FS_PROBE_DAMAGE_SPILL", "")):
         from fs_fedpa.state_store import StateStore
 
         write, written = StateStore._write, []
@@ -88,16 +92,15 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         def damaging_write(self, client, state):
             write(self, client, state)
             written.append(client)
-            if len(written) == 3:
-                path = self._path(client)
-                path.write_bytes(path.read_bytes()[:40])
+            if (kind := damages.get(len(written))) is not None:
+                _damage(self._path(client), kind)
 
         StateStore._write = damaging_write
     faults = _faults()
     poison_local = {
         tuple(map(int, f.split(":"))) for f in os.environ.get("FS_PROBE_NAN_LOCAL", "").split(",") if f
     }  # client:round
-    Client, Aggregator = client_mod.FedPAClient, server_mod.FedPAAggregator
+    Client, Aggregator = client_mod.FedPAClient, aggregator_mod.FedPAAggregator
 
     orig_init, orig_enter, orig_leave = Client.__init__, Client._enter_round, Client._leave_round
     orig_personal = Client._train_personal
@@ -112,7 +115,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
                 record["loss_gap"].append(float((ctx.loss_task - ctx.loss_batch).detach()))
 
             self.trainer.register_hook_in_train(new_hook=gap, trigger="on_batch_forward")
-            send = self.comm_manager.send
+            send = self._send  # below the client's own check of what it sends: faults of the wire
 
             def spy_send(message):
                 if message.msg_type == "model_para":
@@ -131,7 +134,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
                         message.content = corrupt(name, size, upload)
                 return send(message)
 
-            self.comm_manager.send = spy_send
+            self._send = spy_send
 
     def enter(self, payload):
         orig_enter(self, payload)
@@ -246,13 +249,13 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
 
     Client._instance_mix = instance_mix
     record["e_agg_calls"] = 0
-    aggregation_error = server_mod.aggregation_error
+    aggregation_error = records_mod.aggregation_error
 
     def counted_aggregation_error(*args, **kwargs):  # the server's diagnostics: computed only when written
         record["e_agg_calls"] += 1
         return aggregation_error(*args, **kwargs)
 
-    server_mod.aggregation_error = counted_aggregation_error
+    records_mod.aggregation_error = counted_aggregation_error
     Client.__init__, Client._enter_round, Client._leave_round = init, enter, leave
     Client._train_personal = train_personal
     Aggregator.aggregate = aggregate
@@ -325,6 +328,42 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         },
     }
     torch.save(record, out)
+
+
+def _damages(spec: str) -> dict[int, str]:
+    """``FS_PROBE_DAMAGE_SPILL``: ``1`` cuts short the 3rd file written; ``kind,kind,...`` damages the 3rd, 7th,
+    11th, ... file written with each kind of :func:`_damage` in turn."""
+    if spec in ("", "0"):
+        return {}
+    kinds = ["truncate"] if spec == "1" else spec.split(",")
+    return {3 + 4 * i: kind for i, kind in enumerate(kinds)}
+
+
+def _damage(path, kind: str) -> None:
+    """What a disk fault or another process could do to a spilled client's file just after it was written."""
+    others = sorted(p for p in path.parent.glob("client_*.safetensors") if p != path)
+    if kind == "truncate":
+        path.write_bytes(path.read_bytes()[:40])
+    elif kind == "zero_link":
+        path.unlink()
+        path.symlink_to("/dev/zero")
+    elif kind == "grow":
+        os.truncate(path, 20 * 2**30)  # sparse: no disk is used
+    elif kind == "pickle":
+        data = path.read_bytes()
+        torch.save({"x": torch.zeros(len(data) // 4)}, path)
+    elif kind == "swap" and others:
+        tmp = path.with_suffix(".swap")
+        os.replace(path, tmp)
+        os.replace(others[0], path)
+        os.replace(tmp, others[0])
+    elif kind == "link_other" and others:
+        path.unlink()
+        path.symlink_to(others[0])
+    elif kind == "rmtree":
+        shutil.rmtree(path.parent)
+    else:
+        raise ValueError(f"FS_PROBE_DAMAGE_SPILL: no damage {kind!r} (or no other file to use)")
 
 
 def _rank(parts) -> int:

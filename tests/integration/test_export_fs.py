@@ -140,6 +140,31 @@ def _check_global(tiny_glue, cfg: dict, export_dir: Path) -> None:
     assert torch.allclose(_logits(model.merge_and_unload(), examples), before, atol=1e-5)
 
 
+def _check_fs_model(tiny_glue, cfg: dict, export_dir: Path) -> None:
+    """FS's own checkpoint entry ``model``, loaded into a fresh model of the global adapter's rank, computes the
+    global adapter (as exported) with the head the checkpoint holds, although the clients shared the server's model
+    object (``share_local_model``) and the last one to evaluate left its own factors in it. For the methods whose
+    global is one LoRA (not merges, not Ravan's heads)."""
+    import peft
+
+    from fs_fedpa.export import load, manifest
+
+    checkpoint = torch.load(Path(cfg["federate"]["save_to"]).parent / "final_model.pt", weights_only=True)
+    if "merged" in manifest(export_dir)["global"] or checkpoint["fedpa"]["method"] == "ravan":
+        return
+    state = checkpoint["model"]
+    config = peft.LoraConfig.from_pretrained(str(export_dir / "global"))
+    fresh = peft.get_peft_model(_base(tiny_glue), config)  # B = 0: nothing of the run but what it loads
+    unexpected = fresh.load_state_dict(state, strict=False).unexpected_keys
+    assert not unexpected, unexpected[:3]
+    lora_keys = [k for k in fresh.state_dict() if ".lora_" in k]
+    assert lora_keys and all(k in state for k in lora_keys)
+    expected = load(_base(tiny_glue), export_dir)  # the global adapter as the export (checked above) holds it
+    expected.load_state_dict({k: v for k, v in state.items() if ".lora_" not in k}, strict=False)  # the same head
+    examples = _dev(tiny_glue)[:16]
+    assert torch.allclose(_logits(fresh, examples), _logits(expected, examples), atol=1e-5)
+
+
 @pytest.mark.parametrize("method", names())
 def test_every_method_exports_and_round_trips(tiny_glue, tmp_path, method):
     cfg, outdir = _run(tiny_glue, tmp_path, method)
@@ -148,6 +173,7 @@ def test_every_method_exports_and_round_trips(tiny_glue, tmp_path, method):
     _check_round_trip(tiny_glue, outdir, tmp_path / "cli", method)
     _check_round_trip(tiny_glue, outdir, tmp_path / "at_end", method)  # what the run wrote itself
     _check_global(tiny_glue, cfg, tmp_path / "cli")
+    _check_fs_model(tiny_glue, cfg, tmp_path / "cli")
 
 
 def test_hetero_ranks_export_each_client_at_its_own_rank(tiny_glue, tmp_path):
@@ -289,6 +315,17 @@ def test_export_reads_and_checks_every_input_before_it_writes_anything(tiny_glue
     _one_line_refusal(proc, str(checkpoint), "NaN", name)
     assert not (tmp_path / "nan_global").exists()
     checkpoint.write_bytes(good_checkpoint)
+
+    # the run's config.yaml now says another lora_alpha: the factors were trained under the old one
+    config = outdir / "config.yaml"
+    good_config = config.read_text()
+    alpha = cfg["model"]["seqcls"]["lora_alpha"]
+    assert f"lora_alpha: {alpha}" in good_config
+    config.write_text(good_config.replace(f"lora_alpha: {alpha}", f"lora_alpha: {4 * alpha}"))
+    proc = _export(outdir, tmp_path / "other_alpha")
+    _one_line_refusal(proc, str(checkpoint), f"trained with lora_alpha {alpha:g}", f"lora_alpha {4 * alpha:g}")
+    assert not (tmp_path / "other_alpha").exists()
+    config.write_text(good_config)
 
     # FS's outdir (cfg outdir) holds the one run folder <expname>/: it is taken
     assert outdir.parent == Path(cfg["outdir"])

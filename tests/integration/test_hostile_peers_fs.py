@@ -69,6 +69,9 @@ def _hostile_messages(keys: Path) -> list[tuple[str, object]]:
         ("content is a 3-item list", _request("model_para", 1, 0, 1.0, [8, {"lora": {"q": "x"}}, 1], own)),
         ("metric 'val_acc' = 'high' is not a finite number", _request("metrics", 1, 0, 1.0, {"val_acc": "high"}, own)),
         ("state -1: an update for round -1", _request("model_para", 1, -1, 1.0, upload, own)),
+        # a correctly signed evaluation no one asked for (a replay of an earlier round's): it must not count, nor
+        # keep the round alive
+        ("client 1, which was not asked to evaluate round 0", _request("metrics", 1, 0, 1.0, {"val_acc": 0.5}, own)),
         # forgeries under other ids: unsigned, signed with a key of no client, for the next round
         ("model_para message: unsigned", _request("model_para", 2, 0, 1.0, upload)),
         ("model_para message: wrong signature", _request("model_para", 2, 0, 1.0, upload, stranger)),
@@ -178,7 +181,8 @@ def test_only_the_clients_own_watchdog_can_stop_it():
 
     from federatedscope.core.message import Message
 
-    from fs_fedpa.plugin.client import CLIENT_TIMEOUT, FedPAClient
+    from fs_fedpa.plugin.client import FedPAClient
+    from fs_fedpa.plugin.liveness import CLIENT_TIMEOUT
 
     client = FedPAClient.__new__(FedPAClient)  # the handler needs only these fields
     client._token, client.ID, client.state = "right", 1, 3
@@ -186,3 +190,29 @@ def test_only_the_clients_own_watchdog_can_stop_it():
     assert client._on_client_timeout(Message(CLIENT_TIMEOUT, 0, [1], state=0, content="wrong")) is None
     with pytest.raises(RuntimeError, match="no message from the server for fedpa.client_timeout_s=5 s"):
         client._on_client_timeout(Message(CLIENT_TIMEOUT, 1, [1], state=0, content="right"))
+
+
+def test_a_join_the_server_refuses_does_not_keep_it_waiting(tiny_llm, tmp_path):
+    """Client 3 holds a key that is not its own: the server refuses its join with the reason, waits at most
+    fedpa.join_timeout_s for another join, then stops non-zero naming client 3 and lets the two that joined finish."""
+    changes = {"federate.save_to": "", "fedpa.join_timeout_s": 20.0, "fedpa.round_timeout_s": 20.0}
+    changes["fedpa.client_timeout_s"] = 60.0
+    cfgs = distributed_cfgs(fedpa_cfg(tiny_llm, tmp_path, **changes), tmp_path / "dist")
+    proc = _launch(cfgs, tmp_path)
+    try:
+        keys = tmp_path / "keys"
+        deadline = time.time() + 60
+        while not (keys / "keyring").is_file() or len((keys / "keyring").read_text().splitlines()) < 3:
+            assert time.time() < deadline, "run_distributed.sh wrote no keyring"
+            time.sleep(0.05)
+        (keys / "client_3.key").write_text(secrets.token_hex(32) + "\n")  # before client 3 starts and reads it
+        status = _finish(proc, timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    logs = [(tmp_path / f"party{i}.log").read_text() for i in range(4)]
+    assert status != 0
+    assert "join_in message: wrong signature" in logs[0], logs[0][-3000:]
+    assert "2 of 3 clients joined, then none for fedpa.join_timeout_s=20 s; clients [3] never joined" in logs[0]
+    for log in logs[1:3]:
+        assert "received finish message" in log, log[-2000:]

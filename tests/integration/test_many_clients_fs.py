@@ -66,6 +66,26 @@ def test_a_damaged_spill_file_is_that_clients_loss_alone(many, tmp_path):
     assert [a["round"] for a in run["aggregate"]] == [0, 1, 2]  # the federation went on
 
 
+@pytest.mark.parametrize("eval_freq", [1, 10])
+def test_every_damage_to_a_spilled_file_is_that_clients_loss_alone(many, tmp_path, eval_freq):
+    """Issue 42: a spilled file cut short, a link to /dev/zero or to another client's file, grown to 20 GB, a
+    pickle, or two clients' files swapped: each is refused with its reason, that client restarts from the reference
+    it receives (with diagnostics on, evaluating every round or never between rounds), and the federation goes on."""
+    kinds = "truncate,zero_link,grow,pickle,swap,link_other"
+    cfg = _cfg(many, tmp_path, "fedpa", **{
+        "federate.client_num": 6, "federate.sample_client_num": 6, "fedpa.state_budget_mb": 0.009,
+        "federate.total_round_num": 3, "eval.freq": eval_freq, "fedpa.diagnostics": True,
+    })  # fmt: skip
+    run = probe(cfg, tmp_path, env={"FS_PROBE_DAMAGE_SPILL": kinds})
+    log = (tmp_path / "exp" / "fedpa" / "exp_print.log").read_text()
+    for reason in ("bytes, written as", "is a link (to '/dev/zero')", "is a link (to", "was written for client"):
+        assert reason in log, reason
+    assert "restarts from the global reference" in log
+    assert [a["round"] for a in run["aggregate"]] == [0, 1, 2]  # the federation went on
+    lost = [s for s in run["sent"] if s["stats"].get("state_lost")]
+    assert lost, "no client reported a lost state to the server"
+
+
 def test_share_equal_shares_only_equal_frozen_values():
     """What clients share of their setup (:func:`fs_fedpa.plugin.common.share_equal`): an equal frozen config is
     the previous one, an unequal or unfrozen one stays its own, and one edited after it was shared is no longer

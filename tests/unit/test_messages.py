@@ -9,7 +9,7 @@ import secrets
 import pytest
 
 from fs_fedpa.plugin import auth
-from fs_fedpa.plugin.messages import ServerView, message_problem
+from fs_fedpa.plugin.messages import ServerView, message_problem, reply_problem
 
 SERVER = ServerView(state=3, total_rounds=10, client_num=3, joined=frozenset({1, 2, 3}))
 JOINING = ServerView(state=0, total_rounds=10, client_num=3, joined=frozenset({1}))
@@ -128,3 +128,25 @@ def test_keys_and_keyrings_are_checked_with_the_file_named(tmp_path):
     assert auth.read_key(str(key)) == bytes.fromhex(good[0])
     with pytest.raises(ValueError, match="cannot read the key file"):
         auth.read_key(str(tmp_path / "missing.key"))
+
+
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        (("model_para", 2, 3, 7.5, UPLOAD), None),  # the honest reply: its round, a later timestamp
+        (("metrics", 2, 3, 5.0, {"val_acc": 0.5}), None),  # an evaluation keeps the server's timestamp
+        (("model_para", 2, -1, 7.5, UPLOAD), "state -1: an update for round -1, but the server is at round 3"),
+        (("model_para", 2, "3", 7.5, UPLOAD), "state '3' is not an integer round"),
+        (("model_para", 2, 3, 4.0, UPLOAD), "timestamp 4.0 is earlier than 5.0"),
+        (("model_para", 1, 3, 7.5, UPLOAD), "sender 1 is not a client that joined"),
+        (("model_para", 2, 3, 7.5, (12,)), "content is a 1-item tuple"),
+        (("metrics", 2, 4, 5.0, {"val_acc": 0.5}), "state 4: evaluation results for round 4"),
+    ],
+)
+def test_a_clients_reply_is_checked_as_the_server_would_check_it_plus_its_timestamp(fields, field):
+    """Client 2 answers the server's message of round 3 sent at t = 5.0 (a run of 10 rounds and 3 clients)."""
+    problem = reply_problem(*fields, client=2, rnd=3, since=5.0, total_rounds=10, client_num=3)
+    if field is None:
+        assert problem is None
+    else:
+        assert problem is not None and problem.startswith(field), problem

@@ -3,6 +3,9 @@ bit for bit; a spilled file that is missing, cut short or of another shape is th
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -61,26 +64,76 @@ def test_put_copies_so_later_changes_of_the_callers_tensors_do_not_leak(tmp_path
     assert torch.equal(store.get(1)["local|classifier.weight"], _state(0)["local|classifier.weight"])
 
 
+def _relink(path, target):
+    path.unlink()
+    path.symlink_to(target)
+
+
+def _huge_header(path):
+    """A safetensors file of the written size, with the written owner (copied from the file), whose header claims a
+    tensor of 2^40 floats."""
+    import json
+    import struct
+
+    data = path.read_bytes()
+    owner = json.loads(data[8 : 8 + struct.unpack("<Q", data[:8])[0]])["__metadata__"]
+    claim = {"__metadata__": owner, "x": {"dtype": "F32", "shape": [2**40], "data_offsets": [0, 4 * 2**40]}}
+    header = json.dumps(claim).encode()
+    body = struct.pack("<Q", len(header)) + header
+    path.write_bytes(body + b" " * (len(data) - len(body)))
+
+
+def _pickle(path):
+    """A pickle of the same tensors (``torch.save``), padded to the written size where it is shorter."""
+    from safetensors.torch import load_file
+
+    size, state = path.stat().st_size, {k: v.clone() for k, v in load_file(str(path)).items()}
+    torch.save(state, path)
+    if path.stat().st_size < size:
+        with open(path, "ab") as f:
+            f.write(b"\0" * (size - path.stat().st_size))
+
+
+def _swap(path):
+    """Client 1's and client 2's files exchanged (same shapes, same size)."""
+    other, tmp = path.parent / "client_2.safetensors", path.parent / "swap.tmp"
+    os.replace(path, tmp)
+    os.replace(other, path)
+    os.replace(tmp, other)
+
+
 @pytest.mark.parametrize(
     "damage, message",
     [
         (lambda p: p.unlink(), "is missing"),
-        (lambda p: p.write_bytes(p.read_bytes()[:40]), "cannot be read"),
-        (lambda p: _rewrite(p, {"factors|layer.0.q|0": torch.zeros(3, 3)}), "holds other tensors"),
-        (lambda p: _rewrite(p, None), "holds factors|layer.0.q|0 as (8, 3)"),
+        (lambda p: shutil.rmtree(p.parent), "is missing"),  # its folder deleted
+        (lambda p: p.write_bytes(p.read_bytes()[:40]), r"is 40 bytes, written as \d+"),
+        (lambda p: os.truncate(p, 20 * 2**30), r"is 21474836480 bytes, written as"),  # grown (sparse: no disk used)
+        (lambda p: _rewrite(p, {"factors|layer.0.q|0": torch.zeros(3, 3)}), "bytes, written as"),
+        (lambda p: _rewrite(p, None), "bytes, written as"),
+        (lambda p: _relink(p, "/dev/zero"), "is a link \\(to '/dev/zero'\\)"),
+        (lambda p: _relink(p, p.parent / "client_2.safetensors"), "is a link"),
+        (_huge_header, "cannot be read"),
+        (_pickle, "cannot be read|bytes, written as"),
+        (_swap, "was written for client '2'"),
     ],
 )
 def test_a_damaged_spill_is_that_clients_error_only(tmp_path, damage, message):
     store = StateStore(tmp_path, budget_bytes=1)  # everything but the newest spills
     store.put(1, _state(1))
     store.put(2, _state(2))
+    store.put(4, _state(4))  # 2 is spilled too: a file to swap with or link to
     damage(tmp_path / "client_1.safetensors")
     with pytest.raises(SpillError, match=message) as info:
         store.get(1)
     assert info.value.client == 1 and "client #1" in str(info.value)
     assert 1 not in store and store.get(1) is None  # gone, not half-read
-    store.put(3, _state(3))  # the others are untouched
-    assert all(torch.equal(store.get(2)[k], v) for k, v in _state(2).items())
+    store.put(3, _state(3))  # the others are untouched (or, where the damage took theirs too, refused)
+    try:
+        assert all(torch.equal(store.get(2)[k], v) for k, v in _state(2).items())
+    except SpillError as err:
+        assert damage in (_swap,) or "is missing" in str(err), err
+    assert all(torch.equal(store.get(4)[k], v) for k, v in _state(4).items())
 
 
 def _rewrite(path, tensors):

@@ -1,0 +1,171 @@
+"""A client's evaluation under both protocols (the global reference with its own local tensors; with
+``fedpa.eval_local`` its own factors), FedDPA's instance-wise mixing, and the per-example outcomes.
+:class:`ClientEvaluation` is a mixin of :class:`~fs_fedpa.plugin.client.FedPAClient`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+from federatedscope.core.auxiliaries.utils import merge_dict_of_results
+from federatedscope.core.message import Message
+from torch import Tensor
+
+from fs_fedpa import lora
+from fs_fedpa.core.instance import instance_weights, representation
+from fs_fedpa.plugin import resume
+from fs_fedpa.plugin.common import (
+    without_empty_splits,
+)
+from fs_fedpa.plugin.payload import (
+    decode_tensors,
+)
+from fs_fedpa.record import OUTCOMES_FILE
+
+logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
+INSTANCES = 5  # FedDPA's test time: training inputs compared with each test input (the authors' instance_num)
+
+
+class ClientEvaluation:
+    """FS's ``evaluate`` handler and what it calls."""
+
+    def callback_funcs_for_evaluate(self, message: Message):
+        """Paper protocol (global rank-R_i reference + own local tensors) and, with fedpa.eval_local, the
+        client's own preserved factors, reported as ``local.<split>_<metric>``."""
+        self._unpark()
+        self._restore(message.state)
+        self.state, self._answered = message.state, (message.state, message.timestamp)
+        payload = message.content
+        # a client that never trained evaluates its initial factors, which it need not keep: any worker can draw them
+        # again from the run's seed, so N never-sampled clients store nothing
+        untrained = self.factors is None and not self._state_lost
+        if untrained:
+            self.factors = self._initial_factors()
+        received = self._own_and_received(payload)
+        self._last_received = received  # what an export at the end of the run evaluates
+        evaluated = self.method.evaluation_factors(received, self.factors, self.index, personal=self.personal)
+        self._set_base()
+        self._load(evaluated)
+        self._load_tensors(decode_tensors(payload.get("shared", {})))
+        self._load_tensors(self.local_tensors)
+        mixed = self.method.instance_mix is not None and self.personal is not None
+        undo = self._instance_mix(next(iter(received.values()))[0].shape[1]) if mixed else lambda: None
+        try:
+            metrics = self._evaluate_splits()
+        finally:
+            undo()
+        outcomes = {"global": self._take_outcomes()}
+        if self.method.cfg.eval_local:
+            # the model it trained: Fed-PLoRA's own modules sit on the undrawn ones it folded into the base
+            self._set_base(self._fold)
+            self._load(self.factors)
+            # FS derives the split from the text before the first "_" and the metric from the text after
+            # "<split>_", so the protocol goes in front: local.test_acc, local.test_total, ...
+            metrics.update({f"local.{key}": value for key, value in self._evaluate_splits().items()})
+            outcomes["local"] = self._take_outcomes()
+        if self.method.cfg.save_outcomes:
+            self._write_outcomes(outcomes)
+        metrics, empty = without_empty_splits(metrics)
+        if empty:
+            logger.warning(f"[fedpa] client #{self.ID}: no example in {empty}; those metrics are missing, not 0")
+
+        formatted = self._monitor.format_eval_res(
+            metrics, rnd=self.state, role=f"Client #{self.ID}", forms=["raw"], return_raw=True
+        )
+        logger.info(formatted)
+        if any(self._cfg.eval.best_res_update_round_wise_key in key for key in metrics):  # FS raises without it
+            self._monitor.update_best_result(
+                self.best_results, formatted["Results_raw"], results_type=f"client #{self.ID}"
+            )
+        self.history_results = merge_dict_of_results(self.history_results, formatted["Results_raw"])
+        if untrained:
+            self.factors = None
+        self._park()
+        self.comm_manager.send(
+            Message(
+                msg_type="metrics",
+                sender=self.ID,
+                receiver=[message.sender],
+                state=self.state,
+                timestamp=message.timestamp,
+                content=metrics,
+            )
+        )
+
+    def _instance_mix(self, split: int):
+        """FedDPA's test time on the loaded ``([B_g, B_l], [A_g; A_l])`` (``B_g`` of rank ``split``): before every
+        evaluation forward, each input's weight g of the global adapter from its representation and those of
+        ``INSTANCES`` of this client's training inputs drawn for it, all under the personal adapter alone
+        (:func:`fs_fedpa.core.instance.instance_weights`). Returns the function that takes the hooks off."""
+        gate = lora.RowGate(self.model, split)
+        device = self._device
+        train = self.trainer.ctx.data["train"]  # FS's DataLoader of this client's training split
+        stream = torch.Generator().manual_seed(self.method.seed * 1_000_003 + self.state * 1_009 + self.ID)
+        busy = False
+
+        def weigh(module, args, kwargs):
+            nonlocal busy
+            if busy:  # the representation passes below
+                return None
+            if args or "input_ids" not in kwargs:
+                raise ValueError("FedDPA's instance-wise weighting needs the model called with input_ids=...")
+            inputs = {k: kwargs[k] for k in ("input_ids", "attention_mask") if kwargs.get(k) is not None}
+            rows, n = inputs["input_ids"].shape[0], len(train.dataset)
+            picks = torch.multinomial(torch.ones(rows, n), min(INSTANCES, n), generator=stream)
+            refs = train.collate_fn([train.dataset[i] for i in picks.flatten().tolist()])
+            refs = refs[0] if isinstance(refs, (tuple, list)) else refs  # seqcls: (features, labels)
+            refs = {k: refs[k] for k in ("input_ids", "attention_mask") if k in refs}
+            busy = True
+            try:
+                emb = self._representation(gate, inputs, device)
+                ref = self._representation(gate, refs, device).view(rows, picks.shape[1], -1)
+            finally:
+                busy = False
+            gate.g = instance_weights(emb, ref, self.method.instance_mix)
+            self.instance_weights.append(gate.g.detach().cpu())
+            return None
+
+        self.instance_weights: list[Tensor] = []  # this evaluation's g per batch (diagnostics, tests)
+        handle = self.model.register_forward_pre_hook(weigh, with_kwargs=True)
+
+        def undo() -> None:
+            handle.remove()
+            gate.remove()
+            if self.instance_weights:
+                g = torch.cat(self.instance_weights)
+                logger.info(
+                    f"[fedpa] client #{self.ID}, round {self.state}: FedDPA's weight of the global adapter over "
+                    f"{len(g)} inputs: mean {float(g.mean()):.3f}, min {float(g.min()):.3f}, max {float(g.max()):.3f}"
+                )
+
+        return undo
+
+    def _representation(self, gate: lora.RowGate, inputs: dict[str, Tensor], device: torch.device) -> Tensor:
+        """(batch, hidden) under the personal adapter alone (:func:`fs_fedpa.core.instance.representation`)."""
+        inputs = {k: v.to(device) for k, v in inputs.items()}
+        return representation(self.model, gate, inputs, classifier=self._cfg.trainer.type == "seqcls")
+
+    def _take_outcomes(self) -> dict[str, str]:
+        """The last evaluation's per-example outcomes (:class:`SeqClsTrainer`), split -> "0110..."; cleared."""
+        taken = getattr(self.trainer, "outcomes", None) or {}
+        self.trainer.outcomes = {}
+        return {split: "".join("1" if c else "0" for c in correct.tolist()) for split, correct in taken.items()}
+
+    def _write_outcomes(self, outcomes: dict[str, dict[str, str]]) -> None:
+        """Append this evaluation's outcomes to ``<outdir>/fedpa_outcomes.jsonl`` (:data:`OUTCOMES_FILE`)."""
+        lines = [
+            {"round": self.state, "client": self.ID, "protocol": protocol, "split": split, "correct": bits}
+            for protocol, splits in outcomes.items()
+            for split, bits in splits.items()
+        ]
+        with open(os.path.join(self._cfg.outdir, OUTCOMES_FILE), "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(line) + "\n" for line in lines)
+
+    def _evaluate_splits(self) -> dict:
+        metrics = {}
+        with resume.fork_rng():  # evaluations never shift the random stream of training
+            for split in self._cfg.eval.split:
+                metrics.update(**self.trainer.evaluate(target_data_split_name=split))
+        return metrics

@@ -1,0 +1,192 @@
+"""A finished run's adapters as PEFT directories, from its files: FS's checkpoint with the plugin's ``fedpa`` section
+and each client's end state (``python -m fs_fedpa.tools.export``; the views are :mod:`fs_fedpa.plugin.export`'s).
+Every input is read as tensors only and checked (its owner, rank plan, finite values) before anything is written.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from fs_fedpa import export, lora
+from fs_fedpa.methods import FederatedMethod
+from fs_fedpa.plugin.export import Exporter, run_info
+
+logger = logging.getLogger(f"federatedscope.{__name__}")
+
+
+def run_files(run, cfg_file=None) -> tuple[object, Path, Path]:
+    """``(cfg, checkpoint, outdir)`` of a finished run: ``run`` is its FS output folder (its ``config.yaml`` names
+    ``federate.save_to``; FS's ``final_`` checkpoint is preferred) or a checkpoint with ``cfg_file``."""
+    from federatedscope.core.configs.config import global_cfg
+
+    run = Path(run)
+    if run.is_dir():
+        cfg_file = run / "config.yaml"
+        if not cfg_file.is_file():
+            runs = sorted(p.parent for p in run.glob("*/config.yaml"))
+            if len(runs) == 1:  # FS's outdir, which holds the run's folder <expname>/
+                logger.warning(f"[fedpa] export: {run} holds one run, {runs[0]}: exporting it")
+                return run_files(runs[0])
+            found = f"; it holds the runs {', '.join(p.name for p in runs)}: name one" if runs else ""
+            raise ValueError(
+                f"{run} has no config.yaml: give a finished run's FS output folder, or a checkpoint --cfg{found}"
+            )
+    elif not run.is_file():
+        raise ValueError(f"{run}: no such run folder or checkpoint")
+    elif cfg_file is None:
+        raise ValueError(f"{run} is a checkpoint: name the run's config with --cfg")
+    cfg = global_cfg.clone()
+    cfg.merge_from_file(str(cfg_file))
+    if run.is_file():
+        return cfg, run, Path(cfg.outdir)
+    save_to = cfg.federate.save_to
+    if not save_to:
+        raise ValueError(f"{run}: the run did not set federate.save_to, so it saved no checkpoint to export")
+    saved = Path(save_to)
+    candidates = [saved, run / saved.name, run.parent / saved, Path(cfg_file).parent / saved.name]
+    for place in candidates:
+        final = place.parent / f"final_{place.name}"
+        for path in (final, place):
+            if path.is_file():
+                return cfg, path, run
+    resume_point = [p for p in candidates if (p.parent / f"fedpa_resume_{p.name}").is_file()]
+    if resume_point:
+        raise ValueError(f"{run}: the run has not finished (only its resume point {resume_point[0].parent} is there); "
+                         "resume it with federate.restore_from, then export")  # fmt: skip
+    raise ValueError(f"{run}: no checkpoint found for federate.save_to {save_to!r} (looked in "
+                     f"{', '.join(str(p.parent) for p in candidates)})")  # fmt: skip
+
+
+def client_file(checkpoint: Path, client: int) -> Path:
+    """Where a client's end state lies: ``fedpa_client_<id>_<save_to name>`` beside the checkpoint."""
+    name = checkpoint.name[len("final_") :] if checkpoint.name.startswith("final_") else checkpoint.name
+    return checkpoint.parent / f"fedpa_client_{client}_{name}"
+
+
+def export_run(run, out, *, clients: bool = False, force: bool = False, cfg_file=None) -> Path:
+    """Export a finished run (see :func:`run_files`) into ``out``; returns ``out``."""
+    from federatedscope.core.auxiliaries.model_builder import get_model
+
+    from fs_fedpa.plugin.common import build_method
+
+    cfg, checkpoint, outdir = run_files(run, cfg_file)
+    saved = _load(checkpoint)
+    section = saved.get("fedpa") if isinstance(saved, dict) else None
+    if not isinstance(section, dict) or "global" not in section:
+        raise ValueError(f"{checkpoint} is not a checkpoint of an fs_fedpa run (no 'fedpa' section)")
+    if int(saved.get("cur_round", 0)) < 1:
+        raise ValueError(f"{checkpoint}: the run has no finished round (cur_round {saved.get('cur_round')})")
+    require_finite({"global": section["global"], "merged": section.get("merged", {})}, checkpoint)
+    paths = {client: client_file(checkpoint, client) for client in range(1, cfg.federate.client_num + 1)}
+    missing = [client for client, path in paths.items() if not path.is_file()]
+    states = {}  # every input is read and checked before the model is built or anything written
+    for client in (c for c in paths if c not in missing):
+        states[client] = _load(paths[client])
+        if isinstance(states[client], dict):
+            require_finite(states[client], paths[client])
+    model = get_model(cfg)
+    method = build_method(cfg, model)
+    plan = method.plan
+    if section["method"] != method.name or (list(section["client_ranks"]), list(section["reference_ranks"])) != (
+        list(plan.client_ranks),
+        list(plan.reference_ranks),
+    ):
+        raise ValueError(
+            f"{checkpoint} was saved by method {section['method']!r} with ranks r_i {section['client_ranks']}, R_i "
+            f"{section['reference_ranks']}; its config says {method.name!r} with {list(plan.client_ranks)}, "
+            f"{list(plan.reference_ranks)}"
+        )
+    if method.merges and "merged" not in section:
+        raise ValueError(f"{checkpoint}: {method.name} merges into the base weights, and this checkpoint (an older "
+                         "fs_fedpa's) does not hold the merged offsets")  # fmt: skip
+    if method.merges:
+        lora.keep_base(model)
+    for client, state in states.items():
+        check_state(state, paths[client], client, method)
+    scaling = lora.Scaling.of(model)
+    check_scaling(section.get("scaling"), scaling, checkpoint)
+    for client, state in states.items():
+        check_scaling(state.get("scaling"), scaling, paths[client])
+    exporter = Exporter(cfg, model, method, out, force=force)
+    model_state = {export.module_path(f"model.{k}") if export.PEFT_ROOT in k else k: v
+                   for k, v in saved.get("model", {}).items()}  # fmt: skip
+    shared = {n: model_state[export.module_path(n)] for n in exporter.shared_names if
+              export.module_path(n) in model_state}  # fmt: skip
+    require_finite({"model": shared}, checkpoint)
+    global_ = section["global"]
+    global_entry = exporter.write_global(global_, section.get("merged", {}), shared)
+    entries = {}
+    for client, state in states.items():
+        received = exporter.received(client, global_, state["factors"])
+        entries[client] = exporter.client_entry(client, state, received, own_models=clients)
+    if missing:
+        logger.warning(f"[fedpa] export: clients {missing} have no end state (never trained); they are not exported")
+    exporter.finish(global_entry, entries, run_info(cfg, outdir, int(saved["cur_round"]), missing))
+    return exporter.out
+
+
+def _load(path: Path):
+    """A checkpoint or end state, tensors and plain containers only (``weights_only``); anything else (a pickle that
+    needs code, a truncated or foreign file) is a ValueError naming the file."""
+    import pickle
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(f"{path}: holds objects other than tensors (a pickle that runs code); not read") from None
+    except (RuntimeError, EOFError, OSError, ValueError, AttributeError) as exc:
+        reason = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"{path}: not a tensor file fs_fedpa wrote ({type(exc).__name__}: {reason})") from None
+
+
+def _tensors(value, name: str = ""):
+    """``(dotted name, tensor)`` of every tensor inside nested dicts, lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        yield name, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensors(item, f"{name}.{key}" if name else str(key))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _tensors(item, f"{name}[{i}]")
+
+
+def require_finite(value, path: Path) -> None:
+    """Refuse to export a NaN or an infinity: the first tensor holding one is named with its file."""
+    for name, tensor in _tensors(value):
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{path}: tensor {name} holds NaN or Inf; refusing to export it")
+
+
+def check_state(state, path: Path, client: int, method: FederatedMethod) -> None:
+    """A client's end state must be that client's, of this rank plan and model."""
+    if not isinstance(state, dict) or not isinstance(state.get("factors"), dict):
+        raise ValueError(f"{path}: not a client end state of fs_fedpa")
+    rank = method.plan.client_ranks[client - 1]
+    if state.get("client") != client or state.get("rank") != rank:
+        raise ValueError(f"{path}: written by client {state.get('client')} at rank {state.get('rank')}; expected "
+                         f"client {client} at rank {rank}")  # fmt: skip
+    if unknown := sorted(set(state["factors"]) - set(method.shapes)):
+        raise ValueError(f"{path}: factors of modules {unknown[:3]} that the model does not have")
+
+
+def check_scaling(recorded, scaling: lora.Scaling, path: Path) -> None:
+    """The LoRA scaling ``path`` was trained with (``lora_alpha`` and ``use_rslora`` per module, as the run recorded
+    it) must be the one the run's config builds now: the same raw factors under another alpha apply another update.
+    Files of an fs_fedpa that recorded none are taken as they are."""
+    if recorded is None:
+        return
+    if not isinstance(recorded, dict) or not all(isinstance(recorded.get(k), dict) for k in ("alpha", "rslora")):
+        raise ValueError(f"{path}: its recorded LoRA scaling is not what fs_fedpa writes")
+    for name in sorted(recorded["alpha"]):
+        then = (recorded["alpha"][name], recorded["rslora"].get(name))
+        now = (scaling.alpha.get(name), scaling.rslora.get(name))
+        if then != now:
+            raise ValueError(
+                f"{path}: module {name} was trained with lora_alpha {then[0]:g} (use_rslora {then[1]}), but the "
+                f"run's config now builds lora_alpha {now[0]} (use_rslora {now[1]}): its factors would apply another "
+                "update; export with the config the run was trained with"
+            )

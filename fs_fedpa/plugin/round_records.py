@@ -1,0 +1,167 @@
+"""Round records and diagnostics: what each client measures of its round (:class:`ClientDiagnostics`) and what
+the server records of each aggregation (:class:`ServerRecords`, one JSON line a round in
+``<outdir>/fedpa_diagnostics.jsonl``). With ``fedpa.diagnostics False`` none of it is computed."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+
+import torch
+from torch import Tensor
+
+from fs_fedpa.core.diagnostics import (
+    aggregate_norm,
+    aggregation_error,
+    factored_norm,
+    initialization_error,
+    product_distance,
+)
+from fs_fedpa.record import DIAGNOSTICS_FILE, RoundRecord
+
+logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
+
+
+class ClientDiagnostics:
+    """Mixin of :class:`~fs_fedpa.plugin.client.FedPAClient`: the statistics it adds to its upload."""
+
+    def _whole_update(self, sent: dict[str, tuple[Tensor, Tensor]]) -> dict[str, tuple[Tensor, Tensor]]:
+        """The client's whole update as applied factors: what it sends plus what it folded into its base weights
+        for the round (Fed-PLoRA's undrawn modules), so its diagnostics compare like with like."""
+        if self._fold is None:
+            return sent
+        folded = self.space.upload(self._fold)
+        return {n: (torch.cat([B, folded[n][0].to(B)], 1), torch.cat([A, folded[n][1].to(A)], 0)) for n, (B, A) in
+                sent.items()}  # fmt: skip
+
+    def _round_stats(self, sent) -> dict[str, float]:
+        """This round's mechanism (issue: diagnostics that explain a result), summed over LoRA modules, of its whole
+        update (``sent`` and any fold): ||Delta W_i||_F, the drift ||Delta W_i - X_g,i||_F from the received reference
+        X_g,i (and relative to ||X_g,i||_F, absent while the reference is 0), and ||grad of the alignment term|| /
+        ||grad of the task loss|| on the client's factors at the round's first and last step (absent for methods
+        without a term). None of it with ``fedpa.diagnostics False``."""
+        if not self.method.cfg.diagnostics:
+            return {}
+        sent = self.method.expand(self._whole_update(sent))
+        reference = self.method.expand(self.space.upload(self._received))
+        delta_sq = drift_sq = ref_sq = 0.0
+        for name, (B, A) in sent.items():
+            B_ref, A_ref = reference[name]
+            delta_sq += float(factored_norm(B, A)) ** 2
+            drift_sq += float(product_distance(B, A, B_ref, A_ref)) ** 2
+            ref_sq += float(factored_norm(B_ref, A_ref)) ** 2
+        stats = {"delta_norm": delta_sq**0.5, "drift": drift_sq**0.5}
+        if ref_sq > 0:
+            stats["drift_rel"] = (drift_sq / ref_sq) ** 0.5
+        if self._penalty_steps:
+            for when, (align, task) in self._grads.norms().items():
+                stats[f"grad_ratio_{when}"] = align / task if task > 0 else float("inf")
+        return stats
+
+    def _staleness(self, received) -> dict[str, float]:
+        """For a client that trained before: the rounds since it last trained, and ``||s_i B_i A_i - X_g,i||_F`` of
+        its preserved factors against the reference ``received`` at the start of this round (partial
+        participation: does a preserved factor that sat out drift from the reference?). None without diagnostics."""
+        if not self.method.cfg.diagnostics or self._last_trained is None or self.factors is None:
+            return {}
+        own, reference = (self.method.expand(self.space.upload(f)) for f in (self.factors, received))
+        sq = sum(float(product_distance(B, A, *reference[n])) ** 2 for n, (B, A) in own.items() if n in reference)
+        return {"staleness": self.state - self._last_trained, "drift_start": sq**0.5}
+
+    def _init_error(self, start, previous) -> dict[str, float]:
+        """E_init(B), E_init(A) of this client for the first LoRA module (§3.3; the paper plots one module); none
+        without diagnostics."""
+        if not self.method.cfg.diagnostics or self._rounds_trained == 0:
+            return {}
+        name = next(iter(start))
+        return {
+            "e_init_B": initialization_error([start[name][0]], [previous[name][0]]),
+            "e_init_A": initialization_error([start[name][1]], [previous[name][1]]),
+        }
+
+
+class ServerRecords:
+    """Mixin of :class:`~fs_fedpa.plugin.server.FedPAServer`: the round records and their file."""
+
+    def record_round(self, record: dict) -> None:
+        """Append one JSON line per round to ``<outdir>/fedpa_diagnostics.jsonl``."""
+        self._totals["up"] += sum(record["bytes_up"].values())
+        self._totals["down"] += sum(record["bytes_down"].values())
+        record.update(bytes_up_total=self._totals["up"], bytes_down_total=self._totals["down"])
+        self._records.append(record)
+        self._write_diagnostics([record])
+        e_agg = (f"E_agg={_g(record['e_agg'])} (rel {_g(record['e_agg_rel'], '.3g')}), " if self.method.cfg.diagnostics
+                 else "")  # fmt: skip
+        logger.info(
+            f"[fedpa] round {record['round']}: {e_agg}alignment={_g(record['alignment_loss_mean'])}, "
+            f"up {sum(record['bytes_up'].values())} B, down {sum(record['bytes_down'].values())} B"
+        )
+
+    def _write_diagnostics(self, records: list[dict]) -> None:
+        if self.method.cfg.diagnostics:
+            with open(os.path.join(self._cfg.outdir, DIAGNOSTICS_FILE), "a", encoding="utf-8") as f:
+                f.writelines(json.dumps(record) + "\n" for record in records)
+
+
+def _g(value, spec: str = ".4g") -> str:
+    """A diagnostic for the log: formatted, or ``null`` where the record holds None (it was not finite)."""
+    return "null" if value is None else format(value, spec)
+
+
+def new_record(server, clients) -> RoundRecord:
+    return RoundRecord(
+        round=server.state,
+        method=server.method.name,
+        svd=server.method.cfg.svd,
+        R_g=server.method.plan.R_g,
+        probe_module=next(iter(server.global_factors)),
+        bytes_down={str(c): server._down_bytes.get(c, 0) for c in clients},
+    )
+
+
+def round_record(server, uploads, weights, clients, new_global, spectra, stats) -> RoundRecord:
+    """Diagnostics of one aggregation, from factors only (no d x k matrix). A diagnostic is never a reason to drop
+    an upload or stop a round: one that cannot be computed (e.g. an overflow after a legal but huge upload) is None,
+    with a warning, and one that is not finite is written as null (:meth:`RoundRecord.to_dict`). With
+    ``fedpa.diagnostics False`` the aggregate's diagnostics, which cost as much as a reconstruction, are not computed
+    either: they are None."""
+    uploads = [server.method.expand(u) for u in uploads]  # each expanded once already, when it was checked
+    record = new_record(server, clients)
+    record.clients, record.weights = list(clients), list(weights)
+    _blank_aggregate(record)
+    if server.method.cfg.diagnostics:
+        try:
+            _aggregate_diagnostics(record, server.method.expand(new_global), uploads, weights, spectra)
+        except (RuntimeError, ValueError, ArithmeticError) as err:
+            logger.warning(
+                f"[fedpa] round {server.state}: the aggregate's diagnostics cannot be computed ({type(err).__name__}: "
+                f"{err}); recorded as null, and the aggregate is installed"
+            )
+            _blank_aggregate(record)
+    record.add_client_stats(list(clients), stats)
+    record.upload_ranks = {str(c): sorted({B.shape[1] for B, _ in u.values()}) for c, u in zip(clients, uploads)}
+    return record
+
+
+def _blank_aggregate(record: RoundRecord) -> None:
+    record.e_agg = record.e_agg_rel = record.global_update_norm = record.global_norm = record.e_agg_probe = None
+
+
+def _aggregate_diagnostics(record: RoundRecord, new_global, uploads, weights, spectra) -> None:
+    """E_agg (absolute, relative, of the probe module), ||sum_i w_i Delta W_i||_F, ||B_g A_g||_F, the probe's
+    spectrum: summed over modules, into ``record``."""
+    errors, norms, global_sq = {}, {}, 0.0
+    for name, (B_g, A_g) in new_global.items():
+        Bs = [u[name][0] for u in uploads]
+        As = [u[name][1] for u in uploads]
+        errors[name] = float(aggregation_error(Bs, As, B_g, A_g, weights=weights))
+        norms[name] = float(aggregate_norm(Bs, As, weights=weights))
+        global_sq += float(factored_norm(B_g, A_g)) ** 2
+    e_agg = math.sqrt(sum(e**2 for e in errors.values()))
+    ideal = math.sqrt(sum(n**2 for n in norms.values()))
+    record.e_agg, record.e_agg_rel = e_agg, (e_agg / ideal if ideal > 0 else 0.0)
+    record.global_update_norm, record.global_norm = ideal, math.sqrt(global_sq)
+    record.e_agg_probe = errors[record.probe_module]
+    record.spectrum_probe = [float(s) for s in spectra.get(record.probe_module, torch.zeros(0))]
