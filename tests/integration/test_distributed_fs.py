@@ -17,7 +17,7 @@ from tests.conftest import ROOT
 from tests.integration.conftest import fedpa_cfg, probe
 from tests.integration.tiny_assets import dump_yaml, fs_env, outdir_of, read_eval_results
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("distributed")]  # one worker: 4 processes each
 
 
 def _free_ports(n: int) -> list[int]:

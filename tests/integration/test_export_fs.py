@@ -355,3 +355,18 @@ def test_an_export_dir_that_is_a_file_or_not_empty_is_refused_before_the_first_r
         out = proc.stdout + proc.stderr
         assert proc.returncode != 0 and f"fedpa.export_dir '{target}'" in out, out[-3000:]
         assert "Starting training" not in out
+
+
+def test_check_scaling_compares_every_module_with_what_the_config_builds(tmp_path):
+    from fs_fedpa.lora import Scaling
+    from fs_fedpa.plugin.export_run import check_scaling
+
+    now = Scaling({"q": 8.0, "v": 8.0}, {"q": False, "v": False})
+    check_scaling(None, now, tmp_path / "old.pt")  # an fs_fedpa that recorded none
+    check_scaling(now.record(), now, tmp_path / "same.pt")
+    with pytest.raises(ValueError, match=r"x.pt: module v was trained with lora_alpha 32 \(use_rslora False\)"):
+        check_scaling(Scaling({"q": 8.0, "v": 32.0}, {"q": False, "v": False}).record(), now, tmp_path / "x.pt")
+    with pytest.raises(ValueError, match="module q was trained with lora_alpha 8 \\(use_rslora True\\)"):
+        check_scaling(Scaling({"q": 8.0, "v": 8.0}, {"q": True, "v": False}).record(), now, tmp_path / "x.pt")
+    with pytest.raises(ValueError, match="not what fs_fedpa writes"):
+        check_scaling({"alpha": 8.0}, now, tmp_path / "x.pt")

@@ -22,7 +22,7 @@ from tests.integration.conftest import fedpa_cfg
 from tests.integration.test_distributed_fs import distributed_cfgs
 from tests.integration.tiny_assets import dump_yaml, fs_env
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("distributed")]  # one worker: 4 processes each
 
 
 def _send_all(port: int, requests: list) -> None:
