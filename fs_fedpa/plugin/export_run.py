@@ -183,10 +183,10 @@ def check_scaling(recorded, scaling: lora.Scaling, path: Path) -> None:
         raise ValueError(f"{path}: its recorded LoRA scaling is not what fs_fedpa writes")
     for name in sorted(recorded["alpha"]):
         then = (recorded["alpha"][name], recorded["rslora"].get(name))
-        now = (scaling.alpha.get(name), scaling.rslora.get(name))
+        now = (scaling.alpha.get(name, float("nan")), scaling.rslora.get(name))
         if then != now:
             raise ValueError(
                 f"{path}: module {name} was trained with lora_alpha {then[0]:g} (use_rslora {then[1]}), but the "
-                f"run's config now builds lora_alpha {now[0]} (use_rslora {now[1]}): its factors would apply another "
-                "update; export with the config the run was trained with"
+                f"run's config now builds lora_alpha {now[0]:g} (use_rslora {now[1]}): its factors would apply "
+                "another update; export with the config the run was trained with"
             )

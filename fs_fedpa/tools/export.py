@@ -19,6 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="write into a non-empty folder")
     args = parser.parse_args(argv)
     import federatedscope  # noqa: F401  (fs_fedpa registers its config with FS on import)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # the base model's load report and progress are not the export's output:
+    hf_logging.disable_progress_bar()  # a refusal is one line
 
     from fs_fedpa.export import manifest
     from fs_fedpa.plugin.export_run import export_run

@@ -141,28 +141,37 @@ def _check_global(tiny_glue, cfg: dict, export_dir: Path) -> None:
 
 
 def _check_fs_model(tiny_glue, cfg: dict, export_dir: Path) -> None:
-    """FS's own checkpoint entry ``model``, loaded into a fresh model of the global adapter's rank, computes the
-    global adapter (as exported) with the head the checkpoint holds, although the clients shared the server's model
-    object (``share_local_model``) and the last one to evaluate left its own factors in it. For the methods whose
-    global is one LoRA (not merges, not Ravan's heads)."""
+    """FS's own checkpoint entry ``model``, loaded into a fresh model built as FS builds it (PEFT's SEQ_CLS LoRA at
+    the global adapter's rank, the classifier in ``modules_to_save``), computes the global adapter as exported with
+    the head the checkpoint holds, although the clients shared the server's model object (``share_local_model``)
+    and the last one to evaluate left its own factors in it. For the methods whose global is one LoRA (not merges,
+    not Ravan's heads)."""
     import peft
-
-    from fs_fedpa.export import load, manifest
+    from safetensors.torch import load_file
 
     checkpoint = torch.load(Path(cfg["federate"]["save_to"]).parent / "final_model.pt", weights_only=True)
-    if "merged" in manifest(export_dir)["global"] or checkpoint["fedpa"]["method"] == "ravan":
+    if checkpoint["fedpa"]["merged"] or checkpoint["fedpa"]["method"] == "ravan":  # more than one LoRA
         return
     state = checkpoint["model"]
-    config = peft.LoraConfig.from_pretrained(str(export_dir / "global"))
-    fresh = peft.get_peft_model(_base(tiny_glue), config)  # B = 0: nothing of the run but what it loads
-    unexpected = fresh.load_state_dict(state, strict=False).unexpected_keys
+    exported = json.loads((export_dir / "global" / "adapter_config.json").read_text())
+    keys = ("r", "lora_alpha", "target_modules", "use_rslora")
+    config = peft.LoraConfig(task_type="SEQ_CLS", **{k: exported[k] for k in keys})
+
+    def fresh():  # B = 0 and a random head: nothing of the run but what is loaded into it
+        return peft.get_peft_model(_base(tiny_glue), config)
+
+    restored = fresh()
+    unexpected = restored.load_state_dict(state, strict=False).unexpected_keys
     assert not unexpected, unexpected[:3]
-    lora_keys = [k for k in fresh.state_dict() if ".lora_" in k]
+    lora_keys = [k for k in restored.state_dict() if ".lora_" in k]
     assert lora_keys and all(k in state for k in lora_keys)
-    expected = load(_base(tiny_glue), export_dir)  # the global adapter as the export (checked above) holds it
-    expected.load_state_dict({k: v for k, v in state.items() if ".lora_" not in k}, strict=False)  # the same head
+    expected = fresh()  # the exported global adapter, with the checkpoint's head
+    expected.load_state_dict({k: v for k, v in state.items() if ".lora_" not in k}, strict=False)
+    adapter = load_file(str(export_dir / "global" / "adapter_model.safetensors"))  # PEFT's saved names
+    named = {k.replace(".weight", ".default.weight"): v for k, v in adapter.items() if ".lora_" in k}
+    assert sorted(named) == sorted(lora_keys) and not expected.load_state_dict(named, strict=False).unexpected_keys
     examples = _dev(tiny_glue)[:16]
-    assert torch.allclose(_logits(fresh, examples), _logits(expected, examples), atol=1e-5)
+    assert torch.allclose(_logits(restored, examples), _logits(expected, examples), atol=1e-5)
 
 
 @pytest.mark.parametrize("method", names())
