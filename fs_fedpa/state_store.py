@@ -202,18 +202,18 @@ def _read(client: int, path: Path, expected: Written, run: str) -> dict[str, Ten
         if owner.get("client") != str(client) or owner.get("run") != run:
             who = f"client {owner.get('client')!r} of run {owner.get('run')!r}"
             raise SpillError(client, path, f"was written for {who}, not for this client of this run")
-        state = load(data)
+        loaded = load(data)  # views of the read-only bytes: copied below into tensors of their own
     except SpillError:
         raise
     except Exception as exc:  # safetensors raises its own error types for a garbled file
         raise SpillError(client, path, f"cannot be read ({type(exc).__name__}: {str(exc)[:200]})") from None
-    if set(state) != set(expected.shapes):
+    if set(loaded) != set(expected.shapes):
         raise SpillError(
-            client, path, f"holds other tensors than were written ({len(state)} vs {len(expected.shapes)})"
+            client, path, f"holds other tensors than were written ({len(loaded)} vs {len(expected.shapes)})"
         )
-    for key, t in state.items():
+    for key, t in loaded.items():
         if (tuple(t.shape), t.dtype) != expected.shapes[key]:
             raise SpillError(
                 client, path, f"holds {key} as {tuple(t.shape)} {t.dtype}, written as {expected.shapes[key]}"
             )
-    return state
+    return {key: loaded[key].clone() for key in expected.shapes}  # writable, in the order they were put
