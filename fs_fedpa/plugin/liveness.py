@@ -3,7 +3,9 @@ stops (or, on the server, moves the round on with what arrived) instead of waiti
 
 :class:`ClientLiveness` and :class:`ServerLiveness` are mixins of :class:`~fs_fedpa.plugin.client.FedPAClient`
 and :class:`~fs_fedpa.plugin.server.FedPAServer`: the watchdog threads, their own timeout messages (marked with
-a token no peer knows) and their handlers. Standalone runs have no watchdog: nothing there can go silent."""
+a token no peer knows) and their handlers, and the bound on joining. Standalone runs have no watchdog (nothing there
+goes silent), but a standalone run that stops before its last round fails, naming the round (:meth:`ServerLiveness
+._watch_the_end`)."""
 
 from __future__ import annotations
 
@@ -62,8 +64,8 @@ class ClientLiveness:
 
 
 class ServerLiveness:
-    """The server's round watchdog (needs ``_token`` and ``_progress``, set by the server); every accepted update
-    or evaluation moves ``_progress``."""
+    """The server's watchdog (needs ``_token``, ``_progress`` and ``_keyring``, set by the server); an accepted join,
+    and a new update or evaluation of the current round, move ``_progress`` (:mod:`fs_fedpa.plugin.inbox`)."""
 
     def run(self):
         """FS's distributed loop, with a watchdog: a round that gets no message for ``fedpa.round_timeout_s`` is
