@@ -199,14 +199,12 @@ def _read(client: int, path: Path, expected: Written, run: str) -> dict[str, Ten
     try:
         n = int.from_bytes(data[:8], "little")
         owner = json.loads(data[8 : 8 + n]).get("__metadata__") or {}
-        if owner.get("client") != str(client) or owner.get("run") != run:
-            who = f"client {owner.get('client')!r} of run {owner.get('run')!r}"
-            raise SpillError(client, path, f"was written for {who}, not for this client of this run")
         loaded = load(data)  # views of the read-only bytes: copied below into tensors of their own
-    except SpillError:
-        raise
     except Exception as exc:  # safetensors raises its own error types for a garbled file
         raise SpillError(client, path, f"cannot be read ({type(exc).__name__}: {str(exc)[:200]})") from None
+    if not isinstance(owner, dict) or owner.get("client") != str(client) or owner.get("run") != run:
+        who = f"client {owner.get('client')!r} of run {owner.get('run')!r}" if isinstance(owner, dict) else "no one"
+        raise SpillError(client, path, f"was written for {who}, not for this client of this run")
     if set(loaded) != set(expected.shapes):
         raise SpillError(
             client, path, f"holds other tensors than were written ({len(loaded)} vs {len(expected.shapes)})"

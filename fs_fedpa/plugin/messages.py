@@ -96,12 +96,10 @@ def reply_problem(msg_type: str, sender: object, state: object, timestamp: objec
                   rnd: int, since: float, total_rounds: int, client_num: int) -> str | None:  # fmt: skip
     """Why the server would drop client ``client``'s reply of ``msg_type`` to its message of round ``rnd`` sent at
     ``since`` (:func:`message_problem`, as the server at round ``rnd`` sees it), or why FS's runner would fail on it
-    (a timestamp before ``since``); None if neither."""
+    (a timestamp before ``since``); None if neither. Another sender than ``client`` is "not a client that joined"."""
     view = ServerView(rnd, total_rounds, client_num, frozenset({client}))
     if problem := message_problem(msg_type, sender, state, timestamp, content, view):
         return problem
-    if sender != client:
-        return f"sender {sender} is not this client's id {client}"
     if timestamp < since:
         return f"timestamp {timestamp!r} is earlier than {since!r}, that of the server's message it answers"
     return None

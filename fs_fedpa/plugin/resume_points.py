@@ -147,8 +147,7 @@ class ServerResume:
         device = next(iter(self.global_factors.values()))[0].device
         self.install_global({n: (B.to(device), A.to(device)) for n, (B, A) in saved["global"].items()}, {})
         self.model.load_state_dict(checkpoint["model"], strict=False)  # shared tensors, e.g. a shared head
-        params = dict(self.model.named_parameters())
-        self.shared = {n: params[n].detach().cpu().clone() for n in self.shared_names}
+        self.keep_shared()
         self.generator.set_state(saved["generator"])
         self._totals, self._down_bytes = dict(saved["totals"]), dict(saved["down_bytes"])
         merges = saved.get("merges", {})

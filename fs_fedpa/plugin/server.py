@@ -52,8 +52,7 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, ServerRecords, Serv
         if self.method.merges:
             lora.keep_base(self.model)  # before a resume point's merged weights are loaded into it
         _, self.shared_names = non_lora_trainables(self.model, self._cfg.personalization.local_param)
-        params = dict(self.model.named_parameters())
-        self.shared = {n: params[n].detach().cpu().clone() for n in self.shared_names}  # the server's own copy
+        self.keep_shared()
         self.global_factors = global_init(self.model, self.method)  # (B_g^(0), A_g^(0)), rank r_g
         self.generator = torch.Generator().manual_seed(self.method.seed + 1)  # sketches
         self.aggregator = FedPAAggregator(self)
@@ -199,7 +198,13 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, ServerRecords, Serv
             with torch.no_grad():
                 for name, value in shared.items():
                     params[name].copy_(value)
-                    self.shared[name] = params[name].detach().cpu().clone()  # the clients may share the model
+            self.keep_shared()
+
+    def keep_shared(self) -> None:
+        """The server's own CPU copy of the shared tensors as its model holds them now (after install or restore):
+        the clients may share that model object and load theirs into it."""
+        params = dict(self.model.named_parameters())
+        self.shared = {n: params[n].detach().cpu().clone() for n in self.shared_names}
 
     @torch.no_grad()
     def checkpoint_model(self) -> dict[str, Tensor]:
