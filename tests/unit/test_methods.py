@@ -156,7 +156,7 @@ def test_what_each_method_starts_from_trains_and_aligns():
     own = {n: (B.requires_grad_(), A.requires_grad_()) for n, (B, A) in _uploads([2])[0].items()}
     received = _uploads([2], seed=1)[0]
     keeps = {"fedpa": (True, True), "local_only": (True, True), "fedsa_lora": (True, False)}
-    trains = {"ffa_lora": [(True, False)] * 2, "rolora": [(True, False), (False, True)]}
+    trains = {"ffa_lora": [(True, False)] * 2, "fedsvd": [(True, False)] * 2, "rolora": [(True, False), (False, True)]}
     for name in PLUGIN_METHODS:
         method = _method(name, [2])
         start = method.start_round(received, own, 0, 0)
