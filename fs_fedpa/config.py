@@ -15,6 +15,8 @@ from typing import Any, Literal
 REG_CHOICES = ("product", "b", "a", "both", "none")
 SVD_CHOICES = ("reduced", "randomized", "dense")
 ADAPTIVE_CHOICES = ("none", "loss", "grad", "direction")
+DP_CHOICES = ("none", "client", "sample")
+DP_DELTA_MAX = 1e-5  # the largest delta a run may take, whatever the population (docs/privacy.md)
 LAM_MAX = 1e6  # upper bound of fedpa.lam and fedpa.lam_max: far above any useful weight, far below an overflow
 SEED_MAX = 2**32 - 1  # fedpa.seed: FS's top-level seed (numpy's) has this range; derived seeds stay within int64
 
@@ -273,6 +275,62 @@ class FedPAConfig:
             )
         },
     )
+    dp_mode: Literal["none", "client", "sample"] = field(
+        default="none",
+        metadata={
+            "help": (
+                "differential privacy (docs/privacy.md): 'client' (client-level DP with a trusted server: it samples "
+                "K of N clients, clips each contribution to dp_clip, adds Gaussian noise to the mean over K), "
+                "'sample' (each client trains by DP-SGD over its own records), or 'none'"
+            )
+        },
+    )
+    dp_clip: float = field(
+        default=0.0,
+        metadata={
+            "help": (
+                "C > 0: the clip norm of a client's contribution (client mode: ||s_i B_i A_i||_F for fedpa, the "
+                "Frobenius norm of the round change of the uploaded factors for the others) or of a per-example "
+                "gradient (sample mode)"
+            )
+        },
+    )
+    dp_noise_multiplier: float = field(
+        default=0.0,
+        metadata={
+            "help": (
+                "z > 0: Gaussian noise of standard deviation z C / K on the mean (client mode) or z C on the sum of "
+                "clipped gradients (sample mode); give it or dp_epsilon, not both"
+            )
+        },
+    )
+    dp_epsilon: float = field(
+        default=0.0,
+        metadata={
+            "help": (
+                "a target epsilon > 0 for the whole run, from which z is computed (client mode: for T rounds; sample "
+                "mode: per client, for every step it could take); give it or dp_noise_multiplier, not both"
+            )
+        },
+    )
+    dp_delta: float = field(
+        default=0.0,
+        metadata={
+            "help": (
+                "delta of the reported (epsilon, delta); 0: the largest allowed, min(1e-5, 1/(10 N)) in client mode "
+                "(N clients) and min(1e-5, 1/(10 n_i)) in sample mode (n_i records of client i); larger is refused"
+            )
+        },
+    )
+    dp_seed: int = field(
+        default=-1,
+        metadata={
+            "help": (
+                "seed of the DP noise and sampling (0 to 2**32 - 1), for reproducible experiments: the guarantee then "
+                "assumes the seed is secret; -1: seeded from OS entropy (never from the run's seed)"
+            )
+        },
+    )
     seed: int = field(
         default=-1,
         metadata={
@@ -354,11 +412,64 @@ class FedPAConfig:
                 f"fedpa.seed(={self.seed}) must be <= 2**32 - 1 (= {SEED_MAX}), the range of FS's top-level seed "
                 "(torch's generators overflow beyond 2**64 - 1)"
             )
+        self._check_dp()
         if self.adaptive_lam != "none" and self.reg != "product":
             raise ValueError(
                 f"fedpa.adaptive_lam(={self.adaptive_lam!r}) adapts the product penalty; it needs fedpa.reg "
                 f"'product', got {self.reg!r}"
             )
+
+    def _check_dp(self) -> None:
+        if self.dp_mode not in DP_CHOICES:
+            raise ValueError(f"fedpa.dp_mode(={self.dp_mode!r}) must be one of {DP_CHOICES}")
+        for key in ("dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta"):
+            setattr(self, key, _number(getattr(self, key), key, minimum=0.0))
+        self.dp_seed = _integer(self.dp_seed, "dp_seed", minimum=-1)
+        if self.dp_seed > SEED_MAX:
+            raise ValueError(f"fedpa.dp_seed(={self.dp_seed}) must be <= 2**32 - 1")
+        if self.dp_mode == "none":
+            return
+        if self.dp_clip <= 0:
+            raise ValueError(f"fedpa.dp_mode {self.dp_mode!r} needs fedpa.dp_clip, the clip norm C > 0")
+        if (self.dp_noise_multiplier > 0) == (self.dp_epsilon > 0):
+            raise ValueError(
+                f"fedpa.dp_mode {self.dp_mode!r} needs exactly one of fedpa.dp_noise_multiplier (z > 0) and "
+                f"fedpa.dp_epsilon (a target from which z is computed); got z={self.dp_noise_multiplier:g}, "
+                f"epsilon={self.dp_epsilon:g}"
+            )
+        if self.dp_delta > DP_DELTA_MAX:
+            raise ValueError(f"fedpa.dp_delta(={self.dp_delta:g}) must be <= {DP_DELTA_MAX:g} (0: the default)")
+        if self.adaptive_lam != "none":
+            raise ValueError(
+                f"fedpa.adaptive_lam {self.adaptive_lam!r} with differential privacy (fedpa.dp_mode "
+                f"{self.dp_mode!r}): the adaptive lambda is computed from the task loss and its gradients, which "
+                "would leave the mechanism; use a fixed fedpa.lam"
+            )
+        if self.dp_mode == "client" and self.norm_outlier:
+            raise ValueError(
+                "fedpa.norm_outlier with differential privacy (fedpa.dp_mode 'client'): one client's update could "
+                "drop another's, a release outside the mechanism; clipping to fedpa.dp_clip bounds every client"
+            )
+        if self.dp_mode == "client" and self.max_weight_ratio:
+            raise ValueError(
+                "fedpa.max_weight_ratio with differential privacy (fedpa.dp_mode 'client'): every sampled client "
+                "weighs 1/K there; unset it"
+            )
+
+    def dp_delta_for(self, population: int) -> float:
+        """delta of a population of ``population`` (N clients, or n_i records): fedpa.dp_delta, or 0's default
+        min(1e-5, 1/(10 population)); ValueError above that bound, which keeps the chance of a total release of one
+        member far below 1/population."""
+        bound = min(DP_DELTA_MAX, 1.0 / (10 * max(population, 1)))
+        if self.dp_delta == 0:
+            return bound
+        if self.dp_delta > bound * (1 + 1e-9):
+            who = "N clients" if self.dp_mode == "client" else "n_i records"
+            raise ValueError(
+                f"fedpa.dp_delta(={self.dp_delta:g}) is above min(1e-5, 1/(10 x {population} {who})) = {bound:g}: "
+                f"a delta near 1/{population} allows releasing one member outright; lower it or set 0"
+            )
+        return self.dp_delta
 
     def per_client(
         self, which: Literal["client_ranks", "reference_ranks", "ravan_heads"], num_clients: int

@@ -52,6 +52,10 @@ class FederatedMethod:
     # False: the pairs a method keeps per module are its own state, applied without PEFT's scaling (Ravan's cores
     # and scales); expand() turns them into factors
     state_is_factors: ClassVar[bool] = True
+    # client-level DP (fedpa.dp_mode client, docs/privacy.md): what a client's clipped contribution is. "product":
+    # its applied product s_i B_i A_i; "change": the change of the factors it uploads from those it received; "":
+    # refused. Declared by each method itself, never inherited: a subclass changes what the server releases.
+    dp_space: ClassVar[str] = ""
 
     def __init__(self, cfg: FedPAConfig, plan: RankPlan, seed: int | None = None):
         self.cfg = cfg
@@ -85,6 +89,8 @@ class FederatedMethod:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        if "dp_space" not in cls.__dict__:
+            cls.dp_space = ""
         if cls.name:
             if cls.name in METHODS:
                 raise ValueError(f"federated method {cls.name!r} is registered twice")
@@ -110,6 +116,32 @@ class FederatedMethod:
         """New global factors and, per module, the aggregate's singular values (may be empty), from the uploads of
         round ``rnd`` (as :meth:`complete_upload` returned them)."""
         raise NotImplementedError
+
+    def dp_global(self, release: dict, global_: Factors, generator: Generator) -> tuple[Factors, dict[str, Tensor]]:
+        """Client-level DP: the new global factors and spectra from the round's noisy release, by post-processing
+        only (:mod:`fs_fedpa.core.dp`). ``"product"``: ``release[name]`` is the (d, k) noisy mean product, and the
+        global is its rank-R_g truncated SVD (B = U S, A = V^T; ``fedpa.svd: randomized`` sketches it with width
+        R_g + p). ``"change"``: ``release[name][part]`` is the noisy mean change of that factor, added to the
+        global."""
+        if self.dp_space == "product":
+            out, spectra = {}, {}
+            for name, M in release.items():
+                out[name], spectra[name] = _top_factors(M, self.plan.R_g, self.cfg, generator)
+            return out, spectra
+        index = {"B": 0, "A": 1}
+        out = {}
+        for name, (B, A) in global_.items():
+            pair = [B, A]
+            for part, change in release[name].items():
+                r = change.shape[1] if part == "B" else change.shape[0]
+                new = pair[index[part]].clone()
+                if part == "B":
+                    new[:, :r] += change.to(new)
+                else:
+                    new[:r] += change.to(new)
+                pair[index[part]] = new
+            out[name] = (pair[0], pair[1])
+        return out, {}
 
     def merge(self, uploads: Sequence[Factors], weights: Sequence[float], global_: Factors) -> Factors | None:
         """Applied factors whose product every worker adds to its frozen base weights after this aggregation, so
@@ -214,6 +246,27 @@ class FederatedMethod:
         """What the paper protocol evaluates on client ``client`` (``personal``: its personal adapter, if the
         method keeps one): the received global reference by default."""
         return received
+
+
+def _top_factors(M: Tensor, rank: int, cfg: FedPAConfig, generator: Generator) -> tuple[tuple[Tensor, Tensor], Tensor]:
+    """Rank-``rank`` factors ``(U S, V^T)`` of the (d, k) matrix ``M`` (exact SVD in float64, or with
+    ``fedpa.svd: randomized`` a sketch of width rank + p, two power iterations) and its leading singular values."""
+    dtype = M.dtype
+    if cfg.svd == "randomized":
+        q = min(rank + cfg.oversample, *M.shape)
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        with torch.random.fork_rng(devices=[M.device] if M.device.type == "cuda" else []):
+            torch.manual_seed(seed)  # svd_lowrank draws from torch's global stream
+            U, S, V = torch.svd_lowrank(M.float(), q=q, niter=2)
+        Vh = V.mT
+    else:
+        U, S, Vh = torch.linalg.svd(M.double(), full_matrices=False)
+    n = min(rank, S.shape[0])
+    B = torch.zeros(M.shape[0], rank, dtype=dtype, device=M.device)
+    A = torch.zeros(rank, M.shape[1], dtype=dtype, device=M.device)
+    B[:, :n] = (U[:, :n] * S[:n]).to(dtype)
+    A[:n] = Vh[:n].to(dtype)
+    return (B, A), S[:n].to(dtype)
 
 
 def seeded_subset(tag: str, seed: int, rnd: int, client: int, n: int, k: int) -> list[int]:

@@ -13,6 +13,7 @@ from fs_fedpa.methods.base import Factors, FederatedMethod, Uploads
 
 class FedIT(FederatedMethod):
     name = "fedit"
+    dp_space = "change"
 
     def check_plan(self) -> None:
         if len(set(self.plan.client_ranks)) > 1:

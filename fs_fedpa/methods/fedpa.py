@@ -19,6 +19,7 @@ from fs_fedpa.methods.base import Factors, FederatedMethod, Uploads
 
 class FedPA(FederatedMethod):
     name = "fedpa"
+    dp_space = "product"
 
     def start_round(self, received: Factors, own: Factors, client: int, rnd: int) -> Factors:
         return own  # §4.1: local factor preservation; the received factors are only the reference

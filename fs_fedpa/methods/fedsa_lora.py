@@ -15,6 +15,7 @@ from fs_fedpa.methods.fedit import FedIT
 
 class FedSALoRA(FedIT):
     name = "fedsa_lora"
+    dp_space = "change"
 
     def upload_parts(self, rnd: int) -> tuple[str, ...]:
         return ("A",)

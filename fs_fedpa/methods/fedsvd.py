@@ -58,6 +58,7 @@ def refactor(B: Tensor, A: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 class FedSVD(FFALoRA):
     name = "fedsvd"
+    dp_space = "change"  # client-level DP noises the mean change of B only; the re-factoring is post-processing
 
     def init_global(self, shapes: dict[str, tuple[int, int]], generator: torch.Generator) -> Factors:
         """B = 0 and A = PEFT's Kaiming-uniform draw with its rows orthonormalised (QR of Aᵀ, signs fixed)."""
@@ -77,3 +78,12 @@ class FedSVD(FFALoRA):
             B_new, A_new, spectra[name] = refactor(B, A)
             global_[name] = (B_new, A_new)
         return global_, spectra
+
+    def dp_global(self, release: dict, global_: Factors, generator: Generator) -> tuple[Factors, dict[str, Tensor]]:
+        """Client-level DP: the global B plus the noisy mean change of B, re-factored with the common A."""
+        noisy, _ = super().dp_global(release, global_, generator)
+        out, spectra = {}, {}
+        for name, (B, A) in noisy.items():
+            B_new, A_new, spectra[name] = refactor(B, A)
+            out[name] = (B_new, A_new)
+        return out, spectra

@@ -27,6 +27,7 @@ from fs_fedpa.plugin.intake import (
 from fs_fedpa.plugin.payload import (
     nbytes,
 )
+from fs_fedpa.plugin.privacy import private_record
 from fs_fedpa.plugin.round_records import new_record, round_record
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
@@ -64,6 +65,10 @@ class FedPAAggregator(Aggregator):
                         f"[fedpa] round {server.state}: client #{client_id} reported stats that are not finite "
                         f"({', '.join(bad)}); recorded as such, and its upload is aggregated"
                     )
+        if server.privacy is not None:
+            if server.privacy.samples_clients:  # client-level DP: every round releases, whatever arrived
+                return self._aggregate_private(accepted, dropped, bytes_up)
+            server.privacy.account(server.state, sorted(server._expected), {c: a.stats for c, a in accepted.items()})
         cfg = server.method.cfg
         if cfg.norm_outlier and accepted:
             norms = {c: update_norm(server.method.expand(a.factors)) for c, a in accepted.items()}
@@ -119,6 +124,20 @@ class FedPAAggregator(Aggregator):
                 f"[fedpa] {failed} rounds in a row had every upload dropped (fedpa.max_failed_rounds={limit}); "
                 f"stopping instead of training nothing. Reasons in round {server.state}: {dropped}"
             )
+        return {}
+
+    def _aggregate_private(self, accepted: dict, dropped: dict, bytes_up: dict) -> dict:
+        """Client-level DP (:mod:`fs_fedpa.plugin.privacy`): the noisy mean of the clipped contributions over the fixed
+        K, the method's server step on it, and a record of the release only."""
+        server = self.server
+        kept = list(accepted)
+        new_global, spectra, release = server.privacy.release([accepted[c].factors for c in kept], kept)
+        _check_finite(new_global, {})
+        record = private_record(server, kept, new_global, spectra, release)
+        record["dropped"], record["bytes_up"] = dropped, bytes_up
+        server.install_global(new_global, {}, None)
+        server.record_round(record)
+        server.privacy.account(server.state, kept, {})
         return {}
 
     def _drop(self, dropped: dict, client_id, reason: str) -> None:

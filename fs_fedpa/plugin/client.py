@@ -38,6 +38,7 @@ from fs_fedpa.plugin.evaluation import ClientEvaluation
 from fs_fedpa.plugin.liveness import ClientLiveness
 from fs_fedpa.plugin.messages import reply_problem
 from fs_fedpa.plugin.payload import decode_factors, decode_merge, decode_tensors, encode_parts, encode_tensors
+from fs_fedpa.plugin.privacy import ClientPrivacy
 from fs_fedpa.plugin.resume_points import ClientResume
 from fs_fedpa.plugin.round_records import ClientDiagnostics
 from fs_fedpa.plugin.trainer import install_alignment_hook
@@ -86,6 +87,7 @@ class FedPAClient(
         self._resume_out = resume.server_path(save_to) if save_to else None
         self._resume_in = restore_from or None  # read at the first message, which names the round
         install_alignment_hook(self.trainer, self)
+        self.privacy = ClientPrivacy(self)
         self.store = state_store(self._cfg, self.method.cfg.state_budget_mb)
         if self.store.initial_local is None:  # what a client whose state is lost starts from again
             self.store.initial_local = {n: t.detach().cpu().clone() for n, t in self.local_tensors.items()}
@@ -159,6 +161,7 @@ class FedPAClient(
         sample_size, _, results = self.trainer.train()
         self._release_optimizer()
         upload = self._leave_round()
+        self.privacy.log_round()
         self._park()
         logger.info(self._monitor.format_eval_res(results, rnd=self.state, role=f"Client #{self.ID}", return_raw=True))
         self.comm_manager.send(
@@ -168,7 +171,7 @@ class FedPAClient(
                 receiver=[message.sender],
                 state=self.state,
                 timestamp=self._gen_timestamp(init_timestamp=message.timestamp, instance_number=sample_size),
-                content=(sample_size, upload),
+                content=(self.privacy.sample_size(sample_size), upload),
             )
         )
 
@@ -193,7 +196,7 @@ class FedPAClient(
         self.lam = self.method.cfg.lam
         self._lam_pending = self.method.cfg.adaptive_lam != "none"
         self._penalty_sum, self._penalty_steps = None, 0
-        if self.method.cfg.diagnostics:  # off: no diagnostic is computed, not only none written
+        if self.method.cfg.diagnostics and self.method.cfg.dp_mode != "sample":  # off: none computed, not only sent
             self._grads.watch(self._live)
 
     def _train_personal(self, received: dict[str, tuple[Tensor, Tensor]], payload: dict) -> None:
@@ -244,16 +247,18 @@ class FedPAClient(
         wire = self._cfg.federate.mode.lower() == "distributed"  # tensors as explicit encodings, never pickled
         upload = {
             "lora": encode_parts(self.method.upload_payload(sent, self.index, self.state), wire=wire),
-            "stats": {
-                "alignment_loss": term,
-                "lam": float(self.lam),
-                "num_train_data": int(getattr(self.trainer.ctx, "num_train_data", 0) or 0),
-                "restarted": int(self._restarted),
-                "state_lost": int(self._lost_this_round),
-                **self._stale,
-                **self._e_init,
-                **self._round_stats(sent),
-            },
+            "stats": self.privacy.stats(
+                {
+                    "alignment_loss": term,
+                    "lam": float(self.lam),
+                    "num_train_data": int(getattr(self.trainer.ctx, "num_train_data", 0) or 0),
+                    "restarted": int(self._restarted),
+                    "state_lost": int(self._lost_this_round),
+                    **self._stale,
+                    **self._e_init,
+                    **self._round_stats(sent),
+                }
+            ),
         }
         if self.shared_names:  # FS's gRPC encoder fails on empty dicts
             upload["shared"] = encode_tensors({n: params[n] for n in self.shared_names}, wire)

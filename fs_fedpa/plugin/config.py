@@ -93,6 +93,37 @@ def check_fedpa_cfg(cfg) -> None:
         )
     if cfg.federate.client_num > 0:
         fedpa.check_clients(cfg.federate.client_num, _adapter_rank(cfg))
+    if fedpa.dp_mode != "none":
+        _check_dp(cfg, fedpa)
+
+
+def _check_dp(cfg, fedpa: FedPAConfig) -> None:
+    """What differential privacy refuses before any data or model is built (docs/privacy.md); the server refuses
+    federated tensors (a shared head) when it sees the model."""
+    try:
+        import dp_accounting  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(
+            f"fedpa.dp_mode {fedpa.dp_mode!r} needs Google's dp-accounting: pip install 'fs_fedpa[dp]'"
+        ) from exc
+    from fs_fedpa.methods.base import get_method
+
+    method = get_method(cfg.federate.method.lower())
+    if fedpa.dp_mode == "client":
+        from fs_fedpa.plugin.privacy import check_method
+
+        check_method(method, fedpa)
+        if cfg.federate.client_num > 0:
+            fedpa.dp_delta_for(cfg.federate.client_num)  # raises above min(1e-5, 1/(10 N))
+    else:
+        if cfg.llm.deepspeed.use:
+            raise ValueError("fedpa.dp_mode sample runs its own DP-SGD step; deepspeed's engine would bypass it")
+        if cfg.grad.grad_clip > 0:
+            message = f"grad.grad_clip(={cfg.grad.grad_clip:g}) is not applied under fedpa.dp_mode sample: each "
+            message += f"example's gradient is clipped to fedpa.dp_clip(={fedpa.dp_clip:g}) instead"
+            if message not in _WARNED:
+                _WARNED.add(message)
+                logger.warning(message)
 
 
 def _adapter_rank(cfg) -> int | None:

@@ -100,6 +100,7 @@ class ServerResume:
                     "history_results": resume.plain(self.history_results),
                     "best_results": resume.plain(self.best_results),
                     "rng": resume.rng_state(),
+                    "privacy": self.privacy.state() if self.privacy is not None else {},
                 },
             },
             path,
@@ -166,6 +167,8 @@ class ServerResume:
         self._write_diagnostics(self._records)
         self.history_results, self.best_results = saved["history_results"], saved["best_results"]
         self._pending_rng = saved["rng"]
+        if self.privacy is not None:
+            self.privacy.restore(saved.get("privacy"))
         self.state = saved["round"]
         logger.info(f"[fedpa] resumed from {path} at round {self.state}")
         return self.state

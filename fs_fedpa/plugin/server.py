@@ -31,6 +31,7 @@ from fs_fedpa.plugin.export import check_export_dir
 from fs_fedpa.plugin.inbox import ServerInbox
 from fs_fedpa.plugin.liveness import ServerLiveness
 from fs_fedpa.plugin.payload import encode_factors, encode_merge, encode_tensors, nbytes
+from fs_fedpa.plugin.privacy import ServerPrivacy
 from fs_fedpa.plugin.resume_points import ServerResume, check_resume_file
 from fs_fedpa.plugin.round_records import ServerRecords
 
@@ -55,6 +56,7 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, ServerRecords, Serv
         self.keep_shared()
         self.global_factors = global_init(self.model, self.method)  # (B_g^(0), A_g^(0)), rank r_g
         self.generator = torch.Generator().manual_seed(self.method.seed + 1)  # sketches
+        self.privacy = ServerPrivacy(self) if self.method.cfg.dp_mode != "none" else None
         self.aggregator = FedPAAggregator(self)
         self.aggregators[0] = self.aggregator
         if self._cfg.federate.save_to:  # FS saves only after training: a missing folder would lose the run
@@ -89,6 +91,8 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, ServerRecords, Serv
         if self.method.cfg.export_dir and msg_type == "finish":
             self.export(self.method.cfg.export_dir)
         super().terminate(msg_type=msg_type)
+        if self.privacy is not None:
+            logger.info(self.privacy.summary())
 
     def export(self, out: str) -> None:
         """The global adapter, the shared tensors and the manifest into ``out`` (:mod:`fs_fedpa.plugin.export`)."""
@@ -110,7 +114,10 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, ServerRecords, Serv
                 self.write_resume_point()
         if filter_unseen_clients:
             self.sampler.change_state(self.unseen_clients_id, "unseen")
-        if sample_client_num > 0:
+        if msg_type == "model_para" and self.privacy is not None and self.privacy.samples_clients:
+            receivers = self.privacy.receivers()  # client-level DP: the DP generator draws K, not FS's sampler
+            self.sampler.change_state(receivers, "working")
+        elif sample_client_num > 0:
             receivers = self.sampler.sample(size=sample_client_num)
         else:
             receivers = list(self.comm_manager.neighbors.keys())

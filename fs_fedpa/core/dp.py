@@ -1,0 +1,134 @@
+"""The Gaussian mechanisms of differential privacy, in plain torch (docs/privacy.md).
+
+Client level (a trusted server): K of N clients are sampled without replacement; each contribution x_i is clipped
+to ``||x_i|| <= C`` (c_i = min(1, C / ||x_i||)); the release is ``(1/K) sum_i c_i x_i + N(0, (z C / K)^2 I)``, with
+the fixed K in the denominator whatever arrived. Replacing one client moves the mean by at most ``2C/K``, so the
+accountant sees the noise multiplier z/2 (:mod:`fs_fedpa.core.dp_accountant`).
+
+Sample level (DP-SGD on a client): b of its n_i records are drawn without replacement at every step; the per-example
+gradients g_j are clipped to C and the step uses ``(sum_j c_j g_j + N(0, (z C)^2 I)) / b``.
+
+Every draw comes from the ``generator`` handed in (the DP generator, :func:`dp_generator`), on the host: noise is
+then moved to the tensor's device, so a run's randomness does not depend on where it computes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Sequence
+
+import torch
+from torch import Generator, Tensor
+
+
+def dp_generator(seed: int = -1, stream: str = "") -> Generator:
+    """A host generator for noise and sampling: seeded from OS entropy (``seed`` -1), or, for reproducible
+    experiments, from blake2b(``seed``, ``stream``), so the server and each client draw independent streams."""
+    if seed < 0:
+        return torch.Generator().manual_seed(secrets.randbits(63))
+    key = hashlib.blake2b(f"fedpa-dp:{seed}:{stream}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
+
+
+def sample_without_replacement(population: int, size: int, generator: Generator) -> list[int]:
+    """``size`` of ``range(population)`` uniformly without replacement, sorted (all when size >= population)."""
+    if size >= population:
+        return list(range(population))
+    return sorted(torch.randperm(population, generator=generator)[:size].tolist())
+
+
+def product_sq_norm(B: Tensor, A: Tensor) -> Tensor:
+    """``||B A||_F^2 = tr((B^T B)(A A^T))`` in float64 from the (d, r) and (r, k) factors, without B A."""
+    B64, A64 = B.double(), A.double()
+    return ((B64.mT @ B64) * (A64 @ A64.mT)).sum().clamp_min(0)
+
+
+def clip_scale(sq_norm: float, C: float) -> float:
+    """c = min(1, C / ||x||) for a contribution of squared norm ``sq_norm``: ``||c x|| <= C``."""
+    norm = float(sq_norm) ** 0.5
+    return 1.0 if norm <= C else C / norm
+
+
+def gaussian(shape: Sequence[int], std: float, generator: Generator, like: Tensor) -> Tensor:
+    """N(0, std^2) entries of ``shape``, drawn on the host in float64 from ``generator``, as ``like``'s dtype and
+    device."""
+    noise = torch.randn(tuple(shape), generator=generator, dtype=torch.float64) * std
+    return noise.to(device=like.device, dtype=like.dtype)
+
+
+def noisy_mean(tensors: Sequence[Tensor], scales: Sequence[float], K: int, std: float, generator: Generator,
+               like: Tensor) -> Tensor:  # fmt: skip
+    """``(1/K) sum_i c_i t_i + N(0, std^2)``, entrywise, for tensors of one shape (none: the noise alone, in
+    ``like``'s shape)."""
+    total = torch.zeros(like.shape, dtype=torch.float64, device=like.device)
+    for t, c in zip(tensors, scales):
+        total += c * t.double()
+    return (total / K + gaussian(like.shape, std, generator, total)).to(like.dtype)
+
+
+def noisy_mean_product(Bs: Sequence[Tensor], As: Sequence[Tensor], scales: Sequence[float], K: int, std: float,
+                       generator: Generator, shape: tuple[int, int], like: Tensor) -> Tensor:  # fmt: skip
+    """The (d, k) release of one module, ``(1/K) sum_i c_i B_i A_i + N(0, std^2)``: one (d, sum r_i) x (sum r_i, k)
+    product in float64, then the noise; the only d x k matrices are this one and its noise."""
+    if Bs:
+        B = torch.cat([c * B.double() for B, c in zip(Bs, scales)], 1)
+        total = B @ torch.cat([A.double() for A in As], 0)
+    else:
+        total = torch.zeros(shape, dtype=torch.float64, device=like.device)
+    return (total / K + gaussian(shape, std, generator, total)).to(like.dtype)
+
+
+def clipped_sum(per_example: Sequence[Sequence[Tensor]], C: float) -> tuple[list[Tensor], list[float]]:
+    """``sum_j c_j g_j`` over examples j, each ``g_j`` (a list of tensors, one per trainable parameter) clipped
+    jointly to ``||g_j|| <= C``; also the c_j."""
+    total: list[Tensor] | None = None
+    scales = []
+    for grads in per_example:
+        sq = sum(float(g.double().pow(2).sum()) for g in grads)
+        c = clip_scale(sq, C)
+        scales.append(c)
+        if total is None:
+            total = [c * g.double() for g in grads]
+        else:
+            for t, g in zip(total, grads):
+                t.add_(g.double(), alpha=c)
+    return total or [], scales
+
+
+def release_products(uploads: Sequence[dict[str, tuple[Tensor, Tensor]]], shapes: dict[str, tuple[int, int]], K: int,
+                     C: float, z: float, generator: Generator) -> tuple[dict[str, Tensor], list[float]]:  # fmt: skip
+    """Client-level release of product-space methods: per module the (d, k) noisy mean
+    ``(1/K) sum_i c_i B_i A_i + N(0, (z C / K)^2)``, each client's whole update ``{B_i A_i}`` over modules clipped to
+    Frobenius norm C (norms from Gram matrices); also the c_i. ``uploads``: applied factors, at most K of them (a
+    missing client contributes zero); ``shapes[name] = (d, k)``."""
+    scales = [clip_scale(sum(float(product_sq_norm(B, A)) for B, A in u.values()), C) for u in uploads]
+    std = z * C / K
+    release = {}
+    for name, (d, k) in shapes.items():  # one module at a time: one d x k matrix (and its noise) alive at once
+        like = next(iter(uploads[0].values()))[0] if uploads else torch.zeros(())
+        release[name] = noisy_mean_product([u[name][0] for u in uploads], [u[name][1] for u in uploads], scales, K,
+                                           std, generator, (d, k), like)  # fmt: skip
+    return release, scales
+
+
+def release_changes(uploads: Sequence[dict[str, tuple[Tensor, Tensor]]], starts: Sequence[dict[str, tuple[Tensor,
+                    Tensor]]], parts: Sequence[str], K: int, C: float, z: float, generator: Generator,
+                    ) -> tuple[dict[str, dict[str, Tensor]], list[float]]:  # fmt: skip
+    """Client-level release of factor-averaging methods: per module and uploaded part (``"B"``, ``"A"``) the noisy
+    mean change ``(1/K) sum_i c_i (X_i - X_i^0) + N(0, (z C / K)^2)``, where ``X_i^0`` is what client i started from
+    (``starts[i]``, the factors it received) and each client's change over all modules and parts is clipped to
+    Frobenius norm C; also the c_i. ``starts`` must hold one entry per upload, or one for all (``len == 1``) when there
+    are none."""
+    index = {"B": 0, "A": 1}
+    changes = [{(n, p): u[n][index[p]].double() - s[n][index[p]].double() for n in u for p in parts}
+               for u, s in zip(uploads, starts)]  # fmt: skip
+    scales = [clip_scale(sum(float(t.pow(2).sum()) for t in change.values()), C) for change in changes]
+    std = z * C / K
+    release: dict[str, dict[str, Tensor]] = {}
+    for name, pair in starts[0].items():
+        release[name] = {}
+        for p in parts:
+            like = pair[index[p]]
+            release[name][p] = noisy_mean([c[(name, p)] for c in changes], scales, K, std, generator, like)
+    return release, scales

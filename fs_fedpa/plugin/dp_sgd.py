@@ -1,0 +1,147 @@
+"""Sample-level DP-SGD on a client (``fedpa.dp_mode: sample``) as FS train hooks, for any trainer built on
+``GeneralTorchTrainer`` (FS-LLM's ``llmtrainer`` and the plugin's ``seqcls``).
+
+At every step, in place of the batch FS's shuffled, cycled loader gave (which matches no sampling an accountant
+knows): b of the client's n_i records drawn uniformly without replacement from the DP generator; the task loss of each
+record forwarded and differentiated on its own (a per-example loop: ``torch.func.vmap`` fails inside transformers'
+attention-mask code), its gradient over every trainable tensor (LoRA factors and head) clipped to C; the sum plus
+N(0, (z C)^2), divided by b, is the step's task gradient (:func:`fs_fedpa.core.dp.clipped_sum`). What does not touch
+the data, FedPA-LoRA's alignment term at a fixed lambda and FS's parameter regularizer, is differentiated as usual and
+added after clipping and noise.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from federatedscope.core.trainers.context import CtxVar
+from federatedscope.core.trainers.enums import LIFECYCLE
+from torch import Tensor
+
+from fs_fedpa.core.dp import clipped_sum, gaussian, sample_without_replacement
+
+logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
+
+
+class DPSGD:
+    """The hooks of one client's trainer; ``plan(n)`` gives the client's :class:`~fs_fedpa.plugin.privacy.SamplePlan`
+    for its training set size, ``make_generator()`` its DP generator (called at the first step: in distributed mode
+    a client learns its id, which names its stream, when it joins)."""
+
+    def __init__(self, trainer, plan, make_generator, clip: float):
+        self.trainer, self.plan, self.C = trainer, plan, clip
+        self._make_generator, self._generator = make_generator, None
+        self.steps = 0  # DP steps taken over the run (what the client's epsilon counts)
+        self.round_steps = 0
+        self._grad_sum: list[Tensor] = []
+        self._plan = None
+        forward = [h for h in trainer.hooks_in_train["on_batch_forward"] if h.__name__ == "_hook_on_batch_forward"]
+        backward = [h for h in trainer.hooks_in_train["on_batch_backward"] if h.__name__ == "_hook_on_batch_backward"]
+        if len(forward) != 1 or len(backward) != 1:
+            raise ValueError(
+                f"fedpa.dp_mode sample needs a trainer with FS's _hook_on_batch_forward and _hook_on_batch_backward "
+                f"train hooks; trainer {type(trainer).__name__} has {len(forward)} and {len(backward)}"
+            )
+        self._forward = forward[0]
+        trainer.register_hook_in_train(new_hook=self._hook_on_batch_start_dp_sample, trigger="on_batch_start")
+        trainer.replace_hook_in_train(self._hook_on_batch_forward_dp, "on_batch_forward", "_hook_on_batch_forward")
+        trainer.replace_hook_in_train(self._hook_on_batch_backward_dp, "on_batch_backward", "_hook_on_batch_backward")
+        trainer.register_hook_in_train(new_hook=self._hook_on_fit_start_dp, trigger="on_fit_start")
+
+    @property
+    def generator(self) -> torch.Generator:
+        if self._generator is None:
+            self._generator = self._make_generator()
+        return self._generator
+
+    def _hook_on_fit_start_dp(self, ctx):
+        self.round_steps = 0
+
+    def _hook_on_batch_start_dp_sample(self, ctx):
+        """Replace FS's batch by b records drawn without replacement (the event the accountant composes)."""
+        loader = ctx.get(f"{ctx.cur_split}_loader")
+        loader = getattr(loader, "loader", loader)  # FS's ReIterator around a torch DataLoader
+        n = len(loader.dataset)
+        plan = self._plan = self.plan(n)
+        chosen = sample_without_replacement(n, plan.b, self.generator)
+        ctx.data_batch = CtxVar(loader.collate_fn([loader.dataset[j] for j in chosen]), LIFECYCLE.BATCH)
+
+    def _hook_on_batch_forward_dp(self, ctx):
+        """Per record: FS's forward on it alone and the gradient of its loss; the clipped sum is kept for the backward
+        hook. ``ctx.loss_batch`` is the batch's mean loss, detached (the client's own log; it is never sent)."""
+        batch = ctx.data_batch
+        size = _batch_size(batch)
+        params = [p for p in ctx.model.parameters() if p.requires_grad]
+        per_example, losses, y_true, y_prob = [], [], [], []
+        for j in range(size):
+            ctx.data_batch = CtxVar(_row(batch, j, size), LIFECYCLE.BATCH)
+            self._forward(ctx)
+            if torch.isfinite(ctx.loss_batch):
+                grads = torch.autograd.grad(ctx.loss_batch, params, allow_unused=True)
+            else:  # e.g. a causal-LM record with no label token: it contributes zero, within the clip bound
+                grads = [None] * len(params)
+            per_example.append([torch.zeros_like(p) if g is None else g.detach() for g, p in zip(grads, params)])
+            losses.append(ctx.loss_batch.detach())
+            y_true.append(ctx.y_true.detach())
+            y_prob.append(ctx.y_prob.detach())
+        self._grad_sum, _ = clipped_sum(per_example, self.C)
+        ctx.data_batch = CtxVar(batch, LIFECYCLE.BATCH)
+        ctx.loss_batch = CtxVar(torch.stack(losses).mean(), LIFECYCLE.BATCH)
+        ctx.y_true = CtxVar(torch.cat([y.reshape(-1, *y.shape[1:]) if y.ndim else y.reshape(1) for y in y_true]),
+                            LIFECYCLE.BATCH)  # fmt: skip
+        ctx.y_prob = CtxVar(torch.cat(y_prob), LIFECYCLE.BATCH)
+        ctx.batch_size = CtxVar(size, LIFECYCLE.BATCH)
+        ctx.skip_this_batch = CtxVar(False, LIFECYCLE.BATCH)  # FS-LLM's NaN retry would take an unaccounted step
+
+    def _hook_on_batch_backward_dp(self, ctx):
+        """grad = d(alignment + regularizer) + (clipped sum + N(0, (z C)^2)) / b, then FS's optimizer step."""
+        plan = self._plan
+        self.round_steps += 1
+        self.steps += 1
+        if self.round_steps > plan.steps_per_round:
+            raise RuntimeError(
+                f"DP-SGD took {self.round_steps} steps in a round planned for {plan.steps_per_round}: the privacy "
+                "accounting would not cover them"
+            )
+        ctx.optimizer.zero_grad()
+        if isinstance(ctx.loss_task, Tensor) and ctx.loss_task.requires_grad:
+            ctx.loss_task.backward()  # the data-free terms: ctx.loss_batch is detached
+        params = [p for p in ctx.model.parameters() if p.requires_grad]
+        std = plan.z * self.C
+        with torch.no_grad():
+            for p, g in zip(params, self._grad_sum):
+                noisy = (g + gaussian(g.shape, std, self.generator, g)) / plan.b
+                p.grad = noisy.to(p.dtype) if p.grad is None else p.grad + noisy.to(p.dtype)
+        self._grad_sum = []
+        ctx.optimizer.step()
+        if ctx.scheduler is not None:
+            ctx.scheduler.step()
+
+
+def _batch_size(batch) -> int:
+    for t in _tensors(batch):
+        return int(t.shape[0])
+    raise ValueError("DP-SGD: a batch without tensors")
+
+
+def _tensors(batch):
+    if isinstance(batch, Tensor):
+        yield batch
+    elif isinstance(batch, dict):
+        for v in batch.values():
+            yield from _tensors(v)
+    elif isinstance(batch, (list, tuple)):
+        for v in batch:
+            yield from _tensors(v)
+
+
+def _row(batch, j: int, size: int):
+    """Record ``j`` of a batch (every tensor whose first dimension is the batch's), as a batch of one."""
+    if isinstance(batch, Tensor):
+        return batch[j : j + 1] if batch.ndim and batch.shape[0] == size else batch
+    if isinstance(batch, dict):
+        return {k: _row(v, j, size) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_row(v, j, size) for v in batch)
+    return batch

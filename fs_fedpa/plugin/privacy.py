@@ -1,0 +1,310 @@
+"""Differential privacy in the FS workers (``fedpa.dp_mode``, docs/privacy.md): the server's sampling, release and
+ledger (:class:`ServerPrivacy`), what a client may send and its DP-SGD (:class:`ClientPrivacy`). The mechanisms are
+:mod:`fs_fedpa.core.dp`, the accounting :mod:`fs_fedpa.core.dp_accountant`; the workers only wire these in.
+
+The ledger ``<outdir>/fedpa_privacy.jsonl`` has one line a round, whatever ``fedpa.diagnostics`` says: the
+cumulative epsilon at the run's delta (sample mode: per client, and the largest), the sampling, adjacency, noise
+multiplier and sensitivity the accountant was given.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+from fs_fedpa.core.dp import dp_generator, product_sq_norm, release_changes, release_products
+from fs_fedpa.core.dp import sample_without_replacement as _sample
+from fs_fedpa.core.ranks import truncate_factors
+
+logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
+
+PRIVACY_FILE = "fedpa_privacy.jsonl"
+# what a client sends of its statistics under DP: client mode, only faults of its storage (not of its data);
+# sample mode, everything computed from its DP factors, but not the task-gradient ratios (raw data)
+CLIENT_MODE_STATS = ("state_lost",)
+RAW_DATA_STATS = ("grad_ratio_",)
+
+
+def check_method(method, cfg_fedpa) -> None:
+    """ValueError, naming DP and the method, if ``method`` cannot honour ``fedpa.dp_mode client``."""
+    if cfg_fedpa.dp_mode != "client":
+        return
+    if not method.dp_space:
+        raise ValueError(
+            f"differential privacy at client level (fedpa.dp_mode client) is not supported by federate.method "
+            f"{method.name!r}: only fedpa, fedit, ffa_lora, fedsa_lora and fedsvd clip and noise what their server "
+            "aggregates (fedpa.dp_mode sample works with every method)"
+        )
+
+
+@dataclass(frozen=True)
+class SamplePlan:
+    """Client i's DP-SGD: b of its n records a step, ``steps_per_round`` steps a round, noise multiplier z."""
+
+    n: int
+    b: int
+    steps_per_round: int
+    z: float
+    delta: float
+
+    def epsilon(self, steps: int) -> float:
+        from fs_fedpa.core.dp_accountant import Sampled
+
+        return Sampled(self.n, self.b, self.z).epsilon(steps, self.delta)
+
+
+def sample_plan(cfg, n: int) -> SamplePlan:
+    """The plan of a client with ``n`` training records under FS config ``cfg``: b = min(batch size, n); steps a
+    round as FS runs them (``local_update_steps`` batches, or that many epochs of ceil(n / b) batches, n // b with
+    ``drop_last``); z as given, or calibrated so that every step it could take over the run (T rounds) spends at
+    most ``fedpa.dp_epsilon`` at its delta."""
+    fedpa = cfg.fedpa
+    b = max(1, min(int(cfg.dataloader.batch_size), n))
+    if cfg.train.batch_or_epoch == "batch":
+        tau = int(cfg.train.local_update_steps)
+    else:
+        per_epoch = n // b if cfg.dataloader.drop_last else math.ceil(n / b)
+        tau = int(cfg.train.local_update_steps) * max(per_epoch, 1)
+    return _plan(n, b, tau, int(cfg.federate.total_round_num), float(fedpa.dp_noise_multiplier),
+                 float(fedpa.dp_epsilon), float(fedpa.dp_delta))  # fmt: skip
+
+
+@lru_cache(maxsize=1024)
+def _plan(n: int, b: int, tau: int, rounds: int, z: float, target: float, delta_setting: float) -> SamplePlan:
+    from fs_fedpa.config import FedPAConfig
+    from fs_fedpa.core.dp_accountant import calibrate
+
+    delta = FedPAConfig(dp_mode="sample", dp_clip=1.0, dp_noise_multiplier=z or 1.0, dp_delta=delta_setting)
+    delta = delta.dp_delta_for(n)
+    if not z:
+        z = calibrate(n, b, rounds * tau, target, delta)
+    return SamplePlan(n, b, tau, z, delta)
+
+
+class ServerPrivacy:
+    """The server's side: client mode samples K of N, releases the noisy mean and accounts one event a round;
+    sample mode accounts each client's DP-SGD steps. ``server.privacy`` is None when DP is off."""
+
+    def __init__(self, server):
+        from fs_fedpa.core.dp_accountant import ACCOUNTANT, version
+
+        self.server = server
+        fedpa, cfg = server.method.cfg, server._cfg
+        self.mode, self.C = fedpa.dp_mode, fedpa.dp_clip
+        self.N, self.T = server.client_num, server.total_round_num
+        self.generator = dp_generator(fedpa.dp_seed, "server")
+        self.path = os.path.join(cfg.outdir, PRIVACY_FILE)
+        self.accountant = f"{ACCOUNTANT}, {version()}"
+        self.rounds = 0  # client mode: rounds released
+        self.trained: dict[int, int] = {}  # sample mode: rounds each client was asked to train
+        self.sizes: dict[int, int] = {}  # sample mode: n_i as the clients report it (public under replace-one)
+        self.last: dict = {}
+        if self.mode == "client":
+            check_method(server.method, fedpa)
+            if server.shared_names:
+                raise ValueError(
+                    f"differential privacy at client level (fedpa.dp_mode client) with federated tensors "
+                    f"{sorted(server.shared_names)} (e.g. a head averaged by FS): they would leave unclipped and "
+                    "unnoised; keep them with each client (personalization.local_param)"
+                )
+            plan = server.method.plan
+            if server.method.dp_space == "change" and (
+                set(plan.reference_ranks) != {plan.r_g} or set(plan.client_ranks) != {plan.r_g}
+            ):
+                raise ValueError(
+                    f"fedpa.dp_mode client with federate.method {server.method.name}: a client's change is taken from "
+                    f"the global factors it received, so every r_i and R_i must be {plan.r_g}"
+                )
+            self.K = server.sample_client_num
+            self.delta = fedpa.dp_delta_for(self.N)
+            from fs_fedpa.core.dp_accountant import Sampled, calibrate
+
+            self.z = fedpa.dp_noise_multiplier or calibrate(self.N, self.K, self.T, fedpa.dp_epsilon, self.delta)
+            self.kind = Sampled(self.N, self.K, self.z)
+            logger.info(
+                f"[fedpa] client-level DP: K={self.K} of N={self.N} clients a round (without replacement, from OS "
+                f"entropy{'' if fedpa.dp_seed < 0 else ': fedpa.dp_seed set, keep it secret'}), clip C={self.C:g}, "
+                f"noise z={self.z:.4g} (std zC/K={self.z * self.C / self.K:.4g}), delta={self.delta:.3g}; "
+                f"epsilon after {self.T} rounds: {self.kind.epsilon(self.T, self.delta):.4g}"
+            )
+
+    # ------------------------------------------------------------------------------------------ client mode
+    @property
+    def samples_clients(self) -> bool:
+        return self.mode == "client"
+
+    def receivers(self) -> list[int]:
+        """K client ids of 1..N, drawn without replacement from the DP generator."""
+        return [i + 1 for i in _sample(self.N, self.K, self.generator)]
+
+    def release(self, uploads: list, clients: list[int]) -> tuple[dict, dict[str, Tensor], dict]:
+        """New global factors, spectra and the release of a round, from the accepted ``uploads`` (applied factors of
+        ``clients``, complete): a missing or dropped client contributes zero, and the mean divides by K."""
+        server = self.server
+        method = server.method
+        shapes = {n: (B.shape[0], A.shape[1]) for n, (B, A) in method.expand(server.global_factors).items()}
+        if method.dp_space == "product":
+            release, _ = release_products([method.expand(u) for u in uploads], shapes, self.K, self.C, self.z,
+                                          self.generator)  # fmt: skip
+        else:
+            parts = method.upload_parts(server.state)
+            r = method.plan.r_g
+            start = {n: truncate_factors(B, A, r) for n, (B, A) in server.global_factors.items()}
+            release, _ = release_changes(uploads, [start] * max(len(uploads), 1), parts, self.K, self.C, self.z,
+                                         self.generator)  # fmt: skip
+        new_global, spectra = method.dp_global(release, server.global_factors, self.generator)
+        self.rounds += 1
+        return new_global, spectra, release
+
+    # ------------------------------------------------------------------------------------------ both
+    def account(self, rnd: int, receivers: list[int], stats: dict[int, dict]) -> dict:
+        """The ledger line of round ``rnd`` (written, and returned)."""
+        if self.mode == "client":
+            line = {
+                "round": rnd,
+                "dp_mode": "client",
+                "dp_epsilon": self.kind.epsilon(self.rounds, self.delta),
+                "dp_delta": self.delta,
+                "dp_sampling": "wor",
+                "dp_adjacency": "replace_one",
+                "dp_noise_multiplier": self.z,
+                "dp_accountant_noise_multiplier": self.kind.accountant_z,
+                "dp_sensitivity": 2 * self.C / self.K,
+                "dp_noise_std": self.z * self.C / self.K,
+                "dp_clip": self.C,
+                "dp_clients_per_round": self.K,
+                "dp_population": self.N,
+                "dp_events": self.rounds,
+                "dp_accountant": self.accountant,
+            }
+        else:
+            for c in receivers:
+                self.trained[c] = self.trained.get(c, 0) + 1
+            for c, st in stats.items():
+                if isinstance(st.get("num_train_data"), int) and st["num_train_data"] > 0:
+                    self.sizes[c] = st["num_train_data"]
+            per_client = {}
+            for c in sorted(self.trained):
+                if c not in self.sizes:  # never reported its size: its epsilon is unknown here (its own log has it)
+                    per_client[str(c)] = None
+                    continue
+                plan = sample_plan(self.server._cfg, self.sizes[c])
+                steps = self.trained[c] * plan.steps_per_round
+                per_client[str(c)] = {"epsilon": plan.epsilon(steps), "delta": plan.delta, "noise_multiplier": plan.z,
+                                      "steps": steps, "n": plan.n, "b": plan.b}  # fmt: skip
+            known = [v for v in per_client.values() if v]
+            line = {
+                "round": rnd,
+                "dp_mode": "sample",
+                "dp_epsilon": max((v["epsilon"] for v in known), default=0.0),
+                "dp_delta": max((v["delta"] for v in known), default=None),
+                "dp_sampling": "wor",
+                "dp_adjacency": "replace_one",
+                "dp_sensitivity": 2 * self.C,
+                "dp_clip": self.C,
+                "dp_clients": per_client,
+                "dp_accountant": self.accountant,
+            }
+        self.last = line
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+        return line
+
+    def summary(self) -> str:
+        """The final (epsilon, delta), for the run's last log line."""
+        if not self.last:
+            return "[fedpa] differential privacy: no round was released, epsilon 0"
+        line = self.last
+        if self.mode == "client":
+            return (
+                f"[fedpa] differential privacy (client level): (epsilon, delta) = ({line['dp_epsilon']:.4g}, "
+                f"{line['dp_delta']:.3g}) after {line['dp_events']} rounds, K={self.K} of N={self.N}, z={self.z:.4g}, "
+                f"C={self.C:g} (ledger: {self.path})"
+            )
+        delta = line["dp_delta"]
+        return (
+            f"[fedpa] differential privacy (sample level, per client): largest epsilon {line['dp_epsilon']:.4g} at "
+            f"delta {'?' if delta is None else format(delta, '.3g')} (per client in {self.path})"
+        )
+
+    def state(self) -> dict:
+        """What a resume point carries: the accountant's counts and the DP generator."""
+        return {"rounds": self.rounds, "trained": dict(self.trained), "sizes": dict(self.sizes),
+                "generator": self.generator.get_state(), "last": dict(self.last)}  # fmt: skip
+
+    def restore(self, saved: dict | None) -> None:
+        if not saved:
+            return
+        self.rounds = int(saved["rounds"])
+        self.trained = {int(k): int(v) for k, v in saved["trained"].items()}
+        self.sizes = {int(k): int(v) for k, v in saved["sizes"].items()}
+        self.last = dict(saved.get("last", {}))
+        if self.server.method.cfg.dp_seed >= 0:  # reproducible: continue the stream; else fresh OS entropy
+            self.generator.set_state(saved["generator"])
+
+
+def private_record(server, clients: list[int], new_global, spectra, release) -> dict:
+    """The round record under client-level DP: post-processing of the release only. E_agg, the spectrum and the
+    norms describe the noisy mean; nothing is read from a client's upload or statistics."""
+    from fs_fedpa.plugin.round_records import new_record
+
+    record = new_record(server, clients)
+    record.clients = list(clients)
+    record.weights = [1.0 / server.privacy.K] * len(clients)
+    record.e_agg = record.e_agg_rel = record.global_update_norm = record.global_norm = record.e_agg_probe = None
+    if server.method.cfg.diagnostics:
+        expanded = server.method.expand(new_global)
+        global_sq = sum(float(product_sq_norm(B, A)) for B, A in expanded.values())
+        record.global_norm = global_sq**0.5
+        if server.method.dp_space == "product":
+            errors = {n: float(torch.linalg.matrix_norm(M.double() - B.double() @ A.double()))
+                      for n, (B, A), M in ((n, expanded[n], release[n]) for n in release)}  # fmt: skip
+            ideal = sum(float(M.double().pow(2).sum()) for M in release.values()) ** 0.5
+            record.e_agg = sum(e**2 for e in errors.values()) ** 0.5
+            record.e_agg_rel = record.e_agg / ideal if ideal > 0 else 0.0
+            record.global_update_norm = ideal
+            record.e_agg_probe = errors[record.probe_module]
+        record.spectrum_probe = [float(s) for s in spectra.get(record.probe_module, torch.zeros(0))]
+    return record.to_dict()
+
+
+class ClientPrivacy:
+    """A client's side: what it may send, and its DP-SGD in sample mode."""
+
+    def __init__(self, client):
+        fedpa = client.method.cfg
+        self.client, self.mode = client, fedpa.dp_mode
+        self.dp_sgd = None
+        if self.mode == "sample":
+            from fs_fedpa.plugin.dp_sgd import DPSGD
+
+            self.dp_sgd = DPSGD(client.trainer, lambda n: sample_plan(client._cfg, n),
+                                lambda: dp_generator(fedpa.dp_seed, f"client {client.ID}"), fedpa.dp_clip)  # fmt: skip
+
+    def stats(self, stats: dict) -> dict:
+        """What of the round's statistics leaves the client."""
+        if self.mode == "client":
+            return {k: v for k, v in stats.items() if k in CLIENT_MODE_STATS}
+        return {k: v for k, v in stats.items() if not k.startswith(RAW_DATA_STATS)}
+
+    def sample_size(self, sample_size: int) -> int:
+        """FS's sample count of the message: 1 under client-level DP (a client's size is private there)."""
+        return 1 if self.mode == "client" else sample_size
+
+    def log_round(self) -> None:
+        """Sample mode: the client's own epsilon so far, in its own log."""
+        if self.dp_sgd is None or self.dp_sgd._plan is None:
+            return
+        plan, client = self.dp_sgd._plan, self.client
+        steps = client._rounds_trained * plan.steps_per_round
+        logger.info(
+            f"[fedpa] client #{client.ID}: DP-SGD epsilon {plan.epsilon(steps):.4g} at delta {plan.delta:.3g} after "
+            f"{steps} steps (n={plan.n}, b={plan.b}, z={plan.z:.4g}, C={client.method.cfg.dp_clip:g})"
+        )

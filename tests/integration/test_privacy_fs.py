@@ -1,0 +1,138 @@
+"""Differential privacy through stock FederatedScope: the ledger matches dp-accounting for the event the run used,
+sample mode records each client's epsilon, refusals name DP and what is refused, what leaves a client under DP."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import fedpa_cfg
+from tests.integration.tiny_assets import outdir_of, run_fs
+
+pytestmark = pytest.mark.integration
+dpa = pytest.importorskip("dp_accounting", reason="dp-accounting (the dp extra) is not installed")
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _expected_epsilon(N, K, z, rounds, delta, neighboring="REPLACE_ONE", sensitivity=2.0):
+    """dp-accounting composing the run's event from scratch: K of N without replacement, Gaussian noise z C over
+    a replace-one sensitivity of 2C (dp-accounting's Gaussian takes unit sensitivity: multiplier z / 2)."""
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp
+
+    gaussian = dpa.GaussianDpEvent(z / sensitivity)
+    event = gaussian if K == N else dpa.SampledWithoutReplacementDpEvent(N, K, gaussian)
+    accountant = rdp.RdpAccountant(neighboring_relation=getattr(dpa.NeighboringRelation, neighboring))
+    accountant.compose(dpa.SelfComposedDpEvent(event, rounds))
+    return accountant.get_epsilon(delta)
+
+
+def test_client_level_ledger_equals_dp_accounting_for_the_run(tiny_llm, tmp_path):
+    # Prepare: 4 clients, 2 sampled a round, 3 rounds, z = 1.2
+    overrides = {
+        "federate.client_num": 4,
+        "federate.sample_client_num": 2,
+        "fedpa.dp_mode": "client",
+        "fedpa.dp_clip": 0.05,
+        "fedpa.dp_noise_multiplier": 1.2,
+        "fedpa.diagnostics": False,
+        "fedpa.dp_seed": 7,
+    }
+    cfg = fedpa_cfg(tiny_llm, tmp_path, **overrides)
+    # Execute
+    proc = run_fs(cfg, tmp_path)
+    # Assert
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = outdir_of(cfg)
+    ledger = _jsonl(out / "fedpa_privacy.jsonl")  # written with diagnostics off
+    assert [line["round"] for line in ledger] == [0, 1, 2]
+    delta = min(1e-5, 1 / 40)
+    for t, line in enumerate(ledger, 1):
+        assert line["dp_epsilon"] == pytest.approx(_expected_epsilon(4, 2, 1.2, t, delta), rel=1e-9)
+        assert line["dp_delta"] == delta and line["dp_sampling"] == "wor" and line["dp_adjacency"] == "replace_one"
+        assert line["dp_sensitivity"] == pytest.approx(2 * 0.05 / 2) and line["dp_noise_multiplier"] == 1.2
+    # with z itself (add/remove reading) the ledger would claim less: the z/2 matters
+    assert ledger[-1]["dp_epsilon"] > 1.5 * _expected_epsilon(4, 2, 1.2, 3, delta, sensitivity=1.0)
+    log = (out / "exp_print.log").read_text()
+    assert "differential privacy (client level): (epsilon, delta)" in log
+    assert not (out / "fedpa_diagnostics.jsonl").exists()
+
+
+def test_client_level_records_only_what_the_release_gives(tiny_llm, tmp_path):
+    overrides = {
+        "federate.client_num": 3,
+        "fedpa.dp_mode": "client",
+        "fedpa.dp_clip": 0.05,
+        "fedpa.dp_epsilon": 50.0,
+        "federate.total_round_num": 2,
+    }
+    cfg = fedpa_cfg(tiny_llm, tmp_path, **overrides)
+    proc = run_fs(cfg, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = outdir_of(cfg)
+    ledger = _jsonl(out / "fedpa_privacy.jsonl")
+    # the target epsilon is met (z calibrated for the whole run), and nearly reached
+    assert 40.0 < ledger[-1]["dp_epsilon"] <= 50.0
+    z = ledger[-1]["dp_noise_multiplier"]
+    assert ledger[-1]["dp_epsilon"] == pytest.approx(_expected_epsilon(3, 3, z, 2, 1e-5), rel=1e-9)
+    records = _jsonl(out / "fedpa_diagnostics.jsonl")
+    per_client = {"alignment_loss", "lam", "delta_norm", "drift", "num_train_data", "grad_ratio_first", "e_init_B"}
+    for record in records:
+        assert record["e_agg"] is not None and record["spectrum_probe"]
+        for key in per_client:
+            assert not record.get(key), f"{key} leaves the mechanism: {record.get(key)}"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"federate.method": "flexlora", "fedpa.dp_mode": "client"}, "differential privacy.*flexlora"),
+        ({"fedpa.dp_mode": "client", "fedpa.adaptive_lam": "loss"}, "adaptive_lam.*differential privacy"),
+        ({"fedpa.dp_mode": "client", "fedpa.norm_outlier": 3.0}, "norm_outlier with differential privacy"),
+        ({"fedpa.dp_mode": "client", "fedpa.dp_delta": 1e-3}, "dp_delta"),
+        ({"fedpa.dp_mode": "client", "fedpa.dp_delta": 0.05}, "dp_delta"),
+        ({"fedpa.dp_mode": "client", "fedpa.dp_epsilon": 4.0}, "exactly one of"),
+    ],
+)
+def test_refusals_name_dp(tiny_llm, tmp_path, overrides, match):
+    import re
+
+    base = {"fedpa.dp_clip": 1.0, "fedpa.dp_noise_multiplier": 1.0}
+    cfg = fedpa_cfg(tiny_llm, tmp_path, **(base | overrides))
+    proc = run_fs(cfg, tmp_path)
+    assert proc.returncode != 0
+    assert re.search(match, proc.stdout + proc.stderr), (proc.stdout + proc.stderr)[-3000:]
+
+
+def test_sample_level_records_each_clients_epsilon(tiny_llm, tmp_path):
+    # Prepare: 3 clients, 2 rounds of 2 DP-SGD steps of b = 2
+    overrides = {
+        "fedpa.dp_mode": "sample",
+        "fedpa.dp_clip": 1.0,
+        "fedpa.dp_noise_multiplier": 1.5,
+        "fedpa.dp_delta": 1e-4 / 10,
+        "federate.total_round_num": 2,
+    }
+    cfg = fedpa_cfg(tiny_llm, tmp_path, **overrides)
+    proc = run_fs(cfg, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = outdir_of(cfg)
+    ledger = _jsonl(out / "fedpa_privacy.jsonl")
+    assert len(ledger) == 2
+    last = ledger[-1]
+    assert set(last["dp_clients"]) == {"1", "2", "3"}
+    for entry in last["dp_clients"].values():
+        assert entry["steps"] == 4 and entry["b"] == 2
+        expected = _expected_epsilon(entry["n"], 2, 1.5, 4, entry["delta"])
+        assert entry["epsilon"] == pytest.approx(expected, rel=1e-9)
+    assert last["dp_epsilon"] == max(e["epsilon"] for e in last["dp_clients"].values())
+    records = _jsonl(out / "fedpa_diagnostics.jsonl")
+    # statistics of the DP factors are post-processing; the task-gradient ratios (raw data) are not sent
+    assert all(not r.get("grad_ratio_first") and not r.get("grad_ratio_last") for r in records)
+    assert all(r["delta_norm"] for r in records)
+    log = (out / "exp_print.log").read_text()
+    assert "DP-SGD epsilon" in log and "differential privacy (sample level" in log
