@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.integration.conftest import fedpa_cfg
 from tests.integration.tiny_assets import outdir_of, run_fs
@@ -136,3 +137,54 @@ def test_sample_level_records_each_clients_epsilon(tiny_llm, tmp_path):
     assert all(r["delta_norm"] for r in records)
     log = (out / "exp_print.log").read_text()
     assert "DP-SGD epsilon" in log and "differential privacy (sample level" in log
+
+
+def _mean(tensors):
+    return sum(t.double() for t in tensors) / len(tensors)
+
+
+@pytest.mark.parametrize("method", ["fedpa", "fedit", "ffa_lora", "fedsa_lora", "fedsvd"])
+def test_each_supported_method_runs_its_server_step_on_the_unweighted_mean(tiny_llm, tmp_path, method):
+    """With a clip no update reaches and noise far below the float floor, the DP release is the plain mean over the
+    fixed K = N (weights 1/K, not FS's sample counts), and the method's server step is applied to it."""
+    from tests.integration.conftest import probe
+
+    overrides = {
+        "federate.method": method,
+        "federate.total_round_num": 2,
+        "fedpa.dp_mode": "client",
+        "fedpa.dp_clip": 1e6,
+        "fedpa.dp_noise_multiplier": 1e-12,
+    }
+    run = probe(fedpa_cfg(tiny_llm, tmp_path, **overrides), tmp_path)
+    for agg in run["aggregate"]:
+        uploads, new = agg["uploads"], agg["global"]
+        for name, (B_g, A_g) in new.items():
+            Bs, As = [u[name][0] for u in uploads], [u[name][1] for u in uploads]
+            if method == "fedpa":  # the rank-R_g truncated SVD of the mean product (dense reference)
+                mean = _mean([B.double() @ A.double() for B, A in zip(Bs, As)])
+                U, S, Vh = torch.linalg.svd(mean)
+                R = B_g.shape[1]
+                expected = (U[:, :R] * S[:R]) @ Vh[:R]
+                torch.testing.assert_close(B_g.double() @ A_g.double(), expected, atol=1e-5, rtol=1e-4)
+            elif method == "fedsvd":
+                torch.testing.assert_close(B_g.double() @ A_g.double(), _mean(Bs) @ As[0].double(), atol=1e-5,
+                                           rtol=1e-4)  # fmt: skip
+                torch.testing.assert_close(A_g.double() @ A_g.double().T, torch.eye(A_g.shape[0], dtype=torch.float64),
+                                           atol=1e-5, rtol=0)  # fmt: skip
+            else:
+                parts = {"fedit": "BA", "ffa_lora": "B", "fedsa_lora": "A"}[method]
+                for part, mine, theirs in (("B", B_g, Bs), ("A", A_g, As)):
+                    expected = _mean(theirs) if part in parts else theirs[0].double()  # unsent: the global, kept
+                    torch.testing.assert_close(mine.double(), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_client_level_refuses_a_federated_head(tiny_glue, tmp_path):
+    from tests.integration.tiny_assets import fs_glue_yaml
+
+    cfg = fs_glue_yaml(tmp_path, tiny_glue["model"], tiny_glue["glue"], **{
+        "personalization.local_param": [], "fedpa.dp_mode": "client", "fedpa.dp_clip": 1.0,
+        "fedpa.dp_noise_multiplier": 1.0})  # fmt: skip
+    proc = run_fs(cfg, tmp_path)
+    assert proc.returncode != 0
+    assert "differential privacy at client level (fedpa.dp_mode client) with federated tensors" in proc.stderr
