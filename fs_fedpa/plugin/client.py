@@ -157,6 +157,7 @@ class FedPAClient(
         self._unpark()
         self._restore(message.state)
         self.state, self._answered = message.state, (message.state, message.timestamp)
+        self.privacy.new_round()
         self._enter_round(message.content)
         sample_size, _, results = self.trainer.train()
         self._release_optimizer()

@@ -26,8 +26,9 @@ logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its ow
 
 class DPSGD:
     """The hooks of one client's trainer; ``plan(n)`` gives the client's :class:`~fs_fedpa.plugin.privacy.SamplePlan`
-    for its training set size, ``make_generator()`` its DP generator (called at the first step: in distributed mode
-    a client learns its id, which names its stream, when it joins)."""
+    for its training set size, ``make_generator(k)`` its DP generator for the k-th training routine of the current
+    round (a fresh stream per routine: with ``fedpa.dp_seed`` a resumed run draws what the uninterrupted one drew,
+    and in distributed mode the stream is named by the id the client learns when it joins)."""
 
     def __init__(self, trainer, plan, make_generator, clip: float):
         self.trainer, self.plan, self.C = trainer, plan, clip
@@ -36,6 +37,7 @@ class DPSGD:
         self.round_steps = 0
         self._grad_sum: list[Tensor] = []
         self._plan = None
+        self._routine = 0
         forward = [h for h in trainer.hooks_in_train["on_batch_forward"] if h.__name__ == "_hook_on_batch_forward"]
         backward = [h for h in trainer.hooks_in_train["on_batch_backward"] if h.__name__ == "_hook_on_batch_backward"]
         if len(forward) != 1 or len(backward) != 1:
@@ -52,11 +54,17 @@ class DPSGD:
     @property
     def generator(self) -> torch.Generator:
         if self._generator is None:
-            self._generator = self._make_generator()
+            self._generator = self._make_generator(0)
         return self._generator
 
-    def _hook_on_fit_start_dp(self, ctx):
+    def new_round(self) -> None:
+        """Called when the client enters a round: its routines count from 0 again."""
+        self._routine = 0
         self.round_steps = 0
+
+    def _hook_on_fit_start_dp(self, ctx):
+        self._generator = self._make_generator(self._routine)
+        self._routine += 1
 
     def _hook_on_batch_start_dp_sample(self, ctx):
         """Replace FS's batch by b records drawn without replacement (the event the accountant composes)."""

@@ -60,11 +60,11 @@ class SamplePlan:
         return Sampled(self.n, self.b, self.z).epsilon(steps, self.delta)
 
 
-def sample_plan(cfg, n: int) -> SamplePlan:
+def sample_plan(cfg, n: int, routines: int = 1) -> SamplePlan:
     """The plan of a client with ``n`` training records under FS config ``cfg``: b = min(batch size, n); steps a
     round as FS runs them (``local_update_steps`` batches, or that many epochs of ceil(n / b) batches, n // b with
-    ``drop_last``); z as given, or calibrated so that every step it could take over the run (T rounds) spends at
-    most ``fedpa.dp_epsilon`` at its delta."""
+    ``drop_last``), times the ``routines`` a round trains (2 with a personal phase); z as given, or calibrated so that
+    every step it could take over the run (T rounds) spends at most ``fedpa.dp_epsilon`` at its delta."""
     fedpa = cfg.fedpa
     b = max(1, min(int(cfg.dataloader.batch_size), n))
     if cfg.train.batch_or_epoch == "batch":
@@ -72,6 +72,7 @@ def sample_plan(cfg, n: int) -> SamplePlan:
     else:
         per_epoch = n // b if cfg.dataloader.drop_last else math.ceil(n / b)
         tau = int(cfg.train.local_update_steps) * max(per_epoch, 1)
+    tau *= routines
     return _plan(n, b, tau, int(cfg.federate.total_round_num), float(fedpa.dp_noise_multiplier),
                  float(fedpa.dp_epsilon), float(fedpa.dp_delta))  # fmt: skip
 
@@ -86,6 +87,11 @@ def _plan(n: int, b: int, tau: int, rounds: int, z: float, target: float, delta_
     if not z:
         z = calibrate(n, b, rounds * tau, target, delta)
     return SamplePlan(n, b, tau, z, delta)
+
+
+def routines(method) -> int:
+    """Training routines a client runs in a round: 2 for a method with a personal phase (FedDPA), else 1."""
+    return 1 if method.personal_weight is None else 2
 
 
 class ServerPrivacy:
@@ -195,7 +201,7 @@ class ServerPrivacy:
                 if c not in self.sizes:  # never reported its size: its epsilon is unknown here (its own log has it)
                     per_client[str(c)] = None
                     continue
-                plan = sample_plan(self.server._cfg, self.sizes[c])
+                plan = sample_plan(self.server._cfg, self.sizes[c], routines(self.server.method))
                 steps = self.trained[c] * plan.steps_per_round
                 per_client[str(c)] = {"epsilon": plan.epsilon(steps), "delta": plan.delta, "noise_multiplier": plan.z,
                                       "steps": steps, "n": plan.n, "b": plan.b}  # fmt: skip
@@ -285,8 +291,17 @@ class ClientPrivacy:
         if self.mode == "sample":
             from fs_fedpa.plugin.dp_sgd import DPSGD
 
-            self.dp_sgd = DPSGD(client.trainer, lambda n: sample_plan(client._cfg, n),
-                                lambda: dp_generator(fedpa.dp_seed, f"client {client.ID}"), fedpa.dp_clip)  # fmt: skip
+            def plan(n: int) -> SamplePlan:
+                return sample_plan(client._cfg, n, routines(client.method))
+
+            def make_generator(routine: int) -> torch.Generator:
+                return dp_generator(fedpa.dp_seed, f"client {client.ID} round {client.state} routine {routine}")
+
+            self.dp_sgd = DPSGD(client.trainer, plan, make_generator, fedpa.dp_clip)
+
+    def new_round(self) -> None:
+        if self.dp_sgd is not None:
+            self.dp_sgd.new_round()
 
     def stats(self, stats: dict) -> dict:
         """What of the round's statistics leaves the client."""

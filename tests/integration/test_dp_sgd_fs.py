@@ -39,7 +39,7 @@ def _dp_step(trainer, clip: float, z: float = 0.0, seed: int = 3):
     from fs_fedpa.plugin.dp_sgd import DPSGD
     from fs_fedpa.plugin.privacy import SamplePlan
 
-    dp = DPSGD(trainer, lambda n: SamplePlan(n, B, 1, z, 1e-5), lambda: dp_generator(seed, "t"), clip=clip)
+    dp = DPSGD(trainer, lambda n: SamplePlan(n, B, 1, z, 1e-5), lambda routine: dp_generator(seed, "t"), clip=clip)
     trainer.train()
     return dp
 

@@ -188,3 +188,32 @@ def test_client_level_refuses_a_federated_head(tiny_glue, tmp_path):
     proc = run_fs(cfg, tmp_path)
     assert proc.returncode != 0
     assert "differential privacy at client level (fedpa.dp_mode client) with federated tensors" in proc.stderr
+
+
+@pytest.mark.parametrize("mode", ["client", "sample"])
+def test_resume_restores_the_accountant_and_the_seeded_noise(tiny_llm, tmp_path, mode):
+    """With fedpa.dp_seed, a run killed after round 2's resume point and resumed draws the noise and the samples
+    the uninterrupted run drew: the same global adapter bit for bit, and a ledger that goes on from its counts."""
+    from tests.integration.conftest import probe
+    from tests.integration.test_reliability_fs import _kill_after_resume_point
+
+    def cfg(name, **more):
+        (tmp_path / name).mkdir()
+        changes = {"federate.total_round_num": 4, "federate.sample_client_num": 2, "expname": name,
+                   "federate.save_to": str(tmp_path / name / "ckpt" / "run.pt"), "fedpa.dp_mode": mode,
+                   "fedpa.dp_clip": 0.05 if mode == "client" else 1.0, "fedpa.dp_noise_multiplier": 1.0,
+                   "fedpa.dp_seed": 11}  # fmt: skip
+        return fedpa_cfg(tiny_llm, tmp_path / name, **changes, **more)
+
+    full = probe(cfg("full"), tmp_path / "full")
+    point = _kill_after_resume_point(cfg("killed"), tmp_path / "killed", rnd=2)
+    resumed = probe(cfg("resumed", **{"federate.restore_from": str(point)}), tmp_path / "resumed")
+    for name, (B, A) in full["final"]["global"].items():
+        assert torch.equal(B, resumed["final"]["global"][name][0]) and torch.equal(
+            A, resumed["final"]["global"][name][1]
+        )
+    ledger_full = _jsonl(Path(full["final"]["outdir"]) / "fedpa_privacy.jsonl")
+    ledger_resumed = _jsonl(Path(resumed["final"]["outdir"]) / "fedpa_privacy.jsonl")
+    assert [line["round"] for line in ledger_resumed] == [2, 3]
+    assert ledger_resumed == ledger_full[2:]
+    assert ledger_full[-1]["dp_epsilon"] > ledger_full[1]["dp_epsilon"] > 0
