@@ -134,6 +134,17 @@ class ServerPrivacy:
 
             self.z = fedpa.dp_noise_multiplier or calibrate(self.N, self.K, self.T, fedpa.dp_epsilon, self.delta)
             self.kind = Sampled(self.N, self.K, self.z)
+            shapes = [(B.shape[0], A.shape[1]) for B, A in server.method.expand(server.global_factors).values()]
+            if (
+                server.method.dp_space == "product"
+                and fedpa.svd != "randomized"
+                and max(d * k for d, k in shapes) > 4e6
+            ):
+                logger.warning(
+                    f"[fedpa] client-level DP forms each module's noisy (d, k) mean and factors it; at d x k up to "
+                    f"{max(shapes, key=lambda s: s[0] * s[1])} an exact SVD takes minutes a module on a CPU "
+                    "(docs/privacy.md): fedpa.svd randomized sketches it in about a second"
+                )
             logger.info(
                 f"[fedpa] client-level DP: K={self.K} of N={self.N} clients a round (without replacement, from OS "
                 f"entropy{'' if fedpa.dp_seed < 0 else ': fedpa.dp_seed set, keep it secret'}), clip C={self.C:g}, "
