@@ -55,8 +55,8 @@ def table(epsilon: float, rounds: int, rate: float) -> str:
         z[K] = calibrate(N, K, rounds, epsilon, min(1e-5, 1 / (10 * N)))
     lines = [
         f"Target epsilon {epsilon:g} over T = {rounds} rounds, K of N = K / {rate:g} clients a round, delta = "
-        "min(1e-5, 1/(10 N)); z from dp-accounting (replace-one). Cells: the bound on signal / noise, K / (z sqrt(D)); "
-        "for 'fedpa, truncated', K / (z sqrt(M) (sqrt(d) + sqrt(k))).",
+        "min(1e-5, 1/(10 N)); z from dp-accounting (replace-one). Cells: the bound on signal / noise, "
+        "K / (z sqrt(D)); for 'fedpa, truncated', K / (z sqrt(M) (sqrt(d) + sqrt(k))).",
         "",
         "| model | method | D released | K for signal = noise | "
         + " | ".join(f"K = {K:,} (z {z[K]:.2f})" for K in K_VALUES)
