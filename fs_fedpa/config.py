@@ -322,6 +322,16 @@ class FedPAConfig:
             )
         },
     )
+    dp_horizon: int = field(
+        default=0,
+        metadata={
+            "help": (
+                "the rounds a dp_epsilon target covers: z is calibrated for this many rounds (0: "
+                "federate.total_round_num; at least that), so a shorter run, e.g. a tuning run, trains at the noise "
+                "of the full one"
+            )
+        },
+    )
     dp_seed: int = field(
         default=-1,
         metadata={
@@ -425,6 +435,7 @@ class FedPAConfig:
         for key in ("dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta"):
             setattr(self, key, _number(getattr(self, key), key, minimum=0.0))
         self.dp_seed = _integer(self.dp_seed, "dp_seed", minimum=-1)
+        self.dp_horizon = _integer(self.dp_horizon, "dp_horizon", minimum=0)
         if self.dp_seed > SEED_MAX:
             raise ValueError(f"fedpa.dp_seed(={self.dp_seed}) must be <= 2**32 - 1")
         if self.dp_mode == "none":

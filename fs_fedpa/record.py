@@ -19,7 +19,16 @@ OUTCOMES_FILE = "fedpa_outcomes.jsonl"
 EVAL_SHARDS_FILE = "fedpa_eval_shards.json"
 
 # What each client reports about its round (fs_fedpa.plugin.client); the record keeps them per client and summarised.
-CLIENT_STATS = ("delta_norm", "drift", "drift_rel", "grad_ratio_first", "grad_ratio_last", "staleness", "drift_start")
+CLIENT_STATS = (
+    "delta_norm",
+    "change_norm",
+    "drift",
+    "drift_rel",
+    "grad_ratio_first",
+    "grad_ratio_last",
+    "staleness",
+    "drift_start",
+)
 
 
 def _f(help: str, default: Any = None, factory: Any = None):
@@ -63,6 +72,11 @@ class RoundRecord:
     )
     e_init_A: dict = _f("per client: the same for A; 0 for FedPA-LoRA", factory=dict)
     delta_norm: dict = _f("per client: ||Delta W_i||_F = ||s_i B_i A_i||_F over all LoRA modules", factory=dict)
+    change_norm: dict = _f(
+        "per client: the Frobenius norm, over all modules, of the change of the factors it uploads from those it "
+        "started the round from (what client-level DP clips for the factor methods)",
+        factory=dict,
+    )
     drift: dict = _f(
         "per client: ||Delta W_i - X_g,i||_F from the reference X_g,i it received this round, all modules",
         factory=dict,

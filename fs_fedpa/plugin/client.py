@@ -81,6 +81,7 @@ class FedPAClient(
         self._stale: dict[str, float] = {}
         self._restarted = False
         self._received: dict[str, tuple[Tensor, Tensor]] = {}
+        self._start: dict[str, tuple[Tensor, Tensor]] | None = None  # the round's starting factors (diagnostics)
         self._last_received: dict[str, tuple[Tensor, Tensor]] | None = None
         self._fold: dict[str, tuple[Tensor, Tensor]] | None = None  # the base part of the model it trains (last)
         save_to, restore_from = self._cfg.federate.save_to, self._cfg.federate.restore_from
@@ -185,6 +186,7 @@ class FedPAClient(
         self._train_personal(received, payload)
         start = self.method.start_round(received, self.factors, self.index, self.state)
         self._e_init = self._init_error(start, self.factors)
+        self._start = lora.copy_factors(start) if self.method.cfg.diagnostics else None
         self._received = received
         self._fold = self.method.fold(received, self.index, self.state)
         self._set_base(self._fold)
@@ -261,6 +263,7 @@ class FedPAClient(
                 }
             ),
         }
+        self._start = None  # only the round's statistics read it
         if self.shared_names:  # FS's gRPC encoder fails on empty dicts
             upload["shared"] = encode_tensors({n: params[n] for n in self.shared_names}, wire)
         return upload

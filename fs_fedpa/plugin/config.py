@@ -108,6 +108,11 @@ def _check_dp(cfg, fedpa: FedPAConfig) -> None:
         ) from exc
     from fs_fedpa.methods.base import get_method
 
+    if 0 < fedpa.dp_horizon < cfg.federate.total_round_num:
+        raise ValueError(
+            f"fedpa.dp_horizon(={fedpa.dp_horizon}) is below federate.total_round_num"
+            f"(={cfg.federate.total_round_num}): the noise calibrated for it would spend more than fedpa.dp_epsilon"
+        )
     method = get_method(cfg.federate.method.lower())
     if fedpa.dp_mode == "client":
         from fs_fedpa.plugin.privacy import check_method

@@ -64,7 +64,8 @@ def sample_plan(cfg, n: int, routines: int = 1) -> SamplePlan:
     """The plan of a client with ``n`` training records under FS config ``cfg``: b = min(batch size, n); steps a
     round as FS runs them (``local_update_steps`` batches, or that many epochs of ceil(n / b) batches, n // b with
     ``drop_last``), times the ``routines`` a round trains (2 with a personal phase); z as given, or calibrated so that
-    every step it could take over the run (T rounds) spends at most ``fedpa.dp_epsilon`` at its delta."""
+    every step it could take over the run (T rounds, or ``fedpa.dp_horizon``) spends at most ``fedpa.dp_epsilon``
+    at its delta."""
     fedpa = cfg.fedpa
     b = max(1, min(int(cfg.dataloader.batch_size), n))
     if cfg.train.batch_or_epoch == "batch":
@@ -73,7 +74,7 @@ def sample_plan(cfg, n: int, routines: int = 1) -> SamplePlan:
         per_epoch = n // b if cfg.dataloader.drop_last else math.ceil(n / b)
         tau = int(cfg.train.local_update_steps) * max(per_epoch, 1)
     tau *= routines
-    return _plan(n, b, tau, int(cfg.federate.total_round_num), float(fedpa.dp_noise_multiplier),
+    return _plan(n, b, tau, int(fedpa.dp_horizon or cfg.federate.total_round_num), float(fedpa.dp_noise_multiplier),
                  float(fedpa.dp_epsilon), float(fedpa.dp_delta))  # fmt: skip
 
 
@@ -132,7 +133,8 @@ class ServerPrivacy:
             self.delta = fedpa.dp_delta_for(self.N)
             from fs_fedpa.core.dp_accountant import Sampled, calibrate
 
-            self.z = fedpa.dp_noise_multiplier or calibrate(self.N, self.K, self.T, fedpa.dp_epsilon, self.delta)
+            horizon = fedpa.dp_horizon or self.T
+            self.z = fedpa.dp_noise_multiplier or calibrate(self.N, self.K, horizon, fedpa.dp_epsilon, self.delta)
             self.kind = Sampled(self.N, self.K, self.z)
             shapes = [(B.shape[0], A.shape[1]) for B, A in server.method.expand(server.global_factors).values()]
             if (

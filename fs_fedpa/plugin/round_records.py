@@ -52,13 +52,31 @@ class ClientDiagnostics:
             delta_sq += float(factored_norm(B, A)) ** 2
             drift_sq += float(product_distance(B, A, B_ref, A_ref)) ** 2
             ref_sq += float(factored_norm(B_ref, A_ref)) ** 2
-        stats = {"delta_norm": delta_sq**0.5, "drift": drift_sq**0.5}
+        stats = {"delta_norm": delta_sq**0.5, "drift": drift_sq**0.5, **self._change_norm(sent)}
         if ref_sq > 0:
             stats["drift_rel"] = (drift_sq / ref_sq) ** 0.5
         if self._penalty_steps:
             for when, (align, task) in self._grads.norms().items():
                 stats[f"grad_ratio_{when}"] = align / task if task > 0 else float("inf")
         return stats
+
+    def _change_norm(self, sent) -> dict[str, float]:
+        """``change_norm``: ||X_i - X_i^0||_F over the uploaded factors X of every module, from the factors the round
+        started from (applied; what client-level DP clips for factor methods). Absent for a method whose state is
+        not factors, or that folds part of its model."""
+        start = getattr(self, "_start", None)
+        if not start or not self.method.state_is_factors or self._fold is not None:
+            return {}
+        start = self.space.upload(start)
+        parts = [("B", "A").index(p) for p in self.method.upload_parts(self.state)]
+        sq = 0.0
+        for name in sent:
+            for i in parts:
+                x, x0 = sent[name][i].double(), start[name][i].double()
+                if x.shape != x0.shape:
+                    return {}
+                sq += float((x - x0).pow(2).sum())
+        return {"change_norm": sq**0.5}
 
     def _staleness(self, received) -> dict[str, float]:
         """For a client that trained before: the rounds since it last trained, and ``||s_i B_i A_i - X_g,i||_F`` of

@@ -217,3 +217,19 @@ def test_resume_restores_the_accountant_and_the_seeded_noise(tiny_llm, tmp_path,
     assert [line["round"] for line in ledger_resumed] == [2, 3]
     assert ledger_resumed == ledger_full[2:]
     assert ledger_full[-1]["dp_epsilon"] > ledger_full[1]["dp_epsilon"] > 0
+
+
+@pytest.mark.parametrize("method", ["fedit", "ffa_lora"])
+def test_change_norm_is_the_norm_of_the_uploaded_change(tiny_llm, tmp_path, method):
+    """The diagnostic client-level DP's clip is chosen from (no DP here): ||X_i - X_g|| over the uploaded factors,
+    from the global factors the client started from, against the probe's completed uploads and previous global."""
+    from tests.integration.conftest import probe
+
+    run = probe(fedpa_cfg(tiny_llm, tmp_path, **{"federate.method": method, "federate.total_round_num": 2}), tmp_path)
+    records = {r["round"]: r for r in _jsonl(Path(run["final"]["outdir"]) / "fedpa_diagnostics.jsonl")}
+    previous = run["aggregate"][0]["global"]  # what every client of round 1 started from
+    agg = run["aggregate"][1]
+    parts = (0, 1) if method == "fedit" else (0,)
+    for client, upload in zip(agg["clients"], agg["uploads"]):
+        sq = sum(float((upload[n][i].double() - previous[n][i].double()).pow(2).sum()) for n in upload for i in parts)
+        assert records[1]["change_norm"][str(client)] == pytest.approx(sq**0.5, rel=1e-5)
