@@ -242,7 +242,7 @@ MEAN_OVER_ROUNDS = (
     "e_init_B",
     "e_init_A",
     "global_update_norm",
-    *(f"{k}_mean" for k in CLIENT_STATS if k != "grad_ratio_first"),
+    *(f"{k}_mean" for k in CLIENT_STATS if k not in ("grad_ratio_first", "change_norm")),
 )
 
 

@@ -233,3 +233,17 @@ def test_change_norm_is_the_norm_of_the_uploaded_change(tiny_llm, tmp_path, meth
     for client, upload in zip(agg["clients"], agg["uploads"]):
         sq = sum(float((upload[n][i].double() - previous[n][i].double()).pow(2).sum()) for n in upload for i in parts)
         assert records[1]["change_norm"][str(client)] == pytest.approx(sq**0.5, rel=1e-5)
+
+
+def test_sample_level_dp_sgd_trains_the_glue_classifier(tiny_glue, tmp_path):
+    """DP-SGD through the plugin's seqcls trainer (dict batches, local heads), the protocol's DP cells' path."""
+    from tests.integration.tiny_assets import fs_glue_yaml
+
+    cfg = fs_glue_yaml(tmp_path, tiny_glue["model"], tiny_glue["glue"], **{
+        "fedpa.dp_mode": "sample", "fedpa.dp_clip": 1.0, "fedpa.dp_epsilon": 8.0, "fedpa.dp_horizon": 5})  # fmt: skip
+    proc = run_fs(cfg, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ledger = _jsonl(outdir_of(cfg) / "fedpa_privacy.jsonl")
+    entries = ledger[-1]["dp_clients"].values()
+    assert len(ledger) == 2 and all(e["steps"] == 8 and e["b"] == min(8, e["n"]) for e in entries)
+    assert all(e["epsilon"] < 8.0 for e in entries)  # 2 of the 5 rounds the noise was calibrated for

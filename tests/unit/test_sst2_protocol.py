@@ -323,7 +323,7 @@ def test_selections_at_the_grids_top_are_checked_one_step_above_without_changing
     for run in dict(sp.plan(results, tmp_path))["final"]:
         results[run.key] = _result(run, {selected["T"]: 0.85 + 0.001 * run.seed})
     stages = sp.plan(results, tmp_path)
-    assert [s for s, _ in stages][-7:] == [
+    assert [s for s, _ in stages][-10:] == [
         "final, more seeds",
         "tuning grid edge",
         "beyond the main cell",
@@ -331,6 +331,9 @@ def test_selections_at_the_grids_top_are_checked_one_step_above_without_changing
         "long horizon",
         "partial participation",
         "client splits",
+        "privacy: sample-level tuning",
+        "privacy: client level, no DP",
+        "privacy: client level, DP",
     ]
     assert len(dict(stages)["client splits"]) == 24
     partial = dict(stages)["partial participation"]  # fixed cells: 4 arms x seeds 0-2, 100 clients, 10 a round
@@ -617,3 +620,36 @@ def test_a_run_file_records_its_split_seed_from_the_config_fs_saved_and_the_comm
     if head.returncode != 0:
         pytest.skip("fs_fedpa is not imported from a git checkout")
     assert compare.code_commit().split("+")[0] == head.stdout.strip()
+
+
+def test_the_privacy_stage_tunes_on_held_out_data_at_the_full_runs_noise_then_clips_at_the_no_dp_median():
+    selected = {"T": 21, "methods": {m: {"method": m, "optimizer": "AdamW", "lr": 2e-3, "lam": 0.01 if m == "fedpa"
+                                         else None} for m in sp.MAIN}}  # fmt: skip
+    stages = dict(sp.privacy_runs(selected, {}, 21))
+    tune = stages["privacy: sample-level tuning"]
+    assert len(tune) == 4 * 6 + len(sp.LR_GRID) and "privacy: sample-level final" not in stages
+    for run in tune:
+        o = _opts(run)
+        assert run.seed == 0 and run.rounds == 11 and o["data.glue_holdout"] != "0"  # the dev set is never read
+        if "_dp_" in run.name:
+            assert o["fedpa.dp_mode"] == "sample" and o["fedpa.dp_epsilon"] == "8" and o["fedpa.dp_horizon"] == "21"
+            assert (o["fedpa.dp_clip"], o["train.optimizer.lr"]) in {(c, lr) for c in ("0.1", "1")
+                                                                     for lr in ("0.002", "0.005", "0.01")}  # fmt: skip
+        else:
+            assert run.method == "fedsvd" and "fedpa.dp_mode" not in o
+    # every tuning run in: the best held-out score per cell is selected, and its final runs use the dev set
+    results = {r.key: {"rounds": {11: {"val_acc": 0.8 + (0.01 if "_c1_" in r.name else 0)}}} for r in tune}
+    finals = dict(sp.privacy_runs(selected, results, 21))["privacy: sample-level final"]
+    assert {r.name for r in finals} == {"fedpa_dp", "fedit_dp", "ffa_lora_dp", "fedsvd_dp", "fedsvd"}
+    assert len(finals) == 15 and all(_opts(r)["data.glue_holdout"] == "0" and r.rounds == 21 for r in finals)
+    assert all(_opts(r)["fedpa.dp_clip"] == "1" for r in finals if r.name.endswith("_dp"))
+    # client level: the clip is the median over rounds of the no-DP run's mean contribution norm
+    plain = stages["privacy: client level, no DP"]
+    assert [r.method for r in plain] == list(sp.CLIENT_DP_METHODS) and not stages["privacy: client level, DP"]
+    assert all(r.seed == 1 and r.rounds == 30 and _opts(r)["federate.client_num"] == "100" for r in plain)
+    done = {r.key: {"diagnostics": [{"delta_norm_mean": v, "change_norm_mean": 2 * v} for v in (1.0, 3.0, 2.0)]}
+            for r in plain}  # fmt: skip
+    private = dict(sp.privacy_runs(selected, done, 21))["privacy: client level, DP"]
+    clips = {r.method: _opts(r)["fedpa.dp_clip"] for r in private}
+    assert clips == {"fedpa": "2", "fedit": "4", "ffa_lora": "4", "fedsa_lora": "4", "fedsvd": "4"}
+    assert all(_opts(r)["fedpa.dp_mode"] == "client" for r in private)
