@@ -88,25 +88,55 @@ def test_client_level_records_only_what_the_release_gives(tiny_llm, tmp_path):
             assert not record.get(key), f"{key} leaves the mechanism: {record.get(key)}"
 
 
+def test_an_unsupported_method_is_refused_through_fs_naming_dp(tiny_llm, tmp_path):
+    overrides = {"federate.method": "flexlora", "fedpa.dp_mode": "client", "fedpa.dp_clip": 1.0,
+                 "fedpa.dp_noise_multiplier": 1.0}  # fmt: skip
+    proc = run_fs(fedpa_cfg(tiny_llm, tmp_path, **overrides), tmp_path)
+    assert proc.returncode != 0
+    assert "differential privacy at client level (fedpa.dp_mode client) is not supported by federate.method " in (
+        proc.stderr
+    )
+
+
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        ({"federate.method": "flexlora", "fedpa.dp_mode": "client"}, "differential privacy.*flexlora"),
-        ({"fedpa.dp_mode": "client", "fedpa.adaptive_lam": "loss"}, "adaptive_lam.*differential privacy"),
-        ({"fedpa.dp_mode": "client", "fedpa.norm_outlier": 3.0}, "norm_outlier with differential privacy"),
-        ({"fedpa.dp_mode": "client", "fedpa.dp_delta": 1e-3}, "dp_delta"),
-        ({"fedpa.dp_mode": "client", "fedpa.dp_delta": 0.05}, "dp_delta"),
-        ({"fedpa.dp_mode": "client", "fedpa.dp_epsilon": 4.0}, "exactly one of"),
+        (["federate.method", "ravan", "fedpa.dp_mode", "client"], r"differential privacy.*'ravan'"),
+        (["fedpa.dp_mode", "client", "fedpa.adaptive_lam", "loss"], "adaptive_lam.*differential privacy"),
+        (["fedpa.dp_mode", "sample", "fedpa.adaptive_lam", "grad"], "adaptive_lam.*differential privacy"),
+        (["fedpa.dp_mode", "client", "fedpa.norm_outlier", "3.0"], "norm_outlier with differential privacy"),
+        (["fedpa.dp_mode", "client", "fedpa.max_weight_ratio", "2.0"], "max_weight_ratio with differential privacy"),
+        (["fedpa.dp_mode", "client", "fedpa.dp_delta", "1e-3"], r"dp_delta\(=0.001\) must be <= 1e-05"),
+        (
+            ["federate.client_num", "200000", "fedpa.dp_mode", "client", "fedpa.dp_delta", "1e-5"],
+            r"above min\(1e-5, 1/\(10 x 200000 N clients\)\)",
+        ),  # fmt: skip
+        (["fedpa.dp_mode", "client", "fedpa.dp_epsilon", "4.0"], "exactly one of"),
+        (["fedpa.dp_mode", "sample", "fedpa.dp_clip", "0.0"], "needs fedpa.dp_clip"),
+        (
+            [
+                "fedpa.dp_mode",
+                "sample",
+                "fedpa.dp_epsilon",
+                "4.0",
+                "fedpa.dp_noise_multiplier",
+                "0.0",
+                "fedpa.dp_horizon",
+                "1",
+            ],
+            "dp_horizon.*below federate.total_round_num",
+        ),  # fmt: skip
     ],
 )
-def test_refusals_name_dp(tiny_llm, tmp_path, overrides, match):
-    import re
+def test_refusals_name_dp(overrides, match):
+    """Each refusal at FS's config check (what main.py runs before any data or model is built)."""
+    from federatedscope.core.configs.config import global_cfg
 
-    base = {"fedpa.dp_clip": 1.0, "fedpa.dp_noise_multiplier": 1.0}
-    cfg = fedpa_cfg(tiny_llm, tmp_path, **(base | overrides))
-    proc = run_fs(cfg, tmp_path)
-    assert proc.returncode != 0
-    assert re.search(match, proc.stdout + proc.stderr), (proc.stdout + proc.stderr)[-3000:]
+    cfg = global_cfg.clone()
+    base = ["federate.method", "fedpa", "federate.client_num", "3", "federate.total_round_num", "3",
+            "fedpa.dp_clip", "1.0", "fedpa.dp_noise_multiplier", "1.0"]  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        cfg.merge_from_list(base + overrides)
 
 
 def test_sample_level_records_each_clients_epsilon(tiny_llm, tmp_path):
