@@ -42,9 +42,10 @@ def runs(cells: list[str]) -> list[sp.Run]:
     return [sp.Run(r.stage, r.name, r.method, (*r.opts, *sp.ONE_THREAD, "eval.freq", "3"), 0, ROUNDS) for r in chosen]
 
 
-def differences(old: dict, new: dict, rounds: int = ROUNDS) -> list[tuple]:
+def differences(old: dict, new: dict, rounds: int = ROUNDS, added: tuple[str, ...] = ()) -> list[tuple]:
     """``(round, field, committed, new)`` for every evaluation metric and diagnostic field of the first ``rounds``
-    rounds that is missing on either side or not equal (NaN equals NaN)."""
+    rounds that is missing on either side or not equal (NaN equals NaN); a diagnostic of ``added`` (one this code
+    adds) is not counted where only the new run has it."""
     out = []
 
     def same(a, b) -> bool:
@@ -61,7 +62,8 @@ def differences(old: dict, new: dict, rounds: int = ROUNDS) -> list[tuple]:
         out.append(("-", "diagnostics: records", len(old_d), len(new_d)))
     for a, b in zip(old_d, new_d):
         r = a.get("round")
-        out += [(r, f"diag:{k}", a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if not same(a.get(k), b.get(k))]
+        keys = sorted(set(a) | set(b) - {k for k in added if k not in a})
+        out += [(r, f"diag:{k}", a.get(k), b.get(k)) for k in keys if not same(a.get(k), b.get(k))]
     return out
 
 
@@ -88,6 +90,13 @@ def main(argv: list[str] | None = None) -> int:
         help="compare with the FS outputs of an earlier call's --work (the baseline on this machine), not the "
         "committed run files",
     )
+    parser.add_argument(
+        "--added",
+        nargs="*",
+        default=[],
+        metavar="FIELD",
+        help="diagnostics this code adds (e.g. change_norm_mean): not counted where only the new run has them",
+    )
     args = parser.parse_args(argv)
     work = Path(args.work)
     if args.against and Path(args.against).resolve() == work.resolve():
@@ -100,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         if out.exists():
             shutil.rmtree(out)
         compare.run_one(str(sp.CFG), run.cell(), 0, out, ["data.root", args.data], str(ROUNDS))
-        return run.name, differences(reference[f"final/{run.name}_s0"], compare.collect(out))
+        return run.name, differences(reference[f"final/{run.name}_s0"], compare.collect(out), added=tuple(args.added))
 
     failed = 0
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:

@@ -47,6 +47,12 @@ def test_the_harness_reports_every_field_that_differs_and_nothing_else():
         (1, "diag:e_agg", 2.0, 2.5),
         (2, "diag:extra", None, 1),
     ]
+    # a diagnostic this code adds is not counted where only the new run has it; a change to one both have still is
+    assert h.differences(old, new, added=("extra",)) == [
+        (2, "eval:val_acc", 0.8, 0.8000000001),
+        (1, "diag:e_agg", 2.0, 2.5),
+    ]
+    assert (1, "diag:e_agg", 2.0, 2.5) in h.differences(old, new, added=("e_agg",))
 
 
 def test_against_compares_with_an_earlier_calls_outputs_and_refuses_its_own_work_folder(tmp_path):
