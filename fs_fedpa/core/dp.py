@@ -6,7 +6,7 @@ the fixed K in the denominator whatever arrived. Replacing one client moves the 
 accountant sees the noise multiplier z/2 (:mod:`fs_fedpa.core.dp_accountant`).
 
 Sample level (DP-SGD on a client): b of its n_i records are drawn without replacement at every step; the per-example
-gradients g_j are clipped to C and the step uses ``(sum_j c_j g_j + N(0, (z C)^2 I)) / b``.
+gradients g_j are clipped to C (:func:`add_clipped`) and the step uses ``(sum_j c_j g_j + N(0, (z C)^2 I)) / b``.
 
 Every draw comes from the ``generator`` handed in (the DP generator, :func:`dp_generator`), on the host: noise is
 then moved to the tensor's device, so a run's randomness does not depend on where it computes.
@@ -79,21 +79,15 @@ def noisy_mean_product(Bs: Sequence[Tensor], As: Sequence[Tensor], scales: Seque
     return (total / K + gaussian(shape, std, generator, total)).to(like.dtype)
 
 
-def clipped_sum(per_example: Sequence[Sequence[Tensor]], C: float) -> tuple[list[Tensor], list[float]]:
-    """``sum_j c_j g_j`` over examples j, each ``g_j`` (a list of tensors, one per trainable parameter) clipped
-    jointly to ``||g_j|| <= C``; also the c_j."""
-    total: list[Tensor] | None = None
-    scales = []
-    for grads in per_example:
-        sq = sum(float(g.double().pow(2).sum()) for g in grads)
-        c = clip_scale(sq, C)
-        scales.append(c)
-        if total is None:
-            total = [c * g.double() for g in grads]
-        else:
-            for t, g in zip(total, grads):
-                t.add_(g.double(), alpha=c)
-    return total or [], scales
+def add_clipped(total: list[Tensor] | None, grads: Sequence[Tensor], C: float) -> tuple[list[Tensor], float]:
+    """``total + c g`` (float64, on g's device) for one example's gradient ``g`` (a list of tensors, one per
+    trainable parameter), clipped jointly to ``||c g|| <= C``; also c. ``total`` None starts the sum."""
+    c = clip_scale(sum(float(g.double().pow(2).sum()) for g in grads), C)
+    if total is None:
+        return [c * g.double() for g in grads], c
+    for t, g in zip(total, grads):
+        t.add_(g.double(), alpha=c)
+    return total, c
 
 
 def release_products(uploads: Sequence[dict[str, tuple[Tensor, Tensor]]], shapes: dict[str, tuple[int, int]], K: int,

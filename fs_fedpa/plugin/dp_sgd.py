@@ -5,7 +5,7 @@ At every step, in place of the batch FS's shuffled, cycled loader gave (which ma
 knows): b of the client's n_i records drawn uniformly without replacement from the DP generator; the task loss of each
 record forwarded and differentiated on its own (a per-example loop: ``torch.func.vmap`` fails inside transformers'
 attention-mask code), its gradient over every trainable tensor (LoRA factors and head) clipped to C; the sum plus
-N(0, (z C)^2), divided by b, is the step's task gradient (:func:`fs_fedpa.core.dp.clipped_sum`). What does not touch
+N(0, (z C)^2), divided by b, is the step's task gradient (:func:`fs_fedpa.core.dp.add_clipped`). What does not touch
 the data, FedPA-LoRA's alignment term at a fixed lambda and FS's parameter regularizer, is differentiated as usual and
 added after clipping and noise.
 """
@@ -19,7 +19,7 @@ from federatedscope.core.trainers.context import CtxVar
 from federatedscope.core.trainers.enums import LIFECYCLE
 from torch import Tensor
 
-from fs_fedpa.core.dp import clipped_sum, gaussian, sample_without_replacement
+from fs_fedpa.core.dp import add_clipped, gaussian, sample_without_replacement
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
@@ -81,19 +81,20 @@ class DPSGD:
         batch = ctx.data_batch
         size = _batch_size(batch)
         params = [p for p in ctx.model.parameters() if p.requires_grad]
-        per_example, losses, y_true, y_prob = [], [], [], []
-        for j in range(size):
+        total, losses, y_true, y_prob = None, [], [], []
+        for j in range(size):  # one record's gradient alive at a time, clipped into the running sum
             ctx.data_batch = CtxVar(_row(batch, j, size), LIFECYCLE.BATCH)
             self._forward(ctx)
             if torch.isfinite(ctx.loss_batch):
                 grads = torch.autograd.grad(ctx.loss_batch, params, allow_unused=True)
             else:  # e.g. a causal-LM record with no label token: it contributes zero, within the clip bound
                 grads = [None] * len(params)
-            per_example.append([torch.zeros_like(p) if g is None else g.detach() for g, p in zip(grads, params)])
+            grads = [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(grads, params)]
+            total, _ = add_clipped(total, grads, self.C)
             losses.append(ctx.loss_batch.detach())
             y_true.append(ctx.y_true.detach())
             y_prob.append(ctx.y_prob.detach())
-        self._grad_sum, _ = clipped_sum(per_example, self.C)
+        self._grad_sum = total or []
         ctx.data_batch = CtxVar(batch, LIFECYCLE.BATCH)
         ctx.loss_batch = CtxVar(torch.stack(losses).mean(), LIFECYCLE.BATCH)
         ctx.y_true = CtxVar(torch.cat([y.reshape(-1, *y.shape[1:]) if y.ndim else y.reshape(1) for y in y_true]),
