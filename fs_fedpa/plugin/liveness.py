@@ -84,12 +84,15 @@ class ServerLiveness:
 
     def _watch_the_end(self) -> None:
         """Standalone: FS's runner never calls :meth:`run`; it stops when no message is left to handle and then calls
-        the server monitor's ``finish_fed_runner``, which therefore also checks that every round was trained."""
+        the server monitor's ``finish_fed_runner``, which therefore also checks that every round was trained and,
+        under DP, logs the (epsilon, delta) spent as the run's last line."""
         finish = self._monitor.finish_fed_runner
 
         def finish_fed_runner(*args, **kwargs):
             result = finish(*args, **kwargs)
             self._raise_if_unfinished("no message was left to handle")
+            if self.privacy is not None:  # the run's last line: the (epsilon, delta) it spent
+                logger.info(self.privacy.summary())
             return result
 
         self._monitor.finish_fed_runner = finish_fed_runner

@@ -91,7 +91,7 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, ServerRecords, Serv
         if self.method.cfg.export_dir and msg_type == "finish":
             self.export(self.method.cfg.export_dir)
         super().terminate(msg_type=msg_type)
-        if self.privacy is not None:
+        if self.privacy is not None and self._cfg.federate.mode.lower() == "distributed":  # standalone: at the end
             logger.info(self.privacy.summary())
 
     def export(self, out: str) -> None:
