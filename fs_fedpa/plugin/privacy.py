@@ -317,7 +317,9 @@ class ClientPrivacy:
             self.dp_sgd.new_round()
 
     def stats(self, stats: dict) -> dict:
-        """What of the round's statistics leaves the client."""
+        """What of the round's statistics leaves the client (all of them without DP)."""
+        if self.mode == "none":
+            return stats
         if self.mode == "client":
             return {k: v for k, v in stats.items() if k in CLIENT_MODE_STATS}
         return {k: v for k, v in stats.items() if not k.startswith(RAW_DATA_STATS)}
