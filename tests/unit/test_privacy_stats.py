@@ -1,0 +1,31 @@
+"""What of a round's statistics leaves a client, per DP mode (fs_fedpa.plugin.privacy.ClientPrivacy)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from fs_fedpa.plugin.privacy import ClientPrivacy
+
+STATS = {"alignment_loss": 0.1, "lam": 1.0, "num_train_data": 600, "restarted": 0, "state_lost": 0,
+         "delta_norm": 2.0, "change_norm": 1.0, "grad_ratio_first": 0.3, "grad_ratio_last": 0.2}  # fmt: skip
+
+
+def _client(mode: str):
+    return SimpleNamespace(method=SimpleNamespace(cfg=SimpleNamespace(dp_mode=mode, dp_seed=-1, dp_clip=1.0)))
+
+
+@pytest.mark.parametrize(
+    ("mode", "kept", "size"),
+    [
+        ("none", set(STATS), 32),  # without DP, every statistic, and FS's sample count
+        ("sample", set(STATS) - {"grad_ratio_first", "grad_ratio_last"}, 32),  # the raw-gradient ratios stay
+        ("client", {"state_lost"}, 1),  # only a fault of its storage; its size is private too
+    ],
+)
+def test_what_leaves_the_client(mode, kept, size):
+    privacy = ClientPrivacy.__new__(ClientPrivacy)  # the filter alone: no trainer to hook
+    privacy.client, privacy.mode, privacy.dp_sgd = _client(mode), mode, None
+    assert set(privacy.stats(dict(STATS))) == kept
+    assert privacy.sample_size(32) == size
