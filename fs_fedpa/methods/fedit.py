@@ -18,7 +18,7 @@ class FedIT(FederatedMethod):
     def check_plan(self) -> None:
         if len(set(self.plan.client_ranks)) > 1:
             raise ValueError(
-                f"federate.method fedit averages factors, so every client needs the same rank; got client_ranks "
+                f"federate.method {self.name} averages factors, so every client needs the same rank; got client_ranks "
                 f"{list(self.plan.client_ranks)} (use fedpa or flexlora for heterogeneous ranks)"
             )
 
