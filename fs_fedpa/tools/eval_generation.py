@@ -16,24 +16,43 @@ import argparse
 import json
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 WRAPPER_PREFIXES = ("model.base_model.model.", "base_model.model.", "model.")
 
 
-def merge_global_adapter(model, ckpt_path: str) -> int:
-    """Add ``B_g A_g`` to the weight of every module named in the checkpoint; returns how many were merged."""
+def read_global(ckpt_path: str) -> dict:
+    """The global factors ``{module: (B_g, A_g)}`` of a FedPA checkpoint, read as tensors only (a checkpoint cannot
+    run code); a ValueError naming the file when it is not one."""
+    import pickle
+
     import torch
 
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)  # tensors only: a checkpoint cannot run code
-    if "fedpa" not in ckpt:
+    if not zipfile.is_zipfile(ckpt_path):  # torch.save's format; anything else reaches torch's unpickler
+        raise ValueError(f"{ckpt_path} is not a checkpoint (torch.save's zip archive); pass federate.save_to of a run")
+    try:
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError) as exc:
+        reason = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"{ckpt_path}: not a checkpoint of tensors ({type(exc).__name__}: {reason})") from None
+    if not isinstance(ckpt, dict) or "fedpa" not in ckpt:
         raise ValueError(
             f"{ckpt_path} is not a FedPA checkpoint (no 'fedpa' entry); pass federate.save_to of a fedpa run"
         )
+    return ckpt["fedpa"]["global"]
+
+
+def merge_global_adapter(model, ckpt) -> int:
+    """Add ``B_g A_g`` to the weight of every module named in the checkpoint; returns how many were merged.
+    ``ckpt``: the checkpoint's path, or the factors :func:`read_global` read from it."""
+    import torch
+
+    factors = read_global(ckpt) if isinstance(ckpt, (str, Path)) else ckpt
     modules = dict(model.named_modules())
     merged = 0
     with torch.no_grad():
-        for name, (B, A) in ckpt["fedpa"]["global"].items():
+        for name, (B, A) in factors.items():
             target = _resolve(name, modules)
             weight = target.weight
             if weight.shape != (B.shape[0], A.shape[1]):
@@ -83,13 +102,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.no_adapter and not args.ckpt:
         parser.error("--ckpt is required unless --no-adapter")
+    files = {"--data": args.data, "--shots-from": args.shots_from, "--ckpt": None if args.no_adapter else args.ckpt}
+    for flag, path in files.items():  # all before the base model, whose load takes minutes for a real LM
+        if path is not None and not Path(path).is_file():
+            parser.error(f"{flag} {path}: no such file")
+    factors = None
+    if not args.no_adapter:
+        try:
+            factors = read_global(args.ckpt)
+        except ValueError as exc:
+            parser.error(str(exc))
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.base)
     model = AutoModelForCausalLM.from_pretrained(args.base).to(args.device).eval()
-    if not args.no_adapter:
-        print(f"merged the global adapter into {merge_global_adapter(model, args.ckpt)} modules", flush=True)
+    if factors is not None:
+        print(f"merged the global adapter into {merge_global_adapter(model, factors)} modules", flush=True)
 
     items, start = [], time.time()
     if args.task == "gsm8k":

@@ -1,21 +1,25 @@
 """The tuned comparison protocol on real SST-2 with the embedded MiniLM (docs/compare.md, "The SST-2 protocol").
 
     ./run.sh compare --data <GLUE dir>            # or: python -m fs_fedpa.tools.sst2_compare --data <GLUE dir>
-    ./run.sh compare --plan                       # the stages, their runs and the expected CPU time; runs nothing
-    ./run.sh compare --report-only                # rebuild the report from the committed results
+    ./run.sh compare --plan                       # the stages, their runs and the expected CPU time; writes nothing
+    ./run.sh compare --report-only                # rebuild the report from the committed results, nothing else
     ./run.sh compare --data <GLUE dir> --stage partial --jobs 12 use_gpu True device 0   # one stage, on a GPU host
 
 The protocol itself (its stages, runs and plan) is :mod:`fs_fedpa.sst2_protocol`; the report is
 :mod:`fs_fedpa.tools.sst2_report`. This module runs the plan: FS subprocesses, ``jobs`` at a time, each
-finished run written to its committed file at once; a stopped grid continues where it stopped.
+finished run written to its committed file at once; a stopped grid continues where it stopped. ``--plan`` and
+``--report-only`` import neither FederatedScope nor torch (``./run.sh`` runs them without installing anything).
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import importlib.util
 import os
+import shutil
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -23,6 +27,7 @@ from pathlib import Path
 from fs_fedpa import compare
 from fs_fedpa.sst2_protocol import (
     CFG,
+    CFG_NAME,
     PILOT_ROUNDS,
     REPORT,
     RUNNER_FIELDS,
@@ -116,12 +121,12 @@ def with_threads(fs_opts: list[str], jobs: int, cpus: int) -> list[str]:
     return [*fs_opts, "fedpa.num_threads", str(max(1, cpus // jobs))]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)  # run.sh matches flags
     parser.add_argument("--data", help="GLUE folder (or set FS_FEDPA_DATA)")
-    parser.add_argument("--report", default=str(REPORT), help="committed results, selection and report")
+    parser.add_argument("--report", help=f"committed results, selection and report (default: {REPORT}, in a checkout)")
     parser.add_argument("--work", default=str(WORK), help="FS's outputs of every run (not committed)")
-    parser.add_argument("--plan", action="store_true", help="print the stages and the expected time; run nothing")
+    parser.add_argument("--plan", action="store_true", help="print the stages and the expected time; write nothing")
     parser.add_argument("--report-only", action="store_true", help="rebuild the report from the committed results")
     parser.add_argument(
         "--recollect",
@@ -149,10 +154,28 @@ def main(argv: list[str] | None = None) -> int:
         nargs="*",
         help="FS overrides for every run of this call, KEY VALUE ... (e.g. use_gpu True device 0)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.jobs < 1 or len(args.fs_opts) % 2:
         sys.exit(f"--jobs must be >= 1 and FS overrides come in KEY VALUE pairs; got {args.jobs}, {args.fs_opts}")
-    if not CFG.is_file():
+    if args.plan and args.recollect:
+        sys.exit("--plan writes nothing, and --recollect rewrites committed runs: give one of them")
+    if args.report is None and (why := not_a_checkout(Path.cwd())):
+        sys.exit(why)
+    report, work = Path(args.report or REPORT), Path(args.work)
+    if args.plan:
+        results = load_results(report)
+        print_plan(plan_only(results, report), results)
+        return 0
+    if missing := [m for m in ("numpy", "scipy") if importlib.util.find_spec(m) is None]:
+        sys.exit(f"the report's intervals need {' and '.join(missing)}, which this Python lacks (pip install "
+                 f"{' '.join(missing)}); nothing was written")  # fmt: skip
+    if importlib.util.find_spec("matplotlib") is None:
+        print("[sst2_compare] matplotlib is not importable: the report's figures are left as they are", flush=True)
+    if not args.report_only and not CFG.is_file():
         sys.exit(f"{CFG} not found: run this from a checkout of fs_fedpa (the config lives in yaml_configs/)")
     args.fs_opts = with_threads(args.fs_opts, args.jobs, os.cpu_count() or 1)
     if args.stages and not set(args.stages) <= set(STAGES):
@@ -161,13 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     def wanted(run: Run) -> bool:
         return not args.stages or run.stage in args.stages
 
-    report, work = Path(args.report), Path(args.work)
     results = load_results(report)
     if args.recollect:
         rewritten = recollect(results, report, work, args.recollect)
         print(f"[sst2_compare] recollected {len(rewritten)} runs from {work}: {' '.join(rewritten) or 'none'}")
     print_plan(plan(results, report), results)
-    if not (args.plan or args.report_only):
+    if not args.report_only:
         glue = find_glue_dir(args.data)
         claim_work(work)
         budget = {"ran": 0.0, "stop_at": time.time() + args.hours * 3600 if args.hours else 0.0}
@@ -183,6 +205,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[sst2_compare] this call ran {budget['ran'] / 3600:.2f} h of FS runs", flush=True)
     print(f"wrote {write_report(report, results, plan(results, report))}")
     return 0
+
+
+def not_a_checkout(here: Path) -> str | None:
+    """Why ``here`` is no checkout of fs_fedpa, whose committed results the default ``--report`` names (relative to
+    the current folder), or None. From elsewhere, e.g. with an editable install, the protocol would be planned from
+    scratch against an empty report folder there."""
+    missing = [str(p) for p in (CFG_NAME, REPORT.parent) if not (here / p).exists()]
+    if not missing:
+        return None
+    return (
+        f"{here} is not a checkout of fs_fedpa (no {' or '.join(missing)} here), and the protocol's results would be "
+        f"read from and written to {here / REPORT}: run this from a checkout, or pass --report DIR (and --work DIR)"
+    )
+
+
+def plan_only(results: dict, report: Path) -> list[tuple[str, list[Run]]]:
+    """:func:`plan` without its writes: it freezes ``selected.json`` into the report folder once the committed runs
+    decide it; here that happens on a copy in a temporary folder, so that ``--plan`` writes nothing in the report
+    (and runs on a read-only checkout)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        if (report / "selected.json").is_file():
+            shutil.copy(report / "selected.json", scratch)
+        return plan(results, Path(scratch))
 
 
 def claim_work(work: Path) -> None:

@@ -73,13 +73,21 @@ def final_accuracy(outdir: Path) -> dict[str, float]:
     return rounds[max(rounds)] if rounds else {}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", help="GLUE folder (or set FS_FEDPA_DATA)")
     parser.add_argument("--cfg", default=str(DEFAULT_CFG), help="FS yaml (default: the MiniLM CPU config)")
     parser.add_argument("--outdir", default="exp", help="FS outdir")
     parser.add_argument("opts", nargs="*", help="extra FS overrides, KEY VALUE ...")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if len(args.opts) % 2:
+        sys.exit(f"FS overrides come in KEY VALUE pairs; got {len(args.opts)} words: {' '.join(args.opts)}")
+    if not Path(args.cfg).is_file():
+        sys.exit(f"--cfg {args.cfg}: no such FS config")
     root = find_glue_dir(args.data)
     save_to = str(Path(args.outdir) / "fedpa_sst2_minilm_cpu.ckpt")
     cmd = [

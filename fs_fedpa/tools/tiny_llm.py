@@ -13,6 +13,7 @@ import json
 import random
 import re
 from collections.abc import Iterable
+from importlib.util import find_spec
 from pathlib import Path
 
 # Special tokens FS's get_tokenizer checks (llm/dataset/llm_dataset.py:DefaultToken). Defining all
@@ -189,7 +190,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--categories", type=int, default=2, help="2: sentiment task; 3..8: topic task")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.samples < 1 or not 1 <= args.categories <= MAX_CATEGORIES:
+        parser.error(f"--samples must be >= 1 and --categories in 1..{MAX_CATEGORIES}; got {args.samples}, "
+                     f"{args.categories}")  # fmt: skip
+    if missing := [m for m in ("federatedscope", "torch", "transformers", "tokenizers") if find_spec(m) is None]:
+        parser.error(f"needs {', '.join(missing)}, which this Python lacks (FederatedScope: see docs/install.md)")
     out = Path(args.out_dir)
+    if out.exists() and not out.is_dir():
+        parser.error(f"{out} is a file, not a folder to write model/ and data.jsonl into")
     data, texts = write_instruction_jsonl(out / "data.jsonl", args.samples, args.seed, args.categories)
     model = build_tiny_llama(out / "model", texts, seed=args.seed)
     print(f"wrote {data} and {model}")
