@@ -2,7 +2,7 @@
 hyper-parameters on held-out validation data, paired confidence intervals between methods, Holm's correction for
 a family of them, a paired bootstrap over seeds and sentences, and the false-positive rate of the seed rule.
 
-Used by :mod:`fs_fedpa.sst2_protocol` (the SST-2 protocol of docs/compare.md). The rules are plain Python, so that
+Used by :mod:`fs_fedpa.sst2_protocol` (docs/sst2_protocol.md). The rules are plain Python, so that
 they can be checked by hand; the t distribution's tail comes from scipy, the resampling from numpy.
 """
 

@@ -173,7 +173,7 @@ def stage_section(title: str, stage: str, results: dict, report: Path, pairs: di
     folder = report / stage
     folder.mkdir(exist_ok=True)
     summary = compare.summarize(runs, "val_acc", larger_is_better=True)
-    compare.write_table(summary, "val_acc", folder, f"Stage `{stage}` of the SST-2 protocol (docs/compare.md).")
+    compare.write_table(summary, "val_acc", folder, f"Stage `{stage}` of the SST-2 protocol (docs/sst2_protocol.md).")
     try:
         from fs_fedpa.plots import plot_all
 
@@ -652,7 +652,7 @@ def verdict_figure(results: dict, report: Path) -> list[str]:
     ]
 
 
-# The last round's diagnostics that explain a ranking (docs/compare.md, "The mechanism").
+# The last round's diagnostics that explain a ranking (docs/sst2_protocol.md).
 MECHANISM = (
     ("global_update_norm", "‖Σ w_i ΔW_i‖"),
     ("delta_norm_mean", "mean ‖ΔW_i‖"),
@@ -769,7 +769,7 @@ def write_report(report: Path, results: dict, stages: list) -> Path:
     lines = [
         "# SST-2 protocol: results",
         "",
-        "Rebuilt by `./run.sh compare` from the run files in `runs/` (docs/compare.md describes the protocol).",
+        "Rebuilt by `./run.sh compare` from the run files in `runs/` (docs/sst2_protocol.md describes the protocol).",
         f"Time of the committed runs: {spent} (2 cores). Runs still to do: "
         + (", ".join(f"{s}: {n}" for s, n in pending if n) or "none of the stages known now")
         + ".",
