@@ -1,5 +1,5 @@
 """The SST-2 comparison protocol as data: its stages and runs, the plan that the committed results determine, and
-the reading of those results (docs/compare.md, "The SST-2 protocol"). The runner
+the reading of those results (docs/sst2_protocol.md). The runner
 (:mod:`fs_fedpa.tools.sst2_compare`) executes the plan and the report (:mod:`fs_fedpa.tools.sst2_report`) reads
 it; both import this module, which imports neither. No torch, no FS.
 
@@ -481,7 +481,7 @@ def seconds_per_round(results: dict) -> float:
     runs made on a GPU host (``use_gpu True`` among their FS overrides) say nothing of this machine's time."""
     rates = [
         r["seconds"] / r["rounds_planned"] / r.get("jobs", 1)
-        for r in results.values()
+        for r in list(results.values())  # a snapshot: the runner's threads add finished runs meanwhile
         if r.get("rounds_planned") and not on_gpu(r)
     ]
     return statistics.median(rates) if rates else SECONDS_PER_ROUND
