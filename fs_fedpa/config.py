@@ -468,19 +468,9 @@ class FedPAConfig:
             )
 
     def dp_delta_for(self, population: int) -> float:
-        """delta of a population of ``population`` (N clients, or n_i records): fedpa.dp_delta, or 0's default
-        min(1e-5, 1/(10 population)); ValueError above that bound, which keeps the chance of a total release of one
-        member far below 1/population."""
-        bound = min(DP_DELTA_MAX, 1.0 / (10 * max(population, 1)))
-        if self.dp_delta == 0:
-            return bound
-        if self.dp_delta > bound * (1 + 1e-9):
-            who = "N clients" if self.dp_mode == "client" else "n_i records"
-            raise ValueError(
-                f"fedpa.dp_delta(={self.dp_delta:g}) is above min(1e-5, 1/(10 x {population} {who})) = {bound:g}: "
-                f"a delta near 1/{population} allows releasing one member outright; lower it or set 0"
-            )
-        return self.dp_delta
+        """delta of a population of ``population`` (N clients in client mode, n_i records in sample mode)
+        (:func:`dp_delta_for`)."""
+        return dp_delta_for(self.dp_delta, population, "N clients" if self.dp_mode == "client" else "n_i records")
 
     def per_client(
         self, which: Literal["client_ranks", "reference_ranks", "ravan_heads"], num_clients: int
@@ -527,6 +517,21 @@ class FedPAConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def dp_delta_for(setting: float, population: int, who: str) -> float:
+    """delta of a population of ``population`` (``who``: "N clients", "n_i records"): ``setting``
+    (fedpa.dp_delta), or 0's default min(1e-5, 1/(10 population)); ValueError above that bound, which keeps the
+    chance of a total release of one member far below 1/population."""
+    bound = min(DP_DELTA_MAX, 1.0 / (10 * max(population, 1)))
+    if setting == 0:
+        return bound
+    if setting > bound * (1 + 1e-9):
+        raise ValueError(
+            f"fedpa.dp_delta(={setting:g}) is above min(1e-5, 1/(10 x {population} {who})) = {bound:g}: "
+            f"a delta near 1/{population} allows releasing one member outright; lower it or set 0"
+        )
+    return setting
 
 
 def describe() -> list[tuple[str, str, str]]:

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import torch
 from torch import Generator, Tensor
 
+from fs_fedpa.core.diagnostics import factored_norm
+
 
 def dp_generator(seed: int = -1, stream: str = "") -> Generator:
     """A host generator for noise and sampling: seeded from OS entropy (``seed`` -1), or, for reproducible
@@ -36,12 +38,6 @@ def sample_without_replacement(population: int, size: int, generator: Generator)
     if size >= population:
         return list(range(population))
     return sorted(torch.randperm(population, generator=generator)[:size].tolist())
-
-
-def product_sq_norm(B: Tensor, A: Tensor) -> Tensor:
-    """``||B A||_F^2 = tr((B^T B)(A A^T))`` in float64 from the (d, r) and (r, k) factors, without B A."""
-    B64, A64 = B.double(), A.double()
-    return ((B64.mT @ B64) * (A64 @ A64.mT)).sum().clamp_min(0)
 
 
 def clip_scale(sq_norm: float, C: float) -> float:
@@ -94,13 +90,15 @@ def release_products(uploads: Sequence[dict[str, tuple[Tensor, Tensor]]], shapes
                      C: float, z: float, generator: Generator) -> tuple[dict[str, Tensor], list[float]]:  # fmt: skip
     """Client-level release of product-space methods: per module the (d, k) noisy mean
     ``(1/K) sum_i c_i B_i A_i + N(0, (z C / K)^2)``, each client's whole update ``{B_i A_i}`` over modules clipped to
-    Frobenius norm C (norms from Gram matrices); also the c_i. ``uploads``: applied factors, at most K of them (a
-    missing client contributes zero); ``shapes[name] = (d, k)``."""
-    scales = [clip_scale(sum(float(product_sq_norm(B, A)) for B, A in u.values()), C) for u in uploads]
+    Frobenius norm C (norms from the factors in float64, :func:`~fs_fedpa.core.diagnostics.factored_norm`); also
+    the c_i. ``uploads``: applied factors, at most K of them (a missing client contributes zero); ``shapes[name] =
+    (d, k)``."""
+    scales = [clip_scale(sum(float(factored_norm(B.double(), A.double())) ** 2 for B, A in u.values()), C)
+              for u in uploads]  # fmt: skip
     std = z * C / K
+    like = next(iter(uploads[0].values()))[0] if uploads else torch.zeros(())
     release = {}
     for name, (d, k) in shapes.items():  # one module at a time: one d x k matrix (and its noise) alive at once
-        like = next(iter(uploads[0].values()))[0] if uploads else torch.zeros(())
         release[name] = noisy_mean_product([u[name][0] for u in uploads], [u[name][1] for u in uploads], scales, K,
                                            std, generator, (d, k), like)  # fmt: skip
     return release, scales

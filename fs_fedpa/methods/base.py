@@ -32,6 +32,7 @@ from torch import Generator, Tensor
 from fs_fedpa import lora
 from fs_fedpa.config import FedPAConfig
 from fs_fedpa.core.ranks import RankPlan, init_global_factors, truncate_factors
+from fs_fedpa.core.reconstruct import _pad_rank, _svd_pairs
 from fs_fedpa.lora import Factors
 
 PARTS = ("B", "A")
@@ -133,13 +134,7 @@ class FederatedMethod:
         for name, (B, A) in global_.items():
             pair = [B, A]
             for part, change in release[name].items():
-                r = change.shape[1] if part == "B" else change.shape[0]
-                new = pair[index[part]].clone()
-                if part == "B":
-                    new[:, :r] += change.to(new)
-                else:
-                    new[:r] += change.to(new)
-                pair[index[part]] = new
+                pair[index[part]] = pair[index[part]] + change.to(pair[index[part]])
             out[name] = (pair[0], pair[1])
         return out, {}
 
@@ -250,23 +245,20 @@ class FederatedMethod:
 
 def _top_factors(M: Tensor, rank: int, cfg: FedPAConfig, generator: Generator) -> tuple[tuple[Tensor, Tensor], Tensor]:
     """Rank-``rank`` factors ``(U S, V^T)`` of the (d, k) matrix ``M`` (exact SVD in float64, or with
-    ``fedpa.svd: randomized`` a sketch of width rank + p, two power iterations) and its leading singular values."""
-    dtype = M.dtype
+    ``fedpa.svd: randomized`` a sketch of width rank + p, two power iterations), zero-padded to ``rank`` where ``M``
+    has fewer singular values, and its leading singular values."""
     if cfg.svd == "randomized":
         q = min(rank + cfg.oversample, *M.shape)
         seed = int(torch.randint(0, 2**62, (1,), generator=generator))
         with torch.random.fork_rng(devices=[M.device] if M.device.type == "cuda" else []):
             torch.manual_seed(seed)  # svd_lowrank draws from torch's global stream
             U, S, V = torch.svd_lowrank(M.float(), q=q, niter=2)
-        Vh = V.mT
+        n = min(rank, S.shape[0])
+        B, A = U[:, :n] * S[:n], V.mT[:n]
     else:
-        U, S, Vh = torch.linalg.svd(M.double(), full_matrices=False)
-    n = min(rank, S.shape[0])
-    B = torch.zeros(M.shape[0], rank, dtype=dtype, device=M.device)
-    A = torch.zeros(rank, M.shape[1], dtype=dtype, device=M.device)
-    B[:, :n] = (U[:, :n] * S[:n]).to(dtype)
-    A[:n] = Vh[:n].to(dtype)
-    return (B, A), S[:n].to(dtype)
+        B, A, S = _svd_pairs(M.double(), rank)
+    B, A = _pad_rank(B.to(M.dtype), A.to(M.dtype), rank)
+    return (B, A), S[: min(rank, S.shape[0])].to(M.dtype)
 
 
 def seeded_subset(tag: str, seed: int, rnd: int, client: int, n: int, k: int) -> list[int]:

@@ -31,10 +31,9 @@ class DPSGD:
     and in distributed mode the stream is named by the id the client learns when it joins)."""
 
     def __init__(self, trainer, plan, make_generator, clip: float):
-        self.trainer, self.plan, self.C = trainer, plan, clip
+        self.plan, self.C = plan, clip
         self._make_generator, self._generator = make_generator, None
-        self.steps = 0  # DP steps taken over the run (what the client's epsilon counts)
-        self.round_steps = 0
+        self.round_steps = 0  # DP steps of the round: never more than its plan, which the accounting covers
         self._grad_sum: list[Tensor] = []
         self._plan = None
         self._routine = 0
@@ -107,7 +106,6 @@ class DPSGD:
         """grad = d(alignment + regularizer) + (clipped sum + N(0, (z C)^2)) / b, then FS's optimizer step."""
         plan = self._plan
         self.round_steps += 1
-        self.steps += 1
         if self.round_steps > plan.steps_per_round:
             raise RuntimeError(
                 f"DP-SGD took {self.round_steps} steps in a round planned for {plan.steps_per_round}: the privacy "

@@ -19,7 +19,8 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from fs_fedpa.core.dp import dp_generator, product_sq_norm, release_changes, release_products
+from fs_fedpa.core.diagnostics import factored_norm
+from fs_fedpa.core.dp import dp_generator, release_changes, release_products
 from fs_fedpa.core.dp import sample_without_replacement as _sample
 from fs_fedpa.core.ranks import truncate_factors
 
@@ -80,11 +81,10 @@ def sample_plan(cfg, n: int, routines: int = 1) -> SamplePlan:
 
 @lru_cache(maxsize=1024)
 def _plan(n: int, b: int, tau: int, rounds: int, z: float, target: float, delta_setting: float) -> SamplePlan:
-    from fs_fedpa.config import FedPAConfig
+    from fs_fedpa.config import dp_delta_for
     from fs_fedpa.core.dp_accountant import calibrate
 
-    delta = FedPAConfig(dp_mode="sample", dp_clip=1.0, dp_noise_multiplier=z or 1.0, dp_delta=delta_setting)
-    delta = delta.dp_delta_for(n)
+    delta = dp_delta_for(delta_setting, n, "n_i records")
     if not z:
         z = calibrate(n, b, rounds * tau, target, delta)
     return SamplePlan(n, b, tau, z, delta)
@@ -272,15 +272,15 @@ class ServerPrivacy:
 def private_record(server, clients: list[int], new_global, spectra, release) -> dict:
     """The round record under client-level DP: post-processing of the release only. E_agg, the spectrum and the
     norms describe the noisy mean; nothing is read from a client's upload or statistics."""
-    from fs_fedpa.plugin.round_records import new_record
+    from fs_fedpa.plugin.round_records import _blank_aggregate, new_record
 
     record = new_record(server, clients)
     record.clients = list(clients)
     record.weights = [1.0 / server.privacy.K] * len(clients)
-    record.e_agg = record.e_agg_rel = record.global_update_norm = record.global_norm = record.e_agg_probe = None
+    _blank_aggregate(record)
     if server.method.cfg.diagnostics:
         expanded = server.method.expand(new_global)
-        global_sq = sum(float(product_sq_norm(B, A)) for B, A in expanded.values())
+        global_sq = sum(float(factored_norm(B, A)) ** 2 for B, A in expanded.values())
         record.global_norm = global_sq**0.5
         if server.method.dp_space == "product":
             errors = {n: float(torch.linalg.matrix_norm(M.double() - B.double() @ A.double()))

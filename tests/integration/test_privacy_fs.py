@@ -20,6 +20,13 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def _finished(cfg: dict, tmp_path: Path) -> Path:
+    """The output folder of an FS run of ``cfg`` that must succeed."""
+    proc = run_fs(cfg, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return outdir_of(cfg)
+
+
 def _expected_epsilon(N, K, z, rounds, delta, neighboring="REPLACE_ONE", sensitivity=2.0):
     """dp-accounting composing the run's event from scratch: K of N without replacement, Gaussian noise z C over
     a replace-one sensitivity of 2C (dp-accounting's Gaussian takes unit sensitivity: multiplier z / 2)."""
@@ -45,10 +52,8 @@ def test_client_level_ledger_equals_dp_accounting_for_the_run(tiny_llm, tmp_path
     }
     cfg = fedpa_cfg(tiny_llm, tmp_path, **overrides)
     # Execute
-    proc = run_fs(cfg, tmp_path)
+    out = _finished(cfg, tmp_path)
     # Assert
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = outdir_of(cfg)
     ledger = _jsonl(out / "fedpa_privacy.jsonl")  # written with diagnostics off
     assert [line["round"] for line in ledger] == [0, 1, 2]
     delta = min(1e-5, 1 / 40)
@@ -72,9 +77,7 @@ def test_client_level_records_only_what_the_release_gives(tiny_llm, tmp_path):
         "federate.total_round_num": 2,
     }
     cfg = fedpa_cfg(tiny_llm, tmp_path, **overrides)
-    proc = run_fs(cfg, tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = outdir_of(cfg)
+    out = _finished(cfg, tmp_path)
     ledger = _jsonl(out / "fedpa_privacy.jsonl")
     # the target epsilon is met (z calibrated for the whole run), and nearly reached
     assert 40.0 < ledger[-1]["dp_epsilon"] <= 50.0
@@ -149,9 +152,7 @@ def test_sample_level_records_each_clients_epsilon(tiny_llm, tmp_path):
         "federate.total_round_num": 2,
     }
     cfg = fedpa_cfg(tiny_llm, tmp_path, **overrides)
-    proc = run_fs(cfg, tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = outdir_of(cfg)
+    out = _finished(cfg, tmp_path)
     ledger = _jsonl(out / "fedpa_privacy.jsonl")
     assert len(ledger) == 2
     last = ledger[-1]
@@ -278,9 +279,7 @@ def test_sample_level_dp_sgd_trains_the_glue_classifier(tiny_glue, tmp_path):
 
     cfg = fs_glue_yaml(tmp_path, tiny_glue["model"], tiny_glue["glue"], **{
         "fedpa.dp_mode": "sample", "fedpa.dp_clip": 1.0, "fedpa.dp_epsilon": 8.0, "fedpa.dp_horizon": 5})  # fmt: skip
-    proc = run_fs(cfg, tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ledger = _jsonl(outdir_of(cfg) / "fedpa_privacy.jsonl")
+    ledger = _jsonl(_finished(cfg, tmp_path) / "fedpa_privacy.jsonl")
     entries = ledger[-1]["dp_clients"].values()
     assert len(ledger) == 2 and all(e["steps"] == 8 and e["b"] == min(8, e["n"]) for e in entries)
     assert all(e["epsilon"] < 8.0 for e in entries)  # 2 of the 5 rounds the noise was calibrated for
