@@ -52,7 +52,7 @@ def split_differences(results: dict, beta: float, metric: str) -> dict[int, list
 def split_analysis(results: dict, beta: float, metric: str, draws: int = 10_000) -> dict:
     """Per split: n, mean, the paired t interval (n >= 2), its verdict and how many seeds FedPA-LoRA is ahead in;
     across the splits that have at least 2 seeds (at least 2 such splits): the nested bootstrap, the pooled t
-    interval over every run (which ignores the split) and :func:`fs_fedpa.protocol.split_variance`."""
+    interval over every run (which ignores the split) with its p-value and :func:`fs_fedpa.protocol.split_variance`."""
     differences = split_differences(results, beta, metric)
     per_split = {}
     for split, d in differences.items():
@@ -70,7 +70,9 @@ def split_analysis(results: dict, beta: float, metric: str, draws: int = 10_000)
     full = {split: d for split, d in differences.items() if len(d) >= 2}
     if len(full) >= 2:
         out["nested"] = protocol.nested_bootstrap(full, draws=draws, seed=0)
-        out["pooled"] = protocol.paired_interval([x for d in full.values() for x in d])
+        pooled = [x for d in full.values() for x in d]
+        out["pooled"] = protocol.paired_interval(pooled)
+        out["pooled_p"] = protocol.paired_t_p(pooled)  # for Holm over the section's across-split comparisons
         out["variance"] = protocol.split_variance(full)
     return out
 

@@ -18,6 +18,7 @@ from fs_fedpa import sst2_protocol as sp
 from fs_fedpa import sst2_verdict as sv
 
 METRICS = ("val_acc", "local.val_acc")
+METRIC_NAMES = {"val_acc": "paper protocol", "local.val_acc": "own factors"}
 
 
 def _pm(values: list[float]) -> str:
@@ -590,6 +591,20 @@ def splits_section(results: dict) -> list[str]:
             lines.append("| split variance: sd_split, sd_seed (points); F, p (df); ratio σ²_split/σ²_seed, 95% | "
                          + " | ".join(_variance_text(f["variance"]) for f in across) + " |")  # fmt: skip
         lines.append("")
+    pooled = {f"β = {b:g}, {METRIC_NAMES[m]}": found[(b, m)] for b in sp.SPLITS_BETAS for m in METRICS}
+    if all("pooled_p" in f for f in pooled.values()):
+        adjusted = protocol.holm({k: f["pooled_p"] for k, f in pooled.items()})
+        text = "; ".join(f"{k}: p {pooled[k]['pooled_p']:.3f}, Holm {adjusted[k]:.3f}" for k in pooled)
+        lines += [f"Holm over this section's {len(pooled)} across-split comparisons (the pooled t's p-values): "
+                  f"{text}.", ""]  # fmt: skip
+    runs = [r for k, r in results.items() if k.startswith("splits/")]
+    gpu = sorted(f"{r['cell']} s{r['seed']}" for r in runs if sp.on_gpu(r))
+    if gpu:
+        lines += [f"Where the runs ran: {len(runs) - len(gpu)} of the stage's {len(runs)} runs on this project's CPU, "
+                  f"{len(gpu)} side by side on a lent GPU host (torch {_torch_of(runs, True)}, MiniLM carried as fp16 "
+                  f"and widened to float32 there): {', '.join(gpu)}. Runs of one device and build differ from the "
+                  "other's from the rounding level on; a pair whose two runs ran on different devices: "
+                  f"{_mixed_pairs(runs) or 'none'}.", ""]  # fmt: skip
     lines += [
         "With three splits the split component has 2 degrees of freedom: its estimate can say whether the split "
         "moves the difference by as much as the seed does, but its 95% interval (the ratio column, exact under "
@@ -598,6 +613,18 @@ def splits_section(results: dict) -> list[str]:
         "",
     ]
     return lines
+
+
+def _torch_of(runs: list[dict], on_gpu: bool) -> str:
+    return ", ".join(sorted({str(r.get("torch")) for r in runs if sp.on_gpu(r) == on_gpu})) or "?"
+
+
+def _mixed_pairs(runs: list[dict]) -> str:
+    """The (cell without its method, seed) pairs whose FedPA-LoRA and FedIT runs ran on different devices."""
+    where: dict[tuple[str, int], set[bool]] = {}
+    for r in runs:
+        where.setdefault((r["cell"].split("_", 1)[1], r["seed"]), set()).add(sp.on_gpu(r))
+    return ", ".join(f"{cell} s{seed}" for (cell, seed), places in sorted(where.items()) if len(places) > 1)
 
 
 def _variance_text(v: dict) -> str:

@@ -67,7 +67,47 @@ def _report_values() -> tuple[list[tuple[float, float, float]], list[tuple[float
             seeds = sorted(set(both[a]) & set(both[b]))
             if len(seeds) >= 2:
                 intervals.append(protocol.paired_interval([both[a][s] - both[b][s] for s in seeds]))
+    intervals += [v for beta in sp.SPLITS_BETAS for m in ("val_acc", "local.val_acc")
+                  for v in _split_values(results, beta, m).values()]  # fmt: skip
     return intervals, spreads
+
+
+def _split_differences(results: dict, beta: float, metric: str) -> dict[int, list[float]]:
+    """FedPA-LoRA − FedIT per client split, one difference per training seed both sides ran, recomputed here."""
+    differences: dict[int, list[float]] = {}
+    for split in sp.SPLIT_SEEDS:
+        for seed in sp.SEEDS:
+            runs = [results.get(sp.splits_key(m, beta, split, seed)) for m in ("fedpa", "fedit")]
+            if all(runs):
+                a, b = (sp.final_metric(r, metric) for r in runs)
+                differences.setdefault(split, []).append(a - b)
+    return differences
+
+
+def _split_values(results: dict, beta: float, metric: str) -> dict[str, tuple[float, float, float]]:
+    """The client-split stage's intervals: per split its paired t interval; across splits the nested bootstrap and
+    the pooled t."""
+    full = {k: d for k, d in _split_differences(results, beta, metric).items() if len(d) >= 2}
+    out = {f"split {k}": protocol.paired_interval(d) for k, d in full.items()}
+    if len(full) >= 2:
+        out["nested"] = protocol.nested_bootstrap(full, draws=10_000, seed=0)
+        out["pooled"] = protocol.paired_interval([x for d in full.values() for x in d])
+    return out
+
+
+def test_the_client_split_row_quotes_the_nested_bootstrap_across_splits():
+    """The verdict's client-split row quotes, per β and protocol, the nested bootstrap across the three splits."""
+    if not (ROOT / sp.REPORT / "runs" / "splits").is_dir():
+        pytest.skip("no committed client-split runs")
+    results = sp.load_results(ROOT / sp.REPORT)
+    row = next(line for line in _protocol_section().splitlines() if line.startswith("| client splits"))
+    for metric, column in zip(("val_acc", "local.val_acc"), row.split(" | ")[1:3]):
+        quoted = [m for m in INTERVAL.finditer(column) if "across" in column[max(0, m.start() - 30) : m.start()]]
+        assert len(quoted) == 2, column
+        for beta, match in zip(sp.SPLITS_BETAS, quoted):
+            want = _split_values(results, beta, metric)["nested"]
+            printed = [_plain(g) for g in match.groups()]
+            assert [_points(v, p) for v, p in zip(want, printed)] == printed, (beta, metric, match.group(0))
 
 
 def test_every_interval_and_spread_quoted_is_the_reports_rounded_once():

@@ -71,6 +71,10 @@ def test_the_split_analysis_pairs_by_split_and_seed_and_takes_the_committed_spli
     assert found["nested"][1] < -0.01 and found["nested"][2] > 0.01  # the split effect widens it
     v = found["variance"]
     assert (v["df_between"], v["df_within"]) == (2, 6) and v["var_split"] == pytest.approx(0.0004 - 1e-6 / 3, rel=0.01)
+    from scipy import stats
+
+    pooled = [d + 0.001 * seed for d in shift.values() for seed in range(3)]  # the 9 paired differences
+    assert found["pooled_p"] == pytest.approx(stats.ttest_1samp(pooled, 0.0).pvalue, rel=1e-6)
 
 
 def _holm_by_hand(p: dict) -> dict:
