@@ -27,8 +27,10 @@ from fs_fedpa.core.reconstruct import _reconstruct_cat, weighted_stack
 MODULES = [f"layer.{i}.attention.self.{m}" for i in range(24) for m in ("query", "value")]
 
 
-def uploads_for(n: int, d: int, r: int, device: str = "cpu") -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    per_module = {name: client_factors(n, d, d, r, seed=j) for j, name in enumerate(MODULES)}
+def uploads_for(
+    n: int, d: int, r: int, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    per_module = {name: client_factors(n, d, d, r, seed=j, dtype=dtype) for j, name in enumerate(MODULES)}
     return [{name: (Bs[i].to(device), As[i].to(device)) for name, (Bs, As) in per_module.items()} for i in range(n)]
 
 
@@ -69,14 +71,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (a GPU host; see docs/algorithm.md)")
     parser.add_argument("--skip-accuracy", action="store_true", help="timings only")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "float16", "bfloat16"],
+        help="the uploads' dtype (half precision: what a client training in fp16/bf16 sends)",
+    )
     args = parser.parse_args()
     n, r, d = args.clients, args.rank, args.dim
-    uploads = uploads_for(n, d, r, args.device)
+    dtype = getattr(torch, args.dtype)
+    uploads = uploads_for(n, d, r, args.device, dtype)
     state_dicts = [
         {f"{name}.lora_{part}.weight": t for name, (B, A) in u.items() for part, t in (("B", B), ("A", A))}
         for u in uploads
     ]
-    w = torch.full((n,), 1.0 / n, device=args.device)
+    w = torch.full((n,), 1.0 / n, device=args.device, dtype=dtype)
     gen = torch.Generator(device=args.device).manual_seed(0)
     fns = {
         "avg stacked": lambda: average_stacked(uploads, w),
@@ -94,7 +103,8 @@ def main() -> None:
     t_dense_one = median_time(lambda: reconstruct([B for B, _ in one], [A for _, A in one], r, mode="dense"), 2)
     t["dense (48 x one module)"] = 48 * t_dense_one
 
-    print(f"\nwhole adapter: {len(MODULES)} modules of {d}x{d}, N={n}, r=R_g={r}, {torch.get_num_threads()} threads")
+    where = f"{args.device}, {args.dtype} uploads, {torch.get_num_threads()} threads"
+    print(f"\nwhole adapter: {len(MODULES)} modules of {d}x{d}, N={n}, r=R_g={r}, {where}")
     for name, value in t.items():
         print(f"  {name:26s} {fmt(value)}")
     best_avg = min(t["avg stacked"], t["avg loop"])
@@ -126,7 +136,8 @@ def floor_steps(uploads) -> dict:
     (sum r_i)^2 core. The map-back and the second small factorisation come on top."""
     Bt = torch.cat([torch.stack([u[n][0] for n in MODULES]).mT for u in uploads], dim=-2).double().contiguous()
     A = torch.cat([torch.stack([u[n][1] for n in MODULES]) for u in uploads], dim=-2).double()
-    B32, A32 = Bt.float(), A.float()
+    upload_dtype = uploads[0][MODULES[0]][0].dtype
+    B32, A32 = Bt.to(upload_dtype), A.to(upload_dtype)  # the uploads as they arrive
     G = Bt @ Bt.mT
     return {  # the cast writes into float64 buffers kept across calls, as reduced's workspaces do: a fresh
         # allocation would time first touches of its pages, which vary with the allocator's state (1-8 ms here)

@@ -16,16 +16,17 @@ import statistics
 import time
 
 import torch
-from _common import fmt, median_time
+from _common import _sync, fmt, median_time
 
 from fs_fedpa import product_penalty
 
 
-def penalty_case(d: int, r: int, repeats: int) -> tuple[float, float]:
+def penalty_case(d: int, r: int, repeats: int, device: str = "cpu") -> tuple[float, float]:
     g = torch.Generator().manual_seed(d)
-    B = (torch.randn(d, r, generator=g) * 0.01).requires_grad_()
-    A = (torch.randn(r, d, generator=g) / d**0.5).requires_grad_()
-    B_ref, A_ref = torch.randn(d, r, generator=g) * 0.01, torch.randn(r, d, generator=g) / d**0.5
+    B = (torch.randn(d, r, generator=g) * 0.01).to(device).requires_grad_()
+    A = (torch.randn(r, d, generator=g) / d**0.5).to(device).requires_grad_()
+    B_ref = (torch.randn(d, r, generator=g) * 0.01).to(device)
+    A_ref = (torch.randn(r, d, generator=g) / d**0.5).to(device)
 
     def factored():
         product_penalty(B, A, B_ref, A_ref).backward()
@@ -36,7 +37,9 @@ def penalty_case(d: int, r: int, repeats: int) -> tuple[float, float]:
     return median_time(factored, repeats), median_time(dense, repeats)
 
 
-def training_step_ratio(steps: int, batch: int, seq: int) -> tuple[float, float]:
+def training_step_ratio(
+    steps: int, batch: int, seq: int, device: str = "cpu", hidden: int = 1024, layers: int = 4
+) -> tuple[float, float]:
     import peft
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -48,23 +51,24 @@ def training_step_ratio(steps: int, batch: int, seq: int) -> tuple[float, float]
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=8000,
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=4,
-        num_attention_heads=16,
-        num_key_value_heads=16,
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 64),
         max_position_embeddings=seq,
     )
     model = peft.get_peft_model(
         LlamaForCausalLM(config), peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
-    )
+    ).to(device)
     live = lora.get_factors(model)
     reference = {n: (torch.randn_like(B) * 0.01, torch.randn_like(A) * 0.03) for n, (B, A) in live.items()}
     method = FedPA(FedPAConfig(lam=1.0), RankPlan.build(1, 8))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    tokens = torch.randint(0, 8000, (batch, seq))
+    tokens = torch.randint(0, 8000, (batch, seq)).to(device)
 
     def step(with_penalty: bool) -> float:
+        _sync()
         start = time.perf_counter()
         loss = model(input_ids=tokens, labels=tokens).loss
         if with_penalty:
@@ -72,6 +76,7 @@ def training_step_ratio(steps: int, batch: int, seq: int) -> tuple[float, float]
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        _sync()
         return time.perf_counter() - start
 
     step(True), step(False)  # warm-up
@@ -88,15 +93,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (a GPU host)")
+    parser.add_argument("--tiny", action="store_true", help="small shapes: checks that it runs, not the goals")
     args = parser.parse_args()
-    print(f"\n(a) penalty forward+backward, float32, {torch.get_num_threads()} threads")
+    dev = args.device
+    print(f"\n(a) penalty forward+backward, float32, {dev}, {torch.get_num_threads()} threads")
     ratios = {}
-    for d, r in ((1024, 4), (4096, 8)):
-        t_fact, t_dense = penalty_case(d, r, args.repeats)
+    hidden, layers = (128, 2) if args.tiny else (1024, 4)
+    for d, r in ((128, 4), (256, 8)) if args.tiny else ((1024, 4), (4096, 8)):
+        t_fact, t_dense = penalty_case(d, r, args.repeats, dev)
         ratios[(d, r)] = t_dense / t_fact
         print(f"  d=k={d}, r=R={r}: factored {fmt(t_fact)}   dense product {fmt(t_dense)}")
-    print(f"\n(b) training step, Llama hidden 1024 x 4 layers, LoRA r=8 on q,v, batch {args.batch} x {args.seq}")
-    with_p, without_p = training_step_ratio(args.steps, args.batch, args.seq)
+    shape = f"Llama hidden {hidden} x {layers} layers, LoRA r=8 on q,v, batch {args.batch} x {args.seq}"
+    print(f"\n(b) training step, {shape}, {dev}")
+    with_p, without_p = training_step_ratio(args.steps, args.batch, args.seq, dev, hidden, layers)
     print(f"  with penalty {fmt(with_p)}   without {fmt(without_p)}")
     print()
     for (d, r), ratio in ratios.items():

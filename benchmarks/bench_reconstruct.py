@@ -54,9 +54,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dense-repeats", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (a GPU host; see docs/algorithm.md)")
+    parser.add_argument("--tiny", action="store_true", help="d = 256 and 512: checks that it runs, not the goals")
     args = parser.parse_args()
     dev = args.device
-    results = [run(1024, 10, 4, args.repeats, args.dense_repeats, dev), run(4096, 6, 8, args.repeats, 1, dev)]
+    (d1, n1, r1), (d2, n2, r2) = ((256, 4, 4), (512, 4, 8)) if args.tiny else ((1024, 10, 4), (4096, 6, 8))
+    results = [run(d1, n1, r1, args.repeats, args.dense_repeats, dev), run(d2, n2, r2, args.repeats, 1, dev)]
     print()
     for res, goal in zip(results, (100, 1000)):
         where = f"d={res['d']},N={res['n']},r={res['r']}"

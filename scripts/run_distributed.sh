@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # Launch a distributed (gRPC) FederatedScope run on this host: the server first, then each client in order
-# (FS numbers clients by the order they join). Each party is its own process; on a multi-GPU host give each
-# its own device with a per-party override in its yaml (use_gpu: True, device: k).
+# (FS numbers clients by the order they join). Each party is its own process.
 #
 #   scripts/run_distributed.sh yaml_configs/distributed/server.yaml yaml_configs/distributed/client_{1,2,3}.yaml \
 #       -- data.root ../shared/data/glue
@@ -11,10 +10,17 @@
 # AUTH=1 (the default) makes a fresh key per client for this run in $LOGDIR/keys (mode 600): the server gets the
 # keyring (fedpa.auth_keyring), client i its own key (fedpa.auth_key) and with it the id i, whatever the order in
 # which the clients join (docs/distributed.md). AUTH=0 runs without message authentication.
+# GPUS=0,1,... spreads the parties over this host's GPUs round-robin: party j (the server is party 0, then the
+# clients in order) gets the overrides `use_gpu True device GPUS[j mod n]`, after those above. Without GPUS each
+# party keeps the device of its yaml.
+# DRY_RUN=1 prints each party's command, one shell-quoted line per party (its device and key option included),
+# and exits 0 without creating $LOGDIR or any key and without starting anything.
 set -euo pipefail
 PY=${PYTHON:-python3}
 LOGDIR=${LOGDIR:-exp/distributed_logs}
 JOIN_WAIT=${JOIN_WAIT:-8}
+AUTH=${AUTH:-1}
+DRY_RUN=${DRY_RUN:-0}
 cfgs=()
 opts=()
 while [ $# -gt 0 ]; do
@@ -30,11 +36,46 @@ if [ ${#cfgs[@]} -lt 2 ]; then
   echo "usage: $0 SERVER.yaml CLIENT.yaml [CLIENT.yaml ...] [-- KEY VALUE ...]" >&2
   exit 2
 fi
+if [ "$DRY_RUN" != 0 ] && [ "$DRY_RUN" != 1 ]; then
+  echo "$0: DRY_RUN must be 0 or 1, got '$DRY_RUN'" >&2
+  exit 2
+fi
+gpus=()  # the devices of GPUS, in order; empty: each party keeps the device of its yaml
+if [ -n "${GPUS+set}" ]; then
+  if ! [[ $GPUS =~ ^[0-9]{1,6}(,[0-9]{1,6})*$ ]]; then
+    echo "$0: GPUS must be comma-separated non-negative integers (e.g. GPUS=0,1,2,3), got '$GPUS'" >&2
+    exit 2
+  fi
+  IFS=, read -r -a gpus <<<"$GPUS"
+  for k in "${!gpus[@]}"; do gpus[k]=$((10#${gpus[k]})); done  # 01 -> 1: FS reads the value as a Python literal
+fi
+keys="$LOGDIR/keys"
+# party i's command: the common overrides, then its key option (AUTH=1), then its device (GPUS)
+party_cmd() {
+  local i=$1
+  cmd=("$PY" -m federatedscope.main --cfg "${cfgs[$i]}" ${opts[@]+"${opts[@]}"})
+  if [ "$AUTH" = 1 ]; then
+    if [ "$i" -eq 0 ]; then cmd+=(fedpa.auth_keyring "$keys/keyring"); else cmd+=(fedpa.auth_key "$keys/client_$i.key"); fi
+  fi
+  if [ ${#gpus[@]} -gt 0 ]; then cmd+=(use_gpu True device "${gpus[i % ${#gpus[@]}]}"); fi
+}
+# "party i (server|client i[, device k])"
+party_name() {
+  local i=$1 role="client $1"
+  [ "$i" -eq 0 ] && role=server
+  if [ ${#gpus[@]} -gt 0 ]; then role+=", device ${gpus[i % ${#gpus[@]}]}"; fi
+  echo "party $i ($role)"
+}
+if [ "$DRY_RUN" = 1 ]; then
+  for i in "${!cfgs[@]}"; do
+    party_cmd "$i"
+    printf '%q ' "${cmd[@]}"
+    printf '# %s\n' "$(party_name "$i")"
+  done
+  exit 0
+fi
 mkdir -p "$LOGDIR"
-AUTH=${AUTH:-1}
-party_opts=()  # per party: its key option
 if [ "$AUTH" = 1 ]; then
-  keys="$LOGDIR/keys"
   mkdir -p "$keys"
   chmod 700 "$keys"
   : >"$keys/keyring"
@@ -44,17 +85,16 @@ if [ "$AUTH" = 1 ]; then
     (umask 077 && echo "$key" >"$keys/client_$i.key")
     echo "$i $key" >>"$keys/keyring"
   done
-  party_opts[0]="fedpa.auth_keyring $keys/keyring"
-  for ((i = 1; i < ${#cfgs[@]}; i++)); do party_opts[i]="fedpa.auth_key $keys/client_$i.key"; done
 fi
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT INT TERM
 for i in "${!cfgs[@]}"; do
-  # shellcheck disable=SC2086  # a key option is two words without spaces
-  "$PY" -m federatedscope.main --cfg "${cfgs[$i]}" ${opts[@]+"${opts[@]}"} ${party_opts[$i]:-} >"$LOGDIR/party$i.log" 2>&1 &
-  pids+=($!)
-  echo "[run_distributed] party $i (${cfgs[$i]}): pid $!, log $LOGDIR/party$i.log"
+  party_cmd "$i"
+  "${cmd[@]}" >"$LOGDIR/party$i.log" 2>&1 &
+  pid=$!
+  pids+=("$pid")
+  echo "[run_distributed] $(party_name "$i") ${cfgs[$i]}: pid $pid, log $LOGDIR/party$i.log"
   sleep "$JOIN_WAIT"
 done
 status=0

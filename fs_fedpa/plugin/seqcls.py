@@ -87,11 +87,13 @@ def resolve_model_path(name: str) -> str:
 
 # -------------------------------------------------------------------------------------------------- data
 def load_glue_data(config, client_cfgs=None):
-    """FS data builder for ``<task>@glue``: ``(StandaloneDataDict, config)``, or None for other types."""
+    """FS data builder for ``<task>@glue``: ``(StandaloneDataDict, config)`` (a party's ``ClientData`` in
+    distributed mode), or None for other types."""
     if not config.data.type.lower().endswith(SUFFIX_DATA):
         return None
     from federatedscope.core.auxiliaries.utils import setup_seed
     from federatedscope.core.data import BaseDataTranslator
+    from federatedscope.core.data.utils import convert_data_mode
     from transformers import AutoTokenizer
 
     from fs_fedpa.tasks.glue import default_eval_split, get_task, load_glue
@@ -117,7 +119,9 @@ def load_glue_data(config, client_cfgs=None):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"size": len(evaluation), "splits": eval_shards(data, evaluation)}))
     setup_seed(config.seed)  # FS restores the seed only for its built-in datasets
-    return data, config
+    # FS returns a registered loader's data as it is: in distributed mode each party keeps its own shard
+    # (distribute.data_idx), which FS's own loaders get from convert_data_mode
+    return convert_data_mode(data, config), config
 
 
 def eval_shards(data, evaluation: list) -> dict[str, dict[str, list[int]]]:

@@ -183,6 +183,52 @@ def write_instruction_jsonl(path, n: int, seed: int = 0, num_categories: int = 2
     return str(path), texts
 
 
+# ------------------------------------------------------------------------- a tiny GLUE task and encoder
+_SST_POS, _SST_NEG = _CATEGORY_WORDS["positive"], _CATEGORY_WORDS["negative"]
+
+
+def write_tiny_glue(root, n_train: int = 120, n_dev: int = 40, seed: int = 0) -> tuple[str, list[str]]:
+    """``<root>/SST-2/{train,dev}.tsv`` in GLUE's layout (header, tab-separated, trailing space after the
+    sentence) with a learnable synthetic sentiment task; returns ``(root, texts)`` for a vocabulary."""
+    rng = random.Random(seed)
+    folder = Path(root) / "SST-2"
+    folder.mkdir(parents=True, exist_ok=True)
+    texts = []
+    for name, n in (("train.tsv", n_train), ("dev.tsv", n_dev)):
+        lines = ["sentence\tlabel"]
+        for i in range(n):
+            label = i % 2
+            words = rng.sample(_SST_POS if label else _SST_NEG, 2)
+            sentence = f"the {rng.choice(['movie', 'book', 'show'])} was {words[0]} and {words[1]}"
+            texts.append(sentence)
+            lines.append(f"{sentence} \t{label}")
+        (folder / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(Path(root).resolve()), texts
+
+
+def build_tiny_bert(path, vocab_texts: Iterable[str], hidden: int = 32, layers: int = 2, seed: int = 0) -> str:
+    """A random 2-layer BERT (saved as ``BertModel``, like MiniLM) with a word-level ``vocab.txt`` tokenizer."""
+    import torch
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    words = sorted({w for t in vocab_texts for w in t.lower().split()})
+    (path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+    BertTokenizerFast(vocab_file=str(path / "vocab.txt"), do_lower_case=True).save_pretrained(str(path))
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=5 + len(words),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=64,
+    )
+    BertModel(config).save_pretrained(str(path))
+    return str(path)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", help="folder to write model/ and data.jsonl into")

@@ -21,15 +21,20 @@ from __future__ import annotations
 
 import ast
 import os
-import random
 import re
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fs_fedpa.tools.tiny_llm import build_tiny_llama, make_instruction_records, write_instruction_jsonl  # noqa: F401
+from fs_fedpa.tools.tiny_llm import (  # noqa: F401
+    build_tiny_bert,
+    build_tiny_llama,
+    make_instruction_records,
+    write_instruction_jsonl,
+    write_tiny_glue,
+)
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -258,52 +263,6 @@ def round_results(rows: list[dict], form: str = "Results_weighted_avg") -> dict[
 # --------------------------------------------------------------------------------------------- #
 # 6. sequence classification: a tiny random BERT and a tiny GLUE directory
 # --------------------------------------------------------------------------------------------- #
-_POS = ["good", "great", "fun", "lovely", "happy", "excellent", "bright", "warm"]
-_NEG = ["bad", "awful", "boring", "sad", "terrible", "dull", "cold", "ugly"]
-
-
-def write_tiny_glue(root, n_train: int = 120, n_dev: int = 40, seed: int = 0) -> tuple[str, list[str]]:
-    """``<root>/SST-2/{train,dev}.tsv`` in GLUE's layout (header, tab-separated, trailing space after the
-    sentence) with a learnable synthetic sentiment task; returns ``(root, texts)`` for a vocabulary."""
-    rng = random.Random(seed)
-    folder = Path(root) / "SST-2"
-    folder.mkdir(parents=True, exist_ok=True)
-    texts = []
-    for name, n in (("train.tsv", n_train), ("dev.tsv", n_dev)):
-        lines = ["sentence\tlabel"]
-        for i in range(n):
-            label = i % 2
-            words = rng.sample(_POS if label else _NEG, 2)
-            sentence = f"the {rng.choice(['movie', 'book', 'show'])} was {words[0]} and {words[1]}"
-            texts.append(sentence)
-            lines.append(f"{sentence} \t{label}")
-        (folder / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return str(Path(root).resolve()), texts
-
-
-def build_tiny_bert(path, vocab_texts: Iterable[str], hidden: int = 32, layers: int = 2, seed: int = 0) -> str:
-    """A random 2-layer BERT (saved as ``BertModel``, like MiniLM) with a word-level ``vocab.txt`` tokenizer."""
-    import torch
-    from transformers import BertConfig, BertModel, BertTokenizerFast
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    words = sorted({w for t in vocab_texts for w in t.lower().split()})
-    (path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
-    BertTokenizerFast(vocab_file=str(path / "vocab.txt"), do_lower_case=True).save_pretrained(str(path))
-    torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=5 + len(words),
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        intermediate_size=2 * hidden,
-        max_position_embeddings=64,
-    )
-    BertModel(config).save_pretrained(str(path))
-    return str(path)
-
-
 def fs_glue_yaml(tmpdir, model_dir, glue_root, **overrides) -> dict:
     """FedPA on ``sst2@glue`` with the tiny BERT: 3 clients, LDA(0.5), 2 rounds, local classifier heads."""
     tmpdir = Path(tmpdir).resolve()
