@@ -33,6 +33,16 @@ _UNSUPPORTED = (
     ),
 )
 
+# What to use instead, where there is something: appended to the refusal.
+_INSTEAD = {
+    "federate.process_num": (
+        ". FS's multi-process standalone runner (federatedscope/core/parallel) moves every model_para message "
+        "over torch.distributed as tensors shaped like the model's state_dict, and FedPA's messages are per-client "
+        "payloads of LoRA factors (each client its own rank-R_i reference), not state_dicts. For one party per GPU, "
+        "run distributed mode with scripts/run_distributed.sh and GPUS=0,1,... (docs/distributed.md)"
+    ),
+}
+
 
 DEFAULTS = FedPAConfig()
 
@@ -69,7 +79,9 @@ def check_fedpa_cfg(cfg) -> None:
         return
     for key, bad, what in _UNSUPPORTED:
         if bad(cfg):
-            raise ValueError(f"federate.method {cfg.federate.method!r} does not support {what}; unset {key}")
+            raise ValueError(
+                f"federate.method {cfg.federate.method!r} does not support {what}; unset {key}{_INSTEAD.get(key, '')}"
+            )
     rounds = cfg.federate.total_round_num
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(

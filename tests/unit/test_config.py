@@ -103,3 +103,19 @@ def test_a_fedpa_section_under_another_method_is_named_in_one_warning(monkeypatc
     assert len(warned) == 1 and "fedpa.lam" in warned[0] and "'FedAvg'" in warned[0] and "is ignored" in warned[0]
     plugin_config.check_fedpa_cfg(SimpleNamespace(federate=SimpleNamespace(method="FedAvg"), fedpa=fedpa))
     assert len(warned) == 1  # defaults only: nothing to warn about
+
+
+def test_multi_process_standalone_is_refused_with_the_distributed_recipe():
+    from types import SimpleNamespace
+
+    from fs_fedpa.plugin import config as plugin_config
+
+    fedpa = {f.name: getattr(FedPAConfig(), f.name) for f in fields(FedPAConfig)}
+    federate = SimpleNamespace(method="fedpa", use_ss=False, online_aggr=False, process_num=2, mode="standalone")
+    with pytest.raises(ValueError) as err:
+        plugin_config.check_fedpa_cfg(SimpleNamespace(federate=federate, fedpa=fedpa))
+    message = str(err.value)
+    assert "does not support multi-process standalone (process_num > 1); unset federate.process_num" in message
+    assert "torch.distributed" in message and "state_dict" in message  # why: FS's runner ships state_dict tensors
+    assert "scripts/run_distributed.sh" in message and "GPUS=0,1" in message  # what instead
+    assert (DOCS.parents[1] / "scripts" / "run_distributed.sh").is_file()
