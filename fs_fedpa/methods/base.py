@@ -203,6 +203,19 @@ class FederatedMethod:
         """Whether clients fold part of what they receive into their base weights (overrides :meth:`fold`)."""
         return type(self).fold is not FederatedMethod.fold
 
+    @classmethod
+    def writes_base(cls) -> str:
+        """How the method writes the frozen base weights W_0, or ``""`` if it never does: merges (FedEx-LoRA, FLoRA),
+        folds (Fed-PLoRA), or a personal phase over the global adapter frozen in them (FedDPA). A quantized base
+        (``fedpa.base_quantization``) cannot take such writes."""
+        if cls.merge is not FederatedMethod.merge:
+            return "merges into the base weights after every aggregation (FedEx-LoRA's residual, FLoRA's stack)"
+        if cls.fold is not FederatedMethod.fold:
+            return "folds the modules a client does not train into its base weights"
+        if cls.personal_weight is not None:
+            return "trains its personal adapter over the global adapter written into the base weights"
+        return ""
+
     def personal_start(self, received: Factors, personal: Factors | None, client: int, rnd: int) -> Factors | None:
         """The personal adapter client ``client`` trains in round ``rnd`` before the global one, with the model
         applying ``a * personal + (1 - a) * received`` (``a = personal_weight``, the received reference frozen);

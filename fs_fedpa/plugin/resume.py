@@ -155,7 +155,7 @@ def result_settings(cfg, method) -> dict:
     return {
         "fedpa.lam": c.lam, "fedpa.reg": c.reg, "fedpa.svd": c.svd, "fedpa.oversample": c.oversample,
         "fedpa.adaptive_lam": c.adaptive_lam, "seed": cfg.seed, "fedpa.seed": c.seed,
-        "train.optimizer.lr": float(cfg.train.optimizer.lr),
+        "train.optimizer.lr": float(cfg.train.optimizer.lr), "fedpa.base_quantization": c.base_quantization,
     }  # fmt: skip
 
 

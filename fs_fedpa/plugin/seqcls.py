@@ -6,7 +6,8 @@ Stock FS-LLM hosts causal LMs only. This module registers what a GLUE run needs:
   split goes to clients by FS's splitter (``lda`` with ``alpha``, ``iid``, ...), the GLUE dev split is the
   evaluation split ``val`` and follows each client's train label distribution;
 - model ``<hub name or path>@seqcls_llm``: ``AutoModelForSequenceClassification`` + PEFT LoRA from
-  ``model.seqcls.*`` (FS hands model builders only ``cfg.model``), wrapped in FS-LLM's ``AdapterModel``;
+  ``model.seqcls.*`` (FS hands model builders only ``cfg.model``), wrapped in FS-LLM's ``AdapterModel``; its base
+  quantized with ``fedpa.base_quantization`` (:mod:`fs_fedpa.plugin.quantization`);
 - trainer ``seqcls``: FS's ``GeneralTorchTrainer`` with a forward for dict batches, so FS's metrics
   (``eval.metrics``) apply, plus the GLUE metrics ``mcc``, ``f1_binary``, ``pearson`` and ``spearman``.
 """
@@ -199,11 +200,18 @@ def build_seqcls_model(model_config, input_shape=None):
     from federatedscope.llm.model.adapter_builder import AdapterModel
     from transformers import AutoModelForSequenceClassification
 
+    from fs_fedpa import quantization
+    from fs_fedpa.plugin.quantization import in_effect
+
     s = model_config.seqcls
     if s.num_labels <= 0:
         raise ValueError("model.seqcls.num_labels is unset: use a '<task>@glue' dataset or set it")
     name = resolve_model_path(model_config.type[: -len(SUFFIX_MODEL)])
-    model = AutoModelForSequenceClassification.from_pretrained(name, num_labels=s.num_labels)
+    q = in_effect(model_config)  # fedpa.base_quantization: the head stays in full precision
+    kwargs = quantization.load_kwargs(q, keep=quantization.HEADS)
+    model = AutoModelForSequenceClassification.from_pretrained(name, num_labels=s.num_labels, **kwargs)
+    if kwargs:
+        logger.info(quantization.describe(model, q))
     lora = peft.LoraConfig(
         task_type=peft.TaskType.SEQ_CLS,
         r=s.r,
