@@ -81,9 +81,6 @@ setup(
             "scikit-learn",
             "scipy",
             "dp-accounting>=0.4",
-            # the quantized-base tests (fedpa.base_quantization)
-            "bitsandbytes>=0.46.1",
-            "accelerate>=1.1",
         ],
         # differential privacy (fedpa.dp_mode): Google's accountant, imported only when DP is on
         "dp": ["dp-accounting>=0.4"],
