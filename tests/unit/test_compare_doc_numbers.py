@@ -21,12 +21,25 @@ MEAN_STD = re.compile(r"(\d\.\d+) ± (\d\.\d+)")
 STAGES = ("final", "beta", "hetero", "ablation", "adaptive", "head", "long", "partial")
 
 
+def _section(path: Path, heading: str) -> str:
+    text = path.read_text()
+    start = text.index(heading)
+    return text[start : text.index("\n## ", start + 1)]
+
+
 def _protocol_section() -> str:
-    """compare.md's verdict and the whole of sst2_protocol.md: every place that quotes the protocol's report."""
-    text = (ROOT / "docs" / "compare.md").read_text()
-    start = text.index("## Verdict on SST-2")
-    verdict = text[start : text.index("\n## ", start + 1)]
-    return verdict + "\n" + (ROOT / "docs" / "sst2_protocol.md").read_text()
+    """README's results, compare.md's verdict and the whole of sst2_protocol.md: every place that quotes the
+    protocol's report."""
+    readme = _section(ROOT / "README.md", "## Results")
+    verdict = _section(ROOT / "docs" / "compare.md", "## Verdict on SST-2")
+    return readme + "\n" + verdict + "\n" + (ROOT / "docs" / "sst2_protocol.md").read_text()
+
+
+def test_readmes_results_quote_the_report():
+    """README's results section quotes intervals (each checked below against the report) and shows the verdict."""
+    readme = _section(ROOT / "README.md", "## Results")
+    assert len(INTERVAL.findall(readme)) >= 4
+    assert "docs/reference/sst2_protocol/verdict.png" in readme and "docs/reference/sst2_protocol/report.md" in readme
 
 
 def _plain(number: str) -> str:
@@ -125,7 +138,7 @@ def test_every_interval_and_spread_quoted_is_the_reports_rounded_once():
         if not any((f"{m:.{len(mean) - 2}f}", f"{s:.{len(std) - 2}f}") == (mean, std) for m, s in spreads):
             stale.append(match.group(0))
     assert stale == [], (
-        f"docs/compare.md or docs/sst2_protocol.md quotes numbers that are not the report's rounded once: {stale}"
+        f"README.md, docs/compare.md or docs/sst2_protocol.md quote numbers not the report's rounded once: {stale}"
     )
 
 
