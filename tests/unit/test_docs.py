@@ -260,3 +260,9 @@ def test_the_fs_install_lines_of_readme_install_md_and_run_sh_are_one_list():
     assert "protobuf==3.20.3" in want and len(want) > 5
     for doc in ("README.md", "docs/install.md"):
         assert list(_pip_line((ROOT / doc).read_text(encoding="utf-8"))) == list(want), doc
+
+
+def test_readmes_docs_table_lists_every_page():
+    listed = set(dc.links((ROOT / "README.md").read_text(encoding="utf-8")))
+    pages = {f"docs/{p.name}" for p in (ROOT / "docs").iterdir() if p.suffix in (".md", ".py")}
+    assert pages - listed == set(), "README's docs table misses these pages"
