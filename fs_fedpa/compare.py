@@ -34,7 +34,7 @@ from pathlib import Path
 
 from fs_fedpa.fs_results import weighted_avg_by_round
 from fs_fedpa.methods import names as method_names
-from fs_fedpa.record import CLIENT_STATS, DIAGNOSTICS_FILE, EVAL_SHARDS_FILE, OUTCOMES_FILE, compact
+from fs_fedpa.record import CLIENT_STATS, DIAGNOSTICS_FILE, EVAL_SHARDS_FILE, OUTCOMES_FILE, PRIVACY_FILE, compact
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,22 @@ def collect(out: Path) -> dict:
     run["diagnostics"] = [compact(json.loads(line)) for line in lines]
     if (outcomes := read_outcomes(out / "run")) is not None:
         run["outcomes"] = outcomes
+    if (privacy := read_privacy(out / "run")) is not None:
+        run["privacy"] = privacy
     return run
+
+
+def read_privacy(folder: Path) -> dict | None:
+    """What a DP run spent, from its ledger (None without one): the ledger's last line (the final ε at the run's δ,
+    the sampling, adjacency, clip and sensitivity; in sample mode each client's ε, δ, noise multiplier and steps)
+    and ``epsilon_by_round``, the cumulative ε after each round."""
+    path = folder / PRIVACY_FILE
+    if not path.is_file():
+        return None
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not lines:
+        return None
+    return {**lines[-1], "epsilon_by_round": {int(r["round"]): r["dp_epsilon"] for r in lines}}
 
 
 OUTCOME_EVALS = 3  # a run file keeps the per-example outcomes of its last this many evaluations

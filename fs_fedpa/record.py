@@ -17,6 +17,7 @@ DIAGNOSTICS_FILE = "fedpa_diagnostics.jsonl"
 # indices of the GLUE evaluation file ({"size": n, "splits": {split: {client id: [index, ...]}}}).
 OUTCOMES_FILE = "fedpa_outcomes.jsonl"
 EVAL_SHARDS_FILE = "fedpa_eval_shards.json"
+PRIVACY_FILE = "fedpa_privacy.jsonl"  # the DP ledger, one line a round (fs_fedpa.plugin.privacy)
 
 # What each client reports about its round (fs_fedpa.plugin.client); the record keeps them per client and summarised.
 CLIENT_STATS = (

@@ -23,10 +23,10 @@ from fs_fedpa.core.diagnostics import factored_norm
 from fs_fedpa.core.dp import dp_generator, release_changes, release_products
 from fs_fedpa.core.dp import sample_without_replacement as _sample
 from fs_fedpa.core.ranks import truncate_factors
+from fs_fedpa.record import PRIVACY_FILE
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
-PRIVACY_FILE = "fedpa_privacy.jsonl"
 # what a client sends of its statistics under DP: client mode, only faults of its storage (not of its data);
 # sample mode, everything computed from its DP factors, but not the task-gradient ratios (raw data)
 CLIENT_MODE_STATS = ("state_lost",)

@@ -16,6 +16,7 @@ from pathlib import Path
 from fs_fedpa import compare, protocol
 from fs_fedpa import sst2_protocol as sp
 from fs_fedpa import sst2_verdict as sv
+from fs_fedpa.tools.sst2_privacy_report import privacy_section
 
 METRICS = ("val_acc", "local.val_acc")
 METRIC_NAMES = {"val_acc": "paper protocol", "local.val_acc": "own factors"}
@@ -821,6 +822,7 @@ def write_report(report: Path, results: dict, stages: list) -> Path:
         *long_section(results, report),
         *partial_section(results, report),
         *splits_section(results),
+        *privacy_section(results, stages),
     ]  # fmt: skip
     path = report / "report.md"
     path.write_text("\n".join(lines) + "\n")

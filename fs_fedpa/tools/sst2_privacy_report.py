@@ -1,0 +1,201 @@
+"""The SST-2 protocol report's privacy section (issue 43), from the committed run files alone.
+
+(a) Sample-level DP-SGD in the main cell: the tuning table (method × clip C × rate, held-out score, ε spent), the
+selection, and the final runs: each cell's accuracy and ε, each DP method against FedIT under DP (paired by seed,
+Holm over the three, per protocol) and each against itself without DP. (b) Client-level DP in the partial setting:
+each method without and with DP on one seed, its clip and the noise per entry. The design is fixed in
+:mod:`fs_fedpa.sst2_protocol` above :func:`~fs_fedpa.sst2_protocol.privacy_runs`.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from fs_fedpa import protocol
+from fs_fedpa import sst2_protocol as sp
+
+METRICS = {"val_acc": "paper protocol", "local.val_acc": "own factors"}
+DP_CELLS = tuple(f"{m}_dp" for m in sp.PRIVACY_METHODS)
+# each DP cell's counterpart without DP: the final stage's runs, FedSVD's own (it has no final runs)
+NO_DP = {"fedpa_dp": "final/fedpa", "fedit_dp": "final/fedit", "ffa_lora_dp": "final/ffa_lora",
+         "fedsvd_dp": "privacy/fedsvd"}  # fmt: skip
+
+
+def _opts(run: sp.Run) -> dict[str, str]:
+    return dict(zip(run.opts[::2], run.opts[1::2]))
+
+
+def spent(result: dict | None) -> float | None:
+    """The ε a run spent by its last round at its δ (the largest client's in sample mode), from its ledger."""
+    privacy = (result or {}).get("privacy")
+    return None if privacy is None else privacy.get("dp_epsilon")
+
+
+def seed_values(results: dict, prefix: str, metric: str) -> dict[int, float]:
+    """seed -> final-round ``metric`` of the runs ``<prefix>_s<seed>`` (``prefix``: ``stage/cell``)."""
+    out = {}
+    for seed in (*sp.SEEDS, *sp.MORE_SEEDS):
+        run = results.get(f"{prefix}_s{seed}")
+        if run is not None and (value := sp.final_metric(run, metric)) is not None:
+            out[seed] = value
+    return out
+
+
+def paired(a: dict[int, float], b: dict[int, float]) -> dict | None:
+    """``{"mean", "low", "high", "p", "seeds", "ahead"}`` of a − b over their common seeds (None below 2)."""
+    seeds = sorted(set(a) & set(b))
+    if len(seeds) < 2:
+        return None
+    d = [a[s] - b[s] for s in seeds]
+    mean, low, high = protocol.paired_interval(d)
+    return {"mean": mean, "low": low, "high": high, "p": protocol.paired_t_p(d), "seeds": len(seeds),
+            "ahead": sum(x > 0 for x in d)}  # fmt: skip
+
+
+def final_comparisons(results: dict) -> dict[str, dict[str, dict]]:
+    """Per protocol: ``"<cell> − fedit_dp"`` for the three other DP cells (with ``holm``, the Holm-adjusted p over
+    the three) and ``"<cell> − no DP"`` for all four."""
+    out: dict[str, dict[str, dict]] = {}
+    for metric in METRICS:
+        rows: dict[str, dict] = {}
+        fedit = seed_values(results, "privacy/fedit_dp", metric)
+        for cell in DP_CELLS:
+            ours = seed_values(results, f"privacy/{cell}", metric)
+            if cell != "fedit_dp" and (row := paired(ours, fedit)) is not None:
+                rows[f"{cell} − fedit_dp"] = row
+            if (row := paired(ours, seed_values(results, NO_DP[cell], metric))) is not None:
+                rows[f"{cell} − no DP"] = row
+        family = {k: r["p"] for k, r in rows.items() if k.endswith("fedit_dp")}
+        if len(family) == len(DP_CELLS) - 1:
+            for key, adjusted in protocol.holm(family).items():
+                rows[key]["holm"] = adjusted
+        out[metric] = rows
+    return out
+
+
+def _interval(row: dict | None) -> str:
+    if row is None:
+        return "–"
+    text = (f"{row['mean']:+.4f} [{row['low']:+.4f}, {row['high']:+.4f}] {protocol.verdict(row['low'], row['high'])}"
+            f"; n={row['seeds']}, ahead in {row['ahead']}")  # fmt: skip
+    return text + (f"; Holm p {row['holm']:.3f}" if "holm" in row else "")
+
+
+def _pm(values: list[float]) -> str:
+    if not values:
+        return "–"
+    if len(values) == 1:
+        return f"{values[0]:.4f} (1)"
+    return f"{statistics.fmean(values):.4f} ± {statistics.stdev(values):.4f} ({len(values)})"
+
+
+def privacy_section(results: dict, stages: list[tuple[str, list[sp.Run]]]) -> list[str]:
+    parts = dict(stages)
+    tune = parts.get("privacy: sample-level tuning", [])
+    lines = ["## What privacy costs", ""]
+    if not tune:
+        return [*lines, "Not planned.", ""]
+    done = [r for r in tune if r.key in results]
+    lines += [
+        f"**(a) Sample-level DP-SGD, the main cell.** Each client trains by DP-SGD at ε = {sp.PRIVACY_EPSILON:g} "
+        "over the whole run (δ by the default rule, the noise calibrated for T rounds also in tuning, "
+        "`fedpa.dp_horizon`); ε spent below is the ledger's (`fedpa_privacy.jsonl`) at the run's last round, the "
+        "largest over the clients. Tuning: seed 0, ceil(T/2) rounds, scored on the held-out split (mean of the "
+        f"last two evaluations); {len(done)} of its {len(tune)} runs are in.",
+        "",
+        "| method | clip C | rate | held-out score | ε spent |",
+        "|---|---|---|---|---|",
+    ]
+    for run in tune:
+        opts, result = _opts(run), results.get(run.key)
+        value = None if result is None else sp.score(result)
+        eps = spent(result)
+        lines.append(
+            f"| {run.method}{'' if 'fedpa.dp_mode' in opts else ' (no DP)'} | {opts.get('fedpa.dp_clip', '–')} | "
+            f"{opts.get('train.optimizer.type')} {opts.get('train.optimizer.lr')} | "
+            f"{'not run yet' if result is None else _score(value)} | {'–' if eps is None else f'{eps:.2f}'} |"
+        )
+    lines.append("")
+    choice = sp.privacy_selection(results, tune)
+    if choice is None:
+        lines += ["The selection and the final runs follow when every tuning run is in.", ""]
+    else:
+        lines += [
+            "Selected (best held-out score): "
+            + "; ".join(f"{cell}: {_describe(c['opts'])} ({c['score']:.4f})" for cell, c in sorted(choice.items()))
+            + ".",
+            "",
+        ]
+        lines += _final_lines(results)
+    return lines + _client_level_lines(results, parts)
+
+
+def _score(value: float | None) -> str:
+    return "–" if value is None else f"{value:.4f}"
+
+
+def _describe(opts: list[str]) -> str:
+    o = dict(zip(opts[::2], opts[1::2]))
+    text = f"{o.get('train.optimizer.type')} {o.get('train.optimizer.lr')}"
+    return text + (f", C {o['fedpa.dp_clip']}" if "fedpa.dp_clip" in o else "")
+
+
+def _final_lines(results: dict) -> list[str]:
+    cells = [*DP_CELLS, "fedsvd"]
+    lines = [
+        "Final runs: T rounds, the dev set, final-round accuracy (mean ± sample sd over seeds (n)).",
+        "",
+        "| cell | paper protocol | own factors | ε spent (largest over seeds) |",
+        "|---|---|---|---|",
+    ]
+    for cell in cells:
+        values = {m: seed_values(results, f"privacy/{cell}", m) for m in METRICS}
+        eps = [e for s in sp.SEEDS if (e := spent(results.get(f"privacy/{cell}_s{s}"))) is not None]
+        lines.append(
+            f"| {cell} | {_pm(list(values['val_acc'].values()))} | "
+            f"{_pm(list(values['local.val_acc'].values()))} | {f'{max(eps):.2f}' if eps else '–'} |"
+        )
+    comparisons = final_comparisons(results)
+    lines += [
+        "",
+        "Paired 95% t intervals over seeds (accuracy, not points); Holm over the three comparisons with "
+        "FedIT under DP, per protocol.",
+        "",
+        "| comparison | paper protocol | own factors |",
+        "|---|---|---|",
+    ]
+    keys = [f"{c} − fedit_dp" for c in DP_CELLS if c != "fedit_dp"] + [f"{c} − no DP" for c in DP_CELLS]
+    for key in keys:
+        lines.append(
+            f"| {key} | {_interval(comparisons['val_acc'].get(key))} | "
+            f"{_interval(comparisons['local.val_acc'].get(key))} |"
+        )
+    return [*lines, ""]
+
+
+def _client_level_lines(results: dict, parts: dict) -> list[str]:
+    plain = parts.get("privacy: client level, no DP", [])
+    lines = [
+        f"**(b) Client-level DP, the partial setting** (N = {sp.PARTIAL_CLIENTS}, K = {sp.PARTIAL_SAMPLED}, "
+        f"{sp.CLIENT_DP_ROUNDS} rounds, seed {sp.CLIENT_DP_SEED}): each method without DP, then with DP at "
+        f"ε = {sp.PRIVACY_EPSILON:g}, C the median contribution norm of its no-DP run; one seed each: a measurement, "
+        "not a test.",
+        "",
+        "| method | no DP | DP | DP − no DP | C | noise sd per entry (zC/K) | ε spent |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for run in plain:
+        base, dp = results.get(run.key), results.get(run.key.replace(f"_s{run.seed}", f"_dp_s{run.seed}"))
+        a = None if base is None else sp.final_metric(base, "val_acc")
+        b = None if dp is None else sp.final_metric(dp, "val_acc")
+        privacy = (dp or {}).get("privacy", {})
+        diff = f"{b - a:+.4f}" if a is not None and b is not None else "–"
+        lines.append(
+            f"| {run.method} | {_score(a)} | {_score(b)} | {diff} | {_g(privacy.get('dp_clip'))} | "
+            f"{_g(privacy.get('dp_noise_std'))} | {_g(privacy.get('dp_epsilon'))} |"
+        )
+    return [*lines, ""]
+
+
+def _g(value) -> str:
+    return "–" if value is None else f"{value:.4g}"

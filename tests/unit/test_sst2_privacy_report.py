@@ -1,0 +1,87 @@
+"""The privacy section of the SST-2 report on synthetic run files: what is pending, the selection, and the paired
+intervals and Holm adjustment, against scipy."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from scipy import stats
+
+from fs_fedpa import sst2_protocol as sp
+from fs_fedpa.tools.sst2_privacy_report import final_comparisons, privacy_section
+
+SELECTED = json.loads((Path(__file__).resolve().parents[2] / sp.REPORT / "selected.json").read_text())
+
+
+def _run(cell: str, seed: int, acc: float, own: float, eps: float | None = None) -> dict:
+    run = {"cell": cell, "seed": seed, "rounds": {20: {"val_acc": acc, "local.val_acc": own}}}
+    if eps is not None:
+        run["privacy"] = {"dp_epsilon": eps, "dp_clip": 0.5, "dp_noise_std": 0.01}
+    return run
+
+
+def _stages(results: dict) -> list:
+    tune = sp.privacy_tune_runs(SELECTED, SELECTED["T"])
+    plain, private = sp.client_dp_runs(SELECTED, results)
+    parts = [("privacy: sample-level tuning", tune)]
+    if (choice := sp.privacy_selection(results, tune)) is not None:
+        parts.append(("privacy: sample-level final", sp.privacy_final_runs(choice, SELECTED["T"])))
+    return [*parts, ("privacy: client level, no DP", plain), ("privacy: client level, DP", private)]
+
+
+def test_nothing_run_yet_lists_every_tuning_run_as_pending():
+    text = "\n".join(privacy_section({}, _stages({})))
+    tune = sp.privacy_tune_runs(SELECTED, SELECTED["T"])
+    assert f"0 of its {len(tune)} runs are in" in text
+    assert text.count("not run yet") == len(tune)
+    assert "follow when every tuning run is in" in text
+    assert "(b) Client-level DP" in text  # independent of the tuning
+
+
+@pytest.fixture
+def full_results() -> dict:
+    rng = random.Random(0)
+    results = {}
+    for run in sp.privacy_tune_runs(SELECTED, SELECTED["T"]):
+        results[run.key] = {"cell": run.name, "seed": 0, "rounds": {10: {"val_acc": rng.uniform(0.6, 0.9)}}}
+    for seed in sp.SEEDS:
+        for cell in ("fedpa_dp", "fedit_dp", "ffa_lora_dp", "fedsvd_dp", "fedsvd"):
+            acc = rng.uniform(0.7, 0.9)
+            results[f"privacy/{cell}_s{seed}"] = _run(cell, seed, acc, acc - 0.01, 7.9 if "dp" in cell else None)
+        for cell in ("fedpa", "fedit", "ffa_lora"):
+            results[f"final/{cell}_s{seed}"] = _run(cell, seed, rng.uniform(0.8, 0.9), rng.uniform(0.8, 0.9))
+    return results
+
+
+def test_the_intervals_and_holm_are_scipys(full_results):
+    rows = final_comparisons(full_results)["val_acc"]
+    pvalues = {}
+    for cell in ("fedpa_dp", "ffa_lora_dp", "fedsvd_dp"):
+        a = [full_results[f"privacy/{cell}_s{s}"]["rounds"][20]["val_acc"] for s in sp.SEEDS]
+        b = [full_results[f"privacy/fedit_dp_s{s}"]["rounds"][20]["val_acc"] for s in sp.SEEDS]
+        d = [x - y for x, y in zip(a, b)]
+        low, high = stats.t.interval(0.95, len(d) - 1, loc=sum(d) / 3, scale=stats.sem(d))
+        row = rows[f"{cell} − fedit_dp"]
+        assert (row["low"], row["high"]) == pytest.approx((low, high))
+        pvalues[cell] = stats.ttest_rel(a, b).pvalue
+        assert row["p"] == pytest.approx(pvalues[cell])
+    order = sorted(pvalues, key=pvalues.get)  # Holm by hand: 3p, 2p, p, made monotone
+    adjusted = [min(1, (3 - i) * pvalues[c]) for i, c in enumerate(order)]
+    adjusted = [max(adjusted[: i + 1]) for i in range(3)]
+    assert [rows[f"{c} − fedit_dp"]["holm"] for c in order] == pytest.approx(adjusted)
+    d = [full_results[f"privacy/fedpa_dp_s{s}"]["rounds"][20]["val_acc"]
+         - full_results[f"final/fedpa_s{s}"]["rounds"][20]["val_acc"] for s in sp.SEEDS]  # fmt: skip
+    assert rows["fedpa_dp − no DP"]["mean"] == pytest.approx(sum(d) / 3)
+
+
+def test_the_selection_and_the_final_table_appear_once_tuning_is_in(full_results):
+    text = "\n".join(privacy_section(full_results, _stages(full_results)))
+    tune = sp.privacy_tune_runs(SELECTED, SELECTED["T"])
+    best = max((r for r in tune if r.method == "fedit"), key=lambda r: full_results[r.key]["rounds"][10]["val_acc"])
+    chosen = dict(zip(best.opts[::2], best.opts[1::2]))
+    assert f"fedit_dp: AdamW {chosen['train.optimizer.lr']}, C {chosen['fedpa.dp_clip']}" in text
+    assert "| fedpa_dp − fedit_dp | " in text and "Holm p" in text
+    assert "| fedsvd_dp | " in text and "7.90 |" in text
