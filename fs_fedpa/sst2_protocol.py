@@ -73,6 +73,7 @@ HETERO_LAM = (MAIN_R / HETERO_R) ** 2
 STAGES = (
     "pilot", "tune", "final", "ablation", "beta", "hetero", "adaptive", "head", "long", "partial", "splits", "privacy",
 )  # fmt: skip
+DP_SGD_FACTOR = 4.0  # a DP-SGD round's wall time over a plain one's here (about 100 s against 23), until one is in
 SECONDS_PER_ROUND = 28.0  # measured: 10 clients x 10 steps; used until a finished run gives a better figure
 
 
@@ -476,15 +477,31 @@ def on_gpu(run: dict) -> bool:
     return dict(zip(opts[::2], opts[1::2])).get("use_gpu") == "True"
 
 
-def seconds_per_round(results: dict) -> float:
+def dp_sgd(opts) -> bool:
+    """Whether a run's overrides (a Run's ``opts`` or a run file's) train by DP-SGD (``fedpa.dp_mode sample``)."""
+    opts = list(opts)
+    return dict(zip(opts[::2], opts[1::2])).get("fedpa.dp_mode") == "sample"
+
+
+def seconds_per_round(results: dict, sample_dp: bool = False) -> float:
     """Median machine time per round of the committed CPU runs: wall time / rounds / runs side by side (--jobs);
-    runs made on a GPU host (``use_gpu True`` among their FS overrides) say nothing of this machine's time."""
+    runs made on a GPU host (``use_gpu True`` among their FS overrides) say nothing of this machine's time. With
+    ``sample_dp``, of the DP-SGD runs only (a per-example step costs several plain ones; before any has run, the
+    plain rate times :data:`DP_SGD_FACTOR`), else of the others."""
     rates = [
         r["seconds"] / r["rounds_planned"] / r.get("jobs", 1)
         for r in list(results.values())  # a snapshot: the runner's threads add finished runs meanwhile
-        if r.get("rounds_planned") and not on_gpu(r)
+        if r.get("rounds_planned") and not on_gpu(r) and dp_sgd(r.get("opts", ())) == sample_dp
     ]
-    return statistics.median(rates) if rates else SECONDS_PER_ROUND
+    if rates:
+        return statistics.median(rates)
+    return seconds_per_round(results) * DP_SGD_FACTOR if sample_dp else SECONDS_PER_ROUND
+
+
+def minutes_left(runs: list[Run], results: dict) -> float:
+    """The machine minutes the runs of ``runs`` without a result will take, each priced by its kind of round."""
+    rates = {kind: seconds_per_round(results, kind) for kind in (False, True)}
+    return sum(r.rounds * rates[dp_sgd(r.opts)] for r in runs if r.key not in results) / 60
 
 
 # ------------------------------------------------------------------------------------------------ the plan

@@ -35,6 +35,7 @@ from fs_fedpa.sst2_protocol import (
     WORK,
     Run,
     load_results,
+    minutes_left,
     pilot_run,
     pilot_T,
     plan,
@@ -82,7 +83,7 @@ def execute(
         if spent or (budget["stop_at"] and time.time() > budget["stop_at"]):
             spent.append(run)  # decided where the run would start, so a queued run never slips past the budget
             return None
-        left = sum(r.rounds for r in pending[i - 1 :]) * seconds_per_round(results) / 60
+        left = minutes_left(pending[i - 1 :], results)
         print(f"[{run.stage} {i}/{len(pending)}] {run.name} seed {run.seed}, {run.rounds} rounds; "
               f"about {left:.0f} min left in this stage", flush=True)  # fmt: skip
         out = work / run.stage / f"{run.name}_s{run.seed}"
@@ -262,7 +263,7 @@ def print_plan(stages: list[tuple[str, list[Run]]], results: dict) -> None:
     total_left = 0.0
     for stage, runs in stages:
         left = [r for r in runs if r.key not in results]
-        minutes = sum(r.rounds for r in left) * rate / 60
+        minutes = minutes_left(left, results)
         total_left += minutes
         print(f"  {stage}: {len(runs) - len(left)}/{len(runs)} runs done; about {minutes:.0f} min left", flush=True)
     spent = time_spent(results)
@@ -272,7 +273,8 @@ def print_plan(stages: list[tuple[str, list[Run]]], results: dict) -> None:
     T = pilot_T(results[pilot_run().key]) if pilot_run().key in results else PILOT_ROUNDS // 2
     print(
         f"[sst2_compare] committed runs: {spent}; about {total_left / 60:.1f} h left for the "
-        f"stages known now ({rate:.0f} s a round); the whole protocol is about {whole_rounds(T) * rate / 3600:.0f} h "
+        f"stages known now ({rate:.0f} s a round, {seconds_per_round(results, True):.0f} under DP-SGD); the whole "
+        f"protocol is about {whole_rounds(T) * rate / 3600:.0f} h "
         f"with T = {T}{'' if pilot_run().key in results else ' (a guess until the pilot ends)'}",
         flush=True,
     )

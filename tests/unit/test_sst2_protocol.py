@@ -283,6 +283,19 @@ def test_the_time_estimate_counts_machine_time_per_round_whatever_the_jobs():
     assert sp.seconds_per_round({**results, "c": gpu, "d": gpu, "e": gpu}) == 10.0  # a GPU host's runs: not this CPU
 
 
+def test_dp_sgd_runs_are_priced_by_their_own_rounds():
+    plain = {"seconds": 100.0, "rounds_planned": 10, "opts": ["fedpa.lam", "0.01"]}
+    assert sp.seconds_per_round({"a": plain}, sample_dp=True) == 10.0 * sp.DP_SGD_FACTOR  # none run yet
+    dp = {"seconds": 400.0, "rounds_planned": 10, "opts": ["fedpa.dp_mode", "sample", "fedpa.dp_clip", "1"]}
+    results = {"a": plain, "b": dp}
+    assert (sp.seconds_per_round(results), sp.seconds_per_round(results, sample_dp=True)) == (10.0, 40.0)
+    runs = [sp.Run("privacy", "x", "fedpa", ("fedpa.dp_mode", "sample"), 0, 3),
+            sp.Run("privacy", "y", "fedpa", (), 0, 5)]  # fmt: skip
+    assert sp.minutes_left(runs, results) == (3 * 40.0 + 5 * 10.0) / 60
+    results[runs[0].key] = dp  # a finished run costs nothing more
+    assert sp.minutes_left(runs, results) == 5 * 10.0 / 60
+
+
 def test_the_lambda_table_shows_fedpas_sweep_at_the_pilot_rate_beside_fedit_and_local_training():
     from fs_fedpa.tools.sst2_report import lambda_section
 
