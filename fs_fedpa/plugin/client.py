@@ -385,8 +385,9 @@ class FedPAClient(
 
     @property
     def _moves_base(self) -> bool:
-        """Whether the method ever changes the model's base weights (merges, folds or a personal phase)."""
-        return self.method.merges or self.method.folds or self.method.personal_weight is not None
+        """Whether the method ever changes the model's base weights (merges, folds or a personal phase): the rule
+        that also refuses a quantized base, :meth:`FederatedMethod.writes_base`."""
+        return bool(self.method.writes_base())
 
     def _set_base(self, fold: dict[str, tuple[Tensor, Tensor]] | None = None) -> None:
         """The model's base weights: W_0 plus this client's merges (another client may have changed a shared model),
