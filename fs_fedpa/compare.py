@@ -1,8 +1,8 @@
 """Run a grid of federated methods x seeds x config overrides through FederatedScope; tabulate and plot it.
 
-    python -m fs_fedpa.compare --cfg yaml_configs/compare_sst2_minilm_cpu.yaml --methods fedpa fedit flexlora \\
+    python -m fs_fedpa.compare --cfg yaml_configs/fedpa_sst2_minilm_cpu.yaml --methods fedpa fedit flexlora \\
         [--cell fedpa_lam0 fedpa fedpa.lam 0] --seeds 0 1 2 --out exp/compare_sst2 [--metric val_acc] \\
-        [--earlier docs/reference/sst2_minilm_cpu/runs.json] [KEY VALUE ...]
+        [--earlier exp/an_earlier_grid/runs.json] [KEY VALUE ...]
 
 A *cell* is a name, a ``federate.method`` and FS overrides of its own: ``--methods m`` adds the cell ``m`` with
 none, ``--cell NAME METHOD [KEY VALUE ...]`` one with overrides (an ablation, another λ, heterogeneous ranks).
