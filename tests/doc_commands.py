@@ -22,6 +22,7 @@ HEADING = re.compile(r"^#{1,6} (.+?)\s*$", re.M)
 PROGRAMS = ("python ", "python3 ", "./run.sh", "scripts/", "benchmarks/")
 REPO_PATH = re.compile(r"^(?:fs_fedpa|docs|yaml_configs|scripts|benchmarks|tests|\.ci)/[\w./{},*-]*$")
 PLACEHOLDER = re.compile(r"[<>…]|\.\.\.|^[A-Z][A-Z_]+$|\{|^\[|\]$")
+FS_MAIN = ("federatedscope.main", "federatedscope/main.py")  # FS's entry point: as a module, from an FS checkout
 CONFIG_KEY = re.compile(r"^[a-z][a-z_0-9]*(?:\.[a-z][a-z_0-9]*)+$")
 
 

@@ -9,16 +9,16 @@ each method without and with DP on one seed, its clip and the noise per entry. T
 
 from __future__ import annotations
 
-import statistics
-
 from fs_fedpa import protocol
 from fs_fedpa import sst2_protocol as sp
+from fs_fedpa.tools.report_text import pm as _pm
+from fs_fedpa.tools.report_text import score as _score
 
 METRICS = {"val_acc": "paper protocol", "local.val_acc": "own factors"}
 DP_CELLS = tuple(f"{m}_dp" for m in sp.PRIVACY_METHODS)
-# each DP cell's counterpart without DP: the final stage's runs, FedSVD's own (it has no final runs)
-NO_DP = {"fedpa_dp": "final/fedpa", "fedit_dp": "final/fedit", "ffa_lora_dp": "final/ffa_lora",
-         "fedsvd_dp": "privacy/fedsvd"}  # fmt: skip
+# each DP cell's counterpart without DP, (stage, cell): the final stage's runs, FedSVD's own (it has no final runs)
+NO_DP = {"fedpa_dp": ("final", "fedpa"), "fedit_dp": ("final", "fedit"), "ffa_lora_dp": ("final", "ffa_lora"),
+         "fedsvd_dp": ("privacy", "fedsvd")}  # fmt: skip
 
 
 def _opts(run: sp.Run) -> dict[str, str]:
@@ -29,16 +29,6 @@ def spent(result: dict | None) -> float | None:
     """The ε a run spent by its last round at its δ (the largest client's in sample mode), from its ledger."""
     privacy = (result or {}).get("privacy")
     return None if privacy is None else privacy.get("dp_epsilon")
-
-
-def seed_values(results: dict, prefix: str, metric: str) -> dict[int, float]:
-    """seed -> final-round ``metric`` of the runs ``<prefix>_s<seed>`` (``prefix``: ``stage/cell``)."""
-    out = {}
-    for seed in (*sp.SEEDS, *sp.MORE_SEEDS):
-        run = results.get(f"{prefix}_s{seed}")
-        if run is not None and (value := sp.final_metric(run, metric)) is not None:
-            out[seed] = value
-    return out
 
 
 def paired(a: dict[int, float], b: dict[int, float]) -> dict | None:
@@ -58,12 +48,14 @@ def final_comparisons(results: dict) -> dict[str, dict[str, dict]]:
     out: dict[str, dict[str, dict]] = {}
     for metric in METRICS:
         rows: dict[str, dict] = {}
-        fedit = seed_values(results, "privacy/fedit_dp", metric)
+        cells = {stage: sp.cell_values(results, metric, stage) for stage in ("privacy", "final")}
+        fedit = cells["privacy"].get("fedit_dp", {})
         for cell in DP_CELLS:
-            ours = seed_values(results, f"privacy/{cell}", metric)
+            ours = cells["privacy"].get(cell, {})
             if cell != "fedit_dp" and (row := paired(ours, fedit)) is not None:
                 rows[f"{cell} − fedit_dp"] = row
-            if (row := paired(ours, seed_values(results, NO_DP[cell], metric))) is not None:
+            stage, plain = NO_DP[cell]
+            if (row := paired(ours, cells[stage].get(plain, {}))) is not None:
                 rows[f"{cell} − no DP"] = row
         family = {k: r["p"] for k, r in rows.items() if k.endswith("fedit_dp")}
         if len(family) == len(DP_CELLS) - 1:
@@ -79,14 +71,6 @@ def _interval(row: dict | None) -> str:
     text = (f"{row['mean']:+.4f} [{row['low']:+.4f}, {row['high']:+.4f}] {protocol.verdict(row['low'], row['high'])}"
             f"; n={row['seeds']}, ahead in {row['ahead']}")  # fmt: skip
     return text + (f"; Holm p {row['holm']:.3f}" if "holm" in row else "")
-
-
-def _pm(values: list[float]) -> str:
-    if not values:
-        return "–"
-    if len(values) == 1:
-        return f"{values[0]:.4f} (1)"
-    return f"{statistics.fmean(values):.4f} ± {statistics.stdev(values):.4f} ({len(values)})"
 
 
 def privacy_section(results: dict, stages: list[tuple[str, list[sp.Run]]]) -> list[str]:
@@ -130,10 +114,6 @@ def privacy_section(results: dict, stages: list[tuple[str, list[sp.Run]]]) -> li
     return lines + _client_level_lines(results, parts)
 
 
-def _score(value: float | None) -> str:
-    return "–" if value is None else f"{value:.4f}"
-
-
 def _describe(opts: list[str]) -> str:
     o = dict(zip(opts[::2], opts[1::2]))
     text = f"{o.get('train.optimizer.type')} {o.get('train.optimizer.lr')}"
@@ -148,12 +128,12 @@ def _final_lines(results: dict) -> list[str]:
         "| cell | paper protocol | own factors | ε spent (largest over seeds) |",
         "|---|---|---|---|",
     ]
+    values = {m: sp.cell_values(results, m, "privacy") for m in METRICS}
     for cell in cells:
-        values = {m: seed_values(results, f"privacy/{cell}", m) for m in METRICS}
         eps = [e for s in sp.SEEDS if (e := spent(results.get(f"privacy/{cell}_s{s}"))) is not None]
         lines.append(
-            f"| {cell} | {_pm(list(values['val_acc'].values()))} | "
-            f"{_pm(list(values['local.val_acc'].values()))} | {f'{max(eps):.2f}' if eps else '–'} |"
+            f"| {cell} | {_pm(list(values['val_acc'].get(cell, {}).values()))} | "
+            f"{_pm(list(values['local.val_acc'].get(cell, {}).values()))} | {f'{max(eps):.2f}' if eps else '–'} |"
         )
     comparisons = final_comparisons(results)
     lines += [

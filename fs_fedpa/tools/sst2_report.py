@@ -16,19 +16,12 @@ from pathlib import Path
 from fs_fedpa import compare, protocol
 from fs_fedpa import sst2_protocol as sp
 from fs_fedpa import sst2_verdict as sv
+from fs_fedpa.tools.report_text import pm as _pm
+from fs_fedpa.tools.report_text import score as _score
 from fs_fedpa.tools.sst2_privacy_report import privacy_section
 
 METRICS = ("val_acc", "local.val_acc")
 METRIC_NAMES = {"val_acc": "paper protocol", "local.val_acc": "own factors"}
-
-
-def _pm(values: list[float]) -> str:
-    """mean ± the sample standard deviation (n − 1 in the denominator) over ``values`` (n); one value: mean (1)."""
-    if not values:
-        return "–"
-    if len(values) == 1:
-        return f"{values[0]:.4f} (1)"
-    return f"{statistics.fmean(values):.4f} ± {statistics.stdev(values):.4f} ({len(values)})"
 
 
 def _interval(row: dict | None) -> str:
@@ -44,10 +37,6 @@ HOLM_NOTE = (
     "own chance of a spurious exclusion)."
 )
 SPREAD_NOTE = "mean ± sample standard deviation over seeds (n)"
-
-
-def _score(value: float | None) -> str:
-    return "–" if value is None else f"{value:.4f}"
 
 
 def _lr(row: dict) -> str:

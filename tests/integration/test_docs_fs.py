@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 
 from tests import doc_commands as dc
-from tests.doc_commands import ROOT
+from tests.doc_commands import FS_MAIN, ROOT
 from tests.integration.tiny_assets import fs_env, read_eval_results
 
 pytestmark = pytest.mark.integration
-FS_MAIN = ("federatedscope.main", "federatedscope/main.py")
 QUANT_MISSING = importlib.util.find_spec("bitsandbytes") is None
 
 

@@ -8,6 +8,7 @@ import glob
 import importlib
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -18,13 +19,12 @@ import pytest
 
 from fs_fedpa.config import describe
 from tests import doc_commands as dc
-from tests.doc_commands import ROOT
+from tests.doc_commands import FS_MAIN, ROOT
 
 FEDPA_KEYS = {key for key, _, _ in describe()}
 # `fedpa.<word>` that docs name and that are not config keys: checkpoint entries, the log tag
 NOT_CONFIG = {"fedpa.global", "fedpa.clients", "fedpa.pth"}
 UNKNOWN_KEY_EXAMPLE = "fedpa.rank"  # docs/errors.md shows the refusal of a key that does not exist
-FS_MAIN = ("federatedscope.main", "federatedscope/main.py")
 
 
 def _help_targets() -> dict[str, tuple[str, str]]:
@@ -71,7 +71,7 @@ def _helps() -> dict[str, str]:
     proc = subprocess.run(
         [sys.executable, "-c", HELP_SCRIPT, json.dumps(targets)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
