@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from tests.integration.tiny_assets import (
     dump_yaml,
     fs_env,
     fs_llm_yaml,
+    run_module,
     write_instruction_jsonl,
     write_tiny_glue,
 )
@@ -71,20 +70,13 @@ def fedpa_cfg(tiny_llm, tmp_path: Path, **overrides) -> dict:
 
 
 def probe(cfg: dict, tmp_path: Path, *opts: str, timeout: float = 300, env: dict | None = None) -> dict:
-    """Run ``tests.integration.fs_probe`` on ``cfg`` in a subprocess and load what its spies recorded
+    """Run ``tests.integration.fs_probe`` on ``cfg`` in a process of its own and load what its spies recorded
     (``env``: extra environment, e.g. ``FS_PROBE_CORRUPT``)."""
     import torch
 
     cfg_file = dump_yaml(cfg, tmp_path / "probe.yaml")
     out = tmp_path / "probe.pt"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.integration.fs_probe", cfg_file, str(out), *opts],
-        cwd=ROOT,
-        env=fs_env(env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    proc = run_module("tests.integration.fs_probe", [cfg_file, out, *opts], ROOT, fs_env(env), timeout)
     (tmp_path / "probe.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"FS run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return torch.load(out, weights_only=False)

@@ -4,14 +4,11 @@ own malformed message fails at the client, naming the field, before FS's runner 
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from tests.conftest import ROOT
 from tests.integration.conftest import fedpa_cfg
-from tests.integration.tiny_assets import dump_yaml, fs_env
+from tests.integration.tiny_assets import dump_yaml, fs_env, run_module
 
 pytestmark = pytest.mark.integration
 
@@ -19,14 +16,7 @@ pytestmark = pytest.mark.integration
 def _run(tiny_llm, tmp_path, kind: str) -> tuple[int, str]:
     cfg = fedpa_cfg(tiny_llm, tmp_path, **{"federate.total_round_num": 3, "eval.freq": 10})
     cfg_file = dump_yaml(cfg, tmp_path / "careless.yaml")
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.integration.careless_client", str(cfg_file), kind, "2", "1"],
-        cwd=ROOT,
-        env=fs_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_module("tests.integration.careless_client", [cfg_file, kind, "2", "1"], ROOT, fs_env(), 300)
     return proc.returncode, proc.stdout + proc.stderr
 
 

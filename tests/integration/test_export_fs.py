@@ -14,7 +14,7 @@ import torch
 
 from fs_fedpa.methods.catalog import names
 from tests.conftest import ROOT
-from tests.integration.tiny_assets import fs_env, fs_glue_yaml, outdir_of, read_eval_results, run_fs
+from tests.integration.tiny_assets import fs_env, fs_glue_yaml, outdir_of, read_eval_results, run_fs, run_module
 
 pytestmark = pytest.mark.integration
 
@@ -43,11 +43,14 @@ def _run(tiny_glue, tmp_path: Path, method: str, **overrides) -> tuple[dict, Pat
     return cfg, outdir_of(cfg)
 
 
-def _export(outdir: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "fs_fedpa.tools.export", str(outdir), "--out", str(out), *extra],
-        capture_output=True, text=True, cwd=ROOT, env=fs_env(), timeout=300,
-    )  # fmt: skip
+def _export(outdir: Path, out: Path, *extra: str, fresh: bool = True) -> subprocess.CompletedProcess:
+    """The export command; ``fresh``: in a fresh interpreter (where its whole output is asserted), else forked from
+    the tests' zygote (where only what it writes is)."""
+    argv = [str(outdir), "--out", str(out), *extra]
+    if not fresh:
+        return run_module("fs_fedpa.tools.export", argv, ROOT, fs_env(), 300)
+    return subprocess.run([sys.executable, "-m", "fs_fedpa.tools.export", *argv], capture_output=True, text=True,
+                          cwd=ROOT, env=fs_env(), timeout=300)  # fmt: skip
 
 
 def _dev(tiny_glue):
@@ -177,7 +180,7 @@ def _check_fs_model(tiny_glue, cfg: dict, export_dir: Path) -> None:
 @pytest.mark.parametrize("method", names())
 def test_every_method_exports_and_round_trips(tiny_glue, tmp_path, method):
     cfg, outdir = _run(tiny_glue, tmp_path, method)
-    proc = _export(outdir, tmp_path / "cli", "--clients")
+    proc = _export(outdir, tmp_path / "cli", "--clients", fresh=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _check_round_trip(tiny_glue, outdir, tmp_path / "cli", method)
     _check_round_trip(tiny_glue, outdir, tmp_path / "at_end", method)  # what the run wrote itself
@@ -188,7 +191,7 @@ def test_every_method_exports_and_round_trips(tiny_glue, tmp_path, method):
 def test_hetero_ranks_export_each_client_at_its_own_rank(tiny_glue, tmp_path):
     cfg, outdir = _run(tiny_glue, tmp_path, "fedpa", **HETERO, **{"fedpa.reference_ranks": [2, 4, 8]})
     out = tmp_path / "cli"
-    assert _export(outdir, out, "--clients").returncode == 0
+    assert _export(outdir, out, "--clients", fresh=False).returncode == 0
     for client, r in ((1, 2), (2, 4), (3, 8)):
         config = json.loads((out / f"client_{client}" / "adapter_config.json").read_text())
         assert config["r"] == r and not config["rank_pattern"]
@@ -230,7 +233,7 @@ def test_causal_lm_run_exports_global_and_client_adapters(tiny_llm, tmp_path):
     proc = run_fs(cfg, tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = tmp_path / "cli"
-    proc = _export(outdir_of(cfg), out, "--clients")
+    proc = _export(outdir_of(cfg), out, "--clients", fresh=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((out / "global" / "adapter_config.json").read_text())["task_type"] == "CAUSAL_LM"
     ckpt = Path(cfg["federate"]["save_to"]).parent

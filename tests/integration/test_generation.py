@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from tests.conftest import ROOT
 from tests.integration.conftest import fedpa_cfg, probe
-from tests.integration.tiny_assets import fs_env
+from tests.integration.tiny_assets import fs_env, run_module
 
 pytestmark = pytest.mark.integration
 
@@ -41,22 +39,8 @@ def test_merged_weights_are_base_plus_the_global_product(tiny_llm, trained):
 
 
 def _run_cli(task: str, model: str, ckpt, data, out, *extra: str) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "fs_fedpa.tools.eval_generation",
-        task,
-        "--base",
-        model,
-        "--ckpt",
-        str(ckpt),
-        "--data",
-        str(data),
-        "--out",
-        str(out),
-        *extra,
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=fs_env(), capture_output=True, text=True, timeout=300)
+    argv = [task, "--base", model, "--ckpt", ckpt, "--data", data, "--out", out, *extra]
+    proc = run_module("fs_fedpa.tools.eval_generation", argv, ROOT, fs_env(), 300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 

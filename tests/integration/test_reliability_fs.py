@@ -13,7 +13,7 @@ import torch
 
 from tests.conftest import ROOT
 from tests.integration.conftest import fedpa_cfg, probe
-from tests.integration.tiny_assets import dump_yaml, fs_env, run_fs
+from tests.integration.tiny_assets import dump_yaml, fs_env, run_fs, run_module
 
 pytestmark = pytest.mark.integration
 
@@ -110,10 +110,8 @@ def test_a_round_with_every_upload_dropped_keeps_the_global_adapter(tiny_llm, tm
 def test_rounds_in_a_row_with_every_upload_dropped_stop_the_run_with_the_reason(tiny_llm, tmp_path):
     cfg = dump_yaml(fedpa_cfg(tiny_llm, tmp_path, **{"federate.total_round_num": 6}), tmp_path / "probe.yaml")
     faults = ",".join(f"{c}:{r}:nan" for c in (1, 2, 3) for r in (1, 2, 3))
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.integration.fs_probe", cfg, str(tmp_path / "probe.pt")],
-        cwd=ROOT, env=fs_env({"FS_PROBE_CORRUPT": faults}), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    proc = run_module("tests.integration.fs_probe", [cfg, tmp_path / "probe.pt"], ROOT,
+                      fs_env({"FS_PROBE_CORRUPT": faults}), 300)  # fmt: skip
     assert proc.returncode != 0
     assert "3 rounds in a row had every upload dropped (fedpa.max_failed_rounds=3)" in proc.stderr
     assert "Starting a new training round (Round #4)" not in proc.stdout + proc.stderr

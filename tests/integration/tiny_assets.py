@@ -23,7 +23,6 @@ import ast
 import os
 import re
 import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -176,8 +175,18 @@ def run_fs(
     tmpdir = Path(tmpdir).resolve()
     tmpdir.mkdir(parents=True, exist_ok=True)
     cfg_path = dump_yaml(cfg_dict, tmpdir / yaml_name)
-    cmd = [sys.executable, *python_args, "-m", "federatedscope.main", "--cfg", cfg_path, *map(str, extra_opts)]
-    return subprocess.run(cmd, cwd=str(tmpdir), env=fs_env(env), capture_output=True, text=True, timeout=timeout)
+    return run_module(
+        "federatedscope.main", ["--cfg", cfg_path, *extra_opts], tmpdir, fs_env(env), timeout, python_args=python_args
+    )
+
+
+def run_module(module: str, args: Sequence, cwd, env: dict, timeout: float | None, python_args: Sequence[str] = ()):
+    """``subprocess.run([python, *python_args, -m, module, *args], ...)`` with output captured as text, forked from
+    the tests' zygote where that is the same run (tests/integration/zygote.py)."""
+    from tests.integration import zygote
+
+    root = Path(__file__).resolve().parents[2]
+    return zygote.run_module(module, args, cwd, env, timeout, base=fs_env(), root=str(root), python_args=python_args)
 
 
 # --------------------------------------------------------------------------------------------- #

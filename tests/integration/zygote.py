@@ -1,0 +1,197 @@
+"""An interpreter that has imported torch, transformers, PEFT, FS and the plugin once, and forks a child for each FS
+run a test asks for: the child runs ``python -m <module> <args>`` as a fresh interpreter would (its own cwd,
+environment, argv, ``sys.path[0]``, stdin from /dev/null, stdout and stderr to files, ``__main__``, exit status),
+without paying the ~10 s of imports again. Those imports were about half of the suite's time (35 min with a fresh
+interpreter for every run, 19 with the zygote, on 2 cores); tests/integration/test_zygote_fs.py checks that a forked
+FS run equals a fresh interpreter's, metric for metric and tensor for tensor.
+
+What differs: what the preloaded modules print while importing goes to the zygote's log, not to the run's output
+(tests that assert a command's whole output run it in a fresh interpreter), and the children share one hash seed.
+A run whose interpreter options or import-time environment differ runs in a fresh interpreter (``run_module``).
+
+Protocol, one JSON request a line on stdin: ``{"module", "args", "cwd", "env", "stdout", "stderr"}``; the zygote
+answers the child's pid on a line, then its exit status on another (negative: killed by that signal).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+
+# What every FS run imports before it reads its config (FS's main, its builders, the plugin's workers).
+PRELOAD = (
+    "torch",
+    "transformers",
+    "peft",
+    "federatedscope.core.configs.config",
+    "federatedscope.core.cmd_args",
+    "federatedscope.core.auxiliaries.data_builder",
+    "federatedscope.core.auxiliaries.model_builder",
+    "federatedscope.core.auxiliaries.trainer_builder",
+    "federatedscope.core.auxiliaries.worker_builder",
+    "federatedscope.core.fed_runner",
+    "fs_fedpa.plugin.client",
+    "fs_fedpa.plugin.server",
+)
+
+
+def _child(request: dict, reply_fd: int, request_fd: int) -> None:
+    """In the forked child: become ``python -m module args`` and exit with its status; never returns."""
+    code = 1
+    try:
+        os.close(reply_fd)
+        os.close(request_fd)
+        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT),
+                                (2, request["stderr"], os.O_WRONLY | os.O_CREAT)):  # fmt: skip
+            opened = os.open(path, flags | (os.O_TRUNC if fd else 0), 0o644)
+            os.dup2(opened, fd)
+            os.close(opened)
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115  (fd 0 is /dev/null now; the zygote's buffer is gone)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.path[0] = request["cwd"]  # what ``python -m`` puts first
+        sys.argv = [request["module"], *request["args"]]
+        import runpy
+
+        try:
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exc:  # the interpreter's rule for sys.exit's argument
+            if exc.code is None or isinstance(exc.code, int):
+                code = exc.code or 0
+            else:
+                print(exc.code, file=sys.stderr)
+                code = 1
+        except BaseException:  # noqa: BLE001  (what the interpreter prints for an uncaught exception)
+            sys.excepthook(*sys.exc_info())
+            code = 1
+        import atexit
+        import logging
+
+        atexit._run_exitfuncs()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def serve() -> None:
+    reply = os.fdopen(os.dup(1), "w", buffering=1)
+    requests = os.fdopen(os.dup(0), "r", buffering=1)
+    os.dup2(2, 1)  # whatever an import prints goes to the zygote's stderr, never into the replies
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001  (a child imports it itself, and fails as a fresh interpreter would)
+            print(f"zygote: could not preload {name}: {exc}", file=sys.stderr)
+    for line in requests:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(request, reply.fileno(), requests.fileno())
+        reply.write(f"{pid}\n")
+        _, status = os.waitpid(pid, 0)
+        reply.write(f"{os.waitstatus_to_exitcode(status)}\n")
+
+
+if __name__ == "__main__":
+    serve()
+
+
+# ------------------------------------------------------------------------------------------------------------------ #
+# the tests' side
+# ------------------------------------------------------------------------------------------------------------------ #
+FRESH = "FS_FEDPA_TEST_FRESH_INTERPRETERS"  # =1: every run in a fresh interpreter, as before the zygote
+_RUNTIME_KEYS = ("FS_PROBE_", "PYTEST_", "FS_FEDPA_TEST_")  # read while a run runs (or not at all), never on import
+
+
+class Zygote:
+    """One zygote per test process, started on first use with ``env`` (what it imports under) and ``root`` as cwd."""
+
+    def __init__(self, env: dict, root: str):
+        import subprocess
+        import tempfile
+
+        self.env = env
+        self._log = tempfile.NamedTemporaryFile(prefix="fs_fedpa_zygote_", suffix=".log", delete=False)  # noqa: SIM115
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.integration.zygote"], cwd=root, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log)  # fmt: skip
+        self._buffer = b""
+
+    def takes(self, env: dict) -> bool:
+        """Whether a run under ``env`` would import exactly what it imports under the zygote's environment."""
+
+        def stable(e: dict) -> dict:
+            return {k: v for k, v in e.items() if not k.startswith(_RUNTIME_KEYS)}
+
+        return self.proc.poll() is None and stable(env) == stable(self.env)
+
+    def _line(self, deadline: float | None) -> str | None:
+        import select
+        import time
+
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buffer:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([fd], [], [], wait)[0]:
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                raise RuntimeError(f"the test zygote exited; its log: {self._log.name}")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.decode()
+
+    def run(self, module: str, args: list[str], cwd: str, env: dict, timeout: float | None):
+        """``subprocess.run([python, -m, module, *args], cwd, env, capture_output=True, text=True, timeout)``."""
+        import signal
+        import subprocess
+        import tempfile
+        import time
+
+        cmd = [sys.executable, "-m", module, *args]
+        with tempfile.TemporaryDirectory(prefix="fs_fedpa_run_") as tmp:
+            out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+            request = {"module": module, "args": list(args), "cwd": str(cwd), "env": env, "stdout": out, "stderr": err}
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+            pid = int(self._line(time.monotonic() + 60) or "0")
+            if not pid:
+                raise RuntimeError(f"the test zygote did not fork; its log: {self._log.name}")
+            code = self._line(None if timeout is None else time.monotonic() + timeout)
+
+            def read(path: str) -> str:
+                with open(path, errors="replace") as f:
+                    return f.read()
+
+            if code is None:
+                os.kill(pid, signal.SIGKILL)
+                self._line(None)
+                raise subprocess.TimeoutExpired(cmd, timeout, output=read(out), stderr=read(err))
+            return subprocess.CompletedProcess(cmd, int(code), read(out), read(err))
+
+
+_zygote: Zygote | None = None
+
+
+def run_module(module: str, args, cwd, env: dict, timeout: float | None, *, base: dict, root: str, python_args=()):
+    """Run ``python <python_args> -m module args`` like ``subprocess.run(..., capture_output=True, text=True)``: in a
+    child of the zygote (started under ``base`` in ``root``) where that is the same run (no interpreter options, an
+    environment equal to ``base`` but for what runs read while running), else in a fresh interpreter."""
+    import subprocess
+
+    global _zygote
+    args = [str(a) for a in args]
+    if not python_args and os.environ.get(FRESH) != "1":
+        if _zygote is None or _zygote.proc.poll() is not None:
+            _zygote = Zygote({k: v for k, v in base.items() if not k.startswith(_RUNTIME_KEYS)}, str(root))
+        if _zygote.takes(env):
+            return _zygote.run(module, args, cwd, env, timeout)
+    cmd = [sys.executable, *python_args, "-m", module, *args]
+    return subprocess.run(cmd, cwd=str(cwd), env=env, capture_output=True, text=True, timeout=timeout)
