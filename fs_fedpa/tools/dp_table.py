@@ -15,6 +15,13 @@ module's signal is at most C / sqrt(M), so the truncated release needs K >= z sq
 "fedpa, truncated" (an estimate from the noise's spectral norm, not a bound).
 
     python -m fs_fedpa.tools.dp_table [--epsilon 8] [--rounds 30] [--rate 0.1] [--time]
+    python -m fs_fedpa.tools.dp_table --sample [--epsilon 8] [--steps 210] [--n 624 6797 13224] [--batch 16 64 256]
+
+``--sample``: sample-level DP-SGD in this repository's cell instead (MiniLM-L6, r = 4 on query and value, a local
+two-class head, T = 21 rounds of tau = 10 steps; by default its smallest, median and largest client). A step adds
+N(0, (z C)^2) to each of the D trained entries of a sum of b per-record gradients clipped to C, so a coordinate's
+signal is at most b C / sqrt(D) where its noise has standard deviation z C: the bound b / (z sqrt(D)). Adam divides
+each coordinate's update by its own running scale, so that ratio is what its steps see.
 
 ``--time`` also measures FedPA-LoRA's server step for one d = k = 4096 module on this machine: the (d, k) noisy mean
 of 10 rank-16 uploads, then its exact and its randomized rank-16 factors.
@@ -80,6 +87,40 @@ def table(epsilon: float, rounds: int, rate: float) -> str:
     return "\n".join(lines)
 
 
+HEAD_LABELS = 2
+TRAINED = {  # entries DP-SGD trains per (d, k) module at rank r: both factors, or B alone (A fixed)
+    "fedpa / fedit / fedsa_lora": lambda d, k, r: r * (d + k),
+    "ffa_lora / fedsvd": lambda d, k, r: r * d,
+}
+
+
+def trained(space: str, model: str = "MiniLM-L6 (this cell)") -> int:
+    """D: the LoRA entries a client trains plus its local classifier head (hidden size k, two labels)."""
+    modules, r = MODELS[model]
+    head = modules[0][1] * HEAD_LABELS + HEAD_LABELS
+    return sum(count * TRAINED[space](d, k, r) for d, k, count in modules) + head
+
+
+def sample_table(epsilon: float, steps: int, ns: list[int], batches: list[int]) -> str:
+    from fs_fedpa.config import dp_delta_for
+    from fs_fedpa.core.dp_accountant import calibrate
+
+    lines = [
+        f"Sample level: epsilon {epsilon:g} over {steps} steps of b of a client's n records (without replacement; "
+        "replace-one), delta = min(1e-5, 1/(10 n)); z from dp-accounting. Cells: z, and the bound on a "
+        "coordinate's signal / noise, b / (z sqrt(D)).",
+        "",
+        "| n | b | z | " + " | ".join(f"{space} (D = {trained(space):,})" for space in TRAINED) + " |",
+        "|---|---|---|" + "---|" * len(TRAINED),
+    ]
+    for n in ns:
+        for b in batches:
+            z = calibrate(n, b, steps, epsilon, dp_delta_for(0.0, n, "n_i records"))
+            cells = " | ".join(f"{b / (z * math.sqrt(trained(space))):.3g}" for space in TRAINED)
+            lines.append(f"| {n:,} | {b} | {z:.3g} | {cells} |")
+    return "\n".join(lines)
+
+
 def time_module(d: int = 4096, clients: int = 10, r: int = 16) -> str:
     import torch
 
@@ -108,7 +149,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--rate", type=float, default=0.1)
     parser.add_argument("--time", action="store_true", help="also time FedPA-LoRA's DP server step at d = 4096")
+    parser.add_argument("--sample", action="store_true", help="sample-level DP-SGD in this cell instead")
+    parser.add_argument("--steps", type=int, default=210, help="--sample: DP-SGD steps over the run (T tau)")
+    parser.add_argument("--n", type=int, nargs="+", default=[624, 6797, 13224], help="--sample: clients' records")
+    parser.add_argument("--batch", type=int, nargs="+", default=[16, 64, 256], help="--sample: records a step")
     args = parser.parse_args()
+    if args.sample:
+        print(sample_table(args.epsilon, args.steps, args.n, args.batch))
+        return
     print(table(args.epsilon, args.rounds, args.rate))
     if args.time:
         print()

@@ -1,0 +1,44 @@
+"""The sample-level table of ``fs_fedpa.tools.dp_table``: its D is what PEFT trains in the cell, and its z is the noise
+multiplier the committed DP-SGD runs used (their ledgers), so its bound b / (z sqrt(D)) is about those runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+
+from fs_fedpa.tools import dp_table
+from tests.conftest import ROOT
+
+RUNS = ROOT / "docs" / "reference" / "sst2_protocol" / "runs" / "privacy"
+
+
+def test_d_is_what_peft_trains_in_the_cell():
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    # MiniLM-L6's shapes (hidden 384, 6 layers) with a small vocabulary: the trained entries do not depend on it
+    config = transformers.BertConfig(vocab_size=64, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+                                     intermediate_size=1536, num_labels=2)  # fmt: skip
+    model = peft.get_peft_model(
+        transformers.BertForSequenceClassification(config),
+        peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["query", "value"]),
+    )
+    trained = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    assert sum(trained.values()) == dp_table.trained("fedpa / fedit / fedsa_lora")
+    assert sum(v for n, v in trained.items() if "lora_A" not in n) == dp_table.trained("ffa_lora / fedsvd")
+
+
+def test_z_and_the_bound_are_those_of_the_committed_runs():
+    files = sorted(RUNS.glob("tune_*_s0.json"))
+    if not files:
+        pytest.skip(f"no committed privacy run in {RUNS}")
+    clients = json.loads(files[0].read_text())["privacy"]["dp_clients"]
+    client = max(clients.values(), key=lambda c: c["n"])
+    text = dp_table.sample_table(8.0, 210, [client["n"]], [client["b"]])
+    row = next(line for line in text.splitlines() if line.startswith(f"| {client['n']:,} |"))
+    z, both, b_only = (float(x) for x in re.findall(r"\| ([0-9.]+)", row)[2:5])
+    assert z == pytest.approx(client["noise_multiplier"], rel=0.01)  # the run's own calibration, from its config
+    for value, D in ((both, 37_634), (b_only, 19_202)):  # 12 modules of r (d + k), or r d, and the 384 x 2 head
+        assert value == pytest.approx(client["b"] / (client["noise_multiplier"] * math.sqrt(D)), rel=0.01)
