@@ -167,7 +167,7 @@ def run_fs(
     env: dict | None = None,
 ) -> subprocess.CompletedProcess:
     """Dump ``cfg_dict`` to ``tmpdir/yaml_name`` and run
-    ``python <python_args> -m federatedscope.main --cfg <yaml> <extra_opts>`` (cwd=tmpdir).
+    ``python <python_args> -m federatedscope.main --cfg <yaml> <extra_opts>`` (cwd=tmpdir; see :func:`run_module`).
 
     Output is captured as text; ``subprocess.TimeoutExpired`` propagates after ``timeout`` s.
     ``extra_opts`` are FS ``KEY VALUE`` pairs, e.g. ``['federate.total_round_num', '3']``.
