@@ -49,7 +49,9 @@ class ServerInbox:
         """Why ``message`` must be dropped, or None; with a keyring, also unwraps the signed content and, for a
         join, sets the sender to the id its key is registered for."""
         joined = frozenset(self.comm_manager.neighbors)
-        view = ServerView(self.state, self.total_round_num, self.client_num, joined)
+        monitor = getattr(getattr(self, "_monitor", None), "metric_calculator", None)
+        metrics = frozenset(getattr(monitor, "eval_metric", None) or ())
+        view = ServerView(self.state, self.total_round_num, self.client_num, joined, metrics)
         fields = (message.msg_type, message.sender, message.state, message.timestamp)
         if self._keyring:
             if message.msg_type == "join_in" and message.sender == -1:

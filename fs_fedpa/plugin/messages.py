@@ -25,6 +25,7 @@ class ServerView:
     total_rounds: int
     client_num: int
     joined: frozenset
+    metrics: frozenset = frozenset()  # the metric names FS's monitor can look up (its calculator's); empty: any
 
 
 def _integer(value: object) -> bool:
@@ -56,7 +57,7 @@ def message_problem(msg_type: object, sender: object, state: object, timestamp: 
         return f"state {str(state)[:40]!r} is not an integer round"
     if not _real(timestamp) or not math.isfinite(timestamp) or not 0 <= timestamp <= MAX_TIMESTAMP:
         return f"timestamp {str(timestamp)[:40]!r} is not a finite number of seconds in [0, {MAX_TIMESTAMP:g}]"
-    if problem := content_problem(msg_type, content):
+    if problem := content_problem(msg_type, content, server.metrics):
         return problem
     # every field is well-formed; now whether it fits the server's round
     if msg_type == "model_para" and state != server.state:
@@ -66,8 +67,9 @@ def message_problem(msg_type: object, sender: object, state: object, timestamp: 
     return None
 
 
-def content_problem(msg_type: str, content: object) -> str | None:
-    """Why the ``content`` of a client's message of ``msg_type`` cannot be what FS's handler reads, or None."""
+def content_problem(msg_type: str, content: object, metrics: frozenset = frozenset()) -> str | None:
+    """Why the ``content`` of a client's message of ``msg_type`` cannot be what FS's handler reads, or None.
+    ``metrics``: the names FS's monitor looks a metric's ``<split>_<name>`` up by (unknown names raise there)."""
     if msg_type == "model_para":
         if not isinstance(content, (list, tuple)) or len(content) != 2:
             kind = f"a {len(content)}-item {type(content).__name__}" if isinstance(content, (list, tuple)) else None
@@ -85,11 +87,22 @@ def content_problem(msg_type: str, content: object) -> str | None:
                 return f"content: metric name {str(key)[:40]!r} is not a string"
             if not _real(value) or not math.isfinite(value):
                 return f"content: metric {key[:40]!r} = {str(value)[:40]!r} is not a finite number"
+            if metrics and not _known(key, metrics):
+                return f"content: metric {key[:40]!r} is not one this run computes ({', '.join(sorted(metrics))})"
     if msg_type == "join_in":
         host, port = content.get("host"), content.get("port")
         if not isinstance(host, str) or not (_integer(port) or (isinstance(port, str) and port.isdigit())):
             return "content: a join needs the client's address {'host': str, 'port': int}"
     return None
+
+
+def _known(key: str, metrics: frozenset) -> bool:
+    """FS's monitor reads a metric named like ``val_acc`` as split ``val`` and metric ``acc`` (for every split whose
+    name occurs in it) and looks the metric up: a KeyError, and the server stops, for a name it does not compute."""
+    for split in ("train", "val", "test"):
+        if split in key and (f"{split}_" not in key or key.split(f"{split}_")[1] not in metrics):
+            return False
+    return True
 
 
 def reply_problem(msg_type: str, sender: object, state: object, timestamp: object, content: object, client: int,

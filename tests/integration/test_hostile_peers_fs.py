@@ -47,12 +47,16 @@ def _request(msg_type, sender, state, timestamp, content, key: bytes | None = No
     return Message(msg_type, sender, [0], state=state, timestamp=timestamp, content=content).transform(to_list=True)
 
 
+def _own_key(keys: Path) -> bytes:
+    return bytes.fromhex((keys / "client_1.key").read_text().strip())
+
+
 def _hostile_messages(keys: Path) -> list[tuple[str, object]]:
     """``(the reason the server must log, request)`` for each hostile message; client 1's key is the compromised
     client's own, the others are forgeries."""
     from federatedscope.core.message import Message
 
-    own = bytes.fromhex((keys / "client_1.key").read_text().strip())
+    own = _own_key(keys)
     stranger = bytes.fromhex(secrets.token_hex(32))
     upload = [8, {"lora": {"q": "x"}}]  # FS cannot encode an empty dict
     missing_state = Message("model_para", 1, [0], state=0, timestamp=1.0, content=upload).transform(to_list=True)
@@ -67,11 +71,14 @@ def _hostile_messages(keys: Path) -> list[tuple[str, object]]:
         ("state 'zero' is not an integer round", _request("model_para", 1, "zero", 1.0, upload, own)),
         ("content is str, not a (sample_size, upload) pair", _request("model_para", 1, 0, 1.0, "x", own)),
         ("content is a 3-item list", _request("model_para", 1, 0, 1.0, [8, {"lora": {"q": "x"}}, 1], own)),
-        ("metric 'val_acc' = 'high' is not a finite number", _request("metrics", 1, 0, 1.0, {"val_acc": "high"}, own)),
+        (
+            "metric 'val_loss' = 'high' is not a finite number",
+            _request("metrics", 1, 0, 1.0, {"val_loss": "high"}, own),
+        ),  # fmt: skip
+        # a metric this run does not compute (a causal LM's are loss, avg_loss, total): FS's monitor raised a
+        # KeyError on it, and the server stopped, if it came while round 0 was being evaluated
+        ("metric 'val_acc' is not one this run computes", _request("metrics", 1, 0, 1.0, {"val_acc": 0.5}, own)),
         ("state -1: an update for round -1", _request("model_para", 1, -1, 1.0, upload, own)),
-        # a correctly signed evaluation no one asked for (a replay of an earlier round's): it must not count, nor
-        # keep the round alive
-        ("client 1, which was not asked to evaluate round 0", _request("metrics", 1, 0, 1.0, {"val_acc": 0.5}, own)),
         # forgeries under other ids: unsigned, signed with a key of no client, for the next round
         ("model_para message: unsigned", _request("model_para", 2, 0, 1.0, upload)),
         ("model_para message: wrong signature", _request("model_para", 2, 0, 1.0, upload, stranger)),
@@ -132,6 +139,12 @@ def test_no_hostile_message_stops_or_changes_the_federation(tiny_llm, tmp_path):
         hostile = _hostile_messages(attacked / "keys")
         _send_all(port, [request for _, request in hostile])
         sent = [reason for reason, _ in hostile]
+        # a correctly signed evaluation no one asked for, a replay of round 0's once that evaluation is over (sent
+        # with the others it could arrive while round 0 is evaluated and count as client 1's): it must not count,
+        # nor keep the round alive
+        _wait_for(attacked / "party0.log", "Starting a new training round (Round #4)", proc)
+        _send_all(port, [_request("metrics", 1, 0, 1.0, {"val_loss": 0.5}, _own_key(attacked / "keys"))])
+        sent.append("client 1, which was not asked to evaluate round 0")
         status = _finish(proc)
     finally:
         if proc.poll() is None:

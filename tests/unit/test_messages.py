@@ -13,6 +13,7 @@ from fs_fedpa.plugin.messages import ServerView, message_problem, reply_problem
 
 SERVER = ServerView(state=3, total_rounds=10, client_num=3, joined=frozenset({1, 2, 3}))
 JOINING = ServerView(state=0, total_rounds=10, client_num=3, joined=frozenset({1}))
+LOSS_ONLY = ServerView(3, 10, 3, frozenset({1, 2, 3}), frozenset({"loss", "avg_loss", "total"}))  # a causal LM's
 UPLOAD = [12, {"lora": {}}]
 
 
@@ -42,6 +43,10 @@ UPLOAD = [12, {"lora": {}}]
         (("metrics", 1, 2, 1.0, {"val_acc": math.inf}), SERVER, "metric 'val_acc'"),
         (("metrics", 1, 2, 1.0, {3: 0.5}), SERVER, "metric name '3'"),
         (("metrics", 1, 7, 1.0, {"val_acc": 0.5}), SERVER, "state 7: evaluation results"),
+        # FS's monitor looks 'val_acc' up as 'acc': a KeyError that stopped the server (a flaky hostile-peer test)
+        (("metrics", 1, 2, 1.0, {"val_loss": 1.0, "val_acc": 0.5}), LOSS_ONLY, "metric 'val_acc' is not one"),
+        (("metrics", 1, 2, 1.0, {"interval": 0.5}), LOSS_ONLY, "metric 'interval' is not one"),  # 'val', no 'val_'
+        (("metrics", 1, 2, 1.0, {"val_test_loss": 0.5}), LOSS_ONLY, "metric 'val_test_loss'"),  # val: 'test_loss'
         (("join_in", 5, 0, 0.0, {"host": "h", "port": 1}), JOINING, "sender 5 is not -1"),
         (("join_in", 1, 0, 0.0, {"host": "h", "port": 1}), JOINING, "that client joined already"),
         (("join_in", -1, 0, 0.0, {"host": "h"}), JOINING, "address"),
@@ -59,6 +64,7 @@ def test_every_field_is_checked_and_named(fields, view, field):
         (("model_para", 2, 3, 17.5, UPLOAD), SERVER),
         (("model_para", 2, 3, 0, (12.0, {"lora": {}})), SERVER),
         (("metrics", 3, 2, 1.0, {"val_acc": 0.5, "val_total": 87}), SERVER),
+        (("metrics", 3, 2, 1.0, {"val_loss": 0.5, "local.val_avg_loss": 0.1, "test_total": 87}), LOSS_ONLY),
         (("join_in", -1, -1, 0, {"host": "127.0.0.1", "port": "50052"}), JOINING),
         (("join_in_info", 1, 0, 0.0, {"num_sample": 3}), SERVER),
     ],
