@@ -74,7 +74,7 @@ def _hostile_messages(keys: Path) -> list[tuple[str, object]]:
         (
             "metric 'val_loss' = 'high' is not a finite number",
             _request("metrics", 1, 0, 1.0, {"val_loss": "high"}, own),
-        ),  # fmt: skip
+        ),
         # a metric this run does not compute (a causal LM's are loss, avg_loss, total): FS's monitor raised a
         # KeyError on it, and the server stopped, if it came while round 0 was being evaluated
         ("metric 'val_acc' is not one this run computes", _request("metrics", 1, 0, 1.0, {"val_acc": 0.5}, own)),

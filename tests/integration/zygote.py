@@ -100,15 +100,16 @@ def serve() -> None:
         reply.write(f"{os.waitstatus_to_exitcode(status)}\n")
 
 
-if __name__ == "__main__":
-    serve()
-
-
 # ------------------------------------------------------------------------------------------------------------------ #
 # the tests' side
 # ------------------------------------------------------------------------------------------------------------------ #
 FRESH = "FS_FEDPA_TEST_FRESH_INTERPRETERS"  # =1: every run in a fresh interpreter, as before the zygote
 _RUNTIME_KEYS = ("FS_PROBE_", "PYTEST_", "FS_FEDPA_TEST_")  # read while a run runs (or not at all), never on import
+
+
+def _import_env(env: dict) -> dict:
+    """What of ``env`` the preloaded imports can read."""
+    return {k: v for k, v in env.items() if not k.startswith(_RUNTIME_KEYS)}
 
 
 class Zygote:
@@ -127,10 +128,7 @@ class Zygote:
     def takes(self, env: dict) -> bool:
         """Whether a run under ``env`` would import exactly what it imports under the zygote's environment."""
 
-        def stable(e: dict) -> dict:
-            return {k: v for k, v in e.items() if not k.startswith(_RUNTIME_KEYS)}
-
-        return self.proc.poll() is None and stable(env) == stable(self.env)
+        return self.proc.poll() is None and _import_env(env) == _import_env(self.env)
 
     def _line(self, deadline: float | None) -> str | None:
         import select
@@ -190,8 +188,12 @@ def run_module(module: str, args, cwd, env: dict, timeout: float | None, *, base
     args = [str(a) for a in args]
     if not python_args and os.environ.get(FRESH) != "1":
         if _zygote is None or _zygote.proc.poll() is not None:
-            _zygote = Zygote({k: v for k, v in base.items() if not k.startswith(_RUNTIME_KEYS)}, str(root))
+            _zygote = Zygote(_import_env(base), str(root))
         if _zygote.takes(env):
             return _zygote.run(module, args, cwd, env, timeout)
     cmd = [sys.executable, *python_args, "-m", module, *args]
     return subprocess.run(cmd, cwd=str(cwd), env=env, capture_output=True, text=True, timeout=timeout)
+
+
+if __name__ == "__main__":
+    serve()
