@@ -9,6 +9,7 @@ Nothing is downloaded. Needs FederatedScope (its prompt templates shape the toke
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import random
 import re
@@ -214,8 +215,15 @@ def build_tiny_bert(path, vocab_texts: Iterable[str], hidden: int = 32, layers: 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     words = sorted({w for t in vocab_texts for w in t.lower().split()})
-    (path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
-    BertTokenizerFast(vocab_file=str(path / "vocab.txt"), do_lower_case=True).save_pretrained(str(path))
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]
+    (path / "vocab.txt").write_text("\n".join(tokens) + "\n")
+    if "vocab" in inspect.signature(BertTokenizerFast.__init__).parameters:  # transformers 5 ignores vocab_file
+        tokenizer = BertTokenizerFast(vocab={t: i for i, t in enumerate(tokens)}, do_lower_case=True)
+    else:
+        tokenizer = BertTokenizerFast(vocab_file=str(path / "vocab.txt"), do_lower_case=True)
+    if len(tokenizer) != len(tokens):
+        raise RuntimeError(f"the tiny BERT tokenizer has {len(tokenizer)} tokens, not the {len(tokens)} written")
+    tokenizer.save_pretrained(str(path))
     torch.manual_seed(seed)
     config = BertConfig(
         vocab_size=5 + len(words),

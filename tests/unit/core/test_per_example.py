@@ -1,0 +1,118 @@
+"""Per-example gradients from batched taps (fs_fedpa.core.per_example) against autograd on each record alone, on
+LoRA-shaped stacks of nn.Linear; the clipped sum against fs_fedpa.core.dp.add_clipped record by record; and the
+refusals (a module that mixes records, a tensor outside a plain nn.Linear, a weight read outside its forward)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from fs_fedpa.core.dp import add_clipped
+from fs_fedpa.core.per_example import LinearTaps, check_sum, clipped_sum, linear_owners, per_example_grads
+
+SETTINGS = settings(max_examples=30, deadline=None)
+
+
+class LoraStack(nn.Module):
+    """x -> W x + s B A x (frozen W, trainable A and B), a nonlinearity, the same LoRA block again (a module called
+    twice), a trainable head with bias; the loss of a record reads its own row only."""
+
+    def __init__(self, k: int, r: int, classes: int, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.W = nn.Linear(k, k)
+        self.W.requires_grad_(False)
+        self.A, self.B = nn.Linear(k, r, bias=False), nn.Linear(r, k, bias=False)
+        nn.init.normal_(self.B.weight)
+        self.head = nn.Linear(k, classes)
+
+    def forward(self, x):  # x: (b, t, k) or (b, k)
+        for _ in range(2):
+            x = torch.tanh(self.W(x) + 0.5 * self.B(self.A(x)))
+        return self.head(x.mean(1) if x.ndim == 3 else x)
+
+
+def _losses(model, x, y):
+    return nn.functional.cross_entropy(model(x), y, reduction="none")
+
+
+def _taps_grads(model, x, y):
+    params = [p for p in model.parameters() if p.requires_grad]
+    owners, why = linear_owners(model, params)
+    assert owners is not None, why
+    with LinearTaps([m for m, _ in owners]) as taps:
+        losses = _losses(model, x, y)
+    grads = torch.autograd.grad(losses.sum(), params + taps.outputs(), allow_unused=True)
+    return params, per_example_grads(taps, owners, grads[len(params) :], len(x)), grads[: len(params)]
+
+
+@st.composite
+def problems(draw):
+    b, t, k, r = draw(st.integers(1, 6)), draw(st.integers(0, 5)), draw(st.integers(2, 9)), draw(st.integers(1, 4))
+    return b, t, k, r, draw(st.integers(2, 4)), draw(st.integers(0, 2**31 - 1)), draw(st.floats(1e-3, 10.0))
+
+
+@SETTINGS
+@given(problems())
+def test_per_example_gradients_equal_autograd_on_each_record_alone(problem):
+    b, t, k, r, classes, seed, C = problem
+    model = LoraStack(k, r, classes, seed)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((b, t, k) if t else (b, k), generator=g)
+    y = torch.randint(0, classes, (b,), generator=g)
+    params, per_example, _ = _taps_grads(model, x, y)
+    total = None
+    for j in range(b):  # the independent computation: one record, one backward
+        alone = torch.autograd.grad(_losses(model, x[j : j + 1], y[j : j + 1]).sum(), params)
+        for pe, a in zip(per_example, alone):
+            torch.testing.assert_close(pe[j], a, rtol=1e-4, atol=1e-6)
+        total, _ = add_clipped(total, alone, C)
+    clipped, scales = clipped_sum(per_example, C)
+    assert len(scales) == b and all(0 < c <= 1 for c in scales)
+    for c, ref in zip(clipped, total):
+        torch.testing.assert_close(c, ref, rtol=1e-4, atol=1e-6)
+
+
+def test_the_sum_check_finds_a_weight_read_outside_its_forward():
+    class Merged(LoraStack):  # B A read directly, as a merged-weight variant would: the taps never see it
+        def forward(self, x):
+            return self.head(torch.tanh(x @ (self.W.weight + self.B.weight @ self.A.weight).T))
+
+    model = Merged(5, 2, 3, 0)
+    x, y = torch.randn(4, 5), torch.tensor([0, 1, 2, 0])
+    _, per_example, grads = _taps_grads(model, x, y)
+    assert "tensor 0" in check_sum(per_example, grads, rtol=1e-3)  # A: the taps saw no call
+    model = LoraStack(5, 2, 3, 0)
+    _, per_example, grads = _taps_grads(model, x, y)
+    assert check_sum(per_example, grads, rtol=1e-3) == ""
+
+
+def test_owners_refuse_what_taps_cannot_split():
+    model = LoraStack(4, 2, 2, 0)
+    model.norm = nn.BatchNorm1d(4)
+    owners, why = linear_owners(model, [model.A.weight])
+    assert owners is None and "norm (BatchNorm1d) mixes the records" in why
+    model = LoraStack(4, 2, 2, 0)
+    model.scale = nn.Parameter(torch.ones(4))
+    owners, why = linear_owners(model, [model.A.weight, model.scale])
+    assert owners is None and "trainable tensor scale is not the weight or bias of a plain nn.Linear" in why
+
+
+def test_a_module_fed_flattened_records_is_not_split():
+    lin = nn.Linear(3, 2)
+    with LinearTaps([lin]) as taps:
+        out = lin(torch.randn(4, 5, 3).reshape(20, 3))  # b = 4 records flattened to 20 rows
+    (g,) = torch.autograd.grad(out.sum(), taps.outputs())
+    assert per_example_grads(taps, [(lin, "weight")], [g], 4) is None
+
+
+@pytest.mark.parametrize("grad_enabled", [True, False])
+def test_taps_record_only_forwards_with_gradients(grad_enabled):
+    lin = nn.Linear(3, 2)
+    with LinearTaps([lin]) as taps, torch.set_grad_enabled(grad_enabled):
+        lin(torch.randn(2, 3))
+    lin(torch.randn(2, 3))  # after the block: no hook left
+    assert len(taps.calls[lin]) == int(grad_enabled)
