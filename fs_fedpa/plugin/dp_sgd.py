@@ -2,24 +2,31 @@
 ``GeneralTorchTrainer`` (FS-LLM's ``llmtrainer`` and the plugin's ``seqcls``).
 
 At every step, in place of the batch FS's shuffled, cycled loader gave (which matches no sampling an accountant
-knows): b of the client's n_i records drawn uniformly without replacement from the DP generator; the task loss of each
-record forwarded and differentiated on its own (a per-example loop: ``torch.func.vmap`` fails inside transformers'
-attention-mask code), its gradient over every trainable tensor (LoRA factors and head) clipped to C; the sum plus
-N(0, (z C)^2), divided by b, is the step's task gradient (:func:`fs_fedpa.core.dp.add_clipped`). What does not touch
-the data, FedPA-LoRA's alignment term at a fixed lambda and FS's parameter regularizer, is differentiated as usual and
-added after clipping and noise.
+knows): b of the client's n_i records drawn uniformly without replacement from the DP generator; the gradient of each
+record's task loss over every trainable tensor (LoRA factors and head) clipped to C; the sum plus N(0, (z C)^2),
+divided by b, is the step's task gradient. What does not touch the data, FedPA-LoRA's alignment term at a fixed lambda
+and FS's parameter regularizer, is differentiated as usual and added after clipping and noise.
+
+The per-example gradients come from one batched forward and backward with taps on the trainable ``nn.Linear``
+modules (:mod:`fs_fedpa.core.per_example`) when every trainable tensor is such a module's and the trainer's loss is a
+mean of per-record losses this module can rebuild from the logits; otherwise, and on any batch where the taps' sum
+misses autograd's gradient, from a per-example loop (FS's forward on each record alone; ``torch.func.vmap`` fails
+inside transformers' attention-mask code). Both give the same clipped sum (tests/integration/test_dp_sgd_fs.py).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
+import torch.nn.functional as F
 from federatedscope.core.trainers.context import CtxVar
 from federatedscope.core.trainers.enums import LIFECYCLE
 from torch import Tensor
 
 from fs_fedpa.core.dp import add_clipped, gaussian, sample_without_replacement
+from fs_fedpa.core.per_example import LinearTaps, check_sum, clipped_sum, linear_owners, per_example_grads
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
@@ -30,8 +37,9 @@ class DPSGD:
     round (a fresh stream per routine: with ``fedpa.dp_seed`` a resumed run draws what the uninterrupted one drew,
     and in distributed mode the stream is named by the id the client learns when it joins)."""
 
-    def __init__(self, trainer, plan, make_generator, clip: float):
+    def __init__(self, trainer, plan, make_generator, clip: float, batched: bool = True):
         self.plan, self.C = plan, clip
+        self.batched = batched  # per-example gradients from one batched backward; False: the per-example loop
         self._make_generator, self._generator = make_generator, None
         self.round_steps = 0  # DP steps of the round: never more than its plan, which the accounting covers
         self._grad_sum: list[Tensor] = []
@@ -75,13 +83,58 @@ class DPSGD:
         ctx.data_batch = CtxVar(loader.collate_fn([loader.dataset[j] for j in chosen]), LIFECYCLE.BATCH)
 
     def _hook_on_batch_forward_dp(self, ctx):
-        """Per record: FS's forward on it alone and the gradient of its loss; the clipped sum is kept for the backward
-        hook. ``ctx.loss_batch`` is the batch's mean loss, detached (the client's own log; it is never sent)."""
+        """The clipped sum of the batch's per-example gradients, kept for the backward hook. ``ctx.loss_batch`` is the
+        mean of the records' losses, detached (the client's own log; it is never sent)."""
         batch = ctx.data_batch
         size = _batch_size(batch)
         params = [p for p in ctx.model.parameters() if p.requires_grad]
+        done = self.batched and self._batched(ctx, size, params)
+        if not done:
+            ctx.data_batch = CtxVar(batch, LIFECYCLE.BATCH)
+            self._loop(ctx, batch, size, params)
+        ctx.data_batch = CtxVar(batch, LIFECYCLE.BATCH)
+        ctx.batch_size = CtxVar(size, LIFECYCLE.BATCH)
+        ctx.skip_this_batch = CtxVar(False, LIFECYCLE.BATCH)  # FS-LLM's NaN retry would take an unaccounted step
+
+    def _batched(self, ctx, size: int, params) -> bool:
+        """One forward of the batch with taps, one backward of the sum of the records' losses; False (nothing kept)
+        when this batch must take the loop; ``self.batched`` turns off for good when no batch of this trainer can."""
+        owners, why = linear_owners(ctx.model, params)
+        if owners is None:
+            return self._give_up(why)
+        with LinearTaps([m for m, _ in owners]) as taps:
+            self._forward(ctx)
+        if isinstance(ctx.get("loss_batch"), Tensor) and not bool(torch.isfinite(ctx.loss_batch).all()):
+            return False  # e.g. a causal-LM batch without a label token: the loop gives each record zero
+        losses, why = record_losses(ctx, size)
+        if losses is None:
+            return self._give_up(why)
+        if not bool(torch.isfinite(losses).all()):
+            return False  # the loop gives a non-finite record zero, within the clip bound
+        outputs = taps.outputs()
+        grads = torch.autograd.grad(losses.sum(), params + outputs, allow_unused=True)
+        per_example = per_example_grads(taps, owners, grads[len(params) :], size)
+        if per_example is None:
+            return self._give_up("a tapped module's input is not split by record along its first dimension")
+        low = any(x.dtype in (torch.float16, torch.bfloat16) for calls in taps.calls.values() for x, _ in calls)
+        why = check_sum(per_example, grads[: len(params)], rtol=5e-2 if low else 1e-3)
+        if why:
+            return self._give_up(f"the per-example gradients do not sum to the batch's gradient ({why})", warn=True)
+        self._grad_sum, _ = clipped_sum(per_example, self.C)
+        ctx.loss_batch = CtxVar(losses.detach().mean(), LIFECYCLE.BATCH)
+        ctx.y_true = CtxVar(ctx.y_true.detach(), LIFECYCLE.BATCH)
+        ctx.y_prob = CtxVar(ctx.y_prob.detach(), LIFECYCLE.BATCH)
+        return True
+
+    def _give_up(self, why: str, warn: bool = False) -> bool:
+        self.batched = False
+        (logger.warning if warn else logger.info)(f"DP-SGD: per-example gradients from a per-example loop: {why}")
+        return False
+
+    def _loop(self, ctx, batch, size: int, params) -> None:
+        """Per record: FS's forward on it alone and the gradient of its loss, clipped into the running sum."""
         total, losses, y_true, y_prob = None, [], [], []
-        for j in range(size):  # one record's gradient alive at a time, clipped into the running sum
+        for j in range(size):  # one record's gradient alive at a time
             ctx.data_batch = CtxVar(_row(batch, j, size), LIFECYCLE.BATCH)
             self._forward(ctx)
             if torch.isfinite(ctx.loss_batch):
@@ -94,13 +147,10 @@ class DPSGD:
             y_true.append(ctx.y_true.detach())
             y_prob.append(ctx.y_prob.detach())
         self._grad_sum = total or []
-        ctx.data_batch = CtxVar(batch, LIFECYCLE.BATCH)
         ctx.loss_batch = CtxVar(torch.stack(losses).mean(), LIFECYCLE.BATCH)
         ctx.y_true = CtxVar(torch.cat([y.reshape(-1, *y.shape[1:]) if y.ndim else y.reshape(1) for y in y_true]),
                             LIFECYCLE.BATCH)  # fmt: skip
         ctx.y_prob = CtxVar(torch.cat(y_prob), LIFECYCLE.BATCH)
-        ctx.batch_size = CtxVar(size, LIFECYCLE.BATCH)
-        ctx.skip_this_batch = CtxVar(False, LIFECYCLE.BATCH)  # FS-LLM's NaN retry would take an unaccounted step
 
     def _hook_on_batch_backward_dp(self, ctx):
         """grad = d(alignment + regularizer) + (clipped sum + N(0, (z C)^2)) / b, then FS's optimizer step."""
@@ -124,6 +174,36 @@ class DPSGD:
         ctx.optimizer.step()
         if ctx.scheduler is not None:
             ctx.scheduler.step()
+
+
+def record_losses(ctx, size: int) -> tuple[Tensor | None, str]:
+    """``(b,)``: each record's task loss as its own forward would give it, from the batch forward's logits
+    (``ctx.y_prob``) and labels (``ctx.y_true``); or None and why, when the trainer's ``ctx.loss_batch`` is not their
+    mean in one of the two forms known here: a causal LM's mean over label tokens (FS-LLM's ``llmtrainer``; a
+    record's loss is the mean over its own label tokens, 0 with none), or ``ctx.criterion`` averaged over records
+    (FS's general trainer, the plugin's ``seqcls``)."""
+    logits, labels, loss = ctx.get("y_prob"), ctx.get("y_true"), ctx.get("loss_batch")
+    if not all(isinstance(t, Tensor) for t in (logits, labels, loss)):
+        return None, "the trainer's forward leaves no logits, labels and loss tensors"
+    if logits.ndim == 3 and labels.ndim == 2 and logits.shape[:2] == labels.shape and labels.shape[0] == size:
+        tokens = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100,
+                                 reduction="none").view(size, -1)  # fmt: skip
+        count = (labels[:, 1:] != -100).sum(1)
+        losses, mean = tokens.sum(1) / count.clamp(min=1), tokens.sum() / count.sum().clamp(min=1)
+    else:
+        criterion = ctx.get("criterion")
+        if not isinstance(criterion, torch.nn.modules.loss._Loss):
+            return None, f"criterion {type(criterion).__name__} is not a torch loss with a reduction"
+        per_record = copy.copy(criterion)
+        per_record.reduction = "none"
+        losses = per_record(logits, labels)
+        if losses.ndim == 0 or losses.shape[0] != size:
+            return None, f"the criterion's unreduced loss has shape {tuple(losses.shape)}, not ({size}, ...)"
+        losses = losses.reshape(size, -1).float().mean(1)
+        mean = losses.mean()
+    if not torch.allclose(mean.detach(), loss.detach().float(), rtol=1e-4, atol=1e-6):
+        return None, f"the batch loss {float(loss):.6g} is not the mean {float(mean):.6g} of the records' losses"
+    return losses, ""
 
 
 def _batch_size(batch) -> int:

@@ -15,7 +15,9 @@ Steps (each timed; a failure is recorded and the next step runs; ``--only`` reru
 - ``distributed``: a server and 2 clients over gRPC on loopback, message authentication on, every party on the
   device (``scripts/run_distributed.sh`` with ``GPUS``);
 - ``reconstruct``, ``adapter`` (float32 and float16 uploads), ``penalty``: the benchmarks on the device;
-- ``clients``: ``bench_clients`` at N = 10 and N = 100 (K = 10) with the state budget, the device's peak memory.
+- ``clients``: ``bench_clients`` at N = 10 and N = 100 (K = 10) with the state budget, the device's peak memory;
+- ``dp_sgd``: ``bench_dp_sgd``, a DP-SGD step (per-example gradients by batched taps and by a per-example loop)
+  against a plain step, on MiniLM and SST-2.
 
 ``--tiny`` runs the same steps at tiny sizes (a random 2-layer BERT, synthetic SST-2) in a couple of minutes;
 with ``--device cpu`` it skips what the CPU refuses (half precision) and says so. The benchmarks and the launch
@@ -38,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: benchmarks/, scripts/ and yaml_configs/
-STEPS = ("env", "standalone", "cpu_match", "distributed", "reconstruct", "adapter", "penalty", "clients")
+STEPS = ("env", "standalone", "cpu_match", "distributed", "reconstruct", "adapter", "penalty", "clients", "dp_sgd")
 # float32 on both sides, dropout off, the same weights and batches: only the kernels' summation order differs
 # (about 1e-6 relative per operation), which a round of AdamW steps and the server's SVD carry to about 1e-5 in
 # the global update; a placement or precision fault (a reference left on the host, a dropped client, an fp16
@@ -384,6 +386,14 @@ def step_clients(check: Check) -> dict:
     out = bench(check, "bench_clients.py", *args)
     memory = [x for x in out["ratios"] if "device peak memory" in x]
     out["summary"] = "; ".join(memory) or out["ratios"][0]
+    return out
+
+
+def step_dp_sgd(check: Check) -> dict:
+    glue, model = check.assets()
+    sizes = ["--routines", "2", "--local-steps", "2", "--batch", "8", "--tok-len", "16", "--limit", "100"]
+    out = bench(check, "bench_dp_sgd.py", "--data", glue, "--model", model, *(sizes if check.tiny else []))
+    out["summary"] = "; ".join(out["ratios"][:2])
     return out
 
 

@@ -1,5 +1,7 @@
 """DP-SGD's hooks in FS's own GeneralTorchTrainer, against per-example gradients from torch.func on a linear model
-(an independent computation), for the records the DP generator draws."""
+(an independent computation), for the records the DP generator draws, with the per-example gradients from the
+batched taps and from the per-example loop; and the two against each other on LoRA models (a BERT classifier in the
+plugin's seqcls trainer, a Llama in FS-LLM's own trainer)."""
 
 from __future__ import annotations
 
@@ -34,13 +36,15 @@ def _trainer(lr: float = 1.0, extra_hook=None, zero_data: bool = False):
     return trainer, model, X, y
 
 
-def _dp_step(trainer, clip: float, z: float = 0.0, seed: int = 3):
+def _dp_step(trainer, clip: float, z: float = 0.0, seed: int = 3, batched: bool = True, b: int = B):
     from fs_fedpa.core.dp import dp_generator
     from fs_fedpa.plugin.dp_sgd import DPSGD
     from fs_fedpa.plugin.privacy import SamplePlan
 
-    dp = DPSGD(trainer, lambda n: SamplePlan(n, B, 1, z, 1e-5), lambda routine: dp_generator(seed, "t"), clip=clip)
+    dp = DPSGD(trainer, lambda n: SamplePlan(n, b, 1, z, 1e-5), lambda routine: dp_generator(seed, "t"), clip=clip,
+               batched=batched)  # fmt: skip
     trainer.train()
+    assert dp.batched == batched  # the taps served every batch, or were not asked to
     return dp
 
 
@@ -60,11 +64,12 @@ def _chosen(seed: int = 3) -> list[int]:
     return sample_without_replacement(N, B, dp_generator(seed, "t"))
 
 
+@pytest.mark.parametrize("batched", [True, False], ids=["taps", "loop"])
 @pytest.mark.parametrize("clip", [1e9, 0.3])
-def test_step_is_the_mean_of_clipped_per_example_gradients(clip):
+def test_step_is_the_mean_of_clipped_per_example_gradients(clip, batched):
     trainer, model, X, y = _trainer()
     w0, b0 = model.weight.detach().clone(), model.bias.detach().clone()
-    _dp_step(trainer, clip)
+    _dp_step(trainer, clip, batched=batched)
     idx = _chosen()
     gw, gb = _per_example_grads(w0, b0, X[idx], y[idx])
     norms = (gw.flatten(1).pow(2).sum(1) + gb.flatten(1).pow(2).sum(1)).sqrt()
@@ -76,7 +81,8 @@ def test_step_is_the_mean_of_clipped_per_example_gradients(clip):
     torch.testing.assert_close(model.bias.detach(), expected_b, rtol=1e-5, atol=1e-6)
 
 
-def test_data_free_term_is_added_after_clipping():
+@pytest.mark.parametrize("batched", [True, False], ids=["taps", "loop"])
+def test_data_free_term_is_added_after_clipping(batched):
     from federatedscope.core.trainers.context import CtxVar
     from federatedscope.core.trainers.enums import LIFECYCLE
 
@@ -87,7 +93,7 @@ def test_data_free_term_is_added_after_clipping():
 
     trainer, model, X, y = _trainer(extra_hook=alignment)
     w0 = model.weight.detach().clone()
-    _dp_step(trainer, clip=1e-12)
+    _dp_step(trainer, clip=1e-12, batched=batched)
     # the task part is clipped to nothing; the term's gradient lam w arrives whole
     torch.testing.assert_close(model.weight.detach(), w0 - lam * w0, rtol=1e-6, atol=1e-9)
 
@@ -101,3 +107,101 @@ def test_noise_is_z_C_over_b_per_entry():
         steps.append(model.weight.detach() - w0)
     spread = float(torch.cat(steps).flatten().std())
     assert abs(spread - 2.0 * 1.0 / B) < 0.12 * 2.0 / B  # 450 draws: the std's standard error is about 3.3 %
+
+
+def _no_dropout(model):
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    for m in model.modules():  # attention implementations read the probability from the config
+        config = getattr(m, "config", None)
+        for key in ("attention_dropout", "attention_probs_dropout_prob", "hidden_dropout_prob"):
+            if config is not None and hasattr(config, key):
+                setattr(config, key, 0.0)
+    return model
+
+
+def _spread(model):
+    """PEFT starts B at 0 and a new head near 0: give both values, so that A's gradients are not 0 and the records'
+    gradients differ (with a head near 0, the two labels' gradients cancel in the sum)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad and "lora_A" not in name:
+                p.normal_(0, 0.5)
+    return model
+
+
+def _seqcls(tiny_glue):
+    """The plugin's seqcls trainer's class and a LoRA BERT classifier (r = 4, head trained) with its loader."""
+    from federatedscope.core.configs.config import global_cfg
+    from torch.utils.data import DataLoader
+    from transformers import AutoTokenizer
+
+    from fs_fedpa.plugin.seqcls import _encode, _trainer_class, build_seqcls_model
+    from fs_fedpa.tasks.glue import get_task, load_glue
+
+    cfg = global_cfg.clone()
+    cfg.merge_from_list(["model.type", f"{tiny_glue['model']}@seqcls_llm", "model.seqcls.num_labels", 2,
+                         "model.seqcls.lora_dropout", 0.0, "trainer.type", "seqcls", "criterion.type",
+                         "CrossEntropyLoss"])  # fmt: skip
+    torch.manual_seed(0)
+    model = _no_dropout(build_seqcls_model(cfg.model))
+    _spread(model)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_glue["model"])
+    examples = _encode(load_glue(get_task("sst2"), tiny_glue["glue"], "train", limit=40), tokenizer, 32)
+    return cfg, _trainer_class(), model, DataLoader(examples, batch_size=6)
+
+
+def _causal(tiny_llm):
+    """FS-LLM's trainer's class and a LoRA Llama (r = 4 on q and v) with a loader of right-padded records of 5 to 12
+    tokens, the first 3 of each and the padding labelled -100, and one record with no label token at all."""
+    import peft
+    from federatedscope.core.configs.config import global_cfg
+    from federatedscope.llm.trainer.trainer import LLMTrainer
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForCausalLM
+
+    cfg = global_cfg.clone()
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_llm["model"])
+    lora = peft.LoraConfig(task_type=peft.TaskType.CAUSAL_LM, r=4, lora_alpha=8, lora_dropout=0.0,
+                           target_modules=["q_proj", "v_proj"])  # fmt: skip
+    model = _spread(_no_dropout(peft.get_peft_model(base, lora)))
+    records, vocab = [], base.config.vocab_size
+    for j in range(20):
+        n = 5 + j % 8
+        ids = torch.full((12,), 0)
+        ids[:n] = torch.randint(4, vocab, (n,))
+        labels = ids.clone()
+        labels[:3] = -100
+        labels[n:] = -100
+        if j == 5:  # among the records seed 3 draws
+            labels[:] = -100
+        records.append({"input_ids": ids, "labels": labels, "attention_mask": (torch.arange(12) < n).long()})
+    return cfg, LLMTrainer, model, DataLoader(records, batch_size=6)
+
+
+@pytest.mark.parametrize("kind", ["seqcls", "causal"])
+def test_taps_and_loop_take_the_same_step_on_lora_models(kind, tiny_glue, tiny_llm):
+    """One DP-SGD step (SGD, lr 1, no noise, a clip that bites) from the same weights on the same drawn records:
+    the batched taps and the per-example loop move every trainable tensor alike."""
+    import copy
+
+    from federatedscope.core.monitors.monitor import Monitor
+
+    cfg, trainer_class, model, loader = _seqcls(tiny_glue) if kind == "seqcls" else _causal(tiny_llm)
+    cfg.merge_from_list(["train.optimizer.type", "SGD", "train.optimizer.lr", 1.0, "train.local_update_steps", 1,
+                         "train.batch_or_epoch", "batch", "use_gpu", False])  # fmt: skip
+    start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    after, moved = {}, {}
+    for batched in (True, False):
+        m = copy.deepcopy(model)
+        trainer = trainer_class(m, {"train": loader}, "cpu", cfg, only_for_eval=False, monitor=Monitor(cfg))
+        _dp_step(trainer, clip=0.05, batched=batched, b=6)
+        after[batched] = {n: p.detach().clone() for n, p in m.named_parameters() if p.requires_grad}
+        moved[batched] = sum(float((after[batched][n] - start[n]).pow(2).sum()) for n in start) ** 0.5
+    assert 1e-3 < moved[False] <= 0.05 * 1.0001  # a mean of 6 gradients clipped to norm C
+    if kind == "causal":
+        assert {n.split(".")[-3] for n in start} == {"lora_A", "lora_B"}
+    for n in start:
+        torch.testing.assert_close(after[True][n] - start[n], after[False][n] - start[n], rtol=1e-3, atol=1e-7, msg=n)
