@@ -168,6 +168,7 @@ def test_sample_level_records_each_clients_epsilon(tiny_llm, tmp_path):
     assert all(r["delta_norm"] for r in records)
     log = (out / "exp_print.log").read_text()
     assert "DP-SGD epsilon" in log and "differential privacy (sample level" in log
+    assert "per-example loop" not in log  # FS-LLM's trainer on a LoRA Llama: the batched taps served every step
 
 
 def _mean(tensors):
@@ -279,7 +280,9 @@ def test_sample_level_dp_sgd_trains_the_glue_classifier(tiny_glue, tmp_path):
 
     cfg = fs_glue_yaml(tmp_path, tiny_glue["model"], tiny_glue["glue"], **{
         "fedpa.dp_mode": "sample", "fedpa.dp_clip": 1.0, "fedpa.dp_epsilon": 8.0, "fedpa.dp_horizon": 5})  # fmt: skip
-    ledger = _jsonl(_finished(cfg, tmp_path) / "fedpa_privacy.jsonl")
+    out = _finished(cfg, tmp_path)
+    ledger = _jsonl(out / "fedpa_privacy.jsonl")
     entries = ledger[-1]["dp_clients"].values()
     assert len(ledger) == 2 and all(e["steps"] == 8 and e["b"] == min(8, e["n"]) for e in entries)
+    assert "per-example loop" not in (out / "exp_print.log").read_text()  # the batched taps served every step
     assert all(e["epsilon"] < 8.0 for e in entries)  # 2 of the 5 rounds the noise was calibrated for
