@@ -73,7 +73,9 @@ HETERO_LAM = (MAIN_R / HETERO_R) ** 2
 STAGES = (
     "pilot", "tune", "final", "ablation", "beta", "hetero", "adaptive", "head", "long", "partial", "splits", "privacy",
 )  # fmt: skip
-DP_SGD_FACTOR = 4.0  # a DP-SGD round's wall time over a plain one's here (about 100 s against 23), until one is in
+# A DP-SGD step's time over a plain one's on one host (benchmarks/bench_dp_sgd.py: 1.12 with the batched taps, 1.19
+# with the per-example loop), for the estimate until a DP-SGD run is in. It was 4.0, from rounds timed on two hosts.
+DP_SGD_FACTOR = 1.2
 SECONDS_PER_ROUND = 28.0  # measured: 10 clients x 10 steps; used until a finished run gives a better figure
 
 
@@ -486,8 +488,8 @@ def dp_sgd(opts) -> bool:
 def seconds_per_round(results: dict, sample_dp: bool = False) -> float:
     """Median machine time per round of the committed CPU runs: wall time / rounds / runs side by side (--jobs);
     runs made on a GPU host (``use_gpu True`` among their FS overrides) say nothing of this machine's time. With
-    ``sample_dp``, of the DP-SGD runs only (a per-example step costs several plain ones; before any has run, the
-    plain rate times :data:`DP_SGD_FACTOR`), else of the others."""
+    ``sample_dp``, of the DP-SGD runs only (before any has run, the plain rate times :data:`DP_SGD_FACTOR`), else of
+    the others. The committed runs may come from hosts of different speeds (docs/sst2_protocol.md)."""
     rates = [
         r["seconds"] / r["rounds_planned"] / r.get("jobs", 1)
         for r in list(results.values())  # a snapshot: the runner's threads add finished runs meanwhile
