@@ -85,3 +85,48 @@ def test_the_selection_and_the_final_table_appear_once_tuning_is_in(full_results
     assert f"fedit_dp: AdamW {chosen['train.optimizer.lr']}, C {chosen['fedpa.dp_clip']}" in text
     assert "| fedpa_dp − fedit_dp | " in text and "Holm p" in text
     assert "| fedsvd_dp | " in text and "7.90 |" in text
+
+
+def _diagnostics(updates_by_round):
+    """A run's diagnostics for client updates given as arrays: the norm of their mean and the mean of their norms,
+    what the server records (equal weights)."""
+    import numpy as np
+
+    return [{"round": r, "global_update_norm": float(np.linalg.norm(np.mean(u, 0))),
+             "delta_norm_mean": float(np.mean(np.linalg.norm(u, axis=1)))}
+            for r, u in enumerate(updates_by_round)]  # fmt: skip
+
+
+def test_agreement_reads_orthogonal_and_shared_updates():
+    import numpy as np
+
+    from fs_fedpa.tools.sst2_privacy_report import agreement
+
+    rng = np.random.default_rng(0)
+    shared = rng.normal(size=20000)
+    noise = [rng.normal(size=(10, 20000)) for _ in range(3)]  # nearly orthogonal in 20,000 dimensions
+    alike = [np.stack([shared * (1 + 0.01 * i) for i in range(10)]) for _ in range(3)]
+    assert agreement({"diagnostics": _diagnostics(noise)}) == pytest.approx(10**-0.5, abs=0.01)
+    assert agreement({"diagnostics": _diagnostics(alike)}) == pytest.approx(1.0, abs=1e-3)
+    rounds = _diagnostics([noise[0], alike[0], alike[1], noise[1]])  # an even count: the middle two's mean
+    assert agreement({"diagnostics": rounds}) == pytest.approx((10**-0.5 + 1) / 2, abs=0.01)
+    assert agreement({"diagnostics": [{"round": 0, "global_update_norm": 1.0, "delta_norm_mean": 0.0}]}) is None
+
+
+def test_the_tuning_table_shows_macro_f1_and_fedpa_agreement_beside_its_no_dp_run():
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    tune = sp.privacy_tune_runs(SELECTED, SELECTED["T"])
+    fedpa = next(r for r in tune if r.method == "fedpa")
+    opts = dict(zip(fedpa.opts[::2], fedpa.opts[1::2]))
+    rounds = {2: {"val_acc": 0.75, "val_f1": 0.40}, 5: {"val_acc": 0.75, "val_f1": 0.42},
+              8: {"val_acc": 0.75, "val_f1": 0.44}}  # fmt: skip
+    results = {fedpa.key: {"cell": fedpa.name, "seed": 0, "rounds": rounds,
+                           "diagnostics": _diagnostics([rng.normal(size=(10, 5000)) for _ in range(3)])}}  # fmt: skip
+    plain = f"tune/fedpa_{opts['train.optimizer.type'].lower()}{opts['train.optimizer.lr']}_lam{opts['fedpa.lam']}_s0"
+    results[plain] = {"diagnostics": [{"round": 0, "global_update_norm": 0.6, "delta_norm_mean": 1.0}]}
+    text = "\n".join(privacy_section(results, _stages(results)))
+    row = next(line for line in text.splitlines() if line.startswith("| fedpa |") and "0.7500" in line)
+    assert "| 0.4300 |" in row  # the last two evaluations' macro-F1, 0.42 and 0.44
+    assert "(no DP: 0.600)" in text and "What DP-SGD leaves of FedPA-LoRA's shared direction" in text
