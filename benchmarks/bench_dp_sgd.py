@@ -3,8 +3,9 @@ and value, the classifier head trained), SST-2 batches of 16 sentences, one thre
 
 Timed round-robin in one loop (benchmarks/_common.py): a plain step (FS's batch forward and backward) and two DP-SGD
 steps (:mod:`fs_fedpa.plugin.dp_sgd`: per-example gradients, per-example clipping, noise), one with the per-example
-gradients from taps on one batched forward and backward (the default), one from 16 per-example forwards and
-backwards (the fallback). Prints the median seconds a step and the ratios to the plain step.
+gradients from taps on batched forwards and backwards (the default: on a CPU, chunks of 4 length-sorted records; on
+a GPU, the whole batch), one from 16 per-example forwards and backwards (the fallback). Prints the median seconds a
+step and the ratios to the plain step.
 
     python benchmarks/bench_dp_sgd.py --data ../shared/data/glue [--routines 5] [--local-steps 10] [--batch 16]
         [--device cuda] [--model DIR] [--tok-len 128] [--limit 512]
@@ -76,7 +77,10 @@ def main() -> None:
     print(f"one step of {args.batch} SST-2 sentences, {args.model} + LoRA + head, {where}; median of {args.routines} "
           f"routines of {args.local_steps} steps, per step:")  # fmt: skip
     print(f"  plain step                  {times['plain']:.3f} s")
-    print(f"  DP-SGD step, batched taps   {times['taps']:.3f} s  (one forward and backward, clip, noise)")
+    from fs_fedpa.plugin.dp_sgd import CPU_CHUNK
+
+    chunks = "the whole batch" if args.device.startswith("cuda") else f"chunks of {CPU_CHUNK} length-sorted records"
+    print(f"  DP-SGD step, batched taps   {times['taps']:.3f} s  ({chunks}, clip, noise)")
     print(f"  DP-SGD step, per-example    {times['loop']:.3f} s  ({args.batch} forwards and backwards, clip, noise)")
     print()
     print(f"  ratio taps / plain: {times['taps'] / times['plain']:.2f}x")

@@ -29,6 +29,7 @@ from fs_fedpa.core.dp import add_clipped, gaussian, sample_without_replacement
 from fs_fedpa.core.per_example import LinearTaps, check_sum, clipped_sum, linear_owners, per_example_grads
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
+CPU_CHUNK = 4  # records a batched forward takes on the CPU (benchmarks/bench_dp_sgd.py)
 
 
 class DPSGD:
@@ -37,9 +38,12 @@ class DPSGD:
     round (a fresh stream per routine: with ``fedpa.dp_seed`` a resumed run draws what the uninterrupted one drew,
     and in distributed mode the stream is named by the id the client learns when it joins)."""
 
-    def __init__(self, trainer, plan, make_generator, clip: float, batched: bool = True):
+    def __init__(self, trainer, plan, make_generator, clip: float, batched: bool = True, chunk: int | None = None):
         self.plan, self.C = plan, clip
-        self.batched = batched  # per-example gradients from one batched backward; False: the per-example loop
+        self.batched = batched  # per-example gradients from batched backwards; False: the per-example loop
+        self.chunk = (
+            chunk  # records a batched forward takes (None: the whole batch on an accelerator, CPU_CHUNK on the CPU)
+        )
         self._make_generator, self._generator = make_generator, None
         self.round_steps = 0  # DP steps of the round: never more than its plan, which the accounting covers
         self._grad_sum: list[Tensor] = []
@@ -88,7 +92,7 @@ class DPSGD:
         batch = ctx.data_batch
         size = _batch_size(batch)
         params = [p for p in ctx.model.parameters() if p.requires_grad]
-        done = self.batched and self._batched(ctx, size, params)
+        done = self.batched and self._batched(ctx, batch, size, params)
         if not done:
             ctx.data_batch = CtxVar(batch, LIFECYCLE.BATCH)
             self._loop(ctx, batch, size, params)
@@ -96,34 +100,46 @@ class DPSGD:
         ctx.batch_size = CtxVar(size, LIFECYCLE.BATCH)
         ctx.skip_this_batch = CtxVar(False, LIFECYCLE.BATCH)  # FS-LLM's NaN retry would take an unaccounted step
 
-    def _batched(self, ctx, size: int, params) -> bool:
-        """One forward of the batch with taps, one backward of the sum of the records' losses; False (nothing kept)
-        when this batch must take the loop; ``self.batched`` turns off for good when no batch of this trainer can."""
+    def _batched(self, ctx, batch, size: int, params) -> bool:
+        """Forwards of the batch's records in chunks with taps, one backward each of the sum of the chunk's losses;
+        False (nothing kept) when this batch must take the loop; ``self.batched`` turns off for good when no batch of
+        this trainer can. On the CPU a chunk holds records of similar length: a padded forward computes over its
+        longest record, so chunks of 4 length-sorted records cost less than one forward of 16."""
         owners, why = linear_owners(ctx.model, params)
         if owners is None:
             return self._give_up(why)
-        with LinearTaps([m for m, _ in owners]) as taps:
-            self._forward(ctx)
-        if isinstance(ctx.get("loss_batch"), Tensor) and not bool(torch.isfinite(ctx.loss_batch).all()):
-            return False  # e.g. a causal-LM batch without a label token: the loop gives each record zero
-        losses, why = record_losses(ctx, size)
-        if losses is None:
-            return self._give_up(why)
-        if not bool(torch.isfinite(losses).all()):
-            return False  # the loop gives a non-finite record zero, within the clip bound
-        outputs = taps.outputs()
-        grads = torch.autograd.grad(losses.sum(), params + outputs, allow_unused=True)
-        per_example = per_example_grads(taps, owners, grads[len(params) :], size)
-        if per_example is None:
-            return self._give_up("a tapped module's input is not split by record along its first dimension")
-        low = any(x.dtype in (torch.float16, torch.bfloat16) for calls in taps.calls.values() for x, _ in calls)
-        why = check_sum(per_example, grads[: len(params)], rtol=5e-2 if low else 1e-3)
-        if why:
-            return self._give_up(f"the per-example gradients do not sum to the batch's gradient ({why})", warn=True)
-        self._grad_sum, _ = clipped_sum(per_example, self.C)
-        ctx.loss_batch = CtxVar(losses.detach().mean(), LIFECYCLE.BATCH)
-        ctx.y_true = CtxVar(ctx.y_true.detach(), LIFECYCLE.BATCH)
-        ctx.y_prob = CtxVar(ctx.y_prob.detach(), LIFECYCLE.BATCH)
+        chunk = self.chunk or (size if _device(ctx.model).type != "cpu" else CPU_CHUNK)
+        per_example, losses, y_true, y_prob = [], [], [], []
+        for index in _chunks(batch, size, chunk):
+            n = len(index)
+            ctx.data_batch = CtxVar(_select(batch, index, size), LIFECYCLE.BATCH)
+            with LinearTaps([m for m, _ in owners]) as taps:
+                self._forward(ctx)
+            if isinstance(ctx.get("loss_batch"), Tensor) and not bool(torch.isfinite(ctx.loss_batch).all()):
+                return False  # e.g. a causal-LM chunk without a label token: the loop gives each record zero
+            part, why = record_losses(ctx, n)
+            if part is None:
+                return self._give_up(why)
+            if not bool(torch.isfinite(part).all()):
+                return False  # the loop gives a non-finite record zero, within the clip bound
+            grads = torch.autograd.grad(part.sum(), params + taps.outputs(), allow_unused=True)
+            found = per_example_grads(taps, owners, grads[len(params) :], n)
+            if found is None:
+                return self._give_up("a tapped module's input is not split by record along its first dimension")
+            low = any(x.dtype in (torch.float16, torch.bfloat16) for calls in taps.calls.values() for x, _ in calls)
+            why = check_sum(found, grads[: len(params)], rtol=5e-2 if low else 1e-3)
+            if why:
+                return self._give_up(
+                    f"the per-example gradients do not sum to the chunk's gradient ({why})", warn=True
+                )
+            per_example.append(found)
+            losses.append(part.detach())
+            y_true.append(ctx.y_true.detach())
+            y_prob.append(ctx.y_prob.detach())
+        self._grad_sum, _ = clipped_sum([torch.cat(t) for t in zip(*per_example)], self.C)
+        ctx.loss_batch = CtxVar(torch.cat(losses).mean(), LIFECYCLE.BATCH)
+        ctx.y_true = CtxVar(torch.cat(y_true), LIFECYCLE.BATCH)  # in chunk order: the client's own metrics
+        ctx.y_prob = CtxVar(torch.cat(y_prob), LIFECYCLE.BATCH)
         return True
 
     def _give_up(self, why: str, warn: bool = False) -> bool:
@@ -223,12 +239,42 @@ def _tensors(batch):
             yield from _tensors(v)
 
 
-def _row(batch, j: int, size: int):
-    """Record ``j`` of a batch (every tensor whose first dimension is the batch's), as a batch of one."""
-    if isinstance(batch, Tensor):
-        return batch[j : j + 1] if batch.ndim and batch.shape[0] == size else batch
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _chunks(batch, size: int, chunk: int) -> list[Tensor]:
+    """The batch's record indices in chunks of at most ``chunk``, sorted by length (attended positions) where the
+    batch has an attention mask."""
+    lengths = _attended(batch, size)
+    order = torch.argsort(lengths, stable=True) if lengths is not None else torch.arange(size)
+    return list(order.split(max(1, chunk)))
+
+
+def _attended(batch, size: int) -> Tensor | None:
     if isinstance(batch, dict):
-        return {k: _row(v, j, size) for k, v in batch.items()}
+        mask = batch.get("attention_mask")
+        if isinstance(mask, Tensor) and mask.ndim == 2 and mask.shape[0] == size:
+            return mask.sum(1).cpu()
+        batch = list(batch.values())
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_row(v, j, size) for v in batch)
+        for v in batch:
+            if (found := _attended(v, size)) is not None:
+                return found
+    return None
+
+
+def _select(batch, index: Tensor, size: int):
+    """Records ``index`` of a batch (every tensor whose first dimension is the batch's), as a batch."""
+    if isinstance(batch, Tensor):
+        return batch[index.to(batch.device)] if batch.ndim and batch.shape[0] == size else batch
+    if isinstance(batch, dict):
+        return {k: _select(v, index, size) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_select(v, index, size) for v in batch)
     return batch
+
+
+def _row(batch, j: int, size: int):
+    """Record ``j`` of a batch, as a batch of one."""
+    return _select(batch, torch.tensor([j]), size)

@@ -36,13 +36,13 @@ def _trainer(lr: float = 1.0, extra_hook=None, zero_data: bool = False):
     return trainer, model, X, y
 
 
-def _dp_step(trainer, clip: float, z: float = 0.0, seed: int = 3, batched: bool = True, b: int = B):
+def _dp_step(trainer, clip: float, z: float = 0.0, seed: int = 3, batched: bool = True, b: int = B, chunk=None):
     from fs_fedpa.core.dp import dp_generator
     from fs_fedpa.plugin.dp_sgd import DPSGD
     from fs_fedpa.plugin.privacy import SamplePlan
 
     dp = DPSGD(trainer, lambda n: SamplePlan(n, b, 1, z, 1e-5), lambda routine: dp_generator(seed, "t"), clip=clip,
-               batched=batched)  # fmt: skip
+               batched=batched, chunk=chunk)  # fmt: skip
     trainer.train()
     assert dp.batched == batched  # the taps served every batch, or were not asked to
     return dp
@@ -181,10 +181,12 @@ def _causal(tiny_llm):
     return cfg, LLMTrainer, model, DataLoader(records, batch_size=6)
 
 
+@pytest.mark.parametrize("chunk", [None, 1, 6], ids=["cpu_chunks", "chunk1", "whole"])
 @pytest.mark.parametrize("kind", ["seqcls", "causal"])
-def test_taps_and_loop_take_the_same_step_on_lora_models(kind, tiny_glue, tiny_llm):
+def test_taps_and_loop_take_the_same_step_on_lora_models(kind, chunk, tiny_glue, tiny_llm):
     """One DP-SGD step (SGD, lr 1, no noise, a clip that bites) from the same weights on the same drawn records:
-    the batched taps and the per-example loop move every trainable tensor alike."""
+    the batched taps (in the CPU's chunks of 4 length-sorted records, 4 + 2 here; one record a forward; the whole
+    batch) and the per-example loop move every trainable tensor alike."""
     import copy
 
     from federatedscope.core.monitors.monitor import Monitor
@@ -197,7 +199,7 @@ def test_taps_and_loop_take_the_same_step_on_lora_models(kind, tiny_glue, tiny_l
     for batched in (True, False):
         m = copy.deepcopy(model)
         trainer = trainer_class(m, {"train": loader}, "cpu", cfg, only_for_eval=False, monitor=Monitor(cfg))
-        _dp_step(trainer, clip=0.05, batched=batched, b=6)
+        _dp_step(trainer, clip=0.05, batched=batched, b=6, chunk=chunk)
         after[batched] = {n: p.detach().clone() for n, p in m.named_parameters() if p.requires_grad}
         moved[batched] = sum(float((after[batched][n] - start[n]).pow(2).sum()) for n in start) ** 0.5
     assert 1e-3 < moved[False] <= 0.05 * 1.0001  # a mean of 6 gradients clipped to norm C
