@@ -1,5 +1,5 @@
-"""Per-example gradients of ``nn.Linear`` weights from one batched forward and backward (the taps Opacus uses, in
-plain torch), for DP-SGD's clipping (:mod:`fs_fedpa.plugin.dp_sgd`).
+"""Per-example gradients of ``nn.Linear`` weights from a batched forward and backward (hooks like Opacus's, in plain
+torch), for DP-SGD's clipping (:mod:`fs_fedpa.plugin.dp_sgd`).
 
 A linear map ``y = x W^T + b`` applied to a batch ``x`` of shape ``(b, ..., in)`` gives, for ``L = sum_j L_j`` where
 record j's loss reads row j alone, ``dL_j/dW = sum_t g_jt^T x_jt`` of shape ``(out, in)`` and ``dL_j/db = sum_t
@@ -98,9 +98,9 @@ def per_example_grads(taps: LinearTaps, owners: Sequence[tuple[nn.Linear, str]],
 
 
 def check_sum(per_example: Sequence[Tensor], grads: Sequence[Tensor | None], rtol: float) -> str:
-    """ "" when ``sum_j`` of each per-example gradient equals autograd's gradient of L within ``rtol`` of its norm
-    (a tensor autograd did not reach counts as 0); else what differs. A tensor used outside its module's forward
-    (e.g. read directly to form a merged weight) fails here."""
+    """The empty string when ``sum_j`` of each per-example gradient equals autograd's gradient of L within ``rtol``
+    of its norm (a tensor autograd did not reach counts as 0); else what differs. A tensor used outside its module's
+    forward (e.g. read directly to form a merged weight) fails here."""
     for i, (pe, g) in enumerate(zip(per_example, grads)):
         total = pe.sum(0).double()
         ref = torch.zeros_like(total) if g is None else g.double()

@@ -9,6 +9,8 @@ each method without and with DP on one seed, its clip and the noise per entry. T
 
 from __future__ import annotations
 
+import statistics
+
 from fs_fedpa import protocol
 from fs_fedpa import sst2_protocol as sp
 from fs_fedpa.tools.report_text import pm as _pm
@@ -42,12 +44,9 @@ def agreement(result: dict | None) -> float | None:
     """Median over rounds of ``||sum_i w_i dW_i|| / mean_i ||dW_i||`` from a run's diagnostics (``global_update_norm``
     over ``delta_norm_mean``): 1 when the clients' updates are identical, 1/sqrt(N) for N mutually orthogonal ones
     of equal norm and equal weight. For FedPA-LoRA dW_i is the client's own product s_i B_i A_i."""
-    values = sorted(d["global_update_norm"] / d["delta_norm_mean"] for d in (result or {}).get("diagnostics", [])
-                    if d.get("delta_norm_mean") and d.get("global_update_norm") is not None)  # fmt: skip
-    if not values:
-        return None
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+    values = [d["global_update_norm"] / d["delta_norm_mean"] for d in (result or {}).get("diagnostics", [])
+              if d.get("delta_norm_mean") and d.get("global_update_norm") is not None]  # fmt: skip
+    return statistics.median(values) if values else None
 
 
 def paired(a: dict[int, float], b: dict[int, float]) -> dict | None:
