@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import os
+import platform
 import re
 import shutil
 import statistics
@@ -116,8 +118,43 @@ def run_one(cfg: str, cell: Cell, seed: int, out: Path, opts: list[str], total_r
         result["cpu_seconds"] = round(cpu, 1)
     result["torch"] = _version("torch")  # the thread count and the torch build change results at the rounding level
     result["commit"] = code_commit()
+    result["host"] = host_record()
     (out / "result.json").write_text(json.dumps(result))
     return seconds
+
+
+# A fixed one-thread workload (50 float32 matmuls of MiniLM's feed-forward shape) timed in CPU seconds: runs whose
+# hosts differ in speed differ in CPU time for the same work (docs/sst2_protocol.md), and this says by how much.
+_PROBE = (
+    "import time, torch\n"
+    "torch.set_num_threads(1)\n"
+    "g = torch.Generator().manual_seed(0)\n"
+    "x, w = torch.randn(640, 384, generator=g), torch.randn(384, 1536, generator=g)\n"
+    "x @ w\n"
+    "start = time.process_time()\n"
+    "for _ in range(50):\n"
+    "    x @ w\n"
+    "print(time.process_time() - start)\n"
+)
+
+
+@functools.lru_cache(maxsize=1)
+def host_record() -> dict:
+    """This machine, for comparing CPU times across hosts: ``cpu`` (the model /proc/cpuinfo names), ``cpus`` and
+    ``probe_cpu_seconds``, the CPU time of :data:`_PROBE` (measured once per process; None where it fails)."""
+    cpu = None
+    try:
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), None)  # fmt: skip
+    except OSError:
+        pass
+    probe = None
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300)
+        probe = round(float(done.stdout.strip()), 3) if done.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        pass
+    return {"cpu": cpu or platform.processor() or None, "cpus": os.cpu_count(), "probe_cpu_seconds": probe}
 
 
 def code_commit() -> str | None:
