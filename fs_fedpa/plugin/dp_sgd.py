@@ -41,9 +41,8 @@ class DPSGD:
     def __init__(self, trainer, plan, make_generator, clip: float, batched: bool = True, chunk: int | None = None):
         self.plan, self.C = plan, clip
         self.batched = batched  # per-example gradients from batched backwards; False: the per-example loop
-        self.chunk = (
-            chunk  # records a batched forward takes (None: the whole batch on an accelerator, CPU_CHUNK on the CPU)
-        )
+        # records a batched forward takes; None: the whole batch on an accelerator, CPU_CHUNK on a CPU
+        self.chunk = chunk
         self._make_generator, self._generator = make_generator, None
         self.round_steps = 0  # DP steps of the round: never more than its plan, which the accounting covers
         self._grad_sum: list[Tensor] = []
