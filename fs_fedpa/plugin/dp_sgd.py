@@ -7,10 +7,11 @@ record's task loss over every trainable tensor (LoRA factors and head) clipped t
 divided by b, is the step's task gradient. What does not touch the data, FedPA-LoRA's alignment term at a fixed lambda
 and FS's parameter regularizer, is differentiated as usual and added after clipping and noise.
 
-The per-example gradients come from one batched forward and backward with taps on the trainable ``nn.Linear``
-modules (:mod:`fs_fedpa.core.per_example`) when every trainable tensor is such a module's and the trainer's loss is a
-mean of per-record losses this module can rebuild from the logits; otherwise, and on any batch where the taps' sum
-misses autograd's gradient, from a per-example loop (FS's forward on each record alone; ``torch.func.vmap`` fails
+The per-example gradients come from batched forwards and backwards with taps on the trainable ``nn.Linear`` modules
+(:mod:`fs_fedpa.core.per_example`; the whole batch on an accelerator, chunks of CPU_CHUNK length-sorted records on a
+CPU) when every trainable tensor is such a module's and the trainer's loss is a mean of per-record losses this module
+can rebuild from the logits; otherwise, and on any chunk where the taps' sum misses autograd's gradient, from a
+per-example loop (FS's forward on each record alone; ``torch.func.vmap`` fails
 inside transformers' attention-mask code). Both give the same clipped sum (tests/integration/test_dp_sgd_fs.py).
 """
 
@@ -43,6 +44,7 @@ class DPSGD:
         self.batched = batched  # per-example gradients from batched backwards; False: the per-example loop
         # records a batched forward takes; None: the whole batch on an accelerator, CPU_CHUNK on a CPU
         self.chunk = chunk
+        self._owners = None  # (ids of the model and its trainable tensors, their nn.Linear owners, why not, model)
         self._make_generator, self._generator = make_generator, None
         self.round_steps = 0  # DP steps of the round: never more than its plan, which the accounting covers
         self._grad_sum: list[Tensor] = []
@@ -91,9 +93,7 @@ class DPSGD:
         batch = ctx.data_batch
         size = _batch_size(batch)
         params = [p for p in ctx.model.parameters() if p.requires_grad]
-        done = self.batched and self._batched(ctx, batch, size, params)
-        if not done:
-            ctx.data_batch = CtxVar(batch, LIFECYCLE.BATCH)
+        if not (self.batched and self._batched(ctx, batch, size, params)):
             self._loop(ctx, batch, size, params)
         ctx.data_batch = CtxVar(batch, LIFECYCLE.BATCH)
         ctx.batch_size = CtxVar(size, LIFECYCLE.BATCH)
@@ -104,7 +104,7 @@ class DPSGD:
         False (nothing kept) when this batch must take the loop; ``self.batched`` turns off for good when no batch of
         this trainer can. On the CPU a chunk holds records of similar length: a padded forward computes over its
         longest record, so chunks of 4 length-sorted records cost less than one forward of 16."""
-        owners, why = linear_owners(ctx.model, params)
+        owners, why = self._linear_owners(ctx.model, params)
         if owners is None:
             return self._give_up(why)
         chunk = self.chunk or (size if _device(ctx.model).type != "cpu" else CPU_CHUNK)
@@ -140,6 +140,15 @@ class DPSGD:
         ctx.y_true = CtxVar(torch.cat(y_true), LIFECYCLE.BATCH)  # in chunk order: the client's own metrics
         ctx.y_prob = CtxVar(torch.cat(y_prob), LIFECYCLE.BATCH)
         return True
+
+    def _linear_owners(self, model, params):
+        """:func:`~fs_fedpa.core.per_example.linear_owners`, walked again only when the trainable tensors change
+        (not at every step)."""
+        key = (id(model), tuple(id(p) for p in params))
+        if self._owners is None or self._owners[0] != key:
+            # the model is kept with its key, so its id cannot name another model while the entry lives
+            self._owners = (key, *linear_owners(model, params), model)
+        return self._owners[1:3]
 
     def _give_up(self, why: str, warn: bool = False) -> bool:
         self.batched = False

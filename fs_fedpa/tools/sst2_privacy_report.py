@@ -140,9 +140,10 @@ def _agreement_lines(results: dict, tune: list[sp.Run]) -> list[str]:
         if run.method != "fedpa" or (dp := agreement(results.get(run.key))) is None:
             continue
         opts = _opts(run)
-        lr, lam = opts.get("train.optimizer.lr"), opts.get("fedpa.lam")
-        plain = agreement(results.get(f"tune/fedpa_{opts.get('train.optimizer.type', '').lower()}{lr}_lam{lam}_s0"))
-        rows.append(f"C {opts.get('fedpa.dp_clip')}, {opts.get('train.optimizer.type')} {lr}: {dp:.3f} "
+        optimizer, lr = opts["train.optimizer.type"], opts["train.optimizer.lr"]
+        # the tune stage's run at this rate and lambda (its rounds do not enter the key)
+        plain = agreement(results.get(sp.tune_run("fedpa", optimizer, float(lr), float(opts["fedpa.lam"]), 0).key))
+        rows.append(f"C {opts.get('fedpa.dp_clip')}, {optimizer} {lr}: {dp:.3f} "
                     f"(no DP: {'not run' if plain is None else f'{plain:.3f}'})")  # fmt: skip
     if not rows:
         return []
