@@ -370,19 +370,22 @@ def privacy_tune_runs(selected: dict, T: int) -> list[Run]:
     return runs
 
 
-def privacy_selection(results: dict, runs: list[Run]) -> dict[str, dict] | None:
+def privacy_selection(results: dict, runs: list[Run]) -> dict[str, dict]:
     """``{cell: {"opts": [...], "score": ...}}`` of (a): per DP method (``<method>_dp``) and FedSVD without DP the
-    tuning run with the best held-out score; None while a tuning run is missing."""
-    best: dict[str, dict] = {}
+    tuning run with the best held-out score (strictly better; the first of ties in grid order). Each cell is
+    selected over its own runs only, so a cell is decided once all of its runs are in and is left out before."""
+    cells: dict[str, list[Run]] = {}
     for run in runs:
-        result = results.get(run.key)
-        if result is None:
-            return None
-        cell = f"{run.method}_dp" if "_dp_" in run.name else run.method
-        value = score(result)
-        if value is not None and (cell not in best or value > best[cell]["score"]):
-            keep = [x for k, v in zip(run.opts[::2], run.opts[1::2]) for x in (k, v) if k not in TUNE_EVAL[::2]]
-            best[cell] = {"method": run.method, "opts": keep, "score": value, "run": run.key}
+        cells.setdefault(f"{run.method}_dp" if "_dp_" in run.name else run.method, []).append(run)
+    best: dict[str, dict] = {}
+    for cell, group in cells.items():
+        if any(run.key not in results for run in group):
+            continue
+        for run in group:
+            value = score(results[run.key])
+            if value is not None and (cell not in best or value > best[cell]["score"]):
+                keep = [x for k, v in zip(run.opts[::2], run.opts[1::2]) for x in (k, v) if k not in TUNE_EVAL[::2]]
+                best[cell] = {"method": run.method, "opts": keep, "score": value, "run": run.key}
     return best
 
 
@@ -434,8 +437,7 @@ def privacy_runs(selected: dict, results: dict, T: int) -> list[tuple[str, list[
     """The privacy stage's parts, as far as the committed results determine them."""
     tune = privacy_tune_runs(selected, T)
     parts = [("privacy: sample-level tuning", tune)]
-    choice = privacy_selection(results, tune)
-    if choice is not None:
+    if choice := privacy_selection(results, tune):
         parts.append(("privacy: sample-level final", privacy_final_runs(choice, T)))
     plain, private = client_dp_runs(selected, results)
     parts.append(("privacy: client level, no DP", plain))

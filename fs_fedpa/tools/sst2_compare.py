@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import fnmatch
 import importlib.util
 import os
 import shutil
@@ -143,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="run only this stage's runs (repeat for several), e.g. on a GPU host while this machine runs the others; "
         "a stage still waits for the committed results it depends on",
     )
+    parser.add_argument(
+        "--cells",
+        nargs="+",
+        metavar="PATTERN",
+        help="run only the cells whose name matches one of these shell patterns (e.g. 'partial30_*' 'fedit_dp'), "
+        "to share a stage between hosts; the other cells' results are still read from --report",
+    )
     parser.add_argument("--hours", type=float, default=0.0, help="stop after the run that ends past this many hours")
     parser.add_argument(
         "--jobs",
@@ -183,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"--stage: unknown {sorted(set(args.stages) - set(STAGES))}; the stages are {' '.join(STAGES)}")
 
     def wanted(run: Run) -> bool:
-        return not args.stages or run.stage in args.stages
+        cell = not args.cells or any(fnmatch.fnmatchcase(run.name, p) for p in args.cells)
+        return cell and (not args.stages or run.stage in args.stages)
 
     results = load_results(report)
     if args.recollect:

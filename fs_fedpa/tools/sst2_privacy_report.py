@@ -120,13 +120,15 @@ def privacy_section(results: dict, stages: list[tuple[str, list[sp.Run]]]) -> li
         )
     lines += ["", *_agreement_lines(results, tune), ""]
     choice = sp.privacy_selection(results, tune)
-    if choice is None:
-        lines += ["The selection and the final runs follow when every tuning run is in.", ""]
+    if not choice:
+        lines += ["Each cell's selection and final runs follow when all of its tuning runs are in.", ""]
     else:
+        waiting = sorted({f"{r.method}_dp" if "_dp_" in r.name else r.method for r in tune} - set(choice))
         lines += [
             "Selected (best held-out score): "
             + "; ".join(f"{cell}: {_describe(c['opts'])} ({c['score']:.4f})" for cell, c in sorted(choice.items()))
-            + ".",
+            + "."
+            + (f" Not yet selected (a tuning run missing): {', '.join(waiting)}." if waiting else ""),
             "",
         ]
         lines += _final_lines(results)

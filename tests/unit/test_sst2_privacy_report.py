@@ -27,7 +27,7 @@ def _stages(results: dict) -> list:
     tune = sp.privacy_tune_runs(SELECTED, SELECTED["T"])
     plain, private = sp.client_dp_runs(SELECTED, results)
     parts = [("privacy: sample-level tuning", tune)]
-    if (choice := sp.privacy_selection(results, tune)) is not None:
+    if choice := sp.privacy_selection(results, tune):
         parts.append(("privacy: sample-level final", sp.privacy_final_runs(choice, SELECTED["T"])))
     return [*parts, ("privacy: client level, no DP", plain), ("privacy: client level, DP", private)]
 
@@ -37,7 +37,7 @@ def test_nothing_run_yet_lists_every_tuning_run_as_pending():
     tune = sp.privacy_tune_runs(SELECTED, SELECTED["T"])
     assert f"0 of its {len(tune)} runs are in" in text
     assert text.count("not run yet") == len(tune)
-    assert "follow when every tuning run is in" in text
+    assert "follow when all of its tuning runs are in" in text
     assert "(b) Client-level DP" in text  # independent of the tuning
 
 

@@ -650,6 +650,12 @@ def test_the_privacy_stage_tunes_on_held_out_data_at_the_full_runs_noise_then_cl
                                                                      for lr in ("0.002", "0.005", "0.01")}  # fmt: skip
         else:
             assert run.method == "fedsvd" and "fedpa.dp_mode" not in o
+    # one cell's runs all in: that cell alone is selected and gets its final runs; one run missing holds a cell back
+    fedit = {r.key: {"rounds": {11: {"val_acc": 0.8}}} for r in tune if r.name.startswith("tune_fedit_dp_")}
+    early = {**fedit, **{r.key: {"rounds": {11: {"val_acc": 0.9}}} for r in tune if r.method == "fedsvd"}}
+    early.pop(next(r.key for r in tune if r.method == "fedsvd" and "_dp_" not in r.name))
+    finals = dict(sp.privacy_runs(selected, early, 21))["privacy: sample-level final"]
+    assert {r.name for r in finals} == {"fedit_dp", "fedsvd_dp"} and len(finals) == 6
     # every tuning run in: the best held-out score per cell is selected, and its final runs use the dev set
     results = {r.key: {"rounds": {11: {"val_acc": 0.8 + (0.01 if "_c1_" in r.name else 0)}}} for r in tune}
     finals = dict(sp.privacy_runs(selected, results, 21))["privacy: sample-level final"]
@@ -666,3 +672,17 @@ def test_the_privacy_stage_tunes_on_held_out_data_at_the_full_runs_noise_then_cl
     clips = {r.method: _opts(r)["fedpa.dp_clip"] for r in private}
     assert clips == {"fedpa": "2", "fedit": "4", "ffa_lora": "4", "fedsa_lora": "4", "fedsvd": "4"}
     assert all(_opts(r)["fedpa.dp_mode"] == "client" for r in private)
+
+
+def test_cells_runs_only_the_matching_cells_of_a_stage(tmp_path, monkeypatch):
+    calls = fake_fs_runs(monkeypatch)
+    report = tmp_path / "report"
+    shutil.copytree(sp.REPORT, report, ignore=shutil.ignore_patterns("*.png", "*.md"))
+    shutil.rmtree(report / "runs" / "partial")
+    monkeypatch.setattr(sc, "find_glue_dir", lambda data: tmp_path)
+    monkeypatch.setattr(sc, "write_report", lambda *args: report / "report.md")
+    argv = ["--report", str(report), "--work", str(tmp_path / "work"), "--stage", "partial", "--cells", "fedpa*"]
+    assert sc.main(argv) == 0
+    partial = sp.partial_runs(json.loads((report / "selected.json").read_text()))
+    expected = sorted(r.name for r in partial if r.name.startswith("fedpa"))
+    assert expected and len(expected) < len(partial) and sorted(name for name, _ in calls) == expected
