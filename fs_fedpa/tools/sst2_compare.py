@@ -206,9 +206,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             while True:
                 stages = plan(results, report)
-                todo = [(s, [r for r in runs if r.key not in results and wanted(r)]) for s, runs in stages]
-                todo = [(s, runs) for s, runs in todo if runs]
-                if not todo or not execute(todo[0][1], results, report, work, glue, budget, args.jobs, args.fs_opts):
+                todo = [r for _, runs in stages for r in runs if r.key not in results and wanted(r)]
+                # every run the plan has decided in the first stage with one pending, all parts together, so a
+                # part of one run does not hold the other job slots; a part its results unlock joins at the next pass
+                todo = [r for r in todo if r.stage == todo[0].stage]
+                if not todo or not execute(todo, results, report, work, glue, budget, args.jobs, args.fs_opts):
                     break  # done, or every run left in the stage failed: see their fs.log
         except TimeoutError as stop:
             print(f"[sst2_compare] stopping: {stop}; rerun to continue", flush=True)

@@ -686,3 +686,34 @@ def test_cells_runs_only_the_matching_cells_of_a_stage(tmp_path, monkeypatch):
     partial = sp.partial_runs(json.loads((report / "selected.json").read_text()))
     expected = sorted(r.name for r in partial if r.name.startswith("fedpa"))
     assert expected and len(expected) < len(partial) and sorted(name for name, _ in calls) == expected
+
+
+def test_the_runner_fills_its_job_slots_from_every_decided_part_of_a_stage(tmp_path, monkeypatch):
+    # the client-level DP runs whose no-DP runs are in go beside the one no-DP run still missing, not after it
+    report = tmp_path / "report"
+    shutil.copytree(sp.REPORT, report, ignore=shutil.ignore_patterns("*.png", "*.md"))
+    for old in (report / "runs" / "privacy").glob("partial30_*"):
+        old.unlink()
+    done = {
+        "seconds": 6.0,
+        "rounds": {"30": {"val_acc": 0.8}},
+        "diagnostics": [{"delta_norm_mean": 1.0, "change_norm_mean": 1.0}],
+    }
+    for method in sp.CLIENT_DP_METHODS[1:]:
+        sp.write_run(
+            report, f"privacy/partial30_{method}_s{sp.CLIENT_DP_SEED}", {**done, "cell": f"partial30_{method}"}
+        )
+    batches = []
+
+    def execute(runs, results, *args):
+        batches.append(sorted(r.name for r in runs))
+        results.update({r.key: done for r in runs})
+        return len(runs)
+
+    monkeypatch.setattr(sc, "execute", execute)
+    monkeypatch.setattr(sc, "find_glue_dir", lambda data: tmp_path)
+    monkeypatch.setattr(sc, "write_report", lambda *args: report / "report.md")
+    argv = ["--report", str(report), "--work", str(tmp_path / "work"), "--stage", "privacy", "--jobs", "2"]
+    assert sc.main([*argv, "--cells", "partial30_*"]) == 0
+    first = sorted(["partial30_fedpa", *(f"partial30_{m}_dp" for m in sp.CLIENT_DP_METHODS[1:])])
+    assert batches == [first, ["partial30_fedpa_dp"]]
