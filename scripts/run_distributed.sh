@@ -32,6 +32,11 @@ while [ $# -gt 0 ]; do
   cfgs+=("$1")
   shift
 done
+# FS's parse_client_cfg takes any word beginning with "client" (and the next) for the client config, values too:
+# write such a value as a Python string literal, which FS reads back as the same string (fs_fedpa/fs_command.py)
+for k in "${!opts[@]}"; do
+  if (( k % 2 )) && [[ ${opts[k]} == client* ]]; then opts[k]="'${opts[k]}'"; fi
+done
 if [ ${#cfgs[@]} -lt 2 ]; then
   echo "usage: $0 SERVER.yaml CLIENT.yaml [CLIENT.yaml ...] [-- KEY VALUE ...]" >&2
   exit 2

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from fs_fedpa.fs_command import fs_overrides
 from fs_fedpa.fs_results import weighted_avg_by_round
 
 CFG_NAME = Path("yaml_configs") / "fedpa_sst2_minilm_cpu.yaml"  # in the repo (./run.sh runs from its root)
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         save_to,
         "fedpa.save_outcomes",  # each client's dev examples (fedpa_eval_shards.json): docs/load_export.py reads them
         "True",
-        *args.opts,
+        *fs_overrides(args.opts),
     ]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     print(f"[fs_fedpa] FedPA-LoRA on SST-2 from {root}\n[fs_fedpa] {' '.join(cmd)}", flush=True)

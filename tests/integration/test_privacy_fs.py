@@ -286,3 +286,21 @@ def test_sample_level_dp_sgd_trains_the_glue_classifier(tiny_glue, tmp_path):
     assert len(ledger) == 2 and all(e["steps"] == 8 and e["b"] == min(8, e["n"]) for e in entries)
     assert "per-example loop" not in (out / "exp_print.log").read_text()  # the batched taps served every step
     assert all(e["epsilon"] < 8.0 for e in entries)  # 2 of the 5 rounds the noise was calibrated for
+
+
+def test_dp_mode_client_survives_fs_command_line_through_the_launchers_quoting():
+    # FS's main splits its overrides with parse_client_cfg, which takes any word beginning with "client" (values too)
+    # for the client config; the launchers' fs_overrides quotes such a value so FS reads back the same string
+    from federatedscope.core.cmd_args import parse_client_cfg
+    from federatedscope.core.configs.config import global_cfg
+
+    from fs_fedpa.fs_command import fs_overrides
+
+    opts = ["fedpa.dp_mode", "client", "fedpa.dp_epsilon", "8", "fedpa.dp_clip", "0.5"]
+    raw, _ = parse_client_cfg(list(opts))
+    assert raw == ["fedpa.dp_mode", "8", "fedpa.dp_clip", "0.5"]  # FS's own split loses the value unquoted
+    cfg_opts, client_opts = parse_client_cfg(fs_overrides(opts))
+    assert client_opts == []
+    cfg = global_cfg.clone()
+    cfg.merge_from_list(cfg_opts)
+    assert (cfg.fedpa.dp_mode, cfg.fedpa.dp_epsilon, cfg.fedpa.dp_clip) == ("client", 8.0, 0.5)
