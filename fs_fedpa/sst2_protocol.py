@@ -335,7 +335,8 @@ def splits_runs(selected: dict, T: int) -> list[Run]:
 # (b) Client level, the partial setting (N = 100, K = 10), CLIENT_DP_ROUNDS rounds, seed CLIENT_DP_SEED (seed 0 of the
 #     partial stage ran on a GPU): each method of CLIENT_DP_METHODS at its selected values (FedSVD, not tuned in the
 #     main cell, at FFA-LoRA's) without DP, then with DP at epsilon PRIVACY_EPSILON, delta min(1e-5, 1/(10 N)) =
-#     1e-6, and C = the median over rounds of the round's mean per-client contribution norm in its own no-DP run
+#     1e-5 (this line said 1e-6 before the runs, a slip of arithmetic: the rule it names gives 1e-5), and C = the
+#     median over rounds of the round's mean per-client contribution norm in its own no-DP run
 #     (delta_norm for fedpa, change_norm for the others): the usual median clip, chosen on the clients' data outside
 #     epsilon (docs/privacy.md). Endpoint: the dev accuracy at the last round, DP against no DP, one seed: a
 #     measurement, not a test.
