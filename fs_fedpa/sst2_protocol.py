@@ -371,13 +371,18 @@ def privacy_tune_runs(selected: dict, T: int) -> list[Run]:
     return runs
 
 
+def privacy_cell(run: Run) -> str:
+    """The final cell a tuning run of (a) competes for: ``<method>_dp`` under DP-SGD, else the method."""
+    return f"{run.method}_dp" if "_dp_" in run.name else run.method
+
+
 def privacy_selection(results: dict, runs: list[Run]) -> dict[str, dict]:
     """``{cell: {"opts": [...], "score": ...}}`` of (a): per DP method (``<method>_dp``) and FedSVD without DP the
     tuning run with the best held-out score (strictly better; the first of ties in grid order). Each cell is
     selected over its own runs only, so a cell is decided once all of its runs are in and is left out before."""
     cells: dict[str, list[Run]] = {}
     for run in runs:
-        cells.setdefault(f"{run.method}_dp" if "_dp_" in run.name else run.method, []).append(run)
+        cells.setdefault(privacy_cell(run), []).append(run)
     best: dict[str, dict] = {}
     for cell, group in cells.items():
         if any(run.key not in results for run in group):

@@ -123,7 +123,7 @@ def privacy_section(results: dict, stages: list[tuple[str, list[sp.Run]]]) -> li
     if not choice:
         lines += ["Each cell's selection and final runs follow when all of its tuning runs are in.", ""]
     else:
-        waiting = sorted({f"{r.method}_dp" if "_dp_" in r.name else r.method for r in tune} - set(choice))
+        waiting = sorted({sp.privacy_cell(r) for r in tune} - set(choice))
         lines += [
             "Selected (best held-out score): "
             + "; ".join(f"{cell}: {_describe(c['opts'])} ({c['score']:.4f})" for cell, c in sorted(choice.items()))

@@ -519,15 +519,22 @@ def test_finished_fs_outputs_of_a_pending_run_are_taken_and_said_so(tmp_path, mo
     assert f"{out} holds a finished FS run: its outputs are taken, not rerun" in capsys.readouterr().out
 
 
-def test_stage_runs_only_the_named_stages_runs_and_refuses_an_unknown_stage(tmp_path, monkeypatch):
-    calls = fake_fs_runs(monkeypatch)
+def runner_report(tmp_path, monkeypatch) -> Path:
+    """A copy of the committed results for ``sc.main`` to run against, with the GLUE folder and the report writer
+    stubbed out."""
     report = tmp_path / "report"
     shutil.copytree(sp.REPORT, report, ignore=shutil.ignore_patterns("*.png", "*.md"))
+    monkeypatch.setattr(sc, "find_glue_dir", lambda data: tmp_path)
+    monkeypatch.setattr(sc, "write_report", lambda *args: report / "report.md")
+    return report
+
+
+def test_stage_runs_only_the_named_stages_runs_and_refuses_an_unknown_stage(tmp_path, monkeypatch):
+    calls = fake_fs_runs(monkeypatch)
+    report = runner_report(tmp_path, monkeypatch)
     for stage in ("long", "partial"):  # both pending, whatever has been committed since: long comes first in the plan
         shutil.rmtree(report / "runs" / stage, ignore_errors=True)
     long_left = sp.long_runs(json.loads((report / "selected.json").read_text()))
-    monkeypatch.setattr(sc, "find_glue_dir", lambda data: tmp_path)
-    monkeypatch.setattr(sc, "write_report", lambda *args: report / "report.md")
     argv = ["--report", str(report), "--work", str(tmp_path / "work"), "--jobs", "2", "--stage", "partial"]
     assert sc.main([*argv, "use_gpu", "True", "device", "0"]) == 0
     partial = sp.partial_runs(json.loads((report / "selected.json").read_text()))
@@ -676,11 +683,8 @@ def test_the_privacy_stage_tunes_on_held_out_data_at_the_full_runs_noise_then_cl
 
 def test_cells_runs_only_the_matching_cells_of_a_stage(tmp_path, monkeypatch):
     calls = fake_fs_runs(monkeypatch)
-    report = tmp_path / "report"
-    shutil.copytree(sp.REPORT, report, ignore=shutil.ignore_patterns("*.png", "*.md"))
+    report = runner_report(tmp_path, monkeypatch)
     shutil.rmtree(report / "runs" / "partial")
-    monkeypatch.setattr(sc, "find_glue_dir", lambda data: tmp_path)
-    monkeypatch.setattr(sc, "write_report", lambda *args: report / "report.md")
     argv = ["--report", str(report), "--work", str(tmp_path / "work"), "--stage", "partial", "--cell", "fedpa*"]
     assert sc.main(argv) == 0
     partial = sp.partial_runs(json.loads((report / "selected.json").read_text()))
@@ -690,8 +694,7 @@ def test_cells_runs_only_the_matching_cells_of_a_stage(tmp_path, monkeypatch):
 
 def test_the_runner_fills_its_job_slots_from_every_decided_part_of_a_stage(tmp_path, monkeypatch):
     # the client-level DP runs whose no-DP runs are in go beside the one no-DP run still missing, not after it
-    report = tmp_path / "report"
-    shutil.copytree(sp.REPORT, report, ignore=shutil.ignore_patterns("*.png", "*.md"))
+    report = runner_report(tmp_path, monkeypatch)
     for old in (report / "runs" / "privacy").glob("partial30_*"):
         old.unlink()
     done = {
@@ -711,8 +714,6 @@ def test_the_runner_fills_its_job_slots_from_every_decided_part_of_a_stage(tmp_p
         return len(runs)
 
     monkeypatch.setattr(sc, "execute", execute)
-    monkeypatch.setattr(sc, "find_glue_dir", lambda data: tmp_path)
-    monkeypatch.setattr(sc, "write_report", lambda *args: report / "report.md")
     argv = ["--report", str(report), "--work", str(tmp_path / "work"), "--stage", "privacy", "--jobs", "2"]
     assert sc.main([*argv, "--cell", "partial30_*"]) == 0
     first = sorted(["partial30_fedpa", *(f"partial30_{m}_dp" for m in sp.CLIENT_DP_METHODS[1:])])
