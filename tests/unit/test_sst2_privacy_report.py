@@ -75,6 +75,20 @@ def test_the_intervals_and_holm_are_scipys(full_results):
     d = [full_results[f"privacy/fedpa_dp_s{s}"]["rounds"][20]["val_acc"]
          - full_results[f"final/fedpa_s{s}"]["rounds"][20]["val_acc"] for s in sp.SEEDS]  # fmt: skip
     assert rows["fedpa_dp − no DP"]["mean"] == pytest.approx(sum(d) / 3)
+    plain = {}  # the second family: each DP cell against itself without DP, Holm over the four by hand
+    for cell, (stage, base) in {
+        "fedpa_dp": ("final", "fedpa"),
+        "fedit_dp": ("final", "fedit"),
+        "ffa_lora_dp": ("final", "ffa_lora"),
+        "fedsvd_dp": ("privacy", "fedsvd"),
+    }.items():
+        a = [full_results[f"privacy/{cell}_s{s}"]["rounds"][20]["val_acc"] for s in sp.SEEDS]
+        b = [full_results[f"{stage}/{base}_s{s}"]["rounds"][20]["val_acc"] for s in sp.SEEDS]
+        plain[cell] = stats.ttest_rel(a, b).pvalue
+    order = sorted(plain, key=plain.get)
+    adjusted = [min(1, (4 - i) * plain[c]) for i, c in enumerate(order)]
+    adjusted = [max(adjusted[: i + 1]) for i in range(4)]
+    assert [rows[f"{c} − no DP"]["holm"] for c in order] == pytest.approx(adjusted)
 
 
 def test_the_selection_and_the_final_table_appear_once_tuning_is_in(full_results):
