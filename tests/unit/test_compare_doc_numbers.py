@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NUMBER = r"([+−-]?\d+\.\d+)"
 INTERVAL = re.compile(NUMBER + r" \[" + NUMBER + r", " + NUMBER + r"\]")
 MEAN_STD = re.compile(r"(\d\.\d+) ± (\d\.\d+)")
-STAGES = ("final", "beta", "hetero", "ablation", "adaptive", "head", "long", "partial")
+STAGES = ("final", "beta", "hetero", "ablation", "adaptive", "head", "long", "partial", "privacy")
 
 
 def _section(path: Path, heading: str) -> str:
@@ -28,11 +28,13 @@ def _section(path: Path, heading: str) -> str:
 
 
 def _protocol_section() -> str:
-    """README's results, compare.md's verdict and the whole of sst2_protocol.md: every place that quotes the
-    protocol's report."""
+    """README's results, compare.md's verdict, the whole of sst2_protocol.md and what privacy.md measured: every
+    place that quotes the protocol's report."""
     readme = _section(ROOT / "README.md", "## Results")
     verdict = _section(ROOT / "docs" / "compare.md", "## Verdict on SST-2")
-    return readme + "\n" + verdict + "\n" + (ROOT / "docs" / "sst2_protocol.md").read_text()
+    privacy = (ROOT / "docs" / "privacy.md").read_text()
+    measured = privacy[privacy.index("### Measured") :]
+    return "\n".join((readme, verdict, (ROOT / "docs" / "sst2_protocol.md").read_text(), measured))
 
 
 def test_readmes_results_quote_the_report():
@@ -193,3 +195,38 @@ def test_the_one_model_per_client_numbers_quote_fedpas_own_adapter_against_fedit
         match = INTERVAL.search(row[row.index(text) :])
         printed = [_plain(g) for g in match.groups()]
         assert [_points(v, p) for v, p in zip(want, printed)] == printed, (text, match.group(0))
+
+
+PRIVACY_NAMES = {"FedPA-LoRA": "fedpa", "FedIT": "fedit", "FFA-LoRA": "ffa_lora", "FedSVD": "fedsvd"}
+
+
+def test_the_privacy_row_quotes_each_methods_own_intervals():
+    """The verdict's sample-level privacy row quotes, per protocol, "<method> − FedIT under DP" for the three other
+    methods and "<method> under DP − without DP" for all four, each after the method's name, recomputed here from
+    the run files (the DP cells are the privacy stage's; the no-DP runs the final stage's, FedSVD's the privacy
+    stage's)."""
+    if not (ROOT / sp.REPORT / "runs" / "privacy" / "fedit_dp_s0.json").is_file():
+        pytest.skip("no committed sample-level privacy finals")
+    results = sp.load_results(ROOT / sp.REPORT)
+    row = next(line for line in _protocol_section().splitlines() if line.startswith("| privacy, sample level"))
+    for metric, column in zip(("val_acc", "local.val_acc"), row.split(" | ")[1:3]):
+        dp, final = sp.cell_values(results, metric, "privacy"), sp.cell_values(results, metric, "final")
+        no_dp = {**{m: final[m] for m in ("fedpa", "fedit", "ffa_lora")}, "fedsvd": dp["fedsvd"]}
+
+        def interval(a: dict, b: dict) -> tuple[float, float, float]:
+            seeds = sorted(set(a) & set(b))
+            assert len(seeds) >= 2
+            return protocol.paired_interval([a[s] - b[s] for s in seeds])
+
+        against_fedit, without = column.split("without DP", 1) if "without DP" in column else (column, "")
+        checked = 0
+        for part, reference in ((against_fedit, "fedit_dp"), (without, None)):
+            for name, method in PRIVACY_NAMES.items():
+                match = re.search(re.escape(name) + r"[^\[|]*?" + INTERVAL.pattern, part)
+                if match is None or (reference == "fedit_dp" and method == "fedit"):
+                    continue
+                want = interval(dp[f"{method}_dp"], dp[reference] if reference else no_dp[method])
+                printed = [_plain(g) for g in match.groups()]
+                assert [_points(v, p) for v, p in zip(want, printed)] == printed, (metric, name, match.group(0))
+                checked += 1
+        assert checked >= 4, column
