@@ -176,9 +176,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.report is None and (why := not_a_checkout(Path.cwd())):
         sys.exit(why)
     report, work = Path(args.report or REPORT), Path(args.work)
+    if args.stages and not set(args.stages) <= set(STAGES):
+        sys.exit(f"--stage: unknown {sorted(set(args.stages) - set(STAGES))}; the stages are {' '.join(STAGES)}")
+
+    def wanted(run: Run) -> bool:
+        cell = not args.cells or any(fnmatch.fnmatchcase(run.name, p) for p in args.cells)
+        return cell and (not args.stages or run.stage in args.stages)
+
+    scoped = bool(args.stages or args.cells)
     if args.plan:
         results = load_results(report)
-        print_plan(plan_only(results, report), results)
+        print_plan(only(plan_only(results, report), wanted), results, scoped)
         return 0
     if missing := [m for m in ("numpy", "scipy") if importlib.util.find_spec(m) is None]:
         sys.exit(f"the report's intervals need {' and '.join(missing)}, which this Python lacks (pip install "
@@ -188,18 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only and not CFG.is_file():
         sys.exit(f"{CFG} not found: run this from a checkout of fs_fedpa (the config lives in yaml_configs/)")
     args.fs_opts = with_threads(args.fs_opts, args.jobs, os.cpu_count() or 1)
-    if args.stages and not set(args.stages) <= set(STAGES):
-        sys.exit(f"--stage: unknown {sorted(set(args.stages) - set(STAGES))}; the stages are {' '.join(STAGES)}")
-
-    def wanted(run: Run) -> bool:
-        cell = not args.cells or any(fnmatch.fnmatchcase(run.name, p) for p in args.cells)
-        return cell and (not args.stages or run.stage in args.stages)
-
     results = load_results(report)
     if args.recollect:
         rewritten = recollect(results, report, work, args.recollect)
         print(f"[sst2_compare] recollected {len(rewritten)} runs from {work}: {' '.join(rewritten) or 'none'}")
-    print_plan(plan(results, report), results)
+    print_plan(only(plan(results, report), wanted), results, scoped)
     if not args.report_only:
         glue = find_glue_dir(args.data)
         claim_work(work)
@@ -270,7 +271,14 @@ def claim_work(work: Path) -> None:
     atexit.register(release)
 
 
-def print_plan(stages: list[tuple[str, list[Run]]], results: dict) -> None:
+def only(stages: list[tuple[str, list[Run]]], wanted) -> list[tuple[str, list[Run]]]:
+    """The plan's parts with the runs ``wanted`` keeps (``--stage``, ``--cell``); parts left empty are dropped."""
+    return [(part, kept) for part, runs in stages if (kept := [r for r in runs if wanted(r)])]
+
+
+def print_plan(stages: list[tuple[str, list[Run]]], results: dict, scoped: bool = False) -> None:
+    """Each part's runs done and the time left; ``scoped``: the parts are those --stage/--cell select, not the
+    whole protocol, and the summary says so."""
     rate = seconds_per_round(results)
     total_left = 0.0
     for stage, runs in stages:
@@ -279,6 +287,15 @@ def print_plan(stages: list[tuple[str, list[Run]]], results: dict) -> None:
         total_left += minutes
         print(f"  {stage}: {len(runs) - len(left)}/{len(runs)} runs done; about {minutes:.0f} min left", flush=True)
     spent = time_spent(results)
+    if scoped and not stages:
+        print("[sst2_compare] no run of the stages known now matches --stage/--cell: nothing to run (a cell is a "
+              "run's name without its seed, e.g. fedpa_dp or partial30_fedit)", flush=True)  # fmt: skip
+        return
+    if scoped:
+        dp_rate = seconds_per_round(results, True)
+        print(f"[sst2_compare] the runs --stage/--cell select: about {total_left / 60:.1f} h left of the stages "
+              f"known now ({rate:.0f} s a round, {dp_rate:.0f} under DP-SGD)", flush=True)  # fmt: skip
+        return
     if not total_left:
         print(f"[sst2_compare] committed runs: {spent}; every run of the protocol has run", flush=True)
         return

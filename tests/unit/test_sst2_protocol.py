@@ -692,6 +692,21 @@ def test_cells_runs_only_the_matching_cells_of_a_stage(tmp_path, monkeypatch):
     assert expected and len(expected) < len(partial) and sorted(name for name, _ in calls) == expected
 
 
+def test_plan_counts_only_the_runs_stage_and_cell_select(tmp_path, monkeypatch, capsys):
+    # --plan with --stage/--cell shows the runs that call would run, and says when a pattern matches none
+    report = runner_report(tmp_path, monkeypatch)
+    for old in (report / "runs" / "privacy").glob("partial30_*_dp_*"):
+        old.unlink()
+    assert sc.main(["--plan", "--report", str(report), "--stage", "privacy", "--cell", "partial30_*_dp"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    parts = [line.strip().split(":")[1].strip() for line in lines if line.startswith("  ")]
+    n = len(sp.CLIENT_DP_METHODS)
+    assert parts == ["client level, DP"] and f"0/{n} runs done" in lines[0], lines
+    assert "--stage/--cell select" in lines[-1]
+    assert sc.main(["--plan", "--report", str(report), "--cell", "no_such_cell"]) == 0
+    assert "matches --stage/--cell: nothing to run" in capsys.readouterr().out
+
+
 def test_the_runner_fills_its_job_slots_from_every_decided_part_of_a_stage(tmp_path, monkeypatch):
     # the client-level DP runs whose no-DP runs are in go beside the one no-DP run still missing, not after it
     report = runner_report(tmp_path, monkeypatch)
