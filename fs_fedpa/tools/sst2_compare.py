@@ -286,7 +286,6 @@ def print_plan(stages: list[tuple[str, list[Run]]], results: dict, scoped: bool 
         minutes = minutes_left(left, results)
         total_left += minutes
         print(f"  {stage}: {len(runs) - len(left)}/{len(runs)} runs done; about {minutes:.0f} min left", flush=True)
-    spent = time_spent(results)
     if scoped and not stages:
         print("[sst2_compare] no run of the stages known now matches --stage/--cell: nothing to run (a cell is a "
               "run's name without its seed, e.g. fedpa_dp or partial30_fedit)", flush=True)  # fmt: skip
@@ -296,6 +295,7 @@ def print_plan(stages: list[tuple[str, list[Run]]], results: dict, scoped: bool 
         print(f"[sst2_compare] the runs --stage/--cell select: about {total_left / 60:.1f} h left of the stages "
               f"known now ({rate:.0f} s a round, {dp_rate:.0f} under DP-SGD)", flush=True)  # fmt: skip
         return
+    spent = time_spent(results)
     if not total_left:
         print(f"[sst2_compare] committed runs: {spent}; every run of the protocol has run", flush=True)
         return

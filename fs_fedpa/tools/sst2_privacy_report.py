@@ -21,6 +21,14 @@ DP_CELLS = tuple(f"{m}_dp" for m in sp.PRIVACY_METHODS)
 # each DP cell's counterpart without DP, (stage, cell): the final stage's runs, FedSVD's own (it has no final runs)
 NO_DP = {"fedpa_dp": ("final", "fedpa"), "fedit_dp": ("final", "fedit"), "ffa_lora_dp": ("final", "ffa_lora"),
          "fedsvd_dp": ("privacy", "fedsvd")}  # fmt: skip
+# the report's comparison tables, each one Holm family (docs/compare.md's rule): (title, the rows' keys)
+FAMILIES = (
+    (
+        "against FedIT under DP, Holm over its three rows",
+        tuple(f"{c} − fedit_dp" for c in DP_CELLS if c != "fedit_dp"),
+    ),
+    ("against the same method without DP, Holm over its four rows", tuple(f"{c} − no DP" for c in DP_CELLS)),
+)
 
 
 def _opts(run: sp.Run) -> dict[str, str]:
@@ -61,8 +69,8 @@ def paired(a: dict[int, float], b: dict[int, float]) -> dict | None:
 
 
 def final_comparisons(results: dict) -> dict[str, dict[str, dict]]:
-    """Per protocol: ``"<cell> − fedit_dp"`` for the three other DP cells (with ``holm``, the Holm-adjusted p over
-    the three) and ``"<cell> − no DP"`` for all four."""
+    """Per protocol: ``"<cell> − fedit_dp"`` for the three other DP cells and ``"<cell> − no DP"`` for all four,
+    each with ``holm``, its Holm-adjusted p over its family of :data:`FAMILIES`, once the whole family is in."""
     out: dict[str, dict[str, dict]] = {}
     for metric in METRICS:
         rows: dict[str, dict] = {}
@@ -75,10 +83,9 @@ def final_comparisons(results: dict) -> dict[str, dict[str, dict]]:
             stage, plain = NO_DP[cell]
             if (row := paired(ours, cells[stage].get(plain, {}))) is not None:
                 rows[f"{cell} − no DP"] = row
-        for suffix, size in (("fedit_dp", len(DP_CELLS) - 1), ("no DP", len(DP_CELLS))):  # two families
-            family = {k: r["p"] for k, r in rows.items() if k.endswith(suffix)}
-            if len(family) == size:
-                for key, adjusted in protocol.holm(family).items():
+        for _, keys in FAMILIES:  # adjusted once every row of the family is in
+            if all(key in rows for key in keys):
+                for key, adjusted in protocol.holm({key: rows[key]["p"] for key in keys}).items():
                     rows[key]["holm"] = adjusted
         out[metric] = rows
     return out
@@ -181,11 +188,7 @@ def _final_lines(results: dict) -> list[str]:
             f"{_pm(list(values['local.val_acc'].get(cell, {}).values()))} | {f'{max(eps):.2f}' if eps else '–'} |"
         )
     comparisons = final_comparisons(results)
-    tables = (
-        ("against FedIT under DP, Holm over its three rows", [f"{c} − fedit_dp" for c in DP_CELLS if c != "fedit_dp"]),
-        ("against the same method without DP, Holm over its four rows", [f"{c} − no DP" for c in DP_CELLS]),
-    )
-    for title, keys in tables:  # one table per family (docs/compare.md's rule: a family is one table's comparisons)
+    for title, keys in FAMILIES:
         lines += ["", f"Paired 95% t intervals over seeds (accuracy, not points), {title}, per protocol.", "",
                   "| comparison | paper protocol | own factors |", "|---|---|---|"]  # fmt: skip
         for key in keys:

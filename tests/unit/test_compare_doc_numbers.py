@@ -200,6 +200,13 @@ def test_the_one_model_per_client_numbers_quote_fedpas_own_adapter_against_fedit
 PRIVACY_NAMES = {"FedPA-LoRA": "fedpa", "FedIT": "fedit", "FFA-LoRA": "ffa_lora", "FedSVD": "fedsvd"}
 
 
+def _paired(a: dict[int, float], b: dict[int, float]) -> tuple[float, float, float]:
+    """The paired t interval of a − b over the seeds both have (at least two)."""
+    seeds = sorted(set(a) & set(b))
+    assert len(seeds) >= 2
+    return protocol.paired_interval([a[s] - b[s] for s in seeds])
+
+
 def test_the_privacy_row_quotes_each_methods_own_intervals():
     """The verdict's sample-level privacy row quotes, per protocol, "<method> − FedIT under DP" for the three other
     methods and "<method> under DP − without DP" for all four, each after the method's name, recomputed here from
@@ -213,11 +220,6 @@ def test_the_privacy_row_quotes_each_methods_own_intervals():
         dp, final = sp.cell_values(results, metric, "privacy"), sp.cell_values(results, metric, "final")
         no_dp = {**{m: final[m] for m in ("fedpa", "fedit", "ffa_lora")}, "fedsvd": dp["fedsvd"]}
 
-        def interval(a: dict, b: dict) -> tuple[float, float, float]:
-            seeds = sorted(set(a) & set(b))
-            assert len(seeds) >= 2
-            return protocol.paired_interval([a[s] - b[s] for s in seeds])
-
         against_fedit, without = column.split("without DP", 1) if "without DP" in column else (column, "")
         checked = 0
         for part, reference in ((against_fedit, "fedit_dp"), (without, None)):
@@ -225,7 +227,7 @@ def test_the_privacy_row_quotes_each_methods_own_intervals():
                 match = re.search(re.escape(name) + r"[^\[|]*?" + INTERVAL.pattern, part)
                 if match is None or (reference == "fedit_dp" and method == "fedit"):
                     continue
-                want = interval(dp[f"{method}_dp"], dp[reference] if reference else no_dp[method])
+                want = _paired(dp[f"{method}_dp"], dp[reference] if reference else no_dp[method])
                 printed = [_plain(g) for g in match.groups()]
                 assert [_points(v, p) for v, p in zip(want, printed)] == printed, (metric, name, match.group(0))
                 checked += 1
