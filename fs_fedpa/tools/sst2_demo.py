@@ -18,9 +18,9 @@ from pathlib import Path
 
 from fs_fedpa.fs_command import fs_overrides
 from fs_fedpa.fs_results import weighted_avg_by_round
+from fs_fedpa.tools.checkout import find_checkout
 
-CFG_NAME = Path("yaml_configs") / "fedpa_sst2_minilm_cpu.yaml"  # in the repo (./run.sh runs from its root)
-DEFAULT_CFG = CFG_NAME if CFG_NAME.is_file() else Path(__file__).resolve().parents[2] / CFG_NAME
+CFG_NAME = Path("yaml_configs") / "fedpa_sst2_minilm_cpu.yaml"  # in the checkout (./run.sh runs from its root)
 ROUND = re.compile(r"Starting (?:a new )?training(?: round)? \(Round #(\d+)\)")
 CLIENT = re.compile(
     r"'Role': 'Client #(\d+)', 'Round': (\d+), 'Results_raw': \{.*?'train_acc': (?:np\.float64\()?([\d.]+)"
@@ -77,7 +77,8 @@ def final_accuracy(outdir: Path) -> dict[str, float]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", help="GLUE folder (or set FS_FEDPA_DATA)")
-    parser.add_argument("--cfg", default=str(DEFAULT_CFG), help="FS yaml (default: the MiniLM CPU config)")
+    parser.add_argument("--cfg", default=None, help=f"FS yaml (default: the checkout's {CFG_NAME})")
+    parser.add_argument("--repo", default=None, help="the fs_fedpa checkout holding --cfg's default (default: here)")
     parser.add_argument("--outdir", default="exp", help="FS outdir")
     parser.add_argument("opts", nargs="*", help="extra FS overrides, KEY VALUE ...")
     return parser
@@ -87,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if len(args.opts) % 2:
         sys.exit(f"FS overrides come in KEY VALUE pairs; got {len(args.opts)} words: {' '.join(args.opts)}")
+    if args.cfg is None:
+        args.cfg = str(find_checkout(args.repo, [str(CFG_NAME)], "sst2_demo") / CFG_NAME)
     if not Path(args.cfg).is_file():
         sys.exit(f"--cfg {args.cfg}: no such FS config")
     root = find_glue_dir(args.data)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 def test_gpu_check_tiny_on_the_cpu(tmp_path):
     out = tmp_path / "check.json"
     cmd = [sys.executable, "-m", "fs_fedpa.tools.gpu_check", "--tiny", "--device", "cpu", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=fs_env(), capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=ROOT, env=fs_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     record = json.loads(out.read_text())
     steps = record["steps"]
@@ -42,9 +42,19 @@ def test_only_reruns_one_step(tmp_path):
     out = tmp_path / "check.json"
     cmd = [sys.executable, "-m", "fs_fedpa.tools.gpu_check", "--tiny", "--device", "cpu", "--only", "reconstruct",
            "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, env=fs_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, env=fs_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert list(json.loads(out.read_text())["steps"]) == ["env", "reconstruct"]
+
+
+def test_repo_names_the_checkout_from_anywhere(tmp_path):
+    """Run from another folder, ``--repo`` points the steps at the checkout's benchmarks."""
+    out = tmp_path / "check.json"
+    cmd = [sys.executable, "-m", "fs_fedpa.tools.gpu_check", "--tiny", "--device", "cpu", "--only", "reconstruct",
+           "--repo", str(ROOT), "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=fs_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.loads(out.read_text())["steps"]["reconstruct"]["status"] == "ok"
 
 
 def test_a_distributed_glue_party_keeps_its_own_shard(tiny_glue, tmp_path):
