@@ -1,6 +1,7 @@
 """The statistics of a tuned comparison, without torch or FS: the pilot's stopping round, the selection of
 hyper-parameters on held-out validation data, paired confidence intervals between methods, Holm's correction for
-a family of them, a paired bootstrap over seeds and sentences, and the false-positive rate of the seed rule.
+a family of them, a paired bootstrap over seeds and sentences, the false-positive rate of the seed rule, and the
+across-split intervals (t on the split means; the fixed-split interval) with the split's variance component.
 
 Used by :mod:`fs_fedpa.sst2_protocol` (docs/sst2_protocol.md). The rules are plain Python, so that
 they can be checked by hand; the t distribution's tail comes from scipy, the resampling from numpy.
@@ -109,15 +110,10 @@ def plateau_round_smoothed(curve: Mapping[int, float], k: int = 3, **rule) -> in
 def paired_t_p(differences: Sequence[float]) -> float:
     """The two-sided p-value of the paired t test of mean 0 (the test behind :func:`paired_interval`): 1 where all
     differences are 0, 0 where they are equal and not 0."""
-    from scipy import stats
-
     n = len(differences)
     if n < 2:
         raise ValueError(f"a paired t test needs at least 2 paired runs, got {n}")
-    mean, sd = statistics.fmean(differences), statistics.stdev(differences)
-    if sd == 0:
-        return 1.0 if mean == 0 else 0.0
-    return float(2 * stats.t.sf(abs(mean) / (sd / math.sqrt(n)), n - 1))
+    return _t_p(statistics.fmean(differences), statistics.stdev(differences) / math.sqrt(n), n - 1)
 
 
 def holm(pvalues: Mapping[str, float]) -> dict[str, float]:
@@ -224,31 +220,51 @@ def _groups(differences: Mapping[object, Sequence[float]]) -> list[list[float]]:
     return groups
 
 
-def nested_bootstrap(
-    differences: Mapping[object, Sequence[float]], draws: int = 10_000, seed: int = 0
-) -> tuple[float, float, float]:
-    """``(mean, low, high)``: the mean over splits of each split's mean paired difference, and its 95% percentile
-    interval from a two-stage (hierarchical) bootstrap: each draw resamples the splits with replacement and then,
-    independently for every split drawn, that split's seeds with replacement.
+def split_means_interval(differences: Mapping[object, Sequence[float]]) -> dict[str, float]:
+    """The across-split interval that generalises to new client splits: the t interval on the k split means
+    m_j = mean_s d_{js} (ours − theirs on split j, seed s), k − 1 degrees of freedom:
 
-    ``differences[split]``: the paired differences d_{js} (ours − theirs) of the seeds s run on client split j. Unlike
-    an interval over all runs pooled, it lets the split vary as well as the seed, so its width carries the
-    split-to-split variance; with k splits it can be no better informed about that variance than k values are."""
-    import numpy as np
+        m̄ ± t_{0.975, k−1} · sd(m_1..m_k) / sqrt(k),   p = 2 P(T_{k−1} > |m̄| / (sd / sqrt(k))).
 
+    Under d_{js} = μ + a_j + e_{js} with a_j ~ N(0, σ²_split), e_{js} ~ N(0, σ²_seed) and balanced splits, the m_j are
+    iid N(μ, σ²_split + σ²_seed / n), so the interval is exact whatever the ratio of the two variances (in a balanced
+    design it equals REML with Kenward–Roger degrees of freedom where the split component is positive). Returns
+    ``{"mean", "low", "high", "p", "df", "splits"}``."""
+    means = [statistics.fmean(g) for g in _groups(differences)]
+    k = len(means)
+    mean, se = statistics.fmean(means), statistics.stdev(means) / math.sqrt(k)
+    half = t_quantile_975(k - 1) * se
+    return {"mean": mean, "low": mean - half, "high": mean + half, "p": _t_p(mean, se, k - 1), "df": k - 1,
+            "splits": k}  # fmt: skip
+
+
+def fixed_split_interval(differences: Mapping[object, Sequence[float]]) -> dict[str, float]:
+    """The interval for these splits only (the split taken as a fixed effect): the mean of the split means, with the
+    within-split mean square as the error, N − k degrees of freedom:
+
+        m̄ ± t_{0.975, N−k} · sqrt(MS_within · Σ_j 1/n_j) / k,   MS_within = Σ_j Σ_s (d_{js} − m_j)² / (N − k).
+
+    It says nothing about a new split: where splits differ it undercovers the mean over splits. Returns
+    ``{"mean", "low", "high", "p", "df"}``."""
     groups = _groups(differences)
-    rng = np.random.default_rng(seed)
-    k = len(groups)
-    reps = np.zeros(draws)
-    picks = rng.integers(0, k, size=(draws, k))
-    for j, values in enumerate(groups):
-        v = np.asarray(values)
-        # a draw's mean of split j, resampled within the split; used wherever split j was drawn
-        inner = v[rng.integers(0, len(v), size=(draws, k, len(v)))].mean(-1)
-        reps += np.where(picks == j, inner, 0.0).sum(1)
-    reps /= k
-    low, high = np.percentile(reps, [2.5, 97.5])
-    return float(statistics.fmean(statistics.fmean(g) for g in groups)), float(low), float(high)
+    k, total = len(groups), sum(len(g) for g in groups)
+    if total <= k:
+        raise ValueError("needs a split with at least 2 paired differences: the within-split variance is unidentified")
+    means = [statistics.fmean(g) for g in groups]
+    ms_within = sum((x - m) ** 2 for g, m in zip(groups, means) for x in g) / (total - k)
+    mean = statistics.fmean(means)
+    se = math.sqrt(ms_within * sum(1 / len(g) for g in groups)) / k
+    half = t_quantile_975(total - k) * se
+    return {"mean": mean, "low": mean - half, "high": mean + half, "p": _t_p(mean, se, total - k), "df": total - k}
+
+
+def _t_p(mean: float, se: float, df: int) -> float:
+    """Two-sided p of a t statistic mean / se with ``df`` degrees of freedom (1 where both are 0, 0 where se is 0)."""
+    from scipy import stats
+
+    if se == 0:
+        return 1.0 if mean == 0 else 0.0
+    return float(2 * stats.t.sf(abs(mean) / se, df))
 
 
 def split_variance(differences: Mapping[object, Sequence[float]]) -> dict[str, float]:

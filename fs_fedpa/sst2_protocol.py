@@ -24,7 +24,8 @@ alpha = 8, local heads, 10 local steps of 16 sentences):
 7. ``partial``: partial participation, 100 clients, 10 sampled a round, 60 rounds, :data:`PARTIAL_ARMS`, seeds 0-2.
 8. ``splits``: the client split as a factor: FedPA-LoRA and FedIT as selected, at beta 0.5 and 0.1, on the two new
    client splits of :data:`SPLIT_SEEDS` (``data.glue_split_seed``), seeds 0-2, T rounds; the committed split's runs
-   are those of ``final`` and ``beta``.
+   are those of ``final`` and ``beta``. At beta 0.1 five more splits, :data:`MORE_SPLITS`, seeds 0-1
+   (:func:`split_seeds`, :func:`split_training_seeds`).
 9. ``privacy``: what differential privacy costs (:data:`PRIVACY_METHODS` under DP-SGD in the main cell, tuned on
    the held-out split; the client-level mechanism in the partial setting), see the block above :func:`privacy_runs`.
 
@@ -296,6 +297,27 @@ def partial_runs(selected: dict, rounds: int = PARTIAL_ROUNDS) -> list[Run]:
 # beta/{fedpa,fedit}_beta0.1. Endpoint: the final-round dev accuracy under both protocols, as in those stages.
 SPLIT_SEEDS = (FS_SPLIT_SEED, 1, 2)  # the committed split first
 SPLITS_ARMS, SPLITS_BETAS = ("fedpa", "fedit"), (0.5, 0.1)  # 0.5: the main cell's
+# Issue 57, fixed before its runs (2026-11-28). At beta = 0.1, where FedPA-LoRA led on every split so far, five more
+# splits, each with training seeds 0-1 (the split is the unit; two seeds a split suffice), FedPA-LoRA and FedIT as
+# selected, T rounds: 20 runs. Endpoint, unchanged: the final-round dev accuracy under both protocols. The primary
+# comparison: FedPA-LoRA − FedIT at beta = 0.1 under the paper protocol, by the t interval on the eight split means
+# (7 df; fs_fedpa.protocol.split_means_interval), which generalises to new splits. With it, in one Holm family, the
+# same at beta = 0.1 on the own factors, the two at beta = 0.5 (three splits), and at beta = 0.1 the deployment
+# comparison (FedPA-LoRA's own adapter − FedIT's global adapter with the local head): five comparisons
+# (fs_fedpa.sst2_verdict.ACROSS_SPLITS). The fixed-split interval is reported beside each, labelled as covering only
+# these splits.
+MORE_SPLITS, MORE_SPLITS_BETA, MORE_SPLITS_SEEDS = (3, 4, 5, 6, 7), 0.1, (0, 1)
+
+
+def split_seeds(beta: float) -> tuple[int, ...]:
+    """The client splits of the split stage at ``beta``: :data:`SPLIT_SEEDS`, and at beta = 0.1 :data:`MORE_SPLITS`."""
+    return SPLIT_SEEDS + (MORE_SPLITS if beta == MORE_SPLITS_BETA else ())
+
+
+def split_training_seeds(split: int) -> tuple[int, ...]:
+    """The training seeds run on ``split``: :data:`SEEDS` on the first three splits, :data:`MORE_SPLITS_SEEDS` on
+    the others."""
+    return MORE_SPLITS_SEEDS if split in MORE_SPLITS else SEEDS
 
 
 def splits_cell(method: str, beta: float, split: int) -> str:
@@ -312,15 +334,19 @@ def splits_key(method: str, beta: float, split: int, seed: int) -> str:
 
 
 def splits_runs(selected: dict, T: int) -> list[Run]:
-    """The new runs of the split stage, seed-major, the two methods of one (split, beta, seed) side by side."""
-    chosen, runs = selected["methods"], []
-    for seed in SEEDS:
-        for split in SPLIT_SEEDS[1:]:
-            for beta in SPLITS_BETAS:
-                splitter = () if beta == SPLITS_BETAS[0] else ("data.splitter_args", f"[{{'alpha': {beta}}}]")
-                for method in SPLITS_ARMS:
-                    opts = (*selected_opts(chosen[method]), *FINAL_EVAL, *splitter, "data.glue_split_seed", str(split))
-                    runs.append(Run("splits", splits_cell(method, beta, split), method, (*opts, *ONE_THREAD), seed, T))
+    """The new runs of the split stage: issue 41's seed-major, the two methods of one (split, beta, seed) side by
+    side; then issue 57's split-major, so that each split's mean is complete as early as possible."""
+    chosen = selected["methods"]
+
+    def run(method: str, beta: float, split: int, seed: int) -> Run:
+        splitter = () if beta == SPLITS_BETAS[0] else ("data.splitter_args", f"[{{'alpha': {beta}}}]")
+        opts = (*selected_opts(chosen[method]), *FINAL_EVAL, *splitter, "data.glue_split_seed", str(split))
+        return Run("splits", splits_cell(method, beta, split), method, (*opts, *ONE_THREAD), seed, T)
+
+    runs = [run(m, b, split, seed) for seed in SEEDS for split in SPLIT_SEEDS[1:] for b in SPLITS_BETAS
+            for m in SPLITS_ARMS]  # fmt: skip
+    runs += [run(m, MORE_SPLITS_BETA, split, seed) for split in MORE_SPLITS for seed in MORE_SPLITS_SEEDS
+             for m in SPLITS_ARMS]  # fmt: skip
     return runs
 
 
@@ -610,9 +636,13 @@ def paired_rows(results: dict, metric: str, stage: str = "final", ours: str = "f
 
 
 def with_holm(rows: dict[str, dict]) -> dict[str, dict]:
-    """``rows`` (one family: one setting, one protocol) with each row's Holm label added as ``"holm"``."""
-    labels = protocol.holm_verdicts(rows) if rows else {}
-    return {cell: {**row, "holm": labels[cell]} for cell, row in rows.items()}
+    """``rows`` (one family, each ``{"mean", "p"}``) with each row's Holm-adjusted p added as ``"holm_p"`` and its
+    label as ``"holm"`` (wins / loses where the adjusted p < 0.05, else ties): the one place a Holm label is made."""
+    if not rows:
+        return {}
+    adjusted = protocol.holm({cell: row["p"] for cell, row in rows.items()})
+    labels = protocol.holm_verdicts(rows)
+    return {cell: {**row, "holm_p": adjusted[cell], "holm": labels[cell]} for cell, row in rows.items()}
 
 
 NEAR = 0.006  # baselines whose per-seed final accuracies all lie closer than this are one finding, not several

@@ -65,12 +65,13 @@ def paired(a: dict[int, float], b: dict[int, float]) -> dict | None:
     d = [a[s] - b[s] for s in seeds]
     mean, low, high = protocol.paired_interval(d)
     return {"mean": mean, "low": low, "high": high, "p": protocol.paired_t_p(d), "seeds": len(seeds),
-            "ahead": sum(x > 0 for x in d)}  # fmt: skip
+            "ahead": sum(x > 0 for x in d), "identical": all(x == 0 for x in d)}  # fmt: skip
 
 
 def final_comparisons(results: dict) -> dict[str, dict[str, dict]]:
     """Per protocol: ``"<cell> − fedit_dp"`` for the three other DP cells and ``"<cell> − no DP"`` for all four,
-    each with ``holm``, its Holm-adjusted p over its family of :data:`FAMILIES`, once the whole family is in."""
+    each with ``holm_p`` and ``holm``, its Holm-adjusted p and label over its family of :data:`FAMILIES`
+    (:func:`fs_fedpa.sst2_protocol.with_holm`), once the whole family is in."""
     out: dict[str, dict[str, dict]] = {}
     for metric in METRICS:
         rows: dict[str, dict] = {}
@@ -85,8 +86,7 @@ def final_comparisons(results: dict) -> dict[str, dict[str, dict]]:
                 rows[f"{cell} − no DP"] = row
         for _, keys in FAMILIES:  # adjusted once every row of the family is in
             if all(key in rows for key in keys):
-                for key, adjusted in protocol.holm({key: rows[key]["p"] for key in keys}).items():
-                    rows[key]["holm"] = adjusted
+                rows.update(sp.with_holm({key: rows[key] for key in keys}))
         out[metric] = rows
     return out
 
@@ -96,7 +96,7 @@ def _interval(row: dict | None) -> str:
         return "–"
     text = (f"{row['mean']:+.4f} [{row['low']:+.4f}, {row['high']:+.4f}] {protocol.verdict(row['low'], row['high'])}"
             f"; n={row['seeds']}, ahead in {row['ahead']}")  # fmt: skip
-    return text + (f"; Holm p {row['holm']:.3f}" if "holm" in row else "")
+    return text + (f"; Holm p {row['holm_p']:.3f}, {row['holm']}" if "holm" in row else "")
 
 
 def privacy_section(results: dict, stages: list[tuple[str, list[sp.Run]]]) -> list[str]:
@@ -196,6 +196,12 @@ def _final_lines(results: dict) -> list[str]:
                 f"| {key} | {_interval(comparisons['val_acc'].get(key))} | "
                 f"{_interval(comparisons['local.val_acc'].get(key))} |"
             )
+        same = [k for k in keys if all(comparisons[m].get(k, {}).get("identical") for m in METRICS)]
+        if same:
+            lines += ["", f"{', '.join(same)}: the two cells end at exactly the same accuracy in every seed under both "
+                      "protocols (a zero difference in every pair, hence Holm p 1). Such a tie says that their runs "
+                      "ended alike, as runs that all fail the same way do, not that the methods are equivalent "
+                      "under DP."]  # fmt: skip
     return [*lines, ""]
 
 

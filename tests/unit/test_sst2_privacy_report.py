@@ -71,7 +71,7 @@ def test_the_intervals_and_holm_are_scipys(full_results):
     order = sorted(pvalues, key=pvalues.get)  # Holm by hand: 3p, 2p, p, made monotone
     adjusted = [min(1, (3 - i) * pvalues[c]) for i, c in enumerate(order)]
     adjusted = [max(adjusted[: i + 1]) for i in range(3)]
-    assert [rows[f"{c} − fedit_dp"]["holm"] for c in order] == pytest.approx(adjusted)
+    assert [rows[f"{c} − fedit_dp"]["holm_p"] for c in order] == pytest.approx(adjusted)
     d = [full_results[f"privacy/fedpa_dp_s{s}"]["rounds"][20]["val_acc"]
          - full_results[f"final/fedpa_s{s}"]["rounds"][20]["val_acc"] for s in sp.SEEDS]  # fmt: skip
     assert rows["fedpa_dp − no DP"]["mean"] == pytest.approx(sum(d) / 3)
@@ -88,7 +88,7 @@ def test_the_intervals_and_holm_are_scipys(full_results):
     order = sorted(plain, key=plain.get)
     adjusted = [min(1, (4 - i) * plain[c]) for i, c in enumerate(order)]
     adjusted = [max(adjusted[: i + 1]) for i in range(4)]
-    assert [rows[f"{c} − no DP"]["holm"] for c in order] == pytest.approx(adjusted)
+    assert [rows[f"{c} − no DP"]["holm_p"] for c in order] == pytest.approx(adjusted)
 
 
 def test_the_selection_and_the_final_table_appear_once_tuning_is_in(full_results):

@@ -348,7 +348,7 @@ def test_selections_at_the_grids_top_are_checked_one_step_above_without_changing
         "privacy: client level, no DP",
         "privacy: client level, DP",
     ]
-    assert len(dict(stages)["client splits"]) == 24
+    assert len(dict(stages)["client splits"]) == 44  # issue 41's 24, issue 57's 20
     partial = dict(stages)["partial participation"]  # fixed cells: 4 arms x seeds 0-2, 100 clients, 10 a round
     assert len(partial) == 12 and {r.name for r in partial} == {"fedpa", "fedpa_adamw5e-3_lam1", "fedit", "fedsa_lora"}
     assert all({"federate.client_num": "100", "federate.sample_client_num": "10", "eval.freq": "6"}.items()
@@ -600,19 +600,23 @@ def test_the_partial_participation_section_pairs_each_fedpa_arm_with_each_baseli
 def test_the_split_stage_runs_both_methods_at_both_betas_on_the_two_new_splits_and_reuses_the_committed_one():
     selected = json.loads((sp.REPORT / "selected.json").read_text())
     runs = sp.splits_runs(selected, selected["T"])
-    assert len(runs) == 24 and len({r.key for r in runs}) == 24
+    assert len(runs) == 44 and len({r.key for r in runs}) == 44
     assert {r.stage for r in runs} == {"splits"} and {r.rounds for r in runs} == {21}
-    combos = set()
+    combos = []
     for run in runs:
         opts = dict(zip(run.opts[::2], run.opts[1::2]))
         split, beta = int(opts["data.glue_split_seed"]), opts.get("data.splitter_args")
-        assert split in (1, 2) and beta in (None, "[{'alpha': 0.1}]")
+        assert beta in (None, "[{'alpha': 0.1}]")
         assert opts["fedpa.num_threads"] == "1" and opts["data.glue_holdout"] == "0"  # the dev set, one thread
         chosen = selected["methods"][run.method]
         assert (opts["train.optimizer.type"], float(opts["train.optimizer.lr"])) == (chosen["optimizer"], chosen["lr"])
-        combos.add((run.method, 0.5 if beta is None else 0.1, split, run.seed))
+        combos.append((run.method, 0.5 if beta is None else 0.1, split, run.seed))
     methods, betas, splits, seeds = ("fedpa", "fedit"), (0.5, 0.1), (1, 2), (0, 1, 2)
-    assert combos == {(m, b, s, seed) for m in methods for b in betas for s in splits for seed in seeds}
+    first = {(m, b, s, seed) for m in methods for b in betas for s in splits for seed in seeds}
+    assert set(combos[:24]) == first  # issue 41's runs, as they ran
+    # issue 57: beta = 0.1 only, splits 3-7, seeds 0-1, split by split so that each split's mean completes early
+    assert combos[24:] == [(m, 0.1, s, seed) for s in (3, 4, 5, 6, 7) for seed in (0, 1) for m in methods]
+    assert sp.split_seeds(0.1) == (12345, 1, 2, 3, 4, 5, 6, 7) and sp.split_seeds(0.5) == (12345, 1, 2)
     # the committed split's cells are the committed final and beta runs, which carry split_seed 12345
     results = sp.load_results(sp.REPORT)
     for method in ("fedpa", "fedit"):

@@ -63,18 +63,92 @@ def test_the_split_analysis_pairs_by_split_and_seed_and_takes_the_committed_spli
             for method, acc in (("fedpa", 0.85 + d + noise), ("fedit", 0.85)):
                 key = sp.splits_key(method, 0.5, split, seed)
                 results[key] = run(key.split("/")[0], sp.splits_cell(method, 0.5, split), seed, acc)
-    found = sv.split_analysis(results, 0.5, "val_acc", draws=2000)
+    found = sv.split_analysis(results, 0.5, "val_acc")
     assert set(found["splits"]) == {12345, 1, 2}
     assert found["splits"][12345]["n"] == 3 and found["splits"][1]["ahead"] == 3 and found["splits"][2]["behind"] == 3
     assert found["splits"][1]["verdict"] == "wins" and found["splits"][2]["verdict"] == "loses"
-    assert found["nested"][0] == pytest.approx(0.001)  # the mean of the split means
-    assert found["nested"][1] < -0.01 and found["nested"][2] > 0.01  # the split effect widens it
-    v = found["variance"]
-    assert (v["df_between"], v["df_within"]) == (2, 6) and v["var_split"] == pytest.approx(0.0004 - 1e-6 / 3, rel=0.01)
     from scipy import stats
 
-    pooled = [d + 0.001 * seed for d in shift.values() for seed in range(3)]  # the 9 paired differences
-    assert found["pooled_p"] == pytest.approx(stats.ttest_1samp(pooled, 0.0).pvalue, rel=1e-6)
+    means = [0.001, 0.021, -0.019]  # each split's mean difference: its shift + the mean seed noise 0.001
+    ci = stats.ttest_1samp(means, 0.0).confidence_interval(0.95)
+    across = found["across"]
+    assert (across["mean"], across["low"], across["high"]) == pytest.approx((0.001, ci.low, ci.high), rel=1e-9)
+    assert across["p"] == pytest.approx(stats.ttest_1samp(means, 0.0).pvalue) and across["df"] == 2
+    fixed = found["fixed"]  # within-split variance only: the seeds' 0.001 steps, so far narrower
+    assert fixed["df"] == 6 and fixed["high"] - fixed["low"] < (across["high"] - across["low"]) / 10
+    v = found["variance"]
+    assert (v["df_between"], v["df_within"]) == (2, 6) and v["var_split"] == pytest.approx(0.0004 - 1e-6 / 3, rel=0.01)
+
+
+def _splits_results(shifts: dict[int, float], beta: float = 0.1) -> dict:
+    """Synthetic split-stage results: FedPA-LoRA − FedIT = ``shifts[split]`` plus seed noise −0.001, 0, +0.001 on
+    each split, under both protocols (the run's two metrics equal)."""
+    results = {}
+    for split, shift in shifts.items():
+        for seed in sp.split_training_seeds(split):
+            for method, acc in (("fedpa", 0.85 + shift + 0.001 * (seed - 1)), ("fedit", 0.85)):
+                key = sp.splits_key(method, beta, split, seed)
+                results[key] = {"cell": sp.splits_cell(method, beta, split), "seed": seed,
+                                "rounds": {20: {"val_acc": acc, "local.val_acc": acc}}}  # fmt: skip
+    return results
+
+
+def test_the_verdict_figure_draws_a_raw_win_that_fails_holm_hollow(tmp_path, monkeypatch):
+    """β = 0.1 across three splits with split means +1.5, +3.0, +2.0 points: the t on the split means gives p 0.039,
+    a raw win; Holm over the splits section's three comparisons with runs (paper protocol, own factors, deployment,
+    all alike) gives 0.117, a tie. The figure's row is green (raw) with a hollow dot (Holm): before issue 57 the
+    across-split row took its raw label as its Holm label and was drawn filled."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from fs_fedpa import plots
+
+    rows = sv.verdict_rows(_splits_results({12345: 0.015, 1: 0.03, 2: 0.02}))
+    (row,) = [r for r in rows if r["setting"].startswith("β = 0.1 across client splits")]
+    paper = row["val_acc"]
+    assert paper["verdict"] == "wins" and paper["holm"] == "ties"
+    from scipy import stats
+
+    assert stats.ttest_1samp([0.015, 0.03, 0.02], 0.0).pvalue == pytest.approx(0.0389, abs=1e-3)
+    monkeypatch.setattr(plt, "close", lambda *a: None)
+    plots.plot_verdict(rows, tmp_path / "verdict.png")
+    ax = plt.gcf().axes[0]
+    (dot,) = [line for line in ax.lines if line.get_marker() == "o" and line.get_xdata()[0] == 100 * paper["mean"]]
+    assert dot.get_markerfacecolor() in ("white", (1.0, 1.0, 1.0, 1.0))
+    assert dot.get_color() == plots.VERDICT_COLOURS["wins"]
+    plt.close("all")
+
+
+def test_a_row_that_survives_holm_is_filled(tmp_path, monkeypatch):
+    """The same figure with three clearly separated splits (p well under 0.05 / 3): raw and Holm both win, filled."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from fs_fedpa import plots
+
+    rows = sv.verdict_rows(_splits_results({12345: 0.020, 1: 0.021, 2: 0.022}))
+    (row,) = [r for r in rows if r["setting"].startswith("β = 0.1 across client splits")]
+    assert row["val_acc"]["holm"] == "wins"
+    monkeypatch.setattr(plt, "close", lambda *a: None)
+    plots.plot_verdict(rows, tmp_path / "verdict.png")
+    ax = plt.gcf().axes[0]
+    (dot,) = [line for line in ax.lines if line.get_marker() == "o" and line.get_xdata()[0] == 100 * row["val_acc"]["mean"]]
+    assert dot.get_markerfacecolor() == dot.get_color()
+    plt.close("all")
+
+
+def test_the_across_split_family_takes_eight_splits_at_beta_01_and_holm_over_its_comparisons():
+    """Splits 3-7 at β = 0.1 enter with their two seeds; the t has 7 df; the family is every comparison with runs."""
+    from scipy import stats
+
+    shifts = {12345: 0.01, 1: 0.02, 2: 0.0, 3: 0.01, 4: -0.01, 5: 0.02, 6: 0.015, 7: 0.005}
+    family = sv.across_split_rows(_splits_results(shifts))
+    assert set(family) == {label for label, beta, *_ in sv.ACROSS_SPLITS if beta == 0.1}
+    row = family["β = 0.1, paper protocol"]
+    means = [shift + (0.0 if split in sp.SPLIT_SEEDS else -0.0005) for split, shift in shifts.items()]
+    assert row["splits"] == 8 and row["df"] == 7
+    assert row["p"] == pytest.approx(stats.ttest_1samp(means, 0.0).pvalue, rel=1e-9)
+    assert row["holm_p"] == pytest.approx(min(1.0, 3 * row["p"]), rel=1e-9)  # three equal p-values
 
 
 def _holm_by_hand(p: dict) -> dict:
