@@ -15,6 +15,7 @@ then moved to the tensor's device, so a run's randomness does not depend on wher
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets
 from collections.abc import Sequence
 
@@ -41,8 +42,11 @@ def sample_without_replacement(population: int, size: int, generator: Generator)
 
 
 def clip_scale(sq_norm: float, C: float) -> float:
-    """c = min(1, C / ||x||) for a contribution of squared norm ``sq_norm``: ``||c x|| <= C``."""
+    """c = min(1, C / ||x||) for a contribution of squared norm ``sq_norm``: ``||c x|| <= C``; 0 where the norm is
+    not finite (inf or NaN), and then the caller must drop the contribution itself, since 0 * inf is NaN."""
     norm = float(sq_norm) ** 0.5
+    if not math.isfinite(norm):
+        return 0.0
     return 1.0 if norm <= C else C / norm
 
 
@@ -59,7 +63,8 @@ def noisy_mean(tensors: Sequence[Tensor], scales: Sequence[float], K: int, std: 
     ``like``'s shape)."""
     total = torch.zeros(like.shape, dtype=torch.float64, device=like.device)
     for t, c in zip(tensors, scales):
-        total += c * t.double()
+        if c:  # c = 0: a non-finite contribution, dropped (0 * inf is NaN)
+            total += c * t.double()
     return (total / K + gaussian(like.shape, std, generator, total)).to(like.dtype)
 
 
@@ -67,9 +72,10 @@ def noisy_mean_product(Bs: Sequence[Tensor], As: Sequence[Tensor], scales: Seque
                        generator: Generator, shape: tuple[int, int], like: Tensor) -> Tensor:  # fmt: skip
     """The (d, k) release of one module, ``(1/K) sum_i c_i B_i A_i + N(0, std^2)``: one (d, sum r_i) x (sum r_i, k)
     product in float64, then the noise; the only d x k matrices are this one and its noise."""
-    if Bs:
-        B = torch.cat([c * B.double() for B, c in zip(Bs, scales)], 1)
-        total = B @ torch.cat([A.double() for A in As], 0)
+    kept = [(B, A, c) for B, A, c in zip(Bs, As, scales) if c]  # c = 0: a non-finite contribution, dropped
+    if kept:
+        B = torch.cat([c * B.double() for B, _, c in kept], 1)
+        total = B @ torch.cat([A.double() for _, A, _ in kept], 0)
     else:
         total = torch.zeros(shape, dtype=torch.float64, device=like.device)
     return (total / K + gaussian(shape, std, generator, total)).to(like.dtype)
@@ -77,8 +83,11 @@ def noisy_mean_product(Bs: Sequence[Tensor], As: Sequence[Tensor], scales: Seque
 
 def add_clipped(total: list[Tensor] | None, grads: Sequence[Tensor], C: float) -> tuple[list[Tensor], float]:
     """``total + c g`` (float64, on g's device) for one example's gradient ``g`` (a list of tensors, one per
-    trainable parameter), clipped jointly to ``||c g|| <= C``; also c. ``total`` None starts the sum."""
+    trainable parameter), clipped jointly to ``||c g|| <= C``; also c. ``total`` None starts the sum. A gradient
+    whose norm is not finite contributes exactly zero (c = 0): it cannot turn the sum into NaN."""
     c = clip_scale(sum(float(g.double().pow(2).sum()) for g in grads), C)
+    if c == 0.0:
+        grads = [torch.zeros_like(g, dtype=torch.float64) for g in grads]
     if total is None:
         return [c * g.double() for g in grads], c
     for t, g in zip(total, grads):

@@ -112,9 +112,15 @@ def check_sum(per_example: Sequence[Tensor], grads: Sequence[Tensor | None], rto
 
 def clipped_sum(per_example: Sequence[Tensor], C: float) -> tuple[list[Tensor], list[float]]:
     """``sum_j c_j g_j`` in float64 with ``c_j = min(1, C / ||g_j||)``, ``||g_j||`` over all tensors of record j
-    jointly (as :func:`fs_fedpa.core.dp.add_clipped` for one record at a time); also the c_j."""
+    jointly (as :func:`fs_fedpa.core.dp.add_clipped` for one record at a time); also the c_j. A record whose norm is
+    not finite (an fp16 overflow, say) contributes exactly zero, c_j = 0 with its tensors zeroed first: 0 * inf
+    would make the whole sum NaN, and the step would then depend on that one record."""
     sq = sum(pe.double().flatten(1).pow(2).sum(1) for pe in per_example)
     scales = [clip_scale(float(s), C) for s in sq.cpu()]
     c = torch.tensor(scales, dtype=torch.float64, device=per_example[0].device)
-    total = [torch.einsum("b,b...->...", c, pe.double()) for pe in per_example]
+    finite = torch.isfinite(sq)
+    total = []
+    for pe in per_example:
+        keep = finite.view(-1, *([1] * (pe.ndim - 1)))
+        total.append(torch.einsum("b,b...->...", c, torch.where(keep, pe.double(), 0.0)))
     return total, scales

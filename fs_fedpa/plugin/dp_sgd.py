@@ -47,6 +47,7 @@ class DPSGD:
         self._owners = None  # (ids of the model and its trainable tensors, their nn.Linear owners, why not, model)
         self._make_generator, self._generator = make_generator, None
         self.round_steps = 0  # DP steps of the round: never more than its plan, which the accounting covers
+        self.round_nonfinite = 0  # records of the round whose gradient norm was not finite: they contributed zero
         self._grad_sum: list[Tensor] = []
         self._plan = None
         self._routine = 0
@@ -73,6 +74,7 @@ class DPSGD:
         """Called when the client enters a round: its routines count from 0 again."""
         self._routine = 0
         self.round_steps = 0
+        self.round_nonfinite = 0
 
     def _hook_on_fit_start_dp(self, ctx):
         self._generator = self._make_generator(self._routine)
@@ -135,7 +137,8 @@ class DPSGD:
             losses.append(part.detach())
             y_true.append(ctx.y_true.detach())
             y_prob.append(ctx.y_prob.detach())
-        self._grad_sum, _ = clipped_sum([torch.cat(t) for t in zip(*per_example)], self.C)
+        self._grad_sum, scales = clipped_sum([torch.cat(t) for t in zip(*per_example)], self.C)
+        self.round_nonfinite += scales.count(0.0)  # c_j = 0 only for a non-finite norm (C > 0)
         ctx.loss_batch = CtxVar(torch.cat(losses).mean(), LIFECYCLE.BATCH)
         ctx.y_true = CtxVar(torch.cat(y_true), LIFECYCLE.BATCH)  # in chunk order: the client's own metrics
         ctx.y_prob = CtxVar(torch.cat(y_prob), LIFECYCLE.BATCH)
@@ -166,7 +169,8 @@ class DPSGD:
             else:  # e.g. a causal-LM record with no label token: it contributes zero, within the clip bound
                 grads = [None] * len(params)
             grads = [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(grads, params)]
-            total, _ = add_clipped(total, grads, self.C)
+            total, c = add_clipped(total, grads, self.C)
+            self.round_nonfinite += c == 0.0
             losses.append(ctx.loss_batch.detach())
             y_true.append(ctx.y_true.detach())
             y_prob.append(ctx.y_prob.detach())

@@ -337,4 +337,6 @@ class ClientPrivacy:
         logger.info(
             f"[fedpa] client #{client.ID}: DP-SGD epsilon {plan.epsilon(steps):.4g} at delta {plan.delta:.3g} after "
             f"{steps} steps (n={plan.n}, b={plan.b}, z={plan.z:.4g}, C={client.method.cfg.dp_clip:g})"
+            + (f"; {self.dp_sgd.round_nonfinite} records of this round had a non-finite gradient and contributed "
+               "zero" if self.dp_sgd.round_nonfinite else "")
         )

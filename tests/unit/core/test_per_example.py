@@ -116,3 +116,42 @@ def test_taps_record_only_forwards_with_gradients(grad_enabled):
         lin(torch.randn(2, 3))
     lin(torch.randn(2, 3))  # after the block: no hook left
     assert len(taps.calls[lin]) == int(grad_enabled)
+
+
+# ------------------------------------------------------------------------------------------ non-finite records
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_a_record_with_a_non_finite_gradient_contributes_zero(bad):
+    """One record's gradient overflows (an fp16 step without a loss scaler, say): the clipped sum is the sum over the
+    other records, bit for bit, whether it comes batched (clipped_sum) or record by record (add_clipped), so the step
+    is that batch without the record plus the same noise. Before, 0 * inf (or C / NaN) made the whole sum NaN, and
+    the client's restart then told the server about that one record."""
+    torch.manual_seed(0)
+    grads = [torch.randn(5, 3, 4), torch.randn(5, 7)]  # per-example, 5 records
+    grads[0][2, 1, 1] = bad
+    others = [g[[0, 1, 3, 4]] for g in grads]
+    total, scales = clipped_sum(grads, C=1.0)
+    want, want_scales = clipped_sum(others, C=1.0)
+    assert scales[2] == 0.0 and [s for j, s in enumerate(scales) if j != 2] == want_scales
+    for t, w in zip(total, want):
+        assert torch.isfinite(t).all() and torch.equal(t, w)
+    running = None
+    for j in range(5):
+        running, c = add_clipped(running, [g[j] for g in grads], C=1.0)
+        assert (c == 0.0) == (j == 2)
+    for t, w in zip(running, want):
+        assert torch.allclose(t, w, rtol=0, atol=1e-12)
+    noise = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    assert torch.equal(total[0] + noise, want[0] + noise)
+
+
+def test_a_non_finite_client_update_is_left_out_of_the_client_level_release():
+    """Client level: an upload whose norm is not finite gets c = 0 and is left out of the noisy mean, which stays
+    finite and equals the release without it (the same noise, K unchanged)."""
+    from fs_fedpa.core.dp import dp_generator, release_products
+
+    torch.manual_seed(2)
+    good = {"m": (torch.randn(6, 2), torch.randn(2, 5))}
+    bad = {"m": (torch.full((6, 2), float("inf")), torch.randn(2, 5))}
+    with_bad, scales = release_products([good, bad], {"m": (6, 5)}, K=2, C=1.0, z=1.0, generator=dp_generator(3))
+    alone, _ = release_products([good], {"m": (6, 5)}, K=2, C=1.0, z=1.0, generator=dp_generator(3))
+    assert scales[1] == 0.0 and torch.isfinite(with_bad["m"]).all() and torch.equal(with_bad["m"], alone["m"])
