@@ -456,6 +456,12 @@ class FedPAConfig:
         if self.dp_seed > SEED_MAX:
             raise ValueError(f"fedpa.dp_seed(={self.dp_seed}) must be <= 2**32 - 1")
         if self.dp_mode == "none":
+            stray = [f"fedpa.{k}={getattr(self, k):g}" for k in DP_KEYS if getattr(self, k) != DP_OFF.get(k, 0)]
+            if stray:
+                raise ValueError(
+                    f"{', '.join(stray)} set while fedpa.dp_mode is 'none': this run would train without differential "
+                    "privacy and write no ledger; set fedpa.dp_mode sample or client, or remove them"
+                )
             return
         if self.dp_clip <= 0:
             raise ValueError(f"fedpa.dp_mode {self.dp_mode!r} needs fedpa.dp_clip, the clip norm C > 0")
@@ -534,6 +540,11 @@ class FedPAConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# the keys that only mean something under DP, and their values when DP is off (0 unless named)
+DP_KEYS = ("dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_horizon", "dp_seed")
+DP_OFF = {"dp_seed": -1}
 
 
 def dp_delta_for(setting: float, population: int, who: str) -> float:

@@ -130,6 +130,12 @@ def _check_dp(cfg, fedpa: FedPAConfig) -> None:
         from fs_fedpa.plugin.privacy import check_method
 
         check_method(method, fedpa)
+        if cfg.federate.unseen_clients_rate > 0:
+            raise ValueError(
+                f"federate.unseen_clients_rate(={cfg.federate.unseen_clients_rate:g}) with differential privacy at "
+                "client level (fedpa.dp_mode client): the accountant assumes K drawn from all N clients, and FS's "
+                "unseen clients are never drawn; set it to 0"
+            )
         if cfg.federate.client_num > 0:
             fedpa.dp_delta_for(cfg.federate.client_num)  # raises above min(1e-5, 1/(10 N))
     else:

@@ -90,6 +90,38 @@ def _plan(n: int, b: int, tau: int, rounds: int, z: float, target: float, delta_
     return SamplePlan(n, b, tau, z, delta)
 
 
+def seed_warning(dp_seed: int) -> str | None:
+    """The warning a run with ``fedpa.dp_seed`` gets, in both modes (None without a seed)."""
+    if dp_seed < 0:
+        return None
+    return (
+        f"[fedpa] fedpa.dp_seed(={dp_seed}) is set: the DP noise and sampling are reproducible from it, and the "
+        "(epsilon, delta) guarantee holds only while the seed stays secret; for a private release leave it at -1 (OS "
+        "entropy)"
+    )
+
+
+def accounting_settings(cfg) -> dict:
+    """The settings the privacy accounting of a run's past rounds depends on, compared when it resumes: a resume
+    with other values would have the accountant recompute the rounds already released at the new ones (its epsilon
+    could go down), so it is refused naming the key. Empty without DP."""
+    fedpa = cfg.fedpa
+    if fedpa.dp_mode == "none":
+        return {"fedpa.dp_mode": "none"}
+    out = {f"fedpa.{k}": getattr(fedpa, k) for k in ("dp_mode", "dp_clip", "dp_noise_multiplier", "dp_epsilon",
+                                                      "dp_delta")}  # fmt: skip
+    if fedpa.dp_epsilon > 0:  # z calibrated over the horizon
+        out["fedpa.dp_horizon (or federate.total_round_num)"] = int(fedpa.dp_horizon or cfg.federate.total_round_num)
+    out["federate.client_num"] = int(cfg.federate.client_num)
+    if fedpa.dp_mode == "client":
+        out["federate.sample_client_num"] = int(cfg.federate.sample_client_num)
+    else:
+        out.update({"dataloader.batch_size": int(cfg.dataloader.batch_size), "dataloader.drop_last":
+                    bool(cfg.dataloader.drop_last), "train.local_update_steps": int(cfg.train.local_update_steps),
+                    "train.batch_or_epoch": str(cfg.train.batch_or_epoch)})  # fmt: skip
+    return out
+
+
 def routines(method) -> int:
     """Training routines a client runs in a round: 2 for a method with a personal phase (FedDPA), else 1."""
     return 1 if method.personal_weight is None else 2
@@ -113,6 +145,8 @@ class ServerPrivacy:
         self.trained: dict[int, int] = {}  # sample mode: rounds each client was asked to train
         self.sizes: dict[int, int] = {}  # sample mode: n_i as the clients report it (public under replace-one)
         self.last: dict = {}
+        if (warning := seed_warning(fedpa.dp_seed)) is not None:
+            logger.warning(warning)
         if self.mode == "client":
             check_method(server.method, fedpa)
             if server.shared_names:
@@ -148,8 +182,8 @@ class ServerPrivacy:
                     "(docs/privacy.md): fedpa.svd randomized sketches it in about a second"
                 )
             logger.info(
-                f"[fedpa] client-level DP: K={self.K} of N={self.N} clients a round (without replacement, from OS "
-                f"entropy{'' if fedpa.dp_seed < 0 else ': fedpa.dp_seed set, keep it secret'}), clip C={self.C:g}, "
+                f"[fedpa] client-level DP: K={self.K} of N={self.N} clients a round (without replacement, from "
+                f"{'OS entropy' if fedpa.dp_seed < 0 else 'fedpa.dp_seed'}), clip C={self.C:g}, "
                 f"noise z={self.z:.4g} (std zC/K={self.z * self.C / self.K:.4g}), delta={self.delta:.3g}; "
                 f"epsilon after {self.T} rounds: {self.kind.epsilon(self.T, self.delta):.4g}"
             )
@@ -254,9 +288,13 @@ class ServerPrivacy:
         )
 
     def state(self) -> dict:
-        """What a resume point carries: the accountant's counts and the DP generator."""
-        return {"rounds": self.rounds, "trained": dict(self.trained), "sizes": dict(self.sizes),
-                "generator": self.generator.get_state(), "last": dict(self.last)}  # fmt: skip
+        """What a resume point carries: the accountant's counts, and the DP generator only with ``fedpa.dp_seed``
+        (reproducible runs). Without a seed the generator's state would let anyone holding the file regenerate every
+        noise draw and subtract it; a resumed run draws from fresh OS entropy instead."""
+        out = {"rounds": self.rounds, "trained": dict(self.trained), "sizes": dict(self.sizes), "last": dict(self.last)}
+        if self.server.method.cfg.dp_seed >= 0:
+            out["generator"] = self.generator.get_state()
+        return out
 
     def restore(self, saved: dict | None) -> None:
         if not saved:

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from fs_fedpa import lora
 from fs_fedpa.plugin import resume
+from fs_fedpa.plugin.privacy import accounting_settings
 from fs_fedpa.plugin.common import (
     non_lora_trainables,
 )
@@ -68,8 +69,9 @@ class ServerResume:
     """The server's resume point and its restore (which checks every client's file before any training)."""
 
     def _result_settings(self) -> dict:
-        """The keys that change a run's result, compared when it resumes (and recorded in every client file)."""
-        return resume.result_settings(self._cfg, self.method)
+        """The keys that change a run's result (recorded in every client file) and those its privacy accounting
+        depends on (:func:`fs_fedpa.plugin.privacy.accounting_settings`), compared when it resumes."""
+        return {**resume.result_settings(self._cfg, self.method), **accounting_settings(self._cfg)}
 
     def write_resume_point(self) -> str:
         """Everything the server needs to continue at round ``self.state`` (see :mod:`fs_fedpa.plugin.resume`)."""

@@ -66,6 +66,9 @@ def test_client_level_ledger_equals_dp_accounting_for_the_run(tiny_llm, tmp_path
     log = (out / "exp_print.log").read_text().strip().splitlines()
     assert "differential privacy (client level): (epsilon, delta)" in log[-1]  # the run's last line
     assert not (out / "fedpa_diagnostics.jsonl").exists()
+    # fedpa.dp_seed 7: a warning, not an INFO line that also said "from OS entropy"
+    text = "\n".join(log)
+    assert "holds only while the seed stays secret" in text and "from OS entropy" not in text
 
 
 def test_client_level_records_only_what_the_release_gives(tiny_llm, tmp_path):
@@ -116,6 +119,8 @@ def test_an_unsupported_method_is_refused_through_fs_naming_dp(tiny_llm, tmp_pat
         ),  # fmt: skip
         (["fedpa.dp_mode", "client", "fedpa.dp_epsilon", "4.0"], "exactly one of"),
         (["fedpa.dp_mode", "sample", "fedpa.dp_clip", "0.0"], "needs fedpa.dp_clip"),
+        (["fedpa.dp_mode", "client", "federate.unseen_clients_rate", "0.2"], r"unseen_clients_rate\(=0.2\) with"),
+        (["fedpa.dp_mode", "none", "fedpa.dp_noise_multiplier", "1.0"], "set while fedpa.dp_mode is 'none'"),
         (
             [
                 "fedpa.dp_mode",
@@ -258,6 +263,33 @@ def test_resume_restores_the_accountant_and_the_seeded_noise(tiny_llm, tmp_path,
     assert ledger_full[-1]["dp_epsilon"] > ledger_full[1]["dp_epsilon"] > 0
 
 
+@pytest.mark.parametrize(
+    "key,value,named",
+    [("fedpa.dp_noise_multiplier", 2.0, "fedpa.dp_noise_multiplier: saved 1.0, now 2.0"),
+     ("federate.sample_client_num", 3, "federate.sample_client_num: saved 2, now 3"),
+     ("fedpa.dp_clip", 0.1, "fedpa.dp_clip: saved 0.05, now 0.1")],
+)  # fmt: skip
+def test_a_resume_with_other_privacy_settings_is_refused_naming_the_key(tiny_llm, tmp_path, key, value, named):
+    """Killed after round 2 of 4 and resumed with z (or K, or C) changed: before, the accountant recomputed the
+    two released rounds at the new values, so the ledger's epsilon went down across the resume (z 1 -> 5: 3.67
+    instead of 16.93). Now the resume stops before any round, naming what changed."""
+    from tests.integration.test_reliability_fs import _kill_after_resume_point
+
+    def cfg(name, **more):
+        (tmp_path / name).mkdir()
+        changes = {"federate.total_round_num": 4, "federate.sample_client_num": 2, "expname": name,
+                   "federate.save_to": str(tmp_path / name / "ckpt" / "run.pt"), "fedpa.dp_mode": "client",
+                   "fedpa.dp_clip": 0.05, "fedpa.dp_noise_multiplier": 1.0}  # fmt: skip
+        return fedpa_cfg(tiny_llm, tmp_path / name, **{**changes, **more})
+
+    point = _kill_after_resume_point(cfg("killed"), tmp_path / "killed", rnd=2)
+    saved = torch.load(point, weights_only=True, map_location="cpu")["fedpa_resume"]["privacy"]
+    assert saved["rounds"] == 2 and "generator" not in saved  # no dp_seed: the noise stream stays unrecoverable
+    proc = run_fs(cfg("resumed", **{"federate.restore_from": str(point), key: value}), tmp_path / "resumed")
+    assert proc.returncode != 0
+    assert "was saved with other settings" in proc.stderr and named in proc.stderr, proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("method", ["fedit", pytest.param("ffa_lora", marks=SLOW)])
 def test_change_norm_is_the_norm_of_the_uploaded_change(tiny_llm, tmp_path, method):
     """The diagnostic client-level DP's clip is chosen from (no DP here): ||X_i - X_g|| over the uploaded factors,
@@ -279,8 +311,11 @@ def test_sample_level_dp_sgd_trains_the_glue_classifier(tiny_glue, tmp_path):
     from tests.integration.tiny_assets import fs_glue_yaml
 
     cfg = fs_glue_yaml(tmp_path, tiny_glue["model"], tiny_glue["glue"], **{
-        "fedpa.dp_mode": "sample", "fedpa.dp_clip": 1.0, "fedpa.dp_epsilon": 8.0, "fedpa.dp_horizon": 5})  # fmt: skip
+        "fedpa.dp_mode": "sample", "fedpa.dp_clip": 1.0, "fedpa.dp_epsilon": 8.0, "fedpa.dp_horizon": 5,
+        "fedpa.dp_seed": 5})  # fmt: skip
     out = _finished(cfg, tmp_path)
+    # with a seed, sample mode warns too (before, it said nothing): the guarantee assumes the seed is secret
+    assert "holds only while the seed stays secret" in (out / "exp_print.log").read_text()
     ledger = _jsonl(out / "fedpa_privacy.jsonl")
     entries = ledger[-1]["dp_clients"].values()
     assert len(ledger) == 2 and all(e["steps"] == 8 and e["b"] == min(8, e["n"]) for e in entries)

@@ -43,6 +43,20 @@ def test_invalid_values(kwargs, match):
         FedPAConfig(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(dp_clip=1.0), dict(dp_noise_multiplier=1.0), dict(dp_epsilon=8.0), dict(dp_delta=1e-6), dict(dp_horizon=21),
+     dict(dp_seed=3), dict(dp_clip=1.0, dp_epsilon=8.0)],
+)  # fmt: skip
+def test_dp_keys_without_dp_are_refused_naming_them(kwargs):
+    """Before, a DP key with dp_mode none trained without DP, with no warning and no ledger."""
+    with pytest.raises(ValueError, match=r"set while fedpa.dp_mode is 'none'") as err:
+        FedPAConfig(**kwargs)
+    assert all(f"fedpa.{k}=" in str(err.value) for k in kwargs)
+    target = {} if "dp_noise_multiplier" in kwargs else {"dp_epsilon": 8.0}
+    FedPAConfig(dp_mode="sample", **{"dp_clip": 1.0, **target, **kwargs})  # the same keys with DP: fine
+
+
 def test_the_bounds_themselves_are_accepted():
     cfg = FedPAConfig(lam=1e6, lam_max=1e6, seed=2**32 - 1)
     assert (cfg.lam, cfg.lam_max, cfg.seed) == (1e6, 1e6, 2**32 - 1)
