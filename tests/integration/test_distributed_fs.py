@@ -66,6 +66,11 @@ def run_distributed(cfgs: list[dict], tmp_path: Path, timeout: float = 240) -> i
         os.killpg(proc.pid, signal.SIGKILL)  # the script and every party
         proc.wait(timeout=30)
         raise
+    finally:
+        try:  # no party outlives its test (the next test finds the server by its command line)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def test_distributed_fedpa_matches_standalone(tiny_llm, tmp_path):

@@ -108,12 +108,22 @@ def _wait_for(path: Path, text: str, proc: subprocess.Popen, limit: float = 180)
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 300) -> int:
+    """The launcher's exit status; afterwards no party of it is left running (the next test counts processes)."""
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         raise
+    finally:
+        _kill_group(proc)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _final_global(folder: Path) -> dict:
@@ -170,7 +180,8 @@ def test_a_client_whose_server_dies_exits_with_the_reason(tiny_llm, tmp_path):
     proc = _launch(cfgs, tmp_path)
     try:
         _wait_for(tmp_path / "party0.log", "Starting a new training round (Round #1)", proc)
-        pattern = "federatedscope.main --cfg [^ ]*party0.yaml"  # the server itself, not the launch script
+        # the server itself, not the launch script, nor a party of another test that has not exited yet
+        pattern = f"federatedscope.main --cfg {tmp_path}/party0.yaml"
         server = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
         assert len(server) == 1, server
         os.kill(int(server[0]), signal.SIGKILL)
