@@ -291,12 +291,18 @@ class ServerPrivacy:
         """What a resume point carries: the accountant's counts, and the DP generator only with ``fedpa.dp_seed``
         (reproducible runs). Without a seed the generator's state would let anyone holding the file regenerate every
         noise draw and subtract it; a resumed run draws from fresh OS entropy instead."""
-        out = {"rounds": self.rounds, "trained": dict(self.trained), "sizes": dict(self.sizes), "last": dict(self.last)}
+        out = {"rounds": self.rounds, "trained": dict(self.trained), "sizes": dict(self.sizes), "last": dict(self.last),
+               "ledger": os.path.abspath(self.path)}  # fmt: skip
         if self.server.method.cfg.dp_seed >= 0:
             out["generator"] = self.generator.get_state()
         return out
 
     def restore(self, saved: dict | None) -> None:
+        """Continue the accounting of a resume point. The ledger of the run it continues is the source of truth: a
+        round released after the resume point was written (a crash between the release, which leaves with FS's
+        evaluation broadcast, and the next round's resume point) is in the ledger but not in the point, and the
+        resumed run releases that round again with fresh noise. So the counts are the larger of the two, and this
+        run's ledger begins with the continued run's lines: one file states the whole run's epsilon."""
         if not saved:
             return
         self.rounds = int(saved["rounds"])
@@ -305,6 +311,41 @@ class ServerPrivacy:
         self.last = dict(saved.get("last", {}))
         if self.server.method.cfg.dp_seed >= 0:  # reproducible: continue the stream; else fresh OS entropy
             self.generator.set_state(saved["generator"])
+        self._continue_ledger(saved.get("ledger"))
+
+    def _continue_ledger(self, previous: str | None) -> None:
+        if not previous:
+            return
+        if not os.path.isfile(previous):
+            logger.warning(
+                f"[fedpa] the DP ledger of the run this resumes ({previous}) is not there: epsilon counts the releases "
+                "up to the resume point only, not a round released after it before the run stopped"
+            )
+            return
+        with open(previous, encoding="utf-8") as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+        if os.path.abspath(previous) != os.path.abspath(self.path):
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            with open(self.path, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(line) + "\n" for line in lines)
+        if not lines:
+            return
+        last = lines[-1]
+        if self.mode == "client":
+            spent = int(last.get("dp_events", 0))
+            if spent > self.rounds:
+                logger.warning(
+                    f"[fedpa] the ledger of the resumed run counts {spent} released rounds and its resume point "
+                    f"{self.rounds}: a round was released after the resume point was written; epsilon counts it"
+                )
+                self.rounds, self.last = spent, last
+            return
+        for c, entry in (last.get("dp_clients") or {}).items():
+            if entry:
+                spr = sample_plan(self.server._cfg, int(entry["n"]), routines(self.server.method)).steps_per_round
+                rounds = -(-int(entry["steps"]) // spr)
+                if rounds > self.trained.get(int(c), 0):
+                    self.trained[int(c)], self.sizes[int(c)], self.last = rounds, int(entry["n"]), last
 
 
 def private_record(server, clients: list[int], new_global, spectra, release) -> dict:

@@ -258,8 +258,9 @@ def test_resume_restores_the_accountant_and_the_seeded_noise(tiny_llm, tmp_path,
         )
     ledger_full = _jsonl(Path(full["final"]["outdir"]) / "fedpa_privacy.jsonl")
     ledger_resumed = _jsonl(Path(resumed["final"]["outdir"]) / "fedpa_privacy.jsonl")
-    assert [line["round"] for line in ledger_resumed] == [2, 3]
-    assert ledger_resumed == ledger_full[2:]
+    # the resumed run's ledger begins with the lines of the run it continues: one file states the run's epsilon
+    assert [line["round"] for line in ledger_resumed] == [0, 1, 2, 3]
+    assert ledger_resumed == ledger_full
     assert ledger_full[-1]["dp_epsilon"] > ledger_full[1]["dp_epsilon"] > 0
 
 
@@ -288,6 +289,52 @@ def test_a_resume_with_other_privacy_settings_is_refused_naming_the_key(tiny_llm
     proc = run_fs(cfg("resumed", **{"federate.restore_from": str(point), key: value}), tmp_path / "resumed")
     assert proc.returncode != 0
     assert "was saved with other settings" in proc.stderr and named in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_release_after_the_last_resume_point_is_counted_when_the_run_resumes(tiny_llm, tmp_path):
+    """The crash window: round 1's release leaves (its ledger line is written at aggregation) before round 2's resume
+    point. Emulated exactly: the run goes on to round 2's resume point and is killed there, and round 1's resume
+    point, kept aside when it was written, is put back, as if the run had died before writing round 2's. The resumed
+    run releases round 1 again with fresh noise: 2 + 3 = 5 releases in all, and its final epsilon is dp-accounting's
+    for 5 events (before: 1 + 3 = 4, from the resume point's count)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.integration.tiny_assets import dump_yaml, fs_env
+
+    def cfg(name, **more):
+        (tmp_path / name).mkdir()
+        changes = {"federate.total_round_num": 4, "federate.sample_client_num": 2, "expname": name,
+                   "federate.save_to": str(tmp_path / "ckpt" / "run.pt"), "fedpa.dp_mode": "client",
+                   "fedpa.dp_clip": 0.05, "fedpa.dp_noise_multiplier": 1.0}  # fmt: skip
+        return fedpa_cfg(tiny_llm, tmp_path / name, **{**changes, **more})
+
+    killed = cfg("killed")
+    point = tmp_path / "ckpt" / "fedpa_resume_run.pt"
+    proc = subprocess.Popen([sys.executable, "-m", "federatedscope.main", "--cfg",
+                             dump_yaml(killed, tmp_path / "killed" / "killed.yaml")], cwd=tmp_path / "killed",
+                            env=fs_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        for line in proc.stdout:
+            if "resume point for round 1 written to" in line:
+                shutil.copy(point, tmp_path / "round1.pt")
+            if "resume point for round 2 written to" in line:
+                break
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    ledger_killed = _jsonl(outdir_of(killed) / "fedpa_privacy.jsonl")
+    assert [line["round"] for line in ledger_killed] == [0, 1]  # rounds 0 and 1 were released
+    shutil.copy(tmp_path / "round1.pt", point)  # the run "died" before round 2's resume point
+    resumed = cfg("resumed", **{"federate.restore_from": str(point)})
+    out = _finished(resumed, tmp_path / "resumed")
+    ledger = _jsonl(out / "fedpa_privacy.jsonl")
+    assert ledger[:2] == ledger_killed  # the continued run's lines first
+    assert [line["round"] for line in ledger[2:]] == [1, 2, 3] and ledger[-1]["dp_events"] == 5
+    delta = min(1e-5, 1 / (10 * 3))
+    assert ledger[-1]["dp_epsilon"] == pytest.approx(_expected_epsilon(3, 2, 1.0, 5, delta), rel=1e-9)
+    assert ledger[-1]["dp_epsilon"] > _expected_epsilon(3, 2, 1.0, 4, delta)
 
 
 @pytest.mark.parametrize("method", ["fedit", pytest.param("ffa_lora", marks=SLOW)])
