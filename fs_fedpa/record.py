@@ -18,6 +18,8 @@ DIAGNOSTICS_FILE = "fedpa_diagnostics.jsonl"
 OUTCOMES_FILE = "fedpa_outcomes.jsonl"
 EVAL_SHARDS_FILE = "fedpa_eval_shards.json"
 PRIVACY_FILE = "fedpa_privacy.jsonl"  # the DP ledger, one line a round (fs_fedpa.plugin.privacy)
+# client-level DP: which client's upload the server dropped and why, server-private and outside epsilon
+PRIVATE_FAULTS_FILE = "fedpa_dp_faults.jsonl"
 
 # What each client reports about its round (fs_fedpa.plugin.client); the record keeps them per client and summarised.
 CLIENT_STATS = (

@@ -133,15 +133,21 @@ class FedPAAggregator(Aggregator):
         kept = list(accepted)
         new_global, spectra, release = server.privacy.release([accepted[c].factors for c in kept], kept)
         _check_finite(new_global, {})
-        record = private_record(server, kept, new_global, spectra, release)
-        record["dropped"], record["bytes_up"] = dropped, bytes_up
+        # the K receivers, which the DP generator drew: which of them arrived or were dropped (and each upload's
+        # bytes) can depend on their data, and stays in the private faults file (privacy.fault)
+        receivers = sorted(server._expected)
+        record = private_record(server, receivers, new_global, spectra, release)
         server.install_global(new_global, {}, None)
         server.record_round(record)
-        server.privacy.account(server.state, kept, {})
+        server.privacy.account(server.state, receivers, {})
         return {}
 
     def _drop(self, dropped: dict, client_id, reason: str) -> None:
         dropped[str(client_id)] = reason
+        privacy = self.server.privacy
+        if privacy is not None and privacy.samples_clients:  # client-level DP: not in the log (privacy.fault)
+            privacy.fault(self.server.state, client_id, reason)
+            return
         logger.warning(f"[fedpa] round {self.server.state}: dropped the upload of client #{client_id}: {reason}")
 
     def _culprit(self, accepted: dict):

@@ -23,7 +23,7 @@ from fs_fedpa.core.diagnostics import factored_norm
 from fs_fedpa.core.dp import dp_generator, release_changes, release_products
 from fs_fedpa.core.dp import sample_without_replacement as _sample
 from fs_fedpa.core.ranks import truncate_factors
-from fs_fedpa.record import PRIVACY_FILE
+from fs_fedpa.record import PRIVACY_FILE, PRIVATE_FAULTS_FILE
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
@@ -192,6 +192,14 @@ class ServerPrivacy:
     @property
     def samples_clients(self) -> bool:
         return self.mode == "client"
+
+    def fault(self, rnd: int, client, reason: str) -> None:
+        """Client mode: a dropped upload. Whether a client's upload fails the checks, and why, can depend on its data
+        (a NaN from its training), so it goes neither to the log nor to the diagnostics but to a server-private file
+        beside the ledger, which docs/privacy.md lists as outside epsilon."""
+        path = os.path.join(os.path.dirname(self.path), PRIVATE_FAULTS_FILE)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"round": rnd, "client": str(client), "reason": reason}) + "\n")
 
     def receivers(self) -> list[int]:
         """K client ids of 1..N, drawn without replacement from the DP generator."""

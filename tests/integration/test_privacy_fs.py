@@ -94,6 +94,26 @@ def test_client_level_records_only_what_the_release_gives(tiny_llm, tmp_path):
             assert not record.get(key), f"{key} leaves the mechanism: {record.get(key)}"
 
 
+def test_client_level_keeps_a_dropped_upload_and_its_reason_out_of_the_logs_and_diagnostics(tiny_llm, tmp_path):
+    """Client 2 sends a NaN in round 1 (a diverged training: a fact of its data). Before, the diagnostics recorded
+    the accepted clients and the reason, and the log named both. Now the record names the K receivers the DP
+    generator drew, the log says nothing of the drop, and the reason is in the server-private faults file."""
+    from tests.integration.conftest import probe
+
+    overrides = {"federate.client_num": 3, "fedpa.dp_mode": "client", "fedpa.dp_clip": 0.05,
+                 "fedpa.dp_noise_multiplier": 1.0, "federate.total_round_num": 2}  # fmt: skip
+    run = probe(fedpa_cfg(tiny_llm, tmp_path, **overrides), tmp_path, env={"FS_PROBE_CORRUPT": "2:1:nan"})
+    out = Path(run["final"]["outdir"])
+    records = {r["round"]: r for r in _jsonl(out / "fedpa_diagnostics.jsonl")}
+    assert records[1]["clients"] == [1, 2, 3]  # every receiver, client 2 included
+    assert not records[1].get("dropped") and not records[1].get("bytes_up")
+    faults = _jsonl(out / "fedpa_dp_faults.jsonl")
+    assert [(f["round"], f["client"]) for f in faults] == [(1, "2")] and "NaN or Inf in B" in faults[0]["reason"]
+    logs = (out / "exp_print.log").read_text() + (tmp_path / "probe.log").read_text()
+    assert "dropped the upload" not in logs and "NaN or Inf in B" not in logs
+    assert len(_jsonl(out / "fedpa_privacy.jsonl")) == 2  # the round was released all the same
+
+
 def test_an_unsupported_method_is_refused_through_fs_naming_dp(tiny_llm, tmp_path):
     overrides = {"federate.method": "flexlora", "fedpa.dp_mode": "client", "fedpa.dp_clip": 1.0,
                  "fedpa.dp_noise_multiplier": 1.0}  # fmt: skip
