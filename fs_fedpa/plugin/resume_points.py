@@ -82,7 +82,10 @@ class ServerResume:
                 "cur_round": self.state,
                 # FS's checkpoint keys, so its own restore can read this file; without the LoRA factors, which are in
                 # "global" and whose rank (R_g, Ravan's H r_h) FS's load into a fresh rank-r model would refuse
-                "model": {k: v for k, v in self.model.state_dict().items() if not _LORA_KEY.search(k)},
+                # client-level DP: the initial local tensors, not a client's (with_public_locals)
+                "model": self.with_public_locals(
+                    {k: v for k, v in self.model.state_dict().items() if not _LORA_KEY.search(k)}
+                ),
                 "fedpa_resume": {
                     "method": self.method.name,
                     "round": self.state,

@@ -52,8 +52,15 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, ServerRecords, Serv
         self.scaling = lora.Scaling.of(self.model)
         if self.method.merges:
             lora.keep_base(self.model)  # before a resume point's merged weights are loaded into it
-        _, self.shared_names = non_lora_trainables(self.model, self._cfg.personalization.local_param)
+        local_names, self.shared_names = non_lora_trainables(self.model, self._cfg.personalization.local_param)
         self.keep_shared()
+        # client-level DP: the server's files hold these initial values for the clients' local tensors (a head),
+        # never what the model holds later: with federate.share_local_model that is the last client's, trained
+        # without DP
+        params = dict(self.model.named_parameters())
+        self.public_locals = (
+            {n: params[n].detach().cpu().clone() for n in local_names} if self.method.cfg.dp_mode == "client" else {}
+        )
         self.global_factors = global_init(self.model, self.method)  # (B_g^(0), A_g^(0)), rank r_g
         self.generator = torch.Generator().manual_seed(self.method.seed + 1)  # sketches
         self.privacy = ServerPrivacy(self) if self.method.cfg.dp_mode != "none" else None
@@ -218,12 +225,10 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, ServerRecords, Serv
         """FS's checkpoint ``model`` (its trainable state, named as FS names it) with the global adapter in place of
         whatever the live model holds: the raw global factors at rank R_g, the server's shared tensors and, where
         merges exist, the base weights ``W_0 + merged``. Built beside the live model, which the clients may share
-        (``federate.share_local_model``) and which is left as it is; local tensors (a head) are the model's."""
+        (``federate.share_local_model``) and which is left as it is; local tensors (a head) are the model's, except
+        under client-level DP, where they are their initial values (:attr:`public_locals`)."""
         state = dict(self.model.state_dict())
-        root = getattr(self.model, "model", self.model)  # FS-LLM's AdapterModel names its state by the inner model
-        key = {id(p): n for n, p in root.named_parameters()}
-        if not set(state) <= set(key.values()):
-            key = {id(p): n for n, p in self.model.named_parameters()}
+        key = self._state_keys(state)
         layers = lora.lora_layers(self.model)
         for name, (B, A) in self.scaling.raw(self.method.expand(self.global_factors)).items():
             weight_B, weight_A = lora.adapter_weights(layers[name])
@@ -234,7 +239,24 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, ServerRecords, Serv
             state[key[id(base)]] = lora.offset_base(layers[name], offset, name).cpu()
         params = dict(self.model.named_parameters())
         state.update({key[id(params[n])]: t.detach().to("cpu", copy=True) for n, t in self.shared.items()})
-        return state
+        return self.with_public_locals(state)
+
+    def _state_keys(self, state: dict) -> dict[int, str]:
+        """id of each parameter -> its key in the model's ``state_dict`` (FS-LLM's AdapterModel names its state by
+        the inner model)."""
+        root = getattr(self.model, "model", self.model)
+        key = {id(p): n for n, p in root.named_parameters()}
+        if not set(state) <= set(key.values()):
+            key = {id(p): n for n, p in self.model.named_parameters()}
+        return key
+
+    def with_public_locals(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``state`` (keys of the model's ``state_dict``) with the local tensors replaced by :attr:`public_locals`
+        (client-level DP; unchanged otherwise)."""
+        if not self.public_locals:
+            return state
+        key, params = self._state_keys(state), dict(self.model.named_parameters())
+        return {**state, **{key[id(params[n])]: t.clone() for n, t in self.public_locals.items()}}
 
     def save_checkpoint(self, path: str, cur_round: int) -> None:
         """FS's checkpoint format (``cur_round``, trainable ``model`` state with the global adapter) plus

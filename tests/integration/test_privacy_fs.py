@@ -114,6 +114,37 @@ def test_client_level_keeps_a_dropped_upload_and_its_reason_out_of_the_logs_and_
     assert len(_jsonl(out / "fedpa_privacy.jsonl")) == 2  # the round was released all the same
 
 
+def test_client_level_server_files_hold_the_initial_head_not_a_clients(tiny_glue, tmp_path):
+    """federate.share_local_model (as the protocol sets it): the server's model object is the clients', so FS's
+    checkpoint and the resume point held the head of the last client that trained, without DP. Under client-level
+    DP both now hold the head's initial values: the same in the resume point of round 2 and in the final
+    checkpoint, and none of the clients' trained heads."""
+    from tests.integration.tiny_assets import fs_glue_yaml
+
+    save_to = tmp_path / "ckpt" / "run.pt"
+    cfg = fs_glue_yaml(tmp_path, tiny_glue["model"], tiny_glue["glue"], **{
+        "fedpa.dp_mode": "client", "fedpa.dp_clip": 1.0, "fedpa.dp_noise_multiplier": 1.0,
+        "federate.total_round_num": 3, "federate.save_to": str(save_to)})  # fmt: skip
+    assert cfg["federate"]["share_local_model"] and cfg["personalization"]["local_param"] == ["classifier"]
+    _finished(cfg, tmp_path)
+
+    def heads(state: dict) -> dict:
+        return {k: v for k, v in state.items() if "classifier" in k}
+
+    final = heads(torch.load(save_to, weights_only=True, map_location="cpu")["model"])
+    point = save_to.parent / f"fedpa_resume_{save_to.name}"
+    resumed = heads(torch.load(point, weights_only=True, map_location="cpu")["model"])
+    assert final and set(final) == set(resumed)
+    assert all(torch.equal(final[k], resumed[k]) for k in final)  # written two rounds apart: not a live head
+    trained = [torch.load(p, weights_only=True, map_location="cpu")["local"] for p in sorted(save_to.parent.glob(
+        f"{point.name}.client*.r*"))]  # fmt: skip
+    assert trained
+    for local in trained:
+        for name, tensor in local.items():
+            match = [k for k in final if k.endswith(name) or name.endswith(k)]
+            assert match and not torch.equal(final[match[0]], tensor), name
+
+
 def test_an_unsupported_method_is_refused_through_fs_naming_dp(tiny_llm, tmp_path):
     overrides = {"federate.method": "flexlora", "fedpa.dp_mode": "client", "fedpa.dp_clip": 1.0,
                  "fedpa.dp_noise_multiplier": 1.0}  # fmt: skip
