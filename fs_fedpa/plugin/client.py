@@ -161,6 +161,7 @@ class FedPAClient(
         self.privacy.new_round()
         self._enter_round(message.content)
         sample_size, _, results = self.trainer.train()
+        sample_size = self.privacy.sample_size(sample_size)  # client-level DP: 1, in the content and the timestamp
         self._release_optimizer()
         upload = self._leave_round()
         self.privacy.log_round()
@@ -173,7 +174,7 @@ class FedPAClient(
                 receiver=[message.sender],
                 state=self.state,
                 timestamp=self._gen_timestamp(init_timestamp=message.timestamp, instance_number=sample_size),
-                content=(self.privacy.sample_size(sample_size), upload),
+                content=(sample_size, upload),
             )
         )
 

@@ -398,6 +398,9 @@ class ClientPrivacy:
                 return dp_generator(fedpa.dp_seed, f"client {client.ID} round {client.state} routine {routine}")
 
             self.dp_sgd = DPSGD(client.trainer, plan, make_generator, fedpa.dp_clip)
+            n = client.trainer.ctx.get("num_train_data")
+            if isinstance(n, int) and n > 0:
+                plan(n)  # now, not in the first batch: a delta above min(1e-5, 1/(10 n_i)) is refused at start
 
     def new_round(self) -> None:
         if self.dp_sgd is not None:
