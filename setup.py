@@ -72,7 +72,7 @@ setup(
     ],
     extras_require={
         # scikit-learn and scipy: the independent references of the metric and interval tests
-        # dp-accounting: the DP tests check the ledger against it
+        # dp-accounting: the DP tests check the ledger against it (0.4.4: the RDP accountant's public orders and rdp)
         "test": [
             "pytest>=7",
             "pytest-xdist>=3",
@@ -80,10 +80,10 @@ setup(
             "matplotlib",
             "scikit-learn",
             "scipy",
-            "dp-accounting>=0.4",
+            "dp-accounting>=0.4.4",
         ],
         # differential privacy (fedpa.dp_mode): Google's accountant, imported only when DP is on
-        "dp": ["dp-accounting>=0.4"],
+        "dp": ["dp-accounting>=0.4.4"],
         # a frozen base in int8 or NF4 (fedpa.base_quantization): bitsandbytes 0.46.1 (the floor of transformers 5) to
         # 0.50.2 train LoRA on both on the CPU, no CUDA needed; transformers loads bitsandbytes models with accelerate
         "quant": ["bitsandbytes>=0.46.1", "accelerate>=1.1"],
