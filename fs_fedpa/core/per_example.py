@@ -7,7 +7,11 @@ g_jt``, with ``g = dL/dy`` of shape ``(b, ..., out)`` from one backward of L. So
 backward instead of b of each. It holds when no module mixes records (batch normalization does, and is refused) and
 every trainable tensor is the weight or bias of a plain ``nn.Linear`` used only through its forward: LoRA's A and B
 in PEFT, and a classifier head. :func:`check_sum` verifies the second condition on every batch against autograd's
-gradient of L.
+gradient of L. It cannot verify the first: a module that mixes records, or a layer fed sequence-first (records along
+dimension 1), leaves the *sum* of the per-example gradients equal to the batch's gradient while each record's own
+is wrong, so the clip would bound the wrong quantities. :func:`linear_owners` therefore refuses the modules known to
+do either (batch normalization; attention, recurrent and transformer layers built with ``batch_first=False``), and
+DP-SGD then takes its per-example loop, which is exact for any model.
 """
 
 from __future__ import annotations
@@ -20,6 +24,12 @@ from torch import Tensor, nn
 from fs_fedpa.core.dp import clip_scale
 
 
+# torch modules whose default layout puts the sequence first: with batch_first=False they and the layers around them
+# (torch's transformer layers pass the flag to their attention) see (sequence, batch, features), so a tap would take
+# the sequence for the records (and check_sum could not tell)
+SEQUENCE_FIRST = (nn.MultiheadAttention, nn.RNNBase)
+
+
 def linear_owners(model: nn.Module, params: Sequence[Tensor]) -> tuple[list[tuple[nn.Linear, str]] | None, str]:
     """For each tensor of ``params``, the plain ``nn.Linear`` holding it and ``"weight"`` or ``"bias"``; or None and
     the reason when one is held by anything else, or ``model`` holds a module that mixes records."""
@@ -27,6 +37,11 @@ def linear_owners(model: nn.Module, params: Sequence[Tensor]) -> tuple[list[tupl
     for name, m in model.named_modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
             return None, f"module {name} ({type(m).__name__}) mixes the records of a batch"
+        if isinstance(m, SEQUENCE_FIRST) and not getattr(m, "batch_first", False):
+            return None, (
+                f"module {name} ({type(m).__name__}) is sequence-first (batch_first=False): the linear layers in it "
+                "see the records along dimension 1, which the taps would split as records"
+            )
         if type(m) is nn.Linear:
             for role in ("weight", "bias"):
                 p = getattr(m, role)

@@ -155,3 +155,39 @@ def test_a_non_finite_client_update_is_left_out_of_the_client_level_release():
     with_bad, scales = release_products([good, bad], {"m": (6, 5)}, K=2, C=1.0, z=1.0, generator=dp_generator(3))
     alone, _ = release_products([good], {"m": (6, 5)}, K=2, C=1.0, z=1.0, generator=dp_generator(3))
     assert scales[1] == 0.0 and torch.isfinite(with_bad["m"]).all() and torch.equal(with_bad["m"], alone["m"])
+
+
+# ------------------------------------------------------------------------------------------ what the sum check misses
+class SequenceFirst(nn.Module):
+    """A transformer layer built sequence-first (torch's default) with a trainable head; input (b, t, k)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=8, dropout=0.0)
+        self.layer.requires_grad_(False)
+        self.layer.linear1.requires_grad_(True)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.layer(x.transpose(0, 1)).mean(0))
+
+
+def test_the_sum_check_cannot_see_a_sequence_first_layer_so_it_is_refused():
+    """With t == b the taps split linear1's (t, b, k) input along t: the per-record gradients are wrong, yet they sum
+    to autograd's gradient, so check_sum passes. linear_owners refuses such a module, and DP-SGD takes its loop."""
+    model, b = SequenceFirst(), 4
+    x, y = torch.randn(b, b, 8), torch.tensor([0, 1, 0, 1])
+    params = [model.layer.linear1.weight]
+    with LinearTaps([model.layer.linear1]) as taps:
+        losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+    grads = torch.autograd.grad(losses.sum(), [*params, *taps.outputs()])
+    owners = [(model.layer.linear1, "weight")]
+    found = per_example_grads(taps, owners, grads[1:], b)
+    assert check_sum(found, grads[:1], rtol=1e-4) == ""  # the sum agrees ...
+    own = torch.autograd.grad(nn.functional.cross_entropy(model(x[:1]), y[:1]), params)[0]
+    assert not torch.allclose(found[0][0], own, atol=1e-4)  # ... record 0's own gradient does not
+    owners, why = linear_owners(model, params)
+    assert owners is None and "batch_first=False" in why
+    model.layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=8, dropout=0.0, batch_first=True)
+    assert linear_owners(model, [model.layer.linear1.weight])[0] is not None  # batch-first: accepted
