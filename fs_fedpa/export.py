@@ -167,6 +167,7 @@ def load(base_model: nn.Module, export_dir, client: int | None = None, protocol:
     or an :class:`InstanceMix` (FedDPA's paper protocol)."""
     root = Path(export_dir)
     info = manifest(root)
+    check_base(base_model, info)
     if client is None:
         entry = info["global"]
     else:
@@ -192,6 +193,28 @@ def load(base_model: nn.Module, export_dir, client: int | None = None, protocol:
         model = _peft(base_model, root / entry["adapter"])
     _load_head(model, root, entry)
     return model
+
+
+def check_base(base_model: nn.Module, info: dict) -> list[str]:
+    """Warnings (also logged) where ``base_model`` differs from the base the export was trained on: its name, and
+    whether it is quantized (``base_quantization`` of the manifest: an adapter trained on an NF4 base fits that base;
+    on another it behaves differently, silently). Returned for the caller."""
+    import warnings
+
+    found = []
+    trained = info.get("base_model")
+    given = getattr(getattr(base_model, "config", None), "_name_or_path", None)
+    if trained and given and Path(str(given)).name != Path(str(trained)).name:
+        found.append(f"the export was trained on base {trained!r}, and the base given is {given!r}")
+    quantized = getattr(base_model, "hf_quantizer", None) is not None or any(
+        getattr(base_model, flag, False) for flag in ("is_loaded_in_8bit", "is_loaded_in_4bit"))  # fmt: skip
+    expected = info.get("base_quantization", "none")
+    if (expected != "none") != quantized:
+        found.append(f"the export was trained on a base with {expected!r} quantization, and the base given is "
+                     f"{'quantized' if quantized else 'not quantized'}")  # fmt: skip
+    for message in found:
+        warnings.warn(message, stacklevel=3)
+    return found
 
 
 def _peft(base_model: nn.Module, path: Path):

@@ -228,6 +228,17 @@ def config_hash(path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12] if path and os.path.isfile(path) else ""
 
 
+def _privacy_line(privacy: dict) -> str:
+    mode = privacy.get("dp_mode", "none")
+    if mode == "none":
+        return "differential privacy: none"
+    eps, delta = privacy.get("epsilon"), privacy.get("delta")
+    spent = f"(epsilon, delta) = ({eps:.4g}, {delta:.3g})" if eps is not None and delta is not None else "epsilon ?"
+    return (f"differential privacy: {mode} level, {spent}, {privacy.get('adjacency')} adjacency, "
+            f"{privacy.get('sampling')} sampling, {privacy.get('accountant')}; DP: {', '.join(privacy['dp_files'])}; "
+            f"not DP: {', '.join(privacy['not_dp_files']) or 'nothing'}")
+
+
 def readme(info: dict) -> str:
     """The export's README: what was trained and how to load each part."""
     task = info["task_type"]
@@ -247,6 +258,8 @@ def readme(info: dict) -> str:
         f"- ranks: clients r_i {info['client_ranks']}, references R_i {info['reference_ranks']}, "
         f"global R_g {info['R_g']}",
         f"- the run's final metrics (weighted over clients; `local.` = the clients' own factors): {shown}",
+        f"- frozen base: {info.get('base_quantization', 'none')} quantization (load the same base); "
+        f"{_privacy_line(info.get('privacy') or {})}",
         "",
         "## The global model",
         "",
@@ -349,7 +362,30 @@ def run_info(cfg, outdir: Path, rounds: int, missing: list[int]) -> dict:
             last = by_round[max(by_round)]
             metrics = {k: float(v) for k, v in last.items() if k.endswith(("_acc", "_loss"))}
     info = {"rounds": rounds, "config_hash": config_hash(Path(outdir) / "config.yaml"), "final_metrics": metrics,
-            "missing_clients": missing}  # fmt: skip
+            "missing_clients": missing, "base_quantization": cfg.fedpa.base_quantization,
+            "privacy": privacy_info(cfg.fedpa.dp_mode, Path(outdir))}  # fmt: skip
     if cfg.model.type.lower().endswith("@seqcls_llm"):
         info["num_labels"] = int(cfg.model.seqcls.num_labels)
     return info
+
+
+def privacy_info(dp_mode: str, outdir: Path) -> dict:
+    """What of the export is differentially private, and at which (epsilon, delta) and convention (from the run's
+    ledger, its last line). Client level: the global adapter only; the clients' heads and own factors are trained
+    on their data without DP. Sample level (DP-SGD): the global adapter and every client's own factors and head."""
+    if dp_mode == "none":
+        return {"dp_mode": "none", "dp_files": [], "not_dp_files": ["global", "client_<id>"]}
+    from fs_fedpa.record import PRIVACY_FILE
+
+    ledger = Path(outdir) / PRIVACY_FILE
+    lines = ledger.read_text(encoding="utf-8").splitlines() if ledger.is_file() else []
+    last = json.loads(lines[-1]) if lines else {}
+    out = {"dp_mode": dp_mode, "epsilon": last.get("dp_epsilon"), "delta": last.get("dp_delta"),
+           "adjacency": last.get("dp_adjacency"), "sampling": last.get("dp_sampling"),
+           "accountant": last.get("dp_accountant")}  # fmt: skip
+    if dp_mode == "client":
+        out.update(dp_files=["global"], not_dp_files=["client_<id> (heads and own factors: trained without DP)"])
+    else:
+        out.update(epsilon_is="the largest over the clients (per client in the ledger)",
+                   dp_files=["global", "client_<id>"], not_dp_files=[])  # fmt: skip
+    return out

@@ -382,3 +382,27 @@ def test_check_scaling_compares_every_module_with_what_the_config_builds(tmp_pat
         check_scaling(Scaling({"q": 8.0, "v": 8.0}, {"q": True, "v": False}).record(), now, tmp_path / "x.pt")
     with pytest.raises(ValueError, match="not what fs_fedpa writes"):
         check_scaling({"alpha": 8.0}, now, tmp_path / "x.pt")
+
+
+@pytest.mark.parametrize("mode", ["client", "sample", "none"])
+def test_the_manifest_says_what_is_private_and_on_which_base(tiny_glue, tmp_path, mode):
+    """export.json and its README record dp_mode, the ledger's (epsilon, delta), adjacency, sampling and accountant,
+    which files are DP (client level: the global adapter only; DP-SGD: the clients' parts too) and the base's
+    quantization; before, an exported client head trained without DP was indistinguishable from a private one."""
+    dp = {} if mode == "none" else {"fedpa.dp_mode": mode, "fedpa.dp_clip": 1.0, "fedpa.dp_noise_multiplier": 1.0}
+    cfg, outdir = _run(tiny_glue, tmp_path, "fedpa", **dp)
+    info = json.loads((tmp_path / "at_end" / "export.json").read_text())
+    privacy = info["privacy"]
+    assert info["base_quantization"] == "none" and privacy["dp_mode"] == mode
+    readme = (tmp_path / "at_end" / "README.md").read_text()
+    if mode == "none":
+        assert privacy["dp_files"] == [] and "differential privacy: none" in readme
+        return
+    last = json.loads((outdir / "fedpa_privacy.jsonl").read_text().splitlines()[-1])
+    assert (privacy["epsilon"], privacy["delta"]) == (last["dp_epsilon"], last["dp_delta"]) and privacy["epsilon"] > 0
+    assert (privacy["adjacency"], privacy["sampling"]) == ("replace_one", "wor") and "rdp" in privacy["accountant"]
+    if mode == "client":
+        assert privacy["dp_files"] == ["global"] and "client_<id>" in privacy["not_dp_files"][0]
+    else:
+        assert privacy["dp_files"] == ["global", "client_<id>"] and privacy["not_dp_files"] == []
+    assert f"differential privacy: {mode} level, (epsilon, delta) = ({privacy['epsilon']:.4g}" in readme

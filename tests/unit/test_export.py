@@ -309,3 +309,20 @@ def test_instance_mix_refuses_a_forward_without_weights_and_global_ranks_that_di
         mix(**_inputs(2, seed=21))
     with pytest.raises(ValueError, match=r"global adapter's ranks differ between modules \(\[2, 3\]\)"):
         export.load(_bert(), _mix_export(tmp_path / "uneven", global_ranks=(3, 2))[0], client=1)
+
+
+def test_load_warns_when_the_base_given_is_not_the_one_trained_on():
+    """An adapter trained on an NF4 base, loaded onto a float base (or onto another model), behaves differently
+    without a word: check_base names both differences."""
+    from types import SimpleNamespace
+
+    from fs_fedpa.export import check_base
+
+    info = {"base_model": "/models/MiniLM-L6", "base_quantization": "nf4"}
+    plain = SimpleNamespace(config=SimpleNamespace(_name_or_path="/elsewhere/MiniLM-L6"), hf_quantizer=None)
+    with pytest.warns(UserWarning, match="'nf4' quantization, and the base given is not quantized"):
+        assert len(check_base(plain, info)) == 1  # same name in another folder: fine
+    other = SimpleNamespace(config=SimpleNamespace(_name_or_path="bert-base"), hf_quantizer=object())
+    with pytest.warns(UserWarning, match="trained on base '/models/MiniLM-L6', and the base given is 'bert-base'"):
+        assert len(check_base(other, info)) == 1
+    assert check_base(plain, {**info, "base_quantization": "none"}) == []
