@@ -332,8 +332,19 @@ def readme(info: dict) -> str:
 
 
 def check_export_dir(folder: str) -> None:
-    """``fedpa.export_dir`` must be absent or an empty folder (checked when the server starts)."""
-    if not folder or not os.path.lexists(folder):
+    """``fedpa.export_dir`` must be absent or an empty folder, and a folder that can be made there: the nearest
+    existing ancestor of an absent one must be a writable folder (checked when the server starts, not after every
+    round has trained)."""
+    if not folder:
+        return
+    if not os.path.lexists(folder):
+        ancestor = os.path.dirname(os.path.abspath(folder))
+        while not os.path.lexists(ancestor):
+            ancestor = os.path.dirname(ancestor)
+        if not os.path.isdir(ancestor):
+            raise ValueError(f"fedpa.export_dir {folder!r} cannot be made: {ancestor!r} is not a folder")
+        if not os.access(ancestor, os.W_OK | os.X_OK):
+            raise ValueError(f"fedpa.export_dir {folder!r} cannot be made: {ancestor!r} is not writable")
         return
     if os.path.islink(folder) or not os.path.isdir(folder):
         raise ValueError(f"fedpa.export_dir {folder!r} exists and is not a folder: name an empty or new folder")

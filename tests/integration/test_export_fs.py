@@ -359,7 +359,10 @@ def test_export_reads_and_checks_every_input_before_it_writes_anything(tiny_glue
 
 
 def test_an_export_dir_that_is_a_file_or_not_empty_is_refused_before_the_first_round(tiny_glue, tmp_path):
-    for name, make in (("a_file", lambda p: p.write_text("x")), ("full", lambda p: (p.mkdir(), (p / "x").touch()))):
+    (tmp_path / "plain_file").write_text("x")
+    cases = (("a_file", lambda p: p.write_text("x")), ("full", lambda p: (p.mkdir(), (p / "x").touch())),
+             ("plain_file/x/y", lambda p: None))  # under a file: trained every round, then NotADirectoryError
+    for name, make in cases:
         target = tmp_path / name
         make(target)
         cfg = fs_glue_yaml(tmp_path, tiny_glue["model"], tiny_glue["glue"], **{"fedpa.export_dir": str(target)})
