@@ -12,6 +12,7 @@ pickled.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import secrets
@@ -152,23 +153,27 @@ class StateStore:
             self._write(client, state)
 
     def _write(self, client: int, state: dict[str, Tensor]) -> None:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self._path(client)
         tmp = path.with_suffix(".tmp")
-        save_file(state, str(tmp), metadata={"client": str(client), "run": self.run})
+        data = save(state, metadata={"client": str(client), "run": self.run})
+        with open(tmp, "wb") as f:
+            f.write(data)
         os.replace(tmp, path)
         shapes = {k: (tuple(t.shape), t.dtype) for k, t in state.items()}
-        self._spilled[client] = Written(os.stat(path).st_size, shapes)
+        self._spilled[client] = Written(len(data), shapes, hashlib.blake2b(data).hexdigest())
         self.spills += 1
 
 
 class Written(NamedTuple):
-    """What a spilled file must be: its size in bytes and each tensor's shape and dtype."""
+    """What a spilled file must be: its size in bytes, each tensor's shape and dtype, and the blake2b digest of its
+    bytes (kept in memory only: a file edited in place at the same size is caught by it)."""
 
     size: int
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    digest: str
 
 
 def _read(client: int, path: Path, expected: Written, run: str) -> dict[str, Tensor]:
@@ -214,4 +219,6 @@ def _read(client: int, path: Path, expected: Written, run: str) -> dict[str, Ten
             raise SpillError(
                 client, path, f"holds {key} as {tuple(t.shape)} {t.dtype}, written as {expected.shapes[key]}"
             )
+    if hashlib.blake2b(data).hexdigest() != expected.digest:  # same size, owner and shapes, other values
+        raise SpillError(client, path, "holds other bytes than were written (its blake2b digest differs)")
     return {key: loaded[key].clone() for key in expected.shapes}  # writable, in the order they were put

@@ -94,6 +94,13 @@ def _pickle(path):
             f.write(b"\0" * (size - path.stat().st_size))
 
 
+def _edit_in_place(path):
+    """One byte of the last tensor's data changed, in place: the size, the header and so the owner and shapes stay."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
 def _swap(path):
     """Client 1's and client 2's files exchanged (same shapes, same size)."""
     other, tmp = path.parent / "client_2.safetensors", path.parent / "swap.tmp"
@@ -116,6 +123,7 @@ def _swap(path):
         (_huge_header, "cannot be read"),
         (_pickle, "cannot be read|bytes, written as"),
         (_swap, "was written for client '2'"),
+        (_edit_in_place, "its blake2b digest differs"),  # same size, owner and shapes: read back silently before
     ],
 )
 def test_a_damaged_spill_is_that_clients_error_only(tmp_path, damage, message):
