@@ -50,6 +50,25 @@ def progress(line: str, rounds: int) -> str | None:
     return None
 
 
+class Clock:
+    """The time left, from the rounds done so far: after round 1 ends, ``mean seconds a round x rounds left``."""
+
+    def __init__(self, rounds: int):
+        self.rounds, self.start = rounds, None  # start: (time, FS round index) of the first round seen starting
+
+    def line(self, log_line: str, now: float) -> str | None:
+        """An estimate when ``log_line`` starts a training round after the first one seen, else None."""
+        if not (match := ROUND.search(log_line)):
+            return None
+        r = int(match.group(1))  # FS's round index: r rounds are done
+        if self.start is None:
+            self.start = (now, r)
+            return None
+        per_round = (now - self.start[0]) / max(r - self.start[1], 1)
+        left = per_round * (self.rounds - r)
+        return f"  about {left / 60:.1f} min left ({per_round:.0f} s a round so far, {self.rounds - r} rounds to go)"
+
+
 def find_glue_dir(given: str | None) -> Path:
     """The GLUE folder from ``--data`` or ``FS_FEDPA_DATA``; exits with a plain message when it is missing."""
     value = given or os.environ.get("FS_FEDPA_DATA")
@@ -115,11 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     start = time.time()
     log_lines: list[str] = []
     rounds = _rounds(args.cfg, args.opts)
+    clock = Clock(rounds)
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
         for line in proc.stdout:
             log_lines.append(line)
             if (shown := progress(line, rounds)) is not None:
                 print(f"[{time.time() - start:5.0f}s] {shown}", flush=True)
+            if (left := clock.line(line, time.time())) is not None:
+                print(f"[{time.time() - start:5.0f}s] {left}", flush=True)
     if proc.returncode != 0:
         sys.stdout.write("".join(log_lines[-40:]))
         print(f"[fs_fedpa] FederatedScope exited with {proc.returncode}", file=sys.stderr)

@@ -70,3 +70,18 @@ def test_eval_results_are_read_per_round_despite_numpy_reprs(tmp_path):
         "{'Role': 'Server #', 'Round': 'Final', 'Results_raw': {'client_best_individual': {}}}\n"
     )
     assert weighted_avg_by_round(log) == {0: {"val_acc": 0.6, "z": None}, 1: {"val_acc": 0.8}}
+
+
+def test_the_main_job_estimates_the_time_left_after_the_first_round():
+    """8 rounds; round 1 starts at t = 10 s, round 2 at 70 s, round 3 at 140 s: 60 then 65 s a round so far."""
+    from fs_fedpa.tools.sst2_demo import Clock
+
+    clock = Clock(8)
+    assert clock.line("INFO: ----------- Starting training (Round #0) -------------", 10.0) is None
+    assert clock.line("INFO: something else", 30.0) is None
+    assert clock.line("INFO: Starting a new training round (Round #1) ---", 70.0) == (
+        "  about 7.0 min left (60 s a round so far, 7 rounds to go)"
+    )
+    assert clock.line("INFO: Starting a new training round (Round #2) ---", 140.0) == (
+        "  about 6.5 min left (65 s a round so far, 6 rounds to go)"
+    )
