@@ -345,6 +345,16 @@ class FedPAConfig:
             )
         },
     )
+    dp_secure_rng: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "without dp_seed: draw the DP noise and sampling from the OS's cryptographic generator (a sum of two "
+                "Gaussians, as Opacus's secure_mode), whose state cannot be recovered from its outputs; False: "
+                "torch's MT19937 seeded from OS entropy (faster, weaker); ignored with dp_seed"
+            )
+        },
+    )
     dp_seed: int = field(
         default=-1,
         metadata={
@@ -416,7 +426,7 @@ class FedPAConfig:
         self.hetlora_lam = _number(self.hetlora_lam, "hetlora_lam", minimum=0.0)
         self.ravan_heads = _int_list(self.ravan_heads, "ravan_heads")
         self.ravan_head_rank = _integer(self.ravan_head_rank, "ravan_head_rank", minimum=0)
-        for flag in ("eval_local", "diagnostics", "save_outcomes", "export_clients"):
+        for flag in ("eval_local", "diagnostics", "save_outcomes", "export_clients", "dp_secure_rng"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"fedpa.{flag} must be True or False, got {getattr(self, flag)!r}")
         self.num_threads = _integer(self.num_threads, "num_threads", minimum=0)

@@ -9,13 +9,16 @@ Sample level (DP-SGD on a client): b of its n_i records are drawn without replac
 gradients g_j are clipped to C (:func:`add_clipped`) and the step uses ``(sum_j c_j g_j + N(0, (z C)^2 I)) / b``.
 
 Every draw comes from the ``generator`` handed in (the DP generator, :func:`dp_generator`), on the host: noise is
-then moved to the tensor's device, so a run's randomness does not depend on where it computes.
+then moved to the tensor's device, so a run's randomness does not depend on where it computes. Without a seed that
+is a :class:`SecureGenerator` (the OS's cryptographic generator); torch's MT19937 is used only for seeded,
+reproducible experiments or where ``fedpa.dp_secure_rng`` turns the secure one off.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import os
 import secrets
 from collections.abc import Sequence
 
@@ -25,11 +28,49 @@ from torch import Generator, Tensor
 from fs_fedpa.core.diagnostics import factored_norm
 
 
-def dp_generator(seed: int = -1, stream: str = "") -> Generator:
-    """A host generator for noise and sampling: seeded from OS entropy (``seed`` -1), or, for reproducible
-    experiments, from blake2b(``seed``, ``stream``), so the server and each client draw independent streams."""
+class SecureGenerator:
+    """Noise and sampling from the OS's cryptographic generator (``os.urandom``), for DP without a seed: torch's
+    MT19937, seeded once, has a state that can be recovered from its outputs and stepped backwards, which would let
+    an observer of some draws subtract the others.
+
+    A Gaussian is drawn as (N_1 + N_2) / sqrt(2), each N_i by Box-Muller from two uniforms of 53 random bits in
+    (0, 1), as Opacus's ``secure_mode`` sums two Gaussians (after Holohan and Braghin, 2021): the sum smooths the
+    gaps of floating-point sampling that attacks on a single draw exploit. There is no state to save or restore."""
+
+    def normal(self, shape: Sequence[int]) -> Tensor:
+        """float64 N(0, 1) entries of ``shape``, on the host."""
+        n = math.prod(shape)
+        return ((self._box_muller(n) + self._box_muller(n)) / math.sqrt(2.0)).reshape(tuple(shape))
+
+    def _box_muller(self, n: int) -> Tensor:
+        m = (n + 1) // 2
+        u = self._uniform(2 * m)
+        u1, u2 = u[:m], u[m:]
+        radius = torch.sqrt(-2.0 * torch.log(u1))
+        pairs = torch.cat([radius * torch.cos(2 * math.pi * u2), radius * torch.sin(2 * math.pi * u2)])
+        return pairs[:n]
+
+    @staticmethod
+    def _uniform(n: int) -> Tensor:
+        """n uniforms in (0, 1): (k + 0.5) / 2^53 for k of 53 random bits."""
+        if n == 0:
+            return torch.zeros(0, dtype=torch.float64)
+        raw = torch.frombuffer(bytearray(os.urandom(8 * n)), dtype=torch.int64)
+        k = (raw & ((1 << 53) - 1)).double()
+        return (k + 0.5) / float(1 << 53)
+
+    def sample(self, population: int, size: int) -> list[int]:
+        """``size`` of ``range(population)`` uniformly without replacement, sorted."""
+        return sorted(secrets.SystemRandom().sample(range(population), size))
+
+
+def dp_generator(seed: int = -1, stream: str = "", secure: bool = True) -> Generator | SecureGenerator:
+    """A host generator for noise and sampling: without a seed (``seed`` -1), the OS's cryptographic generator
+    (:class:`SecureGenerator`), or with ``secure`` False torch's MT19937 seeded from OS entropy; with a seed, for
+    reproducible experiments, MT19937 seeded from blake2b(``seed``, ``stream``), so the server and each client draw
+    independent streams."""
     if seed < 0:
-        return torch.Generator().manual_seed(secrets.randbits(63))
+        return SecureGenerator() if secure else torch.Generator().manual_seed(secrets.randbits(63))
     key = hashlib.blake2b(f"fedpa-dp:{seed}:{stream}".encode(), digest_size=8).digest()
     return torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
 
@@ -38,6 +79,8 @@ def sample_without_replacement(population: int, size: int, generator: Generator)
     """``size`` of ``range(population)`` uniformly without replacement, sorted (all when size >= population)."""
     if size >= population:
         return list(range(population))
+    if isinstance(generator, SecureGenerator):
+        return generator.sample(population, size)
     return sorted(torch.randperm(population, generator=generator)[:size].tolist())
 
 
@@ -53,7 +96,10 @@ def clip_scale(sq_norm: float, C: float) -> float:
 def gaussian(shape: Sequence[int], std: float, generator: Generator, like: Tensor) -> Tensor:
     """N(0, std^2) entries of ``shape``, drawn on the host in float64 from ``generator``, as ``like``'s dtype and
     device."""
-    noise = torch.randn(tuple(shape), generator=generator, dtype=torch.float64) * std
+    if isinstance(generator, SecureGenerator):
+        noise = generator.normal(shape) * std
+    else:
+        noise = torch.randn(tuple(shape), generator=generator, dtype=torch.float64) * std
     return noise.to(device=like.device, dtype=like.dtype)
 
 

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import secrets
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -90,6 +91,13 @@ def _plan(n: int, b: int, tau: int, rounds: int, z: float, target: float, delta_
     return SamplePlan(n, b, tau, z, delta)
 
 
+def _source(fedpa) -> str:
+    """Where the DP noise and sampling come from, in words."""
+    if fedpa.dp_seed >= 0:
+        return "fedpa.dp_seed"
+    return "the OS's cryptographic generator" if fedpa.dp_secure_rng else "MT19937 seeded from OS entropy"
+
+
 def seed_warning(dp_seed: int) -> str | None:
     """The warning a run with ``fedpa.dp_seed`` gets, in both modes (None without a seed)."""
     if dp_seed < 0:
@@ -138,7 +146,11 @@ class ServerPrivacy:
         fedpa, cfg = server.method.cfg, server._cfg
         self.mode, self.C = fedpa.dp_mode, fedpa.dp_clip
         self.N, self.T = server.client_num, server.total_round_num
-        self.generator = dp_generator(fedpa.dp_seed, "server")
+        self.generator = dp_generator(fedpa.dp_seed, "server", fedpa.dp_secure_rng)
+        # the method's post-processing draws (a randomized SVD's sketch) take a torch generator: the DP one when it
+        # is one (seeded runs stay reproducible), else one seeded from the cryptographic generator
+        self.sketch_generator = (self.generator if isinstance(self.generator, torch.Generator)
+                                 else torch.Generator().manual_seed(secrets.randbits(63)))  # fmt: skip
         self.path = os.path.join(cfg.outdir, PRIVACY_FILE)
         self.accountant = f"{ACCOUNTANT}, {version()}"
         self.rounds = 0  # client mode: rounds released
@@ -183,7 +195,7 @@ class ServerPrivacy:
                 )
             logger.info(
                 f"[fedpa] client-level DP: K={self.K} of N={self.N} clients a round (without replacement, from "
-                f"{'OS entropy' if fedpa.dp_seed < 0 else 'fedpa.dp_seed'}), clip C={self.C:g}, "
+                f"{_source(fedpa)}), clip C={self.C:g}, "
                 f"noise z={self.z:.4g} (std zC/K={self.z * self.C / self.K:.4g}), delta={self.delta:.3g}; "
                 f"epsilon after {self.T} rounds: {self.kind.epsilon(self.T, self.delta):.4g}"
             )
@@ -220,7 +232,7 @@ class ServerPrivacy:
             start = {n: truncate_factors(B, A, r) for n, (B, A) in server.global_factors.items()}
             release, _ = release_changes(uploads, [start] * max(len(uploads), 1), parts, self.K, self.C, self.z,
                                          self.generator)  # fmt: skip
-        new_global, spectra = method.dp_global(release, server.global_factors, self.generator)
+        new_global, spectra = method.dp_global(release, server.global_factors, self.sketch_generator)
         self.rounds += 1
         return new_global, spectra, release
 
@@ -395,7 +407,8 @@ class ClientPrivacy:
                 return sample_plan(client._cfg, n, routines(client.method))
 
             def make_generator(routine: int) -> torch.Generator:
-                return dp_generator(fedpa.dp_seed, f"client {client.ID} round {client.state} routine {routine}")
+                stream = f"client {client.ID} round {client.state} routine {routine}"
+                return dp_generator(fedpa.dp_seed, stream, fedpa.dp_secure_rng)
 
             self.dp_sgd = DPSGD(client.trainer, plan, make_generator, fedpa.dp_clip)
             n = client.trainer.ctx.get("num_train_data")

@@ -86,6 +86,8 @@ def test_client_level_records_only_what_the_release_gives(tiny_llm, tmp_path):
     assert 40.0 < ledger[-1]["dp_epsilon"] <= 50.0
     z = ledger[-1]["dp_noise_multiplier"]
     assert ledger[-1]["dp_epsilon"] == pytest.approx(_expected_epsilon(3, 3, z, 2, 1e-5), rel=1e-9)
+    # no dp_seed: the noise and the sampling come from the OS's cryptographic generator (fedpa.dp_secure_rng)
+    assert "from the OS's cryptographic generator" in (out / "exp_print.log").read_text()
     records = _jsonl(out / "fedpa_diagnostics.jsonl")
     per_client = {"alignment_loss", "lam", "delta_norm", "drift", "num_train_data", "grad_ratio_first", "e_init_B"}
     for record in records:

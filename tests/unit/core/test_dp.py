@@ -110,13 +110,39 @@ def test_clip_scale_and_sampling():
 
 def test_dp_generator_is_os_entropy_unless_seeded():
     torch.manual_seed(0)
-    a = torch.randn(4, generator=dp_generator())
+    a = torch.randn(4, generator=dp_generator(secure=False))
     torch.manual_seed(0)  # the run's seed does not decide it
-    b = torch.randn(4, generator=dp_generator())
+    b = torch.randn(4, generator=dp_generator(secure=False))
     assert not torch.equal(a, b)
     assert torch.equal(torch.randn(4, generator=dp_generator(3, "s")), torch.randn(4, generator=dp_generator(3, "s")))
     assert not torch.equal(torch.randn(4, generator=dp_generator(3, "s")),
                            torch.randn(4, generator=dp_generator(3, "client 1")))  # fmt: skip
+
+
+def test_without_a_seed_the_noise_and_sampling_come_from_the_cryptographic_generator(monkeypatch):
+    """No MT19937 state to recover: the draws are built from os.urandom (replaced here by a counter, which must
+    then decide them), the Gaussians are N(0, 1) by scipy's Kolmogorov-Smirnov test, and sampling is uniform."""
+    from scipy import stats
+
+    from fs_fedpa.core import dp as dp_module
+    from fs_fedpa.core.dp import SecureGenerator, gaussian
+
+    g = dp_generator()
+    assert isinstance(g, SecureGenerator) and isinstance(dp_generator(3), torch.Generator)
+    assert isinstance(dp_generator(secure=False), torch.Generator)
+    x = gaussian((200, 100), 1.0, g, torch.zeros(()))
+    assert x.dtype == torch.float32 and stats.kstest(x.double().flatten().numpy(), "norm").pvalue > 1e-3
+    big = gaussian((400_000,), 2.5, g, torch.zeros((), dtype=torch.float64))
+    assert abs(float(big.std()) - 2.5) < 0.02 and abs(float(big.mean())) < 0.02
+    assert not torch.equal(gaussian((8,), 1.0, g, x), gaussian((8,), 1.0, g, x))
+    draws = [sample_without_replacement(10, 3, g) for _ in range(3000)]
+    assert all(len(set(d)) == 3 and d == sorted(d) for d in draws)
+    counts = torch.bincount(torch.tensor(draws).flatten(), minlength=10).double()
+    assert float((counts / 3000 - 0.3).abs().max()) < 0.04
+    calls = []  # the bytes come from os.urandom: a fixed source gives fixed noise
+    monkeypatch.setattr(dp_module.os, "urandom", lambda n: (calls.append(n), bytes(range(256)) * (n // 256 + 1))[1][:n])
+    one, two = SecureGenerator().normal((3, 5)), SecureGenerator().normal((3, 5))
+    assert torch.equal(one, two) and calls
 
 
 # ------------------------------------------------------------------------------------------------- accountant
