@@ -129,9 +129,10 @@ def test_the_long_horizon_section_states_endpoints_both_intervals_and_the_reprod
     assert set(rows) == {"fedit", "fedpa", "fedpa_adamw5e-3_lam1", "fedpa_adamw5e-3_lam0.1"}
     assert rows["fedit"][3] == "–"
     # the bootstrap's point estimate is the t interval's mean: both are the mean over seeds of the endpoint gap
-    t_part, boot_part = rows["fedpa"][3].split("; Holm: ")[1].split("; ", 1)  # "ties; +0.0300 [...]"
+    t_part, boot_part = rows["fedpa"][3].split("; Holm: ")[1].split("; ", 1)  # "ties (p 0.554); +0.0300 [...]"
     t_mean = float(rows["fedpa"][3].split(" ")[0])
-    assert t_part in ("wins", "ties", "loses")
+    label, adjusted = t_part.split(" (p ")
+    assert label in ("wins", "ties", "loses") and 0 <= float(adjusted.rstrip(")")) <= 1
     assert float(boot_part.split(" ")[0]) == pytest.approx(t_mean, abs=1e-4)
     assert boot_part.endswith("] n=3") and " n=3: arm " in rows["fedpa"][3]  # both over the 3 seed pairs
     gap = sum(sp.endpoint(results[f"long/fedpa_s{s}"], "val_acc") - sp.endpoint(results[f"long/fedit_s{s}"], "val_acc")
