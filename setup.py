@@ -81,6 +81,9 @@ setup(
             "scikit-learn",
             "scipy",
             "dp-accounting>=0.4.4",
+            # opacus: the referee of the per-example gradients and the DP-SGD step (tests only; never imported by
+            # the package)
+            "opacus>=1.5",
         ],
         # differential privacy (fedpa.dp_mode): Google's accountant, imported only when DP is on
         "dp": ["dp-accounting>=0.4.4"],
