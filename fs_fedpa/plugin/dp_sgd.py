@@ -9,7 +9,8 @@ and FS's parameter regularizer, is differentiated as usual and added after clipp
 
 The per-example gradients come from batched forwards and backwards with taps on the trainable ``nn.Linear`` modules
 (:mod:`fs_fedpa.core.per_example`; the whole batch on an accelerator, chunks of CPU_CHUNK length-sorted records on a
-CPU) when every trainable tensor is such a module's and the trainer's loss is a mean of per-record losses this module
+CPU, each chunk clipped and added to the step's sum as it comes, so a logical batch of any b needs the memory of one
+chunk's per-example gradients) when every trainable tensor is such a module's and the trainer's loss is a mean of per-record losses this module
 can rebuild from the logits; otherwise, and on any chunk where the taps' sum misses autograd's gradient, from a
 per-example loop (FS's forward on each record alone; ``torch.func.vmap`` fails
 inside transformers' attention-mask code). Both give the same clipped sum (tests/integration/test_dp_sgd_fs.py).
@@ -110,7 +111,7 @@ class DPSGD:
         if owners is None:
             return self._give_up(why)
         chunk = self.chunk or (size if _device(ctx.model).type != "cpu" else CPU_CHUNK)
-        per_example, losses, y_true, y_prob = [], [], [], []
+        total, dropped, losses, y_true, y_prob = None, 0, [], [], []
         for index in _chunks(batch, size, chunk):
             n = len(index)
             ctx.data_batch = CtxVar(_select(batch, index, size), LIFECYCLE.BATCH)
@@ -133,12 +134,17 @@ class DPSGD:
                 return self._give_up(
                     f"the per-example gradients do not sum to the chunk's gradient ({why})", warn=True
                 )
-            per_example.append(found)
+            # clipped chunk by chunk: the clip is per record, so the sum is the same, and only one chunk's
+            # per-example gradients are alive at a time (a logical batch of b records in bounded memory)
+            part_sum, scales = clipped_sum(found, self.C)
+            total = part_sum if total is None else [t.add_(x) for t, x in zip(total, part_sum)]
+            dropped += scales.count(0.0)  # c_j = 0 only for a non-finite norm (C > 0)
+            del found
             losses.append(part.detach())
             y_true.append(ctx.y_true.detach())
             y_prob.append(ctx.y_prob.detach())
-        self._grad_sum, scales = clipped_sum([torch.cat(t) for t in zip(*per_example)], self.C)
-        self.round_nonfinite += scales.count(0.0)  # c_j = 0 only for a non-finite norm (C > 0)
+        self._grad_sum = total or []
+        self.round_nonfinite += dropped
         ctx.loss_batch = CtxVar(torch.cat(losses).mean(), LIFECYCLE.BATCH)
         ctx.y_true = CtxVar(torch.cat(y_true), LIFECYCLE.BATCH)  # in chunk order: the client's own metrics
         ctx.y_prob = CtxVar(torch.cat(y_prob), LIFECYCLE.BATCH)
