@@ -102,3 +102,17 @@ def calibrate(population: int, sample_size: int, count: int, target_epsilon: flo
         else:
             hi = mid
     return hi
+
+
+def poisson_add_remove_epsilon(rate: float, z: float, count: int, delta: float) -> float:
+    """epsilon at ``delta`` of ``count`` steps read in the convention of Opacus, TF Privacy and the DP fine-tuning
+    papers: each member included independently with probability ``rate`` (Poisson sampling), add/remove adjacency,
+    so the Gaussian's multiplier is z itself (sensitivity C); dp-accounting's RDP accountant. A different guarantee
+    from the plugin's (fixed-size sampling, replace-one, z/2): it serves to compare the same noise with published
+    numbers, never as the run's guarantee."""
+    if count <= 0:
+        return 0.0
+    dpa, rdp = _dpa()
+    event = dpa.PoissonSampledDpEvent(rate, dpa.GaussianDpEvent(z)) if rate < 1 else dpa.GaussianDpEvent(z)
+    accountant = rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    return float(accountant.compose(dpa.SelfComposedDpEvent(event, int(count))).get_epsilon(delta))
