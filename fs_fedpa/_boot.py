@@ -6,15 +6,20 @@ that. This module puts a one-shot finder first on ``sys.meta_path`` that answers
 ``federatedscope.contrib.configs`` (executed by ``config.py`` just before it builds
 ``global_cfg``), runs the real module, then calls ``register_all()`` and removes itself.
 Importing this module costs one finder object: no torch, no FederatedScope.
+
+``FS_FEDPA_DISABLE=1`` in the environment turns the hook off for that process: FS then runs as if the plugin were
+not installed (its own methods unchanged; a yaml with a ``fedpa:`` section fails with FS's own config error).
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import os
 import sys
 
 TARGET = "federatedscope.contrib.configs"
+DISABLE = "FS_FEDPA_DISABLE"  # set to anything but "" or "0": no registration in this process
 
 
 class _RegisterAfterExec(importlib.abc.Loader):
@@ -53,6 +58,8 @@ def _register() -> None:
 
 
 def install() -> None:
+    if os.environ.get(DISABLE, "") not in ("", "0"):
+        return
     if TARGET in sys.modules:  # FS already imported (e.g. the hook was installed late): register now
         _register()
     elif not any(isinstance(f, _Finder) for f in sys.meta_path):
