@@ -113,11 +113,6 @@ def aggregate_spectrum(
     return S
 
 
-def payload_bytes(tensors: Sequence[Tensor]) -> int:
-    """Bytes on the wire for a list of tensors (numel x element size), for up/downlink accounting."""
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def product_distance(B: Tensor, A: Tensor, B_ref: Tensor, A_ref: Tensor) -> Tensor:
     """``||B A - B_ref A_ref||_F`` from the factors (a client's drift from its reference, §4.2), any two ranks.
 

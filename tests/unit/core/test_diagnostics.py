@@ -8,7 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fs_fedpa import aggregate_spectrum, aggregation_error, factored_norm, initialization_error, reconstruct
-from fs_fedpa.core.diagnostics import payload_bytes
 from tests.factories import client_factors, dense_aggregate, optimal_error
 
 
@@ -79,10 +78,6 @@ def test_spectrum_helper_equals_dense_singular_values():
     Bs, As = client_factors(7, 30, 20, [2, 3])
     S = aggregate_spectrum(Bs, As, weights=[2.0, 1.0])
     torch.testing.assert_close(S, torch.linalg.svdvals(dense_aggregate(Bs, As, [2.0, 1.0]))[:5])
-
-
-def test_payload_bytes():
-    assert payload_bytes([torch.zeros(4, 3), torch.zeros(2, dtype=torch.float16)]) == 4 * 3 * 4 + 2 * 2
 
 
 @pytest.mark.parametrize(
