@@ -10,7 +10,7 @@ reconstruction is ~0).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -25,6 +25,32 @@ def factored_norm(B: Tensor, A: Tensor) -> Tensor:
     cdtype = compute_dtype(B.dtype)
     R_B = torch.linalg.qr(B.to(cdtype), mode="r").R  # (*, min(d, r), r)
     return torch.linalg.matrix_norm(R_B @ A.to(cdtype))
+
+
+PART = {"B": 0, "A": 1}  # an uploaded factor part's index in a (B, A) pair
+
+
+def product_sq_norm(factors: Mapping[str, tuple[Tensor, Tensor]]) -> float:
+    """``sum_m ||B_m A_m||_F^2`` over the modules of ``{name: (B, A)}`` (the squared Frobenius norm of a whole
+    update), from the factors (:func:`factored_norm`, in the factors' compute precision: pass float64 factors for a
+    float64 norm, as the DP clip does), summed as a Python float."""
+    return sum(float(factored_norm(B, A)) ** 2 for B, A in factors.values())
+
+
+def change_sq_norm(factors: Mapping[str, tuple[Tensor, Tensor]], start: Mapping[str, tuple[Tensor, Tensor]],
+                   parts: Sequence[str]) -> float:  # fmt: skip
+    """``sum_m sum_{X in parts} ||X_m - X_m^0||_F^2`` in float64: the change of the uploaded factor ``parts``
+    (``"B"``, ``"A"``) from ``start``, what client-level DP clips for factor-averaging methods and what the
+    diagnostics report as ``change_norm`` (one function, so the clip a user sets from the diagnostic is the one
+    applied). ValueError where a part's shape differs from its start's."""
+    sq = 0.0
+    for name, pair in factors.items():
+        for part in parts:
+            x, x0 = pair[PART[part]], start[name][PART[part]]
+            if x.shape != x0.shape:
+                raise ValueError(f"{name} {part}: shape {tuple(x.shape)}, started from {tuple(x0.shape)}")
+            sq += float((x.double() - x0.double()).pow(2).sum())
+    return sq
 
 
 def aggregation_error(

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 from torch import Generator, Tensor
 
-from fs_fedpa.core.diagnostics import factored_norm
+from fs_fedpa.core.diagnostics import PART, change_sq_norm, product_sq_norm
 
 
 class SecureGenerator:
@@ -145,10 +145,10 @@ def release_products(uploads: Sequence[dict[str, tuple[Tensor, Tensor]]], shapes
                      C: float, z: float, generator: Generator) -> tuple[dict[str, Tensor], list[float]]:  # fmt: skip
     """Client-level release of product-space methods: per module the (d, k) noisy mean
     ``(1/K) sum_i c_i B_i A_i + N(0, (z C / K)^2)``, each client's whole update ``{B_i A_i}`` over modules clipped to
-    Frobenius norm C (norms from the factors in float64, :func:`~fs_fedpa.core.diagnostics.factored_norm`); also
+    Frobenius norm C (norms from the factors in float64, :func:`~fs_fedpa.core.diagnostics.product_sq_norm`); also
     the c_i. ``uploads``: applied factors, at most K of them (a missing client contributes zero); ``shapes[name] =
     (d, k)``."""
-    scales = [clip_scale(sum(float(factored_norm(B.double(), A.double())) ** 2 for B, A in u.values()), C)
+    scales = [clip_scale(product_sq_norm({n: (B.double(), A.double()) for n, (B, A) in u.items()}), C)
               for u in uploads]  # fmt: skip
     std = z * C / K
     like = next(iter(uploads[0].values()))[0] if uploads else torch.zeros(())
@@ -167,15 +167,14 @@ def release_changes(uploads: Sequence[dict[str, tuple[Tensor, Tensor]]], starts:
     (``starts[i]``, the factors it received) and each client's change over all modules and parts is clipped to
     Frobenius norm C; also the c_i. ``starts`` must hold one entry per upload, or one for all (``len == 1``) when there
     are none."""
-    index = {"B": 0, "A": 1}
-    changes = [{(n, p): u[n][index[p]].double() - s[n][index[p]].double() for n in u for p in parts}
+    changes = [{(n, p): u[n][PART[p]].double() - s[n][PART[p]].double() for n in u for p in parts}
                for u, s in zip(uploads, starts)]  # fmt: skip
-    scales = [clip_scale(sum(float(t.pow(2).sum()) for t in change.values()), C) for change in changes]
+    scales = [clip_scale(change_sq_norm(u, s, parts), C) for u, s in zip(uploads, starts)]
     std = z * C / K
     release: dict[str, dict[str, Tensor]] = {}
     for name, pair in starts[0].items():
         release[name] = {}
         for p in parts:
-            like = pair[index[p]]
+            like = pair[PART[p]]
             release[name][p] = noisy_mean([c[(name, p)] for c in changes], scales, K, std, generator, like)
     return release, scales

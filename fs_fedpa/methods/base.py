@@ -31,6 +31,7 @@ from torch import Generator, Tensor
 
 from fs_fedpa import lora
 from fs_fedpa.config import FedPAConfig
+from fs_fedpa.core.diagnostics import PART
 from fs_fedpa.core.ranks import RankPlan, init_global_factors, truncate_factors
 from fs_fedpa.core.reconstruct import _pad_rank, _svd_pairs
 from fs_fedpa.lora import Factors
@@ -129,12 +130,11 @@ class FederatedMethod:
             for name, M in release.items():
                 out[name], spectra[name] = _top_factors(M, self.plan.R_g, self.cfg, generator)
             return out, spectra
-        index = {"B": 0, "A": 1}
         out = {}
         for name, (B, A) in global_.items():
             pair = [B, A]
             for part, change in release[name].items():
-                pair[index[part]] = pair[index[part]] + change.to(pair[index[part]])
+                pair[PART[part]] = pair[PART[part]] + change.to(pair[PART[part]])
             out[name] = (pair[0], pair[1])
         return out, {}
 

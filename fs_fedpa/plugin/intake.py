@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from fs_fedpa.core.diagnostics import factored_norm
+from fs_fedpa.core.diagnostics import product_sq_norm
 from fs_fedpa.core.uploads import upload_problem
 from fs_fedpa.lora import Factors
 from fs_fedpa.plugin.payload import decode_parts, decode_tensors, shown
@@ -282,4 +282,4 @@ def norm_outliers(norms: list[float], factor: float) -> list[int]:
 
 def update_norm(factors: Factors) -> float:
     """``||Delta W_i||_F`` over all LoRA modules, ``sqrt(sum ||B A||_F^2)``, without forming a product."""
-    return math.sqrt(sum(float(factored_norm(B, A)) ** 2 for B, A in factors.values()))
+    return math.sqrt(product_sq_norm(factors))

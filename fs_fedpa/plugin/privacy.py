@@ -20,7 +20,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from fs_fedpa.core.diagnostics import factored_norm
+from fs_fedpa.core.diagnostics import product_sq_norm
 from fs_fedpa.core.dp import dp_generator, release_changes, release_products
 from fs_fedpa.core.dp import sample_without_replacement as _sample
 from fs_fedpa.core.ranks import truncate_factors
@@ -379,7 +379,7 @@ def private_record(server, clients: list[int], new_global, spectra, release) -> 
     _blank_aggregate(record)
     if server.method.cfg.diagnostics:
         expanded = server.method.expand(new_global)
-        global_sq = sum(float(factored_norm(B, A)) ** 2 for B, A in expanded.values())
+        global_sq = product_sq_norm(expanded)
         record.global_norm = global_sq**0.5
         if server.method.dp_space == "product":
             errors = {n: float(torch.linalg.matrix_norm(M.double() - B.double() @ A.double()))

@@ -15,6 +15,7 @@ from torch import Tensor
 from fs_fedpa.core.diagnostics import (
     aggregate_norm,
     aggregation_error,
+    change_sq_norm,
     factored_norm,
     initialization_error,
     product_distance,
@@ -67,15 +68,10 @@ class ClientDiagnostics:
         start = getattr(self, "_start", None)
         if not start or not self.method.state_is_factors or self._fold is not None:
             return {}
-        start = self.space.upload(start)
-        parts = [("B", "A").index(p) for p in self.method.upload_parts(self.state)]
-        sq = 0.0
-        for name in sent:
-            for i in parts:
-                x, x0 = sent[name][i].double(), start[name][i].double()
-                if x.shape != x0.shape:
-                    return {}
-                sq += float((x - x0).pow(2).sum())
+        try:
+            sq = change_sq_norm(sent, self.space.upload(start), self.method.upload_parts(self.state))
+        except ValueError:  # a part whose shape changed in the round (a pruned rank): no change to measure
+            return {}
         return {"change_norm": sq**0.5}
 
     def _staleness(self, received) -> dict[str, float]:

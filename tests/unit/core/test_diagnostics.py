@@ -151,3 +151,24 @@ def test_gradient_split_matches_separate_autograd_of_the_task_loss_and_the_align
     assert norms["first"] == pytest.approx(expected[0], rel=1e-5)
     assert norms["last"] == pytest.approx(expected[-1], rel=1e-5)
     assert not B._backward_hooks  # hooks are gone after close
+
+
+def test_the_whole_update_norms_equal_the_dense_computation():
+    """product_sq_norm: sum over modules of ||B A||_F^2; change_sq_norm: of ||X - X0||_F^2 over the uploaded parts (the
+    quantity client-level DP clips and the diagnostics call change_norm); both against dense float64 sums."""
+    import pytest
+
+    from fs_fedpa.core.diagnostics import change_sq_norm, product_sq_norm
+
+    g = torch.Generator().manual_seed(5)
+    now = {m: (torch.randn(7, 3, generator=g), torch.randn(3, 5, generator=g)) for m in ("q", "v")}
+    start = {m: (torch.randn(7, 3, generator=g), torch.randn(3, 5, generator=g)) for m in ("q", "v")}
+    dense = sum(float((B.double() @ A.double()).pow(2).sum()) for B, A in now.values())
+    assert product_sq_norm(now) == pytest.approx(dense, rel=1e-6)  # float32 factors: float32 QR
+    double = {m: (B.double(), A.double()) for m, (B, A) in now.items()}
+    assert product_sq_norm(double) == pytest.approx(dense, rel=1e-12)
+    for parts, idx in ((["B"], (0,)), (["A"], (1,)), (["B", "A"], (0, 1))):
+        want = sum(float((now[m][i].double() - start[m][i].double()).pow(2).sum()) for m in now for i in idx)
+        assert change_sq_norm(now, start, parts) == pytest.approx(want, rel=1e-12)
+    with pytest.raises(ValueError, match="q B: shape"):
+        change_sq_norm({"q": (torch.zeros(7, 2), torch.zeros(2, 5))}, start, ["B"])
