@@ -99,6 +99,7 @@ def run_one(cfg: str, cell: Cell, seed: int, out: Path, opts: list[str], total_r
     fs_opts = ["federate.method", cell.method, "seed", str(seed), "outdir", str(out), "expname", "run"]
     overrides = fs_overrides(["federate.save_to", "", *opts, *cell.opts, *fs_opts])
     cmd = [sys.executable, "-m", "federatedscope.main", "--cfg", cfg, *overrides]
+    commit = code_commit()  # the code the run imports now; the checkout may move on while it trains
     start = time.time()
     with (
         open(out / "fs.log", "w") as log,
@@ -118,7 +119,7 @@ def run_one(cfg: str, cell: Cell, seed: int, out: Path, opts: list[str], total_r
     if cpu is not None:
         result["cpu_seconds"] = round(cpu, 1)
     result["torch"] = _version("torch")  # the thread count and the torch build change results at the rounding level
-    result["commit"] = code_commit()
+    result["commit"] = commit
     result["host"] = host_record()
     (out / "result.json").write_text(json.dumps(result))
     return seconds

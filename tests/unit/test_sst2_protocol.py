@@ -737,3 +737,25 @@ def test_the_runner_fills_its_job_slots_from_every_decided_part_of_a_stage(tmp_p
     assert sc.main([*argv, "--cell", "partial30_*"]) == 0
     first = sorted(["partial30_fedpa", *(f"partial30_{m}_dp" for m in sp.CLIENT_DP_METHODS[1:])])
     assert batches == [first, ["partial30_fedpa_dp"]]
+
+
+def test_a_run_records_the_commit_of_the_code_it_started_with(tmp_path, monkeypatch):
+    """The checkout may move on while a run trains for half an hour; the run file names the commit its processes
+    imported at the start, not the one checked out when it finished (every run file of issue 57's first grid named
+    the later one)."""
+    import subprocess
+    import sys
+
+    from fs_fedpa import compare
+
+    commits = iter(["at-start", "at-end"])
+    monkeypatch.setattr(compare, "code_commit", lambda: next(commits))
+    real = subprocess.Popen
+
+    def fake_fs(cmd, **kw):  # FS's place: one round line, then exit 0
+        return real([sys.executable, "-c", "print('Starting training (Round #0)')"], **kw)
+
+    monkeypatch.setattr(compare.subprocess, "Popen", fake_fs)
+    cell = compare.Cell("fedpa", "fedpa", ())
+    assert compare.run_one("cfg.yaml", cell, 0, tmp_path / "run", [], "1") is not None
+    assert json.loads((tmp_path / "run" / "result.json").read_text())["commit"] == "at-start"
