@@ -112,7 +112,8 @@ def seed_warning(dp_seed: int) -> str | None:
 def accounting_settings(cfg) -> dict:
     """The settings the privacy accounting of a run's past rounds depends on, compared when it resumes: a resume
     with other values would have the accountant recompute the rounds already released at the new ones (its epsilon
-    could go down), so it is refused naming the key. Empty without DP."""
+    could go down), so it is refused naming the key. Without DP only ``dp_mode`` (a run may not switch DP on or off
+    across a resume)."""
     fedpa = cfg.fedpa
     if fedpa.dp_mode == "none":
         return {"fedpa.dp_mode": "none"}
@@ -406,7 +407,7 @@ class ClientPrivacy:
             def plan(n: int) -> SamplePlan:
                 return sample_plan(client._cfg, n, routines(client.method))
 
-            def make_generator(routine: int) -> torch.Generator:
+            def make_generator(routine: int):  # a torch.Generator or a SecureGenerator (dp_generator)
                 stream = f"client {client.ID} round {client.state} routine {routine}"
                 return dp_generator(fedpa.dp_seed, stream, fedpa.dp_secure_rng)
 
