@@ -40,25 +40,28 @@ def split_values(results: dict, method: str, beta: float, metric: str) -> dict[i
     return out
 
 
-def split_differences(results: dict, beta: float, metric: str, theirs: str | None = None) -> dict[int, list[float]]:
+def split_differences(results: dict, beta: float, metric: str, theirs: str | None = None,
+                      splits: tuple[int, ...] | None = None) -> dict[int, list[float]]:  # fmt: skip
     """split seed -> the paired differences FedPA-LoRA's ``metric`` − FedIT's ``theirs`` (default: the same
-    metric) over the seeds both ran on that split."""
+    metric) over the seeds both ran on that split; over ``splits`` only where given (e.g. issue 41's three)."""
     ours = split_values(results, sp.SPLITS_ARMS[0], beta, metric)
     other = split_values(results, sp.SPLITS_ARMS[1], beta, theirs or metric)
     out = {}
-    for split in sp.split_seeds(beta):
+    for split in splits or sp.split_seeds(beta):
         seeds = sorted(set(ours.get(split, {})) & set(other.get(split, {})))
         if seeds:
             out[split] = [ours[split][s] - other[split][s] for s in seeds]
     return out
 
 
-def split_analysis(results: dict, beta: float, metric: str, theirs: str | None = None) -> dict:
+def split_analysis(results: dict, beta: float, metric: str, theirs: str | None = None,
+                   splits: tuple[int, ...] | None = None) -> dict:  # fmt: skip
     """Per split: n, mean, the paired t interval (n >= 2), its verdict and how many seeds FedPA-LoRA is ahead in.
     Across the splits that have at least 2 seeds (at least 2 such splits): ``"across"``, the t interval on the split
     means (:func:`fs_fedpa.protocol.split_means_interval`: generalises to new splits), ``"fixed"``, the fixed-split
-    interval (these splits only), and the split's variance component (:func:`fs_fedpa.protocol.split_variance`)."""
-    differences = split_differences(results, beta, metric, theirs)
+    interval (these splits only), and the split's variance component (:func:`fs_fedpa.protocol.split_variance`).
+    ``splits``: only these split seeds (default: every split of the stage at ``beta``)."""
+    differences = split_differences(results, beta, metric, theirs, splits)
     per_split = {}
     for split, d in differences.items():
         row = {
@@ -195,7 +198,8 @@ def verdict_rows(results: dict) -> list[dict]:
         by_metric = {m: {"fedit": across[label]} for label, b, m, theirs in ACROSS_SPLITS
                      if b == beta and m == theirs and label in across}  # fmt: skip
         if by_metric:
-            add(f"β = {beta:g} across client splits (t on split means)", by_metric)
+            k = next(iter(by_metric.values()))["fedit"]["splits"]
+            add(f"β = {beta:g} across client splits (t on {k} split means)", by_metric)
     return rows
 
 

@@ -105,6 +105,7 @@ def test_the_verdict_figure_draws_a_raw_win_that_fails_holm_hollow(tmp_path, mon
 
     rows = sv.verdict_rows(_splits_results({12345: 0.015, 1: 0.03, 2: 0.02}))
     (row,) = [r for r in rows if r["setting"].startswith("β = 0.1 across client splits")]
+    assert row["setting"] == "β = 0.1 across client splits (t on 3 split means)"
     paper = row["val_acc"]
     assert paper["verdict"] == "wins" and paper["holm"] == "ties"
     from scipy import stats
