@@ -67,7 +67,7 @@ class FedPAAggregator(Aggregator):
                     )
         if server.privacy is not None:
             if server.privacy.samples_clients:  # client-level DP: every round releases, whatever arrived
-                return self._aggregate_private(accepted, dropped, bytes_up)
+                return self._aggregate_private(accepted)
             server.privacy.account(server.state, sorted(server._expected), {c: a.stats for c, a in accepted.items()})
         cfg = server.method.cfg
         if cfg.norm_outlier and accepted:
@@ -126,7 +126,7 @@ class FedPAAggregator(Aggregator):
             )
         return {}
 
-    def _aggregate_private(self, accepted: dict, dropped: dict, bytes_up: dict) -> dict:
+    def _aggregate_private(self, accepted: dict) -> dict:
         """Client-level DP (:mod:`fs_fedpa.plugin.privacy`): the noisy mean of the clipped contributions over the fixed
         K, the method's server step on it, and a record of the release only."""
         server = self.server

@@ -582,9 +582,7 @@ def splits_section(results: dict) -> list[str]:
                          + " | ".join(_interval_text(f["fixed"]) for f in across) + " |")  # fmt: skip
             lines.append("| split variance: sd_split, sd_seed (points); F, p (df); ratio σ²_split/σ²_seed, 95% | "
                          + " | ".join(_variance_text(f["variance"]) for f in across) + " |")  # fmt: skip
-            more = [s for s in sp.split_seeds(beta) if s not in sp.SPLIT_SEEDS and found[(beta, METRICS[0])]["splits"]
-                    .get(s, {}).get("n", 0) >= 2]  # fmt: skip
-            if more:  # issue 57's splits are in (some or all): issue 41's three-split result stays printed
+            if across[0]["across"]["splits"] > len(sp.SPLIT_SEEDS):  # issue 57's are in: issue 41's stays printed
                 first = [sv.split_analysis(results, beta, m, splits=sp.SPLIT_SEEDS)["across"] for m in METRICS]
                 lines.append(f"| issue 41's three splits only: t on the split means ({first[0]['df']} df) | "
                              + " | ".join(_interval_text(f) for f in first) + " |")  # fmt: skip
