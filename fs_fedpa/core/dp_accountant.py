@@ -1,11 +1,39 @@
 """Privacy accounting with Google's ``dp-accounting`` (the ``dp`` extra; imported only when DP is on).
 
-Both mechanisms of :mod:`fs_fedpa.core.dp` sample a fixed-size subset without replacement (K of N clients a round,
-b of n_i records a step) and are analysed under replace-one adjacency, the relation ``dp-accounting`` supports for
-that sampling. Replacing one member moves the released sum by up to 2C while the noise is z C, so the event the
-accountant composes is ``SampledWithoutReplacement(N, K, Gaussian(z / 2))``, ``count`` times, with the RDP
-accountant. ``dp-accounting``'s Gaussian takes unit sensitivity: passing z would state an epsilon that holds only
-for add/remove adjacency, which fixed-size sampling does not give.
+Both mechanisms of :mod:`fs_fedpa.core.dp` release a sum of members clipped to C plus N(0, (z C)^2) (divided by the
+fixed or expected sample size, which changes nothing here). Two samplings, each with the adjacency it supports
+(``fedpa.dp_sampling``):
+
+- ``wor``: a fixed-size subset without replacement (K of N clients, b of n_i records), replace-one adjacency.
+  Replacing one member moves the sum by up to 2C, so the Gaussian the accountant sees has sensitivity 2, i.e.
+  multiplier z / 2 at unit sensitivity. Passing z would state an epsilon that holds only for add/remove adjacency.
+- ``poisson``: each member included independently at rate q = K/N or b/n_i, add/remove adjacency (the convention of
+  Opacus, TF Privacy and the DP fine-tuning papers): sensitivity C, multiplier z.
+
+Two accountants (``fedpa.dp_accountant``), both valid upper bounds on the same mechanism:
+
+- ``rdp``: dp-accounting's RDP accountant with its event for the sampling (``SampledWithoutReplacement`` under
+  REPLACE_ONE, or ``PoissonSampled`` under ADD_OR_REMOVE_ONE).
+- ``pld``: the privacy loss distribution (PLD) of a dominating pair, composed by FFT, pessimistic rounding at
+  :data:`PLD_INTERVAL` (every rounding only raises delta, so the bound stays valid). Poisson: dp-accounting's own
+  pair for the subsampled Gaussian, both the remove and the add direction. Without replacement, replace-one, it is
+  built here (dp-accounting's PLD accountant has no such event; docs/privacy.md gives the proof in full):
+
+  1. In units of C, the base Gaussian on a sum is dominated under replace-one by P = N(2, z^2), Q = N(0, z^2).
+     Sampling b of n without replacement, q = b / n: for alpha >= 1 and either order of a neighbouring pair,
+     H_alpha <= q H_alpha'(P || Q) = H_alpha(R), R = (q P + (1 - q) Q, Q), by the advanced joint convexity and the
+     couplings of Balle, Barthe and Gaboardi (NeurIPS 2018); Zhu, Dong and Wang (AISTATS 2022) state the same pair.
+  2. For alpha < 1, H_alpha(X || Y) = 1 - alpha + alpha H_{1/alpha}(Y || X), and replace-one is symmetric, so the
+     bound there is that of the reversed pair R^rev = (Q, q P + (1 - q) Q). The profile "R above 1, R^rev below" is
+     a symmetric pair's (Dong, Roth and Su's min{f_p, f_p^-1}** for sampling without replacement); composing R alone
+     for both orders, as a Poisson remove-PLD would, is not justified.
+  3. A symmetric pair's PLD is fixed by its positive losses: mass w at loss l > 0 comes with mass e^-l w at -l, and
+     what is left sits at 0. The positive losses are R's, taken from dp-accounting's pessimistic PLD of the subsampled
+     Gaussian (REMOVE, sensitivity 2), so the pair built here dominates the mechanism at every alpha, and
+     compositions of it bound the run (dominating pairs compose, Zhu, Dong and Wang, adaptively).
+
+  tests/unit/test_dp_accountant.py checks it against hockey-stick divergences integrated by hand (one and two
+  releases, the worst datasets of a small case) and against the RDP bound, which it never exceeds.
 """
 
 from __future__ import annotations
@@ -13,9 +41,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-ACCOUNTANT = "rdp"
-ADJACENCY = "replace_one"
-SAMPLING = "wor"
+ACCOUNTANTS = ("rdp", "pld")
+SAMPLINGS = ("wor", "poisson")
+ADJACENCY = {"wor": "replace_one", "poisson": "add_remove"}
+PLD_INTERVAL = 1e-3  # the PLD's loss grid: 1e-4 moved no epsilon of the protocol's runs by 1e-4, at 10x the time
 
 
 def _dpa():
@@ -36,25 +65,58 @@ def version() -> str:
     return f"dp-accounting {installed('dp-accounting')}"
 
 
+def describe(accounting: str) -> str:
+    """The ledger's name of an accountant: ``"rdp, dp-accounting 0.6.0"``."""
+    return f"{accounting}, {version()}"
+
+
 @dataclass(frozen=True)
 class Sampled:
-    """One kind of event: ``sample_size`` of ``population`` without replacement, Gaussian noise multiplier ``z``
-    (standard deviation z C on a sum of members clipped to C)."""
+    """One kind of event: ``sample_size`` of ``population`` a release (fixed size without replacement, or Poisson at
+    rate sample_size / population), Gaussian noise multiplier ``z`` (standard deviation z C on a sum of members
+    clipped to C), accounted with ``accounting``."""
 
     population: int
     sample_size: int
     z: float
+    sampling: str = "wor"
+    accounting: str = "rdp"
+
+    def __post_init__(self):
+        if self.sampling not in SAMPLINGS:
+            raise ValueError(f"dp sampling {self.sampling!r} must be one of {SAMPLINGS}")
+        if self.accounting not in ACCOUNTANTS:
+            raise ValueError(f"dp accountant {self.accounting!r} must be one of {ACCOUNTANTS}")
+
+    @property
+    def rate(self) -> float:
+        """q: the chance that a given member is in a release."""
+        return min(1.0, self.sample_size / self.population)
+
+    @property
+    def adjacency(self) -> str:
+        return ADJACENCY[self.sampling]
+
+    @property
+    def sensitivity(self) -> float:
+        """How far one member moves the released sum, in units of C: 2 (replace-one), 1 (add/remove)."""
+        return 2.0 if self.sampling == "wor" else 1.0
 
     @property
     def accountant_z(self) -> float:
-        """The multiplier the accountant composes: z / 2 (replace-one sensitivity 2C)."""
-        return self.z / 2
+        """The multiplier of the unit-sensitivity Gaussian the accountant composes: z / 2 or z."""
+        return self.z / self.sensitivity
 
     def event(self, count: int):
+        """dp-accounting's event for ``count`` releases (the RDP accountant's input)."""
         dpa, _ = _dpa()
         gaussian = dpa.GaussianDpEvent(self.accountant_z)
-        one = gaussian if self.sample_size >= self.population else dpa.SampledWithoutReplacementDpEvent(
-            self.population, self.sample_size, gaussian)  # fmt: skip
+        if self.rate >= 1:
+            one = gaussian
+        elif self.sampling == "wor":
+            one = dpa.SampledWithoutReplacementDpEvent(self.population, self.sample_size, gaussian)
+        else:
+            one = dpa.PoissonSampledDpEvent(self.rate, gaussian)
         return dpa.SelfComposedDpEvent(one, count)
 
     def epsilon(self, count: int, delta: float) -> float:
@@ -64,14 +126,23 @@ class Sampled:
     def accountant(self, count: int):
         """The RDP accountant with ``count`` events composed (its orders and RDP values, for a check by hand)."""
         dpa, rdp = _dpa()
-        accountant = rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
+        relation = (dpa.NeighboringRelation.REPLACE_ONE if self.sampling == "wor"
+                    else dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)  # fmt: skip
+        accountant = rdp.RdpAccountant(neighboring_relation=relation)
         return accountant.compose(self.event(count)) if count else accountant
+
+    def pld(self):
+        """The privacy loss distribution of one event (module docstring): dp-accounting's
+        ``PrivacyLossDistribution``, pessimistic at :data:`PLD_INTERVAL`."""
+        return _pld_one(self)
 
 
 @lru_cache(maxsize=4096)
 def _epsilon(kind: Sampled, count: int, delta: float) -> float:
     if count <= 0:
         return 0.0
+    if kind.accounting == "pld":
+        return float(kind.pld().self_compose(count).get_epsilon_for_delta(delta))
     _, rdp = _dpa()
     orders, one = _rdp_one(kind)
     return float(rdp.compute_epsilon(orders, [count * r for r in one], delta)[0])
@@ -86,18 +157,64 @@ def _rdp_one(kind: Sampled) -> tuple[tuple[float, ...], tuple[float, ...]]:
     return tuple(float(o) for o in accountant.orders), tuple(float(r) for r in accountant.rdp)
 
 
-def calibrate(population: int, sample_size: int, count: int, target_epsilon: float, delta: float) -> float:
+@lru_cache(maxsize=256)
+def _pld_one(kind: Sampled):
+    _dpa()
+    from dp_accounting.pld import privacy_loss_distribution as pld
+    from dp_accounting.pld import privacy_loss_mechanism as mechanism
+
+    if kind.sampling == "poisson":
+        return pld.from_gaussian_mechanism(kind.z, sensitivity=1.0, sampling_prob=kind.rate,
+                                           value_discretization_interval=PLD_INTERVAL)  # fmt: skip
+    return pld.PrivacyLossDistribution(_symmetric_wor_pmf(kind.z, kind.rate))
+
+
+def _symmetric_wor_pmf(z: float, q: float):
+    """The PLD pmf of step 3 of the module docstring: R's positive losses (pessimistic), mirrored with weight e^-l,
+    the rest of the mass at loss 0."""
+    import numpy as np
+    from dp_accounting.pld import pld_pmf
+    from dp_accounting.pld import privacy_loss_distribution as pld
+    from dp_accounting.pld import privacy_loss_mechanism as mechanism
+
+    loss = mechanism.GaussianPrivacyLoss(z, sensitivity=2.0, pessimistic_estimate=True, sampling_prob=q,
+                                         adjacency_type=mechanism.AdjacencyType.REMOVE)  # fmt: skip
+    # dp-accounting builds a pmf from a privacy loss only through this private helper (its public from_* functions
+    # take mechanisms and relations, none of them this pair); the tests pin what it gives
+    remove = pld._create_pld_pmf_from_monotone_privacy_loss(loss, pessimistic_estimate=True,
+                                                            value_discretization_interval=PLD_INTERVAL,
+                                                            use_connect_dots=True).to_dense_pmf()  # fmt: skip
+    step, low, probs = remove._discretization, remove._lower_loss, np.asarray(remove._probs, dtype=np.float64)
+    index = np.arange(low, low + len(probs))
+    top = int(index[-1]) if len(index) and index[-1] > 0 else 0
+    positive = np.zeros(top + 1)
+    keep = index > 0
+    positive[index[keep]] = probs[keep]
+    mirrored = positive[1:][::-1] * np.exp(-step * np.arange(top, 0, -1))  # losses -top .. -1
+    rest = 1.0 - positive.sum() - mirrored.sum() - remove._infinity_mass
+    if rest < -1e-9:
+        raise ArithmeticError(f"the symmetric PLD at z={z:g}, q={q:g} has mass {1 - rest:.12g} > 1")
+    dense = np.concatenate([mirrored, [max(rest, 0.0)], positive[1:]])
+    return pld_pmf.DensePLDPmf(step, -top, dense, remove._infinity_mass, pessimistic_estimate=True)
+
+
+def calibrate(population: int, sample_size: int, count: int, target_epsilon: float, delta: float,
+              sampling: str = "wor", accounting: str = "rdp") -> float:  # fmt: skip
     """The smallest z (to 0.5 %) whose ``count`` events give at most ``target_epsilon`` at ``delta``."""
     if count <= 0:
         raise ValueError("calibrating a noise multiplier needs at least one event")
+
+    def spent(z: float) -> float:
+        return Sampled(population, sample_size, z, sampling, accounting).epsilon(count, delta)
+
     lo, hi = 1e-3, 1.0
-    while Sampled(population, sample_size, hi).epsilon(count, delta) > target_epsilon:
+    while spent(hi) > target_epsilon:
         lo, hi = hi, hi * 2
         if hi > 1e6:
             raise ValueError(f"no noise multiplier reaches epsilon {target_epsilon:g} at delta {delta:g}")
     while hi - lo > 5e-3 * hi:
         mid = (lo + hi) / 2
-        if Sampled(population, sample_size, mid).epsilon(count, delta) > target_epsilon:
+        if spent(mid) > target_epsilon:
             lo = mid
         else:
             hi = mid
@@ -107,9 +224,9 @@ def calibrate(population: int, sample_size: int, count: int, target_epsilon: flo
 def poisson_add_remove_epsilon(rate: float, z: float, count: int, delta: float) -> float:
     """epsilon at ``delta`` of ``count`` steps read in the convention of Opacus, TF Privacy and the DP fine-tuning
     papers: each member included independently with probability ``rate`` (Poisson sampling), add/remove adjacency,
-    so the Gaussian's multiplier is z itself (sensitivity C); dp-accounting's RDP accountant. A different guarantee
-    from the plugin's (fixed-size sampling, replace-one, z/2): it serves to compare the same noise with published
-    numbers, never as the run's guarantee."""
+    so the Gaussian's multiplier is z itself (sensitivity C); dp-accounting's RDP accountant. For a run made with
+    ``wor`` sampling this is a different guarantee from the run's own: it serves to compare the same noise with
+    published numbers, never as that run's guarantee."""
     if count <= 0:
         return 0.0
     dpa, rdp = _dpa()
