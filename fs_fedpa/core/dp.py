@@ -1,12 +1,15 @@
 """The Gaussian mechanisms of differential privacy, in plain torch (docs/privacy.md).
 
-Client level (a trusted server): K of N clients are sampled without replacement; each contribution x_i is clipped
+Client level (a trusted server): K of N clients are sampled without replacement (``fedpa.dp_sampling wor``; with
+``poisson`` each client is in at rate K/N and K below is the expected count); each contribution x_i is clipped
 to ``||x_i|| <= C`` (c_i = min(1, C / ||x_i||)); the release is ``(1/K) sum_i c_i x_i + N(0, (z C / K)^2 I)``, with
 the fixed K in the denominator whatever arrived. Replacing one client moves the mean by at most ``2C/K``, so the
-accountant sees the noise multiplier z/2 (:mod:`fs_fedpa.core.dp_accountant`).
+accountant sees the noise multiplier z/2 (under Poisson sampling, adding or removing one: ``C/K`` and z;
+:mod:`fs_fedpa.core.dp_accountant`).
 
-Sample level (DP-SGD on a client): b of its n_i records are drawn without replacement at every step; the per-example
-gradients g_j are clipped to C (:func:`add_clipped`) and the step uses ``(sum_j c_j g_j + N(0, (z C)^2 I)) / b``.
+Sample level (DP-SGD on a client): b of its n_i records are drawn without replacement at every step (or each record
+at rate b/n_i, and b is the expected count); the per-example gradients g_j are clipped to C (:func:`add_clipped`)
+and the step uses ``(sum_j c_j g_j + N(0, (z C)^2 I)) / b``.
 
 Every draw comes from the ``generator`` handed in (the DP generator, :func:`dp_generator`), on the host: noise is
 then moved to the tensor's device, so a run's randomness does not depend on where it computes. Without a seed that
@@ -82,6 +85,18 @@ def sample_without_replacement(population: int, size: int, generator: Generator)
     if isinstance(generator, SecureGenerator):
         return generator.sample(population, size)
     return sorted(torch.randperm(population, generator=generator)[:size].tolist())
+
+
+def sample_poisson(population: int, rate: float, generator: Generator | SecureGenerator) -> list[int]:
+    """Poisson sampling: each of ``range(population)`` in independently with probability ``rate``, sorted (the
+    sample size is random, possibly 0)."""
+    if rate >= 1:
+        return list(range(population))
+    if isinstance(generator, SecureGenerator):
+        u = generator._uniform(population)
+    else:
+        u = torch.rand(population, generator=generator, dtype=torch.float64)
+    return torch.nonzero(u < rate).flatten().tolist()
 
 
 def clip_scale(sq_norm: float, C: float) -> float:

@@ -2,7 +2,8 @@
 ``GeneralTorchTrainer`` (FS-LLM's ``llmtrainer`` and the plugin's ``seqcls``).
 
 At every step, in place of the batch FS's shuffled, cycled loader gave (which matches no sampling an accountant
-knows): b of the client's n_i records drawn uniformly without replacement from the DP generator; the gradient of each
+knows): b of the client's n_i records drawn uniformly without replacement from the DP generator, or each record at
+rate b/n_i (``fedpa.dp_sampling poisson``, b then the expected size); the gradient of each
 record's task loss over every trainable tensor (LoRA factors and head) clipped to C; the sum plus N(0, (z C)^2),
 divided by b, is the step's task gradient. What does not touch the data, FedPA-LoRA's alignment term at a fixed lambda
 and FS's parameter regularizer, is differentiated as usual and added after clipping and noise.
@@ -27,7 +28,7 @@ from federatedscope.core.trainers.context import CtxVar
 from federatedscope.core.trainers.enums import LIFECYCLE
 from torch import Tensor
 
-from fs_fedpa.core.dp import add_clipped, gaussian, sample_without_replacement
+from fs_fedpa.core.dp import add_clipped, gaussian, sample_poisson, sample_without_replacement
 from fs_fedpa.core.per_example import LinearTaps, check_sum, clipped_sum, linear_owners, per_example_grads
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
@@ -49,8 +50,10 @@ class DPSGD:
         self._make_generator, self._generator = make_generator, None
         self.round_steps = 0  # DP steps of the round: never more than its plan, which the accounting covers
         self.round_nonfinite = 0  # records of the round whose gradient norm was not finite: they contributed zero
+        self.round_empty = 0  # steps of the round whose Poisson draw held no record
         self._grad_sum: list[Tensor] = []
         self._plan = None
+        self._empty = False  # this step's Poisson draw was empty
         self._routine = 0
         forward = [h for h in trainer.hooks_in_train["on_batch_forward"] if h.__name__ == "_hook_on_batch_forward"]
         backward = [h for h in trainer.hooks_in_train["on_batch_backward"] if h.__name__ == "_hook_on_batch_backward"]
@@ -64,6 +67,7 @@ class DPSGD:
         trainer.replace_hook_in_train(self._hook_on_batch_forward_dp, "on_batch_forward", "_hook_on_batch_forward")
         trainer.replace_hook_in_train(self._hook_on_batch_backward_dp, "on_batch_backward", "_hook_on_batch_backward")
         trainer.register_hook_in_train(new_hook=self._hook_on_fit_start_dp, trigger="on_fit_start")
+        trainer.register_hook_in_train(new_hook=self._hook_on_fit_end_dp, trigger="on_fit_end", insert_pos=0)
 
     @property
     def generator(self) -> torch.Generator:
@@ -76,19 +80,33 @@ class DPSGD:
         self._routine = 0
         self.round_steps = 0
         self.round_nonfinite = 0
+        self.round_empty = 0
 
     def _hook_on_fit_start_dp(self, ctx):
         self._generator = self._make_generator(self._routine)
         self._routine += 1
 
+    def _hook_on_fit_end_dp(self, ctx):
+        """A routine whose every Poisson draw was empty trained on no record; FS's average loss divides by the
+        records seen, so it is told of one (with loss 0) rather than fail the client's round."""
+        if ctx.get("num_samples") == 0 and self._empty:
+            ctx.num_samples = CtxVar(1, LIFECYCLE.ROUTINE)
+
     def _hook_on_batch_start_dp_sample(self, ctx):
-        """Replace FS's batch by b records drawn without replacement (the event the accountant composes)."""
+        """Replace FS's batch by b records drawn without replacement, or by each record at rate b/n (Poisson): the
+        event the accountant composes. A Poisson draw may be empty; the step is then the noise alone, and the batch
+        FS sees is one record that the forward hook only looks at for the shapes of its outputs."""
         loader = ctx.get(f"{ctx.cur_split}_loader")
         loader = getattr(loader, "loader", loader)  # FS's ReIterator around a torch DataLoader
         n = len(loader.dataset)
         plan = self._plan = self.plan(n)
-        chosen = sample_without_replacement(n, plan.b, self.generator)
-        ctx.data_batch = CtxVar(loader.collate_fn([loader.dataset[j] for j in chosen]), LIFECYCLE.BATCH)
+        if plan.sampling == "poisson":
+            chosen = sample_poisson(n, plan.b / n, self.generator)
+        else:
+            chosen = sample_without_replacement(n, plan.b, self.generator)
+        self._empty = not chosen
+        self.round_empty += self._empty
+        ctx.data_batch = CtxVar(loader.collate_fn([loader.dataset[j] for j in chosen or [0]]), LIFECYCLE.BATCH)
 
     def _hook_on_batch_forward_dp(self, ctx):
         """The clipped sum of the batch's per-example gradients, kept for the backward hook. ``ctx.loss_batch`` is the
@@ -96,11 +114,26 @@ class DPSGD:
         batch = ctx.data_batch
         size = _batch_size(batch)
         params = [p for p in ctx.model.parameters() if p.requires_grad]
+        if self._empty:
+            self._no_records(ctx, params)
+            return
         if not (self.batched and self._batched(ctx, batch, size, params)):
             self._loop(ctx, batch, size, params)
         ctx.data_batch = CtxVar(batch, LIFECYCLE.BATCH)
         ctx.batch_size = CtxVar(size, LIFECYCLE.BATCH)
         ctx.skip_this_batch = CtxVar(False, LIFECYCLE.BATCH)  # FS-LLM's NaN retry would take an unaccounted step
+
+    def _no_records(self, ctx, params) -> None:
+        """An empty Poisson draw: a clipped sum of zero and a batch of size 0 (the one record FS's batch holds gives
+        the outputs' shapes and is dropped)."""
+        with torch.no_grad():
+            self._forward(ctx)
+        self._grad_sum = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+        ctx.loss_batch = CtxVar(torch.zeros((), device=_device(ctx.model)), LIFECYCLE.BATCH)
+        ctx.y_true = CtxVar(ctx.y_true[:0], LIFECYCLE.BATCH)
+        ctx.y_prob = CtxVar(ctx.y_prob[:0], LIFECYCLE.BATCH)
+        ctx.batch_size = CtxVar(0, LIFECYCLE.BATCH)
+        ctx.skip_this_batch = CtxVar(False, LIFECYCLE.BATCH)
 
     def _batched(self, ctx, batch, size: int, params) -> bool:
         """Forwards of the batch's records in chunks with taps, one backward each of the sum of the chunk's losses;

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from fs_fedpa.core.diagnostics import product_sq_norm
-from fs_fedpa.core.dp import dp_generator, release_changes, release_products
+from fs_fedpa.core.dp import dp_generator, release_changes, release_products, sample_poisson
 from fs_fedpa.core.dp import sample_without_replacement as _sample
 from fs_fedpa.core.ranks import truncate_factors
 from fs_fedpa.record import PRIVACY_FILE, PRIVATE_FAULTS_FILE
@@ -48,18 +48,25 @@ def check_method(method, cfg_fedpa) -> None:
 
 @dataclass(frozen=True)
 class SamplePlan:
-    """Client i's DP-SGD: b of its n records a step, ``steps_per_round`` steps a round, noise multiplier z."""
+    """Client i's DP-SGD: b of its n records a step (``sampling`` "poisson": each at rate b/n, b expected),
+    ``steps_per_round`` steps a round, noise multiplier z, epsilon from ``accounting``."""
 
     n: int
     b: int
     steps_per_round: int
     z: float
     delta: float
+    sampling: str = "wor"
+    accounting: str = "rdp"
 
-    def epsilon(self, steps: int) -> float:
+    @property
+    def kind(self):
         from fs_fedpa.core.dp_accountant import Sampled
 
-        return Sampled(self.n, self.b, self.z).epsilon(steps, self.delta)
+        return Sampled(self.n, self.b, self.z, self.sampling, self.accounting)
+
+    def epsilon(self, steps: int) -> float:
+        return self.kind.epsilon(steps, self.delta)
 
 
 def sample_plan(cfg, n: int, routines: int = 1) -> SamplePlan:
@@ -77,18 +84,19 @@ def sample_plan(cfg, n: int, routines: int = 1) -> SamplePlan:
         tau = int(cfg.train.local_update_steps) * max(per_epoch, 1)
     tau *= routines
     return _plan(n, b, tau, int(fedpa.dp_horizon or cfg.federate.total_round_num), float(fedpa.dp_noise_multiplier),
-                 float(fedpa.dp_epsilon), float(fedpa.dp_delta))  # fmt: skip
+                 float(fedpa.dp_epsilon), float(fedpa.dp_delta), fedpa.dp_sampling, fedpa.dp_accountant)  # fmt: skip
 
 
 @lru_cache(maxsize=1024)
-def _plan(n: int, b: int, tau: int, rounds: int, z: float, target: float, delta_setting: float) -> SamplePlan:
+def _plan(n: int, b: int, tau: int, rounds: int, z: float, target: float, delta_setting: float, sampling: str,
+          accounting: str) -> SamplePlan:  # fmt: skip
     from fs_fedpa.config import dp_delta_for
     from fs_fedpa.core.dp_accountant import calibrate
 
     delta = dp_delta_for(delta_setting, n, "n_i records")
     if not z:
-        z = calibrate(n, b, rounds * tau, target, delta)
-    return SamplePlan(n, b, tau, z, delta)
+        z = calibrate(n, b, rounds * tau, target, delta, sampling, accounting)
+    return SamplePlan(n, b, tau, z, delta, sampling, accounting)
 
 
 def _source(fedpa) -> str:
@@ -118,7 +126,7 @@ def accounting_settings(cfg) -> dict:
     if fedpa.dp_mode == "none":
         return {"fedpa.dp_mode": "none"}
     out = {f"fedpa.{k}": getattr(fedpa, k) for k in ("dp_mode", "dp_clip", "dp_noise_multiplier", "dp_epsilon",
-                                                      "dp_delta")}  # fmt: skip
+                                                      "dp_delta", "dp_sampling", "dp_accountant")}  # fmt: skip
     if fedpa.dp_epsilon > 0:  # z calibrated over the horizon
         out["fedpa.dp_horizon (or federate.total_round_num)"] = int(fedpa.dp_horizon or cfg.federate.total_round_num)
     out["federate.client_num"] = int(cfg.federate.client_num)
@@ -141,7 +149,7 @@ class ServerPrivacy:
     sample mode accounts each client's DP-SGD steps. ``server.privacy`` is None when DP is off."""
 
     def __init__(self, server):
-        from fs_fedpa.core.dp_accountant import ACCOUNTANT, version
+        from fs_fedpa.core.dp_accountant import ADJACENCY, describe
 
         self.server = server
         fedpa, cfg = server.method.cfg, server._cfg
@@ -153,7 +161,9 @@ class ServerPrivacy:
         self.sketch_generator = (self.generator if isinstance(self.generator, torch.Generator)
                                  else torch.Generator().manual_seed(secrets.randbits(63)))  # fmt: skip
         self.path = os.path.join(cfg.outdir, PRIVACY_FILE)
-        self.accountant = f"{ACCOUNTANT}, {version()}"
+        self.sampling, self.accounting = fedpa.dp_sampling, fedpa.dp_accountant
+        self.adjacency = ADJACENCY[self.sampling]
+        self.accountant = describe(self.accounting)
         self.rounds = 0  # client mode: rounds released
         self.trained: dict[int, int] = {}  # sample mode: rounds each client was asked to train
         self.sizes: dict[int, int] = {}  # sample mode: n_i as the clients report it (public under replace-one)
@@ -181,8 +191,9 @@ class ServerPrivacy:
             from fs_fedpa.core.dp_accountant import Sampled, calibrate
 
             horizon = fedpa.dp_horizon or self.T
-            self.z = fedpa.dp_noise_multiplier or calibrate(self.N, self.K, horizon, fedpa.dp_epsilon, self.delta)
-            self.kind = Sampled(self.N, self.K, self.z)
+            self.z = fedpa.dp_noise_multiplier or calibrate(self.N, self.K, horizon, fedpa.dp_epsilon, self.delta,
+                                                            self.sampling, self.accounting)  # fmt: skip
+            self.kind = Sampled(self.N, self.K, self.z, self.sampling, self.accounting)
             shapes = [(B.shape[0], A.shape[1]) for B, A in server.method.expand(server.global_factors).values()]
             if (
                 server.method.dp_space == "product"
@@ -195,8 +206,10 @@ class ServerPrivacy:
                     "(docs/privacy.md): fedpa.svd randomized sketches it in about a second"
                 )
             logger.info(
-                f"[fedpa] client-level DP: K={self.K} of N={self.N} clients a round (without replacement, from "
-                f"{_source(fedpa)}), clip C={self.C:g}, "
+                f"[fedpa] client-level DP: K={self.K} of N={self.N} clients a round ("
+                + ("without replacement" if self.sampling == "wor" else "Poisson: each at rate K/N, K expected")
+                + f", from {_source(fedpa)}; {self.adjacency} adjacency, {self.accounting} accountant), clip "
+                f"C={self.C:g}, "
                 f"noise z={self.z:.4g} (std zC/K={self.z * self.C / self.K:.4g}), delta={self.delta:.3g}; "
                 f"epsilon after {self.T} rounds: {self.kind.epsilon(self.T, self.delta):.4g}"
             )
@@ -214,8 +227,15 @@ class ServerPrivacy:
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps({"round": rnd, "client": str(client), "reason": reason}) + "\n")
 
+    @property
+    def poisson_clients(self) -> bool:
+        """Client mode with Poisson sampling: a round's receivers are as many as were drawn, possibly none."""
+        return self.mode == "client" and self.sampling == "poisson"
+
     def receivers(self) -> list[int]:
-        """K client ids of 1..N, drawn without replacement from the DP generator."""
+        """Client ids of 1..N from the DP generator: K without replacement, or each at rate K/N (Poisson)."""
+        if self.sampling == "poisson":
+            return [i + 1 for i in sample_poisson(self.N, self.K / self.N, self.generator)]
         return [i + 1 for i in _sample(self.N, self.K, self.generator)]
 
     def release(self, uploads: list, clients: list[int]) -> tuple[dict, dict[str, Tensor], dict]:
@@ -246,11 +266,11 @@ class ServerPrivacy:
                 "dp_mode": "client",
                 "dp_epsilon": self.kind.epsilon(self.rounds, self.delta),
                 "dp_delta": self.delta,
-                "dp_sampling": "wor",
-                "dp_adjacency": "replace_one",
+                "dp_sampling": self.sampling,
+                "dp_adjacency": self.adjacency,
                 "dp_noise_multiplier": self.z,
                 "dp_accountant_noise_multiplier": self.kind.accountant_z,
-                "dp_sensitivity": 2 * self.C / self.K,
+                "dp_sensitivity": self.kind.sensitivity * self.C / self.K,
                 "dp_noise_std": self.z * self.C / self.K,
                 "dp_clip": self.C,
                 "dp_clients_per_round": self.K,
@@ -279,9 +299,9 @@ class ServerPrivacy:
                 "dp_mode": "sample",
                 "dp_epsilon": max((v["epsilon"] for v in known), default=0.0),
                 "dp_delta": max((v["delta"] for v in known), default=None),
-                "dp_sampling": "wor",
-                "dp_adjacency": "replace_one",
-                "dp_sensitivity": 2 * self.C,
+                "dp_sampling": self.sampling,
+                "dp_adjacency": self.adjacency,
+                "dp_sensitivity": (2 if self.sampling == "wor" else 1) * self.C,
                 "dp_clip": self.C,
                 "dp_clients": per_client,
                 "dp_accountant": self.accountant,
@@ -429,8 +449,15 @@ class ClientPrivacy:
         return {k: v for k, v in stats.items() if not k.startswith(RAW_DATA_STATS)}
 
     def sample_size(self, sample_size: int) -> int:
-        """FS's sample count of the message: 1 under client-level DP (a client's size is private there)."""
-        return 1 if self.mode == "client" else sample_size
+        """FS's sample count of the message: 1 under client-level DP (a client's size is private there); under
+        Poisson DP-SGD the expected count of the round's steps, not how many records the draws held (which adding or
+        removing one would change)."""
+        if self.mode == "client":
+            return 1
+        plan = self.dp_sgd._plan if self.dp_sgd is not None else None
+        if plan is not None and plan.sampling == "poisson":
+            return plan.steps_per_round * plan.b
+        return sample_size
 
     def log_round(self) -> None:
         """Sample mode: the client's own epsilon so far, in its own log."""
@@ -440,7 +467,10 @@ class ClientPrivacy:
         steps = client._rounds_trained * plan.steps_per_round
         logger.info(
             f"[fedpa] client #{client.ID}: DP-SGD epsilon {plan.epsilon(steps):.4g} at delta {plan.delta:.3g} after "
-            f"{steps} steps (n={plan.n}, b={plan.b}, z={plan.z:.4g}, C={client.method.cfg.dp_clip:g})"
+            f"{steps} steps (n={plan.n}, b={plan.b}{' expected' if plan.sampling == 'poisson' else ''}, "
+            f"z={plan.z:.4g}, C={client.method.cfg.dp_clip:g}; {plan.sampling} sampling, {plan.accounting})"
             + (f"; {self.dp_sgd.round_nonfinite} records of this round had a non-finite gradient and contributed "
                "zero" if self.dp_sgd.round_nonfinite else "")
+            + (f"; {self.dp_sgd.round_empty} steps drew no record (Poisson) and were noise alone"
+               if self.dp_sgd.round_empty else "")
         )

@@ -64,6 +64,10 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, ServerRecords, Serv
         self.global_factors = global_init(self.model, self.method)  # (B_g^(0), A_g^(0)), rank r_g
         self.generator = torch.Generator().manual_seed(self.method.seed + 1)  # sketches
         self.privacy = ServerPrivacy(self) if self.method.cfg.dp_mode != "none" else None
+        if self.privacy is not None and self.privacy.poisson_clients:
+            # a Poisson round draws any number of the N clients (K is the expected number, privacy.K), and FS
+            # asserts that a round never waits for more than sample_client_num
+            self.sample_client_num = self.client_num
         self.aggregator = FedPAAggregator(self)
         self.aggregators[0] = self.aggregator
         if self._cfg.federate.save_to:  # FS saves only after training: a missing folder would lose the run
@@ -175,6 +179,19 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, ServerRecords, Serv
         if filter_unseen_clients:
             self.sampler.change_state(self.unseen_clients_id, "seen")
         self._progress = time.monotonic()  # the round's wait starts now: sending to every receiver can take a while
+        if msg_type == "model_para" and not receivers and self.privacy is not None and self.privacy.poisson_clients:
+            # a Poisson draw of no client: no message will arrive, so the round releases its noise alone now
+            logger.info(f"[fedpa] round {self.state}: the Poisson draw sampled no client; the release is noise alone")
+            self.check_and_move_on()
+
+    def check_and_move_on(self, check_eval_result=False, min_received_num=None):
+        """FS's; under Poisson client sampling a round waits for the clients it drew (FS's default is
+        ``federate.sample_client_num``), possibly none."""
+        if self.privacy is not None and self.privacy.poisson_clients and not check_eval_result:
+            if min_received_num is None:
+                min_received_num = len(self._expected)
+            self.msg_buffer["train"].setdefault(self.state, {})  # FS reads it even when nothing arrived
+        return super().check_and_move_on(check_eval_result=check_eval_result, min_received_num=min_received_num)
 
     def _pending_merges(self, client_id: int) -> tuple[str, object] | None:
         """What ``client_id`` lacks of the merges, now counted as received: ``("base", [newest merge])`` when it

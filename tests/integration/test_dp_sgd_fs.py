@@ -36,13 +36,14 @@ def _trainer(lr: float = 1.0, extra_hook=None, zero_data: bool = False):
     return trainer, model, X, y
 
 
-def _dp_step(trainer, clip: float, z: float = 0.0, seed: int = 3, batched: bool = True, b: int = B, chunk=None):
+def _dp_step(trainer, clip: float, z: float = 0.0, seed: int = 3, batched: bool = True, b: int = B, chunk=None,
+             sampling: str = "wor"):  # fmt: skip
     from fs_fedpa.core.dp import dp_generator
     from fs_fedpa.plugin.dp_sgd import DPSGD
     from fs_fedpa.plugin.privacy import SamplePlan
 
-    dp = DPSGD(trainer, lambda n: SamplePlan(n, b, 1, z, 1e-5), lambda routine: dp_generator(seed, "t"), clip=clip,
-               batched=batched, chunk=chunk)  # fmt: skip
+    dp = DPSGD(trainer, lambda n: SamplePlan(n, b, 1, z, 1e-5, sampling), lambda routine: dp_generator(seed, "t"),
+               clip=clip, batched=batched, chunk=chunk)  # fmt: skip
     trainer.train()
     assert dp.batched == batched  # the taps served every batch, or were not asked to
     return dp
@@ -79,6 +80,39 @@ def test_step_is_the_mean_of_clipped_per_example_gradients(clip, batched):
     expected_b = b0 - (c[:, None] * gb).sum(0) / B
     torch.testing.assert_close(model.weight.detach(), expected_w, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(model.bias.detach(), expected_b, rtol=1e-5, atol=1e-6)
+
+
+def _poisson_drawn(seed: int, rate: float) -> list[int]:
+    """The records a Poisson draw at ``rate`` takes from the DP generator's stream, by hand: one uniform a record."""
+    from fs_fedpa.core.dp import dp_generator
+
+    u = torch.rand(N, generator=dp_generator(seed, "t"), dtype=torch.float64)
+    return [j for j in range(N) if u[j] < rate]
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["taps", "loop"])
+def test_a_poisson_step_sums_the_drawn_records_and_divides_by_the_expected_b(batched):
+    trainer, model, X, y = _trainer()
+    w0, b0 = model.weight.detach().clone(), model.bias.detach().clone()
+    seed = next(s for s in range(50) if len(_poisson_drawn(s, B / N)) not in (0, B))  # dividing by it would differ
+    idx = _poisson_drawn(seed, B / N)
+    _dp_step(trainer, 0.3, seed=seed, batched=batched, sampling="poisson")
+    gw, gb = _per_example_grads(w0, b0, X[idx], y[idx])
+    c = torch.clamp(0.3 / (gw.flatten(1).pow(2).sum(1) + gb.flatten(1).pow(2).sum(1)).sqrt(), max=1.0)
+    torch.testing.assert_close(model.weight.detach(), w0 - (c[:, None, None] * gw).sum(0) / B, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.bias.detach(), b0 - (c[:, None] * gb).sum(0) / B, rtol=1e-5, atol=1e-6)
+
+
+def test_an_empty_poisson_draw_is_a_step_of_noise_alone():
+    seed = next(s for s in range(200) if not _poisson_drawn(s, 1 / N))  # b = 1: about a third of the draws are empty
+    trainer, model, X, y = _trainer()
+    w0 = model.weight.detach().clone()
+    dp = _dp_step(trainer, 1.0, z=0.0, seed=seed, b=1, sampling="poisson")
+    assert dp.round_steps == 1 and dp.round_empty == 1
+    torch.testing.assert_close(model.weight.detach(), w0)  # no record, no noise (z = 0): no move
+    trainer, model, X, y = _trainer()
+    _dp_step(trainer, 1.0, z=2.0, seed=seed, b=1, sampling="poisson")
+    assert not torch.equal(model.weight.detach(), w0)  # the noise alone moves it
 
 
 @pytest.mark.parametrize("batched", [True, False], ids=["taps", "loop"])

@@ -229,6 +229,53 @@ def test_sample_level_records_each_clients_epsilon(tiny_llm, tmp_path):
     assert "per-example loop" not in log  # FS-LLM's trainer on a LoRA Llama: the batched taps served every step
 
 
+def test_sample_level_poisson_sampling_with_the_pld_accountant(tiny_llm, tmp_path):
+    """fedpa.dp_sampling poisson, fedpa.dp_accountant pld, z calibrated for epsilon 8: the ledger names the sampling,
+    the add/remove adjacency and the accountant, each client's epsilon is dp-accounting's PLD of the Poisson
+    subsampled Gaussian composed over its steps, and its z is below what rdp with fixed-size sampling needs."""
+    from dp_accounting.pld import privacy_loss_distribution as pld
+
+    from fs_fedpa.core.dp_accountant import calibrate
+
+    overrides = {"fedpa.dp_mode": "sample", "fedpa.dp_clip": 1.0, "fedpa.dp_epsilon": 8.0, "federate.total_round_num": 1,
+                 "fedpa.dp_sampling": "poisson", "fedpa.dp_accountant": "pld", "fedpa.dp_seed": 5}  # fmt: skip
+    out = _finished(fedpa_cfg(tiny_llm, tmp_path, **overrides), tmp_path)
+    line = _jsonl(out / "fedpa_privacy.jsonl")[-1]
+    assert line["dp_sampling"] == "poisson" and line["dp_adjacency"] == "add_remove"
+    assert line["dp_accountant"].startswith("pld, dp-accounting") and line["dp_sensitivity"] == 1.0
+    for entry in line["dp_clients"].values():
+        n, b, z, steps = entry["n"], entry["b"], entry["noise_multiplier"], entry["steps"]
+        event = pld.from_gaussian_mechanism(z, sensitivity=1.0, sampling_prob=b / n, value_discretization_interval=1e-3)
+        assert entry["epsilon"] == pytest.approx(event.self_compose(steps).get_epsilon_for_delta(entry["delta"]),
+                                                 rel=1e-9)  # fmt: skip
+        assert entry["epsilon"] <= 8.0
+        assert z < calibrate(n, b, steps, 8.0, entry["delta"], "wor", "rdp")
+    assert "poisson sampling, pld" in (out / "exp_print.log").read_text()
+
+
+def test_client_level_poisson_sampling_survives_a_round_that_draws_no_client(tiny_llm, tmp_path):
+    """Each of 3 clients in at rate 1/3: some rounds draw two, some none. A round with none releases its noise
+    alone and the run goes on; every round is one event of the Poisson subsampled Gaussian (add/remove, z)."""
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp
+
+    overrides = {"federate.client_num": 3, "federate.sample_client_num": 1, "federate.total_round_num": 6,
+                 "fedpa.dp_mode": "client", "fedpa.dp_clip": 0.05, "fedpa.dp_noise_multiplier": 1.2,
+                 "fedpa.dp_sampling": "poisson", "fedpa.dp_seed": 1}  # fmt: skip
+    out = _finished(fedpa_cfg(tiny_llm, tmp_path, **overrides), tmp_path)
+    ledger = _jsonl(out / "fedpa_privacy.jsonl")
+    assert [line["dp_events"] for line in ledger] == [1, 2, 3, 4, 5, 6]
+    records = _jsonl(out / "fedpa_diagnostics.jsonl")
+    drawn = [len(r["clients"]) for r in records]
+    assert 0 in drawn and max(drawn) >= 2, drawn  # this seed draws an empty round and a round of more than K
+    assert "sampled no client; the release is noise alone" in (out / "exp_print.log").read_text()
+    for t, line in enumerate(ledger, 1):
+        accountant = rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
+        accountant.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(1 / 3, dpa.GaussianDpEvent(1.2)), t))
+        assert line["dp_epsilon"] == pytest.approx(accountant.get_epsilon(line["dp_delta"]), rel=1e-9)
+        assert line["dp_sampling"] == "poisson" and line["dp_adjacency"] == "add_remove"
+        assert line["dp_sensitivity"] == pytest.approx(0.05)
+
+
 def _mean(tensors):
     return sum(t.double() for t in tensors) / len(tensors)
 
