@@ -174,6 +174,10 @@ def test_an_unsupported_method_is_refused_through_fs_naming_dp(tiny_llm, tmp_pat
         (["fedpa.dp_mode", "sample", "fedpa.dp_clip", "0.0"], "needs fedpa.dp_clip"),
         (["fedpa.dp_mode", "client", "federate.unseen_clients_rate", "0.2"], r"unseen_clients_rate\(=0.2\) with"),
         (["fedpa.dp_mode", "none", "fedpa.dp_noise_multiplier", "1.0"], "set while fedpa.dp_mode is 'none'"),
+        (["fedpa.dp_mode", "none", "fedpa.dp_noise_multiplier", "0.0", "fedpa.dp_sampling", "poisson"],
+         "fedpa.dp_sampling=poisson set while fedpa.dp_mode is 'none'"),
+        (["fedpa.dp_mode", "sample", "fedpa.dp_accountant", "prv"], r"fedpa.dp_accountant\(='prv'\) must be one of"),
+        (["fedpa.dp_mode", "sample", "fedpa.dp_sampling", "shuffle"], r"fedpa.dp_sampling\(='shuffle'\) must be one"),
         (
             [
                 "fedpa.dp_mode",

@@ -131,3 +131,27 @@ def test_bad_names_are_refused():
         Sampled(10, 2, 1.0, "shuffle")
     with pytest.raises(ValueError, match="accountant"):
         Sampled(10, 2, 1.0, "wor", "prv")
+
+
+def test_the_docs_table_of_one_run_under_both_conventions_is_recomputed():
+    """docs/privacy.md's table 'One run, both conventions, both accountants' from the committed run file."""
+    import json
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    run = json.loads((root / "docs/reference/sst2_protocol/runs/privacy/fedit_dp_s0.json").read_text())
+    clients = run["privacy"]["dp_clients"]
+    text = (root / "docs" / "privacy.md").read_text()
+    table = text[text.index("**One run, both conventions") :]
+    rows = re.findall(r"^\| (\d+) \| ([\d,]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", table,
+                      re.MULTILINE)  # fmt: skip
+    assert len(rows) == 3
+    for client, n, z, *quoted in rows:
+        entry = clients[client]
+        assert int(n.replace(",", "")) == entry["n"] and z == f"{entry['noise_multiplier']:.3f}"
+        args = (entry["n"], entry["b"], entry["noise_multiplier"])
+        values = [Sampled(*args, s, a).epsilon(entry["steps"], entry["delta"])
+                  for s, a in (("wor", "rdp"), ("wor", "pld"), ("poisson", "rdp"), ("poisson", "pld"))]  # fmt: skip
+        assert values[0] == pytest.approx(entry["epsilon"], rel=1e-9)
+        assert quoted == [f"{v:.2f}" for v in values], client
