@@ -241,3 +241,29 @@ def test_taps_and_loop_take_the_same_step_on_lora_models(kind, chunk, tiny_glue,
         assert {n.split(".")[-3] for n in start} == {"lora_A", "lora_B"}
     for n in start:
         torch.testing.assert_close(after[True][n] - start[n], after[False][n] - start[n], rtol=1e-3, atol=1e-7, msg=n)
+
+
+def test_a_clients_delta_above_its_bound_is_refused_when_it_is_built_not_in_its_first_batch():
+    """n_i = 20,000 records: the per-client bound is min(1e-5, 1/(10 n_i)) = 5e-6, so fedpa.dp_delta 1e-5 must stop
+    the client as it is set up (before, the plan, and with it the check, was first made inside the first batch)."""
+    from types import SimpleNamespace
+
+    from federatedscope.core.configs.config import global_cfg
+    from federatedscope.core.monitors.monitor import Monitor
+    from federatedscope.core.trainers import GeneralTorchTrainer
+
+    from fs_fedpa.config import FedPAConfig
+    from fs_fedpa.plugin.privacy import ClientPrivacy
+
+    cfg = global_cfg.clone()
+    cfg.merge_from_list(["train.local_update_steps", 1, "train.batch_or_epoch", "batch", "dataloader.batch_size", 4,
+                         "criterion.type", "MSELoss", "use_gpu", False, "fedpa.dp_mode", "sample", "fedpa.dp_clip", 1.0,
+                         "fedpa.dp_noise_multiplier", 1.0, "fedpa.dp_delta", 1e-5])  # fmt: skip
+    data = {"train": DataLoader(TensorDataset(torch.zeros(20000, 3), torch.zeros(20000, 1)), batch_size=4)}
+    trainer = GeneralTorchTrainer(torch.nn.Linear(3, 1), data, "cpu", cfg, only_for_eval=False, monitor=Monitor(cfg))
+    assert trainer.ctx.num_train_data == 20000
+    fedpa = FedPAConfig(dp_mode="sample", dp_clip=1.0, dp_noise_multiplier=1.0, dp_delta=1e-5)
+    client = SimpleNamespace(ID=1, state=0, trainer=trainer, _cfg=cfg,
+                             method=SimpleNamespace(cfg=fedpa, personal_weight=None))  # fmt: skip
+    with pytest.raises(ValueError, match=r"above min\(1e-5, 1/\(10 x 20000 n_i records\)\)"):
+        ClientPrivacy(client)
