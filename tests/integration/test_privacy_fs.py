@@ -490,3 +490,35 @@ def test_dp_mode_client_survives_fs_command_line_through_the_launchers_quoting()
     cfg = global_cfg.clone()
     cfg.merge_from_list(cfg_opts)
     assert (cfg.fedpa.dp_mode, cfg.fedpa.dp_epsilon, cfg.fedpa.dp_clip) == ("client", 8.0, 0.5)
+
+
+def test_client_level_messages_time_stamp_the_sample_count_they_carry():
+    """Under client-level DP a client's message carries 1 as its sample count, and FS's time model (comp_cost = 3 x
+    count x comp_speed) must be fed the same 1: fed the true count, the timestamp would carry the client's size.
+    FedPAClient's own training callback on a stand-in for the rest of the client (FS's _gen_timestamp is real)."""
+    from types import SimpleNamespace
+
+    from federatedscope.core.message import Message
+    from federatedscope.core.workers.client import Client
+
+    from fs_fedpa.config import FedPAConfig
+    from fs_fedpa.plugin.client import FedPAClient
+    from fs_fedpa.plugin.privacy import ClientPrivacy
+
+    sent = []
+    fake = SimpleNamespace(ID=2, state=0, comp_speed=0.5, comm_bandwidth=4.0, model_size=8.0,
+                           method=SimpleNamespace(cfg=FedPAConfig(dp_mode="client", dp_clip=1.0,
+                                                                  dp_noise_multiplier=1.0)),
+                           trainer=SimpleNamespace(train=lambda: (57, None, {})),
+                           _monitor=SimpleNamespace(format_eval_res=lambda *a, **k: ""),
+                           comm_manager=SimpleNamespace(send=sent.append))  # fmt: skip
+    for name in ("_unpark", "_restore", "_enter_round", "_release_optimizer", "_park"):
+        setattr(fake, name, lambda *a, **k: None)
+    fake._leave_round = lambda: {"lora": {}}
+    fake._gen_timestamp = lambda **kw: Client._gen_timestamp(fake, **kw)
+    fake.privacy = ClientPrivacy(fake)
+    FedPAClient.callback_funcs_for_model_para(fake, Message(msg_type="model_para", sender=0, receiver=[2], state=0,
+                                                             timestamp=10.0, content={}))  # fmt: skip
+    (message,) = sent
+    assert message.content[0] == 1
+    assert message.timestamp == pytest.approx(10.0 + 3.0 * 1 * 0.5 + 2.0 * 8.0 / 4.0)  # not 3 x 57 x 0.5
