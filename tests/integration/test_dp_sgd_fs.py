@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 N, B = 10, 4
 
 
-def _trainer(lr: float = 1.0, extra_hook=None, zero_data: bool = False):
+def _trainer(lr: float = 1.0, extra_hook=None, zero_data: bool = False, n: int = N):
     from federatedscope.core.configs.config import global_cfg
     from federatedscope.core.monitors.monitor import Monitor
     from federatedscope.core.trainers import GeneralTorchTrainer
@@ -24,7 +24,7 @@ def _trainer(lr: float = 1.0, extra_hook=None, zero_data: bool = False):
                          "train.batch_or_epoch", "batch", "dataloader.batch_size", B, "criterion.type", "MSELoss",
                          "use_gpu", False])  # fmt: skip
     torch.manual_seed(0)
-    X, y = torch.randn(N, 3), torch.randn(N, 1)
+    X, y = torch.randn(n, 3), torch.randn(n, 1)
     model = torch.nn.Linear(3, 1)
     if zero_data:  # every per-example gradient is 0: a step is its noise alone
         X, y = X * 0, y * 0
@@ -101,6 +101,24 @@ def test_a_poisson_step_sums_the_drawn_records_and_divides_by_the_expected_b(bat
     c = torch.clamp(0.3 / (gw.flatten(1).pow(2).sum(1) + gb.flatten(1).pow(2).sum(1)).sqrt(), max=1.0)
     torch.testing.assert_close(model.weight.detach(), w0 - (c[:, None, None] * gw).sum(0) / B, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(model.bias.detach(), b0 - (c[:, None] * gb).sum(0) / B, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [16, 256], ids=["chunks_of_16", "one_forward"])
+def test_a_logical_batch_of_256_over_chunks_is_one_step_of_its_256_records(chunk):
+    """b = 256 records a DP step whatever the physical chunk: 16 forwards of 16 records, each clipped and summed as
+    it comes, take the same step as one forward of 256, and both the step of the records drawn, by torch.func."""
+    from fs_fedpa.core.dp import dp_generator, sample_without_replacement
+
+    trainer, model, X, y = _trainer(lr=0.5, n=300)
+    w0, b0 = model.weight.detach().clone(), model.bias.detach().clone()
+    _dp_step(trainer, 0.5, b=256, chunk=chunk)
+    idx = sample_without_replacement(300, 256, dp_generator(3, "t"))
+    gw, gb = _per_example_grads(w0, b0, X[idx], y[idx])
+    c = torch.clamp(0.5 / (gw.flatten(1).pow(2).sum(1) + gb.flatten(1).pow(2).sum(1)).sqrt(), max=1.0)
+    assert (c < 1).any() and (c == 1).any()
+    torch.testing.assert_close(model.weight.detach(), w0 - 0.5 * (c[:, None, None] * gw).sum(0) / 256, rtol=1e-5,
+                               atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(model.bias.detach(), b0 - 0.5 * (c[:, None] * gb).sum(0) / 256, rtol=1e-5, atol=1e-6)
 
 
 def test_an_empty_poisson_draw_is_a_step_of_noise_alone():
