@@ -12,6 +12,8 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
+from fs_fedpa.core.schedule import SCHEDULES  # torch-free
+
 from fs_fedpa.quantization import CHOICES as QUANTIZATION_CHOICES
 
 REG_CHOICES = ("product", "b", "a", "both", "none")
@@ -290,6 +292,20 @@ class FedPAConfig:
             )
         },
     )
+    lr_schedule: Literal["none", "constant", "cosine"] = field(
+        default="none",
+        metadata={
+            "help": (
+                "one learning-rate schedule over the whole run, by the global step t * tau + k (FS's own schedulers "
+                "restart every round): 'constant' or 'cosine' after lr_warmup_steps of linear warm-up; 'none' leaves "
+                "train.optimizer.lr (and FS's train.scheduler) as they are"
+            )
+        },
+    )
+    lr_warmup_steps: int = field(
+        default=0,
+        metadata={"help": "global steps of linear warm-up from lr / warmup to lr (with lr_schedule)"},
+    )
     dp_mode: Literal["none", "client", "sample"] = field(
         default="none",
         metadata={
@@ -473,6 +489,13 @@ class FedPAConfig:
                 "(torch's generators overflow beyond 2**64 - 1)"
             )
         self._check_dp()
+        if self.lr_schedule not in SCHEDULES:
+            raise ValueError(f"fedpa.lr_schedule(={self.lr_schedule!r}) must be one of {SCHEDULES}")
+        self.lr_warmup_steps = _integer(self.lr_warmup_steps, "lr_warmup_steps", minimum=0)
+        if self.lr_warmup_steps and self.lr_schedule == "none":
+            raise ValueError(
+                f"fedpa.lr_warmup_steps(={self.lr_warmup_steps}) needs fedpa.lr_schedule 'constant' or 'cosine'"
+            )
         if self.adaptive_lam != "none" and self.reg != "product":
             raise ValueError(
                 f"fedpa.adaptive_lam(={self.adaptive_lam!r}) adapts the product penalty; it needs fedpa.reg "

@@ -39,6 +39,7 @@ from fs_fedpa.plugin.liveness import ClientLiveness
 from fs_fedpa.plugin.messages import reply_problem
 from fs_fedpa.plugin.payload import decode_factors, decode_merge, decode_tensors, encode_parts, encode_tensors
 from fs_fedpa.plugin.privacy import ClientPrivacy
+from fs_fedpa.plugin.schedule import RunSchedule
 from fs_fedpa.plugin.resume_points import ClientResume
 from fs_fedpa.plugin.round_records import ClientDiagnostics
 from fs_fedpa.plugin.trainer import install_alignment_hook
@@ -89,6 +90,7 @@ class FedPAClient(
         self._resume_in = restore_from or None  # read at the first message, which names the round
         install_alignment_hook(self.trainer, self)
         self.privacy = ClientPrivacy(self)
+        self.schedule = RunSchedule(self.trainer, self._cfg) if self.method.cfg.lr_schedule != "none" else None
         self.store = state_store(self._cfg, self.method.cfg.state_budget_mb)
         if self.store.initial_local is None:  # what a client whose state is lost starts from again
             self.store.initial_local = {n: t.detach().cpu().clone() for n, t in self.local_tensors.items()}
@@ -159,6 +161,8 @@ class FedPAClient(
         self._restore(message.state)
         self.state, self._answered = message.state, (message.state, message.timestamp)
         self.privacy.new_round()
+        if self.schedule is not None:
+            self.schedule.new_round(self.state)
         self._enter_round(message.content)
         sample_size, _, results = self.trainer.train()
         sample_size = self.privacy.sample_size(sample_size)  # client-level DP: 1, in the content and the timestamp

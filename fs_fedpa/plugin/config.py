@@ -120,6 +120,11 @@ def check_fedpa_cfg(cfg) -> None:
         fedpa.check_clients(cfg.federate.client_num, _adapter_rank(cfg))
     if fedpa.dp_mode != "none":
         _check_dp(cfg, fedpa)
+    if fedpa.lr_schedule != "none" and cfg.train.scheduler.type:
+        raise ValueError(
+            f"fedpa.lr_schedule {fedpa.lr_schedule!r} and train.scheduler.type {cfg.train.scheduler.type!r} both set "
+            "the learning rate of every step; keep one"
+        )
 
 
 def _check_dp(cfg, fedpa: FedPAConfig) -> None:

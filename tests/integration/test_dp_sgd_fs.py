@@ -37,12 +37,12 @@ def _trainer(lr: float = 1.0, extra_hook=None, zero_data: bool = False, n: int =
 
 
 def _dp_step(trainer, clip: float, z: float = 0.0, seed: int = 3, batched: bool = True, b: int = B, chunk=None,
-             sampling: str = "wor"):  # fmt: skip
+             sampling: str = "wor", steps: int = 1):  # fmt: skip
     from fs_fedpa.core.dp import dp_generator
     from fs_fedpa.plugin.dp_sgd import DPSGD
     from fs_fedpa.plugin.privacy import SamplePlan
 
-    dp = DPSGD(trainer, lambda n: SamplePlan(n, b, 1, z, 1e-5, sampling), lambda routine: dp_generator(seed, "t"),
+    dp = DPSGD(trainer, lambda n: SamplePlan(n, b, steps, z, 1e-5, sampling), lambda routine: dp_generator(seed, "t"),
                clip=clip, batched=batched, chunk=chunk)  # fmt: skip
     trainer.train()
     assert dp.batched == batched  # the taps served every batch, or were not asked to
@@ -285,3 +285,85 @@ def test_a_clients_delta_above_its_bound_is_refused_when_it_is_built_not_in_its_
                              method=SimpleNamespace(cfg=fedpa, personal_weight=None))  # fmt: skip
     with pytest.raises(ValueError, match=r"above min\(1e-5, 1/\(10 x 20000 n_i records\)\)"):
         ClientPrivacy(client)
+
+
+@pytest.mark.parametrize("kind", ["cosine", "constant"])
+def test_the_run_schedule_sets_each_steps_rate_from_the_global_step(kind):
+    """Round 3 of a 5-round run of 4 steps a round, 6 steps of warm-up: the k-th step of the round runs at
+    lr x factor(3 * 4 + k), computed here from the closed form."""
+    import math
+
+    from federatedscope.core.configs.config import global_cfg
+
+    from fs_fedpa.plugin.schedule import RunSchedule
+
+    cfg = global_cfg.clone()
+    cfg.merge_from_list(["train.optimizer.type", "SGD", "train.optimizer.lr", 0.2, "train.local_update_steps", 4,
+                         "train.batch_or_epoch", "batch", "dataloader.batch_size", B, "criterion.type", "MSELoss",
+                         "federate.total_round_num", 5, "fedpa.lr_schedule", kind, "fedpa.lr_warmup_steps", 6,
+                         "use_gpu", False])  # fmt: skip
+    seen = []
+    trainer, model, X, y = _trainer(extra_hook=lambda ctx: seen.append(ctx.optimizer.param_groups[0]["lr"]))
+    trainer.cfg.merge_from_other_cfg(cfg)
+    schedule = RunSchedule(trainer, cfg)
+    schedule.new_round(3)
+    trainer.train()
+    total = 5 * 4
+    for k, lr in enumerate(seen):
+        step = 3 * 4 + k
+        factor = 1.0 if kind == "constant" else (1 + math.cos(math.pi * (step - 6) / (total - 6))) / 2
+        assert lr == pytest.approx(0.2 * factor)
+    assert len(seen) == 4
+
+
+def test_dp_sgd_steps_through_sgd_with_momentum():
+    """Two DP-SGD steps (z = 0) through FS's SGD with momentum 0.9: torch's buffer v = 0.9 v + g, then w -= lr v,
+    each g the clipped mean of the step's drawn records, by torch.func at the step's weights."""
+    from fs_fedpa.core.dp import dp_generator, sample_without_replacement
+
+    trainer, model, X, y = _trainer(lr=0.1)
+    trainer.cfg.train.optimizer.momentum = 0.9  # FS passes the optimizer node's keys to torch.optim.SGD
+    trainer.cfg.merge_from_list(["train.local_update_steps", 2])
+    w, b = model.weight.detach().clone(), model.bias.detach().clone()
+    generator, draws = dp_generator(3, "t"), []
+    for _ in range(2):  # each step draws its records, then its noise (z = 0 scales it away, but it is drawn)
+        draws.append(sample_without_replacement(N, B, generator))
+        torch.randn((1, 3), generator=generator, dtype=torch.float64)
+        torch.randn((1,), generator=generator, dtype=torch.float64)
+    _dp_step(trainer, 0.3, steps=2)
+    vw = vb = None
+    for idx in draws:
+        gw, gb = _per_example_grads(w, b, X[idx], y[idx])
+        c = torch.clamp(0.3 / (gw.flatten(1).pow(2).sum(1) + gb.flatten(1).pow(2).sum(1)).sqrt(), max=1.0)
+        mw, mb = (c[:, None, None] * gw).sum(0) / B, (c[:, None] * gb).sum(0) / B
+        vw, vb = (mw, mb) if vw is None else (0.9 * vw + mw, 0.9 * vb + mb)
+        w, b = w - 0.1 * vw, b - 0.1 * vb
+    torch.testing.assert_close(model.weight.detach(), w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.bias.detach(), b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_run_schedule_is_refused_beside_fs_scheduler_and_warmup_needs_a_schedule():
+    from federatedscope.core.configs.config import global_cfg
+
+    from fs_fedpa.config import FedPAConfig
+
+    cfg = global_cfg.clone()
+    with pytest.raises(ValueError, match="both set the learning rate of every step"):
+        cfg.merge_from_list(["federate.method", "fedpa", "fedpa.lr_schedule", "cosine", "train.scheduler.type",
+                             "StepLR"])  # fmt: skip
+    with pytest.raises(ValueError, match="needs fedpa.lr_schedule"):
+        FedPAConfig(lr_warmup_steps=10)
+
+
+def test_a_dp_sgd_run_through_fs_follows_the_run_schedule(tiny_llm, tmp_path):
+    """The client installs the schedule: a 2-round DP-SGD run with a cosine schedule completes and says so."""
+    from tests.integration.conftest import fedpa_cfg
+    from tests.integration.tiny_assets import outdir_of, run_fs
+
+    cfg = fedpa_cfg(tiny_llm, tmp_path, **{"federate.total_round_num": 2, "fedpa.dp_mode": "sample",
+                                           "fedpa.dp_clip": 1.0, "fedpa.dp_noise_multiplier": 1.0,
+                                           "fedpa.lr_schedule": "cosine", "fedpa.lr_warmup_steps": 2})  # fmt: skip
+    proc = run_fs(cfg, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = (outdir_of(cfg) / "exp_print.log").read_text()
+    assert "learning rate: cosine schedule over 2 rounds of tau steps" in log and "2 steps of warm-up" in log
