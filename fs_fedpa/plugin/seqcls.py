@@ -39,6 +39,9 @@ def extend_seqcls_cfg(cfg) -> None:
     cfg.model.seqcls.lora_alpha = 8
     cfg.model.seqcls.lora_dropout = 0.0
     cfg.model.seqcls.target_modules = []  # []: PEFT's default for the architecture (query, value for BERT/RoBERTa)
+    # []: every layer; else PEFT's layers_to_transform, e.g. [5] for MiniLM's top layer only (a smaller trainable
+    # set: less DP noise per coordinate)
+    cfg.model.seqcls.layers_to_transform = []
     cfg.model.seqcls.precision = "fp32"  # fp32 | fp16 | bf16 (autocast in the forward)
     cfg.data.glue_limit = 0  # > 0: keep only the first N train examples (quick runs)
     cfg.data.glue_eval_split = ""  # "": the task's dev split; e.g. validation_mismatched for MNLI-mm
@@ -55,6 +58,8 @@ def _check_seqcls_cfg(cfg) -> None:
     s = cfg.model.seqcls
     if s.r <= 0:
         raise ValueError(f"model.seqcls.r(={s.r}) must be a positive int")
+    if any(not isinstance(i, int) or i < 0 for i in s.layers_to_transform):
+        raise ValueError(f"model.seqcls.layers_to_transform(={list(s.layers_to_transform)}) must be layer indices >= 0")
     if s.precision not in ("fp32", "fp16", "bf16"):
         raise ValueError(f"model.seqcls.precision(={s.precision!r}) must be 'fp32', 'fp16' or 'bf16'")
     if not cfg.data.glue_holdout >= 0:
@@ -218,6 +223,7 @@ def build_seqcls_model(model_config, input_shape=None):
         lora_alpha=s.lora_alpha,
         lora_dropout=s.lora_dropout,
         target_modules=list(s.target_modules) or None,
+        layers_to_transform=[int(i) for i in s.layers_to_transform] or None,
     )
     return AdapterModel(peft.get_peft_model(model, lora), use_adapter=False)
 

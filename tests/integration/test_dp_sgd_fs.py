@@ -367,3 +367,23 @@ def test_a_dp_sgd_run_through_fs_follows_the_run_schedule(tiny_llm, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = (outdir_of(cfg) / "exp_print.log").read_text()
     assert "learning rate: cosine schedule over 2 rounds of tau steps" in log and "2 steps of warm-up" in log
+
+
+def test_layers_to_transform_reduces_the_trainable_set_to_the_chosen_layers(tiny_glue):
+    """model.seqcls.layers_to_transform [1] on the 2-layer BERT: LoRA only in layer 1, half the LoRA tensors of the
+    default (D, the trainable size, is what DP noise is spread over); the head stays trainable."""
+    from federatedscope.core.configs.config import global_cfg
+
+    from fs_fedpa.plugin.seqcls import build_seqcls_model
+
+    def trainable(*more):
+        cfg = global_cfg.clone()
+        cfg.merge_from_list(["model.type", f"{tiny_glue['model']}@seqcls_llm", "model.seqcls.num_labels", 2, *more])
+        return {n for n, p in build_seqcls_model(cfg.model).named_parameters() if p.requires_grad}
+
+    every, top = trainable(), trainable("model.seqcls.layers_to_transform", [1])
+    lora_every, lora_top = {n for n in every if "lora_" in n}, {n for n in top if "lora_" in n}
+    assert lora_top and all(".layer.1." in n for n in lora_top) and len(lora_top) * 2 == len(lora_every)
+    assert {n for n in top if "lora_" not in n} == {n for n in every if "lora_" not in n}  # the head
+    with pytest.raises(ValueError, match="must be layer indices"):
+        global_cfg.clone().merge_from_list(["model.seqcls.layers_to_transform", [-1]])
