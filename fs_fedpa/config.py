@@ -384,6 +384,17 @@ class FedPAConfig:
             )
         },
     )
+    dp_local_tensors: Literal["noised", "plain"] = field(
+        default="noised",
+        metadata={
+            "help": (
+                "sample mode: the client's local tensors (personalization.local_param, e.g. a local head) train "
+                "under DP-SGD with the rest ('noised'), or on the batch's mean loss, neither clipped nor noised "
+                "('plain'): they never leave the client, so the guarantee still covers all it sends, but not its "
+                "local head or the client exports that hold it"
+            )
+        },
+    )
     dp_secure_rng: bool = field(
         default=True,
         metadata={
@@ -511,7 +522,8 @@ class FedPAConfig:
         self.dp_horizon = _integer(self.dp_horizon, "dp_horizon", minimum=0)
         if self.dp_seed > SEED_MAX:
             raise ValueError(f"fedpa.dp_seed(={self.dp_seed}) must be <= 2**32 - 1")
-        for key, choices in (("dp_sampling", DP_SAMPLINGS), ("dp_accountant", DP_ACCOUNTANTS)):
+        for key, choices in (("dp_sampling", DP_SAMPLINGS), ("dp_accountant", DP_ACCOUNTANTS),
+                             ("dp_local_tensors", ("noised", "plain"))):  # fmt: skip
             if getattr(self, key) not in choices:
                 raise ValueError(f"fedpa.{key}(={getattr(self, key)!r}) must be one of {choices}")
         if self.dp_mode == "none":
@@ -525,6 +537,11 @@ class FedPAConfig:
             return
         if self.dp_clip <= 0:
             raise ValueError(f"fedpa.dp_mode {self.dp_mode!r} needs fedpa.dp_clip, the clip norm C > 0")
+        if self.dp_local_tensors == "plain" and self.dp_mode != "sample":
+            raise ValueError(
+                "fedpa.dp_local_tensors 'plain' is a choice of DP-SGD (fedpa.dp_mode sample); under client-level DP a "
+                "client's local tensors always train without DP"
+            )
         if (self.dp_noise_multiplier > 0) == (self.dp_epsilon > 0):
             raise ValueError(
                 f"fedpa.dp_mode {self.dp_mode!r} needs exactly one of fedpa.dp_noise_multiplier (z > 0) and "
@@ -605,7 +622,7 @@ class FedPAConfig:
 # the keys that only mean something under DP, and their values when DP is off (0 unless named)
 DP_KEYS = ("dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_horizon", "dp_seed")
 DP_OFF = {"dp_seed": -1}
-DP_NAMED = {"dp_sampling": "wor", "dp_accountant": "rdp"}  # the DP settings that are names, at their defaults
+DP_NAMED = {"dp_sampling": "wor", "dp_accountant": "rdp", "dp_local_tensors": "noised"}  # the DP settings that are names, at their defaults
 
 
 def dp_delta_for(setting: float, population: int, who: str) -> float:

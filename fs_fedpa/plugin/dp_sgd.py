@@ -41,8 +41,13 @@ class DPSGD:
     round (a fresh stream per routine: with ``fedpa.dp_seed`` a resumed run draws what the uninterrupted one drew,
     and in distributed mode the stream is named by the id the client learns when it joins)."""
 
-    def __init__(self, trainer, plan, make_generator, clip: float, batched: bool = True, chunk: int | None = None):
+    def __init__(self, trainer, plan, make_generator, clip: float, batched: bool = True, chunk: int | None = None,
+                 plain: frozenset[str] = frozenset()):  # fmt: skip
         self.plan, self.C = plan, clip
+        # names of trainable tensors that never leave the client (fedpa.dp_local_tensors plain): trained on the
+        # batch's mean loss, neither clipped nor noised; the clip norm is over the others only
+        self.plain = frozenset(plain)
+        self._count = 0  # records in this step's batch
         self.batched = batched  # per-example gradients from batched backwards; False: the per-example loop
         # records a batched forward takes; None: the whole batch on an accelerator, CPU_CHUNK on a CPU
         self.chunk = chunk
@@ -129,6 +134,7 @@ class DPSGD:
         with torch.no_grad():
             self._forward(ctx)
         self._grad_sum = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+        self._count = 0
         ctx.loss_batch = CtxVar(torch.zeros((), device=_device(ctx.model)), LIFECYCLE.BATCH)
         ctx.y_true = CtxVar(ctx.y_true[:0], LIFECYCLE.BATCH)
         ctx.y_prob = CtxVar(ctx.y_prob[:0], LIFECYCLE.BATCH)
@@ -169,7 +175,11 @@ class DPSGD:
                 )
             # clipped chunk by chunk: the clip is per record, so the sum is the same, and only one chunk's
             # per-example gradients are alive at a time (a logical batch of b records in bounded memory)
-            part_sum, scales = clipped_sum(found, self.C)
+            mask = self._plain_mask(ctx.model, params)
+            private, scales = clipped_sum([f for f, plain in zip(found, mask) if not plain], self.C)
+            summed = [torch.zeros_like(p, dtype=torch.float64) if g is None else g.detach().double()
+                      for g, p, plain in zip(grads, params, mask) if plain]  # fmt: skip
+            part_sum = _interleave(private, summed, mask)
             total = part_sum if total is None else [t.add_(x) for t, x in zip(total, part_sum)]
             dropped += scales.count(0.0)  # c_j = 0 only for a non-finite norm (C > 0)
             del found
@@ -177,6 +187,7 @@ class DPSGD:
             y_true.append(ctx.y_true.detach())
             y_prob.append(ctx.y_prob.detach())
         self._grad_sum = total or []
+        self._count = size
         self.round_nonfinite += dropped
         ctx.loss_batch = CtxVar(torch.cat(losses).mean(), LIFECYCLE.BATCH)
         ctx.y_true = CtxVar(torch.cat(y_true), LIFECYCLE.BATCH)  # in chunk order: the client's own metrics
@@ -192,6 +203,13 @@ class DPSGD:
             self._owners = (key, *linear_owners(model, params), model)
         return self._owners[1:3]
 
+    def _plain_mask(self, model, params) -> list[bool]:
+        """Per trainable tensor: True when it is one of ``self.plain``."""
+        if not self.plain:
+            return [False] * len(params)
+        names = {id(p): n for n, p in model.named_parameters()}
+        return [names.get(id(p)) in self.plain for p in params]
+
     def _give_up(self, why: str, warn: bool = False) -> bool:
         self.batched = False
         (logger.warning if warn else logger.info)(f"DP-SGD: per-example gradients from a per-example loop: {why}")
@@ -199,7 +217,8 @@ class DPSGD:
 
     def _loop(self, ctx, batch, size: int, params) -> None:
         """Per record: FS's forward on it alone and the gradient of its loss, clipped into the running sum."""
-        total, losses, y_true, y_prob = None, [], [], []
+        total, summed, losses, y_true, y_prob = None, None, [], [], []
+        mask = self._plain_mask(ctx.model, params)
         for j in range(size):  # one record's gradient alive at a time
             ctx.data_batch = CtxVar(_row(batch, j, size), LIFECYCLE.BATCH)
             self._forward(ctx)
@@ -208,19 +227,23 @@ class DPSGD:
             else:  # e.g. a causal-LM record with no label token: it contributes zero, within the clip bound
                 grads = [None] * len(params)
             grads = [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(grads, params)]
-            total, c = add_clipped(total, grads, self.C)
+            total, c = add_clipped(total, [g for g, plain in zip(grads, mask) if not plain], self.C)
+            plain_grads = [g.double() for g, plain in zip(grads, mask) if plain]
+            summed = plain_grads if summed is None else [t.add_(g) for t, g in zip(summed, plain_grads)]
             self.round_nonfinite += c == 0.0
             losses.append(ctx.loss_batch.detach())
             y_true.append(ctx.y_true.detach())
             y_prob.append(ctx.y_prob.detach())
-        self._grad_sum = total or []
+        self._grad_sum = _interleave(total or [], summed or [], mask) if size else []
+        self._count = size
         ctx.loss_batch = CtxVar(torch.stack(losses).mean(), LIFECYCLE.BATCH)
         ctx.y_true = CtxVar(torch.cat([y.reshape(-1, *y.shape[1:]) if y.ndim else y.reshape(1) for y in y_true]),
                             LIFECYCLE.BATCH)  # fmt: skip
         ctx.y_prob = CtxVar(torch.cat(y_prob), LIFECYCLE.BATCH)
 
     def _hook_on_batch_backward_dp(self, ctx):
-        """grad = d(alignment + regularizer) + (clipped sum + N(0, (z C)^2)) / b, then FS's optimizer step."""
+        """grad = d(alignment + regularizer) + (clipped sum + N(0, (z C)^2)) / b, then FS's optimizer step; a plain
+        tensor's task gradient is the batch's summed gradient over its records (the mean loss's gradient)."""
         plan = self._plan
         self.round_steps += 1
         if self.round_steps > plan.steps_per_round:
@@ -234,13 +257,22 @@ class DPSGD:
         params = [p for p in ctx.model.parameters() if p.requires_grad]
         std = plan.z * self.C
         with torch.no_grad():
-            for p, g in zip(params, self._grad_sum):
-                noisy = (g + gaussian(g.shape, std, self.generator, g)) / plan.b
-                p.grad = noisy.to(p.dtype) if p.grad is None else p.grad + noisy.to(p.dtype)
+            for p, g, plain in zip(params, self._grad_sum, self._plain_mask(ctx.model, params)):
+                if plain:
+                    step = g / max(self._count, 1)
+                else:
+                    step = (g + gaussian(g.shape, std, self.generator, g)) / plan.b
+                p.grad = step.to(p.dtype) if p.grad is None else p.grad + step.to(p.dtype)
         self._grad_sum = []
         ctx.optimizer.step()
         if ctx.scheduler is not None:
             ctx.scheduler.step()
+
+
+def _interleave(private: list[Tensor], plain: list[Tensor], mask: list[bool]) -> list[Tensor]:
+    """One list in the trainable tensors' order from the private (clipped) and the plain sums."""
+    private_it, plain_it = iter(private), iter(plain)
+    return [next(plain_it) if m else next(private_it) for m in mask]
 
 
 def record_losses(ctx, size: int) -> tuple[Tensor | None, str]:

@@ -374,16 +374,17 @@ def run_info(cfg, outdir: Path, rounds: int, missing: list[int]) -> dict:
             metrics = {k: float(v) for k, v in last.items() if k.endswith(("_acc", "_loss"))}
     info = {"rounds": rounds, "config_hash": config_hash(Path(outdir) / "config.yaml"), "final_metrics": metrics,
             "missing_clients": missing, "base_quantization": cfg.fedpa.base_quantization,
-            "privacy": privacy_info(cfg.fedpa.dp_mode, Path(outdir))}  # fmt: skip
+            "privacy": privacy_info(cfg.fedpa.dp_mode, Path(outdir), cfg.fedpa.dp_local_tensors)}  # fmt: skip
     if cfg.model.type.lower().endswith("@seqcls_llm"):
         info["num_labels"] = int(cfg.model.seqcls.num_labels)
     return info
 
 
-def privacy_info(dp_mode: str, outdir: Path) -> dict:
+def privacy_info(dp_mode: str, outdir: Path, local_tensors: str = "noised") -> dict:
     """What of the export is differentially private, and at which (epsilon, delta) and convention (from the run's
     ledger, its last line). Client level: the global adapter only; the clients' heads and own factors are trained
-    on their data without DP. Sample level (DP-SGD): the global adapter and every client's own factors and head."""
+    on their data without DP. Sample level (DP-SGD): the global adapter and every client's own factors, and its head
+    unless ``fedpa.dp_local_tensors`` is ``plain``."""
     if dp_mode == "none":
         return {"dp_mode": "none", "dp_files": [], "not_dp_files": ["global", "client_<id>"]}
     from fs_fedpa.record import PRIVACY_FILE
@@ -396,6 +397,10 @@ def privacy_info(dp_mode: str, outdir: Path) -> dict:
            "accountant": last.get("dp_accountant")}  # fmt: skip
     if dp_mode == "client":
         out.update(dp_files=["global"], not_dp_files=["client_<id> (heads and own factors: trained without DP)"])
+    elif local_tensors == "plain":
+        out.update(epsilon_is="the largest over the clients (per client in the ledger)",
+                   dp_files=["global", "client_<id> (own factors)"],
+                   not_dp_files=["client_<id> (local tensors, e.g. the head: trained without DP, never sent)"])  # fmt: skip
     else:
         out.update(epsilon_is="the largest over the clients (per client in the ledger)",
                    dp_files=["global", "client_<id>"], not_dp_files=[])  # fmt: skip

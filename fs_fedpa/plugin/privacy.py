@@ -431,7 +431,13 @@ class ClientPrivacy:
                 stream = f"client {client.ID} round {client.state} routine {routine}"
                 return dp_generator(fedpa.dp_seed, stream, fedpa.dp_secure_rng)
 
-            self.dp_sgd = DPSGD(client.trainer, plan, make_generator, fedpa.dp_clip)
+            plain = frozenset(client.local_names) if fedpa.dp_local_tensors == "plain" else frozenset()
+            if fedpa.dp_local_tensors == "plain" and not plain:
+                raise ValueError(
+                    "fedpa.dp_local_tensors 'plain' with no local tensor to train plainly: "
+                    "personalization.local_param names none of the model's trainable non-LoRA tensors"
+                )
+            self.dp_sgd = DPSGD(client.trainer, plan, make_generator, fedpa.dp_clip, plain=plain)
             n = client.trainer.ctx.get("num_train_data")
             if isinstance(n, int) and n > 0:
                 plan(n)  # now, not in the first batch: a delta above min(1e-5, 1/(10 n_i)) is refused at start

@@ -387,3 +387,76 @@ def test_layers_to_transform_reduces_the_trainable_set_to_the_chosen_layers(tiny
     assert {n for n in top if "lora_" not in n} == {n for n in every if "lora_" not in n}  # the head
     with pytest.raises(ValueError, match="must be layer indices"):
         global_cfg.clone().merge_from_list(["model.seqcls.layers_to_transform", [-1]])
+
+
+def _two_layer_trainer(zero_data: bool = False):
+    """FS's trainer on a body (``0``) and a head (``1``), SGD at lr 1, N records of 3 features."""
+    from federatedscope.core.configs.config import global_cfg
+    from federatedscope.core.monitors.monitor import Monitor
+    from federatedscope.core.trainers import GeneralTorchTrainer
+
+    cfg = global_cfg.clone()
+    cfg.merge_from_list(["train.optimizer.type", "SGD", "train.optimizer.lr", 1.0, "train.local_update_steps", 1,
+                         "train.batch_or_epoch", "batch", "dataloader.batch_size", B, "criterion.type", "MSELoss",
+                         "use_gpu", False])  # fmt: skip
+    torch.manual_seed(1)
+    X, y = torch.randn(N, 3), torch.randn(N, 1)
+    if zero_data:
+        X, y = X * 0, y * 0
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    if zero_data:
+        for p in model.parameters():
+            torch.nn.init.zeros_(p)
+    data = {"train": DataLoader(TensorDataset(X, y), batch_size=B, shuffle=True)}
+    return GeneralTorchTrainer(model, data, "cpu", cfg, only_for_eval=False, monitor=Monitor(cfg)), model, X, y
+
+
+HEAD = frozenset({"1.weight", "1.bias"})
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["taps", "loop"])
+@pytest.mark.parametrize("plain", [frozenset(), HEAD], ids=["head_noised", "head_plain"])
+def test_the_head_is_clipped_and_noised_exactly_when_it_is_not_plain(batched, plain):
+    """fedpa.dp_local_tensors: a plain head takes the mean loss's gradient over the drawn records (no clip), and the
+    body's records are clipped on the body's norm alone; a noised head is clipped jointly with the body. Expected
+    steps from torch.func's per-example gradients of the two-layer model."""
+    from torch.func import functional_call, grad, vmap
+
+    from fs_fedpa.core.dp import dp_generator
+    from fs_fedpa.plugin.dp_sgd import DPSGD
+    from fs_fedpa.plugin.privacy import SamplePlan
+
+    trainer, model, X, y = _two_layer_trainer()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    DPSGD(trainer, lambda n: SamplePlan(n, B, 1, 0.0, 1e-5), lambda routine: dp_generator(3, "t"), clip=0.05,
+          batched=batched, plain=plain)  # fmt: skip
+    trainer.train()
+    idx = _chosen()
+
+    def loss(params, x, t):
+        return ((functional_call(model, params, (x[None],)) - t) ** 2).mean()
+
+    per = vmap(grad(loss), in_dims=(None, 0, 0))(before, X[idx], y[idx])
+    private = [n for n in before if n not in plain]
+    norms = sum(per[n].flatten(1).pow(2).sum(1) for n in private).sqrt()
+    c = torch.clamp(0.05 / norms, max=1.0)
+    assert (c < 1).all()  # the clip bites on every record
+    for n, p in model.named_parameters():
+        scale = c if n in private else torch.ones_like(c)
+        expected = before[n] - (scale.view(-1, *[1] * (per[n].ndim - 1)) * per[n]).sum(0) / B
+        torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_plain_head_gets_no_noise():
+    """Zero data, zero weights: every gradient is 0, so a step is its noise alone; the plain head does not move."""
+    from fs_fedpa.core.dp import dp_generator
+    from fs_fedpa.plugin.dp_sgd import DPSGD
+    from fs_fedpa.plugin.privacy import SamplePlan
+
+    trainer, model, X, y = _two_layer_trainer(zero_data=True)
+    DPSGD(trainer, lambda n: SamplePlan(n, B, 1, 2.0, 1e-5), lambda routine: dp_generator(3, "t"), clip=1.0,
+          plain=HEAD)  # fmt: skip
+    trainer.train()
+    params = dict(model.named_parameters())
+    assert all(float(params[n].abs().max()) == 0.0 for n in HEAD)
+    assert float(params["0.weight"].abs().max()) > 0

@@ -178,6 +178,7 @@ def test_an_unsupported_method_is_refused_through_fs_naming_dp(tiny_llm, tmp_pat
          "fedpa.dp_sampling=poisson set while fedpa.dp_mode is 'none'"),
         (["fedpa.dp_mode", "sample", "fedpa.dp_accountant", "prv"], r"fedpa.dp_accountant\(='prv'\) must be one of"),
         (["fedpa.dp_mode", "sample", "fedpa.dp_sampling", "shuffle"], r"fedpa.dp_sampling\(='shuffle'\) must be one"),
+        (["fedpa.dp_mode", "client", "fedpa.dp_local_tensors", "plain"], "is a choice of DP-SGD"),
         (
             [
                 "fedpa.dp_mode",
