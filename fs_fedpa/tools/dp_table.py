@@ -16,6 +16,7 @@ module's signal is at most C / sqrt(M), so the truncated release needs K >= z sq
 
     python -m fs_fedpa.tools.dp_table [--epsilon 8] [--rounds 30] [--rate 0.1] [--time]
     python -m fs_fedpa.tools.dp_table --sample [--epsilon 8] [--steps 210] [--n 624 6797 13224] [--batch 16 64 256]
+        [--sampling wor|poisson] [--accountant rdp|pld] [--rank R] [--layers L] [--plain-head]
 
 ``--sample``: sample-level DP-SGD in this repository's cell instead (MiniLM-L6, r = 4 on query and value, a local
 two-class head, T = 21 rounds of tau = 10 steps; by default its smallest, median and largest client). A step adds
@@ -88,35 +89,50 @@ def table(epsilon: float, rounds: int, rate: float) -> str:
 
 
 HEAD_LABELS = 2
+LAYERS = {"MiniLM-L6 (this cell)": 6, "RoBERTa-large": 24, "Llama-3-8B": 32}  # each adapts 2 modules a layer
 TRAINED = {  # entries DP-SGD trains per (d, k) module at rank r: both factors, or B alone (A fixed)
     "fedpa / fedit / fedsa_lora": lambda d, k, r: r * (d + k),
     "ffa_lora / fedsvd": lambda d, k, r: r * d,
 }
 
 
-def trained(space: str, model: str = "MiniLM-L6 (this cell)") -> int:
-    """D: the LoRA entries a client trains plus its local classifier head (hidden size k, two labels)."""
+def trained(space: str, model: str = "MiniLM-L6 (this cell)", rank: int | None = None, layers: int | None = None,
+            head: bool = True) -> int:  # fmt: skip
+    """D: the LoRA entries DP-SGD trains (at ``rank``, default the model's; on the top ``layers`` of the model's, default
+    all: ``model.seqcls.layers_to_transform``) plus the classifier head (hidden size k, two labels) unless ``head`` is
+    False (``fedpa.dp_local_tensors plain``: a local head is neither clipped nor noised)."""
     modules, r = MODELS[model]
-    head = modules[0][1] * HEAD_LABELS + HEAD_LABELS
-    return sum(count * TRAINED[space](d, k, r) for d, k, count in modules) + head
+    r = rank or r
+    total_layers = LAYERS[model]
+    share = 1.0 if layers is None else min(layers, total_layers) / total_layers
+    lora = sum(round(count * share) * TRAINED[space](d, k, r) for d, k, count in modules)
+    return lora + (modules[0][1] * HEAD_LABELS + HEAD_LABELS if head else 0)
 
 
-def sample_table(epsilon: float, steps: int, ns: list[int], batches: list[int]) -> str:
+def sample_table(epsilon: float, steps: int, ns: list[int], batches: list[int], sampling: str = "wor",
+                 accounting: str = "rdp", rank: int | None = None, layers: int | None = None, head: bool = True) -> str:  # fmt: skip
+    """The sample-level table; ``sampling``, ``accounting``, ``rank``, ``layers`` and ``head`` are the regime's knobs
+    (``fedpa.dp_sampling``, ``fedpa.dp_accountant``, ``model.seqcls.r``, ``model.seqcls.layers_to_transform`` on the
+    top layers, ``fedpa.dp_local_tensors``)."""
     from fs_fedpa.config import dp_delta_for
-    from fs_fedpa.core.dp_accountant import calibrate
+    from fs_fedpa.core.dp_accountant import ADJACENCY, calibrate
 
+    D = {space: trained(space, rank=rank, layers=layers, head=head) for space in TRAINED}
+    how = "without replacement" if sampling == "wor" else "Poisson, b expected"
     lines = [
-        f"Sample level: epsilon {epsilon:g} over {steps} steps of b of a client's n records (without replacement; "
-        "replace-one), delta = min(1e-5, 1/(10 n)); z from dp-accounting. Cells: z, and the bound on a "
-        "coordinate's signal / noise, b / (z sqrt(D)).",
+        f"Sample level: epsilon {epsilon:g} over {steps} steps of b of a client's n records ({how}; "
+        f"{ADJACENCY[sampling]}; {accounting}), delta = min(1e-5, 1/(10 n)); z from dp-accounting; trained: "
+        f"LoRA r = {rank or MODELS['MiniLM-L6 (this cell)'][1]} on {layers or 'all'} of MiniLM's 6 layers, "
+        f"{'with' if head else 'without'} the head. Cells: z, and the bound on a coordinate's signal / noise, "
+        "b / (z sqrt(D)).",
         "",
-        "| n | b | z | " + " | ".join(f"{space} (D = {trained(space):,})" for space in TRAINED) + " |",
+        "| n | b | z | " + " | ".join(f"{space} (D = {D[space]:,})" for space in TRAINED) + " |",
         "|---|---|---|" + "---|" * len(TRAINED),
     ]
     for n in ns:
         for b in batches:
-            z = calibrate(n, b, steps, epsilon, dp_delta_for(0.0, n, "n_i records"))
-            cells = " | ".join(f"{b / (z * math.sqrt(trained(space))):.3g}" for space in TRAINED)
+            z = calibrate(n, min(b, n), steps, epsilon, dp_delta_for(0.0, n, "n_i records"), sampling, accounting)
+            cells = " | ".join(f"{b / (z * math.sqrt(D[space])):.3g}" for space in TRAINED)
             lines.append(f"| {n:,} | {b} | {z:.3g} | {cells} |")
     return "\n".join(lines)
 
@@ -153,9 +169,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=210, help="--sample: DP-SGD steps over the run (T tau)")
     parser.add_argument("--n", type=int, nargs="+", default=[624, 6797, 13224], help="--sample: clients' records")
     parser.add_argument("--batch", type=int, nargs="+", default=[16, 64, 256], help="--sample: records a step")
+    parser.add_argument("--sampling", choices=("wor", "poisson"), default="wor", help="--sample: fedpa.dp_sampling")
+    parser.add_argument("--accountant", choices=("rdp", "pld"), default="rdp", help="--sample: fedpa.dp_accountant")
+    parser.add_argument("--rank", type=int, default=None, help="--sample: the LoRA rank (default 4)")
+    parser.add_argument("--layers", type=int, default=None, help="--sample: LoRA on the top LAYERS layers only")
+    parser.add_argument("--plain-head", action="store_true",
+                        help="--sample: the local head trains plainly (fedpa.dp_local_tensors plain): not in D")  # fmt: skip
     args = parser.parse_args()
     if args.sample:
-        print(sample_table(args.epsilon, args.steps, args.n, args.batch))
+        print(sample_table(args.epsilon, args.steps, args.n, args.batch, args.sampling, args.accountant, args.rank,
+                           args.layers, not args.plain_head))  # fmt: skip
         return
     print(table(args.epsilon, args.rounds, args.rate))
     if args.time:

@@ -42,3 +42,23 @@ def test_z_and_the_bound_are_those_of_the_committed_runs():
     assert z == pytest.approx(client["noise_multiplier"], rel=0.01)  # the run's own calibration, from its config
     for value, D in ((both, 37_634), (b_only, 19_202)):  # 12 modules of r (d + k), or r d, and the 384 x 2 head
         assert value == pytest.approx(client["b"] / (client["noise_multiplier"] * math.sqrt(D)), rel=0.01)
+
+
+def test_the_regimes_d_is_what_peft_trains_on_the_top_layer_at_rank_2():
+    """--layers 1 --rank 2 --plain-head: LoRA r = 2 on MiniLM's top layer (layers_to_transform [5]), the head not
+    noised: D is PEFT's trainable LoRA entries alone."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=64, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+                                     intermediate_size=1536, num_labels=2)  # fmt: skip
+    model = peft.get_peft_model(
+        transformers.BertForSequenceClassification(config),
+        peft.LoraConfig(task_type="SEQ_CLS", r=2, lora_alpha=4, target_modules=["query", "value"],
+                        layers_to_transform=[5]),  # fmt: skip
+    )
+    lora = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad and "lora_" in n}
+    assert sum(lora.values()) == dp_table.trained("fedpa / fedit / fedsa_lora", rank=2, layers=1, head=False)
+    assert sum(v for n, v in lora.items() if "lora_B" in n) == dp_table.trained("ffa_lora / fedsvd", rank=2, layers=1,
+                                                                                 head=False)  # fmt: skip
+    text = dp_table.sample_table(8.0, 200, [6424], [256], "poisson", "pld", rank=2, layers=1, head=False)
+    assert "(D = 3,072)" in text and "Poisson, b expected; add_remove; pld" in text
