@@ -42,6 +42,9 @@ def extend_seqcls_cfg(cfg) -> None:
     # []: every layer; else PEFT's layers_to_transform, e.g. [5] for MiniLM's top layer only (a smaller trainable
     # set: less DP noise per coordinate)
     cfg.model.seqcls.layers_to_transform = []
+    # True: the frozen prefix below the first adapted layer is computed once per record, in eval mode, and cached
+    # (fs_fedpa.plugin.prefix_cache); needs layers_to_transform above layer 0
+    cfg.model.seqcls.prefix_cache = False
     cfg.model.seqcls.precision = "fp32"  # fp32 | fp16 | bf16 (autocast in the forward)
     cfg.data.glue_limit = 0  # > 0: keep only the first N train examples (quick runs)
     cfg.data.glue_eval_split = ""  # "": the task's dev split; e.g. validation_mismatched for MNLI-mm
@@ -60,6 +63,23 @@ def _check_seqcls_cfg(cfg) -> None:
         raise ValueError(f"model.seqcls.r(={s.r}) must be a positive int")
     if any(not isinstance(i, int) or i < 0 for i in s.layers_to_transform):
         raise ValueError(f"model.seqcls.layers_to_transform(={list(s.layers_to_transform)}) must be layer indices >= 0")
+    if s.prefix_cache and not s.layers_to_transform:
+        raise ValueError(
+            "model.seqcls.prefix_cache needs model.seqcls.layers_to_transform: with LoRA in every layer nothing below "
+            "the first adapted layer is frozen"
+        )
+    if s.prefix_cache and cfg.federate.method:
+        from fs_fedpa.methods.base import get_method
+
+        try:
+            writes = get_method(cfg.federate.method.lower()).writes_base()
+        except (KeyError, ValueError):  # not a plugin method: FS's own, which never writes the base
+            writes = ""
+        if writes:
+            raise ValueError(
+                f"model.seqcls.prefix_cache with federate.method {cfg.federate.method!r}, which {writes}: the frozen "
+                "prefix would change under the cache"
+            )
     if s.precision not in ("fp32", "fp16", "bf16"):
         raise ValueError(f"model.seqcls.precision(={s.precision!r}) must be 'fp32', 'fp16' or 'bf16'")
     if not cfg.data.glue_holdout >= 0:
@@ -225,7 +245,12 @@ def build_seqcls_model(model_config, input_shape=None):
         target_modules=list(s.target_modules) or None,
         layers_to_transform=[int(i) for i in s.layers_to_transform] or None,
     )
-    return AdapterModel(peft.get_peft_model(model, lora), use_adapter=False)
+    adapted = peft.get_peft_model(model, lora)
+    if s.prefix_cache:
+        from fs_fedpa.plugin.prefix_cache import PrefixCache
+
+        PrefixCache(adapted)
+    return AdapterModel(adapted, use_adapter=False)
 
 
 # ----------------------------------------------------------------------------------------------- trainer

@@ -460,3 +460,75 @@ def test_a_plain_head_gets_no_noise():
     params = dict(model.named_parameters())
     assert all(float(params[n].abs().max()) == 0.0 for n in HEAD)
     assert float(params["0.weight"].abs().max()) > 0
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["taps", "loop"])
+def test_the_prefix_cache_takes_the_uncached_step(tiny_glue, batched):
+    """LoRA on layer 1 of the 2-layer BERT, so the embeddings and layer 0 are a frozen prefix. Two DP-SGD steps (SGD,
+    no noise, a clip that bites) with model.seqcls.prefix_cache and without (dropout off in both) move every trainable
+    tensor alike; the second step's records are served from the cache where the first step computed them."""
+    import copy
+
+    from federatedscope.core.configs.config import global_cfg
+    from federatedscope.core.monitors.monitor import Monitor
+    from torch.utils.data import DataLoader
+    from transformers import AutoTokenizer
+
+    from fs_fedpa.plugin.prefix_cache import PrefixCache
+    from fs_fedpa.plugin.seqcls import _encode, _trainer_class, build_seqcls_model
+    from fs_fedpa.tasks.glue import get_task, load_glue
+
+    cfg = global_cfg.clone()
+    cfg.merge_from_list(["model.type", f"{tiny_glue['model']}@seqcls_llm", "model.seqcls.num_labels", 2,
+                         "model.seqcls.lora_dropout", 0.0, "model.seqcls.layers_to_transform", [1], "trainer.type",
+                         "seqcls", "criterion.type", "CrossEntropyLoss", "train.optimizer.type", "SGD",
+                         "train.optimizer.lr", 1.0, "train.local_update_steps", 2, "train.batch_or_epoch", "batch",
+                         "use_gpu", False])  # fmt: skip
+    torch.manual_seed(0)
+    model = _spread(_no_dropout(build_seqcls_model(cfg.model)))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_glue["model"])
+    loader = DataLoader(_encode(load_glue(get_task("sst2"), tiny_glue["glue"], "train", limit=12), tokenizer, 32),
+                        batch_size=6)  # fmt: skip
+    start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    after, caches = {}, []
+    for cached in (False, True):
+        m = copy.deepcopy(model)
+        if cached:
+            caches.append(PrefixCache(m))
+        trainer = _trainer_class()(m, {"train": loader}, "cpu", cfg, only_for_eval=False, monitor=Monitor(cfg))
+        _dp_step(trainer, clip=0.05, batched=batched, b=8, steps=2)
+        after[cached] = {n: p.detach().clone() for n, p in m.named_parameters() if p.requires_grad}
+    (cache,) = caches
+    assert cache.first == 1 and cache.misses <= 12 and cache.hits > 0  # 16 records drawn of 12: some twice
+    assert all(".layer.1." in n for n in start if "lora_" in n)
+    for n in start:
+        assert not torch.equal(after[False][n], start[n]), n
+        torch.testing.assert_close(after[True][n] - start[n], after[False][n] - start[n], rtol=1e-4, atol=1e-8, msg=n)
+
+
+def test_the_prefix_cache_is_refused_where_the_prefix_is_not_frozen():
+    from federatedscope.core.configs.config import global_cfg
+
+    with pytest.raises(ValueError, match="needs model.seqcls.layers_to_transform"):
+        global_cfg.clone().merge_from_list(["model.seqcls.prefix_cache", True])
+    with pytest.raises(ValueError, match="the frozen prefix would change under the cache"):
+        global_cfg.clone().merge_from_list(["federate.method", "flora", "model.seqcls.prefix_cache", True,
+                                            "model.seqcls.layers_to_transform", [1]])  # fmt: skip
+
+
+def test_the_regimes_knobs_together_through_fs(tiny_glue, tmp_path):
+    """DP-SGD with LoRA on the top layer only, the frozen prefix cached, a plain local head, Poisson sampling, the
+    PLD accountant and a cosine schedule: the run completes through FS, and its exported adapter adapts layer 1 only."""
+    import json
+
+    from tests.integration.test_export_fs import _run
+
+    cfg, outdir = _run(tiny_glue, tmp_path, "fedpa", **{
+        "model.seqcls.layers_to_transform": [1], "model.seqcls.prefix_cache": True, "fedpa.dp_mode": "sample",
+        "fedpa.dp_clip": 1.0, "fedpa.dp_noise_multiplier": 1.0, "fedpa.dp_local_tensors": "plain",
+        "fedpa.dp_sampling": "poisson", "fedpa.dp_accountant": "pld", "fedpa.lr_schedule": "cosine",
+        "fedpa.lr_warmup_steps": 1})  # fmt: skip
+    log = (outdir / "exp_print.log").read_text()
+    assert "prefix cache: embeddings and layers 0-0 computed once per record" in log
+    adapter = json.loads((tmp_path / "at_end" / "global" / "adapter_config.json").read_text())
+    assert adapter["target_modules"] and all(".layer.1." in m for m in adapter["target_modules"])
