@@ -384,6 +384,16 @@ class FedPAConfig:
             )
         },
     )
+    dp_min_records: int = field(
+        default=0,
+        metadata={
+            "help": (
+                "sample mode: a client with fewer training records takes no DP-SGD step (0: none is left out); it "
+                "sends the factors it started the round from with sample size 0, which weighs nothing in the "
+                "aggregate, and spends epsilon 0. At b of n_i records a step, a small client needs a large z"
+            )
+        },
+    )
     dp_local_tensors: Literal["noised", "plain"] = field(
         default="noised",
         metadata={
@@ -520,6 +530,7 @@ class FedPAConfig:
             setattr(self, key, _number(getattr(self, key), key, minimum=0.0))
         self.dp_seed = _integer(self.dp_seed, "dp_seed", minimum=-1)
         self.dp_horizon = _integer(self.dp_horizon, "dp_horizon", minimum=0)
+        self.dp_min_records = _integer(self.dp_min_records, "dp_min_records", minimum=0)
         if self.dp_seed > SEED_MAX:
             raise ValueError(f"fedpa.dp_seed(={self.dp_seed}) must be <= 2**32 - 1")
         for key, choices in (("dp_sampling", DP_SAMPLINGS), ("dp_accountant", DP_ACCOUNTANTS),
@@ -620,7 +631,7 @@ class FedPAConfig:
 
 
 # the keys that only mean something under DP, and their values when DP is off (0 unless named)
-DP_KEYS = ("dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_horizon", "dp_seed")
+DP_KEYS = ("dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_horizon", "dp_seed", "dp_min_records")
 DP_OFF = {"dp_seed": -1}
 DP_NAMED = {"dp_sampling": "wor", "dp_accountant": "rdp", "dp_local_tensors": "noised"}  # the DP settings that are names, at their defaults
 

@@ -164,7 +164,10 @@ class FedPAClient(
         if self.schedule is not None:
             self.schedule.new_round(self.state)
         self._enter_round(message.content)
-        sample_size, _, results = self.trainer.train()
+        if self.privacy.sits_out:  # fedpa.dp_min_records: no DP-SGD step; its upload weighs 0
+            sample_size, results = 0, {}
+        else:
+            sample_size, _, results = self.trainer.train()
         sample_size = self.privacy.sample_size(sample_size)  # client-level DP: 1, in the content and the timestamp
         self._release_optimizer()
         upload = self._leave_round()
@@ -212,7 +215,7 @@ class FedPAClient(
         reference`` with the reference frozen in the base weights (FedDPA's mixed forward), trains the personal
         factors and the local tensors, and keeps them; the personal factors never leave the client."""
         start = self.method.personal_start(received, self.personal, self.index, self.state)
-        if start is None:
+        if start is None or self.privacy.sits_out:
             return
         a = self.method.personal_weight
         frozen = {n: (1 - a) * (B @ A) for n, (B, A) in self.space.upload(received).items()}

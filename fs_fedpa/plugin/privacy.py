@@ -83,6 +83,11 @@ def sample_plan(cfg, n: int, routines: int = 1) -> SamplePlan:
         per_epoch = n // b if cfg.dataloader.drop_last else math.ceil(n / b)
         tau = int(cfg.train.local_update_steps) * max(per_epoch, 1)
     tau *= routines
+    if n < fedpa.dp_min_records:  # left out of DP training: no step, epsilon 0, no noise to calibrate
+        from fs_fedpa.config import dp_delta_for
+
+        delta = dp_delta_for(float(fedpa.dp_delta), n, "n_i records")
+        return SamplePlan(n, b, 0, 0.0, delta, fedpa.dp_sampling, fedpa.dp_accountant)
     return _plan(n, b, tau, int(fedpa.dp_horizon or cfg.federate.total_round_num), float(fedpa.dp_noise_multiplier),
                  float(fedpa.dp_epsilon), float(fedpa.dp_delta), fedpa.dp_sampling, fedpa.dp_accountant)  # fmt: skip
 
@@ -446,6 +451,14 @@ class ClientPrivacy:
         if self.dp_sgd is not None:
             self.dp_sgd.new_round()
 
+    @property
+    def sits_out(self) -> bool:
+        """Sample mode with ``fedpa.dp_min_records``: this client has fewer records and takes no DP-SGD step."""
+        if self.mode != "sample" or not self.client.method.cfg.dp_min_records:
+            return False
+        n = self.client.trainer.ctx.get("num_train_data")
+        return isinstance(n, int) and n < self.client.method.cfg.dp_min_records
+
     def stats(self, stats: dict) -> dict:
         """What of the round's statistics leaves the client (all of them without DP)."""
         if self.mode == "none":
@@ -455,11 +468,14 @@ class ClientPrivacy:
         return {k: v for k, v in stats.items() if not k.startswith(RAW_DATA_STATS)}
 
     def sample_size(self, sample_size: int) -> int:
-        """FS's sample count of the message: 1 under client-level DP (a client's size is private there); under
-        Poisson DP-SGD the expected count of the round's steps, not how many records the draws held (which adding or
-        removing one would change)."""
+        """FS's sample count of the message: 1 under client-level DP (a client's size is private there); 0 for a
+        client that sits out (``fedpa.dp_min_records``: its upload weighs nothing); under Poisson DP-SGD the expected
+        count of the round's steps, not how many records the draws held (which adding or removing one would
+        change)."""
         if self.mode == "client":
             return 1
+        if self.sits_out:
+            return 0
         plan = self.dp_sgd._plan if self.dp_sgd is not None else None
         if plan is not None and plan.sampling == "poisson":
             return plan.steps_per_round * plan.b
@@ -467,6 +483,14 @@ class ClientPrivacy:
 
     def log_round(self) -> None:
         """Sample mode: the client's own epsilon so far, in its own log."""
+        if self.sits_out:
+            n = self.client.trainer.ctx.get("num_train_data")
+            logger.info(
+                f"[fedpa] client #{self.client.ID}: {n} training records, fewer than fedpa.dp_min_records"
+                f"(={self.client.method.cfg.dp_min_records}): it takes no DP-SGD step, sends the factors it started "
+                "from with sample size 0 (no weight), and spends epsilon 0"
+            )
+            return
         if self.dp_sgd is None or self.dp_sgd._plan is None:
             return
         plan, client = self.dp_sgd._plan, self.client

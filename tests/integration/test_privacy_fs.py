@@ -523,3 +523,18 @@ def test_client_level_messages_time_stamp_the_sample_count_they_carry():
     (message,) = sent
     assert message.content[0] == 1
     assert message.timestamp == pytest.approx(10.0 + 3.0 * 1 * 0.5 + 2.0 * 8.0 / 4.0)  # not 3 x 57 x 0.5
+
+
+def test_clients_below_dp_min_records_take_no_step_and_spend_nothing(tiny_llm, tmp_path):
+    """fedpa.dp_min_records above every client's size: no client takes a DP-SGD step (the plan's 0 steps would
+    stop one that did), each ledger entry is epsilon 0 after 0 steps, the run completes and the global adapter stays
+    where it started (every upload weighs 0, so the round averages the unchanged starts)."""
+    overrides = {"fedpa.dp_mode": "sample", "fedpa.dp_clip": 1.0, "fedpa.dp_noise_multiplier": 1.0,
+                 "fedpa.dp_min_records": 10**6, "federate.total_round_num": 2}  # fmt: skip
+    out = _finished(fedpa_cfg(tiny_llm, tmp_path, **overrides), tmp_path)
+    last = _jsonl(out / "fedpa_privacy.jsonl")[-1]
+    assert last["dp_epsilon"] == 0.0 and len(last["dp_clients"]) == 3
+    assert all(e["steps"] == 0 and e["epsilon"] == 0.0 for e in last["dp_clients"].values())
+    assert "fewer than fedpa.dp_min_records(=1000000): it takes no DP-SGD step" in (out / "exp_print.log").read_text()
+    records = _jsonl(out / "fedpa_diagnostics.jsonl")
+    assert [r["global_update_norm"] for r in records] == [0.0, 0.0]  # ||sum w_i B_i A_i|| with every B_i still 0
