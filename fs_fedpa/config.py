@@ -633,7 +633,8 @@ class FedPAConfig:
 # the keys that only mean something under DP, and their values when DP is off (0 unless named)
 DP_KEYS = ("dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_horizon", "dp_seed", "dp_min_records")
 DP_OFF = {"dp_seed": -1}
-DP_NAMED = {"dp_sampling": "wor", "dp_accountant": "rdp", "dp_local_tensors": "noised"}  # the DP settings that are names, at their defaults
+# the DP settings that are names, at their defaults
+DP_NAMED = {"dp_sampling": "wor", "dp_accountant": "rdp", "dp_local_tensors": "noised"}
 
 
 def dp_delta_for(setting: float, population: int, who: str) -> float:

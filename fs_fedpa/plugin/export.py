@@ -398,9 +398,9 @@ def privacy_info(dp_mode: str, outdir: Path, local_tensors: str = "noised") -> d
     if dp_mode == "client":
         out.update(dp_files=["global"], not_dp_files=["client_<id> (heads and own factors: trained without DP)"])
     elif local_tensors == "plain":
+        local = "client_<id> (local tensors, e.g. the head: trained without DP, never sent)"
         out.update(epsilon_is="the largest over the clients (per client in the ledger)",
-                   dp_files=["global", "client_<id> (own factors)"],
-                   not_dp_files=["client_<id> (local tensors, e.g. the head: trained without DP, never sent)"])  # fmt: skip
+                   dp_files=["global", "client_<id> (own factors)"], not_dp_files=[local])  # fmt: skip
     else:
         out.update(epsilon_is="the largest over the clients (per client in the ledger)",
                    dp_files=["global", "client_<id>"], not_dp_files=[])  # fmt: skip

@@ -98,9 +98,9 @@ TRAINED = {  # entries DP-SGD trains per (d, k) module at rank r: both factors, 
 
 def trained(space: str, model: str = "MiniLM-L6 (this cell)", rank: int | None = None, layers: int | None = None,
             head: bool = True) -> int:  # fmt: skip
-    """D: the LoRA entries DP-SGD trains (at ``rank``, default the model's; on the top ``layers`` of the model's, default
-    all: ``model.seqcls.layers_to_transform``) plus the classifier head (hidden size k, two labels) unless ``head`` is
-    False (``fedpa.dp_local_tensors plain``: a local head is neither clipped nor noised)."""
+    """D: the LoRA entries DP-SGD trains (at ``rank``, default the model's; on the top ``layers`` of the model's,
+    default all: ``model.seqcls.layers_to_transform``) plus the classifier head (hidden size k, two labels) unless
+    ``head`` is False (``fedpa.dp_local_tensors plain``: a local head is neither clipped nor noised)."""
     modules, r = MODELS[model]
     r = rank or r
     total_layers = LAYERS[model]
@@ -110,7 +110,8 @@ def trained(space: str, model: str = "MiniLM-L6 (this cell)", rank: int | None =
 
 
 def sample_table(epsilon: float, steps: int, ns: list[int], batches: list[int], sampling: str = "wor",
-                 accounting: str = "rdp", rank: int | None = None, layers: int | None = None, head: bool = True) -> str:  # fmt: skip
+                 accounting: str = "rdp", rank: int | None = None, layers: int | None = None,
+                 head: bool = True) -> str:  # fmt: skip
     """The sample-level table; ``sampling``, ``accounting``, ``rank``, ``layers`` and ``head`` are the regime's knobs
     (``fedpa.dp_sampling``, ``fedpa.dp_accountant``, ``model.seqcls.r``, ``model.seqcls.layers_to_transform`` on the
     top layers, ``fedpa.dp_local_tensors``)."""
@@ -174,7 +175,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=None, help="--sample: the LoRA rank (default 4)")
     parser.add_argument("--layers", type=int, default=None, help="--sample: LoRA on the top LAYERS layers only")
     parser.add_argument("--plain-head", action="store_true",
-                        help="--sample: the local head trains plainly (fedpa.dp_local_tensors plain): not in D")  # fmt: skip
+                        help="--sample: the local head trains plainly (dp_local_tensors plain): not in D")
     args = parser.parse_args()
     if args.sample:
         print(sample_table(args.epsilon, args.steps, args.n, args.batch, args.sampling, args.accountant, args.rank,

@@ -242,8 +242,9 @@ def test_sample_level_poisson_sampling_with_the_pld_accountant(tiny_llm, tmp_pat
 
     from fs_fedpa.core.dp_accountant import calibrate
 
-    overrides = {"fedpa.dp_mode": "sample", "fedpa.dp_clip": 1.0, "fedpa.dp_epsilon": 8.0, "federate.total_round_num": 1,
-                 "fedpa.dp_sampling": "poisson", "fedpa.dp_accountant": "pld", "fedpa.dp_seed": 5}  # fmt: skip
+    overrides = {"fedpa.dp_mode": "sample", "fedpa.dp_clip": 1.0, "fedpa.dp_epsilon": 8.0,
+                 "federate.total_round_num": 1, "fedpa.dp_sampling": "poisson", "fedpa.dp_accountant": "pld",
+                 "fedpa.dp_seed": 5}  # fmt: skip
     out = _finished(fedpa_cfg(tiny_llm, tmp_path, **overrides), tmp_path)
     line = _jsonl(out / "fedpa_privacy.jsonl")[-1]
     assert line["dp_sampling"] == "poisson" and line["dp_adjacency"] == "add_remove"
