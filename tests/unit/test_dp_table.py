@@ -15,17 +15,20 @@ from tests.conftest import ROOT
 RUNS = ROOT / "docs" / "reference" / "sst2_protocol" / "runs" / "privacy"
 
 
-def test_d_is_what_peft_trains_in_the_cell():
+def _minilm_lora(**lora):
+    """{name: size} of what PEFT trains on MiniLM-L6's shapes (hidden 384, 6 layers; a small vocabulary, which the
+    trained entries do not depend on) with a LoRA of ``lora`` on query and value and a two-label head."""
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
-    # MiniLM-L6's shapes (hidden 384, 6 layers) with a small vocabulary: the trained entries do not depend on it
     config = transformers.BertConfig(vocab_size=64, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
                                      intermediate_size=1536, num_labels=2)  # fmt: skip
-    model = peft.get_peft_model(
-        transformers.BertForSequenceClassification(config),
-        peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["query", "value"]),
-    )
-    trained = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    model = peft.get_peft_model(transformers.BertForSequenceClassification(config),
+                                peft.LoraConfig(task_type="SEQ_CLS", target_modules=["query", "value"], **lora))
+    return {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_d_is_what_peft_trains_in_the_cell():
+    trained = _minilm_lora(r=4, lora_alpha=8)
     assert sum(trained.values()) == dp_table.trained("fedpa / fedit / fedsa_lora")
     assert sum(v for n, v in trained.items() if "lora_A" not in n) == dp_table.trained("ffa_lora / fedsvd")
 
@@ -47,16 +50,7 @@ def test_z_and_the_bound_are_those_of_the_committed_runs():
 def test_the_regimes_d_is_what_peft_trains_on_the_top_layer_at_rank_2():
     """--layers 1 --rank 2 --plain-head: LoRA r = 2 on MiniLM's top layer (layers_to_transform [5]), the head not
     noised: D is PEFT's trainable LoRA entries alone."""
-    peft = pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(vocab_size=64, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
-                                     intermediate_size=1536, num_labels=2)  # fmt: skip
-    model = peft.get_peft_model(
-        transformers.BertForSequenceClassification(config),
-        peft.LoraConfig(task_type="SEQ_CLS", r=2, lora_alpha=4, target_modules=["query", "value"],
-                        layers_to_transform=[5]),  # fmt: skip
-    )
-    lora = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad and "lora_" in n}
+    lora = {n: v for n, v in _minilm_lora(r=2, lora_alpha=4, layers_to_transform=[5]).items() if "lora_" in n}
     assert sum(lora.values()) == dp_table.trained("fedpa / fedit / fedsa_lora", rank=2, layers=1, head=False)
     assert sum(v for n, v in lora.items() if "lora_B" in n) == dp_table.trained("ffa_lora / fedsvd", rank=2, layers=1,
                                                                                  head=False)  # fmt: skip
