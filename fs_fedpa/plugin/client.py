@@ -39,9 +39,9 @@ from fs_fedpa.plugin.liveness import ClientLiveness
 from fs_fedpa.plugin.messages import reply_problem
 from fs_fedpa.plugin.payload import decode_factors, decode_merge, decode_tensors, encode_parts, encode_tensors
 from fs_fedpa.plugin.privacy import ClientPrivacy
-from fs_fedpa.plugin.schedule import RunSchedule
 from fs_fedpa.plugin.resume_points import ClientResume
 from fs_fedpa.plugin.round_records import ClientDiagnostics
+from fs_fedpa.plugin.schedule import RunSchedule
 from fs_fedpa.plugin.trainer import install_alignment_hook
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only

@@ -243,7 +243,7 @@ class DPSGD:
 
     def _hook_on_batch_backward_dp(self, ctx):
         """grad = d(alignment + regularizer) + (clipped sum + N(0, (z C)^2)) / b, then FS's optimizer step; a plain
-        tensor's task gradient is the batch's summed gradient over its records (the mean loss's gradient)."""
+        tensor's task gradient is the mean of its records' gradients over the batch (that of the mean loss)."""
         plan = self._plan
         self.round_steps += 1
         if self.round_steps > plan.steps_per_round:
