@@ -13,7 +13,8 @@ STATS = {"alignment_loss": 0.1, "lam": 1.0, "num_train_data": 600, "restarted": 
 
 
 def _client(mode: str):
-    return SimpleNamespace(method=SimpleNamespace(cfg=SimpleNamespace(dp_mode=mode, dp_seed=-1, dp_clip=1.0)))
+    return SimpleNamespace(method=SimpleNamespace(cfg=SimpleNamespace(dp_mode=mode, dp_seed=-1, dp_clip=1.0,
+                                                                      dp_min_records=0)))
 
 
 @pytest.mark.parametrize(
