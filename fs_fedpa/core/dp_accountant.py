@@ -161,7 +161,6 @@ def _rdp_one(kind: Sampled) -> tuple[tuple[float, ...], tuple[float, ...]]:
 def _pld_one(kind: Sampled):
     _dpa()
     from dp_accounting.pld import privacy_loss_distribution as pld
-    from dp_accounting.pld import privacy_loss_mechanism as mechanism
 
     if kind.sampling == "poisson":
         return pld.from_gaussian_mechanism(kind.z, sensitivity=1.0, sampling_prob=kind.rate,

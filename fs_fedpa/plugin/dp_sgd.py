@@ -151,6 +151,7 @@ class DPSGD:
             return self._give_up(why)
         chunk = self.chunk or (size if _device(ctx.model).type != "cpu" else CPU_CHUNK)
         total, dropped, losses, y_true, y_prob = None, 0, [], [], []
+        mask = self._plain_mask(ctx.model, params)  # the same for every chunk of the step
         for index in _chunks(batch, size, chunk):
             n = len(index)
             ctx.data_batch = CtxVar(_select(batch, index, size), LIFECYCLE.BATCH)
@@ -175,7 +176,6 @@ class DPSGD:
                 )
             # clipped chunk by chunk: the clip is per record, so the sum is the same, and only one chunk's
             # per-example gradients are alive at a time (a logical batch of b records in bounded memory)
-            mask = self._plain_mask(ctx.model, params)
             private, scales = clipped_sum([f for f, plain in zip(found, mask) if not plain], self.C)
             summed = [torch.zeros_like(p, dtype=torch.float64) if g is None else g.detach().double()
                       for g, p, plain in zip(grads, params, mask) if plain]  # fmt: skip

@@ -74,12 +74,11 @@ class PrefixCache:
         missing = [r for r in range(rows) if keys[r] not in self.states]
         self.misses += len({keys[r] for r in missing})
         self.hits += rows - len(missing)
-        by_length: dict[int, list[int]] = {}
+        by_length: dict[int, dict[bytes, int]] = {}  # length -> key -> one row with it (a batch may repeat a record)
         for r in missing:
-            if keys[r] not in self.states:
-                by_length.setdefault(lengths[r], []).append(r)
-        for length, group in by_length.items():
-            unique = list({keys[r]: r for r in group}.values())
+            by_length.setdefault(lengths[r], {})[keys[r]] = r
+        for length, rows_of in by_length.items():
+            unique = list(rows_of.values())
             states = self._compute(input_ids[unique, :length], types_[unique, :length])
             for r, state in zip(unique, states):
                 self.states[keys[r]] = state.detach().to("cpu", torch.float32)
