@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fs_fedpa.fs_command import fs_overrides
+from fs_fedpa.fs_command import fs_overrides, with_yaml_keys
 from fs_fedpa.fs_results import weighted_avg_by_round
 from fs_fedpa.methods import names as method_names
 from fs_fedpa.record import CLIENT_STATS, DIAGNOSTICS_FILE, EVAL_SHARDS_FILE, OUTCOMES_FILE, PRIVACY_FILE, compact
@@ -97,8 +97,8 @@ def run_one(cfg: str, cell: Cell, seed: int, out: Path, opts: list[str], total_r
     out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out / "run", ignore_errors=True)  # left by a killed run; FS would nest a sub_exp_* beside it
     fs_opts = ["federate.method", cell.method, "seed", str(seed), "outdir", str(out), "expname", "run"]
-    overrides = fs_overrides(["federate.save_to", "", *opts, *cell.opts, *fs_opts])
-    cmd = [sys.executable, "-m", "federatedscope.main", "--cfg", cfg, *overrides]
+    cfg, given = with_yaml_keys(cfg, ["federate.save_to", "", *opts, *cell.opts, *fs_opts], out)
+    cmd = [sys.executable, "-m", "federatedscope.main", "--cfg", cfg, *fs_overrides(given)]
     commit = code_commit()  # the code the run imports now; the checkout may move on while it trains
     start = time.time()
     with (

@@ -28,6 +28,7 @@ alpha = 8, local heads, 10 local steps of 16 sentences):
    (:func:`split_seeds`, :func:`split_training_seeds`).
 9. ``privacy``: what differential privacy costs (:data:`PRIVACY_METHODS` under DP-SGD in the main cell, tuned on
    the held-out split; the client-level mechanism in the partial setting), see the block above :func:`privacy_runs`.
+10. ``dpregime``: a regime where sample-level DP-SGD learns, and the methods there (:mod:`fs_fedpa.sst2_dp_regime`).
 
 Every finished run is reduced to one small JSON file in ``--report/runs/<stage>/`` (curves and diagnostics; no
 checkpoints), which is committed: a stopped grid continues where it stopped, on this machine or another. FS's own
@@ -73,6 +74,7 @@ MAIN_R, HETERO_R = 4, 16  # model.seqcls.r of the config and of the heterogeneou
 HETERO_LAM = (MAIN_R / HETERO_R) ** 2
 STAGES = (
     "pilot", "tune", "final", "ablation", "beta", "hetero", "adaptive", "head", "long", "partial", "splits", "privacy",
+    "dpregime",
 )  # fmt: skip
 # A DP-SGD step's time over a plain one's on one host (benchmarks/bench_dp_sgd.py: 1.12 with the batched taps, 1.19
 # with the per-example loop), for the estimate until a DP-SGD run is in. It was 4.0, from rounds timed on two hosts.
@@ -528,6 +530,7 @@ def seconds_per_round(results: dict, sample_dp: bool = False) -> float:
         r["seconds"] / r["rounds_planned"] / r.get("jobs", 1)
         for r in list(results.values())  # a snapshot: the runner's threads add finished runs meanwhile
         if r.get("rounds_planned") and not on_gpu(r) and dp_sgd(r.get("opts", ())) == sample_dp
+        and r.get("stage") != "dpregime"  # its rounds are of other sizes: priced by records (sst2_dp_regime)
     ]
     if rates:
         return statistics.median(rates)
@@ -536,8 +539,12 @@ def seconds_per_round(results: dict, sample_dp: bool = False) -> float:
 
 def minutes_left(runs: list[Run], results: dict) -> float:
     """The machine minutes the runs of ``runs`` without a result will take, each priced by its kind of round."""
+    from fs_fedpa import sst2_dp_regime  # it builds on this module
+
     rates = {kind: seconds_per_round(results, kind) for kind in (False, True)}
-    return sum(r.rounds * rates[dp_sgd(r.opts)] for r in runs if r.key not in results) / 60
+    regime = [r for r in runs if r.stage == sst2_dp_regime.STAGE]
+    rounds = sum(r.rounds * rates[dp_sgd(r.opts)] for r in runs if r.key not in results and r not in regime) / 60
+    return rounds + sst2_dp_regime.minutes(regime, results)
 
 
 # ------------------------------------------------------------------------------------------------ the plan
@@ -576,6 +583,9 @@ def plan(results: dict, report: Path) -> list[tuple[str, list[Run]]]:
     stages.append(("partial participation", partial_runs(selected)))
     stages.append(("client splits", splits_runs(selected, selected["T"])))
     stages.extend(privacy_runs(selected, results, selected["T"]))
+    from fs_fedpa import sst2_dp_regime  # it builds on this module
+
+    stages.extend(sst2_dp_regime.runs(selected, results))
     return stages
 
 

@@ -25,7 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from fs_fedpa import compare
+from fs_fedpa import compare, sst2_dp_regime
 from fs_fedpa.sst2_protocol import (
     CFG,
     CFG_NAME,
@@ -286,6 +286,10 @@ def print_plan(stages: list[tuple[str, list[Run]]], results: dict, scoped: bool 
         minutes = minutes_left(left, results)
         total_left += minutes
         print(f"  {stage}: {len(runs) - len(left)}/{len(runs)} runs done; about {minutes:.0f} min left", flush=True)
+    if any(r.stage == sst2_dp_regime.STAGE for _, runs in stages for r in runs):
+        low, high = sst2_dp_regime.stage_hours()
+        print(f"  dp regime, the whole stage before any run: {low:.0f}-{high:.0f} CPU-h here, as the search selects "
+              "(priced by records from the measured step cost, fs_fedpa/sst2_dp_regime.py)", flush=True)  # fmt: skip
     if scoped and not stages:
         print("[sst2_compare] no run of the stages known now matches --stage/--cell: nothing to run (a cell is a "
               "run's name without its seed, e.g. fedpa_dp or partial30_fedit)", flush=True)  # fmt: skip

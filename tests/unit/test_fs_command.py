@@ -1,6 +1,7 @@
 """fs_overrides quotes only values that begin with "client", as Python string literals that read back unchanged."""
 
 import ast
+from pathlib import Path
 
 from fs_fedpa.fs_command import fs_overrides
 
@@ -31,3 +32,27 @@ def test_the_protocol_runner_launches_fs_with_quoted_client_values(tmp_path, mon
         compare.run_one("cfg.yaml", cell, 1, tmp_path / "out", ["data.root", "/d"], "3")
     (cmd,) = [c for c in seen if "federatedscope.main" in c]  # the runner also asks git for the commit first
     assert cmd[cmd.index("fedpa.dp_mode") + 1] == "'client'" and cmd[cmd.index("fedpa.dp_epsilon") + 1] == "8"
+
+
+def test_optimizer_keys_fs_defines_only_by_yaml_go_into_a_copy_of_the_config_that_fs_reads_back(tmp_path):
+    import pytest
+    import yaml
+
+    from fs_fedpa.fs_command import with_yaml_keys
+
+    base = tmp_path / "base.yaml"
+    base.write_text("train:\n  optimizer:\n    type: AdamW\n    lr: 0.002\nseed: 3\n")
+    opts = ["train.optimizer.type", "SGD", "train.optimizer.momentum", "0.5", "seed", "1",
+            "train.optimizer.momentum", "0.9", "train.optimizer.lr", "0.02"]  # fmt: skip
+    cfg, kept = with_yaml_keys(str(base), opts, tmp_path / "run")
+    assert kept == ["train.optimizer.type", "SGD", "seed", "1", "train.optimizer.lr", "0.02"]  # the last value wins
+    assert yaml.safe_load(Path(cfg).read_text())["train"]["optimizer"] == {"type": "AdamW", "lr": 0.002, "momentum": 0.9}
+    assert with_yaml_keys(str(base), kept, tmp_path / "x") == (str(base), kept)  # nothing to move: unchanged
+    fs = pytest.importorskip("federatedscope.core.configs.config", reason="FederatedScope is not installed")
+    # stock FS: the command line refuses the key, the copied yaml carries it to torch.optim's arguments
+    with pytest.raises(KeyError):
+        fs.global_cfg.clone().merge_from_list(["train.optimizer.momentum", 0.9])
+    cfg_node = fs.global_cfg.clone()
+    cfg_node.merge_from_file(cfg)
+    cfg_node.merge_from_list(kept)
+    assert (cfg_node.train.optimizer.type, cfg_node.train.optimizer.momentum, cfg_node.seed) == ("SGD", 0.9, 1)

@@ -1,0 +1,232 @@
+"""The ``dpregime`` stage of the SST-2 protocol (issue 59): a regime in which sample-level DP-SGD at ε = 8 learns,
+and which federated LoRA method to use there. Declared on 2026-11-28, before any of its runs; nothing here is read
+from the dev set. No torch, no FS.
+
+Fixed for every run (the protocol's federation, ``yaml_configs/compare_sst2_protocol.yaml``: 10 clients, LDA 0.5,
+r = 4, alpha = 8):
+
+- DP-SGD at ε = :data:`EPSILON` calibrated in the DP fine-tuning papers' convention: Poisson sampling at rate b/n_i,
+  add/remove adjacency, the PLD accountant (``fedpa.dp_sampling poisson``, ``fedpa.dp_accountant pld``), δ =
+  min(1e-5, 1/(10 n_i)), clip C = :data:`CLIP` (the central anchor's; not tuned). The ledgers give the same noise
+  read with fixed-size sampling and replace-one adjacency; the ``*_replace`` cells calibrate to ε = 8 there.
+- :data:`STEPS` noisy steps a client over the run (τ·R = 120, R rounds of τ local steps), the horizon of the noise
+  calibration; the learning rate warms up linearly over the first :data:`WARMUP` of them, then stays constant
+  (``fedpa.lr_schedule``), the same for every client.
+- Clients under :data:`MIN_RECORDS` sentences take no DP step (``fedpa.dp_min_records``: ε 0, weight 0; three of
+  the ten, 634-956 sentences, whose z at b = 256 would be near 3). They still evaluate. Without DP they train.
+- The held-out split (``data.glue_holdout``) scores the search; the dev set only the finals. Evaluation every R/4
+  rounds; the search's score is :func:`fs_fedpa.sst2_protocol.score` (the mean of the last two).
+
+The search (FedIT, seed 0, at the final runs' noise):
+
+A. b ∈ :data:`BATCHES` × τ ∈ :data:`TAUS` × head ∈ :data:`HEADS` (``local``: the client's own head, trained plainly,
+   neither clipped nor noised, ``fedpa.dp_local_tensors plain``; ``federated``: clipped and noised with the LoRA
+   factors and averaged by the server), LoRA on the top two layers with the prefix cache, AdamW 5e-4: 8 runs.
+B. At A's best (b, τ, head): every optimizer of :data:`OPTIMIZERS` (AdamW 2e-4, 5e-4, 1e-3; SGD with momentum 0.9 at
+   2e-2) × trainable set of :data:`LAYERS` (the top two layers, the top one): 7 more runs.
+
+The regime is the search run with the best held-out score (strictly; the first in the order above among ties).
+
+The finals, in that regime, on the dev set, seeds 0-2 (seed-major): FedPA-LoRA (the main cell's λ), FedIT, FFA-LoRA
+and FedSVD with DP and without; FedIT with DP calibrated to ε = 8 under fixed-size sampling and replace-one
+(``fedit_dp_replace``); and the central anchors, one seed: one client with every training sentence, with DP in
+both conventions and without. Endpoint: dev accuracy (``val_acc``) at the last round. Comparisons: FedPA-LoRA
+against each other method under DP (Holm over 3), and each method under DP against itself without (Holm over 4);
+paired over seeds, t intervals.
+
+The cross-device client-level demonstration (issue 59 §3) is not part of this stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fs_fedpa import sst2_protocol as sp
+
+STAGE = "dpregime"
+EPSILON, CLIP, MIN_RECORDS = 8.0, 1.0, 1000
+STEPS, WARMUP, EVALS = 120, 12, 4
+BATCHES, TAUS, HEADS = (256, 1024), (1, 2), ("local", "federated")
+LAYERS = ((4, 5), (5,))  # MiniLM's top two layers, its top one
+FIRST = ("AdamW", 5e-4)  # part A's optimizer
+OPTIMIZERS = (("AdamW", 2e-4), ("AdamW", 5e-4), ("AdamW", 1e-3), ("SGD", 2e-2))
+MOMENTUM = 0.9  # SGD's
+METHODS = ("fedpa", "fedit", "ffa_lora", "fedsvd")
+REFERENCE = "fedit"  # the search's method
+SEEDS, CENTRAL_SEED = (0, 1, 2), 0
+
+
+@dataclass(frozen=True)
+class Regime:
+    """One point of the search: b records a step, τ steps a round, the head's place, the adapted layers, the
+    optimizer and its rate."""
+
+    b: int
+    tau: int
+    head: str
+    layers: tuple[int, ...]
+    optimizer: str
+    lr: float
+
+    @property
+    def rounds(self) -> int:
+        return STEPS // self.tau
+
+    @property
+    def name(self) -> str:
+        layers = "".join(map(str, self.layers))
+        return f"b{self.b}_tau{self.tau}_{self.head}_l{layers}_{self.optimizer.lower()}{self.lr:g}"
+
+    def opts(self) -> tuple[str, ...]:
+        """The FS overrides of this regime, without DP."""
+        opts = ("dataloader.batch_size", str(self.b), "train.local_update_steps", str(self.tau),
+                "eval.freq", str(self.rounds // EVALS),
+                "model.seqcls.layers_to_transform", str(list(self.layers)), "model.seqcls.prefix_cache", "True",
+                "personalization.local_param", "['classifier']" if self.head == "local" else "[]",
+                "train.optimizer.type", self.optimizer, "train.optimizer.lr", f"{self.lr:g}",
+                "fedpa.lr_schedule", "constant", "fedpa.lr_warmup_steps", str(WARMUP))  # fmt: skip
+        if self.optimizer == "SGD":
+            opts += ("train.optimizer.momentum", f"{MOMENTUM:g}")
+        return (*opts, *sp.ONE_THREAD)
+
+    def dp_opts(self, convention: str = "add_remove") -> tuple[str, ...]:
+        """DP-SGD at ε = 8 over the run: ``add_remove`` (Poisson, the papers') or ``replace`` (fixed-size sampling,
+        replace-one); both with the PLD accountant."""
+        sampling = {"add_remove": "poisson", "replace": "wor"}[convention]
+        opts = ("fedpa.dp_mode", "sample", "fedpa.dp_epsilon", f"{EPSILON:g}", "fedpa.dp_clip", f"{CLIP:g}",
+                "fedpa.dp_sampling", sampling, "fedpa.dp_accountant", "pld", "fedpa.dp_horizon", str(self.rounds),
+                "fedpa.dp_min_records", str(MIN_RECORDS))  # fmt: skip
+        if self.head == "local":
+            opts += ("fedpa.dp_local_tensors", "plain")
+        return opts
+
+    @classmethod
+    def of(cls, name: str) -> Regime:
+        """The regime a search run's name states (the inverse of :attr:`name`)."""
+        b, tau, head, layers, opt = name.split("_")[:5]
+        optimizer = "AdamW" if opt.startswith("adamw") else "SGD"
+        return cls(int(b[1:]), int(tau[3:]), head, tuple(int(c) for c in layers[1:]), optimizer,
+                   float(opt[len(optimizer):]))  # fmt: skip
+
+
+def _search_run(regime: Regime) -> sp.Run:
+    opts = (*regime.opts(), *regime.dp_opts(), *sp.TUNE_EVAL)
+    return sp.Run(STAGE, f"search_{regime.name}", REFERENCE, opts, 0, regime.rounds)
+
+
+def search_a() -> list[sp.Run]:
+    """Part A: b × τ × head at the top two layers and AdamW 5e-4."""
+    return [_search_run(Regime(b, tau, head, LAYERS[0], *FIRST)) for b in BATCHES for tau in TAUS for head in HEADS]
+
+
+def search_b(best_a: Regime) -> list[sp.Run]:
+    """Part B: every optimizer × trainable set at A's best (b, τ, head), less the run A already made."""
+    runs = []
+    for layers in LAYERS:
+        for optimizer, lr in OPTIMIZERS:
+            regime = Regime(best_a.b, best_a.tau, best_a.head, layers, optimizer, lr)
+            if regime != best_a:
+                runs.append(_search_run(regime))
+    return runs
+
+
+def best(results: dict, runs: list[sp.Run]) -> sp.Run | None:
+    """The run of ``runs`` with the best held-out score (strictly; the first among ties), once all are in."""
+    if not runs or any(r.key not in results for r in runs):
+        return None
+    top = None
+    for run in runs:
+        value = sp.score(results[run.key])
+        if value is not None and (top is None or value > top[0]):
+            top = (value, run)
+    return top[1] if top else None
+
+
+def regime_of(run: sp.Run) -> Regime:
+    return Regime.of(run.name[len("search_") :])
+
+
+def final_runs(regime: Regime, fedpa_lam: float) -> list[sp.Run]:
+    """The finals in ``regime`` (seed-major) and the central anchors."""
+    base = (*regime.opts(), *sp.FINAL_EVAL)
+    runs = []
+    for seed in SEEDS:
+        for method in METHODS:
+            lam = ("fedpa.lam", f"{fedpa_lam:g}") if method == "fedpa" else ()
+            runs.append(sp.Run(STAGE, method, method, (*base, *lam), seed, regime.rounds))
+            runs.append(sp.Run(STAGE, f"{method}_dp", method, (*base, *lam, *regime.dp_opts()), seed, regime.rounds))
+        runs.append(sp.Run(STAGE, "fedit_dp_replace", "fedit", (*base, *regime.dp_opts("replace")), seed,
+                           regime.rounds))  # fmt: skip
+    one = ("federate.client_num", "1", "federate.sample_client_num", "1")
+    for cell, dp in (("central", ()), ("central_dp", regime.dp_opts()), ("central_dp_replace",
+                                                                        regime.dp_opts("replace"))):  # fmt: skip
+        runs.append(sp.Run(STAGE, cell, "fedit", (*base, *one, *dp), CENTRAL_SEED, regime.rounds))
+    return runs
+
+
+def runs(selected: dict, results: dict) -> list[tuple[str, list[sp.Run]]]:
+    """The stage's parts, as far as the committed results determine them."""
+    a = search_a()
+    parts = [("dp regime: search A (b, tau, head)", a)]
+    top_a = best(results, a)
+    if top_a is None:
+        return parts
+    b = search_b(regime_of(top_a))
+    parts.append(("dp regime: search B (optimizer, layers)", b))
+    top = best(results, [top_a, *b])
+    if top is None:
+        return parts
+    parts.append(("dp regime: finals", final_runs(regime_of(top), selected["methods"]["fedpa"]["lam"])))
+    return parts
+
+
+def selected_regime(results: dict) -> Regime | None:
+    """The regime the search selected, or None before it has."""
+    a = search_a()
+    top_a = best(results, a)
+    top = best(results, [top_a, *search_b(regime_of(top_a))]) if top_a else None
+    return regime_of(top) if top else None
+
+
+# ------------------------------------------------------------------------------------------------ CPU cost
+# Measured on this CPU host (2 cores), one thread, nothing else running (docs/sst2_protocol.md, "dpregime"):
+#   python benchmarks/bench_dp_sgd.py --batch 256 --layers 2 --kinds plain taps cache --local-steps 2 --routines 3
+# CPU seconds per record of a training step with LoRA on the top two layers and the prefix cache, plain and under
+# DP-SGD, and of a record's first pass through the frozen prefix (the cache's fill); the top layer alone costs
+# half a step of the top two; an evaluation costs half a plain step.
+SECONDS_PER_RECORD = {"plain": 0.004, "dp": 0.006, "prefix": 0.008}
+# The committed split's client sizes (every stage's ledgers): the three under MIN_RECORDS take no DP step.
+CLIENT_SIZES = (6424, 13425, 634, 3598, 956, 12696, 13379, 7377, 646, 8214)
+EVAL_RECORDS = {"0": 872, "holdout": round(sum(CLIENT_SIZES) * sp.HOLDOUT)}  # the dev set, the held-out split
+
+
+def cpu_seconds(run: sp.Run) -> float:
+    """The CPU seconds a run of this stage takes here, from :data:`SECONDS_PER_RECORD`: the cache's fill, every
+    client's steps of min(b, n_i) records (under DP the small clients take none), and the evaluations."""
+    o = dict(zip(run.opts[::2], run.opts[1::2]))
+    b, tau = int(o["dataloader.batch_size"]), int(o["train.local_update_steps"])
+    dp = o.get("fedpa.dp_mode") == "sample"
+    sizes = (sum(CLIENT_SIZES),) if o.get("federate.client_num") == "1" else CLIENT_SIZES
+    records = sum(min(b, n) for n in sizes if not (dp and n < MIN_RECORDS)) * tau * run.rounds
+    top_one = o["model.seqcls.layers_to_transform"].count(",") == 0
+    step = SECONDS_PER_RECORD["dp" if dp else "plain"] * (0.5 if top_one else 1.0)
+    evaluated = EVAL_RECORDS.get(o.get("data.glue_holdout", "0"), EVAL_RECORDS["holdout"]) * EVALS
+    evaluated *= 2 if o.get("fedpa.eval_local") == "True" else 1  # the global model and each client's own
+    return sum(CLIENT_SIZES) * SECONDS_PER_RECORD["prefix"] + records * step + evaluated * 0.5 * step
+
+
+def minutes(runs: list[sp.Run], results: dict) -> float:
+    """The CPU minutes the runs of ``runs`` without a result will take here."""
+    return sum(cpu_seconds(r) for r in runs if r.key not in results) / 60
+
+
+def stage_hours() -> tuple[float, float]:
+    """The whole stage's CPU hours here before any run, as a range over the selections the search can make: part A,
+    part B at A's cheapest and dearest (b, τ, head), and the finals in the cheapest and dearest regime."""
+    a = search_a()
+    regimes = [Regime(b, t, h, layers, o, lr) for b in BATCHES for t in TAUS for h in HEADS for layers in LAYERS
+               for o, lr in OPTIMIZERS]  # fmt: skip
+    b_costs = [minutes(search_b(regime_of(run)), {}) for run in a]
+    finals = [minutes(final_runs(r, 0.1), {}) for r in regimes]
+    base = minutes(a, {})
+    return (base + min(b_costs) + min(finals)) / 60, (base + max(b_costs) + max(finals)) / 60
