@@ -18,6 +18,7 @@ from fs_fedpa import sst2_protocol as sp
 from fs_fedpa import sst2_verdict as sv
 from fs_fedpa.tools.report_text import pm as _pm
 from fs_fedpa.tools.report_text import score as _score
+from fs_fedpa.tools.sst2_dp_regime_report import dp_regime_section
 from fs_fedpa.tools.sst2_privacy_report import privacy_section
 
 METRICS = ("val_acc", "local.val_acc")
@@ -838,6 +839,7 @@ def write_report(report: Path, results: dict, stages: list) -> Path:
         *partial_section(results, report),
         *splits_section(results),
         *privacy_section(results, stages),
+        *dp_regime_section(results, stages, report),
     ]  # fmt: skip
     path = report / "report.md"
     path.write_text("\n".join(lines) + "\n")

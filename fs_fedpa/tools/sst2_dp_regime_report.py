@@ -1,0 +1,192 @@
+"""The SST-2 protocol report's ``dpregime`` section (issue 59), from the committed run files alone: the search
+(held-out score, macro-F1, each stepping client's z and the signal/noise bound b/(z√D)), the selected regime, the
+finals with ε in both conventions and their paired comparisons (Holm per family), the mechanism's diagnostics, and
+one figure, accuracy against b with and without DP. The design is :mod:`fs_fedpa.sst2_dp_regime`'s docstring."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+from fs_fedpa import sst2_dp_regime as dr
+from fs_fedpa import sst2_protocol as sp
+from fs_fedpa.tools.report_text import pm as _pm
+from fs_fedpa.tools.report_text import score as _score
+from fs_fedpa.tools.sst2_privacy_report import agreement, macro_f1, paired
+
+FAMILIES = (
+    ("FedPA-LoRA against each other method under DP, Holm over 3",
+     {f"fedpa_dp − {m}_dp": ("fedpa_dp", f"{m}_dp") for m in dr.METHODS if m != "fedpa"}),
+    ("each method under DP against itself without DP, Holm over 4",
+     {f"{m}_dp − {m}": (f"{m}_dp", m) for m in dr.METHODS}),
+)  # fmt: skip
+
+
+def _o(opts) -> dict[str, str]:
+    opts = list(opts)
+    return dict(zip(opts[::2], opts[1::2]))
+
+
+def noised_size(opts: dict[str, str]) -> int:
+    """D: the entries DP-SGD clips and noises in a run of the stage (LoRA on its layers, the head when federated)."""
+    from fs_fedpa.tools.dp_table import trained
+
+    layers = opts["model.seqcls.layers_to_transform"].count(",") + 1
+    return trained("fedpa / fedit / fedsa_lora", layers=layers, head=opts["personalization.local_param"] == "[]")
+
+
+def clients(result: dict | None) -> list[dict]:
+    """The ledger's entries of the clients that took DP steps."""
+    entries = (((result or {}).get("privacy") or {}).get("dp_clients") or {}).values()
+    return [v for v in entries if v and v.get("steps")]
+
+
+def other_reading(result: dict | None) -> list[float]:
+    """Per stepping client, the ε of the same noise in the other convention: a Poisson run read with fixed-size
+    sampling and replace-one adjacency (PLD), a fixed-size run read with Poisson sampling and add/remove (RDP)."""
+    privacy = (result or {}).get("privacy") or {}
+    try:
+        from fs_fedpa.core.dp_accountant import Sampled, poisson_add_remove_epsilon
+    except ImportError:
+        return []
+    out = []
+    for v in clients(result):
+        if privacy.get("dp_sampling") == "poisson":
+            out.append(Sampled(v["n"], v["b"], v["noise_multiplier"], "wor", "pld").epsilon(v["steps"], v["delta"]))
+        else:
+            out.append(poisson_add_remove_epsilon(v["b"] / v["n"], v["noise_multiplier"], v["steps"], v["delta"]))
+    return out
+
+
+def _range(values: list[float], fmt: str = ".2f") -> str:
+    return "–" if not values else f"{min(values):{fmt}}–{max(values):{fmt}}"
+
+
+def search_lines(results: dict, runs: list[sp.Run]) -> list[str]:
+    lines = [
+        "| run | b | τ | head | layers | optimizer | held-out score | macro-F1 | z (stepping clients) | b/(z√D) | time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        o, result = _o(run.opts), results.get(run.key)
+        zs = [v["noise_multiplier"] for v in clients(result)]
+        D = noised_size(o)
+        bound = [int(o["dataloader.batch_size"]) / (z * math.sqrt(D)) for z in zs]
+        where = "–" if result is None else f"{result['seconds']:.0f} s {'GPU' if sp.on_gpu(result) else 'CPU'}"
+        optimizer = f"{o['train.optimizer.type']} {o['train.optimizer.lr']}"
+        lines.append(
+            f"| {run.name[len('search_'):]} | {o['dataloader.batch_size']} | {o['train.local_update_steps']} | "
+            f"{'federated' if o['personalization.local_param'] == '[]' else 'local'} | "
+            f"{o['model.seqcls.layers_to_transform']} | {optimizer} | "
+            f"{'not run yet' if result is None else _score(sp.score(result))} | "
+            f"{'–' if result is None else _score(macro_f1(result))} | {_range(zs)} | {_range(bound, '.3g')} | {where} |"
+        )
+    return [*lines, ""]
+
+
+def final_values(results: dict) -> dict[str, dict[int, float]]:
+    return sp.cell_values(results, "val_acc", dr.STAGE)
+
+
+def comparisons(results: dict) -> dict[str, dict]:
+    """Every row of :data:`FAMILIES` that has 2 seeds or more; Holm within a family once all its rows are in."""
+    values, rows = final_values(results), {}
+    for _, family in FAMILIES:
+        mine = {k: row for k, (a, b) in family.items() if (row := paired(values.get(a, {}), values.get(b, {})))}
+        rows.update(sp.with_holm(mine) if len(mine) == len(family) else mine)
+    return rows
+
+
+def final_lines(results: dict) -> list[str]:
+    values = final_values(results)
+    cells = [*(c for m in dr.METHODS for c in (f"{m}_dp", m)), "fedit_dp_replace", "central_dp", "central_dp_replace",
+             "central"]  # fmt: skip
+    lines = [
+        "Finals: the dev set, accuracy at the last round (mean ± sample sd over seeds (n)). ε: the run's own "
+        "guarantee (its ledger, largest client and seed) and the same noise read in the other convention (median "
+        "[range] over stepping clients and seeds; for comparison with published numbers only).",
+        "",
+        "| cell | dev accuracy | ε (own) | ε, other convention | agreement | global norm, last round |",
+        "|---|---|---|---|---|---|",
+    ]
+    for cell in cells:
+        runs = [r for k, r in results.items() if k.startswith(f"{dr.STAGE}/{cell}_s")]
+        eps = [r["privacy"]["dp_epsilon"] for r in runs if r.get("privacy")]
+        other = sorted(e for r in runs for e in other_reading(r))
+        read = f"{statistics.median(other):.2f} [{other[0]:.2f}, {other[-1]:.2f}]" if other else "–"
+        agree = [a for r in runs if (a := agreement(r)) is not None]
+        norms = [r["diagnostics"][-1]["global_norm"] for r in runs if r.get("diagnostics")]
+        lines.append(
+            f"| {cell} | {_pm(list(values.get(cell, {}).values()))} | {f'{max(eps):.2f}' if eps else '–'} | {read} | "
+            f"{_pm(agree)} | {_pm(norms)} |"
+        )
+    rows = comparisons(results)
+    for title, family in FAMILIES:
+        lines += ["", f"Paired 95% t intervals over seeds (accuracy), {title}.", "", "| comparison | interval |",
+                  "|---|---|"]  # fmt: skip
+        for key in family:
+            row = rows.get(key)
+            text = "–" if row is None else (
+                f"{row['mean']:+.4f} [{row['low']:+.4f}, {row['high']:+.4f}]; n={row['seeds']}, ahead in {row['ahead']}"
+                + (f"; Holm p {row['holm_p']:.3f}, {row['holm']}" if "holm" in row else ""))  # fmt: skip
+            lines.append(f"| {key} | {text} |")
+    return [*lines, ""]
+
+
+def figure(results: dict, report: Path) -> list[str]:
+    """Accuracy against b: the search's held-out scores under DP (by head) and, once in, the finals' dev accuracy
+    with and without DP in the selected regime."""
+    search = [r for k, r in results.items() if k.startswith(f"{dr.STAGE}/search_")]
+    if not search:
+        return []
+    from fs_fedpa.plots import _pyplot, _save
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for head, marker in (("local", "o"), ("federated", "s")):
+        points = [(int(_o(r["opts"])["dataloader.batch_size"]), sp.score(r)) for r in search
+                  if (_o(r["opts"])["personalization.local_param"] == "[]") == (head == "federated")]  # fmt: skip
+        if points:
+            xs, ys = zip(*points)
+            ax.scatter(xs, ys, marker=marker, alpha=0.6, label=f"search, DP, {head} head (held-out)")
+    values, regime = final_values(results), dr.selected_regime(results)
+    if regime is not None:
+        for suffix, label, marker in (("_dp", "finals, DP (dev)", "v"), ("", "finals, no DP (dev)", "^")):
+            means = [statistics.fmean(v.values()) for m in dr.METHODS if (v := values.get(f"{m}{suffix}"))]
+            if means:
+                ax.scatter([regime.b] * len(means), means, marker=marker, s=60, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("records a DP step, b")
+    ax.set_ylabel("accuracy")
+    ax.set_title(f"SST-2, MiniLM, ε = {dr.EPSILON:g} (Poisson, add/remove), {dr.STEPS} steps a client")
+    ax.legend(fontsize=7)
+    folder = report / dr.STAGE
+    folder.mkdir(parents=True, exist_ok=True)
+    path = _save(fig, folder / "accuracy_vs_b.png")
+    return [f"![accuracy against b]({dr.STAGE}/{path.name})", ""]
+
+
+def dp_regime_section(results: dict, stages: list[tuple[str, list[sp.Run]]], report: Path) -> list[str]:
+    parts = dict(stages)
+    a = parts.get("dp regime: search A (b, tau, head)", [])
+    lines = ["## Where DP-SGD learns: the dpregime stage (issue 59)", ""]
+    if not a:
+        return [*lines, "Not planned.", ""]
+    lines += [
+        f"Declared before its runs in `fs_fedpa/sst2_dp_regime.py`: sample-level DP-SGD at ε = {dr.EPSILON:g} "
+        f"(Poisson sampling, add/remove adjacency, PLD; δ = min(1e-5, 1/(10 n_i)); C = {dr.CLIP:g}), {dr.STEPS} noisy "
+        f"steps a client, clients under {dr.MIN_RECORDS:,} sentences taking none; FedIT searched on the held-out "
+        "split (score: the mean of the last two of four evaluations), then the finals on the dev set. D: the "
+        "entries clipped and noised (a local head trains plainly and is not in D).",
+        "",
+        *figure(results, report),
+        "**Search.**",
+        "",
+        *search_lines(results, [*a, *parts.get("dp regime: search B (optimizer, layers)", [])]),
+    ]
+    regime = dr.selected_regime(results)
+    if regime is None:
+        return [*lines, "The regime is selected once the search's runs are in.", ""]
+    lines += [f"Selected regime (best held-out score, the first of ties): `{regime.name}`.", ""]
+    return [*lines, *final_lines(results)]
