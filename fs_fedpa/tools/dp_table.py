@@ -168,6 +168,8 @@ def main() -> None:
     parser.add_argument("--time", action="store_true", help="also time FedPA-LoRA's DP server step at d = 4096")
     parser.add_argument("--sample", action="store_true", help="sample-level DP-SGD in this cell instead")
     parser.add_argument("--steps", type=int, default=210, help="--sample: DP-SGD steps over the run (T tau)")
+    parser.add_argument("--tau", type=int, default=None,
+                        help="--sample: local steps a round; the steps are then --rounds x tau, not --steps")
     parser.add_argument("--n", type=int, nargs="+", default=[624, 6797, 13224], help="--sample: clients' records")
     parser.add_argument("--batch", type=int, nargs="+", default=[16, 64, 256], help="--sample: records a step")
     parser.add_argument("--sampling", choices=("wor", "poisson"), default="wor", help="--sample: fedpa.dp_sampling")
@@ -177,8 +179,11 @@ def main() -> None:
     parser.add_argument("--plain-head", action="store_true",
                         help="--sample: the local head trains plainly (dp_local_tensors plain): not in D")
     args = parser.parse_args()
+    if args.tau is not None and (not args.sample or args.tau < 1):
+        parser.error("--tau needs --sample and a value >= 1")
     if args.sample:
-        print(sample_table(args.epsilon, args.steps, args.n, args.batch, args.sampling, args.accountant, args.rank,
+        steps = args.rounds * args.tau if args.tau else args.steps
+        print(sample_table(args.epsilon, steps, args.n, args.batch, args.sampling, args.accountant, args.rank,
                            args.layers, not args.plain_head))  # fmt: skip
         return
     print(table(args.epsilon, args.rounds, args.rate))

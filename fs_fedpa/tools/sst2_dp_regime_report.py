@@ -65,7 +65,8 @@ def _range(values: list[float], fmt: str = ".2f") -> str:
 
 def search_lines(results: dict, runs: list[sp.Run]) -> list[str]:
     lines = [
-        "| run | b | τ | head | layers | optimizer | held-out score | macro-F1 | z (stepping clients) | b/(z√D) | time |",
+        "| run | b | τ | head | layers | optimizer | held-out score | macro-F1 | z (stepping clients) | b/(z√D) "
+        "| time |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:

@@ -56,3 +56,22 @@ def test_the_regimes_d_is_what_peft_trains_on_the_top_layer_at_rank_2():
                                                                                  head=False)  # fmt: skip
     text = dp_table.sample_table(8.0, 200, [6424], [256], "poisson", "pld", rank=2, layers=1, head=False)
     assert "(D = 3,072)" in text and "Poisson, b expected; add_remove; pld" in text
+
+
+def test_the_dp_regimes_knobs_give_the_noise_its_search_runs_used(capsys, monkeypatch):
+    """``--rounds R --tau τ`` (the steps R·τ) with the dpregime stage's b, sampling and accountant: the z of the
+    largest client of a committed search run (its ledger), and D of the top two layers without the plain head."""
+    files = sorted((RUNS.parent / "dpregime").glob("search_b256_tau2_local_*_s0.json"))
+    if not files:
+        pytest.skip(f"no committed dpregime search run in {RUNS.parent / 'dpregime'}")
+    clients = json.loads(files[0].read_text())["privacy"]["dp_clients"]
+    client = max(clients.values(), key=lambda c: c["n"])
+    argv = ["dp_table", "--sample", "--rounds", "60", "--tau", "2", "--n", str(client["n"]), "--batch", "256",
+            "--sampling", "poisson", "--accountant", "pld", "--layers", "2", "--plain-head"]  # fmt: skip
+    monkeypatch.setattr("sys.argv", argv)
+    dp_table.main()
+    text = capsys.readouterr().out
+    row = next(line for line in text.splitlines() if line.startswith(f"| {client['n']:,} |"))
+    z = float(re.findall(r"\| ([0-9.]+)", row)[2])
+    assert z == pytest.approx(client["noise_multiplier"], rel=0.01) and "over 120 steps" in text
+    assert "(D = 12,288)" in text  # r (d + k) on 4 modules: query and value of two layers

@@ -46,7 +46,8 @@ def test_optimizer_keys_fs_defines_only_by_yaml_go_into_a_copy_of_the_config_tha
             "train.optimizer.momentum", "0.9", "train.optimizer.lr", "0.02"]  # fmt: skip
     cfg, kept = with_yaml_keys(str(base), opts, tmp_path / "run")
     assert kept == ["train.optimizer.type", "SGD", "seed", "1", "train.optimizer.lr", "0.02"]  # the last value wins
-    assert yaml.safe_load(Path(cfg).read_text())["train"]["optimizer"] == {"type": "AdamW", "lr": 0.002, "momentum": 0.9}
+    optimizer = yaml.safe_load(Path(cfg).read_text())["train"]["optimizer"]
+    assert optimizer == {"type": "AdamW", "lr": 0.002, "momentum": 0.9}
     assert with_yaml_keys(str(base), kept, tmp_path / "x") == (str(base), kept)  # nothing to move: unchanged
     fs = pytest.importorskip("federatedscope.core.configs.config", reason="FederatedScope is not installed")
     # stock FS: the command line refuses the key, the copied yaml carries it to torch.optim's arguments
