@@ -105,7 +105,8 @@ def main() -> None:
 
     chunks = "the whole batch" if args.device.startswith("cuda") else f"chunks of {CPU_CHUNK} length-sorted records"
     words = {"plain": "plain step                 ", "taps": "DP-SGD step, batched taps  ",
-             "loop": "DP-SGD step, per-example   ", "cache": "DP-SGD step, taps + cache  "}  # fmt: skip
+             "loop": "DP-SGD step, per-example   ", "cache": "DP-SGD step, taps + cache  ",
+             "plain_cache": "plain step + cache         "}  # fmt: skip
     notes = {"plain": "", "taps": f"  ({chunks}, clip, noise)", "cache": "  (the frozen prefix from the cache)",
              "plain_cache": "  (the frozen prefix from the cache)",
              "loop": f"  ({args.batch} forwards and backwards, clip, noise)"}  # fmt: skip

@@ -189,12 +189,14 @@ def selected_regime(results: dict) -> Regime | None:
 
 
 # ------------------------------------------------------------------------------------------------ CPU cost
-# Measured on this CPU host (2 cores), one thread, nothing else running (docs/sst2_protocol.md, "dpregime"):
-#   python benchmarks/bench_dp_sgd.py --batch 256 --layers 2 --kinds plain taps cache --local-steps 2 --routines 3
-# CPU seconds per record of a training step with LoRA on the top two layers and the prefix cache, plain and under
-# DP-SGD, and of a record's first pass through the frozen prefix (the cache's fill); the top layer alone costs
-# half a step of the top two; an evaluation costs half a plain step.
-SECONDS_PER_RECORD = {"plain": 0.004, "dp": 0.006, "prefix": 0.008}
+# Measured on this CPU host (2 cores), one thread, nothing else running (2026-11-28):
+#   python benchmarks/bench_dp_sgd.py --data ../shared/data/glue --batch 256 --layers 2 --tok-len 48 \
+#       --kinds cache plain_cache --local-steps 2 --routines 3
+# seconds per record of a step with LoRA on the top two layers and the prefix cache: DP-SGD 10.2 ms (its taps take
+# length-sorted chunks of 4 records), plain 16.9 ms (one batch padded to its longest record); a record's first pass
+# through the frozen prefix (the cache's fill) about 14 ms. Assumed, not measured: the top layer alone costs half a
+# step of the top two, an evaluated record half a training record.
+SECONDS_PER_RECORD = {"plain": 0.0169, "dp": 0.0102, "prefix": 0.014}
 # The committed split's client sizes (every stage's ledgers): the three under MIN_RECORDS take no DP step.
 CLIENT_SIZES = (6424, 13425, 634, 3598, 956, 12696, 13379, 7377, 646, 8214)
 EVAL_RECORDS = {"0": 872, "holdout": round(sum(CLIENT_SIZES) * sp.HOLDOUT)}  # the dev set, the held-out split
