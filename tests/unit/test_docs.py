@@ -266,3 +266,14 @@ def test_readmes_docs_table_lists_every_page():
     listed = set(dc.links((ROOT / "README.md").read_text(encoding="utf-8")))
     pages = {f"docs/{p.name}" for p in (ROOT / "docs").iterdir() if p.suffix in (".md", ".py")}
     assert pages - listed == set(), "README's docs table misses these pages"
+
+
+def test_the_plugin_map_names_every_module_of_the_fs_glue():
+    """docs/plugin.md's "Where each concern lives" names every module of ``fs_fedpa/plugin/``: a newcomer following
+    a concern finds its room there."""
+    text = (ROOT / "docs" / "plugin.md").read_text()
+    start = text.index("### Where each concern lives")
+    table = text[start : text.index("\n### ", start + 1)]
+    modules = {p.name for p in (ROOT / "fs_fedpa" / "plugin").glob("*.py")} - {"__init__.py"}
+    missing = sorted(m for m in modules if f"`{m}`" not in table)
+    assert not missing, f"docs/plugin.md's map leaves out {missing}"
