@@ -30,7 +30,7 @@ from torch import Tensor
 from fs_fedpa import lora
 from fs_fedpa.core.diagnostics import GradientSplit
 from fs_fedpa.core.ranks import truncate_factors
-from fs_fedpa.plugin import auth, resume
+from fs_fedpa.plugin import auth, fs_patches, resume
 from fs_fedpa.plugin.alignment import ClientAlignment
 from fs_fedpa.plugin.client_state import ClientState, state_store
 from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainables, share_equal
@@ -100,12 +100,11 @@ class FedPAClient(
         self._heard = time.monotonic()  # the last time it heard from the server, or stopped waiting
         self._waiting = False
         self._answered = (0, 0.0)  # round and timestamp of the server's message it answers now
-        self._send = self.comm_manager.send  # the transport, under the check of what the client sends
+        # what the client sends is checked, then (distributed, with a key) signed, then goes to FS's transport
+        transport = self._send = fs_patches.wrap_send(self.comm_manager, lambda _: self._send_checked)
         if self._cfg.federate.mode.lower() == "distributed" and self.method.cfg.auth_key:
             self._key = auth.read_key(self.method.cfg.auth_key)
-            transport = self._send
             self._send = lambda message: transport(self._signed(message))
-        self.comm_manager.send = self._send_checked
         if self.ID >= 1:  # from here on its state lives in the store between messages (distributed: once joined)
             self._park()
 

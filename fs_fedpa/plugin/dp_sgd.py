@@ -30,6 +30,7 @@ from torch import Tensor
 
 from fs_fedpa.core.dp import add_clipped, gaussian, sample_poisson, sample_without_replacement
 from fs_fedpa.core.per_example import LinearTaps, check_sum, clipped_sum, linear_owners, per_example_grads
+from fs_fedpa.plugin import fs_patches
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 CPU_CHUNK = 4  # records a batched forward takes on the CPU (benchmarks/bench_dp_sgd.py)
@@ -60,14 +61,11 @@ class DPSGD:
         self._plan = None
         self._empty = False  # this step's Poisson draw was empty
         self._routine = 0
-        forward = [h for h in trainer.hooks_in_train["on_batch_forward"] if h.__name__ == "_hook_on_batch_forward"]
-        backward = [h for h in trainer.hooks_in_train["on_batch_backward"] if h.__name__ == "_hook_on_batch_backward"]
-        if len(forward) != 1 or len(backward) != 1:
-            raise ValueError(
-                f"fedpa.dp_mode sample needs a trainer with FS's _hook_on_batch_forward and _hook_on_batch_backward "
-                f"train hooks; trainer {type(trainer).__name__} has {len(forward)} and {len(backward)}"
-            )
-        self._forward = forward[0]
+        try:  # FS's own forward is called on each chunk; its backward is replaced below
+            self._forward = fs_patches.train_hook(trainer, "on_batch_forward", "_hook_on_batch_forward")
+            fs_patches.train_hook(trainer, "on_batch_backward", "_hook_on_batch_backward")
+        except ValueError as err:
+            raise ValueError(f"fedpa.dp_mode sample needs FS's forward and backward train hooks: {err}") from None
         trainer.register_hook_in_train(new_hook=self._hook_on_batch_start_dp_sample, trigger="on_batch_start")
         trainer.replace_hook_in_train(self._hook_on_batch_forward_dp, "on_batch_forward", "_hook_on_batch_forward")
         trainer.replace_hook_in_train(self._hook_on_batch_backward_dp, "on_batch_backward", "_hook_on_batch_backward")

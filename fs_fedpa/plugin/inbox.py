@@ -14,7 +14,7 @@ import time
 
 from federatedscope.core.message import Message
 
-from fs_fedpa.plugin import auth
+from fs_fedpa.plugin import auth, fs_patches
 from fs_fedpa.plugin.intake import (
     check_message_content,
 )
@@ -177,23 +177,22 @@ def guard_fs_byte_count() -> None:
     but plain dicts, numbers, strings and tensors that hold their values in it; otherwise, or if the count still
     raises, FS counts 0 bytes, with a warning naming the sender, and the server's intake drops the update with its
     reason. Messages FS counts without an error are counted exactly as before."""
-    original = Message.count_bytes
-    if getattr(original, "fedpa_guard", False):
-        return
 
-    def count_bytes(message):
-        sender = message.sender if type(message.sender) is int else "?"
-        problem = check_message_content(message.content) if message.msg_type == "model_para" and sender else None
-        if problem is None:
-            try:
-                return original(message)
-            except Exception as err:  # pympler on an object it cannot size
-                problem = f"{type(err).__name__}: {shown(err, 200)}"
-        logger.warning(
-            f"[fedpa] FS's byte counter skipped a {shown(message.msg_type)} message from {sender} (counted as 0 "
-            f"bytes): {problem}"
-        )
-        return 0, 0
+    def guarded(original):
+        def count_bytes(message):
+            sender = message.sender if type(message.sender) is int else "?"
+            problem = check_message_content(message.content) if message.msg_type == "model_para" and sender else None
+            if problem is None:
+                try:
+                    return original(message)
+                except Exception as err:  # pympler on an object it cannot size
+                    problem = f"{type(err).__name__}: {shown(err, 200)}"
+            logger.warning(
+                f"[fedpa] FS's byte counter skipped a {shown(message.msg_type)} message from {sender} (counted as 0 "
+                f"bytes): {problem}"
+            )
+            return 0, 0
 
-    count_bytes.fedpa_guard = True
-    Message.count_bytes = count_bytes
+        return count_bytes
+
+    fs_patches.guard_count_bytes(guarded)

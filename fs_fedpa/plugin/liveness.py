@@ -15,6 +15,8 @@ import time
 
 from federatedscope.core.message import Message
 
+from fs_fedpa.plugin import fs_patches
+
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 CLIENT_TIMEOUT = "fedpa_client_timeout"  # the client watchdog's message type
 TIMEOUT = "fedpa_round_timeout"  # the server watchdog's message type
@@ -29,16 +31,18 @@ class ClientLiveness:
         timeout = self.method.cfg.client_timeout_s
         if self._cfg.federate.mode.lower() == "distributed" and timeout > 0:
             self.register_handlers(CLIENT_TIMEOUT, self._on_client_timeout, [None])
-            receive = self.comm_manager.receive
 
-            def waiting_receive():
-                self._heard, self._waiting = time.monotonic(), True
-                try:
-                    return receive()
-                finally:
-                    self._heard, self._waiting = time.monotonic(), False
+            def waiting(receive):
+                def waiting_receive():
+                    self._heard, self._waiting = time.monotonic(), True
+                    try:
+                        return receive()
+                    finally:
+                        self._heard, self._waiting = time.monotonic(), False
 
-            self.comm_manager.receive = waiting_receive
+                return waiting_receive
+
+            fs_patches.wrap_receive(self.comm_manager, waiting)
             threading.Thread(target=self._watchdog, args=(timeout,), daemon=True, name="fedpa-client-watchdog").start()
         return super().run()
 
@@ -73,7 +77,7 @@ class ServerLiveness:
         cfg = self.method.cfg
         distributed = self._cfg.federate.mode.lower() == "distributed"
         if distributed:
-            self.comm_manager.receive = self._receive_checked
+            fs_patches.wrap_receive(self.comm_manager, lambda _: self._receive_checked)
         if distributed and (cfg.round_timeout_s > 0 or cfg.join_timeout_s > 0):
             self.register_handlers(TIMEOUT, self._on_round_timeout, [None])
             self._progress = time.monotonic()
@@ -86,16 +90,18 @@ class ServerLiveness:
         """Standalone: FS's runner never calls :meth:`run`; it stops when no message is left to handle and then calls
         the server monitor's ``finish_fed_runner``, which therefore also checks that every round was trained and,
         under DP, logs the (epsilon, delta) spent as the run's last line."""
-        finish = self._monitor.finish_fed_runner
 
-        def finish_fed_runner(*args, **kwargs):
-            result = finish(*args, **kwargs)
-            self._raise_if_unfinished("no message was left to handle")
-            if self.privacy is not None:  # the run's last line: the (epsilon, delta) it spent
-                logger.info(self.privacy.summary())
-            return result
+        def checked(finish):
+            def finish_fed_runner(*args, **kwargs):
+                result = finish(*args, **kwargs)
+                self._raise_if_unfinished("no message was left to handle")
+                if self.privacy is not None:  # the run's last line: the (epsilon, delta) it spent
+                    logger.info(self.privacy.summary())
+                return result
 
-        self._monitor.finish_fed_runner = finish_fed_runner
+            return finish_fed_runner
+
+        fs_patches.wrap_finish(self._monitor, checked)
 
     def _raise_if_unfinished(self, how: str) -> None:
         """RuntimeError (the process exits non-zero) if the run stopped before its last round, naming the round and

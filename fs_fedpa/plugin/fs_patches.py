@@ -1,0 +1,98 @@
+"""Every place where fs_fedpa patches or hooks FederatedScope, in one file: what it replaces, where FS defines it,
+and why. Everything else the plugin does goes through FS's registry and handler overrides on its worker classes.
+
+The targets are those of FS's ``llm`` branch at commit 7f08694 (``../shared/vendor/FederatedScope-llm-7f08694.tar.gz``);
+:data:`SEAMS` names each one's file and line there, and ``tests/unit/test_fs_patches.py`` fails when an installed FS
+defines one elsewhere or with another signature, so an FS upgrade shows where to look before a run goes wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+FS_COMMIT = "7f08694"
+
+
+@dataclass(frozen=True)
+class Seam:
+    """An FS definition the plugin patches or looks up: its dotted ``target`` (module:qualified name), the file and
+    line of its ``def`` in FS at :data:`FS_COMMIT`, that line, and what the plugin does there."""
+
+    target: str
+    file: str
+    line: int
+    signature: str
+    use: str
+
+
+SEAMS = (
+    Seam("federatedscope.core.message:Message.count_bytes", "federatedscope/core/message.py", 255,
+         "def count_bytes(self):",
+         "replaced once per process (guard_count_bytes): FS's standalone runner sizes every message with pympler "
+         "before any handler, and one client's message could stop the run"),
+    Seam("federatedscope.core.communication:gRPCCommManager.receive", "federatedscope/core/communication.py", 208,
+         "def receive(self):",
+         "wrapped on the server (authentication and field checks before FS parses) and on the client (the "
+         "watchdog's clock), distributed mode only"),
+    Seam("federatedscope.core.communication:StandaloneCommManager.send", "federatedscope/core/communication.py", 47,
+         "def send(self, message):",
+         "wrapped on every client: what it sends is checked (and signed, distributed)"),
+    Seam("federatedscope.core.communication:gRPCCommManager.send", "federatedscope/core/communication.py", 194,
+         "def send(self, message):",
+         "as StandaloneCommManager.send, in distributed mode"),
+    Seam("federatedscope.core.monitors.monitor:Monitor.finish_fed_runner", "federatedscope/core/monitors/monitor.py",
+         294, "def finish_fed_runner(self, fl_mode=None):",
+         "wrapped on the server in standalone mode, whose runner never calls Server.run: the end-of-run checks and "
+         "the run's (epsilon, delta) line"),
+    Seam("federatedscope.core.trainers.torch_trainer:GeneralTorchTrainer._hook_on_batch_forward",
+         "federatedscope/core/trainers/torch_trainer.py", 286, "def _hook_on_batch_forward(self, ctx):",
+         "found by name among the trainer's train hooks and replaced by DP-SGD's per-example forward"),
+    Seam("federatedscope.core.trainers.torch_trainer:GeneralTorchTrainer._hook_on_batch_backward",
+         "federatedscope/core/trainers/torch_trainer.py", 380, "def _hook_on_batch_backward(self, ctx):",
+         "found by name and replaced by DP-SGD's clipped, noised step"),
+    Seam("federatedscope.llm.trainer.trainer:LLMTrainer._hook_on_batch_forward", "federatedscope/llm/trainer/trainer.py",
+         63, "def _hook_on_batch_forward(self, ctx):", "FS-LLM's own, found by the same name under DP-SGD"),
+    Seam("federatedscope.llm.trainer.trainer:LLMTrainer._hook_on_batch_backward",
+         "federatedscope/llm/trainer/trainer.py", 94, "def _hook_on_batch_backward(self, ctx):",
+         "FS-LLM's own, found by the same name under DP-SGD"),
+)  # fmt: skip
+
+_GUARD = "fedpa_guard"  # marks FS's Message.count_bytes once replaced
+
+
+def guard_count_bytes(make: Callable[[Callable], Callable]) -> None:
+    """Replace ``Message.count_bytes`` by ``make(original)``, once per process (later calls change nothing)."""
+    from federatedscope.core.message import Message
+
+    if getattr(Message.count_bytes, _GUARD, False):
+        return
+    replacement = make(Message.count_bytes)
+    setattr(replacement, _GUARD, True)
+    Message.count_bytes = replacement
+
+
+def wrap_receive(comm_manager, make: Callable[[Callable], Callable]) -> None:
+    """``comm_manager.receive`` becomes ``make(its current receive)``, on this instance only."""
+    comm_manager.receive = make(comm_manager.receive)
+
+
+def wrap_send(comm_manager, make: Callable[[Callable], Callable]) -> Callable:
+    """``comm_manager.send`` becomes ``make(its current send)``, on this instance only; returns the transport."""
+    transport = comm_manager.send
+    comm_manager.send = make(transport)
+    return transport
+
+
+def wrap_finish(monitor, make: Callable[[Callable], Callable]) -> None:
+    """``monitor.finish_fed_runner`` becomes ``make(its current one)``, on this instance only."""
+    monitor.finish_fed_runner = make(monitor.finish_fed_runner)
+
+
+def train_hook(trainer, trigger: str, name: str) -> Callable:
+    """The one hook named ``name`` (FS's ``_hook_on_batch_forward``, ``_hook_on_batch_backward``) among ``trainer``'s
+    train hooks at ``trigger``; ValueError naming the trainer where there is not exactly one."""
+    hooks = [h for h in trainer.hooks_in_train[trigger] if getattr(h, "__name__", "") == name]
+    if len(hooks) != 1:
+        raise ValueError(f"trainer {type(trainer).__name__} has {len(hooks)} {name} train hooks at {trigger}, not 1")
+    return hooks[0]

@@ -1,0 +1,80 @@
+"""fs_fedpa.plugin.fs_patches is the one file of FS seams: each target it names is where it says in the installed
+FederatedScope (file, line, signature), so an FS upgrade that moves one fails here, loudly, before a run; and no
+other module of the package patches FS's objects."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+from fs_fedpa.plugin.fs_patches import FS_COMMIT, SEAMS
+
+ROOT = Path(__file__).resolve().parents[2]
+fs = pytest.importorskip(
+    "federatedscope", reason="FederatedScope is not installed: the FS seams of fs_fedpa/plugin/fs_patches.py are "
+    "NOT checked (pip install --no-deps ../shared/vendor/FederatedScope-llm-*.tar.gz)"
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("seam", SEAMS, ids=[s.target.split(":")[1] for s in SEAMS])
+def test_each_seam_is_where_fs_fedpa_patches_it(seam):
+    module_name, qualified = seam.target.split(":")
+    target = importlib.import_module(module_name)
+    for part in qualified.split("."):
+        target = getattr(target, part)
+    source, line = inspect.getsourcelines(target)
+    where = Path(inspect.getsourcefile(target)).as_posix()
+    assert where.endswith(seam.file) and (line, source[0].strip()) == (seam.line, seam.signature), (
+        f"FS moved {qualified}: now {where}:{line} {source[0].strip()!r}, where fs_patches.SEAMS (FS {FS_COMMIT}) has "
+        f"{seam.file}:{seam.line} {seam.signature!r}; read what the plugin does there ({seam.use}) against the new FS "
+        "before updating the seam"
+    )
+
+
+PATCHING = re.compile(
+    r"(comm_manager\.(receive|send)\s*=[^=])|(Message\.count_bytes\s*=[^=])|(finish_fed_runner\s*=[^=])"
+    r"|(hooks_in_train\[)"
+)
+
+
+def test_no_other_module_patches_fs():
+    offenders = []
+    for path in sorted((ROOT / "fs_fedpa").rglob("*.py")):
+        if path.name == "fs_patches.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if PATCHING.search(line.split("#")[0]):
+                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not offenders, "FS patched outside fs_fedpa/plugin/fs_patches.py:\n" + "\n".join(offenders)
+
+
+def test_the_byte_counter_is_replaced_once_and_keeps_the_original_underneath():
+    from federatedscope.core.message import Message
+
+    from fs_fedpa.plugin import fs_patches
+
+    before = Message.count_bytes
+    calls = []
+
+    def make(original):
+        def count_bytes(message):
+            calls.append(original)
+            return 0, 0
+
+        return count_bytes
+
+    try:
+        if getattr(before, "fedpa_guard", False):  # the plugin's guard is already in place in this process
+            fs_patches.guard_count_bytes(make)
+            assert Message.count_bytes is before  # once per process: a second call changes nothing
+        else:
+            fs_patches.guard_count_bytes(make)
+            fs_patches.guard_count_bytes(make)
+            Message(msg_type="x", sender=0, receiver=[1], content={}).count_bytes()
+            assert calls == [before]
+    finally:
+        Message.count_bytes = before
