@@ -170,7 +170,7 @@ class FedPAClient(
         sample_size = self.privacy.sample_size(sample_size)  # client-level DP: 1, in the content and the timestamp
         self._release_optimizer()
         upload = self._leave_round()
-        self.privacy.log_round()
+        self.privacy.log_round(self._rounds_trained)
         self._park()
         logger.info(self._monitor.format_eval_res(results, rnd=self.state, role=f"Client #{self.ID}", return_raw=True))
         self.comm_manager.send(

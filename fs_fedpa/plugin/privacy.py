@@ -476,13 +476,13 @@ class ClientPrivacy:
             return 1
         if self.sits_out:
             return 0
-        plan = self.dp_sgd._plan if self.dp_sgd is not None else None
+        plan = self.dp_sgd.plan_in_use if self.dp_sgd is not None else None
         if plan is not None and plan.sampling == "poisson":
             return plan.steps_per_round * plan.b
         return sample_size
 
-    def log_round(self) -> None:
-        """Sample mode: the client's own epsilon so far, in its own log."""
+    def log_round(self, rounds_trained: int) -> None:
+        """Sample mode: the client's own epsilon after ``rounds_trained`` rounds, in its own log."""
         if self.sits_out:
             n = self.client.trainer.ctx.get("num_train_data")
             logger.info(
@@ -491,10 +491,10 @@ class ClientPrivacy:
                 "from with sample size 0 (no weight), and spends epsilon 0"
             )
             return
-        if self.dp_sgd is None or self.dp_sgd._plan is None:
+        if self.dp_sgd is None or self.dp_sgd.plan_in_use is None:
             return
-        plan, client = self.dp_sgd._plan, self.client
-        steps = client._rounds_trained * plan.steps_per_round
+        plan, client = self.dp_sgd.plan_in_use, self.client
+        steps = rounds_trained * plan.steps_per_round
         logger.info(
             f"[fedpa] client #{client.ID}: DP-SGD epsilon {plan.epsilon(steps):.4g} at delta {plan.delta:.3g} after "
             f"{steps} steps (n={plan.n}, b={plan.b}{' expected' if plan.sampling == 'poisson' else ''}, "

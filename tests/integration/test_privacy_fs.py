@@ -509,6 +509,7 @@ def test_client_level_messages_time_stamp_the_sample_count_they_carry():
 
     sent = []
     fake = SimpleNamespace(ID=2, state=0, comp_speed=0.5, comm_bandwidth=4.0, model_size=8.0, schedule=None,
+                           _rounds_trained=1,
                            method=SimpleNamespace(cfg=FedPAConfig(dp_mode="client", dp_clip=1.0,
                                                                   dp_noise_multiplier=1.0)),
                            trainer=SimpleNamespace(train=lambda: (57, None, {})),
