@@ -20,7 +20,6 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from fs_fedpa.core.diagnostics import product_sq_norm
 from fs_fedpa.core.dp import dp_generator, release_changes, release_products, sample_poisson
 from fs_fedpa.core.dp import sample_without_replacement as _sample
 from fs_fedpa.core.ranks import truncate_factors
@@ -392,31 +391,6 @@ class ServerPrivacy:
                 rounds = -(-int(entry["steps"]) // spr)
                 if rounds > self.trained.get(int(c), 0):
                     self.trained[int(c)], self.sizes[int(c)], self.last = rounds, int(entry["n"]), last
-
-
-def private_record(server, clients: list[int], new_global, spectra, release) -> dict:
-    """The round record under client-level DP: post-processing of the release only. E_agg, the spectrum and the
-    norms describe the noisy mean; nothing is read from a client's upload or statistics."""
-    from fs_fedpa.plugin.round_records import _blank_aggregate, new_record
-
-    record = new_record(server, clients)
-    record.clients = list(clients)
-    record.weights = [1.0 / server.privacy.K] * len(clients)
-    _blank_aggregate(record)
-    if server.method.cfg.diagnostics:
-        expanded = server.method.expand(new_global)
-        global_sq = product_sq_norm(expanded)
-        record.global_norm = global_sq**0.5
-        if server.method.dp_space == "product":
-            errors = {n: float(torch.linalg.matrix_norm(M.double() - B.double() @ A.double()))
-                      for n, (B, A), M in ((n, expanded[n], release[n]) for n in release)}  # fmt: skip
-            ideal = sum(float(M.double().pow(2).sum()) for M in release.values()) ** 0.5
-            record.e_agg = sum(e**2 for e in errors.values()) ** 0.5
-            record.e_agg_rel = record.e_agg / ideal if ideal > 0 else 0.0
-            record.global_update_norm = ideal
-            record.e_agg_probe = errors[record.probe_module]
-        record.spectrum_probe = [float(s) for s in spectra.get(record.probe_module, torch.zeros(0))]
-    return record.to_dict()
 
 
 class ClientPrivacy:

@@ -19,6 +19,7 @@ from fs_fedpa.core.diagnostics import (
     factored_norm,
     initialization_error,
     product_distance,
+    product_sq_norm,
 )
 from fs_fedpa.record import DIAGNOSTICS_FILE, RoundRecord
 
@@ -144,7 +145,7 @@ def round_record(server, uploads, weights, clients, new_global, spectra, stats) 
     uploads = [server.method.expand(u) for u in uploads]  # each expanded once already, when it was checked
     record = new_record(server, clients)
     record.clients, record.weights = list(clients), list(weights)
-    _blank_aggregate(record)
+    blank_aggregate(record)
     if server.method.cfg.diagnostics:
         try:
             _aggregate_diagnostics(record, server.method.expand(new_global), uploads, weights, spectra)
@@ -153,13 +154,13 @@ def round_record(server, uploads, weights, clients, new_global, spectra, stats) 
                 f"[fedpa] round {server.state}: the aggregate's diagnostics cannot be computed ({type(err).__name__}: "
                 f"{err}); recorded as null, and the aggregate is installed"
             )
-            _blank_aggregate(record)
+            blank_aggregate(record)
     record.add_client_stats(list(clients), stats)
     record.upload_ranks = {str(c): sorted({B.shape[1] for B, _ in u.values()}) for c, u in zip(clients, uploads)}
     return record
 
 
-def _blank_aggregate(record: RoundRecord) -> None:
+def blank_aggregate(record: RoundRecord) -> None:
     record.e_agg = record.e_agg_rel = record.global_update_norm = record.global_norm = record.e_agg_probe = None
 
 
@@ -179,3 +180,26 @@ def _aggregate_diagnostics(record: RoundRecord, new_global, uploads, weights, sp
     record.global_update_norm, record.global_norm = ideal, math.sqrt(global_sq)
     record.e_agg_probe = errors[record.probe_module]
     record.spectrum_probe = [float(s) for s in spectra.get(record.probe_module, torch.zeros(0))]
+
+
+def private_record(server, clients: list[int], new_global, spectra, release) -> dict:
+    """The round record under client-level DP: post-processing of the release only. E_agg, the spectrum and the
+    norms describe the noisy mean; nothing is read from a client's upload or statistics."""
+    record = new_record(server, clients)
+    record.clients = list(clients)
+    record.weights = [1.0 / server.privacy.K] * len(clients)
+    blank_aggregate(record)
+    if server.method.cfg.diagnostics:
+        expanded = server.method.expand(new_global)
+        global_sq = product_sq_norm(expanded)
+        record.global_norm = global_sq**0.5
+        if server.method.dp_space == "product":
+            errors = {n: float(torch.linalg.matrix_norm(M.double() - B.double() @ A.double()))
+                      for n, (B, A), M in ((n, expanded[n], release[n]) for n in release)}  # fmt: skip
+            ideal = sum(float(M.double().pow(2).sum()) for M in release.values()) ** 0.5
+            record.e_agg = sum(e**2 for e in errors.values()) ** 0.5
+            record.e_agg_rel = record.e_agg / ideal if ideal > 0 else 0.0
+            record.global_update_norm = ideal
+            record.e_agg_probe = errors[record.probe_module]
+        record.spectrum_probe = [float(s) for s in spectra.get(record.probe_module, torch.zeros(0))]
+    return record.to_dict()
