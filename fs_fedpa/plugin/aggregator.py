@@ -15,7 +15,6 @@ from torch import Tensor
 from fs_fedpa.plugin.common import (
     layer_shapes,
 )
-from fs_fedpa.plugin.inbox import guard_fs_byte_count
 from fs_fedpa.plugin.intake import (
     Accepted,
     cap_weights,
@@ -38,7 +37,6 @@ class FedPAAggregator(Aggregator):
     def __init__(self, server):
         super().__init__()
         self.server = server
-        guard_fs_byte_count()  # before any client's message reaches FS's standalone runner
 
     def aggregate(self, agg_info):
         server = self.server

@@ -30,6 +30,14 @@ logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its ow
 class ServerInbox:
     """Mixin of :class:`~fs_fedpa.plugin.server.FedPAServer` (needs ``_keyring``, ``_expected``, ``_progress``)."""
 
+    def _install_inbox(self) -> None:
+        """The inbox's checks, installed by the server when it is built: FS's byte counter guarded (the standalone
+        runner sizes each message before any handler), and in distributed mode every message from the network
+        passes :meth:`_receive_checked` before FS reads it, whatever loop (FS's ``run`` or an override) receives."""
+        guard_fs_byte_count()
+        if self._cfg.federate.mode.lower() == "distributed":
+            fs_patches.wrap_receive(self.comm_manager, lambda _: self._receive_checked)
+
     def _receive_checked(self) -> Message:
         """The next message from the network that passes every check of :mod:`fs_fedpa.plugin.messages` (and, with
         ``fedpa.auth_keyring``, carries its sender's signature); every other one is dropped, naming its claimed

@@ -76,8 +76,6 @@ class ServerLiveness:
         moved on with what arrived, or the run stops with the reason (FS would wait forever for a dead client)."""
         cfg = self.method.cfg
         distributed = self._cfg.federate.mode.lower() == "distributed"
-        if distributed:
-            fs_patches.wrap_receive(self.comm_manager, lambda _: self._receive_checked)
         if distributed and (cfg.round_timeout_s > 0 or cfg.join_timeout_s > 0):
             self.register_handlers(TIMEOUT, self._on_round_timeout, [None])
             self._progress = time.monotonic()

@@ -70,6 +70,7 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, ServerRecords, Serv
             self.sample_client_num = self.client_num
         self.aggregator = FedPAAggregator(self)
         self.aggregators[0] = self.aggregator
+        self._install_inbox()  # before any client's message reaches FS
         if self._cfg.federate.save_to:  # FS saves only after training: a missing folder would lose the run
             os.makedirs(os.path.dirname(os.path.abspath(self._cfg.federate.save_to)), exist_ok=True)
         self._down_bytes: dict[int, int] = {}
