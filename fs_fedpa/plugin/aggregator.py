@@ -128,7 +128,8 @@ class FedPAAggregator(Aggregator):
         K, the method's server step on it, and a record of the release only."""
         server = self.server
         kept = list(accepted)
-        new_global, spectra, release = server.privacy.release([accepted[c].factors for c in kept], kept)
+        uploads = [accepted[c].factors for c in kept]
+        new_global, spectra, release = server.privacy.release(uploads, kept, server.global_factors, server.state)
         _check_finite(new_global, {})
         # the K receivers, which the DP generator drew: which of them arrived or were dropped (and each upload's
         # bytes) can depend on their data, and stays in the private faults file (privacy.fault)

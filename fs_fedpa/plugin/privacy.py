@@ -150,15 +150,17 @@ def routines(method) -> int:
 
 class ServerPrivacy:
     """The server's side: client mode samples K of N, releases the noisy mean and accounts one event a round;
-    sample mode accounts each client's DP-SGD steps. ``server.privacy`` is None when DP is off."""
+    sample mode accounts each client's DP-SGD steps. ``server.privacy`` is None when DP is off. It takes FS's
+    ``cfg``, the server's federated ``method``, N ``clients``, T ``rounds``, K clients ``per_round``, the federated
+    non-LoRA tensors' ``shared_names`` and the initial ``global_factors`` (for their shapes)."""
 
-    def __init__(self, server):
+    def __init__(self, cfg, method, *, clients: int, rounds: int, per_round: int, shared_names, global_factors):
         from fs_fedpa.core.dp_accountant import ADJACENCY, describe
 
-        self.server = server
-        fedpa, cfg = server.method.cfg, server._cfg
+        self.cfg, self.method = cfg, method
+        fedpa = method.cfg
         self.mode, self.C = fedpa.dp_mode, fedpa.dp_clip
-        self.N, self.T = server.client_num, server.total_round_num
+        self.N, self.T = clients, rounds
         self.generator = dp_generator(fedpa.dp_seed, "server", fedpa.dp_secure_rng)
         # the method's post-processing draws (a randomized SVD's sketch) take a torch generator: the DP one when it
         # is one (seeded runs stay reproducible), else one seeded from the cryptographic generator
@@ -175,22 +177,22 @@ class ServerPrivacy:
         if (warning := seed_warning(fedpa.dp_seed)) is not None:
             logger.warning(warning)
         if self.mode == "client":
-            check_method(server.method, fedpa)
-            if server.shared_names:
+            check_method(method, fedpa)
+            if shared_names:
                 raise ValueError(
                     f"differential privacy at client level (fedpa.dp_mode client) with federated tensors "
-                    f"{sorted(server.shared_names)} (e.g. a head averaged by FS): they would leave unclipped and "
+                    f"{sorted(shared_names)} (e.g. a head averaged by FS): they would leave unclipped and "
                     "unnoised; keep them with each client (personalization.local_param)"
                 )
-            plan = server.method.plan
-            if server.method.dp_space == "change" and (
+            plan = method.plan
+            if method.dp_space == "change" and (
                 set(plan.reference_ranks) != {plan.r_g} or set(plan.client_ranks) != {plan.r_g}
             ):
                 raise ValueError(
-                    f"fedpa.dp_mode client with federate.method {server.method.name}: a client's change is taken from "
+                    f"fedpa.dp_mode client with federate.method {method.name}: a client's change is taken from "
                     f"the global factors it received, so every r_i and R_i must be {plan.r_g}"
                 )
-            self.K = server.sample_client_num
+            self.K = per_round
             self.delta = fedpa.dp_delta_for(self.N)
             from fs_fedpa.core.dp_accountant import Sampled, calibrate
 
@@ -198,9 +200,9 @@ class ServerPrivacy:
             self.z = fedpa.dp_noise_multiplier or calibrate(self.N, self.K, horizon, fedpa.dp_epsilon, self.delta,
                                                             self.sampling, self.accounting)  # fmt: skip
             self.kind = Sampled(self.N, self.K, self.z, self.sampling, self.accounting)
-            shapes = [(B.shape[0], A.shape[1]) for B, A in server.method.expand(server.global_factors).values()]
+            shapes = [(B.shape[0], A.shape[1]) for B, A in method.expand(global_factors).values()]
             if (
-                server.method.dp_space == "product"
+                method.dp_space == "product"
                 and fedpa.svd != "randomized"
                 and max(d * k for d, k in shapes) > 4e6
             ):
@@ -242,22 +244,23 @@ class ServerPrivacy:
             return [i + 1 for i in sample_poisson(self.N, self.K / self.N, self.generator)]
         return [i + 1 for i in _sample(self.N, self.K, self.generator)]
 
-    def release(self, uploads: list, clients: list[int]) -> tuple[dict, dict[str, Tensor], dict]:
-        """New global factors, spectra and the release of a round, from the accepted ``uploads`` (applied factors of
-        ``clients``, complete): a missing or dropped client contributes zero, and the mean divides by K."""
-        server = self.server
-        method = server.method
-        shapes = {n: (B.shape[0], A.shape[1]) for n, (B, A) in method.expand(server.global_factors).items()}
+    def release(self, uploads: list, clients: list[int], global_factors: dict, rnd: int
+                ) -> tuple[dict, dict[str, Tensor], dict]:  # fmt: skip
+        """New global factors, spectra and the release of round ``rnd``, from the accepted ``uploads`` (applied
+        factors of ``clients``, complete) and the ``global_factors`` the round started from: a missing or dropped
+        client contributes zero, and the mean divides by K."""
+        method = self.method
+        shapes = {n: (B.shape[0], A.shape[1]) for n, (B, A) in method.expand(global_factors).items()}
         if method.dp_space == "product":
             release, _ = release_products([method.expand(u) for u in uploads], shapes, self.K, self.C, self.z,
                                           self.generator)  # fmt: skip
         else:
-            parts = method.upload_parts(server.state)
+            parts = method.upload_parts(rnd)
             r = method.plan.r_g
-            start = {n: truncate_factors(B, A, r) for n, (B, A) in server.global_factors.items()}
+            start = {n: truncate_factors(B, A, r) for n, (B, A) in global_factors.items()}
             release, _ = release_changes(uploads, [start] * max(len(uploads), 1), parts, self.K, self.C, self.z,
                                          self.generator)  # fmt: skip
-        new_global, spectra = method.dp_global(release, server.global_factors, self.sketch_generator)
+        new_global, spectra = method.dp_global(release, global_factors, self.sketch_generator)
         self.rounds += 1
         return new_global, spectra, release
 
@@ -293,7 +296,7 @@ class ServerPrivacy:
                 if c not in self.sizes:  # never reported its size: its epsilon is unknown here (its own log has it)
                     per_client[str(c)] = None
                     continue
-                plan = sample_plan(self.server._cfg, self.sizes[c], routines(self.server.method))
+                plan = sample_plan(self.cfg, self.sizes[c], routines(self.method))
                 steps = self.trained[c] * plan.steps_per_round
                 per_client[str(c)] = {"epsilon": plan.epsilon(steps), "delta": plan.delta, "noise_multiplier": plan.z,
                                       "steps": steps, "n": plan.n, "b": plan.b}  # fmt: skip
@@ -338,7 +341,7 @@ class ServerPrivacy:
         noise draw and subtract it; a resumed run draws from fresh OS entropy instead."""
         out = {"rounds": self.rounds, "trained": dict(self.trained), "sizes": dict(self.sizes), "last": dict(self.last),
                "ledger": os.path.abspath(self.path)}  # fmt: skip
-        if self.server.method.cfg.dp_seed >= 0:
+        if self.method.cfg.dp_seed >= 0:
             out["generator"] = self.generator.get_state()
         return out
 
@@ -354,7 +357,7 @@ class ServerPrivacy:
         self.trained = {int(k): int(v) for k, v in saved["trained"].items()}
         self.sizes = {int(k): int(v) for k, v in saved["sizes"].items()}
         self.last = dict(saved.get("last", {}))
-        if self.server.method.cfg.dp_seed >= 0:  # reproducible: continue the stream; else fresh OS entropy
+        if self.method.cfg.dp_seed >= 0:  # reproducible: continue the stream; else fresh OS entropy
             self.generator.set_state(saved["generator"])
         self._continue_ledger(saved.get("ledger"))
 
@@ -387,7 +390,7 @@ class ServerPrivacy:
             return
         for c, entry in (last.get("dp_clients") or {}).items():
             if entry:
-                spr = sample_plan(self.server._cfg, int(entry["n"]), routines(self.server.method)).steps_per_round
+                spr = sample_plan(self.cfg, int(entry["n"]), routines(self.method)).steps_per_round
                 rounds = -(-int(entry["steps"]) // spr)
                 if rounds > self.trained.get(int(c), 0):
                     self.trained[int(c)], self.sizes[int(c)], self.last = rounds, int(entry["n"]), last

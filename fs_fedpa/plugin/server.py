@@ -63,7 +63,11 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, ServerRecords, Serv
         )
         self.global_factors = global_init(self.model, self.method)  # (B_g^(0), A_g^(0)), rank r_g
         self.generator = torch.Generator().manual_seed(self.method.seed + 1)  # sketches
-        self.privacy = ServerPrivacy(self) if self.method.cfg.dp_mode != "none" else None
+        self.privacy = None
+        if self.method.cfg.dp_mode != "none":
+            self.privacy = ServerPrivacy(self._cfg, self.method, clients=self.client_num, rounds=self.total_round_num,
+                                         per_round=self.sample_client_num, shared_names=self.shared_names,
+                                         global_factors=self.global_factors)  # fmt: skip
         if self.privacy is not None and self.privacy.poisson_clients:
             # a Poisson round draws any number of the N clients (K is the expected number, privacy.K), and FS
             # asserts that a round never waits for more than sample_client_num
