@@ -15,8 +15,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import yaml
-
 # FS's config nodes that take keys they do not define (federatedscope/core/configs/cfg_training.py), and the keys
 # FS defines in them, which the command line may set
 OPEN_NODES = {"train.optimizer": ("type", "lr"), "train.scheduler": ("type", "warmup_ratio")}
@@ -31,6 +29,8 @@ def with_yaml_keys(cfg: str, opts: Sequence[str], folder: Path) -> tuple[str, li
     """``cfg`` and ``opts`` for FS's command line, with each key of ``opts`` that FS defines only by a yaml file (a
     key of an :data:`OPEN_NODES` node that FS does not define, e.g. ``train.optimizer.momentum``) written into a
     copy of ``cfg`` in ``folder`` instead; ``cfg`` unchanged when there is none. The last value of a key wins."""
+    import yaml  # only here: the runner's --plan runs where PyYAML (an FS dependency) may be missing
+
     keep, moved = [], {}
     for key, value in zip(opts[::2], opts[1::2]):
         node, _, leaf = key.rpartition(".")

@@ -28,7 +28,8 @@ alpha = 8, local heads, 10 local steps of 16 sentences):
    (:func:`split_seeds`, :func:`split_training_seeds`).
 9. ``privacy``: what differential privacy costs (:data:`PRIVACY_METHODS` under DP-SGD in the main cell, tuned on
    the held-out split; the client-level mechanism in the partial setting), see the block above :func:`privacy_runs`.
-10. ``dpregime``: a regime where sample-level DP-SGD learns, and the methods there (:mod:`fs_fedpa.sst2_dp_regime`).
+10. ``dpregime``: a regime where sample-level DP-SGD learns, and the methods there (:mod:`fs_fedpa.sst2_dp_regime`,
+    which builds on this module; the runner appends its parts to :func:`plan`'s and prices them).
 
 Every finished run is reduced to one small JSON file in ``--report/runs/<stage>/`` (curves and diagnostics; no
 checkpoints), which is committed: a stopped grid continues where it stopped, on this machine or another. FS's own
@@ -539,12 +540,8 @@ def seconds_per_round(results: dict, sample_dp: bool = False) -> float:
 
 def minutes_left(runs: list[Run], results: dict) -> float:
     """The machine minutes the runs of ``runs`` without a result will take, each priced by its kind of round."""
-    from fs_fedpa import sst2_dp_regime  # it builds on this module
-
     rates = {kind: seconds_per_round(results, kind) for kind in (False, True)}
-    regime = [r for r in runs if r.stage == sst2_dp_regime.STAGE]
-    rounds = sum(r.rounds * rates[dp_sgd(r.opts)] for r in runs if r.key not in results and r not in regime) / 60
-    return rounds + sst2_dp_regime.minutes(regime, results)
+    return sum(r.rounds * rates[dp_sgd(r.opts)] for r in runs if r.key not in results) / 60
 
 
 # ------------------------------------------------------------------------------------------------ the plan
@@ -583,9 +580,6 @@ def plan(results: dict, report: Path) -> list[tuple[str, list[Run]]]:
     stages.append(("partial participation", partial_runs(selected)))
     stages.append(("client splits", splits_runs(selected, selected["T"])))
     stages.extend(privacy_runs(selected, results, selected["T"]))
-    from fs_fedpa import sst2_dp_regime  # it builds on this module
-
-    stages.extend(sst2_dp_regime.runs(selected, results))
     return stages
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +31,6 @@ from torch import Tensor
 from fs_fedpa.core.dp import add_clipped, gaussian, sample_poisson, sample_without_replacement
 from fs_fedpa.core.per_example import LinearTaps, check_sum, clipped_sum, linear_owners, per_example_grads
 from fs_fedpa.plugin import fs_patches
-
-if TYPE_CHECKING:  # privacy.py imports this module
-    from fs_fedpa.plugin.privacy import SamplePlan
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 CPU_CHUNK = 4  # records a batched forward takes on the CPU (benchmarks/bench_dp_sgd.py)
@@ -77,8 +73,8 @@ class DPSGD:
         trainer.register_hook_in_train(new_hook=self._hook_on_fit_end_dp, trigger="on_fit_end", insert_pos=0)
 
     @property
-    def plan_in_use(self) -> SamplePlan | None:
-        """The plan of the client's last DP-SGD step (None before its first)."""
+    def plan_in_use(self):
+        """The :class:`~fs_fedpa.plugin.privacy.SamplePlan` of the client's last DP-SGD step (None before its first)."""
         return self._plan
 
     @property

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import fnmatch
+import json
 import importlib.util
 import os
 import shutil
@@ -26,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from fs_fedpa import compare, sst2_dp_regime
+from fs_fedpa import sst2_protocol as sp
 from fs_fedpa.sst2_protocol import (
     CFG,
     CFG_NAME,
@@ -36,10 +38,8 @@ from fs_fedpa.sst2_protocol import (
     WORK,
     Run,
     load_results,
-    minutes_left,
     pilot_run,
     pilot_T,
-    plan,
     seconds_per_round,
     time_spent,
     whole_rounds,
@@ -219,6 +219,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[sst2_compare] this call ran {budget['ran'] / 3600:.2f} h of FS runs", flush=True)
     print(f"wrote {write_report(report, results, plan(results, report))}")
     return 0
+
+
+def plan(results: dict, report: Path) -> list[tuple[str, list[Run]]]:
+    """The protocol's stages as far as the committed results decide them (:func:`fs_fedpa.sst2_protocol.plan`), then
+    the ``dpregime`` stage's parts (:mod:`fs_fedpa.sst2_dp_regime`) once the main selection exists."""
+    stages = sp.plan(results, report)
+    selected = report / "selected.json"
+    if any(part.startswith("privacy") for part, _ in stages) and selected.is_file():
+        stages += sst2_dp_regime.runs(json.loads(selected.read_text()), results)
+    return stages
+
+
+def minutes_left(runs: list[Run], results: dict) -> float:
+    """The machine minutes the runs without a result will take: by rounds (:func:`fs_fedpa.sst2_protocol.minutes_left`),
+    the ``dpregime`` stage's by the records they train on (:func:`fs_fedpa.sst2_dp_regime.minutes`)."""
+    regime = [r for r in runs if r.stage == sst2_dp_regime.STAGE]
+    return sp.minutes_left([r for r in runs if r.stage != sst2_dp_regime.STAGE], results) + sst2_dp_regime.minutes(
+        regime, results
+    )
 
 
 def not_a_checkout(here: Path) -> str | None:

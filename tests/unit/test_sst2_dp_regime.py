@@ -116,10 +116,16 @@ def test_the_cpu_estimate_prices_records_not_rounds():
     assert 0 < low < high
 
 
-def test_the_protocols_plan_and_pricing_include_the_stage():
+def test_the_runners_plan_and_pricing_include_the_stage(tmp_path):
+    from fs_fedpa.tools import sst2_compare as sc
+
     assert dr.STAGE in sp.STAGES
     runs = dr.search_a()
-    assert sp.minutes_left(runs, {}) == pytest.approx(dr.minutes(runs, {}))
+    assert sc.minutes_left(runs, {}) == pytest.approx(dr.minutes(runs, {}))
+    # the committed protocol: its stages, then this one's parts once the selection exists
+    stages = sc.plan(sp.load_results(sp.REPORT), sp.REPORT)
+    assert [part for part, _ in stages][-1].startswith("dp regime") and "privacy: sample-level final" in dict(stages)
+    assert not any(part.startswith("dp regime") for part, _ in sc.plan({}, tmp_path))
     # the committed runs' per-round rate ignores this stage's runs, whose rounds are of other sizes
     other = {"seconds": 100.0, "rounds_planned": 10, "opts": [], "stage": "final"}
     mine = {"seconds": 10_000.0, "rounds_planned": 10, "opts": [], "stage": dr.STAGE}

@@ -546,7 +546,7 @@ def test_stage_runs_only_the_named_stages_runs_and_refuses_an_unknown_stage(tmp_
 
 
 def test_every_run_of_the_plan_belongs_to_a_named_stage():
-    stages = sp.plan(sp.load_results(sp.REPORT), sp.REPORT)
+    stages = sc.plan(sp.load_results(sp.REPORT), sp.REPORT)  # the runner's: the protocol's and the dpregime stage's
     assert {r.stage for _, runs in stages for r in runs} == set(sp.STAGES)
 
 
