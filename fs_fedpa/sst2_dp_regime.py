@@ -164,27 +164,30 @@ def final_runs(regime: Regime, fedpa_lam: float) -> list[sp.Run]:
     return runs
 
 
-def runs(selected: dict, results: dict) -> list[tuple[str, list[sp.Run]]]:
-    """The stage's parts, as far as the committed results determine them."""
+def search(results: dict) -> tuple[list[sp.Run], list[sp.Run] | None, sp.Run | None]:
+    """Part A's runs, part B's once A has selected (else None), and the selected search run (else None)."""
     a = search_a()
-    parts = [("dp regime: search A (b, tau, head)", a)]
     top_a = best(results, a)
     if top_a is None:
-        return parts
+        return a, None, None
     b = search_b(regime_of(top_a))
-    parts.append(("dp regime: search B (optimizer, layers)", b))
-    top = best(results, [top_a, *b])
-    if top is None:
-        return parts
-    parts.append(("dp regime: finals", final_runs(regime_of(top), selected["methods"]["fedpa"]["lam"])))
+    return a, b, best(results, [top_a, *b])
+
+
+def runs(selected: dict, results: dict) -> list[tuple[str, list[sp.Run]]]:
+    """The stage's parts, as far as the committed results determine them."""
+    a, b, top = search(results)
+    parts = [("dp regime: search A (b, tau, head)", a)]
+    if b is not None:
+        parts.append(("dp regime: search B (optimizer, layers)", b))
+    if top is not None:
+        parts.append(("dp regime: finals", final_runs(regime_of(top), selected["methods"]["fedpa"]["lam"])))
     return parts
 
 
 def selected_regime(results: dict) -> Regime | None:
     """The regime the search selected, or None before it has."""
-    a = search_a()
-    top_a = best(results, a)
-    top = best(results, [top_a, *search_b(regime_of(top_a))]) if top_a else None
+    top = search(results)[2]
     return regime_of(top) if top else None
 
 
