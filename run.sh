@@ -182,12 +182,12 @@ case "${1:-main}" in
   compare)
     shift
     if has --plan "$@" || has --report-only "$@" || has -h "$@" || has --help "$@"; then
-      from_checkout -m fs_fedpa.tools.sst2_compare "$@"
+      from_checkout -m fs_fedpa.study.sst2_compare "$@"
     fi
     ensure_torch
     install_package demo
     ensure_federatedscope
-    exec "$PY" -m fs_fedpa.tools.sst2_compare "$@"
+    exec "$PY" -m fs_fedpa.study.sst2_compare "$@"
     ;;
   -h | --help | help)
     usage

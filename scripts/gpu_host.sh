@@ -5,7 +5,7 @@
 #
 #   scripts/gpu_host.sh DIR [gpu_check options ...]        e.g. scripts/gpu_host.sh .gpu --out $OUT/gpu_check.json
 #   scripts/gpu_host.sh DIR -- COMMAND ...                 e.g. scripts/gpu_host.sh .gpu -- python3 -m \
-#       fs_fedpa.tools.sst2_compare --data .gpu/glue --stage splits --jobs 12 use_gpu True device 0
+#       fs_fedpa.study.sst2_compare --data .gpu/glue --stage splits --jobs 12 use_gpu True device 0
 #
 # DIR/wheels (FS and the run-time imports a GPU image lacks) are installed into $SITE (default /tmp/fs_fedpa_site),
 # which goes first on PYTHONPATH with this checkout; the plugin's start-up hook (fs_fedpa.pth) is copied into the

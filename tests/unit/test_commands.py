@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from fs_fedpa import sst2_protocol as sp
+from fs_fedpa.study import sst2_protocol as sp
 from fs_fedpa.tools import eval_generation, sst2_demo, tiny_llm
-from fs_fedpa.tools import sst2_compare as sc
+from fs_fedpa.study import sst2_compare as sc
 from tests.conftest import ROOT
 
 HEAVY = ("federatedscope", "torch", "transformers", "peft", "numpy", "scipy", "matplotlib")
@@ -131,7 +131,7 @@ def test_plan_imports_neither_fs_nor_torch_nor_numpy(tmp_path):
     # in a copy of the checkout, where the default report folder is: a regression that writes writes there
     checkout = _checkout_copy(tmp_path / "checkout")
     code = (
-        "import sys\nfrom fs_fedpa.tools import sst2_compare\nsst2_compare.main(['--plan'])\n"
+        "import sys\nfrom fs_fedpa.study import sst2_compare\nsst2_compare.main(['--plan'])\n"
         f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=checkout, capture_output=True, text=True, timeout=60,

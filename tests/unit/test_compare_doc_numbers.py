@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fs_fedpa import protocol
-from fs_fedpa import sst2_protocol as sp
+from fs_fedpa.study import stats
+from fs_fedpa.study import sst2_protocol as sp
 
 ROOT = Path(__file__).resolve().parents[2]
 NUMBER = r"([+−-]?\d+\.\d+)"
@@ -81,7 +81,7 @@ def _report_values() -> tuple[list[tuple[float, float, float]], list[tuple[float
         for a, b in itertools.permutations(both, 2):
             seeds = sorted(set(both[a]) & set(both[b]))
             if len(seeds) >= 2:
-                intervals.append(protocol.paired_interval([both[a][s] - both[b][s] for s in seeds]))
+                intervals.append(stats.paired_interval([both[a][s] - both[b][s] for s in seeds]))
     intervals += [v for beta in sp.SPLITS_BETAS for m in ("val_acc", "local.val_acc")
                   for v in _split_values(results, beta, m).values()]  # fmt: skip
     intervals += list(_split_values(results, 0.1, "local.val_acc", "val_acc").values())  # the deployment one
@@ -109,17 +109,17 @@ def _split_differences(results: dict, beta: float, metric: str, theirs: str | No
 def _split_values(results: dict, beta: float, metric: str, theirs: str | None = None, splits=None) -> dict[str, tuple]:
     """The client-split stage's intervals: per split its paired t interval; across splits the t interval on the split
     means (scipy's one-sample t on them) and the fixed-split interval (within-split mean square, N − k df)."""
-    from scipy import stats
+    from scipy import stats as scipy_stats
 
     full = {k: d for k, d in _split_differences(results, beta, metric, theirs, splits).items() if len(d) >= 2}
-    out = {f"split {k}": protocol.paired_interval(d) for k, d in full.items()}
+    out = {f"split {k}": stats.paired_interval(d) for k, d in full.items()}
     if len(full) >= 2:
         means = [statistics.fmean(d) for d in full.values()]
-        ci = stats.ttest_1samp(means, 0.0).confidence_interval(0.95)
+        ci = scipy_stats.ttest_1samp(means, 0.0).confidence_interval(0.95)
         out["across"] = (statistics.fmean(means), float(ci.low), float(ci.high))
         k, n = len(full), sum(len(d) for d in full.values())
         ms = sum((x - statistics.fmean(d)) ** 2 for d in full.values() for x in d) / (n - k)
-        half = stats.t.ppf(0.975, n - k) * (ms * sum(1 / len(d) for d in full.values())) ** 0.5 / k
+        half = scipy_stats.t.ppf(0.975, n - k) * (ms * sum(1 / len(d) for d in full.values())) ** 0.5 / k
         out["fixed"] = (statistics.fmean(means), statistics.fmean(means) - half, statistics.fmean(means) + half)
     return out
 
@@ -185,7 +185,7 @@ def test_the_long_horizon_rows_quote_each_arms_own_interval():
                 if key.startswith("long/") and (v := sp.endpoint(run, metric)) is not None:
                     ends.setdefault(run["cell"], {})[run["seed"]] = v
             seeds = sorted(set(ends[cell]) & set(ends[sp.LONG_REFERENCE]))
-            want = protocol.paired_interval([ends[cell][s] - ends[sp.LONG_REFERENCE][s] for s in seeds])
+            want = stats.paired_interval([ends[cell][s] - ends[sp.LONG_REFERENCE][s] for s in seeds])
             printed = [_plain(g) for g in INTERVAL.search(column).groups()]
             assert [_points(v, p) for v, p in zip(want, printed)] == printed, (letter, metric, column)
 
@@ -207,7 +207,7 @@ def test_the_one_model_per_client_numbers_quote_fedpas_own_adapter_against_fedit
                                   ("partial participation", "partial", False)):  # fmt: skip
         own, glob = per_seed(stage, "fedpa", "local.val_acc", endpoint), per_seed(stage, "fedit", "val_acc", endpoint)
         seeds = sorted(set(own) & set(glob))
-        want = protocol.paired_interval([own[s] - glob[s] for s in seeds])
+        want = stats.paired_interval([own[s] - glob[s] for s in seeds])
         match = INTERVAL.search(row[row.index(text) :])
         printed = [_plain(g) for g in match.groups()]
         assert [_points(v, p) for v, p in zip(want, printed)] == printed, (text, match.group(0))
@@ -220,7 +220,7 @@ def _paired(a: dict[int, float], b: dict[int, float]) -> tuple[float, float, flo
     """The paired t interval of a − b over the seeds both have (at least two)."""
     seeds = sorted(set(a) & set(b))
     assert len(seeds) >= 2
-    return protocol.paired_interval([a[s] - b[s] for s in seeds])
+    return stats.paired_interval([a[s] - b[s] for s in seeds])
 
 
 def test_the_privacy_row_quotes_each_methods_own_intervals():

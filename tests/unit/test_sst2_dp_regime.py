@@ -8,8 +8,8 @@ import itertools
 
 import pytest
 
-from fs_fedpa import sst2_dp_regime as dr
-from fs_fedpa import sst2_protocol as sp
+from fs_fedpa.study import sst2_dp_regime as dr
+from fs_fedpa.study import sst2_protocol as sp
 
 SELECTED = {"methods": {"fedpa": {"lam": 0.01}}}
 
@@ -117,7 +117,7 @@ def test_the_cpu_estimate_prices_records_not_rounds():
 
 
 def test_the_runners_plan_and_pricing_include_the_stage(tmp_path):
-    from fs_fedpa.tools import sst2_compare as sc
+    from fs_fedpa.study import sst2_compare as sc
 
     assert dr.STAGE in sp.STAGES
     runs = dr.search_a()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fs_fedpa import compare
-from fs_fedpa import sst2_protocol as sp
+from fs_fedpa.study import sst2_protocol as sp
 from fs_fedpa.record import EVAL_SHARDS_FILE, OUTCOMES_FILE
 
 COMMITTED = Path(__file__).resolve().parents[2] / sp.REPORT
@@ -118,7 +118,7 @@ def _results_with_long_runs(p_arm: float) -> dict:
 
 def test_the_long_horizon_section_states_endpoints_both_intervals_and_the_reproduction(tmp_path, monkeypatch):
     from fs_fedpa import plots
-    from fs_fedpa.tools.sst2_report import long_section
+    from fs_fedpa.study.report import long_section
 
     monkeypatch.setattr(plots, "plot_protocols", lambda *args: None)  # the figures are test_plots.py's
     results = _results_with_long_runs(0.6)
@@ -145,7 +145,7 @@ def test_the_long_horizon_section_states_endpoints_both_intervals_and_the_reprod
 
 def test_the_bootstrap_refuses_arms_whose_dev_shards_differ(tmp_path, monkeypatch):
     from fs_fedpa import plots
-    from fs_fedpa.tools.sst2_report import long_section
+    from fs_fedpa.study.report import long_section
 
     monkeypatch.setattr(plots, "plot_protocols", lambda *args: None)
     results = _results_with_long_runs(0.6)
@@ -160,7 +160,7 @@ def _final(cell: str, seed: int, acc: float, stage: str = "final") -> tuple[str,
 
 
 def test_the_head_section_pairs_each_comparison_on_its_shared_seeds():
-    from fs_fedpa.tools.sst2_report import head_section
+    from fs_fedpa.study.report import head_section
 
     results = dict(
         [_final("fedpa", s, 0.88 + 0.001 * s) for s in range(5)]

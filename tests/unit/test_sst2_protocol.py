@@ -1,4 +1,4 @@
-"""The SST-2 protocol's plan (fs_fedpa.tools.sst2_compare) on fabricated results: held-out tuning, the selection
+"""The SST-2 protocol's plan (fs_fedpa.study.sst2_compare) on fabricated results: held-out tuning, the selection
 written to selected.json and final runs that use exactly its values; and the committed results, where present."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from fs_fedpa import sst2_protocol as sp
-from fs_fedpa.tools import sst2_compare as sc
+from fs_fedpa.study import sst2_protocol as sp
+from fs_fedpa.study import sst2_compare as sc
 
 COMMITTED = Path(__file__).resolve().parents[2] / sp.REPORT
 
@@ -185,7 +185,7 @@ def test_the_hours_budget_stops_after_the_runs_under_way_and_keeps_their_results
 
 
 def test_the_report_states_a_verdict_per_baseline_from_the_committed_runs(tmp_path):
-    from fs_fedpa.tools.sst2_report import write_report
+    from fs_fedpa.study.report import write_report
 
     selected = {"T": 4, "methods": {m: {"method": m, "optimizer": "AdamW", "lr": 2e-3, "lam": None} for m in sp.MAIN}}
     results = {}
@@ -201,7 +201,7 @@ def test_the_report_states_a_verdict_per_baseline_from_the_committed_runs(tmp_pa
 
 
 def test_the_report_sets_each_cells_accuracy_beside_its_last_rounds_mechanism():
-    from fs_fedpa.tools.sst2_report import mechanism_section
+    from fs_fedpa.study.report import mechanism_section
 
     selected = {"T": 4, "methods": {m: {"method": m, "optimizer": "AdamW", "lr": 2e-3, "lam": None} for m in sp.MAIN}}
     cells = {"fedpa": (0.80, 3.0, 6.0), "fedit": (0.90, 9.0, 10.0), "fedsa_lora": (0.85, 0.0, 20.0)}
@@ -224,7 +224,7 @@ def test_the_report_sets_each_cells_accuracy_beside_its_last_rounds_mechanism():
 
 
 def test_the_mechanism_table_takes_the_heavy_tailed_gradient_ratio_as_a_median_over_seeds():
-    from fs_fedpa.tools.sst2_report import mechanism_section
+    from fs_fedpa.study.report import mechanism_section
 
     selected = {"T": 4, "methods": {m: {"method": m, "optimizer": "AdamW", "lr": 2e-3, "lam": 0.01} for m in sp.MAIN}}
     results = {}
@@ -297,7 +297,7 @@ def test_dp_sgd_runs_are_priced_by_their_own_rounds():
 
 
 def test_the_lambda_table_shows_fedpas_sweep_at_the_pilot_rate_beside_fedit_and_local_training():
-    from fs_fedpa.tools.sst2_report import lambda_section
+    from fs_fedpa.study.report import lambda_section
 
     runs = sp.tune_runs(4, 0.1)
     results = {}
@@ -320,7 +320,7 @@ def test_the_lambda_table_shows_fedpas_sweep_at_the_pilot_rate_beside_fedit_and_
 
 
 def test_selections_at_the_grids_top_are_checked_one_step_above_without_changing_the_selection(tmp_path):
-    from fs_fedpa.tools.sst2_report import edge_section
+    from fs_fedpa.study.report import edge_section
 
     results: dict = {}
     pilot = sp.pilot_run()
@@ -376,7 +376,7 @@ def test_selections_at_the_grids_top_are_checked_one_step_above_without_changing
 
 def test_each_stage_beyond_the_main_cell_has_its_last_rounds_mechanism_beside_its_accuracy(tmp_path, monkeypatch):
     from fs_fedpa import plots
-    from fs_fedpa.tools.sst2_report import write_report
+    from fs_fedpa.study.report import write_report
 
     monkeypatch.setattr(plots, "plot_all", lambda *args: [])  # the figures are test_plots.py's
 
@@ -465,7 +465,7 @@ def test_recollect_refuses_outputs_of_another_run_than_the_committed_one(tmp_pat
 
 def test_the_adaptive_stage_shows_the_lambda_each_rule_chose_over_rounds(tmp_path, monkeypatch):
     from fs_fedpa import plots
-    from fs_fedpa.tools.sst2_report import write_report
+    from fs_fedpa.study.report import write_report
 
     monkeypatch.setattr(plots, "plot_all", lambda *args: [])
     results = {}
@@ -554,7 +554,7 @@ def test_the_partial_participation_section_pairs_each_fedpa_arm_with_each_baseli
     tmp_path, monkeypatch
 ):
     from fs_fedpa import plots
-    from fs_fedpa.tools.sst2_report import write_report
+    from fs_fedpa.study.report import write_report
 
     monkeypatch.setattr(plots, "plot_protocols", lambda *args: None)  # the figures are test_plots.py's
     monkeypatch.setattr(plots, "plot_staleness", lambda *args: None)

@@ -1,4 +1,4 @@
-"""The verdict across settings (fs_fedpa.sst2_verdict) against direct computations from the committed run files."""
+"""The verdict across settings (fs_fedpa.study.sst2_verdict) against direct computations from the committed run files."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from fs_fedpa import sst2_protocol as sp
-from fs_fedpa import sst2_verdict as sv
+from fs_fedpa.study import sst2_protocol as sp
+from fs_fedpa.study import sst2_verdict as sv
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = ROOT / sp.REPORT / "runs"

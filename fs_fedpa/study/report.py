@@ -1,4 +1,4 @@
-"""The SST-2 protocol's report, rebuilt from the committed run files alone (:mod:`fs_fedpa.sst2_protocol`).
+"""The SST-2 protocol's report, rebuilt from the committed run files alone (:mod:`fs_fedpa.study.sst2_protocol`).
 
 Writes into the report folder: ``report.md`` (setting, pilot, the whole tuning table, the selected values, the final
 table with paired intervals against FedPA-LoRA under both evaluation protocols, the settings beyond the main cell,
@@ -13,13 +13,14 @@ import json
 import statistics
 from pathlib import Path
 
-from fs_fedpa import compare, protocol
-from fs_fedpa import sst2_protocol as sp
-from fs_fedpa import sst2_verdict as sv
-from fs_fedpa.tools.report_text import pm as _pm
-from fs_fedpa.tools.report_text import score as _score
-from fs_fedpa.tools.sst2_dp_regime_report import dp_regime_section
-from fs_fedpa.tools.sst2_privacy_report import privacy_section
+from fs_fedpa import compare
+from fs_fedpa.study import stats
+from fs_fedpa.study import sst2_protocol as sp
+from fs_fedpa.study import sst2_verdict as sv
+from fs_fedpa.study.report_text import pm as _pm
+from fs_fedpa.study.report_text import score as _score
+from fs_fedpa.study.report_dp_regime import dp_regime_section
+from fs_fedpa.study.report_privacy import privacy_section
 
 METRICS = ("val_acc", "local.val_acc")
 METRIC_NAMES = {"val_acc": "paper protocol", "local.val_acc": "own factors"}
@@ -50,11 +51,11 @@ def pilot_section(results: dict) -> list[str]:
         return ["## Pilot", "", "Not run yet.", ""]
     curve = {r: m["val_acc"] for r, m in pilot["rounds"].items() if m.get("val_acc") is not None}
     best, lines = float("-inf"), []
-    average = protocol.moving_average(curve)
+    average = stats.moving_average(curve)
     for r in sorted(curve):
         best = max(best, curve[r])
         lines.append(f"| {r} | {curve[r]:.4f} | {best:.4f} | {_score(average.get(r))} |")
-    T, smoothed = sp.pilot_T(pilot), protocol.plateau_round_smoothed(curve)
+    T, smoothed = sp.pilot_T(pilot), stats.plateau_round_smoothed(curve)
     converged = T < max(curve)
     return [
         "## Pilot: the number of rounds T",
@@ -70,7 +71,7 @@ def pilot_section(results: dict) -> list[str]:
         f"trained {T + 1} rounds at its round {T}, and the later stages run T = {T} rounds (indices 0 to {T - 1}).",
         "",
         f"A second rule, which one high evaluation cannot trigger (the same rule on the mean of 3 consecutive "
-        f"evaluations, `fs_fedpa.protocol.plateau_round_smoothed`), gives **T = {smoothed}** on this pilot. "
+        f"evaluations, `fs_fedpa.study.stats.plateau_round_smoothed`), gives **T = {smoothed}** on this pilot. "
         f"The committed protocol keeps T = {T}, the rule it was run with; the long-horizon stage asks what the "
         "rounds after it change.",
         "",
@@ -240,7 +241,7 @@ def verdict_section(results: dict) -> list[str]:
     lines += ["", note + "lies above, across or below 0. " + HOLM_NOTE, ""]
     sds = [sd for m in METRICS for sd in _paired_sds(results, m).values()]
     if sds:
-        rate, expected = protocol.seed_rule_exclusions(sds, sims=SIMULATIONS, seed=0)
+        rate, expected = stats.seed_rule_exclusions(sds, sims=SIMULATIONS, seed=0)
         lines += [
             f"**By chance alone.** Under the null (no true difference), the protocol's seed rule (3 seeds, 2 more "
             f"where the interval contains 0) gives each comparison a {100 * rate:.1f}% chance of an interval that "
@@ -327,7 +328,7 @@ def long_section(results: dict, report: Path) -> list[str]:
         f"mean of a run's last {sp.ENDPOINT_EVALS} evaluations; per FedPA-LoRA arm, the paired difference arm − "
         f"{sp.LONG_REFERENCE} with its 95% t interval over seeds (Holm over the three arms) and a paired bootstrap "
         "interval that resamples seeds and, independently, dev sentences within each client's shard "
-        "(`fs_fedpa.protocol.paired_bootstrap`, 10,000 draws): a statement about SST-2 sentences, not only these "
+        "(`fs_fedpa.study.stats.paired_bootstrap`, 10,000 draws): a statement about SST-2 sentences, not only these "
         f"872. `long/curves.png`: the curves, {SPREAD_NOTE}.",
         "",
         *_long_endpoints(results, runs),
@@ -390,7 +391,7 @@ def _bootstrap(arm: dict[int, dict], reference: dict[int, dict], protocol_name: 
         x.append(xs)
         y.append(ys)
         strata = sx
-    return (*protocol.paired_bootstrap(x, y, strata, draws=10_000, seed=0), len(seeds))
+    return (*stats.paired_bootstrap(x, y, strata, draws=10_000, seed=0), len(seeds))
 
 
 CURVE_ROUNDS = (20, 29, 38, 47, 59)  # where the long horizon's table samples the curves (FS round indices)
@@ -541,7 +542,7 @@ def _staleness_table(runs: list[dict]) -> list[str]:
 def splits_section(results: dict) -> list[str]:
     """The client split as a factor: per beta and protocol, FedPA-LoRA − FedIT on each split; across splits the t
     interval on the split means (new splits) and the fixed-split interval (these splits only), the split's variance
-    component, and the stage's comparisons with Holm over them (:data:`fs_fedpa.sst2_verdict.ACROSS_SPLITS`)."""
+    component, and the stage's comparisons with Holm over them (:data:`fs_fedpa.study.sst2_verdict.ACROSS_SPLITS`)."""
     title = "## The client split as a factor"
     found = {(b, m): sv.split_analysis(results, b, m) for b in sp.SPLITS_BETAS for m in METRICS}
     if not any(len(f["splits"]) > 1 for f in found.values()):
@@ -555,10 +556,10 @@ def splits_section(results: dict) -> list[str]:
         f"β = {sp.MORE_SPLITS_BETA:g} also {', '.join(map(str, sp.MORE_SPLITS))} with seeds "
         f"{', '.join(map(str, sp.MORE_SPLITS_SEEDS))}. Per split: the paired 95% t interval over its seeds and in how "
         "many seeds FedPA-LoRA is ahead. Across splits: the t interval on the split means, k − 1 df "
-        "(`fs_fedpa.protocol.split_means_interval`), which generalises to a new client split; beside it the "
+        "(`fs_fedpa.study.stats.split_means_interval`), which generalises to a new client split; beside it the "
         "fixed-split interval (within-split mean square, N − k df; `fixed_split_interval`), which covers only the "
         "splits run here; and the one-way random-effects decomposition of the paired differences by split "
-        "(`fs_fedpa.protocol.split_variance`, ANOVA moments; sd in points).",
+        "(`fs_fedpa.study.stats.split_variance`, ANOVA moments; sd in points).",
         "",
     ]
     for beta in sp.SPLITS_BETAS:

@@ -15,7 +15,7 @@ r = 4, alpha = 8):
 - Clients under :data:`MIN_RECORDS` sentences take no DP step (``fedpa.dp_min_records``: ε 0, weight 0; three of
   the ten, 634-956 sentences, whose z at b = 256 would be near 3). They still evaluate. Without DP they train.
 - The held-out split (``data.glue_holdout``) scores the search; the dev set only the finals. Evaluation every R/4
-  rounds; the search's score is :func:`fs_fedpa.sst2_protocol.score` (the mean of the last two).
+  rounds; the search's score is :func:`fs_fedpa.study.sst2_protocol.score` (the mean of the last two).
 
 The search (FedIT, seed 0, at the final runs' noise):
 
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fs_fedpa import sst2_protocol as sp
+from fs_fedpa.study import sst2_protocol as sp
 
 STAGE = "dpregime"
 EPSILON, CLIP, MIN_RECORDS = 8.0, 1.0, 1000

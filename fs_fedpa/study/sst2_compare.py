@@ -1,12 +1,12 @@
 """The tuned comparison protocol on real SST-2 with the embedded MiniLM (docs/sst2_protocol.md).
 
-    ./run.sh compare --data <GLUE dir>            # or: python -m fs_fedpa.tools.sst2_compare --data <GLUE dir>
+    ./run.sh compare --data <GLUE dir>            # or: python -m fs_fedpa.study.sst2_compare --data <GLUE dir>
     ./run.sh compare --plan                       # the stages, their runs and the expected CPU time; writes nothing
     ./run.sh compare --report-only                # rebuild the report from the committed results, nothing else
     ./run.sh compare --data <GLUE dir> --stage partial --jobs 12 use_gpu True device 0   # one stage, on a GPU host
 
-The protocol itself (its stages, runs and plan) is :mod:`fs_fedpa.sst2_protocol`; the report is
-:mod:`fs_fedpa.tools.sst2_report`. This module runs the plan: FS subprocesses, ``jobs`` at a time, each
+The protocol itself (its stages, runs and plan) is :mod:`fs_fedpa.study.sst2_protocol`; the report is
+:mod:`fs_fedpa.study.report`. This module runs the plan: FS subprocesses, ``jobs`` at a time, each
 finished run written to its committed file at once; a stopped grid continues where it stopped. ``--plan`` and
 ``--report-only`` import neither FederatedScope nor torch (``./run.sh`` runs them without installing anything).
 """
@@ -26,9 +26,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from fs_fedpa import compare, sst2_dp_regime
-from fs_fedpa import sst2_protocol as sp
-from fs_fedpa.sst2_protocol import (
+from fs_fedpa import compare
+from fs_fedpa.study import sst2_dp_regime
+from fs_fedpa.study import sst2_protocol as sp
+from fs_fedpa.study.sst2_protocol import (
     CFG,
     CFG_NAME,
     PILOT_ROUNDS,
@@ -46,7 +47,7 @@ from fs_fedpa.sst2_protocol import (
     write_run,
 )
 from fs_fedpa.tools.sst2_demo import find_glue_dir
-from fs_fedpa.tools.sst2_report import write_report
+from fs_fedpa.study.report import write_report
 
 
 def recollect(results: dict, report: Path, work: Path, stages: list[str]) -> list[str]:
@@ -222,8 +223,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plan(results: dict, report: Path) -> list[tuple[str, list[Run]]]:
-    """The protocol's stages as far as the committed results decide them (:func:`fs_fedpa.sst2_protocol.plan`), then
-    the ``dpregime`` stage's parts (:mod:`fs_fedpa.sst2_dp_regime`) once the main selection exists."""
+    """The protocol's stages as far as the committed results decide them (:func:`fs_fedpa.study.sst2_protocol.plan`), then
+    the ``dpregime`` stage's parts (:mod:`fs_fedpa.study.sst2_dp_regime`) once the main selection exists."""
     stages = sp.plan(results, report)
     selected = report / "selected.json"
     if any(part.startswith("privacy") for part, _ in stages) and selected.is_file():
@@ -232,8 +233,8 @@ def plan(results: dict, report: Path) -> list[tuple[str, list[Run]]]:
 
 
 def minutes_left(runs: list[Run], results: dict) -> float:
-    """The machine minutes the runs without a result will take: by rounds (:func:`fs_fedpa.sst2_protocol.minutes_left`),
-    the ``dpregime`` stage's by the records they train on (:func:`fs_fedpa.sst2_dp_regime.minutes`)."""
+    """The machine minutes the runs without a result will take: by rounds (:func:`fs_fedpa.study.sst2_protocol.minutes_left`),
+    the ``dpregime`` stage's by the records they train on (:func:`fs_fedpa.study.sst2_dp_regime.minutes`)."""
     regime = [r for r in runs if r.stage == sst2_dp_regime.STAGE]
     return sp.minutes_left([r for r in runs if r.stage != sst2_dp_regime.STAGE], results) + sst2_dp_regime.minutes(
         regime, results
@@ -308,7 +309,7 @@ def print_plan(stages: list[tuple[str, list[Run]]], results: dict, scoped: bool 
     if any(r.stage == sst2_dp_regime.STAGE for _, runs in stages for r in runs):
         low, high = sst2_dp_regime.stage_hours()
         print(f"  dp regime, the whole stage before any run: {low:.0f}-{high:.0f} CPU-h here, as the search selects "
-              "(priced by records from the measured step cost, fs_fedpa/sst2_dp_regime.py)", flush=True)  # fmt: skip
+              "(priced by records from the measured step cost, fs_fedpa/study/sst2_dp_regime.py)", flush=True)  # fmt: skip
     if scoped and not stages:
         print("[sst2_compare] no run of the stages known now matches --stage/--cell: nothing to run (a cell is a "
               "run's name without its seed, e.g. fedpa_dp or partial30_fedit)", flush=True)  # fmt: skip

@@ -1,13 +1,13 @@
 """The SST-2 comparison protocol as data: its stages and runs, the plan that the committed results determine, and
 the reading of those results (docs/sst2_protocol.md). The runner
-(:mod:`fs_fedpa.tools.sst2_compare`) executes the plan and the report (:mod:`fs_fedpa.tools.sst2_report`) reads
+(:mod:`fs_fedpa.study.sst2_compare`) executes the plan and the report (:mod:`fs_fedpa.study.report`) reads
 it; both import this module, which imports neither. No torch, no FS.
 
 Stages, each on ``yaml_configs/compare_sst2_protocol.yaml`` (N = 10, every client every round, LDA beta = 0.5, r = 4,
 alpha = 8, local heads, 10 local steps of 16 sentences):
 
 1. ``pilot``: FedIT for up to :data:`PILOT_ROUNDS` rounds; T = the first round at which its held-out accuracy
-   gains less than 0.5 point over the last quarter of the rounds (:func:`fs_fedpa.protocol.plateau_round`).
+   gains less than 0.5 point over the last quarter of the rounds (:func:`fs_fedpa.study.stats.plateau_round`).
 2. ``tune``: one seed, ceil(T/2) rounds, scored on a validation split held out of every client's *training* shard
    (``data.glue_holdout``; the dev set is never read). Every method over :data:`LR_GRID` (AdamW and the paper's
    plain SGD); FedPA-LoRA first over :data:`LAM_GRID` at the pilot's learning rate, then over the learning rates at
@@ -28,7 +28,7 @@ alpha = 8, local heads, 10 local steps of 16 sentences):
    (:func:`split_seeds`, :func:`split_training_seeds`).
 9. ``privacy``: what differential privacy costs (:data:`PRIVACY_METHODS` under DP-SGD in the main cell, tuned on
    the held-out split; the client-level mechanism in the partial setting), see the block above :func:`privacy_runs`.
-10. ``dpregime``: a regime where sample-level DP-SGD learns, and the methods there (:mod:`fs_fedpa.sst2_dp_regime`,
+10. ``dpregime``: a regime where sample-level DP-SGD learns, and the methods there (:mod:`fs_fedpa.study.sst2_dp_regime`,
     which builds on this module; the runner appends its parts to :func:`plan`'s and prices them).
 
 Every finished run is reduced to one small JSON file in ``--report/runs/<stage>/`` (curves and diagnostics; no
@@ -44,7 +44,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from fs_fedpa import compare, protocol
+from fs_fedpa import compare
+from fs_fedpa.study import stats
 from fs_fedpa.tasks.glue import FS_SPLIT_SEED
 
 CFG_NAME = Path("yaml_configs") / "compare_sst2_protocol.yaml"
@@ -304,10 +305,10 @@ SPLITS_ARMS, SPLITS_BETAS = ("fedpa", "fedit"), (0.5, 0.1)  # 0.5: the main cell
 # splits, each with training seeds 0-1 (the split is the unit; two seeds a split suffice), FedPA-LoRA and FedIT as
 # selected, T rounds: 20 runs. Endpoint, unchanged: the final-round dev accuracy under both protocols. The primary
 # comparison: FedPA-LoRA − FedIT at beta = 0.1 under the paper protocol, by the t interval on the eight split means
-# (7 df; fs_fedpa.protocol.split_means_interval), which generalises to new splits. With it, in one Holm family, the
+# (7 df; fs_fedpa.study.stats.split_means_interval), which generalises to new splits. With it, in one Holm family, the
 # same at beta = 0.1 on the own factors, the two at beta = 0.5 (three splits), and at beta = 0.1 the deployment
 # comparison (FedPA-LoRA's own adapter − FedIT's global adapter with the local head): five comparisons
-# (fs_fedpa.sst2_verdict.ACROSS_SPLITS). The fixed-split interval is reported beside each, labelled as covering only
+# (fs_fedpa.study.sst2_verdict.ACROSS_SPLITS). The fixed-split interval is reported beside each, labelled as covering only
 # these splits.
 MORE_SPLITS, MORE_SPLITS_BETA, MORE_SPLITS_SEEDS = (3, 4, 5, 6, 7), 0.1, (0, 1)
 
@@ -554,7 +555,7 @@ def plan(results: dict, report: Path) -> list[tuple[str, list[Run]]]:
     T = pilot_T(pilot)
     sweep = [r for r in tuning_table(results, tune_runs(T, None)) if r["method"] == "fedpa"]
     done = all(r["score"] is not None for r in sweep)  # FedPA's lr sweep waits for its whole λ sweep
-    fedpa = protocol.select(sweep).get("fedpa") if done else None
+    fedpa = stats.select(sweep).get("fedpa") if done else None
     runs = tune_runs(T, fedpa["lam"] if fedpa else None)
     stages.append(("tune", runs))
     selected_file = report / "selected.json"
@@ -585,12 +586,12 @@ def plan(results: dict, report: Path) -> list[tuple[str, list[Run]]]:
 
 def pilot_T(pilot: dict) -> int:
     curve = {r: m["val_acc"] for r, m in pilot["rounds"].items() if m.get("val_acc") is not None}
-    return protocol.plateau_round(curve)
+    return stats.plateau_round(curve)
 
 
 def write_selection(rows: list[dict], T: int, path: Path) -> dict:
     """``selected.json``: T and, per method, the tuning row with the best held-out score."""
-    best = protocol.select(rows)
+    best = stats.select(rows)
     selected = {"T": T, "holdout": HOLDOUT, "methods": {m: best[m] for m in MAIN if m in best}}
     path.write_text(json.dumps(selected, indent=1) + "\n")
     return selected
@@ -631,10 +632,10 @@ def paired_rows(results: dict, metric: str, stage: str = "final", ours: str = "f
         if cell == ours or len(seeds) < 2:
             continue
         differences = [cells[ours][s] - values[s] for s in seeds]
-        mean, low, high = protocol.paired_interval(differences)
+        mean, low, high = stats.paired_interval(differences)
         rows[cell] = {"seeds": len(seeds), "mean": mean, "low": low, "high": high}
-        rows[cell]["verdict"] = protocol.verdict(low, high)
-        rows[cell]["p"] = protocol.paired_t_p(differences)
+        rows[cell]["verdict"] = stats.verdict(low, high)
+        rows[cell]["p"] = stats.paired_t_p(differences)
         rows[cell]["sd"] = statistics.stdev(differences)
     return rows
 
@@ -644,8 +645,8 @@ def with_holm(rows: dict[str, dict]) -> dict[str, dict]:
     label as ``"holm"`` (wins / loses where the adjusted p < 0.05, else ties): the one place a Holm label is made."""
     if not rows:
         return {}
-    adjusted = protocol.holm({cell: row["p"] for cell, row in rows.items()})
-    labels = protocol.holm_verdicts(rows)
+    adjusted = stats.holm({cell: row["p"] for cell, row in rows.items()})
+    labels = stats.holm_verdicts(rows)
     return {cell: {**row, "holm_p": adjusted[cell], "holm": labels[cell]} for cell, row in rows.items()}
 
 

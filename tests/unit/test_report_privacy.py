@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from scipy import stats
 
-from fs_fedpa import sst2_protocol as sp
-from fs_fedpa.tools.sst2_privacy_report import final_comparisons, privacy_section
+from fs_fedpa.study import sst2_protocol as sp
+from fs_fedpa.study.report_privacy import final_comparisons, privacy_section
 
 SELECTED = json.loads((Path(__file__).resolve().parents[2] / sp.REPORT / "selected.json").read_text())
 
@@ -114,7 +114,7 @@ def _diagnostics(updates_by_round):
 def test_agreement_reads_orthogonal_and_shared_updates():
     import numpy as np
 
-    from fs_fedpa.tools.sst2_privacy_report import agreement
+    from fs_fedpa.study.report_privacy import agreement
 
     rng = np.random.default_rng(0)
     shared = rng.normal(size=20000)

@@ -1,4 +1,4 @@
-"""How the SST-2 report prints its numbers; shared by :mod:`fs_fedpa.tools.sst2_report` and its privacy section."""
+"""How the SST-2 report prints its numbers; shared by :mod:`fs_fedpa.study.report` and its privacy section."""
 
 from __future__ import annotations
 

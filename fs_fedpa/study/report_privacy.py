@@ -4,17 +4,17 @@
 selection, and the final runs: each cell's accuracy and ε, each DP method against FedIT under DP (paired by seed,
 Holm over the three, per protocol) and each against itself without DP (a second table, Holm over its four). (b)
 Client-level DP in the partial setting: each method without and with DP on one seed, its clip and the noise per
-entry. The design is fixed in :mod:`fs_fedpa.sst2_protocol` above :func:`~fs_fedpa.sst2_protocol.privacy_runs`.
+entry. The design is fixed in :mod:`fs_fedpa.study.sst2_protocol` above :func:`~fs_fedpa.study.sst2_protocol.privacy_runs`.
 """
 
 from __future__ import annotations
 
 import statistics
 
-from fs_fedpa import protocol
-from fs_fedpa import sst2_protocol as sp
-from fs_fedpa.tools.report_text import pm as _pm
-from fs_fedpa.tools.report_text import score as _score
+from fs_fedpa.study import stats
+from fs_fedpa.study import sst2_protocol as sp
+from fs_fedpa.study.report_text import pm as _pm
+from fs_fedpa.study.report_text import score as _score
 
 METRICS = {"val_acc": "paper protocol", "local.val_acc": "own factors"}
 DP_CELLS = tuple(f"{m}_dp" for m in sp.PRIVACY_METHODS)
@@ -56,7 +56,7 @@ def literature_epsilons(result: dict | None) -> list[float]:
 
 
 def macro_f1(result: dict | None) -> float | None:
-    """The held-out macro-F1 scored as :func:`~fs_fedpa.sst2_protocol.score` scores accuracy: the mean of the last
+    """The held-out macro-F1 scored as :func:`~fs_fedpa.study.sst2_protocol.score` scores accuracy: the mean of the last
     two evaluations. A model that predicts one class for every sentence has 0.43 on the held-out split."""
     f1 = [m["val_f1"] for _, m in sorted((result or {}).get("rounds", {}).items()) if m.get("val_f1") is not None]
     return sum(f1[-2:]) / len(f1[-2:]) if f1 else None
@@ -77,15 +77,15 @@ def paired(a: dict[int, float], b: dict[int, float]) -> dict | None:
     if len(seeds) < 2:
         return None
     d = [a[s] - b[s] for s in seeds]
-    mean, low, high = protocol.paired_interval(d)
-    return {"mean": mean, "low": low, "high": high, "p": protocol.paired_t_p(d), "seeds": len(seeds),
+    mean, low, high = stats.paired_interval(d)
+    return {"mean": mean, "low": low, "high": high, "p": stats.paired_t_p(d), "seeds": len(seeds),
             "ahead": sum(x > 0 for x in d), "identical": all(x == 0 for x in d)}  # fmt: skip
 
 
 def final_comparisons(results: dict) -> dict[str, dict[str, dict]]:
     """Per protocol: ``"<cell> − fedit_dp"`` for the three other DP cells and ``"<cell> − no DP"`` for all four,
     each with ``holm_p`` and ``holm``, its Holm-adjusted p and label over its family of :data:`FAMILIES`
-    (:func:`fs_fedpa.sst2_protocol.with_holm`), once the whole family is in."""
+    (:func:`fs_fedpa.study.sst2_protocol.with_holm`), once the whole family is in."""
     out: dict[str, dict[str, dict]] = {}
     for metric in METRICS:
         rows: dict[str, dict] = {}
@@ -108,7 +108,7 @@ def final_comparisons(results: dict) -> dict[str, dict[str, dict]]:
 def _interval(row: dict | None) -> str:
     if row is None:
         return "–"
-    text = (f"{row['mean']:+.4f} [{row['low']:+.4f}, {row['high']:+.4f}] {protocol.verdict(row['low'], row['high'])}"
+    text = (f"{row['mean']:+.4f} [{row['low']:+.4f}, {row['high']:+.4f}] {stats.verdict(row['low'], row['high'])}"
             f"; n={row['seeds']}, ahead in {row['ahead']}")  # fmt: skip
     return text + (f"; Holm p {row['holm_p']:.3f}, {row['holm']}" if "holm" in row else "")
 

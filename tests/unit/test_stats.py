@@ -1,4 +1,4 @@
-"""The statistics of the tuned comparison (fs_fedpa.protocol) against hand computations and scipy."""
+"""The statistics of the tuned comparison (fs_fedpa.study.stats) against hand computations and scipy."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fs_fedpa import protocol
-from fs_fedpa.protocol import paired_interval, plateau_round, select, t_quantile_975, verdict
+from fs_fedpa.study import stats
+from fs_fedpa.study.stats import paired_interval, plateau_round, select, t_quantile_975, verdict
 
 
 def test_paired_interval_of_a_hand_example():
@@ -25,10 +25,10 @@ def test_paired_interval_of_a_hand_example():
 
 
 def test_t_quantiles_agree_with_scipy():
-    stats = pytest.importorskip("scipy.stats")
+    scipy_stats = pytest.importorskip("scipy.stats")
     for df in (1, 2, 3, 4, 9, 29, 30):
-        assert t_quantile_975(df) == pytest.approx(stats.t.ppf(0.975, df), rel=1e-8)
-    assert t_quantile_975(200) == pytest.approx(stats.t.ppf(0.975, 200), rel=0.01)
+        assert t_quantile_975(df) == pytest.approx(scipy_stats.t.ppf(0.975, df), rel=1e-8)
+    assert t_quantile_975(200) == pytest.approx(scipy_stats.t.ppf(0.975, 200), rel=0.01)
 
 
 @given(st.lists(st.floats(-1, 1), min_size=2, max_size=12))
@@ -83,7 +83,7 @@ def _committed_pilot() -> dict[int, float]:
 
 
 def test_the_smoothed_stopping_rule_on_the_committed_pilot():
-    from fs_fedpa.protocol import moving_average, plateau_round_smoothed
+    from fs_fedpa.study.stats import moving_average, plateau_round_smoothed
 
     curve = _committed_pilot()
     # The committed rule stops at FS round 21: the best so far, 0.9109 (round 15, one high evaluation), is also the
@@ -105,7 +105,7 @@ def test_the_smoothed_stopping_rule_on_the_committed_pilot():
 
 
 def test_holm_of_a_hand_example():
-    from fs_fedpa.protocol import holm, holm_verdicts
+    from fs_fedpa.study.stats import holm, holm_verdicts
 
     # p = 0.01, 0.03, 0.04, 0.20 (m = 4): 4 * 0.01 = 0.04; 3 * 0.03 = 0.09; max(0.09, 2 * 0.04) = 0.09; 0.20
     p = {"a": 0.03, "b": 0.01, "c": 0.20, "d": 0.04}
@@ -116,11 +116,11 @@ def test_holm_of_a_hand_example():
 
 
 def test_the_paired_t_p_value_agrees_with_scipy():
-    stats = pytest.importorskip("scipy.stats")
-    from fs_fedpa.protocol import paired_t_p
+    scipy_stats = pytest.importorskip("scipy.stats")
+    from fs_fedpa.study.stats import paired_t_p
 
     for d in ([0.01, 0.03, 0.02], [-0.012, 0.001, -0.02, -0.009, -0.015], [0.5, -0.4]):
-        assert paired_t_p(d) == pytest.approx(stats.ttest_1samp(d, 0.0).pvalue, rel=1e-9)
+        assert paired_t_p(d) == pytest.approx(scipy_stats.ttest_1samp(d, 0.0).pvalue, rel=1e-9)
     assert paired_t_p([0.0, 0.0]) == 1.0 and paired_t_p([0.01, 0.01]) == 0.0
 
 
@@ -130,7 +130,7 @@ def _strata(sizes):
 
 def test_the_bootstrap_matches_closed_forms():
     np = pytest.importorskip("numpy")
-    from fs_fedpa.protocol import paired_bootstrap
+    from fs_fedpa.study.stats import paired_bootstrap
 
     rng = np.random.default_rng(3)
     sizes = (40, 25, 60)
@@ -158,7 +158,7 @@ def test_the_bootstrap_matches_closed_forms():
 
 def test_the_paired_bootstrap_is_narrower_than_resampling_that_ignores_the_pairing():
     np = pytest.importorskip("numpy")
-    from fs_fedpa.protocol import paired_bootstrap
+    from fs_fedpa.study.stats import paired_bootstrap
 
     rng = np.random.default_rng(4)
     n = 300
@@ -177,16 +177,16 @@ def test_the_paired_bootstrap_is_narrower_than_resampling_that_ignores_the_pairi
 
 
 def test_the_bootstrap_refuses_mismatched_shapes():
-    from fs_fedpa.protocol import paired_bootstrap
+    from fs_fedpa.study.stats import paired_bootstrap
 
     with pytest.raises(ValueError, match="seeds, sentences"):
         paired_bootstrap([[1.0, 0.0]], [[1.0, 0.0, 1.0]], [0, 0])
 
 
 def test_the_seed_rule_simulation_against_an_independent_one():
-    stats = pytest.importorskip("scipy.stats")
+    scipy_stats = pytest.importorskip("scipy.stats")
     np = pytest.importorskip("numpy")
-    from fs_fedpa.protocol import seed_rule_exclusions
+    from fs_fedpa.study.stats import seed_rule_exclusions
 
     # one stage only (no more seeds): the t interval's own 5%
     rate, count = seed_rule_exclusions([0.01] * 4, more=0, sims=50_000, seed=1)
@@ -196,7 +196,7 @@ def test_the_seed_rule_simulation_against_an_independent_one():
     rng, hits, sims = np.random.default_rng(99), 0, 20_000
     for _ in range(sims):
         d = rng.normal(size=5)
-        hits += stats.ttest_1samp(d[:3], 0).pvalue < 0.05 or stats.ttest_1samp(d, 0).pvalue < 0.05
+        hits += scipy_stats.ttest_1samp(d[:3], 0).pvalue < 0.05 or scipy_stats.ttest_1samp(d, 0).pvalue < 0.05
     assert rate == pytest.approx(hits / sims, abs=0.006) and 0.075 < rate < 0.1
     assert seed_rule_exclusions([0.01] * 3, sims=1000, seed=5) == seed_rule_exclusions([0.01] * 3, sims=1000, seed=5)
 
@@ -229,8 +229,8 @@ def test_the_t_on_split_means_covers_at_the_stages_design(ratio):
     the split means covers μ at its nominal 95% (4,000 draws: Monte Carlo sd 0.0034), where the nested bootstrap it
     replaces covered 0.94, 0.84 and 0.78. The fixed-split interval, which covers only the splits at hand, falls
     short of it for the mean over splits as soon as splits differ: the check can fail an undercovering interval."""
-    assert _coverage(protocol.split_means_interval, 3, 3, ratio, 4000, seed=11) == pytest.approx(0.95, abs=0.012)
-    fixed = _coverage(protocol.fixed_split_interval, 3, 3, ratio, 4000, seed=12)
+    assert _coverage(stats.split_means_interval, 3, 3, ratio, 4000, seed=11) == pytest.approx(0.95, abs=0.012)
+    fixed = _coverage(stats.fixed_split_interval, 3, 3, ratio, 4000, seed=12)
     if ratio == 0.0:
         assert fixed == pytest.approx(0.95, abs=0.012)  # no split effect: the fixed model is right
     else:
@@ -244,7 +244,7 @@ def test_the_eight_split_design_covers_too():
     rng, hits, sims = np.random.default_rng(5), 0, 3000
     for _ in range(sims):
         d = {j: list(rng.standard_normal() + rng.standard_normal(3 if j < 3 else 2)) for j in range(8)}
-        row = protocol.split_means_interval(d)
+        row = stats.split_means_interval(d)
         hits += row["low"] <= 0.0 <= row["high"]
     assert hits / sims == pytest.approx(0.95, abs=0.015) and row["df"] == 7
 
@@ -254,13 +254,13 @@ def test_the_across_split_intervals_match_independent_computations():
     dummy per split, the mean of the split coefficients and its standard error from (X'X)^-1 and the residual
     variance."""
     import numpy as np
-    from scipy import stats
+    from scipy import stats as scipy_stats
 
     rng = np.random.default_rng(4)
     d = {j: list(0.01 + 0.02 * rng.standard_normal() + 0.01 * rng.standard_normal(n)) for j, n in enumerate((3, 2, 4))}
     means = [np.mean(v) for v in d.values()]
-    row = protocol.split_means_interval(d)
-    test = stats.ttest_1samp(means, 0.0)
+    row = stats.split_means_interval(d)
+    test = scipy_stats.ttest_1samp(means, 0.0)
     ci = test.confidence_interval(0.95)
     assert (row["low"], row["high"], row["p"]) == pytest.approx((ci.low, ci.high, test.pvalue), rel=1e-9)
 
@@ -271,32 +271,32 @@ def test_the_across_split_intervals_match_independent_computations():
     dof = len(y) - len(d)
     c = np.full(len(d), 1 / len(d))
     se = np.sqrt(rss[0] / dof * c @ np.linalg.inv(X.T @ X) @ c)
-    half = stats.t.ppf(0.975, dof) * se
-    fixed = protocol.fixed_split_interval(d)
+    half = scipy_stats.t.ppf(0.975, dof) * se
+    fixed = stats.fixed_split_interval(d)
     assert (fixed["mean"], fixed["low"], fixed["high"]) == pytest.approx((c @ beta, c @ beta - half, c @ beta + half))
-    assert fixed["p"] == pytest.approx(2 * stats.t.sf(abs(c @ beta) / se, dof))
+    assert fixed["p"] == pytest.approx(2 * scipy_stats.t.sf(abs(c @ beta) / se, dof))
 
 
 def test_the_split_variance_matches_a_one_way_anova_and_recovers_a_known_split_effect():
     import numpy as np
-    from scipy import stats
+    from scipy import stats as scipy_stats
 
     rng = np.random.default_rng(3)
     d = _synthetic(rng, k=3, n=3, mu=0.01, sd_split=0.02, sd_seed=0.01)
-    out = protocol.split_variance(d)
-    assert out["F"] == pytest.approx(stats.f_oneway(*d.values()).statistic)
+    out = stats.split_variance(d)
+    assert out["F"] == pytest.approx(scipy_stats.f_oneway(*d.values()).statistic)
     assert (out["df_between"], out["df_within"]) == (2, 6)
     assert out["ratio_low"] <= out["ratio_high"]
     # unbalanced splits: still f_oneway's F
     d[3] = [0.05, 0.04]
-    assert protocol.split_variance(d)["F"] == pytest.approx(stats.f_oneway(*d.values()).statistic)
+    assert stats.split_variance(d)["F"] == pytest.approx(scipy_stats.f_oneway(*d.values()).statistic)
     # many splits: the components come back
-    big = protocol.split_variance(_synthetic(rng, k=2000, n=3, mu=0.0, sd_split=1.0, sd_seed=0.5))
+    big = stats.split_variance(_synthetic(rng, k=2000, n=3, mu=0.0, sd_split=1.0, sd_seed=0.5))
     assert big["var_split"] == pytest.approx(1.0, rel=0.1) and big["var_seed"] == pytest.approx(0.25, rel=0.05)
     # the ratio interval covers the true ratio 4 about 95% of the time
     hits = 0
     for _ in range(400):
-        r = protocol.split_variance(_synthetic(rng, k=5, n=3, mu=0.0, sd_split=1.0, sd_seed=0.5))
+        r = stats.split_variance(_synthetic(rng, k=5, n=3, mu=0.0, sd_split=1.0, sd_seed=0.5))
         hits += r["ratio_low"] <= 4.0 <= r["ratio_high"]
     assert 0.90 <= hits / 400 <= 0.99
 
@@ -309,7 +309,7 @@ def test_the_split_variance_matches_a_one_way_anova_and_recovers_a_known_split_e
 )
 def test_the_split_variance_is_shift_invariant_and_scales_with_the_square(groups, shift, scale):
     d = dict(enumerate(groups))
-    base = protocol.split_variance(d)
-    moved = protocol.split_variance({j: [scale * x + shift for x in g] for j, g in d.items()})
+    base = stats.split_variance(d)
+    moved = stats.split_variance({j: [scale * x + shift for x in g] for j, g in d.items()})
     for key in ("var_split", "var_seed"):
         assert moved[key] == pytest.approx(scale**2 * base[key], rel=1e-6, abs=1e-9)

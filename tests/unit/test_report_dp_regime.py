@@ -8,9 +8,9 @@ import statistics
 
 import pytest
 
-from fs_fedpa import sst2_dp_regime as dr
-from fs_fedpa import sst2_protocol as sp
-from fs_fedpa.tools import sst2_dp_regime_report as rr
+from fs_fedpa.study import sst2_dp_regime as dr
+from fs_fedpa.study import sst2_protocol as sp
+from fs_fedpa.study import report_dp_regime as rr
 
 SELECTED = {"methods": {"fedpa": {"lam": 0.01}}}
 LEDGER = {"1": {"epsilon": 7.99, "delta": 1e-5, "noise_multiplier": 0.84, "steps": 120, "n": 3544, "b": 256},

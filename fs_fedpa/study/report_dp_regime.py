@@ -1,7 +1,7 @@
 """The SST-2 protocol report's ``dpregime`` section (issue 59), from the committed run files alone: the search
 (held-out score, macro-F1, each stepping client's z and the signal/noise bound b/(z√D)), the selected regime, the
 finals with ε in both conventions and their paired comparisons (Holm per family), the mechanism's diagnostics, and
-one figure, accuracy against b with and without DP. The design is :mod:`fs_fedpa.sst2_dp_regime`'s docstring."""
+one figure, accuracy against b with and without DP. The design is :mod:`fs_fedpa.study.sst2_dp_regime`'s docstring."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import math
 import statistics
 from pathlib import Path
 
-from fs_fedpa import sst2_dp_regime as dr
-from fs_fedpa import sst2_protocol as sp
-from fs_fedpa.tools.report_text import pm as _pm
-from fs_fedpa.tools.report_text import score as _score
-from fs_fedpa.tools.sst2_privacy_report import agreement, macro_f1, paired
+from fs_fedpa.study import sst2_dp_regime as dr
+from fs_fedpa.study import sst2_protocol as sp
+from fs_fedpa.study.report_text import pm as _pm
+from fs_fedpa.study.report_text import score as _score
+from fs_fedpa.study.report_privacy import agreement, macro_f1, paired
 
 FAMILIES = (
     ("FedPA-LoRA against each other method under DP, Holm over 3",
@@ -175,7 +175,7 @@ def dp_regime_section(results: dict, stages: list[tuple[str, list[sp.Run]]], rep
     if not a:
         return [*lines, "Not planned.", ""]
     lines += [
-        f"Declared before its runs in `fs_fedpa/sst2_dp_regime.py`: sample-level DP-SGD at ε = {dr.EPSILON:g} "
+        f"Declared before its runs in `fs_fedpa/study/sst2_dp_regime.py`: sample-level DP-SGD at ε = {dr.EPSILON:g} "
         f"(Poisson sampling, add/remove adjacency, PLD; δ = min(1e-5, 1/(10 n_i)); C = {dr.CLIP:g}), {dr.STEPS} noisy "
         f"steps a client, clients under {dr.MIN_RECORDS:,} sentences taking none; FedIT searched on the held-out "
         "split (score: the mean of the last two of four evaluations), then the finals on the dev set. D: the "
