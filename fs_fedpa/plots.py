@@ -3,7 +3,7 @@
 A run is ``{"cell", "seed", "rounds": {round: FS weighted-average metrics}, "diagnostics": [per-round record]}``;
 each figure shows the mean over seeds of every cell (a band for the spread where there are several seeds):
 
-- ``accuracy.png``: the metric vs round (``protocols.png`` for a chosen set of runs: both evaluation protocols);
+- ``accuracy.png``: the metric vs round;
 - ``mismatch.png``: E_agg, E_init(B) and E_init(A) vs round for one LoRA module (the paper's Figure 2), on log
   axes where an exact zero (FedPA's E_init) lies on the floor;
 - ``spectrum.png``: singular values of the aggregate sum_i w_i B_i A_i of that module, one curve per round;
@@ -11,8 +11,6 @@ each figure shows the mean over seeds of every cell (a band for the spread where
 - ``mechanism.png``: what explains a ranking, per round: the norm of the global update ||sum_i w_i Delta W_i||_F,
   the clients' own ||Delta W_i||_F, their drift from the reference they received (relative), and the ratio of the
   alignment term's gradient to the task loss's gradient at a round's last step (client fields: mean over clients);
-- ``verdict.png`` (:func:`plot_verdict`): the SST-2 protocol's paired intervals of FedPA-LoRA − baseline, one row
-  per setting and baseline, one panel per evaluation protocol.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never a display
@@ -32,14 +30,14 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path: Path) -> Path:
+def save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    _pyplot().close(fig)
+    pyplot().close(fig)
     return path
 
 
-def _legend(ax, **kwargs) -> None:
+def legend(ax, **kwargs) -> None:
     """A legend where the axes have labelled lines; an empty panel (no run recorded its field) gets none."""
     if ax.get_legend_handles_labels()[0]:
         ax.legend(**kwargs)
@@ -60,7 +58,7 @@ def mean_curve(series: Sequence[dict[int, float]]) -> tuple[list[int], list[floa
     return common, means, stds
 
 
-def _series(runs: Sequence[dict], key) -> list[dict[int, float]]:
+def cell_series(runs: Sequence[dict], key) -> list[dict[int, float]]:
     """Per run, ``round -> value`` of ``key(run, round)`` where it is a number."""
     out = []
     for run in runs:
@@ -72,15 +70,15 @@ def _series(runs: Sequence[dict], key) -> list[dict[int, float]]:
     return out
 
 
-def _metric(name: str):
+def metric_of(name: str):
     return lambda run: ((r, m.get(name)) for r, m in run["rounds"].items())
 
 
-def _diag(name: str):
+def diag_of(name: str):
     return lambda run: ((d["round"], d.get(name)) for d in run.get("diagnostics", []))
 
 
-def _integer_rounds(ax) -> None:
+def integer_rounds(ax) -> None:
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -101,7 +99,7 @@ def style(i: int) -> dict:
     }
 
 
-def _band(ax, rounds, means, stds, label, **style):
+def band(ax, rounds, means, stds, label, **style):
     (line,) = ax.plot(rounds, means, label=label, **style)
     if any(stds):
         low = [m - s for m, s in zip(means, stds)]
@@ -111,45 +109,27 @@ def _band(ax, rounds, means, stds, label, **style):
 
 
 def plot_accuracy(runs: Sequence[dict], metric: str, path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (cell, group) in enumerate(by_cell(runs).items()):
-        rounds, means, stds = mean_curve(_series(group, _metric(metric)))
+        rounds, means, stds = mean_curve(cell_series(group, metric_of(metric)))
         if rounds:
-            _band(ax, rounds, means, stds, cell, **style(i))
-    _integer_rounds(ax)
+            band(ax, rounds, means, stds, cell, **style(i))
+    integer_rounds(ax)
     ax.set(xlabel="round", ylabel=f"{metric} (paper protocol)", title=f"{metric} vs round (mean ± std over seeds)")
     ax.grid(alpha=0.3)
-    _legend(ax, fontsize=8, ncol=2)
-    return _save(fig, path)
-
-
-def plot_protocols(runs: Sequence[dict], metric: str, path: Path) -> Path:
-    """``metric`` vs round under both evaluation protocols, side by side: the paper protocol (``metric``) and the
-    clients' own factors (``local.<metric>``); mean ± std over seeds per cell."""
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for ax, (key, title) in zip(axes, ((metric, "paper protocol"), (f"local.{metric}", "own factors"))):
-        for i, (cell, group) in enumerate(by_cell(runs).items()):
-            rounds, means, stds = mean_curve(_series(group, _metric(key)))
-            if rounds:
-                _band(ax, rounds, means, stds, f"{cell} ({len(group)})", **style(i))
-        _integer_rounds(ax)
-        ax.set(xlabel="round", title=f"{key}: {title} (mean ± std over seeds)")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel(metric)
-    _legend(axes[0], fontsize=8)
-    return _save(fig, path)
+    legend(ax, fontsize=8, ncol=2)
+    return save(fig, path)
 
 
 def plot_mismatch(runs: Sequence[dict], path: Path) -> Path:
     """Figure 2: E_agg and E_init(B), E_init(A) of the probe module vs round; zeros drawn on the floor."""
-    plt = _pyplot()
+    plt = pyplot()
     panels = (("e_agg_probe", "E_agg (probe module)"), ("e_init_B", "E_init(B)"), ("e_init_A", "E_init(A)"))
     curves = {}
     for cell, group in by_cell(runs).items():
         for key, _ in panels:
-            curves[cell, key] = mean_curve(_series(group, _diag(key)))
+            curves[cell, key] = mean_curve(cell_series(group, diag_of(key)))
     positive = [v for rounds, means, _ in curves.values() for v in means if v > 0]
     floor = min(positive) / 10 if positive else 1e-8
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
@@ -159,21 +139,21 @@ def plot_mismatch(runs: Sequence[dict], path: Path) -> Path:
             if rounds:
                 ax.plot(rounds, [max(v, floor) for v in means], label=cell, **style(i))
         ax.set_yscale("log")
-        _integer_rounds(ax)
+        integer_rounds(ax)
         ax.axhline(floor, color="grey", linewidth=0.8, linestyle=":")
         ax.set(xlabel="round", title=title)
         ax.grid(alpha=0.3, which="both")
     axes[0].set_ylabel(f"mean over seeds; exact 0 drawn at the floor {floor:.1e}")
-    _legend(axes[-1], fontsize=8)
+    legend(axes[-1], fontsize=8)
     module = next((d["probe_module"] for r in runs for d in r.get("diagnostics", [])), "?")
     fig.suptitle(f"Aggregation and initialization mismatch, module {module}", fontsize=9)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_spectrum(runs: Sequence[dict], path: Path) -> Path:
     """Per cell whose server forms the aggregate's spectrum: singular values of the probe module by round
     (the cell's first seed)."""
-    plt = _pyplot()
+    plt = pyplot()
     cells = {
         cell: sorted(group, key=lambda r: r["seed"])[0]
         for cell, group in by_cell(runs).items()
@@ -189,31 +169,31 @@ def plot_spectrum(runs: Sequence[dict], path: Path) -> Path:
             ax.semilogy(range(1, len(s) + 1), s, color=cmap(i / max(len(diags) - 1, 1)), label=f"round {d['round']}")
         ax.set(xlabel="index j", ylabel="σ_j of Σ w_i B_i A_i", title=f"{cell} (seed {run['seed']})")
         ax.grid(alpha=0.3, which="both")
-        _legend(ax, fontsize=7)
+        legend(ax, fontsize=7)
     if not cells:
         axes[0].text(0.5, 0.5, "no run recorded a spectrum", ha="center", va="center")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def bytes_vs_metric(runs: Sequence[dict], metric: str) -> list[tuple[float, float]]:
     """``(MiB sent up to round t, metric after round t)`` for every evaluated round t, mean over ``runs``."""
-    acc_rounds, acc, _ = mean_curve(_series(runs, _metric(metric)))
-    byte_rounds, sent, _ = mean_curve(_series(runs, _diag("bytes_total")))
+    acc_rounds, acc, _ = mean_curve(cell_series(runs, metric_of(metric)))
+    byte_rounds, sent, _ = mean_curve(cell_series(runs, diag_of("bytes_total")))
     by_round = dict(zip(byte_rounds, sent))  # evaluated rounds may be a subset of the aggregated ones
     return [(by_round[r] / 2**20, a) for r, a in zip(acc_rounds, acc) if r in by_round]
 
 
 def plot_bytes(runs: Sequence[dict], metric: str, path: Path) -> Path:
     """The metric after each round vs the cumulative uplink + downlink bytes up to that round."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (cell, group) in enumerate(by_cell(runs).items()):
         if points := bytes_vs_metric(group, metric):
             ax.plot(*zip(*points), label=cell, **style(i))
     ax.set(xlabel="cumulative uplink + downlink (MiB)", ylabel=metric, title=f"{metric} vs communication")
     ax.grid(alpha=0.3)
-    _legend(ax, fontsize=8, ncol=2)
-    return _save(fig, path)
+    legend(ax, fontsize=8, ncol=2)
+    return save(fig, path)
 
 
 MECHANISM = (
@@ -227,107 +207,21 @@ MECHANISM = (
 def plot_mechanism(runs: Sequence[dict], path: Path) -> Path:
     """The diagnostics that explain a result, per round, on log axes (mean over seeds; cells without a field are
     left out of its panel, e.g. methods without an alignment term in the gradient-ratio panel)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(MECHANISM), figsize=(4.6 * len(MECHANISM), 4.2))
     for ax, (key, title) in zip(axes, MECHANISM):
         for i, (cell, group) in enumerate(by_cell(runs).items()):
-            rounds, means, stds = mean_curve(_series(group, _diag(key)))
+            rounds, means, stds = mean_curve(cell_series(group, diag_of(key)))
             if rounds and any(m > 0 for m in means):
-                _band(ax, rounds, means, stds, cell, **style(i))
+                band(ax, rounds, means, stds, cell, **style(i))
         ax.set_yscale("log")
-        _integer_rounds(ax)
+        integer_rounds(ax)
         ax.set(xlabel="round", title=title)
         ax.title.set_fontsize(9)
         ax.grid(alpha=0.3, which="both")
-    _legend(axes[0], fontsize=7)
+    legend(axes[0], fontsize=7)
     fig.suptitle("Mechanism: update sizes, drift from the reference, and the pull of the alignment term", fontsize=9)
-    return _save(fig, path)
-
-
-def stale_drift(run: dict) -> tuple[list[tuple[float, float]], bool]:
-    """A run's ``(staleness, drift_start)`` points and whether they are per client: its ``stale_drift`` pairs
-    (every returning client of every round) or, for a run recorded before those were kept, one point per round
-    from the round means."""
-    diagnostics = run.get("diagnostics", [])
-    pairs = [tuple(p) for d in diagnostics for p in d.get("stale_drift", [])]
-    if pairs:
-        return pairs, True
-    means = [(d["staleness_mean"], d["drift_start_mean"]) for d in diagnostics
-             if d.get("staleness_mean") is not None and d.get("drift_start_mean") is not None]  # fmt: skip
-    return means, False
-
-
-def plot_staleness(runs: Sequence[dict], path: Path) -> Path:
-    """Partial participation: a returning client's drift from the reference at its round's start,
-    ``||s_i B_i A_i - X_g,i||_F``, against the rounds it sat out; one colour per cell, all seeds. Filled: one point
-    per client and round; hollow: round means (runs recorded before the per-client pairs were kept)."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, (cell, group) in enumerate(by_cell(runs).items()):
-        for kind in (True, False):
-            points = []
-            for run in group:
-                found, per_client = stale_drift(run)
-                points += found if per_client == kind else []
-            if points:
-                color = COLORS[i % len(COLORS)]
-                face = color if kind else "none"
-                label = cell + ("" if kind else " (round means)")
-                ax.scatter(*zip(*points), s=10 if kind else 18, facecolors=face, edgecolors=color, alpha=0.6,
-                           marker=MARKERS[i % len(MARKERS)], label=label)  # fmt: skip
-    ax.set(xlabel="rounds since the client last trained", ylabel="drift at round start ‖s_i B_i A_i − X_g,i‖_F",
-           title="Does a preserved factor that sat out drift from the reference?", yscale="log")  # fmt: skip
-    ax.grid(alpha=0.3)
-    _legend(ax, fontsize=8)
-    return _save(fig, path)
-
-
-VERDICT_COLOURS = {"wins": "#1a9850", "loses": "#d73027", "ties": "#808080"}
-
-
-def plot_verdict(rows: Sequence[dict], path: Path) -> Path:
-    """One horizontal interval per row (``{"setting", "against", "val_acc": row, "local.val_acc": row}``, each row
-    ``{"mean", "low", "high", "verdict", "holm"}`` as fractions), in points; a panel per protocol, zero drawn,
-    coloured by the raw verdict, the dot filled where the Holm label is not a tie; settings separated and named."""
-    plt = _pyplot()
-    panels = (("val_acc", "paper protocol (global adapter + local head)"), ("local.val_acc", "own factors"))
-    firsts = [i for i, row in enumerate(rows) if i == 0 or row["setting"] != rows[i - 1]["setting"]]
-    ys, y, edges = [], 0.0, []
-    for i in range(len(rows)):
-        if i and i in firsts:  # a gap and a rule between settings
-            y += 0.8
-            edges.append(y - 0.9)
-        ys.append(y)
-        y += 1
-    height = 1.2 + 0.24 * y
-    fig, axes = plt.subplots(1, 2, figsize=(12, height), sharey=True)
-    for ax, (metric, title) in zip(axes, panels):
-        for yi, row in zip(ys, rows):
-            r = row.get(metric)
-            if r is None:
-                continue
-            colour = VERDICT_COLOURS[r["verdict"]]
-            ax.plot([100 * r["low"], 100 * r["high"]], [yi, yi], color=colour, lw=2)
-            filled = r["holm"] != "ties"  # every row carries its family's Holm label (sst2_protocol.with_holm)
-            ax.plot(100 * r["mean"], yi, "o", color=colour, mfc=colour if filled else "white", ms=6)
-        ax.axvline(0, color="black", lw=0.8)
-        for edge in edges:
-            ax.axhline(edge, color="#cccccc", lw=0.6)
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("accuracy points")
-        ax.grid(axis="x", alpha=0.3)
-    axes[0].set_yticks(ys)
-    axes[0].set_yticklabels([str(row["against"]) for row in rows], fontsize=8)
-    axes[0].invert_yaxis()
-    for i in firsts:
-        axes[1].annotate(rows[i]["setting"], xy=(1.02, ys[i]), xycoords=("axes fraction", "data"), fontsize=8,
-                         va="center", ha="left", fontweight="bold")  # fmt: skip
-    fig.suptitle("FedPA-LoRA − baseline, 95% interval: wins (green), ties (grey), loses (red); filled: survives Holm",
-                 fontsize=11)  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def plot_all(runs: Sequence[dict], metric: str, out: Path) -> list[Path]:

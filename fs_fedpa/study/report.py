@@ -315,7 +315,7 @@ def long_section(results: dict, report: Path) -> list[str]:
     if not runs:
         return [title, "", "Not run yet.", ""]
     try:
-        from fs_fedpa.plots import plot_protocols
+        from fs_fedpa.study.plots import plot_protocols
 
         plot_protocols(runs, "val_acc", folder / "curves.png")
     except ImportError:  # matplotlib is an extra
@@ -446,7 +446,7 @@ def partial_section(results: dict, report: Path) -> list[str]:
     if not runs:
         return [title, "", "Not run yet.", ""]
     try:
-        from fs_fedpa.plots import plot_protocols, plot_staleness
+        from fs_fedpa.study.plots import plot_protocols, plot_staleness
 
         plot_protocols(runs, "val_acc", folder / "curves.png")
         plot_staleness(runs, folder / "staleness.png")
@@ -513,7 +513,7 @@ def _partial_pairs(results: dict, n_seeds: int) -> list[str]:
 
 def _staleness_table(runs: list[dict]) -> list[str]:
     """Mean drift at round start per staleness bin and arm, over every returning client of every round and seed."""
-    from fs_fedpa.plots import stale_drift
+    from fs_fedpa.study.plots import stale_drift
 
     bins = list(zip(STALENESS_EDGES, (*STALENESS_EDGES[1:], None)))
     head = " | ".join(f"staleness [{low}, {high or '∞'})" for low, high in bins)
@@ -682,7 +682,7 @@ def verdict_figure(results: dict, report: Path) -> list[str]:
     if not rows:
         return []
     try:
-        from fs_fedpa.plots import plot_verdict
+        from fs_fedpa.study.plots import plot_verdict
 
         plot_verdict(rows, report / "verdict.png")
     except ImportError:  # matplotlib is an extra

@@ -141,9 +141,9 @@ def figure(results: dict, report: Path) -> list[str]:
     search = [r for k, r in results.items() if k.startswith(f"{dr.STAGE}/search_")]
     if not search:
         return []
-    from fs_fedpa.plots import _pyplot, _save
+    from fs_fedpa.plots import pyplot, save
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for head, marker in (("local", "o"), ("federated", "s")):
         points = [(int(_o(r["opts"])["dataloader.batch_size"]), sp.score(r)) for r in search
@@ -164,7 +164,7 @@ def figure(results: dict, report: Path) -> list[str]:
     ax.legend(fontsize=7)
     folder = report / dr.STAGE
     folder.mkdir(parents=True, exist_ok=True)
-    path = _save(fig, folder / "accuracy_vs_b.png")
+    path = save(fig, folder / "accuracy_vs_b.png")
     return [f"![accuracy against b]({dr.STAGE}/{path.name})", ""]
 
 

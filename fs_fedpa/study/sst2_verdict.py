@@ -9,7 +9,7 @@
   models against each other, fixed pairs by seed across the two evaluation protocols;
 - :func:`family_rows`: a stage table's rows against their references, one Holm family;
 - :func:`verdict_rows`: one row per setting and baseline, FedPA-LoRA − baseline under both protocols with its Holm
-  label, for ``verdict.png`` (:func:`fs_fedpa.plots.plot_verdict`).
+  label, for ``verdict.png`` (:func:`fs_fedpa.study.plots.plot_verdict`).
 
 Holm's correction is applied to one family per table and protocol: every comparison of that table made under that
 protocol; a table whose comparisons cross the protocols (the deployment table, the across-split comparisons) is one

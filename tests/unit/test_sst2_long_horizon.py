@@ -117,7 +117,7 @@ def _results_with_long_runs(p_arm: float) -> dict:
 
 
 def test_the_long_horizon_section_states_endpoints_both_intervals_and_the_reproduction(tmp_path, monkeypatch):
-    from fs_fedpa import plots
+    from fs_fedpa.study import plots
     from fs_fedpa.study.report import long_section
 
     monkeypatch.setattr(plots, "plot_protocols", lambda *args: None)  # the figures are test_plots.py's
@@ -144,7 +144,7 @@ def test_the_long_horizon_section_states_endpoints_both_intervals_and_the_reprod
 
 
 def test_the_bootstrap_refuses_arms_whose_dev_shards_differ(tmp_path, monkeypatch):
-    from fs_fedpa import plots
+    from fs_fedpa.study import plots
     from fs_fedpa.study.report import long_section
 
     monkeypatch.setattr(plots, "plot_protocols", lambda *args: None)

@@ -553,7 +553,7 @@ def test_every_run_of_the_plan_belongs_to_a_named_stage():
 def test_the_partial_participation_section_pairs_each_fedpa_arm_with_each_baseline_and_bins_drift_by_staleness(
     tmp_path, monkeypatch
 ):
-    from fs_fedpa import plots
+    from fs_fedpa.study import plots
     from fs_fedpa.study.report import write_report
 
     monkeypatch.setattr(plots, "plot_protocols", lambda *args: None)  # the figures are test_plots.py's

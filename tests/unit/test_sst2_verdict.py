@@ -101,7 +101,7 @@ def test_the_verdict_figure_draws_a_raw_win_that_fails_holm_hollow(tmp_path, mon
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from fs_fedpa import plots
+    from fs_fedpa.study import plots
 
     rows = sv.verdict_rows(_splits_results({12345: 0.015, 1: 0.03, 2: 0.02}))
     (row,) = [r for r in rows if r["setting"].startswith("β = 0.1 across client splits")]
@@ -125,7 +125,7 @@ def test_a_row_that_survives_holm_is_filled(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from fs_fedpa import plots
+    from fs_fedpa.study import plots
 
     rows = sv.verdict_rows(_splits_results({12345: 0.020, 1: 0.021, 2: 0.022}))
     (row,) = [r for r in rows if r["setting"].startswith("β = 0.1 across client splits")]
