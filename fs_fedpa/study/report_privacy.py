@@ -4,7 +4,8 @@
 selection, and the final runs: each cell's accuracy and ε, each DP method against FedIT under DP (paired by seed,
 Holm over the three, per protocol) and each against itself without DP (a second table, Holm over its four). (b)
 Client-level DP in the partial setting: each method without and with DP on one seed, its clip and the noise per
-entry. The design is fixed in :mod:`fs_fedpa.study.sst2_protocol` above :func:`~fs_fedpa.study.sst2_protocol.privacy_runs`.
+entry. The design is fixed in :mod:`fs_fedpa.study.sst2_protocol` above
+:func:`~fs_fedpa.study.sst2_protocol.privacy_runs`.
 """
 
 from __future__ import annotations

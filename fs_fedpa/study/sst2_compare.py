@@ -223,8 +223,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plan(results: dict, report: Path) -> list[tuple[str, list[Run]]]:
-    """The protocol's stages as far as the committed results decide them (:func:`fs_fedpa.study.sst2_protocol.plan`), then
-    the ``dpregime`` stage's parts (:mod:`fs_fedpa.study.sst2_dp_regime`) once the main selection exists."""
+    """The protocol's stages as far as the committed results decide them (:func:`fs_fedpa.study.sst2_protocol.plan`),
+    then the ``dpregime`` stage's parts (:mod:`fs_fedpa.study.sst2_dp_regime`) once the main selection exists."""
     stages = sp.plan(results, report)
     selected = report / "selected.json"
     if any(part.startswith("privacy") for part, _ in stages) and selected.is_file():
@@ -233,8 +233,9 @@ def plan(results: dict, report: Path) -> list[tuple[str, list[Run]]]:
 
 
 def minutes_left(runs: list[Run], results: dict) -> float:
-    """The machine minutes the runs without a result will take: by rounds (:func:`fs_fedpa.study.sst2_protocol.minutes_left`),
-    the ``dpregime`` stage's by the records they train on (:func:`fs_fedpa.study.sst2_dp_regime.minutes`)."""
+    """The machine minutes the runs without a result will take: by rounds
+    (:func:`fs_fedpa.study.sst2_protocol.minutes_left`), the ``dpregime`` stage's by the records they train on
+    (:func:`fs_fedpa.study.sst2_dp_regime.minutes`)."""
     regime = [r for r in runs if r.stage == sst2_dp_regime.STAGE]
     return sp.minutes_left([r for r in runs if r.stage != sst2_dp_regime.STAGE], results) + sst2_dp_regime.minutes(
         regime, results
@@ -309,7 +310,8 @@ def print_plan(stages: list[tuple[str, list[Run]]], results: dict, scoped: bool 
     if any(r.stage == sst2_dp_regime.STAGE for _, runs in stages for r in runs):
         low, high = sst2_dp_regime.stage_hours()
         print(f"  dp regime, the whole stage before any run: {low:.0f}-{high:.0f} CPU-h here, as the search selects "
-              "(priced by records from the measured step cost, fs_fedpa/study/sst2_dp_regime.py)", flush=True)  # fmt: skip
+              "(priced by records from the measured step cost, fs_fedpa/study/sst2_dp_regime.py)",
+              flush=True)  # fmt: skip
     if scoped and not stages:
         print("[sst2_compare] no run of the stages known now matches --stage/--cell: nothing to run (a cell is a "
               "run's name without its seed, e.g. fedpa_dp or partial30_fedit)", flush=True)  # fmt: skip

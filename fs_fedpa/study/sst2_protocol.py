@@ -28,8 +28,9 @@ alpha = 8, local heads, 10 local steps of 16 sentences):
    (:func:`split_seeds`, :func:`split_training_seeds`).
 9. ``privacy``: what differential privacy costs (:data:`PRIVACY_METHODS` under DP-SGD in the main cell, tuned on
    the held-out split; the client-level mechanism in the partial setting), see the block above :func:`privacy_runs`.
-10. ``dpregime``: a regime where sample-level DP-SGD learns, and the methods there (:mod:`fs_fedpa.study.sst2_dp_regime`,
-    which builds on this module; the runner appends its parts to :func:`plan`'s and prices them).
+10. ``dpregime``: a regime where sample-level DP-SGD learns, and the methods there
+    (:mod:`fs_fedpa.study.sst2_dp_regime`, which builds on this module; the runner appends its parts to :func:`plan`'s
+    and prices them).
 
 Every finished run is reduced to one small JSON file in ``--report/runs/<stage>/`` (curves and diagnostics; no
 checkpoints), which is committed: a stopped grid continues where it stopped, on this machine or another. FS's own
@@ -308,8 +309,8 @@ SPLITS_ARMS, SPLITS_BETAS = ("fedpa", "fedit"), (0.5, 0.1)  # 0.5: the main cell
 # (7 df; fs_fedpa.study.stats.split_means_interval), which generalises to new splits. With it, in one Holm family, the
 # same at beta = 0.1 on the own factors, the two at beta = 0.5 (three splits), and at beta = 0.1 the deployment
 # comparison (FedPA-LoRA's own adapter − FedIT's global adapter with the local head): five comparisons
-# (fs_fedpa.study.sst2_verdict.ACROSS_SPLITS). The fixed-split interval is reported beside each, labelled as covering only
-# these splits.
+# (fs_fedpa.study.sst2_verdict.ACROSS_SPLITS). The fixed-split interval is reported beside each, labelled as covering
+# only these splits.
 MORE_SPLITS, MORE_SPLITS_BETA, MORE_SPLITS_SEEDS = (3, 4, 5, 6, 7), 0.1, (0, 1)
 
 

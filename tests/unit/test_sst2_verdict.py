@@ -1,4 +1,4 @@
-"""The verdict across settings (fs_fedpa.study.sst2_verdict) against direct computations from the committed run files."""
+"""The verdict across settings (fs_fedpa.study.sst2_verdict) against direct computations from the committed runs."""
 
 from __future__ import annotations
 
