@@ -201,7 +201,7 @@ def test_the_report_states_a_verdict_per_baseline_from_the_committed_runs(tmp_pa
 
 
 def test_the_report_sets_each_cells_accuracy_beside_its_last_rounds_mechanism():
-    from fs_fedpa.study.report import mechanism_section
+    from fs_fedpa.study.report_tuning import mechanism_section
 
     selected = {"T": 4, "methods": {m: {"method": m, "optimizer": "AdamW", "lr": 2e-3, "lam": None} for m in sp.MAIN}}
     cells = {"fedpa": (0.80, 3.0, 6.0), "fedit": (0.90, 9.0, 10.0), "fedsa_lora": (0.85, 0.0, 20.0)}
@@ -224,7 +224,7 @@ def test_the_report_sets_each_cells_accuracy_beside_its_last_rounds_mechanism():
 
 
 def test_the_mechanism_table_takes_the_heavy_tailed_gradient_ratio_as_a_median_over_seeds():
-    from fs_fedpa.study.report import mechanism_section
+    from fs_fedpa.study.report_tuning import mechanism_section
 
     selected = {"T": 4, "methods": {m: {"method": m, "optimizer": "AdamW", "lr": 2e-3, "lam": 0.01} for m in sp.MAIN}}
     results = {}
@@ -297,7 +297,7 @@ def test_dp_sgd_runs_are_priced_by_their_own_rounds():
 
 
 def test_the_lambda_table_shows_fedpas_sweep_at_the_pilot_rate_beside_fedit_and_local_training():
-    from fs_fedpa.study.report import lambda_section
+    from fs_fedpa.study.report_tuning import lambda_section
 
     runs = sp.tune_runs(4, 0.1)
     results = {}
@@ -320,7 +320,7 @@ def test_the_lambda_table_shows_fedpas_sweep_at_the_pilot_rate_beside_fedit_and_
 
 
 def test_selections_at_the_grids_top_are_checked_one_step_above_without_changing_the_selection(tmp_path):
-    from fs_fedpa.study.report import edge_section
+    from fs_fedpa.study.report_tuning import edge_section
 
     results: dict = {}
     pilot = sp.pilot_run()
