@@ -1,6 +1,6 @@
 """The ``fedpa:`` config section: one validated dataclass, from which the FS node, its check and the docs derive.
 
-No FederatedScope and no torch here: ``fs_fedpa.plugin.config`` turns :class:`FedPAConfig` into an FS
+No FederatedScope and no torch here: ``fs_fedpa.plugin.config_fs`` turns :class:`FedPAConfig` into an FS
 ``CN`` node, and ``docs/config.md`` is checked against :func:`describe` by the tests.
 """
 

@@ -1,6 +1,6 @@
 """Federated LoRA state out as standard PEFT adapters, and back in. No FederatedScope here.
 
-An export directory (written by :mod:`fs_fedpa.plugin.export`; docs/export.md):
+An export directory (written by :mod:`fs_fedpa.plugin.export_fs`; docs/export.md):
 
 - ``global/``: the global adapter, a PEFT LoRA directory at rank R_g (Ravan's ``H r_h``; FLoRA's merged stack at its
   numerical rank), or a merged model (``model.safetensors``) for FedEx-LoRA, whose dense residual has no low-rank form;

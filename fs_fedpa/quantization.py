@@ -17,7 +17,7 @@ float8, no NF4.
 ``prepare_model_for_kbit_training`` is not applied: what it would cast to float32 loads in float32 already, and the
 gradient checkpointing it turns on trades step time for activation memory whatever the base's precision.
 
-No FederatedScope here: ``fs_fedpa.plugin.quantization`` checks the key and builds FS's models with it.
+No FederatedScope here: ``fs_fedpa.plugin.quantization_fs`` checks the key and builds FS's models with it.
 """
 
 from __future__ import annotations

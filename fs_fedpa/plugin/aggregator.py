@@ -26,7 +26,7 @@ from fs_fedpa.plugin.intake import (
 from fs_fedpa.plugin.payload import (
     nbytes,
 )
-from fs_fedpa.plugin.round_records import new_record, private_record, round_record
+from fs_fedpa.plugin.record_fs import new_record, private_record, round_record
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 

@@ -9,8 +9,8 @@ and are converted only at download, upload and when loaded into the model.
 
 This module holds entering and leaving a round; each other concern is a mixin in a module of its name:
 :mod:`~fs_fedpa.plugin.liveness` (the watchdog), :mod:`~fs_fedpa.plugin.client_state` (parking between messages),
-:mod:`~fs_fedpa.plugin.resume_points`, :mod:`~fs_fedpa.plugin.alignment` (the training term, adaptive lam),
-:mod:`~fs_fedpa.plugin.evaluation` (both protocols, outcomes) and :mod:`~fs_fedpa.plugin.round_records`.
+:mod:`~fs_fedpa.plugin.resume_fs`, :mod:`~fs_fedpa.plugin.alignment` (the training term, adaptive lam),
+:mod:`~fs_fedpa.plugin.evaluation` (both protocols, outcomes) and :mod:`~fs_fedpa.plugin.record_fs`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from torch import Tensor
 from fs_fedpa import lora
 from fs_fedpa.core.diagnostics import GradientSplit
 from fs_fedpa.core.ranks import truncate_factors
-from fs_fedpa.plugin import auth, fs_patches, resume
+from fs_fedpa import resume
+from fs_fedpa.plugin import auth, fs_patches
 from fs_fedpa.plugin.alignment import ClientAlignment
 from fs_fedpa.plugin.client_state import ClientState, state_store
 from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainables, share_equal
@@ -39,8 +40,8 @@ from fs_fedpa.plugin.liveness import ClientLiveness
 from fs_fedpa.plugin.messages import reply_problem
 from fs_fedpa.plugin.payload import decode_factors, decode_merge, decode_tensors, encode_parts, encode_tensors
 from fs_fedpa.plugin.privacy import ClientPrivacy
-from fs_fedpa.plugin.resume_points import ClientResume
-from fs_fedpa.plugin.round_records import ClientDiagnostics
+from fs_fedpa.plugin.resume_fs import ClientResume
+from fs_fedpa.plugin.record_fs import ClientDiagnostics
 from fs_fedpa.plugin.schedule import RunSchedule
 from fs_fedpa.plugin.trainer import install_alignment_hook
 
@@ -309,8 +310,8 @@ class FedPAClient(
 
     def _export(self, state: dict) -> None:
         """This client's head (and with ``fedpa.export_clients`` its own models) into ``fedpa.export_dir``, with its
-        manifest entry ``export_client_<id>.json`` (:mod:`fs_fedpa.plugin.export`)."""
-        from fs_fedpa.plugin.export import Exporter
+        manifest entry ``export_client_<id>.json`` (:mod:`fs_fedpa.plugin.export_fs`)."""
+        from fs_fedpa.plugin.export_fs import Exporter
 
         out = self.method.cfg.export_dir
         exporter = Exporter(self._cfg, self.model, self.method, out, force=True)

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from fs_fedpa.core.ranks import RankPlan
 from fs_fedpa.lora import lora_layers
 from fs_fedpa.methods import FederatedMethod, get_method
-from fs_fedpa.plugin.config import fedpa_config
+from fs_fedpa.plugin.config_fs import fedpa_config
 
 
 def build_method(cfg, model: nn.Module) -> FederatedMethod:

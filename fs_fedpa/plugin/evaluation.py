@@ -15,7 +15,7 @@ from torch import Tensor
 
 from fs_fedpa import lora
 from fs_fedpa.core.instance import instance_weights, representation
-from fs_fedpa.plugin import resume
+from fs_fedpa import resume
 from fs_fedpa.plugin.common import (
     without_empty_splits,
 )

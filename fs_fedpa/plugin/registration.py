@@ -8,8 +8,8 @@ registers into an FS dict while FS iterates it.
 
 from __future__ import annotations
 
-from fs_fedpa.plugin import quantization, seqcls
-from fs_fedpa.plugin.config import PLUGIN_METHODS, extend_fedpa_cfg
+from fs_fedpa.plugin import quantization_fs, seqcls
+from fs_fedpa.plugin.config_fs import PLUGIN_METHODS, extend_fedpa_cfg
 
 _done = False
 
@@ -27,11 +27,11 @@ def _worker(method: str):
 REGISTRY = (
     ("config", "fedpa", extend_fedpa_cfg),
     ("config", "fedpa_seqcls", seqcls.extend_seqcls_cfg),
-    ("config", "fedpa_quantization", quantization.extend_quantization_cfg),
+    ("config", "fedpa_quantization", quantization_fs.extend_quantization_cfg),
     ("worker", "fedpa", _worker),
     ("data", "fedpa_glue", seqcls.load_glue_data),
     ("model", "fedpa_seqcls", seqcls.build_seqcls_model),
-    ("model", "fedpa_quantized_llm", quantization.build_quantized_llm),
+    ("model", "fedpa_quantized_llm", quantization_fs.build_quantized_llm),
     ("trainer", "fedpa_seqcls", seqcls.seqcls_trainer),
     *(("metric", f"fedpa_{name}", fn) for name, fn in seqcls.METRICS),
 )

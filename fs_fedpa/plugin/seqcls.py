@@ -7,7 +7,7 @@ Stock FS-LLM hosts causal LMs only. This module registers what a GLUE run needs:
   evaluation split ``val`` and follows each client's train label distribution;
 - model ``<hub name or path>@seqcls_llm``: ``AutoModelForSequenceClassification`` + PEFT LoRA from
   ``model.seqcls.*`` (FS hands model builders only ``cfg.model``), wrapped in FS-LLM's ``AdapterModel``; its base
-  quantized with ``fedpa.base_quantization`` (:mod:`fs_fedpa.plugin.quantization`);
+  quantized with ``fedpa.base_quantization`` (:mod:`fs_fedpa.plugin.quantization_fs`);
 - trainer ``seqcls``: FS's ``GeneralTorchTrainer`` with a forward for dict batches, so FS's metrics
   (``eval.metrics``) apply, plus the GLUE metrics ``mcc``, ``f1_binary``, ``pearson`` and ``spearman``.
 """
@@ -226,7 +226,7 @@ def build_seqcls_model(model_config, input_shape=None):
     from transformers import AutoModelForSequenceClassification
 
     from fs_fedpa import quantization
-    from fs_fedpa.plugin.quantization import in_effect
+    from fs_fedpa.plugin.quantization_fs import in_effect
 
     s = model_config.seqcls
     if s.num_labels <= 0:

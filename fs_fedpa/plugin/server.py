@@ -6,7 +6,7 @@ downlink and what a round installs; the other concerns are mixins or collaborato
 :mod:`~fs_fedpa.plugin.inbox` (what comes in, checked and authenticated), :mod:`~fs_fedpa.plugin.liveness` (the
 round watchdog), :mod:`~fs_fedpa.plugin.aggregator` (FS has no aggregator registry, so the server installs
 :class:`FedPAAggregator` itself, in ``self.aggregator`` for saving and ``self.aggregators[0]`` for aggregation),
-:mod:`~fs_fedpa.plugin.round_records` and :mod:`~fs_fedpa.plugin.resume_points`.
+:mod:`~fs_fedpa.plugin.record_fs` and :mod:`~fs_fedpa.plugin.resume_fs`.
 """
 
 from __future__ import annotations
@@ -24,16 +24,17 @@ from torch import Tensor
 
 from fs_fedpa import lora
 from fs_fedpa.methods.base import FederatedMethod
-from fs_fedpa.plugin import auth, resume
+from fs_fedpa import resume
+from fs_fedpa.plugin import auth
 from fs_fedpa.plugin.aggregator import FedPAAggregator
 from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainables
-from fs_fedpa.plugin.export import check_export_dir
+from fs_fedpa.plugin.export_fs import check_export_dir
 from fs_fedpa.plugin.inbox import ServerInbox
 from fs_fedpa.plugin.liveness import ServerLiveness
 from fs_fedpa.plugin.payload import encode_factors, encode_merge, encode_tensors, nbytes
 from fs_fedpa.plugin.privacy import ServerPrivacy
-from fs_fedpa.plugin.resume_points import ServerResume, check_resume_file
-from fs_fedpa.plugin.round_records import ServerRecords
+from fs_fedpa.plugin.resume_fs import ServerResume, check_resume_file
+from fs_fedpa.plugin.record_fs import ServerRecords
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
@@ -111,8 +112,8 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, ServerRecords, Serv
             logger.info(self.privacy.summary())
 
     def export(self, out: str) -> None:
-        """The global adapter, the shared tensors and the manifest into ``out`` (:mod:`fs_fedpa.plugin.export`)."""
-        from fs_fedpa.plugin.export import Exporter, run_info
+        """The global adapter, the shared tensors and the manifest into ``out`` (:mod:`fs_fedpa.plugin.export_fs`)."""
+        from fs_fedpa.plugin.export_fs import Exporter, run_info
 
         exporter = Exporter(self._cfg, self.model, self.method, out, force=True)
         params = dict(self.model.named_parameters())

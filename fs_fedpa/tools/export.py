@@ -16,7 +16,7 @@ from pathlib import Path
 
 def config_file(run: Path, cfg: str | None) -> Path | None:
     """The config the export will read: ``RUN/config.yaml``, that of the one run folder inside FS's outdir, or
-    ``--cfg`` for a checkpoint; None where :func:`fs_fedpa.plugin.export_run.run_files` refuses the run itself."""
+    ``--cfg`` for a checkpoint; None where :func:`fs_fedpa.plugin.export_run_fs.run_files` refuses the run itself."""
     if run.is_dir():
         found = [run / "config.yaml"] if (run / "config.yaml").is_file() else sorted(run.glob("*/config.yaml"))
         return found[0] if len(found) == 1 else None
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("federatedscope.core.configs").setLevel(logging.ERROR)  # nor FS's remarks on the run's devices
 
     from fs_fedpa.export import manifest
-    from fs_fedpa.plugin.export_run import export_run
+    from fs_fedpa.plugin.export_run_fs import export_run
 
     try:
         if cfg is not None and (refusal := config_refusal(cfg)):

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def show_export(outdir: Path) -> int:
     """Export the run's adapters (PEFT directories) into ``<outdir>/export`` and print how to load them."""
-    from fs_fedpa.plugin.export_run import export_run
+    from fs_fedpa.plugin.export_run_fs import export_run
 
     try:
         out = export_run(outdir, outdir / "export", clients=True)

@@ -79,7 +79,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
     from fs_fedpa import lora
     from fs_fedpa.plugin import aggregator as aggregator_mod
     from fs_fedpa.plugin import client as client_mod
-    from fs_fedpa.plugin import round_records as records_mod
+    from fs_fedpa.plugin import record_fs as records_mod
     from fs_fedpa.plugin.payload import decode_factors, decode_parts
     from tests.integration.fault_cases import corrupt
 

@@ -374,7 +374,7 @@ def test_an_export_dir_that_is_a_file_or_not_empty_is_refused_before_the_first_r
 
 def test_check_scaling_compares_every_module_with_what_the_config_builds(tmp_path):
     from fs_fedpa.lora import Scaling
-    from fs_fedpa.plugin.export_run import check_scaling
+    from fs_fedpa.plugin.export_run_fs import check_scaling
 
     now = Scaling({"q": 8.0, "v": 8.0}, {"q": False, "v": False})
     check_scaling(None, now, tmp_path / "old.pt")  # an fs_fedpa that recorded none

@@ -285,7 +285,7 @@ def test_server_side_evaluation_uses_the_global_adapter(tiny_llm, tmp_path):
 def test_every_yaml_config_loads_into_fs_with_the_plugin():
     from federatedscope.core.configs.config import global_cfg
 
-    from fs_fedpa.plugin.config import PLUGIN_METHODS
+    from fs_fedpa.plugin.config_fs import PLUGIN_METHODS
 
     configs = sorted((Path(__file__).resolve().parents[2] / "yaml_configs").rglob("*.yaml"))
     assert len(configs) > 90

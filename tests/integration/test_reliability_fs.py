@@ -352,7 +352,7 @@ runpy.run_module("federatedscope.main", run_name="__main__", alter_sys=True)
 
 
 def test_a_full_disk_while_writing_a_resume_point_names_the_file_and_keeps_the_earlier_one(tiny_llm, tmp_path):
-    from fs_fedpa.plugin import resume
+    from fs_fedpa import resume
 
     # Prepare: 3 rounds with resume points; the disk is full (ENOSPC) when the one of round 2 is written
     save_to = tmp_path / "ckpt" / "run.pt"

@@ -105,7 +105,7 @@ def test_config_gaps_fail_with_their_message():
 def test_a_fedpa_section_under_another_method_is_named_in_one_warning(monkeypatch):
     from types import SimpleNamespace
 
-    from fs_fedpa.plugin import config as plugin_config
+    from fs_fedpa.plugin import config_fs as plugin_config
 
     warned = []
     monkeypatch.setattr(plugin_config, "_WARNED", set())  # fresh: other tests may have warned in this process
@@ -122,7 +122,7 @@ def test_a_fedpa_section_under_another_method_is_named_in_one_warning(monkeypatc
 def test_multi_process_standalone_is_refused_with_the_distributed_recipe():
     from types import SimpleNamespace
 
-    from fs_fedpa.plugin import config as plugin_config
+    from fs_fedpa.plugin import config_fs as plugin_config
 
     fedpa = {f.name: getattr(FedPAConfig(), f.name) for f in fields(FedPAConfig)}
     federate = SimpleNamespace(method="fedpa", use_ss=False, online_aggr=False, process_num=2, mode="standalone")
@@ -142,7 +142,7 @@ def test_a_client_timeout_below_the_join_bound_is_warned_about(monkeypatch, clie
     while the server waited for a refused client, hearing only that the server was gone."""
     from types import SimpleNamespace
 
-    from fs_fedpa.plugin import config as plugin_config
+    from fs_fedpa.plugin import config_fs as plugin_config
 
     warned = []
     monkeypatch.setattr(plugin_config, "_WARNED", set())

@@ -41,7 +41,7 @@ def test_public_names_resolve_lazily():
 def test_the_method_list_comes_from_the_package_files_without_torch():
     code = (
         "from fs_fedpa.methods import names\n"
-        "from fs_fedpa.plugin.config import PLUGIN_METHODS\n"
+        "from fs_fedpa.plugin.config_fs import PLUGIN_METHODS\n"
         "assert PLUGIN_METHODS == names() and 'fedpa' in names() and 'base' not in names()"
     )
     assert _loaded_after(code) == {m: False for m in HEAVY}

@@ -9,7 +9,7 @@ from fs_fedpa import lora
 from fs_fedpa.config import FedPAConfig
 from fs_fedpa.core.ranks import RankPlan
 from fs_fedpa.methods import METHODS, get_method
-from fs_fedpa.plugin.config import PLUGIN_METHODS
+from fs_fedpa.plugin.config_fs import PLUGIN_METHODS
 from tests.factories import dense_aggregate, optimal_error
 
 SHAPES = {"q": (12, 10), "v": (12, 8)}

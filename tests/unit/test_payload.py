@@ -13,7 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fs_fedpa.plugin import resume
+from fs_fedpa import resume
 from fs_fedpa.plugin.payload import (
     WIRE_DTYPES,
     decode_factors,

@@ -1,6 +1,6 @@
 """Resume points: what the server writes at the start of every round and the clients after every round they
 train (``federate.save_to``), and how a run continues from them (``federate.restore_from``). The file formats and
-their checks are in :mod:`fs_fedpa.plugin.resume`; :class:`ClientResume` and :class:`ServerResume` are mixins of
+their checks are in :mod:`fs_fedpa.resume`; :class:`ClientResume` and :class:`ServerResume` are mixins of
 the two workers."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import re
 from torch import Tensor
 
 from fs_fedpa import lora
-from fs_fedpa.plugin import resume
+from fs_fedpa import resume
 from fs_fedpa.plugin.privacy import accounting_settings
 from fs_fedpa.plugin.common import (
     non_lora_trainables,
@@ -74,7 +74,7 @@ class ServerResume:
         return {**resume.result_settings(self._cfg, self.method), **accounting_settings(self._cfg)}
 
     def write_resume_point(self) -> str:
-        """Everything the server needs to continue at round ``self.state`` (see :mod:`fs_fedpa.plugin.resume`)."""
+        """Everything the server needs to continue at round ``self.state`` (see :mod:`fs_fedpa.resume`)."""
         path = resume.server_path(self._cfg.federate.save_to)
         plan = self.method.plan
         resume.save(
@@ -180,7 +180,7 @@ class ServerResume:
 
     def _check_client_files(self, path: str, rnd: int) -> None:
         """Before any training: each client's newest file from before round ``rnd`` (the one it will restore) must
-        be that client's, of this run, well formed and finite (:func:`fs_fedpa.plugin.resume.check_client_file`)."""
+        be that client's, of this run, well formed and finite (:func:`fs_fedpa.resume.check_client_file`)."""
         local_names, _ = non_lora_trainables(self.model, self._cfg.personalization.local_param)
         params = dict(self.model.named_parameters())
         for client in range(1, self.client_num + 1):

@@ -1,5 +1,5 @@
 """A finished run's adapters as PEFT directories, from its files: FS's checkpoint with the plugin's ``fedpa`` section
-and each client's end state (``python -m fs_fedpa.tools.export``; the views are :mod:`fs_fedpa.plugin.export`'s).
+and each client's end state (``python -m fs_fedpa.tools.export``; the views are :mod:`fs_fedpa.plugin.export_fs`'s).
 Every input is read as tensors only and checked (its owner, rank plan, finite values) before anything is written.
 """
 
@@ -12,7 +12,7 @@ import torch
 
 from fs_fedpa import export, lora
 from fs_fedpa.methods import FederatedMethod
-from fs_fedpa.plugin.export import Exporter, run_info
+from fs_fedpa.plugin.export_fs import Exporter, run_info
 
 logger = logging.getLogger(f"federatedscope.{__name__}")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from fs_fedpa import quantization
-from fs_fedpa.plugin.config import PLUGIN_METHODS
+from fs_fedpa.plugin.config_fs import PLUGIN_METHODS
 
 logger = logging.getLogger(f"federatedscope.{__name__}")
 
