@@ -37,6 +37,7 @@ class FedPAAggregator(Aggregator):
     def __init__(self, server):
         super().__init__()
         self.server = server
+        self.failed_in_a_row = 0  # rounds whose every upload was dropped, since the last one that aggregated
 
     def aggregate(self, agg_info):
         server = self.server
@@ -105,27 +106,25 @@ class FedPAAggregator(Aggregator):
                 )
             server.install_global(new_global, averaged, merge)
             server.record_round(record.to_dict())
+            self.failed_in_a_row = 0
             return {}  # the model is already updated; FS merges this empty dict into its state
         logger.warning(f"[fedpa] round {server.state}: every upload was dropped; the global adapter stays as it was")
         record = new_record(server, clients)
         record.dropped, record.bytes_up = dropped, bytes_up
         server.record_round(record.to_dict())
         limit = server.method.cfg.max_failed_rounds
-        failed = 0
-        for past in reversed(server._records):
-            if past["clients"]:
-                break
-            failed += 1
-        if limit and failed >= limit:
+        self.failed_in_a_row += 1
+        if limit and self.failed_in_a_row >= limit:
             raise RuntimeError(
-                f"[fedpa] {failed} rounds in a row had every upload dropped (fedpa.max_failed_rounds={limit}); "
+                f"[fedpa] {self.failed_in_a_row} rounds in a row had every upload dropped "
+                f"(fedpa.max_failed_rounds={limit}); "
                 f"stopping instead of training nothing. Reasons in round {server.state}: {dropped}"
             )
         return {}
 
     def _aggregate_private(self, accepted: dict) -> dict:
-        """Client-level DP (:mod:`fs_fedpa.plugin.privacy`): the noisy mean of the clipped contributions over the fixed
-        K, the method's server step on it, and a record of the release only."""
+        """Client-level DP (:mod:`fs_fedpa.plugin.privacy_server`): the noisy mean of the clipped contributions over
+        the fixed K, the method's server step on it, and a record of the release only."""
         server = self.server
         kept = list(accepted)
         uploads = [accepted[c].factors for c in kept]
@@ -138,6 +137,7 @@ class FedPAAggregator(Aggregator):
         server.install_global(new_global, {}, None)
         server.record_round(record)
         server.privacy.account(server.state, receivers, {})
+        self.failed_in_a_row = 0
         return {}
 
     def _drop(self, dropped: dict, client_id, reason: str) -> None:

@@ -170,6 +170,7 @@ class ServerResume:
             lora.set_base_offsets(self.model, self.merged)
         self._records = list(saved["records"])
         self._write_diagnostics(self._records)
+        self.aggregator.failed_in_a_row = failed_in_a_row(self._records)
         self.history_results, self.best_results = saved["history_results"], saved["best_results"]
         self._pending_rng = saved["rng"]
         if self.privacy is not None:
@@ -214,3 +215,14 @@ def check_resume_file(path: str) -> None:
 def _moved(merge: dict, device) -> dict:
     """A logged merge (per module its dense increment or its factors) on ``device``."""
     return {n: v.to(device) if isinstance(v, Tensor) else (v[0].to(device), v[1].to(device)) for n, v in merge.items()}
+
+
+def failed_in_a_row(records: list[dict]) -> int:
+    """The rounds at the end of a saved history whose every upload was dropped (``fedpa.max_failed_rounds`` counts
+    on from them after a resume)."""
+    count = 0
+    for past in reversed(records):
+        if past["clients"]:
+            break
+        count += 1
+    return count
