@@ -32,7 +32,7 @@ from fs_fedpa.plugin.export_fs import check_export_dir
 from fs_fedpa.plugin.inbox import ServerInbox
 from fs_fedpa.plugin.liveness import ServerLiveness
 from fs_fedpa.plugin.payload import encode_factors, encode_merge, encode_tensors, nbytes
-from fs_fedpa.plugin.privacy import ServerPrivacy
+from fs_fedpa.plugin.privacy_server import ServerPrivacy
 from fs_fedpa.plugin.resume_fs import ServerResume, check_resume_file
 from fs_fedpa.plugin.record_fs import ServerRecords
 
