@@ -22,7 +22,8 @@ from _common import client_factors, fmt, interleaved_times, median_time
 
 from fs_fedpa import reconstruct, reconstruct_adapter
 from fs_fedpa.core.accuracy import FAMILIES, case, float32_floor, tail_excess
-from fs_fedpa.core.reconstruct import _reconstruct_cat, weighted_stack
+from fs_fedpa.core.factored_svd import reconstruct_cat
+from fs_fedpa.core.reconstruct import weighted_stack
 
 MODULES = [f"layer.{i}.attention.self.{m}" for i in range(24) for m in ("query", "value")]
 
@@ -151,7 +152,7 @@ def householder_fp32(uploads, r, w):
     """The former ``reduced`` route for float32 uploads: Householder QR + core SVD in float32, all modules batched."""
     Bs = [torch.stack([u[n][0] for n in MODULES]) for u in uploads]
     As = [torch.stack([u[n][1] for n in MODULES]) for u in uploads]
-    return _reconstruct_cat(*weighted_stack(Bs, As, w, torch.float32), r, "reduced", 8, None)
+    return reconstruct_cat(*weighted_stack(Bs, As, w, torch.float32), r, "reduced", 8, None)
 
 
 def accuracy_table(r: int, seeds: int = 3) -> None:
@@ -168,7 +169,7 @@ def accuracy_table(r: int, seeds: int = 3) -> None:
             w = [0.1] * 10
             worst["floor"] = max(worst["floor"], float32_floor(*exact, r))
             worst["reduced"] = max(worst["reduced"], tail_excess(*exact, *reconstruct(Bs, As, r), r))
-            B_h, A_h, _ = _reconstruct_cat(*weighted_stack(Bs, As, w, torch.float32), r, "reduced", 8, None)
+            B_h, A_h, _ = reconstruct_cat(*weighted_stack(Bs, As, w, torch.float32), r, "reduced", 8, None)
             worst["householder"] = max(worst["householder"], tail_excess(*exact, B_h, A_h, r))
         ratio = worst["reduced"] / worst["floor"] if worst["floor"] > 1e-12 else float("nan")
         print(

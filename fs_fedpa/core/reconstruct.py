@@ -13,10 +13,10 @@ applied, never formed), the SVD of the small core ``H = R_B R_A^T = U S V^T``, a
 ``B_g = Q_B U_R S_R``, ``A_g = (Q_A V_R)^T``: by Eckart-Young this is exactly the best rank-R_g
 approximation of the aggregate, at ``O(d r_tot^2 + r_tot^3)`` instead of ``O(d^2 k)``. A side no longer than
 ``r_tot`` needs no QR (its Q is the identity). That is the route for float64 uploads; float32 and half-precision
-uploads reach the same optimum through float64 Gram matrices of the stacks (:func:`_gram_route`), which stays at
-the float32 floor where float32 Householder QR loses digits, while ``r_tot <= min(d, k)``; past that the Grams'
-``r_tot x r_tot`` eigenproblems outgrow the QR core ``min(d, r_tot) x min(k, r_tot)``, and they take the QR route
-in float64 with the core's leading pairs from its smaller Gram (:func:`_reduced64`, :func:`_gram_pairs`).
+uploads reach the same optimum through float64 Gram matrices of the stacks, which stays at the float32 floor where
+float32 Householder QR loses digits, while ``r_tot <= min(d, k)``; past that the Grams' ``r_tot x r_tot``
+eigenproblems outgrow the QR core ``min(d, r_tot) x min(k, r_tot)``, and they take the QR route in float64 with the
+core's leading pairs from its smaller Gram. The routes are in :mod:`fs_fedpa.core.factored_svd`.
 ``randomized`` replaces the two QRs by a Gaussian sketch of width ``l = min(R_g + p, r_tot)``
 applied through the factored form (Appendix G.1.2, Halko et al. 2011, Alg. 4.1 + 5.1), at
 ``O(N d r l)``. ``dense`` forms the aggregate and takes its SVD; it exists only as the
@@ -39,6 +39,7 @@ from fs_fedpa.core._checks import (
     first_nonfinite_client,
     normalized_weights,
 )
+from fs_fedpa.core.factored_svd import NonFinite, column_weights, reconstruct_cat, reduced64
 
 Mode = Literal["reduced", "randomized", "dense"]
 MODES: tuple[str, ...] = ("reduced", "randomized", "dense")
@@ -149,7 +150,7 @@ def reconstruct_adapter(
     for (_, _, ranks, dtype, _), group in groups.items():
         try:
             if mode == "reduced" and dtype != torch.float64:  # straight from the uploads into the float64 stacks
-                B_g, A_g, S = _in_dtype(*_reduced64(*_stack_modules(uploads, group, ranks), ranks, rank, w), dtype)
+                B_g, A_g, S = _in_dtype(*reduced64(*_stack_modules(uploads, group, ranks), ranks, rank, w), dtype)
             else:  # one batch per group: client i's factors of every module in the group, on a leading dim
                 Bs = [torch.stack([u[n][0].mT for n in group]).mT for u in uploads]
                 As = [torch.stack([u[n][1] for n in group]) for u in uploads]
@@ -183,7 +184,7 @@ def weighted_stack(Bs: Sequence[Tensor], As: Sequence[Tensor], w: Sequence[float
 
     ``B_cat`` is built transposed and returned as a view, so that it is column-major for LAPACK's QR.
     """
-    scale = _column_weights(w, [B.shape[-1] for B in Bs], dtype, Bs[0].device)[:, None]
+    scale = column_weights(w, [B.shape[-1] for B in Bs], dtype, Bs[0].device)[:, None]
     Bt = torch.cat([B.mT for B in Bs], dim=-2).to(dtype) * scale
     A_cat = torch.cat(list(As), dim=-2).to(dtype) * scale
     return Bt.mT, A_cat
@@ -195,11 +196,11 @@ def _reconstruct_clients(Bs, As, rank, w, mode, oversample, generator) -> tuple[
     try:
         if mode == "reduced" and dtype != torch.float64:
             ranks = [B.shape[-1] for B in Bs]
-            B_g, A_g, S = _reduced64(_stack64([B.mT for B in Bs], "B"), _stack64(As, "A"), ranks, rank, w)
+            B_g, A_g, S = reduced64(_stack64([B.mT for B in Bs], "B"), _stack64(As, "A"), ranks, rank, w)
         else:
             B_cat, A_cat = weighted_stack(Bs, As, w, compute_dtype(dtype))
-            B_g, A_g, S = _reconstruct_cat(B_cat, A_cat, rank, mode, oversample, generator)
-    except _NonFinite:
+            B_g, A_g, S = reconstruct_cat(B_cat, A_cat, rank, mode, oversample, generator)
+    except NonFinite:
         raise ValueError(f"{first_nonfinite_client(Bs, As)} contains NaN or Inf") from None
     return _in_dtype(B_g, A_g, S, dtype)
 
@@ -218,86 +219,11 @@ def _in_dtype(B_g: Tensor, A_g: Tensor, S: Tensor, dtype: torch.dtype) -> tuple[
     return out_B, out_A, S
 
 
-def _column_weights(w: Sequence[float], ranks: Sequence[int], dtype: torch.dtype, device) -> Tensor:
-    """``(sum_i r_i,)``: sqrt(w_i) for each of client i's ``ranks[i]`` columns (the square root taken in float64)."""
-    sw = torch.tensor(list(w), dtype=torch.float64).sqrt().to(dtype)
-    return sw.repeat_interleave(torch.tensor(list(ranks))).to(device)
-
-
-def _reduced64(Bt: Tensor, A: Tensor, ranks: Sequence[int], rank: int, w) -> tuple[Tensor, Tensor, Tensor]:
-    """``reduced`` on the unweighted float64 stacks ``Bt: (*, m, d)``, ``A: (*, m, k)`` of float32 / half uploads:
-    the Gram route while ``m = sum_i r_i <= min(d, k)``; beyond, the QR route in float64 (:func:`_reduced_qr`), whose
-    core is ``min(d, m) x min(k, m)`` where the Gram route's eigenproblems would be ``m x m``, with the core's leading
-    pairs from its smaller Gram (:func:`_gram_pairs`). K = 10 clients of r = 64 on a 256-wide adapter: about 3x
-    faster than Householder QR on both sides and the core's SVD, the same optimum at the float32 floor."""
-    m, d, k = A.shape[-2], Bt.shape[-1], A.shape[-1]
-    if m <= min(d, k):
-        return _gram_route(Bt, A, ranks, rank, w)
-    sw = _column_weights(w, ranks, Bt.dtype, Bt.device)[:, None]
-    B_g, A_g, S = _reduced_qr((Bt * sw).mT, A * sw, rank, _gram_pairs)
-    return _pad_rank(B_g, A_g, rank) + (S,)
-
-
-def _gram_route(Bt: Tensor, A: Tensor, ranks: Sequence[int], rank: int, w) -> tuple[Tensor, Tensor, Tensor]:
-    """``reduced`` for float32 / bfloat16 / float16 factors, from their float64 stacks ``Bt = [B_1^T; ...; B_N^T]:
-    (*, m, d)`` and ``A: (*, m, k)`` (client i's ``ranks[i]`` rows after client i-1's): float64 Gram matrices, two
-    small symmetric eigenproblems, a float64 map back. It reaches the float32 floor (the exact SVD rounded to float32),
-    where Householder QR in float32 loses up to 2-3 digits when the clients' factors are nearly parallel.
-
-    With the unweighted stacks ``B = [B_1, ..., B_N]: (*, d, m)``, ``A = [A_1; ...; A_N]: (*, m, k)`` and per column j
-    (of client i, norms b_j, a_j) the weights ``beta_j = sqrt(w_i) c_j``, ``alpha_j = sqrt(w_i) / c_j`` with the
-    balancing ``c_j = sqrt(a_j / b_j)`` (so factor norms spanning decades do not spoil the Grams):
-
-        G_A = diag(alpha) A A^T diag(alpha) = P P^T,   T with T diag(alpha) A = Q^T orthonormal  (:func:`_row_space`)
-        K   = P^T diag(beta) B^T B diag(beta) P = Z diag(sigma^2) Z^T
-        B_g = B diag(beta) P Z_R          (singular values folded in)
-        A_g = Z_R^T T diag(alpha) A       (orthonormal rows)
-
-    since ``sum_i w_i B_i A_i = (B diag(beta) P) Q^T``. ``P`` is a Cholesky factor, or ``E diag(sqrt(mu))`` from an
-    eigendecomposition where the stack is rank-deficient.
-    Only the two Grams and the two map-backs touch d or k: ``O((d + k) m^2 + m^3)``, no QR of a tall matrix.
-    Singular values below ``sqrt(eps_64) sigma_1`` (about 1e-8 sigma_1) come out of ``K`` with absolute error
-    about 1e-8 sigma_1: below the float32 floor, so the float32 result is as good as the exact one rounded.
-    """
-    f64 = torch.float64  # Bt: (*, m, d) is the fast layout for B^T B
-    sw = _column_weights(w, ranks, f64, Bt.device)
-    G_B, G_A = Bt @ Bt.mT, A @ A.mT
-    nb, na = G_B.diagonal(dim1=-2, dim2=-1).sqrt(), G_A.diagonal(dim1=-2, dim2=-1).sqrt()
-    _require_finite(nb, na)  # the squared column norms hold any NaN/Inf
-    both = (nb > 0) & (na > 0)
-    c = torch.where(both, (na / torch.where(both, nb, 1)).sqrt(), torch.ones_like(nb))
-    beta, alpha = sw * c, sw / c
-    P, to_Q = _row_space(alpha[..., :, None] * G_A * alpha[..., None, :])
-    BP = beta[..., :, None] * P  # diag(beta) P: (*, m, m)
-    K = BP.mT @ G_B @ BP
-    lam, Z = torch.linalg.eigh((K + K.mT) / 2)
-    _require_finite(lam)  # an entry near the float64 limit overflowed in a Gram
-    lam, Z = lam.flip(-1), Z.flip(-1)  # descending
-    m = A.shape[-2]
-    q = min(Bt.shape[-1], A.shape[-1], m)
-    n = min(rank, q)
-    Z_R = Z[..., :n]
-    B_g = ((BP @ Z_R).mT @ Bt).mT  # B diag(beta) P Z_R, computed against the row-major B^T
-    A_g = (Z_R.mT @ (to_Q * alpha[..., None, :])) @ A
-    S = lam[..., :q].clamp_min(0).sqrt()
-    return _pad_rank(B_g, A_g, rank) + (S,)
-
-
 def _check_mode(mode: str, oversample: int) -> None:
     if mode not in MODES:
         raise ValueError(f"mode(={mode!r}) must be one of {MODES}")
     if isinstance(oversample, bool) or not isinstance(oversample, int) or oversample < 0:
         raise ValueError(f"oversample(={oversample!r}) must be an int >= 0")
-
-
-class _NonFinite(ValueError):
-    """NaN/Inf reached the reconstruction; the public entry points name the client it came from."""
-
-
-def _require_finite(*tensors: Tensor) -> None:
-    """Raise :class:`_NonFinite` if any of ``tensors`` holds NaN or Inf."""
-    if not all(bool(torch.isfinite(t).all()) for t in tensors):
-        raise _NonFinite("NaN or Inf in the factors")
 
 
 _WORKSPACES = threading.local()  # per thread: the float64 stacks of the last few shapes, reused round after round
@@ -321,7 +247,7 @@ def _workspace(slot: str, shape: tuple[int, ...], device: torch.device, dtype: t
 
 
 def _stack_modules(uploads, group: Sequence[str], ranks: Sequence[int]) -> tuple[Tensor, Tensor]:
-    """The float64 stacks of :func:`_gram_route` for every module of ``group`` at once, ``Bt: (G, m, d)`` and
+    """The float64 stacks of :func:`~fs_fedpa.core.factored_svd.gram_route` for every module of ``group`` at once, ``Bt: (G, m, d)`` and
     ``A: (G, m, k)``, written straight from the clients' uploads (each casts as it is copied) into the workspaces."""
     B0, A0 = uploads[0][group[0]]
     G, m, d, k = len(group), sum(ranks), B0.shape[0], A0.shape[1]
@@ -354,127 +280,3 @@ def _stack64(parts: Sequence[Tensor], slot: str) -> Tensor:
     return out
 
 
-def _row_space(G: Tensor) -> tuple[Tensor, Tensor]:
-    """For a Gram matrix ``G = X X^T: (*, m, m)`` (PSD, float64): ``P`` with ``G = P P^T`` and ``T`` with ``T X``
-    orthonormal rows on the range of ``X`` (zero rows elsewhere). Cholesky of the unit-diagonal ``D G D`` where it
-    succeeds with a pivot above ``sqrt(m eps)`` (``P = D^-1 L``, ``T = L^-1 D``), else the eigendecomposition
-    ``G = E diag(mu) E^T`` with ``mu <= m eps mu_max`` set to 0 (``P = E diag(sqrt(mu))``, ``T = diag(mu^-1/2) E^T``):
-    rank-deficient stacks (duplicated or nearly parallel clients) take the second branch."""
-    m = G.shape[-1]
-    eps = torch.finfo(G.dtype).eps
-    diag = G.diagonal(dim1=-2, dim2=-1)
-    inv_d = torch.where(diag > 0, diag.clamp_min(torch.finfo(G.dtype).tiny).rsqrt(), 0)
-    L, info = torch.linalg.cholesky_ex(inv_d[..., :, None] * G * inv_d[..., None, :])
-    pivots = L.diagonal(dim1=-2, dim2=-1)
-    good = (info == 0) & (pivots > (m * eps) ** 0.5).all(-1) & (diag > 0).all(-1)
-    eye = torch.eye(m, dtype=G.dtype, device=G.device)
-    if bool(good.all()):
-        P = L / inv_d[..., :, None]  # D^-1 L
-        T = torch.linalg.solve_triangular(L, eye.expand_as(L), upper=False) * inv_d[..., None, :]  # L^-1 D
-        return P, T
-    mu, E = torch.linalg.eigh(G)
-    keep = mu > mu[..., -1:].clamp_min(0) * (m * eps)
-    root = torch.where(keep, mu, 1).sqrt()
-    P = E * torch.where(keep, root, 0)[..., None, :]
-    T = (E * torch.where(keep, 1 / root, 0)[..., None, :]).mT
-    return P, T
-
-
-def _reduced_qr(B_cat: Tensor, A_cat: Tensor, rank: int, top_pairs) -> tuple[Tensor, Tensor, Tensor]:
-    """``reduced`` through Householder QR on pre-weighted ``B_cat: (*, d, m)``, ``A_cat: (*, m, k)``:
-    ``B_cat = Q_B R_B``, ``A_cat^T = Q_A R_A`` (compact form: each Q is applied, never formed), the core
-    ``H = R_B R_A^T: (*, p, q)`` with ``p = min(d, m)``, ``q = min(k, m)``, its leading pairs ``H ~ B_c A_c`` from
-    ``top_pairs(H, rank)``, and ``B_g = Q_B B_c``, ``A_g = A_c Q_A^T``. Returns ``B_g: (*, d, n)``,
-    ``A_g: (*, n, k)`` and ``S``, ``n = min(rank, p, q)``.
-
-    A side no longer than the stack (``d <= m``) skips its QR: the identity is then an orthonormal basis of a space
-    that holds ``B_cat``'s columns, so ``Q_B = I`` and ``R_B = B_cat``, at the core size the QR would give. Where
-    ``m >= max(d, k)`` the core is thus the aggregate ``B_cat A_cat`` itself: there every exact method decomposes a
-    ``d x k`` core, and the two QRs only rotated it.
-    """
-    d, m, k = B_cat.shape[-2], B_cat.shape[-1], A_cat.shape[-1]
-    if d > m:
-        hB, tauB = torch.geqrf(B_cat)  # R_B in the upper triangle of the first m rows
-        B_cat = hB[..., :m, :].triu()  # (*, m, m)
-    if k > m:
-        hA, tauA = torch.geqrf(A_cat.mT)
-        A_cat = hA[..., :m, :].triu().mT  # R_A^T: (*, m, m)
-    B_c, A_c, S = top_pairs(B_cat @ A_cat, rank)
-    B_g = torch.ormqr(hB, tauB, _pad_rows(B_c, d)) if d > m else B_c  # Q_B B_c: (*, d, n)
-    A_g = torch.ormqr(hA, tauA, _pad_rows(A_c.mT, k)).mT if k > m else A_c  # (Q_A A_c^T)^T: (*, n, k)
-    return B_g, A_g, S
-
-
-def _svd_pairs(H: Tensor, rank: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``H: (*, p, q)`` -> ``(U_n S_n, V_n^T, S)`` from its SVD, ``n = min(rank, p, q)``: exact to ``H``'s dtype."""
-    U, S, Vh = _svd(H)
-    n = min(rank, S.shape[-1])
-    return U[..., :n] * S[..., None, :n], Vh[..., :n, :], S
-
-
-def _gram_pairs(H: Tensor, rank: int) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`_svd_pairs` for a float64 core of float32 / half uploads, from the eigendecomposition of its smaller
-    Gram matrix (about half the SVD's time). With ``q <= p``: ``H^T H = V diag(sigma^2) V^T``, ``B_c = H V_n``,
-    ``A_c = V_n^T``; with ``q > p``: ``H H^T = U diag(sigma^2) U^T`` and the QR ``H^T U_n = Q R`` (``R`` is ``S_n`` up
-    to signs), ``B_c = U_n R^T``, ``A_c = Q^T``. Either way ``B_c A_c`` is ``H`` projected onto the computed
-    subspace, without dividing by a singular value, and ``A_c`` has orthonormal rows. The eigenvalues carry an
-    absolute error of about ``eps_64 sigma_1^2``, so each sigma one of at most ``sqrt(eps_64) sigma_1`` (1.5e-8
-    sigma_1): below the float32 floor, as in :func:`_gram_route`."""
-    _require_finite(H)
-    p, q = H.shape[-2], H.shape[-1]
-    n = min(rank, p, q)
-    lam, E = torch.linalg.eigh(H.mT @ H if q <= p else H @ H.mT)  # ascending
-    _require_finite(lam)  # an entry near the float64 limit overflowed in the Gram
-    S = lam.flip(-1).clamp_min(0).sqrt()
-    E_n = E[..., -n:].flip(-1)  # the leading n eigenvectors, descending
-    if q <= p:
-        return H @ E_n, E_n.mT, S
-    Q, R = torch.linalg.qr(H.mT @ E_n)  # (*, q, n), (*, n, n)
-    return E_n @ R.mT, Q.mT, S
-
-
-def _reconstruct_cat(
-    B_cat: Tensor, A_cat: Tensor, rank: int, mode: str, oversample: int, generator: torch.Generator | None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Core on pre-weighted factors ``B_cat: (*, d, m)``, ``A_cat: (*, m, k)``; returns ``(B_g, A_g, S)``.
-
-    NaN or Inf anywhere in the factors propagates into the small matrix that is decomposed (the QR
-    core, the sketch's projection or the dense aggregate), so checking that matrix alone catches
-    them without another pass over the uploads.
-    """
-    if mode == "reduced":
-        B_g, A_g, S = _reduced_qr(B_cat, A_cat, rank, _svd_pairs)
-    elif mode == "randomized":
-        ell = min(rank + oversample, B_cat.shape[-1])
-        gen_device = generator.device if generator is not None else B_cat.device
-        shape = (*A_cat.shape[:-2], A_cat.shape[-1], ell)
-        Omega = torch.randn(shape, generator=generator, device=gen_device, dtype=A_cat.dtype).to(A_cat.device)
-        Q, _ = torch.linalg.qr(B_cat @ (A_cat @ Omega))  # range finder: (*, d, l)
-        B_c, A_g, S = _svd_pairs((Q.mT @ B_cat) @ A_cat, rank)  # (*, l, k)
-        B_g = Q @ B_c
-    else:  # dense: the (d, k) aggregate, for comparison only
-        B_g, A_g, S = _svd_pairs(B_cat @ A_cat, rank)
-    return _pad_rank(B_g, A_g, rank) + (S,)
-
-
-def _svd(M: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    _require_finite(M)
-    return torch.linalg.svd(M, full_matrices=False)
-
-
-def _pad_rank(B_g: Tensor, A_g: Tensor, rank: int) -> tuple[Tensor, Tensor]:
-    """``B_g: (*, d, n)``, ``A_g: (*, n, k)`` with zero columns / rows appended up to ``rank`` (the aggregate has only
-    ``n < rank`` singular values)."""
-    n = B_g.shape[-1]
-    if n == rank:
-        return B_g, A_g
-    B_g = torch.cat([B_g, B_g.new_zeros((*B_g.shape[:-1], rank - n))], dim=-1)
-    A_g = torch.cat([A_g, A_g.new_zeros((*A_g.shape[:-2], rank - n, A_g.shape[-1]))], dim=-2)
-    return B_g, A_g
-
-
-def _pad_rows(X: Tensor, rows: int) -> Tensor:
-    """``[X; 0]`` with ``rows`` rows in all: the input of a full Householder Q that stands for the reduced one."""
-    if X.shape[-2] == rows:
-        return X
-    return torch.cat([X, X.new_zeros((*X.shape[:-2], rows - X.shape[-2], X.shape[-1]))], dim=-2)

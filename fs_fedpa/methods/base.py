@@ -33,7 +33,7 @@ from fs_fedpa import lora
 from fs_fedpa.config import FedPAConfig
 from fs_fedpa.core.diagnostics import PART
 from fs_fedpa.core.ranks import RankPlan, init_global_factors, truncate_factors
-from fs_fedpa.core.reconstruct import _pad_rank, _svd_pairs
+from fs_fedpa.core.factored_svd import pad_rank, svd_pairs
 from fs_fedpa.lora import Factors
 
 PARTS = ("B", "A")
@@ -269,8 +269,8 @@ def _top_factors(M: Tensor, rank: int, cfg: FedPAConfig, generator: Generator) -
         n = min(rank, S.shape[0])
         B, A = U[:, :n] * S[:n], V.mT[:n]
     else:
-        B, A, S = _svd_pairs(M.double(), rank)
-    B, A = _pad_rank(B.to(M.dtype), A.to(M.dtype), rank)
+        B, A, S = svd_pairs(M.double(), rank)
+    B, A = pad_rank(B.to(M.dtype), A.to(M.dtype), rank)
     return (B, A), S[: min(rank, S.shape[0])].to(M.dtype)
 
 

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from fs_fedpa import reconstruct, reconstruct_adapter
 from fs_fedpa.core.accuracy import FAMILIES, _aggregate, case, float32_floor, tail_excess
-from fs_fedpa.core.reconstruct import _reconstruct_cat, weighted_stack
+from fs_fedpa.core.factored_svd import reconstruct_cat
+from fs_fedpa.core.reconstruct import weighted_stack
 
 EPS64 = torch.finfo(torch.float64).eps
 shapes = st.tuples(st.sampled_from(FAMILIES), st.integers(0, 10**6), st.integers(3, 8), st.integers(24, 96),
@@ -55,7 +56,7 @@ def test_float32_householder_misses_the_floor_on_nearly_parallel_clients(family)
     hundreds of times the floor there, so the test above can tell the two apart."""
     Bs, As = _case(family, 0, 10, 256, 256, 4)
     w = [0.1] * 10
-    B_g, A_g, _ = _reconstruct_cat(*weighted_stack(Bs, As, w, torch.float32), 4, "reduced", 8, None)
+    B_g, A_g, _ = reconstruct_cat(*weighted_stack(Bs, As, w, torch.float32), 4, "reduced", 8, None)
     exact = ([B.double() for B in Bs], [A.double() for A in As])
     floor = float32_floor(*exact, 4)
     assert tail_excess(*exact, B_g, A_g, 4) > 20 * floor > 0

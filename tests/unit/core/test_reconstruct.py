@@ -318,11 +318,11 @@ def test_adapter_names_the_module_with_bad_factors():
 def test_float32_stacks_wider_than_the_layer_take_the_float64_qr_core_and_reach_the_optimum(monkeypatch, kind, d, k):
     # (24, 80): QR of A only, core 24 x 40 (the Gram of H H^T); (80, 24): QR of B only (H^T H); (20, 20): no QR,
     # the core is the aggregate
-    from fs_fedpa.core import reconstruct as module
+    from fs_fedpa.core import factored_svd as module
 
-    gram = module._gram_route
+    gram = module.gram_route
     calls = []
-    monkeypatch.setattr(module, "_gram_route", lambda *args: calls.append(args[0].shape) or gram(*args))
+    monkeypatch.setattr(module, "gram_route", lambda *args: calls.append(args[0].shape) or gram(*args))
     Bs, As = client_factors(3, d, k, [8] * 5, kind, dtype=torch.float32)  # sum r_i = 40 > min(d, k)
     weights = [1.0, 2.0, 0.5, 1.0, 3.0]
     B_g, A_g = reconstruct(Bs, As, 8, weights=weights, mode="reduced")
