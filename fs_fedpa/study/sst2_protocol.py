@@ -3,6 +3,9 @@ the reading of those results (docs/sst2_protocol.md). The runner
 (:mod:`fs_fedpa.study.sst2_compare`) executes the plan and the report (:mod:`fs_fedpa.study.report`) reads
 it; both import this module, which imports neither. No torch, no FS.
 
+Why one module over 450 lines: it is the protocol's declaration, fixed before the runs it plans; one file keeps what
+was declared, and when (its git history), in one place. The DP-regime stage, declared later, has its own module.
+
 Stages, each on ``yaml_configs/compare_sst2_protocol.yaml`` (N = 10, every client every round, LDA beta = 0.5, r = 4,
 alpha = 8, local heads, 10 local steps of 16 sentences):
 
