@@ -284,6 +284,13 @@ def seeded_subset(tag: str, seed: int, rnd: int, client: int, n: int, k: int) ->
     return sorted(torch.randperm(n, generator=stream)[:k].tolist())
 
 
+def complete_selected(upload: dict[str, dict[str, Tensor]], global_: Factors, place) -> Factors:
+    """Full factors, module by module, from an upload of only the items (modules, heads) a client drew:
+    ``place(name, parts, global_[name])`` puts the sent ones in place among the global ones, or raises ValueError
+    for a shape that does not fit (the server drops the upload with the message)."""
+    return {name: place(name, parts, global_[name]) for name, parts in upload.items()}
+
+
 def trainer_shares(selections: Sequence[Sequence[int]], weights: Sequence[float], n: int) -> Tensor:
     """``(N, n)`` float64: upload i's share of item j (a module, a head) in a mean over the uploads that trained it,
     ``w_i / sum_{i' in Q_j} w_i'`` for i in Q_j, else 0; an item nobody trained takes the first upload whole (every

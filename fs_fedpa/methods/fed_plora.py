@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from torch import Generator, Tensor
 
 from fs_fedpa.core._checks import normalized_weights
-from fs_fedpa.methods.base import Factors, FederatedMethod, Uploads, seeded_subset, trainer_shares
+from fs_fedpa.methods.base import Factors, FederatedMethod, Uploads, complete_selected, seeded_subset
+from fs_fedpa.methods.base import trainer_shares
 
 
 class FedPLoRA(FederatedMethod):
@@ -48,10 +49,9 @@ class FedPLoRA(FederatedMethod):
     ) -> Factors:
         """The R global modules with the client's trained ones put in place of those it drew."""
         chosen = self.selection(client, rnd)
-        out = {}
-        for name, parts in upload.items():
-            B, A = parts["B"], parts["A"]
-            B_g, A_g = global_[name]
+
+        def place(name: str, parts: dict[str, Tensor], pair: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+            (B, A), (B_g, A_g) = (parts["B"], parts["A"]), pair
             if B.shape != (B_g.shape[0], len(chosen)) or A.shape != (len(chosen), A_g.shape[1]):
                 raise ValueError(
                     f"module {name!r}: uploaded B {tuple(B.shape)}, A {tuple(A.shape)}; client #{client + 1} trains "
@@ -61,8 +61,9 @@ class FedPLoRA(FederatedMethod):
             B_full, A_full = B_g.clone(), A_g.clone()
             B_full[:, chosen] = B.to(B_full)
             A_full[chosen] = A.to(A_full)
-            out[name] = (B_full, A_full)
-        return out
+            return B_full, A_full
+
+        return complete_selected(upload, global_, place)
 
     def aggregate(
         self, uploads: Uploads, weights: Sequence[float], clients: Sequence[int], generator: Generator, rnd: int = 0

@@ -28,7 +28,8 @@ from torch import Generator, Tensor
 
 from fs_fedpa import lora
 from fs_fedpa.core._checks import normalized_weights
-from fs_fedpa.methods.base import Factors, FederatedMethod, Uploads, seeded_subset, trainer_shares
+from fs_fedpa.methods.base import Factors, FederatedMethod, Uploads, complete_selected, seeded_subset
+from fs_fedpa.methods.base import trainer_shares
 
 
 class Ravan(FederatedMethod):
@@ -112,9 +113,9 @@ class Ravan(FederatedMethod):
     ) -> Factors:
         """The H global cores with the client's ``s_h H_h`` in place of the K_i it trained; scales 1."""
         chosen = self.selection(client, rnd)
-        out = {}
-        for name, parts in upload.items():
-            sent, (cores, scales) = parts["B"], global_[name]
+
+        def place(name: str, parts: dict[str, Tensor], pair: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+            sent, (cores, scales) = parts["B"], pair
             if tuple(sent.shape) != (len(chosen), *cores.shape[1:]):
                 raise ValueError(
                     f"module {name!r}: uploaded cores {tuple(sent.shape)}; client #{client + 1} trains the heads "
@@ -122,8 +123,9 @@ class Ravan(FederatedMethod):
                 )
             full = cores.clone()
             full[chosen] = sent.to(full)
-            out[name] = (full, torch.ones_like(scales))
-        return out
+            return full, torch.ones_like(scales)
+
+        return complete_selected(upload, global_, place)
 
     def aggregate(
         self, uploads: Uploads, weights: Sequence[float], clients: Sequence[int], generator: Generator, rnd: int = 0

@@ -34,7 +34,7 @@ from fs_fedpa import resume
 from fs_fedpa.plugin import auth, fs_patches
 from fs_fedpa.plugin.alignment import ClientAlignment
 from fs_fedpa.plugin.client_state import ClientState, state_store
-from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainables, share_equal
+from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainables, send, share_equal
 from fs_fedpa.plugin.evaluation import ClientEvaluation
 from fs_fedpa.plugin.liveness import ClientLiveness
 from fs_fedpa.plugin.messages import reply_problem
@@ -174,16 +174,8 @@ class FedPAClient(
         self.privacy.log_round(self._rounds_trained)
         self._park()
         logger.info(self._monitor.format_eval_res(results, rnd=self.state, role=f"Client #{self.ID}", return_raw=True))
-        self.comm_manager.send(
-            Message(
-                msg_type="model_para",
-                sender=self.ID,
-                receiver=[message.sender],
-                state=self.state,
-                timestamp=self._gen_timestamp(init_timestamp=message.timestamp, instance_number=sample_size),
-                content=(sample_size, upload),
-            )
-        )
+        timestamp = self._gen_timestamp(init_timestamp=message.timestamp, instance_number=sample_size)
+        send(self, "model_para", message.sender, (sample_size, upload), timestamp)
 
     def _enter_round(self, payload: dict) -> None:
         if self.factors is None and not self._state_lost:

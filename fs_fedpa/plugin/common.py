@@ -1,8 +1,9 @@
-"""What the FedPA client and server both derive from an FS config and a model."""
+"""What the FedPA client and server both derive from an FS config and a model, and how either sends a message."""
 
 from __future__ import annotations
 
 import torch
+from federatedscope.core.message import Message
 from torch import Tensor, nn
 
 from fs_fedpa.core.ranks import RankPlan
@@ -102,3 +103,17 @@ def without_empty_splits(metrics: dict) -> tuple[dict, list[str]]:
     splits: a split with no example has no loss or accuracy, and FS would report (and average) 0.0 for it."""
     empty = sorted(k[: -len("_total")] for k, v in metrics.items() if k.endswith("_total") and v == 0)
     return {k: v for k, v in metrics.items() if k.split("_")[0] not in empty}, empty
+
+
+def send(worker, msg_type: str, receiver: int, content, timestamp: float, state: int | None = None) -> None:
+    """One FS message from ``worker`` (client or server) to ``receiver``, at the worker's round unless ``state``."""
+    worker.comm_manager.send(
+        Message(
+            msg_type=msg_type,
+            sender=worker.ID,
+            receiver=[receiver],
+            state=worker.state if state is None else state,
+            timestamp=timestamp,
+            content=content,
+        )
+    )

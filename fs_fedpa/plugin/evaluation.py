@@ -16,9 +16,7 @@ from torch import Tensor
 from fs_fedpa import lora
 from fs_fedpa.core.instance import instance_weights, representation
 from fs_fedpa import resume
-from fs_fedpa.plugin.common import (
-    without_empty_splits,
-)
+from fs_fedpa.plugin.common import send, without_empty_splits
 from fs_fedpa.plugin.payload import (
     decode_tensors,
 )
@@ -83,16 +81,7 @@ class ClientEvaluation:
         if untrained:
             self.factors = None
         self._park()
-        self.comm_manager.send(
-            Message(
-                msg_type="metrics",
-                sender=self.ID,
-                receiver=[message.sender],
-                state=self.state,
-                timestamp=message.timestamp,
-                content=metrics,
-            )
-        )
+        send(self, "metrics", message.sender, metrics, message.timestamp)
 
     def _instance_mix(self, split: int):
         """FedDPA's test time on the loaded ``([B_g, B_l], [A_g; A_l])`` (``B_g`` of rank ``split``): before every

@@ -15,6 +15,7 @@ import time
 from federatedscope.core.message import Message
 
 from fs_fedpa.plugin import auth, fs_patches
+from fs_fedpa.plugin.common import send
 from fs_fedpa.plugin.intake import (
     check_message_content,
 )
@@ -98,27 +99,9 @@ class ServerInbox:
         sender = message.sender
         self.join_in_client_num += 1
         self.comm_manager.add_neighbors(neighbor_id=sender, address=message.content)
-        self.comm_manager.send(
-            Message(
-                msg_type="assign_client_id",
-                sender=self.ID,
-                receiver=[sender],
-                state=self.state,
-                timestamp=self.cur_timestamp,
-                content=str(sender),
-            )
-        )
+        send(self, "assign_client_id", sender, str(sender), self.cur_timestamp)
         if len(self._cfg.federate.join_in_info) != 0:
-            self.comm_manager.send(
-                Message(
-                    msg_type="ask_for_join_in_info",
-                    sender=self.ID,
-                    receiver=[sender],
-                    state=self.state,
-                    timestamp=self.cur_timestamp,
-                    content=self._cfg.federate.join_in_info.copy(),
-                )
-            )
+            send(self, "ask_for_join_in_info", sender, self._cfg.federate.join_in_info.copy(), self.cur_timestamp)
         self.trigger_for_start()
 
     def callback_funcs_for_metrics(self, message: Message):

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import torch
-from federatedscope.core.message import Message
 from federatedscope.core.workers import Server
 from torch import Tensor
 
@@ -27,7 +26,7 @@ from fs_fedpa.methods.base import FederatedMethod
 from fs_fedpa import resume
 from fs_fedpa.plugin import auth
 from fs_fedpa.plugin.aggregator import FedPAAggregator
-from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainables
+from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainables, send
 from fs_fedpa.plugin.export_fs import check_export_dir
 from fs_fedpa.plugin.inbox import ServerInbox
 from fs_fedpa.plugin.liveness import ServerLiveness
@@ -172,16 +171,7 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, ServerRecords, Serv
             elif merges is not None:
                 late = nbytes({merges[0]: payload[merges[0]]})
                 self._late_down[client_id] = self._late_down.get(client_id, 0) + late
-            self.comm_manager.send(
-                Message(
-                    msg_type=msg_type,
-                    sender=self.ID,
-                    receiver=[client_id],
-                    state=min(rnd, self.total_round_num),
-                    timestamp=self.cur_timestamp,
-                    content=payload,
-                )
-            )
+            send(self, msg_type, client_id, payload, self.cur_timestamp, state=min(rnd, self.total_round_num))
         if filter_unseen_clients:
             self.sampler.change_state(self.unseen_clients_id, "seen")
         self._progress = time.monotonic()  # the round's wait starts now: sending to every receiver can take a while

@@ -15,13 +15,20 @@ from fs_fedpa.study.report_tuning import mechanism_table
 
 
 def _arm_runs(results: dict, report: Path, stage: str, arms: tuple) -> tuple[list[dict], Path]:
-    """The runs of a stage of fixed arms, in arm then seed order, and its figures' folder (made when it has runs)."""
+    """The runs of a stage of fixed arms, in arm then seed order, and its figures' folder; when it has runs, the
+    folder is made and holds ``curves.png``, the arms' curves under both protocols."""
     order = [name for name, _, _ in arms]
     runs = sorted((r for key, r in results.items() if key.startswith(f"{stage}/")),
                   key=lambda r: (order.index(r["cell"]), r["seed"]))  # fmt: skip
     folder = report / stage
     if runs:
         folder.mkdir(exist_ok=True)
+        try:
+            from fs_fedpa.study.plots import plot_protocols
+
+            plot_protocols(runs, "val_acc", folder / "curves.png")
+        except ImportError:  # matplotlib is an extra
+            pass
     return runs, folder
 
 
@@ -32,12 +39,6 @@ def long_section(results: dict, report: Path) -> list[str]:
     title = f"## The long horizon: {sp.LONG_ROUNDS} rounds"
     if not runs:
         return [title, "", "Not run yet.", ""]
-    try:
-        from fs_fedpa.study.plots import plot_protocols
-
-        plot_protocols(runs, "val_acc", folder / "curves.png")
-    except ImportError:  # matplotlib is an extra
-        pass
     lines = [
         title,
         "",
@@ -166,9 +167,8 @@ def partial_section(results: dict, report: Path) -> list[str]:
     if not runs:
         return [title, "", "Not run yet.", ""]
     try:
-        from fs_fedpa.study.plots import plot_protocols, plot_staleness
+        from fs_fedpa.study.plots import plot_staleness
 
-        plot_protocols(runs, "val_acc", folder / "curves.png")
         plot_staleness(runs, folder / "staleness.png")
     except ImportError:  # matplotlib is an extra
         pass
