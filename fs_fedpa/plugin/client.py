@@ -32,7 +32,7 @@ from fs_fedpa.core.diagnostics import GradientSplit
 from fs_fedpa.core.ranks import truncate_factors
 from fs_fedpa import resume
 from fs_fedpa.plugin import auth, fs_patches
-from fs_fedpa.plugin.alignment import ClientAlignment
+from fs_fedpa.plugin.alignment import Alignment
 from fs_fedpa.plugin.client_state import ClientState, state_store
 from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainables, send, share_equal
 from fs_fedpa.plugin.evaluation import ClientEvaluation
@@ -49,7 +49,7 @@ logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its ow
 
 
 class FedPAClient(
-    ClientLiveness, ClientState, ClientResume, ClientAlignment, ClientEvaluation, ClientDiagnostics, Client
+    ClientLiveness, ClientState, ClientResume, ClientEvaluation, ClientDiagnostics, Client
 ):
     def __init__(self, *args, **kwargs):
         if kwargs.get("config") is not None:
@@ -60,6 +60,10 @@ class FedPAClient(
         ctx = self.trainer.ctx
         ctx.trainable_para_names = share_equal("names", ctx.trainable_para_names)
         self.method = build_method(self._cfg, self.model)
+        self._grads = GradientSplit()
+        # diagnostics off: none computed, not only not sent; under DP-SGD the task gradient is the noisy one
+        watched = self.method.cfg.diagnostics and self.method.cfg.dp_mode != "sample"
+        self.alignment = Alignment(self.method, self._grads, watched)
         self._set_space()
         self.local_names, self.shared_names = non_lora_trainables(self.model, self._cfg.personalization.local_param)
         params = dict(self.model.named_parameters())
@@ -70,13 +74,6 @@ class FedPAClient(
         self.personal: dict[str, tuple[Tensor, Tensor]] | None = None  # a personal adapter (FedDPA), never sent
         if self._moves_base:
             lora.keep_base(self.model)
-        self.reference: dict[str, tuple[Tensor, Tensor]] = {}  # the received rank-R_i reference, client space
-        self._grads = GradientSplit()
-        self._live: dict[str, tuple[Tensor, Tensor]] = {}
-        self.lam = self.method.cfg.lam
-        self._lam_pending = False
-        self._penalty_sum: Tensor | None = None
-        self._penalty_steps = 0
         self._e_init: dict[str, float] = {}
         self._rounds_trained = 0
         self._last_trained: int | None = None  # the last round it trained (partial participation's staleness)
@@ -89,7 +86,7 @@ class FedPAClient(
         save_to, restore_from = self._cfg.federate.save_to, self._cfg.federate.restore_from
         self._resume_out = resume.server_path(save_to) if save_to else None
         self._resume_in = restore_from or None  # read at the first message, which names the round
-        install_alignment_hook(self.trainer, self)
+        install_alignment_hook(self.trainer, self.alignment)
         self.privacy = ClientPrivacy(self)
         self.schedule = RunSchedule(self.trainer, self._cfg) if self.method.cfg.lr_schedule != "none" else None
         self.store = state_store(self._cfg, self.method.cfg.state_budget_mb)
@@ -117,7 +114,7 @@ class FedPAClient(
             self.space = lora.ClientSpace(scaling, self.method.plan.client_ranks[self.index])
         else:
             self.space = lora.UnitSpace()
-        self.penalty_weight = self.space.penalty_weight(self.method.plan.lam_rank)  # one lambda for every client
+        self.alignment.penalty_weight = self.space.penalty_weight(self.method.plan.lam_rank)  # one lambda for all
 
     def callback_funcs_for_assign_id(self, message: Message):
         super().callback_funcs_for_assign_id(message)
@@ -193,14 +190,9 @@ class FedPAClient(
         self._load(start, trainable=self.method.trainable(self.state))
         self._load_tensors(decode_tensors(payload.get("shared", {})))
         self._load_tensors(self.local_tensors)
-        self._live = self.method.read(self.model)
         device = self._device
-        self.reference = {n: (B.to(device), A.to(device)) for n, (B, A) in received.items()}
-        self.lam = self.method.cfg.lam
-        self._lam_pending = self.method.cfg.adaptive_lam != "none"
-        self._penalty_sum, self._penalty_steps = None, 0
-        if self.method.cfg.diagnostics and self.method.cfg.dp_mode != "sample":  # off: none computed, not only sent
-            self._grads.watch(self._live)
+        reference = {n: (B.to(device), A.to(device)) for n, (B, A) in received.items()}
+        self.alignment.start_round(self.method.read(self.model), reference)
 
     def _train_personal(self, received: dict[str, tuple[Tensor, Tensor]], payload: dict) -> None:
         """The personal phase, if the method has one this round: the model applies ``a * personal + (1 - a) *
@@ -216,11 +208,10 @@ class FedPAClient(
         lora.scale_adapters(self.model, a)
         self._load_tensors(decode_tensors(payload.get("shared", {})))
         self._load_tensors(self.local_tensors)
-        reference, self.reference = self.reference, {}  # no alignment term in this phase
         try:
-            self.trainer.train()
+            with self.alignment.paused():  # no alignment term in this phase
+                self.trainer.train()
         finally:
-            self.reference = reference
             lora.set_base_offsets(self.model, {})  # back to W_0
         self.personal = self.space.from_model(lora.copy_factors(lora.get_factors(self.model)))
         params = dict(self.model.named_parameters())
@@ -243,7 +234,6 @@ class FedPAClient(
         self.local_tensors = local
         self._rounds_trained += 1
         self._last_trained = self.state
-        term = float(self._penalty_sum) / self._penalty_steps if self._penalty_steps else 0.0
         if self._resume_out:
             self._write_resume_file()
         sent = self.space.upload(self.method.before_upload(self.factors, self._received, self.state))
@@ -252,8 +242,8 @@ class FedPAClient(
             "lora": encode_parts(self.method.upload_payload(sent, self.index, self.state), wire=wire),
             "stats": self.privacy.stats(
                 {
-                    "alignment_loss": term,
-                    "lam": float(self.lam),
+                    "alignment_loss": self.alignment.mean(),
+                    "lam": float(self.alignment.lam),
                     "num_train_data": int(getattr(self.trainer.ctx, "num_train_data", 0) or 0),
                     "restarted": int(self._restarted),
                     "state_lost": int(self._lost_this_round),

@@ -32,7 +32,8 @@ class ClientState:
         """Drop this client's references to its state and to the round's reference (parked, or the run is over)."""
         self.factors = self.personal = self._fold = self._last_received = None
         self.local_tensors, self.base_offset = {}, {}
-        self.reference, self._received, self._live = {}, {}, {}
+        self._received = {}
+        self.alignment.clear()
 
     def _unpark(self) -> None:
         """Before each message: this client's state from the store onto the model's device. A stored state that

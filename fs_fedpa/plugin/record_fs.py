@@ -57,7 +57,7 @@ class ClientDiagnostics:
         stats = {"delta_norm": delta_sq**0.5, "drift": drift_sq**0.5, **self._change_norm(sent)}
         if ref_sq > 0:
             stats["drift_rel"] = (drift_sq / ref_sq) ** 0.5
-        if self._penalty_steps:
+        if self.alignment.penalty_steps:
             for when, (align, task) in self._grads.norms().items():
                 stats[f"grad_ratio_{when}"] = align / task if task > 0 else float("inf")
         return stats

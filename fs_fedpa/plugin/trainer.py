@@ -12,11 +12,12 @@ from federatedscope.core.trainers.context import CtxVar
 from federatedscope.core.trainers.enums import LIFECYCLE
 
 
-def install_alignment_hook(trainer, client) -> None:
-    """Register ``client.alignment_term(ctx)`` as an additive loss term in ``trainer``'s training hooks."""
+def install_alignment_hook(trainer, alignment) -> None:
+    """Register ``alignment.term(ctx)`` (:class:`~fs_fedpa.plugin.alignment.Alignment`) as an additive loss term in
+    ``trainer``'s training hooks."""
 
     def _hook_on_batch_forward_fedpa_alignment(ctx):
-        term = client.alignment_term(ctx)
+        term = alignment.term(ctx)
         if term is not None:
             ctx.loss_task = CtxVar(ctx.loss_task + term, LIFECYCLE.BATCH)
 

@@ -175,7 +175,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
 
     def leave(self):
         if (self.ID, self.state) in poison_local:  # a training step gone wrong: NaN in the live factors
-            B = next(iter(self._live.values()))[0]
+            B = next(iter(self.alignment.live.values()))[0]
             with torch.no_grad():
                 B[0, 0] = float("nan")
         upload = orig_leave(self)
