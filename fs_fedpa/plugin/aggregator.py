@@ -105,13 +105,13 @@ class FedPAAggregator(Aggregator):
                     f"[fedpa] round {server.state}: the diagnostics {', '.join(bad)} are not finite; recorded as null"
                 )
             server.install_global(new_global, averaged, merge)
-            server.record_round(record.to_dict())
+            server.rounds.add(record.to_dict())
             self.failed_in_a_row = 0
             return {}  # the model is already updated; FS merges this empty dict into its state
         logger.warning(f"[fedpa] round {server.state}: every upload was dropped; the global adapter stays as it was")
         record = new_record(server, clients)
         record.dropped, record.bytes_up = dropped, bytes_up
-        server.record_round(record.to_dict())
+        server.rounds.add(record.to_dict())
         limit = server.method.cfg.max_failed_rounds
         self.failed_in_a_row += 1
         if limit and self.failed_in_a_row >= limit:
@@ -135,7 +135,7 @@ class FedPAAggregator(Aggregator):
         receivers = sorted(server._expected)
         record = private_record(server, receivers, new_global, spectra, release)
         server.install_global(new_global, {}, None)
-        server.record_round(record)
+        server.rounds.add(record)
         server.privacy.account(server.state, receivers, {})
         self.failed_in_a_row = 0
         return {}

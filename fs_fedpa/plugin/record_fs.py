@@ -1,5 +1,5 @@
 """Round records and diagnostics: what each client measures of its round (:class:`ClientDiagnostics`) and what
-the server records of each aggregation (:class:`ServerRecords`, one JSON line a round in
+the server records of each aggregation (:class:`RoundLog`, one JSON line a round in
 ``<outdir>/fedpa_diagnostics.jsonl``). With ``fedpa.diagnostics False`` none of it is computed."""
 
 from __future__ import annotations
@@ -97,26 +97,48 @@ class ClientDiagnostics:
         }
 
 
-class ServerRecords:
-    """Mixin of :class:`~fs_fedpa.plugin.server.FedPAServer`: the round records and their file."""
+class RoundLog:
+    """The server's round records (a collaborator of :class:`~fs_fedpa.plugin.server.FedPAServer`): every round's
+    record in memory, which resume points carry, the bytes sent both ways so far, and with ``diagnostics`` one JSON
+    line a round in ``<outdir>/fedpa_diagnostics.jsonl``."""
 
-    def record_round(self, record: dict) -> None:
-        """Append one JSON line per round to ``<outdir>/fedpa_diagnostics.jsonl``."""
-        self._totals["up"] += sum(record["bytes_up"].values())
-        self._totals["down"] += sum(record["bytes_down"].values())
-        record.update(bytes_up_total=self._totals["up"], bytes_down_total=self._totals["down"])
-        self._records.append(record)
-        self._write_diagnostics([record])
-        e_agg = (f"E_agg={_g(record['e_agg'])} (rel {_g(record['e_agg_rel'], '.3g')}), " if self.method.cfg.diagnostics
+    def __init__(self, outdir: str, diagnostics: bool):
+        self.path, self.diagnostics = os.path.join(outdir, DIAGNOSTICS_FILE), diagnostics
+        self.records: list[dict] = []
+        self.totals = {"up": 0, "down": 0}
+
+    def add(self, record: dict) -> None:
+        """One round's record: its byte totals so far added, kept, written and logged."""
+        self.totals["up"] += sum(record["bytes_up"].values())
+        self.totals["down"] += sum(record["bytes_down"].values())
+        record.update(bytes_up_total=self.totals["up"], bytes_down_total=self.totals["down"])
+        self.records.append(record)
+        self._write([record])
+        e_agg = (f"E_agg={_g(record['e_agg'])} (rel {_g(record['e_agg_rel'], '.3g')}), " if self.diagnostics
                  else "")  # fmt: skip
         logger.info(
             f"[fedpa] round {record['round']}: {e_agg}alignment={_g(record['alignment_loss_mean'])}, "
             f"up {sum(record['bytes_up'].values())} B, down {sum(record['bytes_down'].values())} B"
         )
 
-    def _write_diagnostics(self, records: list[dict]) -> None:
-        if self.method.cfg.diagnostics:
-            with open(os.path.join(self._cfg.outdir, DIAGNOSTICS_FILE), "a", encoding="utf-8") as f:
+    def restore(self, records: list[dict], totals: dict) -> None:
+        """A resumed run's history: kept, and written again to this run's file."""
+        self.records, self.totals = list(records), dict(totals)
+        self._write(self.records)
+
+    def failed_in_a_row(self) -> int:
+        """The rounds at the end of the history whose every upload was dropped (``fedpa.max_failed_rounds`` counts
+        on from them after a resume)."""
+        count = 0
+        for past in reversed(self.records):
+            if past["clients"]:
+                break
+            count += 1
+        return count
+
+    def _write(self, records: list[dict]) -> None:
+        if self.diagnostics:
+            with open(self.path, "a", encoding="utf-8") as f:
                 f.writelines(json.dumps(record) + "\n" for record in records)
 
 

@@ -93,7 +93,7 @@ class ServerResume:
                     "settings": self._result_settings(),
                     "global": lora.copy_factors(self.global_factors, "cpu"),
                     "generator": self.generator.get_state(),
-                    "totals": dict(self._totals),
+                    "totals": dict(self.rounds.totals),
                     "down_bytes": dict(self._down_bytes),
                     "merges": {
                         "merged": {n: t.cpu() for n, t in self.merged.items()},
@@ -101,7 +101,7 @@ class ServerResume:
                         "count": self._merge_count,
                         "kept": dict(self._merged_kept),  # evaluation messages are sent again after a resume
                     },
-                    "records": resume.plain(self._records),
+                    "records": resume.plain(self.rounds.records),
                     "history_results": resume.plain(self.history_results),
                     "best_results": resume.plain(self.best_results),
                     "rng": resume.rng_state(),
@@ -155,7 +155,7 @@ class ServerResume:
         self.model.load_state_dict(checkpoint["model"], strict=False)  # shared tensors, e.g. a shared head
         self.keep_shared()
         self.generator.set_state(saved["generator"])
-        self._totals, self._down_bytes = dict(saved["totals"]), dict(saved["down_bytes"])
+        self._down_bytes = dict(saved["down_bytes"])
         merges = saved.get("merges", {})
         self.merged = {n: t.to(device) for n, t in merges.get("merged", {}).items()}
         if "pending" in merges:  # a resume point of an older fs_fedpa: every merge some client lacked, in order
@@ -168,9 +168,8 @@ class ServerResume:
         self._merged_upto, self._merged_kept = dict(merges.get("kept", {})), dict(merges.get("kept", {}))
         if self.merged:
             lora.set_base_offsets(self.model, self.merged)
-        self._records = list(saved["records"])
-        self._write_diagnostics(self._records)
-        self.aggregator.failed_in_a_row = failed_in_a_row(self._records)
+        self.rounds.restore(saved["records"], saved["totals"])
+        self.aggregator.failed_in_a_row = self.rounds.failed_in_a_row()
         self.history_results, self.best_results = saved["history_results"], saved["best_results"]
         self._pending_rng = saved["rng"]
         if self.privacy is not None:
@@ -215,14 +214,3 @@ def check_resume_file(path: str) -> None:
 def _moved(merge: dict, device) -> dict:
     """A logged merge (per module its dense increment or its factors) on ``device``."""
     return {n: v.to(device) if isinstance(v, Tensor) else (v[0].to(device), v[1].to(device)) for n, v in merge.items()}
-
-
-def failed_in_a_row(records: list[dict]) -> int:
-    """The rounds at the end of a saved history whose every upload was dropped (``fedpa.max_failed_rounds`` counts
-    on from them after a resume)."""
-    count = 0
-    for past in reversed(records):
-        if past["clients"]:
-            break
-        count += 1
-    return count

@@ -33,12 +33,12 @@ from fs_fedpa.plugin.liveness import ServerLiveness
 from fs_fedpa.plugin.payload import encode_factors, encode_merge, encode_tensors, nbytes
 from fs_fedpa.plugin.privacy_server import ServerPrivacy
 from fs_fedpa.plugin.resume_fs import ServerResume, check_resume_file
-from fs_fedpa.plugin.record_fs import ServerRecords
+from fs_fedpa.plugin.record_fs import RoundLog
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
 
-class FedPAServer(ServerLiveness, ServerInbox, ServerResume, ServerRecords, Server):
+class FedPAServer(ServerLiveness, ServerInbox, ServerResume, Server):
     def __init__(self, *args, **kwargs):
         config = kwargs.get("config", args[2] if len(args) > 2 else None)
         if config is not None and config.federate.restore_from:
@@ -84,8 +84,7 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, ServerRecords, Serv
         self._merge_count = 0  # merges so far
         self._merged_upto: dict[int, int] = {}  # per client: how many merges its base offset holds
         self._merged_kept: dict[int, int] = {}  # ... by its last training message: what its resume file holds
-        self._totals = {"up": 0, "down": 0}
-        self._records: list[dict] = []  # diagnostics history, carried by resume points
+        self.rounds = RoundLog(self._cfg.outdir, self.method.cfg.diagnostics)  # the records, carried by resume points
         self._pending_rng: dict | None = None
         self._expected: set[int] = set()  # receivers of this round's model: the only valid senders of updates
         self._eval_round: int | None = None  # the round of the last evaluation asked for, and whom it was asked of
