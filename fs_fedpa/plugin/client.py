@@ -7,9 +7,10 @@ trained factors and local tensors and uploads the factors (applied, ``s_i B_i``)
 Local tensors never leave the client. Factors live in the client's one space (:class:`fs_fedpa.lora.ClientSpace`)
 and are converted only at download, upload and when loaded into the model.
 
-This module holds entering and leaving a round; each other concern is a mixin in a module of its name:
-:mod:`~fs_fedpa.plugin.liveness` (the watchdog), :mod:`~fs_fedpa.plugin.client_state` (parking between messages),
-:mod:`~fs_fedpa.plugin.resume_fs`, :mod:`~fs_fedpa.plugin.alignment` (the training term, adaptive lam),
+This module holds entering and leaving a round; each other concern is in a module of its name, as a collaborator
+object (:class:`~fs_fedpa.plugin.alignment.Alignment`: the training term, adaptive lam;
+:class:`~fs_fedpa.plugin.privacy.ClientPrivacy`) or, still, a mixin: :mod:`~fs_fedpa.plugin.liveness` (the
+watchdog), :mod:`~fs_fedpa.plugin.client_state` (parking between messages), :mod:`~fs_fedpa.plugin.resume_fs`,
 :mod:`~fs_fedpa.plugin.evaluation` (both protocols, outcomes) and :mod:`~fs_fedpa.plugin.record_fs`.
 """
 
@@ -27,10 +28,9 @@ from federatedscope.core.message import Message
 from federatedscope.core.workers import Client
 from torch import Tensor
 
-from fs_fedpa import lora
+from fs_fedpa import lora, resume
 from fs_fedpa.core.diagnostics import GradientSplit
 from fs_fedpa.core.ranks import truncate_factors
-from fs_fedpa import resume
 from fs_fedpa.plugin import auth, fs_patches
 from fs_fedpa.plugin.alignment import Alignment
 from fs_fedpa.plugin.client_state import ClientState, state_store
@@ -40,8 +40,8 @@ from fs_fedpa.plugin.liveness import ClientLiveness
 from fs_fedpa.plugin.messages import reply_problem
 from fs_fedpa.plugin.payload import decode_factors, decode_merge, decode_tensors, encode_parts, encode_tensors
 from fs_fedpa.plugin.privacy import ClientPrivacy
-from fs_fedpa.plugin.resume_fs import ClientResume
 from fs_fedpa.plugin.record_fs import ClientDiagnostics
+from fs_fedpa.plugin.resume_fs import ClientResume
 from fs_fedpa.plugin.schedule import RunSchedule
 from fs_fedpa.plugin.trainer import install_alignment_hook
 

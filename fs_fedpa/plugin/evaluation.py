@@ -13,9 +13,8 @@ from federatedscope.core.auxiliaries.utils import merge_dict_of_results
 from federatedscope.core.message import Message
 from torch import Tensor
 
-from fs_fedpa import lora
+from fs_fedpa import lora, resume
 from fs_fedpa.core.instance import instance_weights, representation
-from fs_fedpa import resume
 from fs_fedpa.plugin.common import send, without_empty_splits
 from fs_fedpa.plugin.payload import (
     decode_tensors,

@@ -11,12 +11,9 @@ import re
 
 from torch import Tensor
 
-from fs_fedpa import lora
-from fs_fedpa import resume
+from fs_fedpa import lora, resume
+from fs_fedpa.plugin.common import non_lora_trainables
 from fs_fedpa.plugin.privacy import accounting_settings
-from fs_fedpa.plugin.common import (
-    non_lora_trainables,
-)
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 

@@ -21,9 +21,8 @@ import torch
 from federatedscope.core.workers import Server
 from torch import Tensor
 
-from fs_fedpa import lora
+from fs_fedpa import lora, resume
 from fs_fedpa.methods.base import FederatedMethod
-from fs_fedpa import resume
 from fs_fedpa.plugin import auth
 from fs_fedpa.plugin.aggregator import FedPAAggregator
 from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainables, send
@@ -32,8 +31,8 @@ from fs_fedpa.plugin.inbox import ServerInbox
 from fs_fedpa.plugin.liveness import ServerLiveness
 from fs_fedpa.plugin.payload import encode_factors, encode_merge, encode_tensors, nbytes
 from fs_fedpa.plugin.privacy_server import ServerPrivacy
-from fs_fedpa.plugin.resume_fs import ServerResume, check_resume_file
 from fs_fedpa.plugin.record_fs import RoundLog
+from fs_fedpa.plugin.resume_fs import ServerResume, check_resume_file
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
