@@ -22,13 +22,14 @@ Pairs = dict[str, tuple[Tensor, Tensor]]
 
 
 class Alignment:
-    """One client's alignment term. ``method`` gives the term's form and ``fedpa`` config; ``grads`` splits the
+    """One client's alignment term. ``method`` gives the term's form and ``fedpa`` config; :attr:`grads` splits the
     factors' gradient between the term and the task loss for the diagnostics (``watched`` says whether it does).
     ``penalty_weight`` is the client's lam/s_bar^2 factor (:meth:`fs_fedpa.lora.ClientSpace.penalty_weight`), set
     when its space is known."""
 
-    def __init__(self, method, grads: GradientSplit, watched: bool):
-        self.method, self.grads, self.watched = method, grads, watched
+    def __init__(self, method, watched: bool):
+        self.method, self.watched = method, watched
+        self.grads = GradientSplit()
         self.penalty_weight = 1.0
         self.reference: Pairs = {}  # X_g,i: the received rank-R_i reference, client space, on the model's device
         self.live: Pairs = {}  # the model's trainable factors the term is computed on

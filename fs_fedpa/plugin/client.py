@@ -29,7 +29,6 @@ from federatedscope.core.workers import Client
 from torch import Tensor
 
 from fs_fedpa import lora, resume
-from fs_fedpa.core.diagnostics import GradientSplit
 from fs_fedpa.core.ranks import truncate_factors
 from fs_fedpa.plugin import auth, fs_patches
 from fs_fedpa.plugin.alignment import Alignment
@@ -60,10 +59,9 @@ class FedPAClient(
         ctx = self.trainer.ctx
         ctx.trainable_para_names = share_equal("names", ctx.trainable_para_names)
         self.method = build_method(self._cfg, self.model)
-        self._grads = GradientSplit()
         # diagnostics off: none computed, not only not sent; under DP-SGD the task gradient is the noisy one
         watched = self.method.cfg.diagnostics and self.method.cfg.dp_mode != "sample"
-        self.alignment = Alignment(self.method, self._grads, watched)
+        self.alignment = Alignment(self.method, watched)
         self._set_space()
         self.local_names, self.shared_names = non_lora_trainables(self.model, self._cfg.personalization.local_param)
         params = dict(self.model.named_parameters())
@@ -218,7 +216,7 @@ class FedPAClient(
         self.local_tensors = {n: params[n].detach().clone() for n in self.local_names}
 
     def _leave_round(self) -> dict:
-        self._grads.close()
+        self.alignment.grads.close()
         trained = self.space.from_model(lora.copy_factors(self.method.read(self.model)))
         params = dict(self.model.named_parameters())
         local = {n: params[n].detach().clone() for n in self.local_names}

@@ -58,7 +58,7 @@ class ClientDiagnostics:
         if ref_sq > 0:
             stats["drift_rel"] = (drift_sq / ref_sq) ** 0.5
         if self.alignment.penalty_steps:
-            for when, (align, task) in self._grads.norms().items():
+            for when, (align, task) in self.alignment.grads.norms().items():
                 stats[f"grad_ratio_{when}"] = align / task if task > 0 else float("inf")
         return stats
 
