@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import atexit
 import fnmatch
-import json
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -46,8 +46,8 @@ from fs_fedpa.study.sst2_protocol import (
     whole_rounds,
     write_run,
 )
-from fs_fedpa.tools.sst2_demo import find_glue_dir
 from fs_fedpa.study.report import write_report
+from fs_fedpa.tools.sst2_demo import find_glue_dir
 
 
 def recollect(results: dict, report: Path, work: Path, stages: list[str]) -> list[str]:
