@@ -8,10 +8,11 @@ Local tensors never leave the client. Factors live in the client's one space (:c
 and are converted only at download, upload and when loaded into the model.
 
 This module holds entering and leaving a round; each other concern is in a module of its name, as a collaborator
-object (:class:`~fs_fedpa.plugin.alignment.Alignment`: the training term, adaptive lam;
-:class:`~fs_fedpa.plugin.privacy.ClientPrivacy`) or, still, a mixin: :mod:`~fs_fedpa.plugin.liveness` (the
-watchdog), :mod:`~fs_fedpa.plugin.client_state` (parking between messages), :mod:`~fs_fedpa.plugin.resume_fs`,
-:mod:`~fs_fedpa.plugin.evaluation` (both protocols, outcomes) and :mod:`~fs_fedpa.plugin.record_fs`.
+object (:class:`~fs_fedpa.plugin.client_state.ClientState`: what it keeps, parked between messages;
+:class:`~fs_fedpa.plugin.alignment.Alignment`: the training term, adaptive lam;
+:class:`~fs_fedpa.plugin.resume_fs.ClientResume`; :class:`~fs_fedpa.plugin.record_fs.RoundStats`: its upload's
+statistics; :class:`~fs_fedpa.plugin.privacy.ClientPrivacy`) or, still, a mixin holding FS handlers:
+:mod:`~fs_fedpa.plugin.liveness` (the watchdog) and :mod:`~fs_fedpa.plugin.evaluation` (both protocols, outcomes).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from federatedscope.core.message import Message
 from federatedscope.core.workers import Client
 from torch import Tensor
 
-from fs_fedpa import lora, resume
+from fs_fedpa import lora
 from fs_fedpa.core.ranks import truncate_factors
 from fs_fedpa.plugin import auth, fs_patches
 from fs_fedpa.plugin.alignment import Alignment
@@ -39,7 +40,7 @@ from fs_fedpa.plugin.liveness import ClientLiveness
 from fs_fedpa.plugin.messages import reply_problem
 from fs_fedpa.plugin.payload import decode_factors, decode_merge, decode_tensors, encode_parts, encode_tensors
 from fs_fedpa.plugin.privacy import ClientPrivacy
-from fs_fedpa.plugin.record_fs import ClientDiagnostics
+from fs_fedpa.plugin.record_fs import RoundStats
 from fs_fedpa.plugin.resume_fs import ClientResume
 from fs_fedpa.plugin.schedule import RunSchedule
 from fs_fedpa.plugin.trainer import install_alignment_hook
@@ -47,9 +48,7 @@ from fs_fedpa.plugin.trainer import install_alignment_hook
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
 
-class FedPAClient(
-    ClientLiveness, ClientState, ClientResume, ClientEvaluation, ClientDiagnostics, Client
-):
+class FedPAClient(ClientLiveness, ClientEvaluation, Client):
     def __init__(self, *args, **kwargs):
         if kwargs.get("config") is not None:
             kwargs["config"] = share_equal("config", kwargs["config"])
@@ -64,34 +63,24 @@ class FedPAClient(
         self.alignment = Alignment(self.method, watched)
         self._set_space()
         self.local_names, self.shared_names = non_lora_trainables(self.model, self._cfg.personalization.local_param)
+        store = state_store(self._cfg, self.method.cfg.state_budget_mb)
+        self.kept = ClientState(store, keep_received=bool(self.method.cfg.export_dir))
         params = dict(self.model.named_parameters())
         # Snapshot now: with share_local_model, other clients' training overwrites the model's copy.
-        self.local_tensors = {n: params[n].detach().clone() for n in self.local_names}
-        self.factors: dict[str, tuple[Tensor, Tensor]] | None = None  # own (B_i, A_i), kept across rounds
-        self.base_offset: dict[str, Tensor] = {}  # (d, k) per module: the merges received (exact-aggregation methods)
-        self.personal: dict[str, tuple[Tensor, Tensor]] | None = None  # a personal adapter (FedDPA), never sent
+        self.kept.local = {n: params[n].detach().clone() for n in self.local_names}
+        if store.initial_local is None:  # what a client whose state is lost starts from again
+            store.initial_local = {n: t.detach().cpu().clone() for n, t in self.kept.local.items()}
         if self._moves_base:
             lora.keep_base(self.model)
+        self.stats = RoundStats(self.method, self.alignment)
         self._e_init: dict[str, float] = {}
-        self._rounds_trained = 0
-        self._last_trained: int | None = None  # the last round it trained (partial participation's staleness)
         self._stale: dict[str, float] = {}
         self._restarted = False
-        self._received: dict[str, tuple[Tensor, Tensor]] = {}
         self._start: dict[str, tuple[Tensor, Tensor]] | None = None  # the round's starting factors (diagnostics)
-        self._last_received: dict[str, tuple[Tensor, Tensor]] | None = None
-        self._fold: dict[str, tuple[Tensor, Tensor]] | None = None  # the base part of the model it trains (last)
-        save_to, restore_from = self._cfg.federate.save_to, self._cfg.federate.restore_from
-        self._resume_out = resume.server_path(save_to) if save_to else None
-        self._resume_in = restore_from or None  # read at the first message, which names the round
+        self.resume = ClientResume(self._cfg, self.method)
         install_alignment_hook(self.trainer, self.alignment)
         self.privacy = ClientPrivacy(self)
         self.schedule = RunSchedule(self.trainer, self._cfg) if self.method.cfg.lr_schedule != "none" else None
-        self.store = state_store(self._cfg, self.method.cfg.state_budget_mb)
-        if self.store.initial_local is None:  # what a client whose state is lost starts from again
-            self.store.initial_local = {n: t.detach().cpu().clone() for n, t in self.local_tensors.items()}
-        self._parked = False
-        self._state_lost = self._lost_this_round = self._lost_unreported = False
         self._token = secrets.token_hex(16)  # marks the watchdog's own message
         self._heard = time.monotonic()  # the last time it heard from the server, or stopped waiting
         self._waiting = False
@@ -153,7 +142,7 @@ class FedPAClient(
     # ----------------------------------------------------------------------------------- training
     def callback_funcs_for_model_para(self, message: Message):
         self._unpark()
-        self._restore(message.state)
+        self.resume.restore(self.kept, self.ID, message.state, self._initial_factors, self._device)
         self.state, self._answered = message.state, (message.state, message.timestamp)
         self.privacy.new_round()
         if self.schedule is not None:
@@ -166,28 +155,29 @@ class FedPAClient(
         sample_size = self.privacy.sample_size(sample_size)  # client-level DP: 1, in the content and the timestamp
         self._release_optimizer()
         upload = self._leave_round()
-        self.privacy.log_round(self._rounds_trained)
+        self.privacy.log_round(self.kept.rounds_trained)
         self._park()
         logger.info(self._monitor.format_eval_res(results, rnd=self.state, role=f"Client #{self.ID}", return_raw=True))
         timestamp = self._gen_timestamp(init_timestamp=message.timestamp, instance_number=sample_size)
         send(self, "model_para", message.sender, (sample_size, upload), timestamp)
 
     def _enter_round(self, payload: dict) -> None:
-        if self.factors is None and not self._state_lost:
-            self.factors = self._initial_factors()
+        if self.kept.factors is None and not self.kept.lost:
+            self.kept.factors = self._initial_factors()
         received = self._own_and_received(payload)
-        self._lost_this_round, self._lost_unreported = self._lost_unreported, False  # the server resends merges
-        self._stale = self._staleness(received)
+        kept = self.kept
+        kept.lost_this_round, kept.lost_unreported = kept.lost_unreported, False  # the server resends merges
+        self._stale = self.stats.staleness(self.space, self.kept, received, self.state)
         self._train_personal(received, payload)
-        start = self.method.start_round(received, self.factors, self.index, self.state)
-        self._e_init = self._init_error(start, self.factors)
+        start = self.method.start_round(received, self.kept.factors, self.index, self.state)
+        self._e_init = self.stats.init_error(start, self.kept.factors, self.kept.rounds_trained)
         self._start = lora.copy_factors(start) if self.method.cfg.diagnostics else None
-        self._received = received
-        self._fold = self.method.fold(received, self.index, self.state)
-        self._set_base(self._fold)
+        self.kept.received = received
+        self.kept.fold = self.method.fold(received, self.index, self.state)
+        self._set_base(self.kept.fold)
         self._load(start, trainable=self.method.trainable(self.state))
         self._load_tensors(decode_tensors(payload.get("shared", {})))
-        self._load_tensors(self.local_tensors)
+        self._load_tensors(self.kept.local)
         device = self._device
         reference = {n: (B.to(device), A.to(device)) for n, (B, A) in received.items()}
         self.alignment.start_round(self.method.read(self.model), reference)
@@ -196,7 +186,7 @@ class FedPAClient(
         """The personal phase, if the method has one this round: the model applies ``a * personal + (1 - a) *
         reference`` with the reference frozen in the base weights (FedDPA's mixed forward), trains the personal
         factors and the local tensors, and keeps them; the personal factors never leave the client."""
-        start = self.method.personal_start(received, self.personal, self.index, self.state)
+        start = self.method.personal_start(received, self.kept.personal, self.index, self.state)
         if start is None or self.privacy.sits_out:
             return
         a = self.method.personal_weight
@@ -205,15 +195,15 @@ class FedPAClient(
         lora.set_factors(self.model, self.space.to_model(start))
         lora.scale_adapters(self.model, a)
         self._load_tensors(decode_tensors(payload.get("shared", {})))
-        self._load_tensors(self.local_tensors)
+        self._load_tensors(self.kept.local)
         try:
             with self.alignment.paused():  # no alignment term in this phase
                 self.trainer.train()
         finally:
             lora.set_base_offsets(self.model, {})  # back to W_0
-        self.personal = self.space.from_model(lora.copy_factors(lora.get_factors(self.model)))
+        self.kept.personal = self.space.from_model(lora.copy_factors(lora.get_factors(self.model)))
         params = dict(self.model.named_parameters())
-        self.local_tensors = {n: params[n].detach().clone() for n in self.local_names}
+        self.kept.local = {n: params[n].detach().clone() for n in self.local_names}
 
     def _leave_round(self) -> dict:
         self.alignment.grads.close()
@@ -227,14 +217,13 @@ class FedPAClient(
                 f"[fedpa] client #{self.ID}, round {self.state}: its own factors or local tensors became non-finite; "
                 "it restarts from the global reference it received (and keeps its local tensors of the last round)"
             )
-            trained, local = self._restart_factors(), self.local_tensors or local
-        self.factors = self.method.end_round(trained, self.index, self.state)
-        self.local_tensors = local
-        self._rounds_trained += 1
-        self._last_trained = self.state
-        if self._resume_out:
-            self._write_resume_file()
-        sent = self.space.upload(self.method.before_upload(self.factors, self._received, self.state))
+            trained, local = self._restart_factors(), self.kept.local or local
+        self.kept.factors = self.method.end_round(trained, self.index, self.state)
+        self.kept.local = local
+        self.kept.rounds_trained += 1
+        self.kept.last_trained = self.state
+        self.resume.write(self.kept, self._snapshot(), self.ID, self.state)
+        sent = self.space.upload(self.method.before_upload(self.kept.factors, self.kept.received, self.state))
         wire = self._cfg.federate.mode.lower() == "distributed"  # tensors as explicit encodings, never pickled
         upload = {
             "lora": encode_parts(self.method.upload_payload(sent, self.index, self.state), wire=wire),
@@ -244,10 +233,11 @@ class FedPAClient(
                     "lam": float(self.alignment.lam),
                     "num_train_data": int(getattr(self.trainer.ctx, "num_train_data", 0) or 0),
                     "restarted": int(self._restarted),
-                    "state_lost": int(self._lost_this_round),
+                    "state_lost": int(self.kept.lost_this_round),
                     **self._stale,
                     **self._e_init,
-                    **self._round_stats(sent),
+                    **self.stats.round_stats(sent, self.space, self.kept.received, self.kept.fold, self._start,
+                                             self.state),
                 }
             ),
         }
@@ -266,6 +256,27 @@ class FedPAClient(
                 if getattr(ctx, name, None) is not None:
                     setattr(ctx, name, None)
 
+    # ------------------------------------------------------------------------------------ its state between messages
+    def _park(self) -> None:
+        """After each message: its state to the store; nothing of it, nor of the round's reference, stays here."""
+        self.kept.park(self.ID)
+        self.alignment.clear()
+
+    def _unpark(self) -> None:
+        """Before each message: its state from the store onto the device it computes on."""
+        self.kept.unpark(self.ID, self._device)
+
+    def _release(self) -> None:
+        """The run is over: drop its state and the round's reference (saved where asked)."""
+        self.kept.release()
+        self.alignment.clear()
+
+    def _snapshot(self) -> dict:
+        """Everything this client keeps across rounds (raw factors, local tensors), on the CPU, with its round, id
+        and rank r_i."""
+        rank = self.method.plan.client_ranks[self.index]
+        return {"round": self.state, "client": self.ID, "rank": rank, **self.kept.snapshot()}
+
     # ------------------------------------------------------------------------------------ the end of the run
     def callback_funcs_for_finish(self, message: Message):
         """Never load the server's model (its factors have rank R_g); save this client's own state where asked
@@ -273,19 +284,20 @@ class FedPAClient(
         memory at once would undo ``fedpa.state_budget_mb``."""
         logger.info(f"================= client {self.ID} received finish message =================")
         self._unpark()
-        self.store.drop(self.ID)
-        if not self.store.reported:
-            self.store.reported = True
-            logger.info(f"[fedpa] client state store: {self.store.summary()}")
-        if self.factors is not None:
+        store = self.kept.store
+        store.drop(self.ID)
+        if not store.reported:
+            store.reported = True
+            logger.info(f"[fedpa] client state store: {store.summary()}")
+        if self.kept.factors is not None:
             # what its own-factor evaluation adds to the base weights (Fed-PLoRA's undrawn modules): for the export
-            state = {**self.local_state(), "fold": lora.copy_factors(self._fold or {}, "cpu"),
+            state = {**self._snapshot(), "fold": lora.copy_factors(self.kept.fold or {}, "cpu"),
                      "scaling": lora.Scaling.of(self.model).record()}  # fmt: skip
             if self._cfg.federate.save_to:
                 torch.save(state, add_prefix_to_path(f"fedpa_client_{self.ID}_", self._cfg.federate.save_to))
             if self.method.cfg.export_dir:
                 self._export(state)
-        self._release_state()  # saved where asked; N clients' states must not all come back into memory at the end
+        self._release()  # saved where asked; N clients' states must not all come back into memory at the end
         self._monitor.finish_fl()
 
     def _export(self, state: dict) -> None:
@@ -295,7 +307,7 @@ class FedPAClient(
 
         out = self.method.cfg.export_dir
         exporter = Exporter(self._cfg, self.model, self.method, out, force=True)
-        received = self._last_received or exporter.received(self.ID, {}, self.factors)
+        received = self.kept.last_received or exporter.received(self.ID, {}, self.kept.factors)
         cpu = {n: (B.cpu(), A.cpu()) for n, (B, A) in received.items()}
         entry = exporter.client_entry(self.ID, state, cpu, own_models=self.method.cfg.export_clients)
         path = os.path.join(out, f"export_client_{self.ID}.json")
@@ -325,10 +337,10 @@ class FedPAClient(
         """Rank-r_i factors whose product is the reference received this round: its R_i columns/rows, then zero
         columns of B with the rows of the client's initial A (so the extra rank can still learn)."""
         if self.method.folds or not self.method.state_is_factors:  # the round's start from what it received
-            return self.method.start_round(self._received, self.factors, self.index, self.state)
+            return self.method.start_round(self.kept.received, self.kept.factors, self.index, self.state)
         r_i, initial = self.method.plan.client_ranks[self.index], self._initial_factors()
         out = {}
-        for name, (B, A) in self._received.items():
+        for name, (B, A) in self.kept.received.items():
             B_r, A_r = truncate_factors(B, A, r_i)
             R = min(B.shape[1], r_i)
             A_r[R:] = initial[name][1][R:].to(A_r)
@@ -339,13 +351,13 @@ class FedPAClient(
         """The reference of ``payload`` (:meth:`_receive`), with this client's own factors ready beside it: those it
         kept or, if its stored state could not be read back (:meth:`_unpark`), factors restarted from that reference
         (training and evaluation alike, whatever the diagnostics)."""
-        lost = self._state_lost
+        lost = self.kept.lost
         if lost:
-            self.factors = self._initial_factors()  # the modules and ranks the reference is completed to
+            self.kept.factors = self._initial_factors()  # the modules and ranks the reference is completed to
         received = self._receive(payload)
         if lost:
-            self._received = received
-            self.factors, self._state_lost, self._lost_unreported = self._restart_factors(), False, True
+            self.kept.received = received
+            self.kept.factors, self.kept.lost, self.kept.lost_unreported = self._restart_factors(), False, True
         return received
 
     def _receive(self, payload: dict) -> dict[str, tuple[Tensor, Tensor]]:
@@ -356,19 +368,20 @@ class FedPAClient(
         device = self._device
         received = {n: (B.to(device), A.to(device)) for n, (B, A) in
                     self.space.download(decode_factors(payload.get("lora", {}))).items()}  # fmt: skip
-        for name, (B, A) in self.factors.items():
+        for name, (B, A) in self.kept.factors.items():
             if name not in received:
                 received[name] = (torch.zeros_like(B, device=device), torch.zeros_like(A, device=device))
         if "base_total" in payload:  # it lacked more than the newest merge: the sum of all, in place of its own
-            self.base_offset = {n: t.to(device, torch.promote_types(t.dtype, torch.float32)) for n, t in
+            self.kept.base_offset = {n: t.to(device, torch.promote_types(t.dtype, torch.float32)) for n, t in
                                 decode_tensors(payload["base_total"]).items()}  # fmt: skip
         for merge in decode_merge(payload.get("base", {})):  # one by one, as they were merged
             for name, increment in merge.items():
-                if name not in self.factors:
+                if name not in self.kept.factors:
                     raise KeyError(f"the server merged into {name!r}, which is not a LoRA module of this model")
                 dtype = torch.promote_types(increment.dtype, torch.float32)
                 increment = increment.to(device, dtype)
-                self.base_offset[name] = self.base_offset[name] + increment if name in self.base_offset else increment
+                offsets = self.kept.base_offset
+                offsets[name] = offsets[name] + increment if name in offsets else increment
         return received
 
     @property
@@ -382,7 +395,7 @@ class FedPAClient(
         plus the applied product of ``fold`` (client space) for this round's training."""
         if not self._moves_base:
             return
-        offsets = dict(self.base_offset)
+        offsets = dict(self.kept.base_offset)
         for name, (B, A) in self.space.upload(fold or {}).items():
             offsets[name] = offsets[name] + B @ A if name in offsets else B @ A
         lora.set_base_offsets(self.model, offsets)

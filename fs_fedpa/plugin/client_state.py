@@ -1,76 +1,108 @@
-"""A client's state between messages: parked in the run's :class:`~fs_fedpa.state_store.StateStore` (host
-memory, or disk beyond ``fedpa.state_budget_mb``) after each message and brought back before the next.
-:class:`ClientState` is a mixin of :class:`~fs_fedpa.plugin.client.FedPAClient`."""
+"""What a client keeps across rounds (:class:`ClientState`, a collaborator of
+:class:`~fs_fedpa.plugin.client.FedPAClient`), parked in the run's :class:`~fs_fedpa.state_store.StateStore`
+(host memory, or disk beyond ``fedpa.state_budget_mb``) after each message and brought back before the next."""
 
 from __future__ import annotations
 
 import logging
 import os
 
+import torch
+from torch import Tensor
+
 from fs_fedpa import lora
 from fs_fedpa.state_store import SpillError, StateStore, flatten, unflatten
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 _STORES: dict[str, StateStore] = {}  # one per run folder: the clients of a standalone run share its budget
+Factors = dict[str, tuple[Tensor, Tensor]]
+PARKED_PAIRS = {"factors": "factors", "personal": "personal", "fold": "fold", "received": "last_received"}
 
 
 class ClientState:
-    """Parking, restoring and releasing what the client keeps across rounds."""
+    """One client's state, in its space (:class:`fs_fedpa.lora.ClientSpace`):
 
-    def _park(self) -> None:
-        """After each message: what this client keeps goes to the state store (host memory, or disk beyond
-        ``fedpa.state_budget_mb``), and nothing of it, nor of the round's reference, stays on the model's device."""
-        parts = {"factors": self.factors, "local": self.local_tensors, "base_offset": self.base_offset,
-                 "personal": self.personal, "fold": self._fold}  # fmt: skip
-        if self.method.cfg.export_dir:
-            parts["received"] = self._last_received
-        self.store.put(self.ID, flatten(parts))
-        self._parked = True
-        self._release_state()
+    - ``factors``: its own ``(B_i, A_i)`` per module, kept across rounds (None until it first trains);
+    - ``local``: its local tensors (``personalization.local_param``, e.g. the head), which never leave it;
+    - ``base_offset``: per module the (d, k) sum of the merges it received (exact-aggregation methods);
+    - ``personal``: a personal adapter that is never sent (FedDPA); ``fold``: the base part of the model it trained
+      last (Fed-PLoRA's undrawn modules); ``last_received``: its last evaluation's reference (kept for an export);
+    - ``received``: this round's reference (never parked); ``rounds_trained`` and ``last_trained`` (the last round
+      it trained), which its resume files carry;
+    - ``lost``: its parked state could not be read back, so it restarts from the next reference; ``lost_this_round``
+      and ``lost_unreported`` carry that into the round's upload.
 
-    def _release_state(self) -> None:
-        """Drop this client's references to its state and to the round's reference (parked, or the run is over)."""
-        self.factors = self.personal = self._fold = self._last_received = None
-        self.local_tensors, self.base_offset = {}, {}
-        self._received = {}
-        self.alignment.clear()
+    Between messages the tensors live in ``store`` (:meth:`park`) and none of them on the model's device."""
 
-    def _unpark(self) -> None:
-        """Before each message: this client's state from the store onto the model's device. A stored state that
-        cannot be read back is this client's loss alone: it is logged, and the client restarts from the reference
-        it receives, with the initial local tensors (docs/errors.md)."""
-        if not self._parked:
+    def __init__(self, store: StateStore, keep_received: bool):
+        self.store, self.keep_received = store, keep_received
+        self.factors: Factors | None = None
+        self.local: dict[str, Tensor] = {}
+        self.base_offset: dict[str, Tensor] = {}
+        self.personal: Factors | None = None
+        self.fold: Factors | None = None
+        self.last_received: Factors | None = None
+        self.received: Factors = {}
+        self.rounds_trained, self.last_trained = 0, None
+        self.parked = False
+        self.lost = self.lost_this_round = self.lost_unreported = False
+
+    def park(self, client: int) -> None:
+        """After each message: what client ``client`` keeps goes to the store, and nothing of it, nor of the round's
+        reference, stays on the model's device."""
+        parts = {"factors": self.factors, "local": self.local, "base_offset": self.base_offset,
+                 "personal": self.personal, "fold": self.fold}  # fmt: skip
+        if self.keep_received:
+            parts["received"] = self.last_received
+        self.store.put(client, flatten(parts))
+        self.parked = True
+        self.release()
+
+    def release(self) -> None:
+        """Drop the references to the state and to the round's reference (parked, or the run is over)."""
+        self.factors = self.personal = self.fold = self.last_received = None
+        self.local, self.base_offset, self.received = {}, {}, {}
+
+    def unpark(self, client: int, device: torch.device) -> None:
+        """Before each message: the state of client ``client`` from the store onto ``device``. A stored state that
+        cannot be read back is this client's loss alone: it is logged, :attr:`lost` is set, and the client restarts
+        from the reference it receives, with the initial local tensors (docs/errors.md)."""
+        if not self.parked:
             return
-        self._parked = False
+        self.parked = False
         try:
-            flat = self.store.get(self.ID) or {}
+            flat = self.store.get(client) or {}
         except SpillError as exc:
-            logger.warning(f"[fedpa] {exc}; client #{self.ID} restarts from the global reference it receives and "
+            logger.warning(f"[fedpa] {exc}; client #{client} restarts from the global reference it receives and "
                            "its initial local tensors")  # fmt: skip
-            flat, self._state_lost = flatten({"local": self.store.initial_local}), True
+            flat, self.lost = flatten({"local": self.store.initial_local}), True
         parts = unflatten(flat)
-        device = self._device
-
-        def pairs(part):
-            return {n: (B.to(device), A.to(device)) for n, (B, A) in parts[part].items()} if part in parts else None
-
-        self.factors, self.personal, self._fold, self._last_received = (
-            pairs(p) for p in ("factors", "personal", "fold", "received")
-        )
-        self.local_tensors = {n: t.to(device) for n, t in parts.get("local", {}).items()}
+        for part, name in PARKED_PAIRS.items():
+            setattr(self, name, _on(parts[part], device) if part in parts else None)
+        self.local = {n: t.to(device) for n, t in parts.get("local", {}).items()}
         self.base_offset = {n: t.to(device) for n, t in parts.get("base_offset", {}).items()}
 
-    def local_state(self) -> dict:
-        """Everything this client keeps across rounds (raw factors, local tensors), on the CPU."""
+    def snapshot(self) -> dict:
+        """Everything kept across rounds (raw factors, local tensors, merges, personal adapter), on the CPU."""
         return {
-            "round": self.state,
-            "client": self.ID,
-            "rank": self.method.plan.client_ranks[self.index],
             "factors": lora.copy_factors(self.factors, "cpu"),
-            "local": {n: t.detach().cpu().clone() for n, t in self.local_tensors.items()},
+            "local": {n: t.detach().cpu().clone() for n, t in self.local.items()},
             "base_offset": {n: t.cpu() for n, t in self.base_offset.items()},
             "personal": lora.copy_factors(self.personal, "cpu") if self.personal is not None else {},
         }
+
+    def load(self, saved: dict, device: torch.device) -> None:
+        """A resume file's state (:meth:`snapshot`'s keys, ``rounds_trained`` and ``round``) onto ``device``."""
+        self.factors = _on(saved["factors"], device)
+        self.local = {n: t.to(device) for n, t in saved["local"].items()}
+        self.base_offset = {n: t.to(device) for n, t in saved.get("base_offset", {}).items()}
+        self.personal = _on(saved.get("personal", {}), device) or None
+        self.rounds_trained = saved["rounds_trained"]
+        self.last_trained = saved["round"]  # a client writes its file in the round it trains
+
+
+def _on(factors: Factors, device: torch.device) -> Factors:
+    return {n: (B.to(device), A.to(device)) for n, (B, A) in factors.items()}
 
 
 def state_store(cfg, budget_mb: float) -> StateStore:

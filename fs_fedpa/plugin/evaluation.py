@@ -32,22 +32,22 @@ class ClientEvaluation:
         """Paper protocol (global rank-R_i reference + own local tensors) and, with fedpa.eval_local, the
         client's own preserved factors, reported as ``local.<split>_<metric>``."""
         self._unpark()
-        self._restore(message.state)
+        self.resume.restore(self.kept, self.ID, message.state, self._initial_factors, self._device)
         self.state, self._answered = message.state, (message.state, message.timestamp)
         payload = message.content
         # a client that never trained evaluates its initial factors, which it need not keep: any worker can draw them
         # again from the run's seed, so N never-sampled clients store nothing
-        untrained = self.factors is None and not self._state_lost
+        untrained = self.kept.factors is None and not self.kept.lost
         if untrained:
-            self.factors = self._initial_factors()
+            self.kept.factors = self._initial_factors()
         received = self._own_and_received(payload)
-        self._last_received = received  # what an export at the end of the run evaluates
-        evaluated = self.method.evaluation_factors(received, self.factors, self.index, personal=self.personal)
+        self.kept.last_received = received  # what an export at the end of the run evaluates
+        evaluated = self.method.evaluation_factors(received, self.kept.factors, self.index, personal=self.kept.personal)
         self._set_base()
         self._load(evaluated)
         self._load_tensors(decode_tensors(payload.get("shared", {})))
-        self._load_tensors(self.local_tensors)
-        mixed = self.method.instance_mix is not None and self.personal is not None
+        self._load_tensors(self.kept.local)
+        mixed = self.method.instance_mix is not None and self.kept.personal is not None
         undo = self._instance_mix(next(iter(received.values()))[0].shape[1]) if mixed else lambda: None
         try:
             metrics = self._evaluate_splits()
@@ -56,8 +56,8 @@ class ClientEvaluation:
         outcomes = {"global": self._take_outcomes()}
         if self.method.cfg.eval_local:
             # the model it trained: Fed-PLoRA's own modules sit on the undrawn ones it folded into the base
-            self._set_base(self._fold)
-            self._load(self.factors)
+            self._set_base(self.kept.fold)
+            self._load(self.kept.factors)
             # FS derives the split from the text before the first "_" and the metric from the text after
             # "<split>_", so the protocol goes in front: local.test_acc, local.test_total, ...
             metrics.update({f"local.{key}": value for key, value in self._evaluate_splits().items()})
@@ -78,7 +78,7 @@ class ClientEvaluation:
             )
         self.history_results = merge_dict_of_results(self.history_results, formatted["Results_raw"])
         if untrained:
-            self.factors = None
+            self.kept.factors = None
         self._park()
         send(self, "metrics", message.sender, metrics, message.timestamp)
 

@@ -1,7 +1,8 @@
 """Differential privacy in the FS workers (``fedpa.dp_mode``, docs/privacy.md): what a client may send and its DP-SGD
 (:class:`ClientPrivacy`), and the settings both sides share (the method check, the DP-SGD plan, the accounting
-settings); the server's sampling, release and ledger are :class:`~fs_fedpa.plugin.privacy_server.ServerPrivacy`. The mechanisms are
-:mod:`fs_fedpa.core.dp`, the accounting :mod:`fs_fedpa.core.dp_accountant`; the workers only wire these in.
+settings); the server's sampling, release and ledger are :class:`~fs_fedpa.plugin.privacy_server.ServerPrivacy`.
+The mechanisms are :mod:`fs_fedpa.core.dp`, the accounting :mod:`fs_fedpa.core.dp_accountant`; the workers only
+wire these in.
 
 The ledger ``<outdir>/fedpa_privacy.jsonl`` has one line a round, whatever ``fedpa.diagnostics`` says: the
 cumulative epsilon at the run's delta (sample mode: per client, and the largest), the sampling, adjacency, noise

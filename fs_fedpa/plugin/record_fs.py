@@ -1,4 +1,4 @@
-"""Round records and diagnostics: what each client measures of its round (:class:`ClientDiagnostics`) and what
+"""Round records and diagnostics: what each client measures of its round (:class:`RoundStats`) and what
 the server records of each aggregation (:class:`RoundLog`, one JSON line a round in
 ``<outdir>/fedpa_diagnostics.jsonl``). With ``fedpa.diagnostics False`` none of it is computed."""
 
@@ -24,37 +24,45 @@ from fs_fedpa.core.diagnostics import (
 from fs_fedpa.record import DIAGNOSTICS_FILE, RoundRecord
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
+Factors = dict[str, tuple[Tensor, Tensor]]
 
 
-class ClientDiagnostics:
-    """Mixin of :class:`~fs_fedpa.plugin.client.FedPAClient`: the statistics it adds to its upload."""
+class RoundStats:
+    """The statistics a client adds to its upload (a collaborator of :class:`~fs_fedpa.plugin.client.FedPAClient`),
+    from what it is given: its space, its state and the round's factors. With ``fedpa.diagnostics False`` none is
+    computed."""
 
-    def _whole_update(self, sent: dict[str, tuple[Tensor, Tensor]]) -> dict[str, tuple[Tensor, Tensor]]:
+    def __init__(self, method, alignment):
+        self.method, self.alignment = method, alignment
+
+    def whole_update(self, sent: Factors, space, fold: Factors | None) -> Factors:
         """The client's whole update as applied factors: what it sends plus what it folded into its base weights
         for the round (Fed-PLoRA's undrawn modules), so its diagnostics compare like with like."""
-        if self._fold is None:
+        if fold is None:
             return sent
-        folded = self.space.upload(self._fold)
+        folded = space.upload(fold)
         return {n: (torch.cat([B, folded[n][0].to(B)], 1), torch.cat([A, folded[n][1].to(A)], 0)) for n, (B, A) in
                 sent.items()}  # fmt: skip
 
-    def _round_stats(self, sent) -> dict[str, float]:
-        """This round's mechanism (issue: diagnostics that explain a result), summed over LoRA modules, of its whole
-        update (``sent`` and any fold): ||Delta W_i||_F, the drift ||Delta W_i - X_g,i||_F from the received reference
-        X_g,i (and relative to ||X_g,i||_F, absent while the reference is 0), and ||grad of the alignment term|| /
-        ||grad of the task loss|| on the client's factors at the round's first and last step (absent for methods
-        without a term). None of it with ``fedpa.diagnostics False``."""
+    def round_stats(self, sent: Factors, space, received: Factors, fold: Factors | None, start: Factors | None,
+                    rnd: int) -> dict[str, float]:  # fmt: skip
+        """This round's mechanism, summed over LoRA modules, of its whole update (``sent`` and any ``fold``):
+        ||Delta W_i||_F, the drift ||Delta W_i - X_g,i||_F from the reference X_g,i it ``received`` (and relative to
+        ||X_g,i||_F, absent while the reference is 0), ``change_norm`` from the round's ``start``, and ||grad of the
+        alignment term|| / ||grad of the task loss|| on its factors at the round's first and last step (absent for
+        methods without a term). None of it with ``fedpa.diagnostics False``."""
         if not self.method.cfg.diagnostics:
             return {}
-        sent = self.method.expand(self._whole_update(sent))
-        reference = self.method.expand(self.space.upload(self._received))
+        whole = self.method.expand(self.whole_update(sent, space, fold))
+        reference = self.method.expand(space.upload(received))
         delta_sq = drift_sq = ref_sq = 0.0
-        for name, (B, A) in sent.items():
+        for name, (B, A) in whole.items():
             B_ref, A_ref = reference[name]
             delta_sq += float(factored_norm(B, A)) ** 2
             drift_sq += float(product_distance(B, A, B_ref, A_ref)) ** 2
             ref_sq += float(factored_norm(B_ref, A_ref)) ** 2
-        stats = {"delta_norm": delta_sq**0.5, "drift": drift_sq**0.5, **self._change_norm(sent)}
+        stats = {"delta_norm": delta_sq**0.5, "drift": drift_sq**0.5}
+        stats.update(self.change_norm(whole, space, start, fold, rnd))
         if ref_sq > 0:
             stats["drift_rel"] = (drift_sq / ref_sq) ** 0.5
         if self.alignment.penalty_steps:
@@ -62,33 +70,33 @@ class ClientDiagnostics:
                 stats[f"grad_ratio_{when}"] = align / task if task > 0 else float("inf")
         return stats
 
-    def _change_norm(self, sent) -> dict[str, float]:
+    def change_norm(self, sent: Factors, space, start: Factors | None, fold: Factors | None, rnd: int) -> dict:
         """``change_norm``: ||X_i - X_i^0||_F over the uploaded factors X of every module, from the factors the round
-        started from (applied; what client-level DP clips for factor methods). Absent for a method whose state is
-        not factors, or that folds part of its model."""
-        start = getattr(self, "_start", None)
-        if not start or not self.method.state_is_factors or self._fold is not None:
+        started from (``start``, client space; applied here; what client-level DP clips for factor methods).
+        Absent for a method whose state is not factors, or that folds part of its model."""
+        if not start or not self.method.state_is_factors or fold is not None:
             return {}
         try:
-            sq = change_sq_norm(sent, self.space.upload(start), self.method.upload_parts(self.state))
+            sq = change_sq_norm(sent, space.upload(start), self.method.upload_parts(rnd))
         except ValueError:  # a part whose shape changed in the round (a pruned rank): no change to measure
             return {}
         return {"change_norm": sq**0.5}
 
-    def _staleness(self, received) -> dict[str, float]:
+    def staleness(self, space, kept, received: Factors, rnd: int) -> dict[str, float]:
         """For a client that trained before: the rounds since it last trained, and ``||s_i B_i A_i - X_g,i||_F`` of
-        its preserved factors against the reference ``received`` at the start of this round (partial
-        participation: does a preserved factor that sat out drift from the reference?). None without diagnostics."""
-        if not self.method.cfg.diagnostics or self._last_trained is None or self.factors is None:
+        its preserved factors (``kept``, a :class:`~fs_fedpa.plugin.client_state.ClientState`) against the reference
+        ``received`` at the start of round ``rnd`` (partial participation: does a preserved factor that sat out drift
+        from the reference?). None without diagnostics."""
+        if not self.method.cfg.diagnostics or kept.last_trained is None or kept.factors is None:
             return {}
-        own, reference = (self.method.expand(self.space.upload(f)) for f in (self.factors, received))
+        own, reference = (self.method.expand(space.upload(f)) for f in (kept.factors, received))
         sq = sum(float(product_distance(B, A, *reference[n])) ** 2 for n, (B, A) in own.items() if n in reference)
-        return {"staleness": self.state - self._last_trained, "drift_start": sq**0.5}
+        return {"staleness": rnd - kept.last_trained, "drift_start": sq**0.5}
 
-    def _init_error(self, start, previous) -> dict[str, float]:
+    def init_error(self, start: Factors, previous: Factors, rounds_trained: int) -> dict[str, float]:
         """E_init(B), E_init(A) of this client for the first LoRA module (§3.3; the paper plots one module); none
-        without diagnostics."""
-        if not self.method.cfg.diagnostics or self._rounds_trained == 0:
+        without diagnostics or before it first trained."""
+        if not self.method.cfg.diagnostics or rounds_trained == 0:
             return {}
         name = next(iter(start))
         return {

@@ -1,7 +1,7 @@
 """Resume points: what the server writes at the start of every round and the clients after every round they
 train (``federate.save_to``), and how a run continues from them (``federate.restore_from``). The file formats and
-their checks are in :mod:`fs_fedpa.resume`; :class:`ClientResume` and :class:`ServerResume` are mixins of
-the two workers."""
+their checks are in :mod:`fs_fedpa.resume`; :class:`ClientResume` is a collaborator of the client,
+:class:`ServerResume` still a mixin of the server."""
 
 from __future__ import annotations
 
@@ -19,24 +19,35 @@ logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its ow
 
 
 class ClientResume:
-    """A client's resume files (the two newest are kept) and its restore, once, in a resumed run."""
+    """A client's resume files (``federate.save_to``: after every round it trains; the two newest are kept) and its
+    restore, once, in a resumed run (``federate.restore_from``). A collaborator of the client: it takes the client's
+    :class:`~fs_fedpa.plugin.client_state.ClientState` and id as arguments."""
 
-    def _write_resume_file(self) -> None:
-        """This client's state after round ``self.state``; the two newest files are kept."""
-        owner = resume.client_owner(self._cfg, self.method, self.ID)  # whose it is: checked by every restore
+    def __init__(self, cfg, method):
+        save_to, restore_from = cfg.federate.save_to, cfg.federate.restore_from
+        self.cfg, self.method = cfg, method
+        self.out = resume.server_path(save_to) if save_to else None
+        self.pending = restore_from or None  # read at the first message, which names the round
+
+    def write(self, kept, snapshot: dict, client: int, rnd: int) -> None:
+        """Client ``client``'s state after round ``rnd`` (``snapshot``: what it keeps, with round, id and rank)."""
+        if self.out is None:
+            return
+        owner = resume.client_owner(self.cfg, self.method, client)  # whose it is: checked by every restore
         resume.save(
-            {**self.local_state(), **owner, "rounds_trained": self._rounds_trained, "rng": resume.rng_state()},
-            resume.client_path(self._resume_out, self.ID, self.state),
+            {**snapshot, **owner, "rounds_trained": kept.rounds_trained, "rng": resume.rng_state()},
+            resume.client_path(self.out, client, rnd),
         )
-        for _, path in sorted(resume.client_files(self._resume_out, self.ID).items())[:-2]:
+        for _, path in sorted(resume.client_files(self.out, client).items())[:-2]:
             path.unlink(missing_ok=True)
 
-    def _restore(self, rnd: int) -> None:
-        """Once, in a resumed run: this client's newest state from before round ``rnd``, if it ever trained."""
-        if self._resume_in is None:
+    def restore(self, kept, client: int, rnd: int, initial, device) -> None:
+        """Once, in a resumed run: client ``client``'s newest state from before round ``rnd`` into ``kept``, if it
+        ever trained. ``initial()``: the client's initial factors, which the file's shapes are checked against."""
+        if self.pending is None:
             return
-        path, self._resume_in = self._resume_in, None
-        older = {r: p for r, p in resume.client_files(path, self.ID).items() if r < rnd}
+        path, self.pending = self.pending, None
+        older = {r: p for r, p in resume.client_files(path, client).items() if r < rnd}
         if not older:
             return  # never trained before the resume point: it starts as a new client would
         saved = resume.load(older[max(older)])
@@ -44,22 +55,16 @@ class ClientResume:
             saved,
             older[max(older)],
             max(older),
-            cfg=self._cfg,
+            cfg=self.cfg,
             method=self.method,
-            client=self.ID,
-            initial=self._initial_factors(),
-            local=self.local_tensors,
+            client=client,
+            initial=initial(),
+            local=kept.local,
         )
-        device = self._device
-        self.factors = {n: (B.to(device), A.to(device)) for n, (B, A) in saved["factors"].items()}
-        self.local_tensors = {n: t.to(device) for n, t in saved["local"].items()}
-        self.base_offset = {n: t.to(device) for n, t in saved.get("base_offset", {}).items()}
-        self.personal = {n: (B.to(device), A.to(device)) for n, (B, A) in saved.get("personal", {}).items()} or None
-        self._rounds_trained = saved["rounds_trained"]
-        self._last_trained = saved["round"]  # a client writes its file in the round it trains
-        if self._cfg.federate.mode == "distributed":  # its own process: its own random stream
+        kept.load(saved, device)
+        if self.cfg.federate.mode == "distributed":  # its own process: its own random stream
             resume.set_rng_state(saved["rng"])
-        logger.info(f"[fedpa] client {self.ID} resumed its state of round {saved['round']}")
+        logger.info(f"[fedpa] client {client} resumed its state of round {saved['round']}")
 
 
 class ServerResume:

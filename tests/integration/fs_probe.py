@@ -153,7 +153,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         )
 
     def train_personal(self, received, payload):
-        before = None if self.personal is None else _copy(self.personal)
+        before = None if self.kept.personal is None else _copy(self.kept.personal)
         seen = {}
         train = self.trainer.train
 
@@ -170,7 +170,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         finally:
             self.trainer.train = train
         if seen:
-            entry = {"client": self.ID, "round": self.state, "before": before, "after": _copy(self.personal)}
+            entry = {"client": self.ID, "round": self.state, "before": before, "after": _copy(self.kept.personal)}
             record["personal"].append({**entry, **seen, "received": _copy(received)})
 
     def leave(self):
@@ -183,8 +183,8 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
             {
                 "client": self.ID,
                 "round": self.state,
-                "end": _copy(self.factors),
-                "local": {n: t.detach().cpu().clone() for n, t in self.local_tensors.items()},
+                "end": _copy(self.kept.factors),
+                "local": {n: t.detach().cpu().clone() for n, t in self.kept.local.items()},
                 "upload_keys": sorted(upload["lora"]) + sorted(upload.get("shared", {})),
                 "upload_ranks": sorted({_rank(p) for p in decode_parts(upload["lora"]).values()}),
             }
@@ -264,23 +264,23 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
     def finish(self, message):  # each client's end state, as the run leaves it, before the client lets it go
         def snapshot():
             ends[self.ID] = {
-                "factors": _copy(self.factors) if self.factors is not None else None,
-                "offsets": {n: t.cpu().clone() for n, t in self.base_offset.items()},
-                "personal": _copy(self.personal) if self.personal is not None else None,
-                "local": {n: t.cpu().clone() for n, t in self.local_tensors.items()},
+                "factors": _copy(self.kept.factors) if self.kept.factors is not None else None,
+                "offsets": {n: t.cpu().clone() for n, t in self.kept.base_offset.items()},
+                "personal": _copy(self.kept.personal) if self.kept.personal is not None else None,
+                "local": {n: t.cpu().clone() for n, t in self.kept.local.items()},
             }
 
-        release = self._release_state
+        release = self.kept.release
 
         def capture():
             snapshot()
             release()
 
-        self._release_state = capture
+        self.kept.release = capture
         try:
             return orig_finish(self, message)
         finally:
-            del self._release_state
+            del self.kept.release
             if self.ID not in ends:  # a client that never lets its state go: held_after_finish names it
                 snapshot()
 
@@ -314,7 +314,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         "held_after_finish": sorted(
             cid
             for cid, c in runner.client.items()
-            if c.factors is not None or c.personal is not None or c.local_tensors or c.base_offset
+            if c.kept.factors is not None or c.kept.personal is not None or c.kept.local or c.kept.base_offset
         ),
         "outdir": cfg.outdir,
         "optimizers_kept": sorted(

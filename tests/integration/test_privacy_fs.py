@@ -509,13 +509,14 @@ def test_client_level_messages_time_stamp_the_sample_count_they_carry():
 
     sent = []
     fake = SimpleNamespace(ID=2, state=0, comp_speed=0.5, comm_bandwidth=4.0, model_size=8.0, schedule=None,
-                           _rounds_trained=1,
+                           kept=SimpleNamespace(rounds_trained=1), _device="cpu",
+                           resume=SimpleNamespace(restore=lambda *a: None),
                            method=SimpleNamespace(cfg=FedPAConfig(dp_mode="client", dp_clip=1.0,
                                                                   dp_noise_multiplier=1.0)),
                            trainer=SimpleNamespace(train=lambda: (57, None, {})),
                            _monitor=SimpleNamespace(format_eval_res=lambda *a, **k: ""),
                            comm_manager=SimpleNamespace(send=sent.append))  # fmt: skip
-    for name in ("_unpark", "_restore", "_enter_round", "_release_optimizer", "_park"):
+    for name in ("_unpark", "_initial_factors", "_enter_round", "_release_optimizer", "_park"):
         setattr(fake, name, lambda *a, **k: None)
     fake._leave_round = lambda: {"lora": {}}
     fake._gen_timestamp = lambda **kw: Client._gen_timestamp(fake, **kw)
