@@ -1,20 +1,18 @@
 """The aggregation step of the FedPA server: every upload decoded (copies) and checked, outliers and uploads that
-break aggregation dropped with a reason naming the client, the method's product-space aggregation, the new
-global installed and the round recorded. FS has no aggregator registry: the server installs
+break aggregation dropped with a reason naming the client, the method's product-space aggregation and the round
+recorded; the server installs the result. FS has no aggregator registry: the server installs
 :class:`FedPAAggregator` itself."""
 
 from __future__ import annotations
 
 import logging
 import statistics
+from dataclasses import dataclass
 
 import torch
 from federatedscope.core.aggregators import Aggregator
 from torch import Tensor
 
-from fs_fedpa.plugin.common import (
-    layer_shapes,
-)
 from fs_fedpa.plugin.intake import (
     Accepted,
     cap_weights,
@@ -26,33 +24,70 @@ from fs_fedpa.plugin.intake import (
 from fs_fedpa.plugin.payload import (
     nbytes,
 )
-from fs_fedpa.plugin.record_fs import new_record, private_record, round_record
+from fs_fedpa.plugin.record_fs import RecordHead, RoundLog, new_record, private_record, round_record
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
+Factors = dict[str, tuple[Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class RoundInput:
+    """What the server gives the aggregator for one round: the round, its receivers (the only valid senders), the
+    global factors it started from and the bytes each client was sent."""
+
+    rnd: int
+    expected: tuple[int, ...]
+    global_factors: Factors
+    down_bytes: dict[int, int]
+
+
+@dataclass(frozen=True)
+class Aggregated:
+    """What a round that aggregated leaves for the server to install: the new global factors, the averaged shared
+    tensors, a method's merge into the base weights, and the clients whose stored state was lost (they are sent
+    every merge again)."""
+
+    global_factors: Factors
+    shared: dict[str, Tensor]
+    merge: dict | None
+    lost: tuple[int, ...] = ()
 
 
 class FedPAAggregator(Aggregator):
-    """``aggregate(agg_info)`` for the FedPA server: decode (copies), reconstruct, install, record."""
+    """``aggregate(agg_info)`` for the FedPA server: decode (copies), check, reconstruct and record. It is given what
+    it needs: the method, the round log it adds to, the server's privacy (or None), the sketches' generator, the
+    shapes of the LoRA modules (d, k) and of the shared tensors, and per round a :class:`RoundInput`
+    (:meth:`start`). It leaves :attr:`result`, which the server installs, and stops the run on a count of its own,
+    :attr:`failed_in_a_row`. ``save``/``load``: the server's checkpoint and restore, which FS calls through it."""
 
-    def __init__(self, server):
+    def __init__(self, method, rounds: RoundLog, *, privacy=None, generator: torch.Generator | None = None,
+                 shapes=({}, {}), distributed=False, ignore_weight=False, save=None, load=None):  # fmt: skip
         super().__init__()
-        self.server = server
+        self.method, self.rounds, self.privacy = method, rounds, privacy
+        self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        self.shapes, self.distributed, self.ignore_weight = shapes, distributed, ignore_weight
+        self._save, self._load = save, load
+        self.round: RoundInput | None = None
+        self.result: Aggregated | None = None
         self.failed_in_a_row = 0  # rounds whose every upload was dropped, since the last one that aggregated
 
+    def start(self, round_input: RoundInput) -> None:
+        """The round :meth:`aggregate` aggregates next; clears the last round's :attr:`result`."""
+        self.round, self.result = round_input, None
+
     def aggregate(self, agg_info):
-        server = self.server
+        rnd = self.round.rnd
         clients = [client_id for client_id, _ in agg_info["staleness"]]
         feedback = list(zip(clients, agg_info["client_feedback"]))
-        if server._cfg.federate.mode.lower() == "distributed":
+        if self.distributed:
             # in arrival order, the float sums would depend on which client finished first; by id they do not, so a
             # run's result is the same whatever the network does (standalone keeps FS's order, as its runs were made)
             feedback.sort(key=lambda item: item[0] if isinstance(item[0], int) else float("inf"))
             clients = [client_id for client_id, _ in feedback]
         accepted, dropped, bytes_up = {}, {}, {}
-        expected = self._expected_shapes()  # once a round: the same for every client
         for client_id, message in feedback:
             pair = message_pair(message)
-            checked = pair if isinstance(pair, str) else self._check(client_id, *pair, *expected)
+            checked = pair if isinstance(pair, str) else self._check(client_id, *pair)
             bytes_up[str(client_id)] = 0 if isinstance(pair, str) else nbytes(pair[1])  # what its tensors hold
             if isinstance(checked, str):
                 self._drop(dropped, client_id, checked)
@@ -60,16 +95,16 @@ class FedPAAggregator(Aggregator):
                 accepted[client_id] = checked
                 if bad := sorted(k for k, v in checked.stats.items() if v is None):
                     logger.warning(
-                        f"[fedpa] round {server.state}: client #{client_id} reported stats that are not finite "
+                        f"[fedpa] round {rnd}: client #{client_id} reported stats that are not finite "
                         f"({', '.join(bad)}); recorded as such, and its upload is aggregated"
                     )
-        if server.privacy is not None:
-            if server.privacy.samples_clients:  # client-level DP: every round releases, whatever arrived
+        if self.privacy is not None:
+            if self.privacy.samples_clients:  # client-level DP: every round releases, whatever arrived
                 return self._aggregate_private(accepted)
-            server.privacy.account(server.state, sorted(server._expected), {c: a.stats for c, a in accepted.items()})
-        cfg = server.method.cfg
+            self.privacy.account(rnd, sorted(self.round.expected), {c: a.stats for c, a in accepted.items()})
+        method, cfg = self.method, self.method.cfg
         if cfg.norm_outlier and accepted:
-            norms = {c: update_norm(server.method.expand(a.factors)) for c, a in accepted.items()}
+            norms = {c: update_norm(method.expand(a.factors)) for c, a in accepted.items()}
             median = statistics.median(norms.values())
             for i in norm_outliers(list(norms.values()), cfg.norm_outlier):
                 client_id = list(norms)[i]
@@ -83,10 +118,8 @@ class FedPAAggregator(Aggregator):
             stats = [accepted[c].stats for c in kept]
             weights = self._weights([accepted[c] for c in kept])
             try:
-                new_global, spectra = server.method.aggregate(
-                    uploads, weights, [c - 1 for c in kept], server.generator, rnd=server.state
-                )
-                merge = server.method.merge(uploads, weights, new_global)
+                new_global, spectra = method.aggregate(uploads, weights, [c - 1 for c in kept], self.generator, rnd=rnd)
+                merge = method.merge(uploads, weights, new_global)
                 averaged = _weighted_mean([accepted[c].shared for c in kept], weights)
                 _check_finite({**new_global, **{f"{n} (merge)": f for n, f in (merge or {}).items()}}, averaged)
             except (RuntimeError, ValueError, ArithmeticError) as err:  # a contribution the checks let through
@@ -94,77 +127,81 @@ class FedPAAggregator(Aggregator):
                 self._drop(dropped, culprit, f"aggregation failed with its upload ({type(err).__name__}: {err})")
                 del accepted[culprit]
                 continue
-            record = round_record(server, uploads, weights, kept, _with_merge(new_global, merge), spectra, stats)
+            whole = _with_merge(new_global, merge)
+            record = round_record(self._head(kept), method, uploads, weights, kept, whole, spectra, stats)
             record.dropped, record.bytes_up = dropped, bytes_up
             record.restarted = [c for c, st in zip(kept, stats) if st.get("restarted")]
-            for c, st in zip(kept, stats):
-                if st.get("state_lost"):  # its stored state, merges included, is gone: the next message sends them all
-                    server._merged_upto[c] = 0
             if bad := record.not_finite():  # a diagnostic problem: the aggregate itself is finite (checked above)
-                logger.warning(
-                    f"[fedpa] round {server.state}: the diagnostics {', '.join(bad)} are not finite; recorded as null"
-                )
-            server.install_global(new_global, averaged, merge)
-            server.rounds.add(record.to_dict())
+                logger.warning(f"[fedpa] round {rnd}: the diagnostics {', '.join(bad)} are not finite; recorded as "
+                               "null")  # fmt: skip
+            # a client whose stored state, merges included, is gone: the next message sends them all
+            lost = tuple(c for c, st in zip(kept, stats) if st.get("state_lost"))
+            self.result = Aggregated(new_global, averaged, merge, lost)
+            self.rounds.add(record.to_dict())
             self.failed_in_a_row = 0
-            return {}  # the model is already updated; FS merges this empty dict into its state
-        logger.warning(f"[fedpa] round {server.state}: every upload was dropped; the global adapter stays as it was")
-        record = new_record(server, clients)
+            return {}  # the server installs the result; FS merges this empty dict into its model
+        logger.warning(f"[fedpa] round {rnd}: every upload was dropped; the global adapter stays as it was")
+        record = new_record(self._head(clients))
         record.dropped, record.bytes_up = dropped, bytes_up
-        server.rounds.add(record.to_dict())
-        limit = server.method.cfg.max_failed_rounds
+        self.rounds.add(record.to_dict())
+        limit = cfg.max_failed_rounds
         self.failed_in_a_row += 1
         if limit and self.failed_in_a_row >= limit:
             raise RuntimeError(
                 f"[fedpa] {self.failed_in_a_row} rounds in a row had every upload dropped "
                 f"(fedpa.max_failed_rounds={limit}); "
-                f"stopping instead of training nothing. Reasons in round {server.state}: {dropped}"
+                f"stopping instead of training nothing. Reasons in round {rnd}: {dropped}"
             )
         return {}
+
+    def _head(self, clients) -> RecordHead:
+        """The fields of this round's record that come from the round, not from the uploads."""
+        down = {str(c): self.round.down_bytes.get(c, 0) for c in clients}
+        return RecordHead(self.round.rnd, self.method, next(iter(self.round.global_factors)), down)
 
     def _aggregate_private(self, accepted: dict) -> dict:
         """Client-level DP (:mod:`fs_fedpa.plugin.privacy_server`): the noisy mean of the clipped contributions over
         the fixed K, the method's server step on it, and a record of the release only."""
-        server = self.server
-        kept = list(accepted)
+        rnd, kept = self.round.rnd, list(accepted)
         uploads = [accepted[c].factors for c in kept]
-        new_global, spectra, release = server.privacy.release(uploads, kept, server.global_factors, server.state)
+        new_global, spectra, release = self.privacy.release(uploads, kept, self.round.global_factors, rnd)
         _check_finite(new_global, {})
         # the K receivers, which the DP generator drew: which of them arrived or were dropped (and each upload's
         # bytes) can depend on their data, and stays in the private faults file (privacy.fault)
-        receivers = sorted(server._expected)
-        record = private_record(server, receivers, new_global, spectra, release)
-        server.install_global(new_global, {}, None)
-        server.rounds.add(record)
-        server.privacy.account(server.state, receivers, {})
+        receivers = sorted(self.round.expected)
+        weight = 1.0 / self.privacy.K
+        record = private_record(self._head(receivers), self.method, receivers, weight, new_global, spectra, release)
+        self.result = Aggregated(new_global, {}, None)
+        self.rounds.add(record)
+        self.privacy.account(rnd, receivers, {})
         self.failed_in_a_row = 0
         return {}
 
     def _drop(self, dropped: dict, client_id, reason: str) -> None:
         dropped[str(client_id)] = reason
-        privacy = self.server.privacy
+        privacy = self.privacy
         if privacy is not None and privacy.samples_clients:  # client-level DP: not in the log (privacy.fault)
-            privacy.fault(self.server.state, client_id, reason)
+            privacy.fault(self.round.rnd, client_id, reason)
             return
-        logger.warning(f"[fedpa] round {self.server.state}: dropped the upload of client #{client_id}: {reason}")
+        logger.warning(f"[fedpa] round {self.round.rnd}: dropped the upload of client #{client_id}: {reason}")
 
     def _culprit(self, accepted: dict):
         """The client whose upload makes aggregation fail: the first whose removal lets the others aggregate with the
         weights the round would give them (the last one if no single removal does). Every weight is checked per
         client before aggregation (:func:`fs_fedpa.plugin.intake.check_upload`), so this search is left with what
         no check of one upload can see."""
-        server, ids = self.server, list(accepted)
+        ids = list(accepted)
         for candidate in ids:
             rest = [c for c in ids if c != candidate]
             if not rest:
                 break
             try:
-                new_global, _ = server.method.aggregate(
+                new_global, _ = self.method.aggregate(
                     [accepted[c].factors for c in rest],
                     self._weights([accepted[c] for c in rest]),
                     [c - 1 for c in rest],
                     torch.Generator().manual_seed(0),
-                    rnd=server.state,
+                    rnd=self.round.rnd,
                 )
                 _check_finite(new_global, {})
                 return candidate
@@ -177,34 +214,25 @@ class FedPAAggregator(Aggregator):
         ``num_train_data``), capped by ``fedpa.max_weight_ratio``. A client of size 0 weighs 0; a round whose
         weights are all 0 weighs its uploads equally (docs/errors.md). Sizes were checked per client, so every
         weight is finite, >= 0 and at most 1e15."""
-        server = self.server
-        if server._cfg.federate.ignore_weight:
+        if self.ignore_weight:
             return [1.0] * len(uploads)
         sizes, data_sizes = [a.size for a in uploads], [a.stats.get("num_train_data") for a in uploads]
-        weights = cap_weights(server.method.weights(sizes, data_sizes), server.method.cfg.max_weight_ratio)
+        weights = cap_weights(self.method.weights(sizes, data_sizes), self.method.cfg.max_weight_ratio)
         return weights if sum(weights) > 0 else [1.0] * len(uploads)
 
-    def _expected_shapes(self) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, ...]]]:
-        """``(d, k)`` of every LoRA module and the shape of every shared tensor, for checking uploads."""
-        server = self.server
-        params = dict(server.model.named_parameters())
-        shapes = layer_shapes(server.model)
-        return shapes, {n: tuple(params[n].shape) for n in server.shared_names}
-
-    def _check(self, client_id, size, content, shapes, shared_shapes) -> Accepted | str:
+    def _check(self, client_id, size, content) -> Accepted | str:
         """:func:`fs_fedpa.plugin.intake.check_upload` for this client and round, or why it cannot be checked."""
-        method = self.server.method
+        method, rnd, global_factors = self.method, self.round.rnd, self.round.global_factors
         ranks = method.plan.client_ranks
         if isinstance(client_id, bool) or not isinstance(client_id, int) or not 1 <= client_id <= len(ranks):
             return f"client id {client_id!r} is not in the rank plan (1..{len(ranks)})"
-        dtype = next(iter(self.server.global_factors.values()))[0].dtype
+        dtype = next(iter(global_factors.values()))[0].dtype
+        shapes, shared_shapes = self.shapes
         return check_upload(
             size,
             content,
-            expected_parts=set(method.upload_parts(self.server.state)),
-            complete=lambda parts: method.complete_upload(
-                parts, self.server.global_factors, client_id - 1, self.server.state
-            ),
+            expected_parts=set(method.upload_parts(rnd)),
+            complete=lambda parts: method.complete_upload(parts, global_factors, client_id - 1, rnd),
             expand=method.expand,
             shapes=shapes,
             ranks=method.upload_ranks(client_id - 1),
@@ -213,11 +241,12 @@ class FedPAAggregator(Aggregator):
         )
 
     def save_model(self, path, cur_round=-1):
-        self.server.save_checkpoint(path, cur_round)
+        """FS's save at the end of the run: the server's checkpoint (``save``)."""
+        self._save(path, cur_round)
 
     def load_model(self, path):
-        """Resume from a FedPA resume point (the server does this itself for ``federate.restore_from``)."""
-        return self.server.restore(path)
+        """Resume from a FedPA resume point (``load``; the server does this itself for ``federate.restore_from``)."""
+        return self._load(path)
 
 
 def _check_finite(global_factors, averaged) -> None:

@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -155,33 +156,44 @@ def _g(value, spec: str = ".4g") -> str:
     return "null" if value is None else format(value, spec)
 
 
-def new_record(server, clients) -> RoundRecord:
+@dataclass(frozen=True)
+class RecordHead:
+    """The fields of a round's record that the round gives, not the uploads: its number, the method, the module
+    whose spectrum is probed and the bytes each client was sent (by id, as a string)."""
+
+    rnd: int
+    method: object
+    probe_module: str
+    bytes_down: dict[str, int]
+
+
+def new_record(head: RecordHead) -> RoundRecord:
     return RoundRecord(
-        round=server.state,
-        method=server.method.name,
-        svd=server.method.cfg.svd,
-        R_g=server.method.plan.R_g,
-        probe_module=next(iter(server.global_factors)),
-        bytes_down={str(c): server._down_bytes.get(c, 0) for c in clients},
+        round=head.rnd,
+        method=head.method.name,
+        svd=head.method.cfg.svd,
+        R_g=head.method.plan.R_g,
+        probe_module=head.probe_module,
+        bytes_down=dict(head.bytes_down),
     )
 
 
-def round_record(server, uploads, weights, clients, new_global, spectra, stats) -> RoundRecord:
+def round_record(head: RecordHead, method, uploads, weights, clients, new_global, spectra, stats) -> RoundRecord:
     """Diagnostics of one aggregation, from factors only (no d x k matrix). A diagnostic is never a reason to drop
     an upload or stop a round: one that cannot be computed (e.g. an overflow after a legal but huge upload) is None,
     with a warning, and one that is not finite is written as null (:meth:`RoundRecord.to_dict`). With
     ``fedpa.diagnostics False`` the aggregate's diagnostics, which cost as much as a reconstruction, are not computed
     either: they are None."""
-    uploads = [server.method.expand(u) for u in uploads]  # each expanded once already, when it was checked
-    record = new_record(server, clients)
+    uploads = [method.expand(u) for u in uploads]  # each expanded once already, when it was checked
+    record = new_record(head)
     record.clients, record.weights = list(clients), list(weights)
     blank_aggregate(record)
-    if server.method.cfg.diagnostics:
+    if method.cfg.diagnostics:
         try:
-            _aggregate_diagnostics(record, server.method.expand(new_global), uploads, weights, spectra)
+            _aggregate_diagnostics(record, method.expand(new_global), uploads, weights, spectra)
         except (RuntimeError, ValueError, ArithmeticError) as err:
             logger.warning(
-                f"[fedpa] round {server.state}: the aggregate's diagnostics cannot be computed ({type(err).__name__}: "
+                f"[fedpa] round {head.rnd}: the aggregate's diagnostics cannot be computed ({type(err).__name__}: "
                 f"{err}); recorded as null, and the aggregate is installed"
             )
             blank_aggregate(record)
@@ -212,18 +224,19 @@ def _aggregate_diagnostics(record: RoundRecord, new_global, uploads, weights, sp
     record.spectrum_probe = [float(s) for s in spectra.get(record.probe_module, torch.zeros(0))]
 
 
-def private_record(server, clients: list[int], new_global, spectra, release) -> dict:
-    """The round record under client-level DP: post-processing of the release only. E_agg, the spectrum and the
-    norms describe the noisy mean; nothing is read from a client's upload or statistics."""
-    record = new_record(server, clients)
+def private_record(head: RecordHead, method, clients: list[int], weight: float, new_global, spectra, release) -> dict:
+    """The round record under client-level DP: post-processing of the release only (each of the K receivers
+    ``weight`` 1/K). E_agg, the spectrum and the norms describe the noisy mean; nothing is read from a client's
+    upload or statistics."""
+    record = new_record(head)
     record.clients = list(clients)
-    record.weights = [1.0 / server.privacy.K] * len(clients)
+    record.weights = [weight] * len(clients)
     blank_aggregate(record)
-    if server.method.cfg.diagnostics:
-        expanded = server.method.expand(new_global)
+    if method.cfg.diagnostics:
+        expanded = method.expand(new_global)
         global_sq = product_sq_norm(expanded)
         record.global_norm = global_sq**0.5
-        if server.method.dp_space == "product":
+        if method.dp_space == "product":
             errors = {n: float(torch.linalg.matrix_norm(M.double() - B.double() @ A.double()))
                       for n, (B, A), M in ((n, expanded[n], release[n]) for n in release)}  # fmt: skip
             ideal = sum(float(M.double().pow(2).sum()) for M in release.values()) ** 0.5

@@ -24,8 +24,8 @@ from torch import Tensor
 from fs_fedpa import lora, resume
 from fs_fedpa.methods.base import FederatedMethod
 from fs_fedpa.plugin import auth
-from fs_fedpa.plugin.aggregator import FedPAAggregator
-from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainables, send
+from fs_fedpa.plugin.aggregator import FedPAAggregator, RoundInput
+from fs_fedpa.plugin.common import build_method, global_init, layer_shapes, non_lora_trainables, send
 from fs_fedpa.plugin.export_fs import check_export_dir
 from fs_fedpa.plugin.inbox import ServerInbox
 from fs_fedpa.plugin.liveness import ServerLiveness
@@ -71,7 +71,14 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, Server):
             # a Poisson round draws any number of the N clients (K is the expected number, privacy.K), and FS
             # asserts that a round never waits for more than sample_client_num
             self.sample_client_num = self.client_num
-        self.aggregator = FedPAAggregator(self)
+        self.rounds = RoundLog(self._cfg.outdir, self.method.cfg.diagnostics)  # the records, carried by resume points
+        params = dict(self.model.named_parameters())
+        shapes = (layer_shapes(self.model), {n: tuple(params[n].shape) for n in self.shared_names})
+        self.aggregator = FedPAAggregator(
+            self.method, self.rounds, privacy=self.privacy, generator=self.generator, shapes=shapes,
+            distributed=self._cfg.federate.mode.lower() == "distributed",
+            ignore_weight=self._cfg.federate.ignore_weight, save=self.save_checkpoint, load=self.restore,
+        )  # fmt: skip
         self.aggregators[0] = self.aggregator
         self._install_inbox()  # before any client's message reaches FS
         if self._cfg.federate.save_to:  # FS saves only after training: a missing folder would lose the run
@@ -83,7 +90,6 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, Server):
         self._merge_count = 0  # merges so far
         self._merged_upto: dict[int, int] = {}  # per client: how many merges its base offset holds
         self._merged_kept: dict[int, int] = {}  # ... by its last training message: what its resume file holds
-        self.rounds = RoundLog(self._cfg.outdir, self.method.cfg.diagnostics)  # the records, carried by resume points
         self._pending_rng: dict | None = None
         self._expected: set[int] = set()  # receivers of this round's model: the only valid senders of updates
         self._eval_round: int | None = None  # the round of the last evaluation asked for, and whom it was asked of
@@ -202,6 +208,17 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, Server):
         return "base_total", self.merged
 
     # ---------------------------------------------------------------------------------- aggregation
+    def _perform_federated_aggregation(self):
+        """FS's aggregation, with the round given to the aggregator first and its result installed after."""
+        self.aggregator.start(RoundInput(self.state, tuple(sorted(self._expected)), self.global_factors,
+                                         dict(self._down_bytes)))  # fmt: skip
+        count = super()._perform_federated_aggregation()
+        if (done := self.aggregator.result) is not None:
+            for client in done.lost:  # its stored state, merges included, is gone: the next message sends them all
+                self._merged_upto[client] = 0
+            self.install_global(done.global_factors, done.shared, done.merge)
+        return count
+
     def install_global(self, global_factors, shared: dict[str, Tensor], merge=None) -> None:
         """Adopt new global factors; write them (raw, rank R_g) and the averaged shared tensors into the model; add
         a method's ``merge`` to the base weights (the server's own, and, with the next messages, the clients')."""

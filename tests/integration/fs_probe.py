@@ -198,22 +198,22 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         ]
         weights = [n if isinstance(n, (int, float)) else None for n, _ in pairs]
         clients = [c for c, _ in agg_info["staleness"]]
-        server = self.server  # uploads as the server completes them (a method may send one factor only)
+        start = self.round  # uploads as the server completes them (a method may send one factor only)
         uploads = []
         for c, (_, content) in zip(clients, pairs):
             try:
                 parts = decode_parts(content["lora"])
-                uploads.append(_copy(server.method.complete_upload(parts, server.global_factors, c - 1, server.state)))
+                uploads.append(_copy(self.method.complete_upload(parts, start.global_factors, c - 1, start.rnd)))
             except Exception:  # a fault of the table: the server's own checks say why
                 uploads.append(None)
         result = orig_aggregate(self, agg_info)
         record["aggregate"].append(
             {
-                "round": self.server.state,
+                "round": start.rnd,
                 "uploads": uploads,
                 "weights": weights,
                 "clients": clients,
-                "global": _copy(self.server.global_factors),
+                "global": _copy(self.result.global_factors if self.result is not None else start.global_factors),
             }
         )
         return result

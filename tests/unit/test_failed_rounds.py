@@ -47,4 +47,4 @@ def test_the_round_log_adds_the_byte_totals_and_writes_one_line_a_round_only_wit
 def test_a_new_aggregator_has_no_failed_round():
     from fs_fedpa.plugin.aggregator import FedPAAggregator
 
-    assert FedPAAggregator(server=None).failed_in_a_row == 0
+    assert FedPAAggregator(method=None, rounds=None).failed_in_a_row == 0

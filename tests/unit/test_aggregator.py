@@ -1,0 +1,103 @@
+"""The server's aggregator as a collaborator: built from the method, a round log and the shapes, given a round, it
+checks, aggregates and records without a server (issue 60); the result is compared with a dense SVD of the weighted
+sum of the uploads' products."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip(
+    "federatedscope", reason="FederatedScope is not installed: the server's aggregator is NOT checked "
+    "(pip install --no-deps ../shared/vendor/FederatedScope-llm-*.tar.gz)"
+)  # fmt: skip
+
+SHAPES = {"q": (7, 5), "v": (7, 5)}
+r, R_g = 2, 3
+
+
+def _aggregator(tmp_path, **kw):
+    from fs_fedpa.config import FedPAConfig
+    from fs_fedpa.core.ranks import RankPlan
+    from fs_fedpa.methods import METHODS, get_method
+    from fs_fedpa.plugin.aggregator import FedPAAggregator
+    from fs_fedpa.plugin.record_fs import RoundLog
+
+    get_method("fedpa")
+    method = METHODS["fedpa"](FedPAConfig(), RankPlan.build(3, r, global_rank=R_g))
+    rounds = RoundLog(str(tmp_path), diagnostics=True)
+    return FedPAAggregator(method, rounds, shapes=(SHAPES, {}), **kw), rounds
+
+
+def _upload(seed: int, scale: float = 1.0):
+    g = torch.Generator().manual_seed(seed)
+    return {n: (scale * torch.randn(d, r, generator=g), torch.randn(r, k, generator=g)) for n, (d, k) in SHAPES.items()}
+
+
+def _start(aggregator, rnd=4):
+    from fs_fedpa.plugin.aggregator import RoundInput
+
+    zero = {n: (torch.zeros(d, R_g), torch.zeros(R_g, k)) for n, (d, k) in SHAPES.items()}
+    aggregator.start(RoundInput(rnd, (1, 2, 3), zero, {1: 11, 2: 12, 3: 13}))
+
+
+def _message(factors, size):
+    from fs_fedpa.plugin.payload import encode_factors
+
+    return size, {"lora": encode_factors(factors), "stats": {"lam": 1.0, "num_train_data": size}}
+
+
+def _best_rank(M: torch.Tensor, k: int) -> torch.Tensor:
+    U, S, Vh = torch.linalg.svd(M.double())
+    return (U[:, :k] * S[:k]) @ Vh[:k]
+
+
+def test_the_aggregator_needs_no_server_and_gives_the_best_rank_R_g_approximation(tmp_path):
+    aggregator, rounds = _aggregator(tmp_path)
+    assert not hasattr(aggregator, "server")
+    _start(aggregator)
+    uploads, sizes = [_upload(s) for s in (1, 2, 3)], [10, 30, 60]
+    aggregator.aggregate({"client_feedback": [_message(u, n) for u, n in zip(uploads, sizes)],
+                          "staleness": [(1, 0), (2, 0), (3, 0)]})  # fmt: skip
+    done = aggregator.result
+    assert done is not None and done.lost == () and done.merge is None
+    for name in SHAPES:
+        dense = sum(n / 100 * (u[name][0].double() @ u[name][1].double()) for u, n in zip(uploads, sizes))
+        B, A = done.global_factors[name]
+        assert B.shape[1] == R_g
+        torch.testing.assert_close(B.double() @ A.double(), _best_rank(dense, R_g), rtol=1e-4, atol=1e-5)
+    (record,) = rounds.records
+    assert record["round"] == 4 and record["clients"] == [1, 2, 3]
+    assert record["bytes_down"] == {"1": 11, "2": 12, "3": 13}
+    assert record["weights"] == [10, 30, 60]  # as given; the method normalises them
+
+
+def test_a_bad_upload_is_dropped_with_its_reason_and_the_others_aggregate(tmp_path):
+    aggregator, rounds = _aggregator(tmp_path)
+    _start(aggregator, rnd=0)
+    good, bad = _upload(1), _upload(2)
+    bad["q"] = (torch.full_like(bad["q"][0], float("nan")), bad["q"][1])
+    aggregator.aggregate({"client_feedback": [_message(good, 5), _message(bad, 5)], "staleness": [(1, 0), (2, 0)]})
+    (record,) = rounds.records
+    assert record["clients"] == [1] and "2" in record["dropped"]
+    for name in SHAPES:
+        B, A = aggregator.result.global_factors[name]
+        dense = good[name][0].double() @ good[name][1].double()
+        torch.testing.assert_close(B.double() @ A.double(), dense, rtol=1e-4, atol=1e-5)
+
+
+def test_a_round_without_an_upload_installs_nothing_and_the_limit_stops_the_run(tmp_path):
+    from fs_fedpa.config import FedPAConfig
+
+    aggregator, rounds = _aggregator(tmp_path)
+    aggregator.method.cfg = FedPAConfig(max_failed_rounds=2)
+    for rnd in (0, 1):
+        _start(aggregator, rnd)
+        feedback = {"client_feedback": [(5, {"lora": "not a dict"})], "staleness": [(1, 0)]}
+        if rnd == 0:
+            aggregator.aggregate(feedback)
+        else:
+            with pytest.raises(RuntimeError, match="2 rounds in a row"):
+                aggregator.aggregate(feedback)
+        assert aggregator.result is None
+    assert [rec["clients"] for rec in rounds.records] == [[], []]
