@@ -13,17 +13,8 @@ import torch
 from federatedscope.core.aggregators import Aggregator
 from torch import Tensor
 
-from fs_fedpa.plugin.intake import (
-    Accepted,
-    cap_weights,
-    check_upload,
-    message_pair,
-    norm_outliers,
-    update_norm,
-)
-from fs_fedpa.plugin.payload import (
-    nbytes,
-)
+from fs_fedpa.plugin.intake import Accepted, cap_weights, check_upload, message_pair, norm_outliers, update_norm
+from fs_fedpa.plugin.payload import nbytes
 from fs_fedpa.plugin.record_fs import RecordHead, RoundLog, new_record, private_record, round_record
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only

@@ -12,7 +12,8 @@ object (:class:`~fs_fedpa.plugin.client_state.ClientState`: what it keeps, parke
 :class:`~fs_fedpa.plugin.alignment.Alignment`: the training term, adaptive lam;
 :class:`~fs_fedpa.plugin.resume_fs.ClientResume`; :class:`~fs_fedpa.plugin.record_fs.RoundStats`: its upload's
 statistics; :class:`~fs_fedpa.plugin.privacy.ClientPrivacy`) or, still, a mixin holding FS handlers:
-:mod:`~fs_fedpa.plugin.liveness` (the watchdog) and :mod:`~fs_fedpa.plugin.evaluation` (both protocols, outcomes).
+:mod:`~fs_fedpa.plugin.liveness` (the watchdog) and :mod:`~fs_fedpa.plugin.evaluation` (both protocols; its
+:class:`~fs_fedpa.plugin.evaluation.Evaluation` runs them and keeps the outcomes).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from fs_fedpa.plugin import auth, fs_patches
 from fs_fedpa.plugin.alignment import Alignment
 from fs_fedpa.plugin.client_state import ClientState, state_store
 from fs_fedpa.plugin.common import build_method, global_init, non_lora_trainables, send, share_equal
-from fs_fedpa.plugin.evaluation import ClientEvaluation
+from fs_fedpa.plugin.evaluation import ClientEvaluation, Evaluation
 from fs_fedpa.plugin.liveness import ClientLiveness
 from fs_fedpa.plugin.messages import reply_problem
 from fs_fedpa.plugin.payload import decode_factors, decode_merge, decode_tensors, encode_parts, encode_tensors
@@ -78,6 +79,7 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
         self._restarted = False
         self._start: dict[str, tuple[Tensor, Tensor]] | None = None  # the round's starting factors (diagnostics)
         self.resume = ClientResume(self._cfg, self.method)
+        self.evaluation = Evaluation(self.trainer, self.model, self._cfg, self.method)
         install_alignment_hook(self.trainer, self.alignment)
         self.privacy = ClientPrivacy(self)
         self.schedule = RunSchedule(self.trainer, self._cfg) if self.method.cfg.lr_schedule != "none" else None

@@ -1,6 +1,7 @@
 """A client's evaluation under both protocols (the global reference with its own local tensors; with
 ``fedpa.eval_local`` its own factors), FedDPA's instance-wise mixing, and the per-example outcomes.
-:class:`ClientEvaluation` is a mixin of :class:`~fs_fedpa.plugin.client.FedPAClient`."""
+:class:`ClientEvaluation` holds FS's ``evaluate`` handler of :class:`~fs_fedpa.plugin.client.FedPAClient`;
+:class:`Evaluation`, its collaborator, runs the evaluations and owns what they leave (outcomes, FedDPA's weights)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,7 @@ from torch import Tensor
 from fs_fedpa import lora, resume
 from fs_fedpa.core.instance import instance_weights, representation
 from fs_fedpa.plugin.common import send, without_empty_splits
-from fs_fedpa.plugin.payload import (
-    decode_tensors,
-)
+from fs_fedpa.plugin.payload import decode_tensors
 from fs_fedpa.record import OUTCOMES_FILE
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
@@ -26,7 +25,7 @@ INSTANCES = 5  # FedDPA's test time: training inputs compared with each test inp
 
 
 class ClientEvaluation:
-    """FS's ``evaluate`` handler and what it calls."""
+    """FS's ``evaluate`` handler (a mixin of the client; the evaluations themselves are :class:`Evaluation`'s)."""
 
     def callback_funcs_for_evaluate(self, message: Message):
         """Paper protocol (global rank-R_i reference + own local tensors) and, with fedpa.eval_local, the
@@ -48,22 +47,24 @@ class ClientEvaluation:
         self._load_tensors(decode_tensors(payload.get("shared", {})))
         self._load_tensors(self.kept.local)
         mixed = self.method.instance_mix is not None and self.kept.personal is not None
-        undo = self._instance_mix(next(iter(received.values()))[0].shape[1]) if mixed else lambda: None
+        evaluation = self.evaluation
+        split = next(iter(received.values()))[0].shape[1]
+        undo = evaluation.instance_mix(split, self._device, self.state, self.ID) if mixed else lambda: None
         try:
-            metrics = self._evaluate_splits()
+            metrics = evaluation.splits()
         finally:
             undo()
-        outcomes = {"global": self._take_outcomes()}
+        outcomes = {"global": evaluation.take_outcomes()}
         if self.method.cfg.eval_local:
             # the model it trained: Fed-PLoRA's own modules sit on the undrawn ones it folded into the base
             self._set_base(self.kept.fold)
             self._load(self.kept.factors)
             # FS derives the split from the text before the first "_" and the metric from the text after
             # "<split>_", so the protocol goes in front: local.test_acc, local.test_total, ...
-            metrics.update({f"local.{key}": value for key, value in self._evaluate_splits().items()})
-            outcomes["local"] = self._take_outcomes()
+            metrics.update({f"local.{key}": value for key, value in evaluation.splits().items()})
+            outcomes["local"] = evaluation.take_outcomes()
         if self.method.cfg.save_outcomes:
-            self._write_outcomes(outcomes)
+            evaluation.write_outcomes(outcomes, self.state, self.ID)
         metrics, empty = without_empty_splits(metrics)
         if empty:
             logger.warning(f"[fedpa] client #{self.ID}: no example in {empty}; those metrics are missing, not 0")
@@ -82,15 +83,26 @@ class ClientEvaluation:
         self._park()
         send(self, "metrics", message.sender, metrics, message.timestamp)
 
-    def _instance_mix(self, split: int):
+
+class Evaluation:
+    """A client's evaluations (a collaborator of :class:`~fs_fedpa.plugin.client.FedPAClient`): FS's trainer on
+    every split of ``eval.split`` with the training's random stream untouched, the per-example outcomes the trainer
+    leaves, and FedDPA's instance-wise weighting around them (:attr:`instance_weights`: the last evaluation's g per
+    batch, for diagnostics and tests)."""
+
+    def __init__(self, trainer, model, cfg, method):
+        self.trainer, self.model, self.cfg, self.method = trainer, model, cfg, method
+        self.instance_weights: list[Tensor] = []
+
+    def instance_mix(self, split: int, device: torch.device, rnd: int, client: int):
         """FedDPA's test time on the loaded ``([B_g, B_l], [A_g; A_l])`` (``B_g`` of rank ``split``): before every
         evaluation forward, each input's weight g of the global adapter from its representation and those of
         ``INSTANCES`` of this client's training inputs drawn for it, all under the personal adapter alone
-        (:func:`fs_fedpa.core.instance.instance_weights`). Returns the function that takes the hooks off."""
+        (:func:`fs_fedpa.core.instance.instance_weights`), drawn from a stream of the run's seed, round ``rnd``
+        and ``client``. Returns the function that takes the hooks off."""
         gate = lora.RowGate(self.model, split)
-        device = self._device
         train = self.trainer.ctx.data["train"]  # FS's DataLoader of this client's training split
-        stream = torch.Generator().manual_seed(self.method.seed * 1_000_003 + self.state * 1_009 + self.ID)
+        stream = torch.Generator().manual_seed(self.method.seed * 1_000_003 + rnd * 1_009 + client)
         busy = False
 
         def weigh(module, args, kwargs):
@@ -115,7 +127,7 @@ class ClientEvaluation:
             self.instance_weights.append(gate.g.detach().cpu())
             return None
 
-        self.instance_weights: list[Tensor] = []  # this evaluation's g per batch (diagnostics, tests)
+        self.instance_weights = []
         handle = self.model.register_forward_pre_hook(weigh, with_kwargs=True)
 
         def undo() -> None:
@@ -124,7 +136,7 @@ class ClientEvaluation:
             if self.instance_weights:
                 g = torch.cat(self.instance_weights)
                 logger.info(
-                    f"[fedpa] client #{self.ID}, round {self.state}: FedDPA's weight of the global adapter over "
+                    f"[fedpa] client #{client}, round {rnd}: FedDPA's weight of the global adapter over "
                     f"{len(g)} inputs: mean {float(g.mean()):.3f}, min {float(g.min()):.3f}, max {float(g.max()):.3f}"
                 )
 
@@ -133,27 +145,28 @@ class ClientEvaluation:
     def _representation(self, gate: lora.RowGate, inputs: dict[str, Tensor], device: torch.device) -> Tensor:
         """(batch, hidden) under the personal adapter alone (:func:`fs_fedpa.core.instance.representation`)."""
         inputs = {k: v.to(device) for k, v in inputs.items()}
-        return representation(self.model, gate, inputs, classifier=self._cfg.trainer.type == "seqcls")
+        return representation(self.model, gate, inputs, classifier=self.cfg.trainer.type == "seqcls")
 
-    def _take_outcomes(self) -> dict[str, str]:
+    def take_outcomes(self) -> dict[str, str]:
         """The last evaluation's per-example outcomes (:class:`SeqClsTrainer`), split -> "0110..."; cleared."""
         taken = getattr(self.trainer, "outcomes", None) or {}
         self.trainer.outcomes = {}
         return {split: "".join("1" if c else "0" for c in correct.tolist()) for split, correct in taken.items()}
 
-    def _write_outcomes(self, outcomes: dict[str, dict[str, str]]) -> None:
+    def write_outcomes(self, outcomes: dict[str, dict[str, str]], rnd: int, client: int) -> None:
         """Append this evaluation's outcomes to ``<outdir>/fedpa_outcomes.jsonl`` (:data:`OUTCOMES_FILE`)."""
         lines = [
-            {"round": self.state, "client": self.ID, "protocol": protocol, "split": split, "correct": bits}
+            {"round": rnd, "client": client, "protocol": protocol, "split": split, "correct": bits}
             for protocol, splits in outcomes.items()
             for split, bits in splits.items()
         ]
-        with open(os.path.join(self._cfg.outdir, OUTCOMES_FILE), "a", encoding="utf-8") as f:
+        with open(os.path.join(self.cfg.outdir, OUTCOMES_FILE), "a", encoding="utf-8") as f:
             f.writelines(json.dumps(line) + "\n" for line in lines)
 
-    def _evaluate_splits(self) -> dict:
+    def splits(self) -> dict:
+        """FS's evaluation of the loaded model on every split of ``eval.split``, merged."""
         metrics = {}
         with resume.fork_rng():  # evaluations never shift the random stream of training
-            for split in self._cfg.eval.split:
+            for split in self.cfg.eval.split:
                 metrics.update(**self.trainer.evaluate(target_data_split_name=split))
         return metrics

@@ -16,14 +16,10 @@ from federatedscope.core.message import Message
 
 from fs_fedpa.plugin import auth, fs_patches
 from fs_fedpa.plugin.common import send
-from fs_fedpa.plugin.intake import (
-    check_message_content,
-)
+from fs_fedpa.plugin.intake import check_message_content
 from fs_fedpa.plugin.liveness import TIMEOUT
 from fs_fedpa.plugin.messages import ServerView, message_problem
-from fs_fedpa.plugin.payload import (
-    shown,
-)
+from fs_fedpa.plugin.payload import shown
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 

@@ -2,11 +2,13 @@
 
 The server keeps the global factors (effective, rank R_g) and writes them into its own model after every
 aggregation, so that FS's server-side evaluation and checkpoints see the global adapter. This module holds the
-downlink and what a round installs; the other concerns are mixins or collaborators in modules of their name:
-:mod:`~fs_fedpa.plugin.inbox` (what comes in, checked and authenticated), :mod:`~fs_fedpa.plugin.liveness` (the
-round watchdog), :mod:`~fs_fedpa.plugin.aggregator` (FS has no aggregator registry, so the server installs
-:class:`FedPAAggregator` itself, in ``self.aggregator`` for saving and ``self.aggregators[0]`` for aggregation),
-:mod:`~fs_fedpa.plugin.record_fs` and :mod:`~fs_fedpa.plugin.resume_fs`.
+downlink and what a round installs; the other concerns are in modules of their name, as mixins that hold FS
+handlers (:mod:`~fs_fedpa.plugin.inbox`: what comes in, checked and authenticated; :mod:`~fs_fedpa.plugin.liveness`:
+the round watchdog) or collaborators: :class:`~fs_fedpa.plugin.aggregator.FedPAAggregator` (FS has no aggregator
+registry, so the server installs it itself, in ``self.aggregator`` and ``self.aggregators[0]``; it is given each
+round and leaves its result, which the server installs), :class:`~fs_fedpa.plugin.record_fs.RoundLog`,
+:class:`~fs_fedpa.plugin.resume_fs.ServerResume`, :class:`~fs_fedpa.merge_ledger.MergeLedger` and
+:class:`~fs_fedpa.plugin.privacy_server.ServerPrivacy`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from federatedscope.core.workers import Server
 from torch import Tensor
 
 from fs_fedpa import lora, resume
+from fs_fedpa.merge_ledger import MergeLedger
 from fs_fedpa.methods.base import FederatedMethod
 from fs_fedpa.plugin import auth
 from fs_fedpa.plugin.aggregator import FedPAAggregator, RoundInput
@@ -37,7 +40,7 @@ from fs_fedpa.plugin.resume_fs import ServerResume, check_resume_file
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
 
-class FedPAServer(ServerLiveness, ServerInbox, ServerResume, Server):
+class FedPAServer(ServerLiveness, ServerInbox, Server):
     def __init__(self, *args, **kwargs):
         config = kwargs.get("config", args[2] if len(args) > 2 else None)
         if config is not None and config.federate.restore_from:
@@ -85,11 +88,8 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, Server):
             os.makedirs(os.path.dirname(os.path.abspath(self._cfg.federate.save_to)), exist_ok=True)
         self._down_bytes: dict[int, int] = {}
         self._late_down: dict[int, int] = {}  # merge bytes that rode on evaluation messages: next round's downlink
-        self.merged: dict[str, Tensor] = {}  # sum of every merge so far, (d, k) per module (exact-aggregation methods)
-        self._last_merge: dict | None = None  # the newest merge, as it travels (see install_global)
-        self._merge_count = 0  # merges so far
-        self._merged_upto: dict[int, int] = {}  # per client: how many merges its base offset holds
-        self._merged_kept: dict[int, int] = {}  # ... by its last training message: what its resume file holds
+        self.merges = MergeLedger()  # exact-aggregation methods: merges into the base weights, and who holds them
+        self.resume = ServerResume(self._cfg, self.method)
         self._pending_rng: dict | None = None
         self._expected: set[int] = set()  # receivers of this round's model: the only valid senders of updates
         self._eval_round: int | None = None  # the round of the last evaluation asked for, and whom it was asked of
@@ -120,7 +120,8 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, Server):
 
         exporter = Exporter(self._cfg, self.model, self.method, out, force=True)
         params = dict(self.model.named_parameters())
-        entry = exporter.write_global(self.global_factors, self.merged, {n: params[n] for n in self.shared_names})
+        shared = {n: params[n] for n in self.shared_names}
+        entry = exporter.write_global(self.global_factors, self.merges.merged, shared)
         exporter.finish(entry, {}, run_info(self._cfg, Path(self._cfg.outdir), self.state, []))
 
     # ---------------------------------------------------------------------------------- downlink
@@ -164,14 +165,14 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, Server):
             payload = {"lora": dict(down)} if down else {"zero_reference": 1}
             if shared:
                 payload["shared"] = dict(shared)
-            merges = self._pending_merges(client_id)
+            merges = self.merges.pending(client_id)
             if merges is not None:
                 kind, value = merges
                 payload[kind] = encode_merge(value, wire) if kind == "base" else (
                     encode_tensors(value, wire) if wire else dict(value))  # fmt: skip
             if msg_type == "model_para":
                 self._down_bytes[client_id] = nbytes(payload) + self._late_down.pop(client_id, 0)
-                self._merged_kept[client_id] = self._merged_upto.get(client_id, 0)
+                self.merges.trained(client_id)
             elif merges is not None:
                 late = nbytes({merges[0]: payload[merges[0]]})
                 self._late_down[client_id] = self._late_down.get(client_id, 0) + late
@@ -193,20 +194,6 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, Server):
             self.msg_buffer["train"].setdefault(self.state, {})  # FS reads it even when nothing arrived
         return super().check_and_move_on(check_eval_result=check_eval_result, min_received_num=min_received_num)
 
-    def _pending_merges(self, client_id: int) -> tuple[str, object] | None:
-        """What ``client_id`` lacks of the merges, now counted as received: ``("base", [newest merge])`` when it
-        lacks only the newest (every client, every round, with full participation), ``("base_total", merged)``, the
-        sum of every merge (d, k), which replaces its base offset, when it lacks more; None when it lacks none. The
-        server keeps the newest merge and the sum, whatever the number of clients and however long one sits out:
-        the sum is what the client would have added up, in the same order, so its base offset is the same."""
-        upto = self._merged_upto.get(client_id, 0)
-        if upto >= self._merge_count:
-            return None
-        self._merged_upto[client_id] = self._merge_count
-        if upto == self._merge_count - 1 and self._last_merge is not None:
-            return "base", [self._last_merge]
-        return "base_total", self.merged
-
     # ---------------------------------------------------------------------------------- aggregation
     def _perform_federated_aggregation(self):
         """FS's aggregation, with the round given to the aggregator first and its result installed after."""
@@ -215,7 +202,7 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, Server):
         count = super()._perform_federated_aggregation()
         if (done := self.aggregator.result) is not None:
             for client in done.lost:  # its stored state, merges included, is gone: the next message sends them all
-                self._merged_upto[client] = 0
+                self.merges.forget(client)
             self.install_global(done.global_factors, done.shared, done.merge)
         return count
 
@@ -225,16 +212,9 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, Server):
         self.global_factors = global_factors
         lora.set_factors(self.model, self.scaling.raw(self.method.expand(global_factors)))
         if merge:
-            dense, travels = self.method.merge_encoding == "dense", {}
-            for name, (B, A) in merge.items():
-                dtype = torch.promote_types(B.dtype, torch.float32)
-                increment = B.to(dtype) @ A.to(dtype)
-                self.merged[name] = self.merged[name] + increment if name in self.merged else increment
-                # per module its dense increment (formed here once, not once per receiver) or a copy of its factors
-                travels[name] = increment.to(B.dtype) if dense else (B.detach().clone(), A.detach().clone())
-            self._last_merge, self._merge_count = travels, self._merge_count + 1
-        if self.merged:
-            lora.set_base_offsets(self.model, self.merged)
+            self.merges.add(merge, dense=self.method.merge_encoding == "dense")
+        if self.merges.merged:
+            lora.set_base_offsets(self.model, self.merges.merged)
         if shared:
             params = dict(self.model.named_parameters())
             with torch.no_grad():
@@ -262,7 +242,7 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, Server):
             weight_B, weight_A = lora.adapter_weights(layers[name])
             state[key[id(weight_B)]] = B.detach().to("cpu", weight_B.dtype, copy=True)
             state[key[id(weight_A)]] = A.detach().to("cpu", weight_A.dtype, copy=True)
-        for name, offset in self.merged.items():
+        for name, offset in self.merges.merged.items():
             base = layers[name].get_base_layer().weight
             state[key[id(base)]] = lora.offset_base(layers[name], offset, name).cpu()
         params = dict(self.model.named_parameters())
@@ -297,7 +277,7 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, Server):
                 "fedpa": {
                     "method": self.method.name,
                     "global": lora.copy_factors(self.global_factors, "cpu"),
-                    "merged": {n: t.cpu() for n, t in self.merged.items()},  # (d, k): what merges added to W_0
+                    "merged": {n: t.cpu() for n, t in self.merges.merged.items()},  # (d, k): what merges added to W_0
                     "client_ranks": list(plan.client_ranks),
                     "reference_ranks": list(plan.reference_ranks),
                     "R_g": plan.R_g,
@@ -306,3 +286,48 @@ class FedPAServer(ServerLiveness, ServerInbox, ServerResume, Server):
             },
             path,
         )
+
+    # ---------------------------------------------------------------------------------- resume points
+    def write_resume_point(self) -> str:
+        """The resume point of round ``self.state`` (:class:`~fs_fedpa.plugin.resume_fs.ServerResume`): the global
+        factors and the state of every collaborator that a continued run needs."""
+        fields = {
+            "global": lora.copy_factors(self.global_factors, "cpu"),
+            "generator": self.generator.get_state(),
+            "totals": dict(self.rounds.totals),
+            "down_bytes": dict(self._down_bytes),
+            "merges": self.merges.state(),
+            "records": resume.plain(self.rounds.records),
+            "history_results": resume.plain(self.history_results),
+            "best_results": resume.plain(self.best_results),
+            "rng": resume.rng_state(),
+            "privacy": self.privacy.state() if self.privacy is not None else {},
+        }
+        # client-level DP: the initial local tensors, not a client's (with_public_locals)
+        return self.resume.write(self.state, self.with_public_locals(self.model.state_dict()), fields)
+
+    def restore(self, path: str) -> int:
+        """Continue the run saved in the resume point ``path``, checked by
+        :meth:`~fs_fedpa.plugin.resume_fs.ServerResume.read`; returns the round it continues at."""
+        local_names, _ = non_lora_trainables(self.model, self._cfg.personalization.local_param)
+        params = dict(self.model.named_parameters())
+        checkpoint, saved = self.resume.read(path, global_factors=self.global_factors, clients=self.client_num,
+                                             local={n: params[n] for n in local_names}, rounds=self.total_round_num)
+        device = next(iter(self.global_factors.values()))[0].device
+        self.install_global({n: (B.to(device), A.to(device)) for n, (B, A) in saved["global"].items()}, {})
+        self.model.load_state_dict(checkpoint["model"], strict=False)  # shared tensors, e.g. a shared head
+        self.keep_shared()
+        self.generator.set_state(saved["generator"])
+        self._down_bytes = dict(saved["down_bytes"])
+        self.merges.restore(saved.get("merges", {}), device)
+        if self.merges.merged:
+            lora.set_base_offsets(self.model, self.merges.merged)
+        self.rounds.restore(saved["records"], saved["totals"])
+        self.aggregator.failed_in_a_row = self.rounds.failed_in_a_row()
+        self.history_results, self.best_results = saved["history_results"], saved["best_results"]
+        self._pending_rng = saved["rng"]
+        if self.privacy is not None:
+            self.privacy.restore(saved.get("privacy"))
+        self.state = saved["round"]
+        logger.info(f"[fedpa] resumed from {path} at round {self.state}")
+        return self.state

@@ -79,6 +79,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
     from fs_fedpa import lora
     from fs_fedpa.plugin import aggregator as aggregator_mod
     from fs_fedpa.plugin import client as client_mod
+    from fs_fedpa.plugin import evaluation as evaluation_mod
     from fs_fedpa.plugin import record_fs as records_mod
     from fs_fedpa.plugin.payload import decode_factors, decode_parts
     from tests.integration.fault_cases import corrupt
@@ -110,6 +111,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
     def init(self, *args, **kwargs):
         orig_init(self, *args, **kwargs)
         if self._cfg is not None:
+            self.evaluation.splits = lambda: evaluate_splits(self)
 
             def gap(ctx):
                 record["loss_gap"].append(float((ctx.loss_task - ctx.loss_batch).detach()))
@@ -218,36 +220,35 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         )
         return result
 
-    orig_splits = Client._evaluate_splits
+    orig_splits = evaluation_mod.Evaluation.splits
     record["evaluate"] = []
 
-    def evaluate_splits(self):  # the model each evaluation sees: the paper protocol's first, then the own factors'
-        layers = lora.lora_layers(self.model) if self._moves_base else {}
+    def evaluate_splits(client):  # the model each evaluation sees: the paper protocol's first, then the own factors'
+        layers = lora.lora_layers(client.model) if client._moves_base else {}
         record["evaluate"].append(
             {
-                "client": self.ID,
-                "round": self.state,
-                "factors": _copy(lora.get_factors(self.model)) if self.method.state_is_factors else {},
+                "client": client.ID,
+                "round": client.state,
+                "factors": _copy(lora.get_factors(client.model)) if client.method.state_is_factors else {},
                 "base": {n: layer.get_base_layer().weight.detach().cpu().clone() for n, layer in layers.items()},
             }
         )
-        return orig_splits(self)
+        return orig_splits(client.evaluation)
 
-    Client._evaluate_splits = evaluate_splits
-    orig_mix = Client._instance_mix
+    orig_mix = evaluation_mod.Evaluation.instance_mix
     record["instance"] = []
 
-    def instance_mix(self, split):
-        undo = orig_mix(self, split)
+    def instance_mix(self, split, device, rnd, client):
+        undo = orig_mix(self, split, device, rnd, client)
 
         def spy_undo():
             undo()
             g = torch.cat(self.instance_weights) if self.instance_weights else torch.zeros(0)
-            record["instance"].append({"client": self.ID, "round": self.state, "split": split, "g": g})
+            record["instance"].append({"client": client, "round": rnd, "split": split, "g": g})
 
         return spy_undo
 
-    Client._instance_mix = instance_mix
+    evaluation_mod.Evaluation.instance_mix = instance_mix
     record["e_agg_calls"] = 0
     aggregation_error = records_mod.aggregation_error
 
@@ -305,7 +306,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
     record["final"] = {
         "clients": {cid: e["factors"] for cid, e in ends.items() if e["factors"] is not None},
         "global": _copy(runner.server.global_factors),
-        "merged": {n: t.cpu().clone() for n, t in runner.server.merged.items()},
+        "merged": {n: t.cpu().clone() for n, t in runner.server.merges.merged.items()},
         "offsets": {cid: e["offsets"] for cid, e in ends.items()},
         "personal": {cid: e["personal"] for cid, e in ends.items() if e["personal"] is not None},
         "local": {cid: e["local"] for cid, e in ends.items()},
