@@ -224,7 +224,8 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
         self.kept.local = local
         self.kept.rounds_trained += 1
         self.kept.last_trained = self.state
-        self.resume.write(self.kept, self._snapshot(), self.ID, self.state)
+        if self.resume.out:  # federate.save_to
+            self.resume.write(self.kept, self._snapshot(), self.ID, self.state)
         sent = self.space.upload(self.method.before_upload(self.kept.factors, self.kept.received, self.state))
         wire = self._cfg.federate.mode.lower() == "distributed"  # tensors as explicit encodings, never pickled
         upload = {
@@ -375,7 +376,7 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
                 received[name] = (torch.zeros_like(B, device=device), torch.zeros_like(A, device=device))
         if "base_total" in payload:  # it lacked more than the newest merge: the sum of all, in place of its own
             self.kept.base_offset = {n: t.to(device, torch.promote_types(t.dtype, torch.float32)) for n, t in
-                                decode_tensors(payload["base_total"]).items()}  # fmt: skip
+                                     decode_tensors(payload["base_total"]).items()}  # fmt: skip
         for merge in decode_merge(payload.get("base", {})):  # one by one, as they were merged
             for name, increment in merge.items():
                 if name not in self.kept.factors:

@@ -29,7 +29,8 @@ class ClientResume:
         self.pending = restore_from or None  # read at the first message, which names the round
 
     def write(self, kept, snapshot: dict, client: int, rnd: int) -> None:
-        """Client ``client``'s state after round ``rnd`` (``snapshot``: what it keeps, with round, id and rank)."""
+        """Client ``client``'s state after round ``rnd`` (``snapshot``: what it keeps, with round, id and rank), when
+        the run has ``federate.save_to``."""
         if self.out is None:
             return
         owner = resume.client_owner(self.cfg, self.method, client)  # whose it is: checked by every restore
