@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Literal, TypedDict, Unpack
 
 import torch
 from torch import Tensor
@@ -45,15 +45,37 @@ Mode = Literal["reduced", "randomized", "dense"]
 MODES: tuple[str, ...] = ("reduced", "randomized", "dense")
 
 
+class SVDOptions(TypedDict, total=False):
+    """How the truncated SVD of the aggregate is taken, for :func:`reconstruct` and :func:`reconstruct_adapter`.
+
+    mode: ``"reduced"`` (the default; exact, QR + core SVD), ``"randomized"`` (a sketch of width
+        ``min(rank + oversample, r_tot)``) or ``"dense"`` (forms the ``(d, k)`` aggregate).
+    oversample: p, the sketch oversampling of ``randomized`` (default 8; Halko's bound needs p >= 2).
+    generator: seeds the Gaussian test matrix of ``randomized``; drawn on its own device (default: torch's).
+    """
+
+    mode: Mode
+    oversample: int
+    generator: torch.Generator | None
+
+
+def svd_options(options: Mapping) -> tuple[str, int, torch.Generator | None]:
+    """``(mode, oversample, generator)`` from :class:`SVDOptions` keywords, with their defaults; TypeError for a
+    keyword it does not know, ValueError for a mode or oversampling it does not take."""
+    if unknown := sorted(set(options) - set(SVDOptions.__annotations__)):
+        raise TypeError(f"unknown option(s) {unknown}; the options are {sorted(SVDOptions.__annotations__)}")
+    mode, oversample = options.get("mode", "reduced"), options.get("oversample", 8)
+    _check_mode(mode, oversample)
+    return mode, oversample, options.get("generator")
+
+
 def reconstruct(
     Bs: Sequence[Tensor],
     As: Sequence[Tensor],
     rank: int,
     weights: Sequence[float] | Tensor | None = None,
-    mode: Mode = "reduced",
-    oversample: int = 8,
-    generator: torch.Generator | None = None,
     return_spectrum: bool = False,
+    **options: Unpack[SVDOptions],
 ) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """Best rank-``rank`` factors ``(B_g, A_g)`` of ``sum_i w_i B_i A_i`` (§4.3, Eq. efficient reconstruction).
 
@@ -63,11 +85,8 @@ def reconstruct(
         As: client factors ``As[i]: (*, r_i, k)``.
         rank: R_g, the rank of the returned factors.
         weights: ``w_i >= 0`` (not all zero), normalised to sum to 1; ``None`` is uniform.
-        mode: ``"reduced"`` (exact, QR + core SVD), ``"randomized"`` (sketch of width
-            ``min(rank + oversample, r_tot)``) or ``"dense"`` (forms the ``(d, k)`` aggregate).
-        oversample: p, the sketch oversampling of ``randomized`` (Halko's bound needs p >= 2).
-        generator: seeds the Gaussian test matrix of ``randomized``; drawn on its own device.
         return_spectrum: also return the singular values of the aggregate.
+        options: ``mode``, ``oversample``, ``generator`` (:class:`SVDOptions`).
 
     Returns:
         ``B_g: (*, d, rank)`` with the singular values folded in, ``A_g: (*, rank, k)`` with
@@ -82,7 +101,7 @@ def reconstruct(
     """
     check_factor_lists(Bs, As)
     check_positive_int(rank, "rank")
-    _check_mode(mode, oversample)
+    mode, oversample, generator = svd_options(options)
     w = normalized_weights(weights, len(Bs))
     B_g, A_g, S = _reconstruct_clients(Bs, As, rank, w, mode, oversample, generator)
     return (B_g, A_g, S) if return_spectrum else (B_g, A_g)
@@ -92,18 +111,15 @@ def reconstruct_adapter(
     uploads: Sequence[Mapping[str, tuple[Tensor, Tensor]]],
     rank: int,
     weights: Sequence[float] | Tensor | None = None,
-    mode: Mode = "reduced",
-    oversample: int = 8,
-    generator: torch.Generator | None = None,
     return_spectrum: bool = False,
+    **options: Unpack[SVDOptions],
 ) -> dict[str, tuple[Tensor, Tensor]] | tuple[dict[str, tuple[Tensor, Tensor]], dict[str, Tensor]]:
     """:func:`reconstruct` for every LoRA module of an adapter, batched over modules of equal shapes.
 
     Args:
         uploads: one mapping per client, ``module name -> (B_i: (d, r_i), A_i: (r_i, k))``; every
             client names the same modules. A client's rank may differ between modules.
-        rank, weights, mode, oversample, generator: as in :func:`reconstruct`; ``rank`` is R_g
-            for every module.
+        rank, weights, options: as in :func:`reconstruct`; ``rank`` is R_g for every module.
         return_spectrum: also return ``module name -> S``.
 
     Returns:
@@ -123,7 +139,7 @@ def reconstruct_adapter(
             extra = sorted(set(upload) - set(names))
             raise ValueError(f"client {i} uploads different modules than client 0: missing {missing}, extra {extra}")
     check_positive_int(rank, "rank")
-    _check_mode(mode, oversample)
+    mode, oversample, generator = svd_options(options)
     w = normalized_weights(weights, len(uploads))
 
     groups: dict[tuple, list[str]] = {}
@@ -247,8 +263,9 @@ def _workspace(slot: str, shape: tuple[int, ...], device: torch.device, dtype: t
 
 
 def _stack_modules(uploads, group: Sequence[str], ranks: Sequence[int]) -> tuple[Tensor, Tensor]:
-    """The float64 stacks of :func:`~fs_fedpa.core.factored_svd.gram_route` for every module of ``group`` at once, ``Bt: (G, m, d)`` and
-    ``A: (G, m, k)``, written straight from the clients' uploads (each casts as it is copied) into the workspaces."""
+    """The float64 stacks of :func:`~fs_fedpa.core.factored_svd.gram_route` for every module of ``group`` at once,
+    ``Bt: (G, m, d)`` and ``A: (G, m, k)``, written straight from the clients' uploads (each casts as it is copied)
+    into the workspaces."""
     B0, A0 = uploads[0][group[0]]
     G, m, d, k = len(group), sum(ranks), B0.shape[0], A0.shape[1]
     Bt, A = _workspace("B", (G, m, d), B0.device), _workspace("A", (G, m, k), A0.device)

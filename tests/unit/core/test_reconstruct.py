@@ -333,3 +333,17 @@ def test_float32_stacks_wider_than_the_layer_take_the_float64_qr_core_and_reach_
     Bs, As = client_factors(3, 48, 48, [8] * 5, kind, dtype=torch.float32)  # 40 <= min(d, k): the Gram route
     B_g, A_g = reconstruct(Bs, As, 8, weights=weights, mode="reduced")
     assert len(calls) == 1 and abs(excess_error(Bs, As, weights, B_g, A_g, 8)) <= 1e-5
+
+
+def test_an_option_either_function_does_not_know_is_refused_not_ignored():
+    """Both functions take their SVD options as keywords (:class:`SVDOptions`); a misspelt one must not fall back to
+    the default mode silently."""
+    from fs_fedpa.core.reconstruct import reconstruct, reconstruct_adapter
+
+    B, A = torch.randn(5, 2, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64)
+    with pytest.raises(TypeError, match="unknown option"):
+        reconstruct([B], [A], 2, mod="dense")
+    with pytest.raises(TypeError, match="unknown option"):
+        reconstruct_adapter([{"q": (B, A)}], 2, oversampling=4)
+    dense = reconstruct([B], [A], 2, mode="dense")
+    torch.testing.assert_close(dense[0] @ dense[1], B @ A)
