@@ -48,8 +48,9 @@ class ClientEvaluation:
         self._load_tensors(self.kept.local)
         mixed = self.method.instance_mix is not None and self.kept.personal is not None
         evaluation = self.evaluation
-        split = next(iter(received.values()))[0].shape[1]
-        undo = evaluation.instance_mix(split, self._device, self.state, self.ID) if mixed else lambda: None
+        undo = lambda: None  # noqa: E731
+        if mixed:  # the global adapter's rank: the columns of B_g in the loaded ([B_g, B_l], [A_g; A_l])
+            undo = evaluation.instance_mix(next(iter(received.values()))[0].shape[1], self._device, self.state, self.ID)
         try:
             metrics = evaluation.splits()
         finally:
