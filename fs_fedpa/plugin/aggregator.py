@@ -13,12 +13,12 @@ import torch
 from federatedscope.core.aggregators import Aggregator
 from torch import Tensor
 
+from fs_fedpa.lora import Factors
 from fs_fedpa.plugin.intake import Accepted, cap_weights, check_upload, message_pair, norm_outliers, update_norm
 from fs_fedpa.plugin.payload import nbytes
 from fs_fedpa.plugin.record_fs import RecordHead, RoundLog, new_record, private_record, round_record
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
-Factors = dict[str, tuple[Tensor, Tensor]]
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ class FedPAAggregator(Aggregator):
                 del accepted[culprit]
                 continue
             whole = _with_merge(new_global, merge)
-            record = round_record(self._head(kept), method, uploads, weights, kept, whole, spectra, stats)
+            record = round_record(self._head(kept), uploads, weights, kept, whole, spectra, stats)
             record.dropped, record.bytes_up = dropped, bytes_up
             record.restarted = [c for c, st in zip(kept, stats) if st.get("restarted")]
             if bad := record.not_finite():  # a diagnostic problem: the aggregate itself is finite (checked above)
@@ -161,7 +161,7 @@ class FedPAAggregator(Aggregator):
         # bytes) can depend on their data, and stays in the private faults file (privacy.fault)
         receivers = sorted(self.round.expected)
         weight = 1.0 / self.privacy.K
-        record = private_record(self._head(receivers), self.method, receivers, weight, new_global, spectra, release)
+        record = private_record(self._head(receivers), receivers, weight, new_global, spectra, release)
         self.result = Aggregated(new_global, {}, None)
         self.rounds.add(record)
         self.privacy.account(rnd, receivers, {})

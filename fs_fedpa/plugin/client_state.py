@@ -11,11 +11,11 @@ import torch
 from torch import Tensor
 
 from fs_fedpa import lora
+from fs_fedpa.lora import Factors
 from fs_fedpa.state_store import SpillError, StateStore, flatten, unflatten
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 _STORES: dict[str, StateStore] = {}  # one per run folder: the clients of a standalone run share its budget
-Factors = dict[str, tuple[Tensor, Tensor]]
 PARKED_PAIRS = {"factors": "factors", "personal": "personal", "fold": "fold", "received": "last_received"}
 
 

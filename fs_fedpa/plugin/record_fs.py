@@ -11,7 +11,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 
 from fs_fedpa.core.diagnostics import (
     aggregate_norm,
@@ -22,10 +21,10 @@ from fs_fedpa.core.diagnostics import (
     product_distance,
     product_sq_norm,
 )
+from fs_fedpa.lora import Factors
 from fs_fedpa.record import DIAGNOSTICS_FILE, RoundRecord
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
-Factors = dict[str, tuple[Tensor, Tensor]]
 
 
 class RoundStats:
@@ -178,12 +177,13 @@ def new_record(head: RecordHead) -> RoundRecord:
     )
 
 
-def round_record(head: RecordHead, method, uploads, weights, clients, new_global, spectra, stats) -> RoundRecord:
+def round_record(head: RecordHead, uploads, weights, clients, new_global, spectra, stats) -> RoundRecord:
     """Diagnostics of one aggregation, from factors only (no d x k matrix). A diagnostic is never a reason to drop
     an upload or stop a round: one that cannot be computed (e.g. an overflow after a legal but huge upload) is None,
     with a warning, and one that is not finite is written as null (:meth:`RoundRecord.to_dict`). With
     ``fedpa.diagnostics False`` the aggregate's diagnostics, which cost as much as a reconstruction, are not computed
     either: they are None."""
+    method = head.method
     uploads = [method.expand(u) for u in uploads]  # each expanded once already, when it was checked
     record = new_record(head)
     record.clients, record.weights = list(clients), list(weights)
@@ -224,10 +224,11 @@ def _aggregate_diagnostics(record: RoundRecord, new_global, uploads, weights, sp
     record.spectrum_probe = [float(s) for s in spectra.get(record.probe_module, torch.zeros(0))]
 
 
-def private_record(head: RecordHead, method, clients: list[int], weight: float, new_global, spectra, release) -> dict:
+def private_record(head: RecordHead, clients: list[int], weight: float, new_global, spectra, release) -> dict:
     """The round record under client-level DP: post-processing of the release only (each of the K receivers
     ``weight`` 1/K). E_agg, the spectrum and the norms describe the noisy mean; nothing is read from a client's
     upload or statistics."""
+    method = head.method
     record = new_record(head)
     record.clients = list(clients)
     record.weights = [weight] * len(clients)

@@ -75,7 +75,6 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
             # asserts that a round never waits for more than sample_client_num
             self.sample_client_num = self.client_num
         self.rounds = RoundLog(self._cfg.outdir, self.method.cfg.diagnostics)  # the records, carried by resume points
-        params = dict(self.model.named_parameters())
         shapes = (layer_shapes(self.model), {n: tuple(params[n].shape) for n in self.shared_names})
         self.aggregator = FedPAAggregator(
             self.method, self.rounds, privacy=self.privacy, generator=self.generator, shapes=shapes,
