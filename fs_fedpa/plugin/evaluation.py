@@ -17,7 +17,6 @@ from torch import Tensor
 from fs_fedpa import lora, resume
 from fs_fedpa.core.instance import instance_weights, representation
 from fs_fedpa.plugin.common import send, without_empty_splits
-from fs_fedpa.plugin.payload import decode_tensors
 from fs_fedpa.record import OUTCOMES_FILE
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
@@ -31,26 +30,29 @@ class ClientEvaluation:
         """Paper protocol (global rank-R_i reference + own local tensors) and, with fedpa.eval_local, the
         client's own preserved factors, reported as ``local.<split>_<metric>``."""
         self._unpark()
-        self.resume.restore(self.kept, self.ID, message.state, self._initial_factors, self._device)
-        self.state, self._answered = message.state, (message.state, message.timestamp)
+        models = self.models
+        self.resume.restore(self.kept, self.ID, message.state, models.initial_factors, models.device)
+        self.state = message.state
+        self.outbox.answering(message.state, message.timestamp)
         payload = message.content
         # a client that never trained evaluates its initial factors, which it need not keep: any worker can draw them
         # again from the run's seed, so N never-sampled clients store nothing
         untrained = self.kept.factors is None and not self.kept.lost
         if untrained:
-            self.kept.factors = self._initial_factors()
-        received = self._own_and_received(payload)
+            self.kept.factors = models.initial_factors()
+        received = models.own_and_received(payload, self.state)
         self.kept.last_received = received  # what an export at the end of the run evaluates
-        evaluated = self.method.evaluation_factors(received, self.kept.factors, self.index, personal=self.kept.personal)
-        self._set_base()
-        self._load(evaluated)
-        self._load_tensors(decode_tensors(payload.get("shared", {})))
-        self._load_tensors(self.kept.local)
+        evaluated = self.method.evaluation_factors(received, self.kept.factors, models.index,
+                                                   personal=self.kept.personal)  # fmt: skip
+        models.set_base()
+        models.load(evaluated, self.state)
+        models.load_round_tensors(payload)
         mixed = self.method.instance_mix is not None and self.kept.personal is not None
         evaluation = self.evaluation
         undo = lambda: None  # noqa: E731
         if mixed:  # the global adapter's rank: the columns of B_g in the loaded ([B_g, B_l], [A_g; A_l])
-            undo = evaluation.instance_mix(next(iter(received.values()))[0].shape[1], self._device, self.state, self.ID)
+            rank = next(iter(received.values()))[0].shape[1]
+            undo = evaluation.instance_mix(rank, models.device, self.state, self.ID)
         try:
             metrics = evaluation.splits()
         finally:
@@ -58,8 +60,8 @@ class ClientEvaluation:
         outcomes = {"global": evaluation.take_outcomes()}
         if self.method.cfg.eval_local:
             # the model it trained: Fed-PLoRA's own modules sit on the undrawn ones it folded into the base
-            self._set_base(self.kept.fold)
-            self._load(self.kept.factors)
+            models.set_base(self.kept.fold)
+            models.load(self.kept.factors, self.state)
             # FS derives the split from the text before the first "_" and the metric from the text after
             # "<split>_", so the protocol goes in front: local.test_acc, local.test_total, ...
             metrics.update({f"local.{key}": value for key, value in evaluation.splits().items()})

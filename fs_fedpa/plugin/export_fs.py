@@ -405,3 +405,18 @@ def privacy_info(dp_mode: str, outdir: Path, local_tensors: str = "noised") -> d
         out.update(epsilon_is="the largest over the clients (per client in the ledger)",
                    dp_files=["global", "client_<id>"], not_dp_files=[])  # fmt: skip
     return out
+
+
+def export_client(cfg, model, method, client: int, state: dict, received, factors) -> None:
+    """Client ``client``'s head (and with ``fedpa.export_clients`` its own models) into ``fedpa.export_dir``, with its
+    manifest entry ``export_client_<id>.json``. ``state``: what it keeps (:meth:`ClientModel.snapshot` with its fold
+    and scaling); ``received``: the reference of its last evaluation (None: the global adapter, from ``factors``)."""
+    out = method.cfg.export_dir
+    exporter = Exporter(cfg, model, method, out, force=True)
+    received = received or exporter.received(client, {}, factors)
+    cpu = {n: (B.cpu(), A.cpu()) for n, (B, A) in received.items()}
+    entry = exporter.client_entry(client, state, cpu, own_models=method.cfg.export_clients)
+    path = os.path.join(out, f"export_client_{client}.json")
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump({str(client): entry}, f)
+    os.replace(path + ".tmp", path)

@@ -142,44 +142,49 @@ def routines(method) -> int:
 
 
 class ClientPrivacy:
-    """A client's side: what it may send, and its DP-SGD in sample mode."""
+    """A client's side: what it may send, and its DP-SGD in sample mode. It takes FS's config ``cfg``, the client's
+    ``method``, FS's ``trainer`` (DP-SGD replaces its step; ``num_train_data`` is the client's n_i) and the names of
+    its local tensors (``fedpa.dp_local_tensors plain`` trains them without noise)."""
 
-    def __init__(self, client):
-        fedpa = client.method.cfg
-        self.client, self.mode = client, fedpa.dp_mode
+    def __init__(self, cfg, method, trainer, local_names: list[str]):
+        fedpa = method.cfg
+        self.fedpa, self.trainer, self.mode = fedpa, trainer, fedpa.dp_mode
+        self.client, self.rnd = 0, 0  # whose round it is (:meth:`new_round`): the noise stream's name
         self.dp_sgd = None
         if self.mode == "sample":
             from fs_fedpa.plugin.dp_sgd import DPSGD
 
             def plan(n: int) -> SamplePlan:
-                return sample_plan(client._cfg, n, routines(client.method))
+                return sample_plan(cfg, n, routines(method))
 
             def make_generator(routine: int):  # a torch.Generator or a SecureGenerator (dp_generator)
-                stream = f"client {client.ID} round {client.state} routine {routine}"
+                stream = f"client {self.client} round {self.rnd} routine {routine}"
                 return dp_generator(fedpa.dp_seed, stream, fedpa.dp_secure_rng)
 
-            plain = frozenset(client.local_names) if fedpa.dp_local_tensors == "plain" else frozenset()
+            plain = frozenset(local_names) if fedpa.dp_local_tensors == "plain" else frozenset()
             if fedpa.dp_local_tensors == "plain" and not plain:
                 raise ValueError(
                     "fedpa.dp_local_tensors 'plain' with no local tensor to train plainly: "
                     "personalization.local_param names none of the model's trainable non-LoRA tensors"
                 )
-            self.dp_sgd = DPSGD(client.trainer, plan, make_generator, fedpa.dp_clip, plain=plain)
-            n = client.trainer.ctx.get("num_train_data")
+            self.dp_sgd = DPSGD(trainer, plan, make_generator, fedpa.dp_clip, plain=plain)
+            n = trainer.ctx.get("num_train_data")
             if isinstance(n, int) and n > 0:
                 plan(n)  # now, not in the first batch: a delta above min(1e-5, 1/(10 n_i)) is refused at start
 
-    def new_round(self) -> None:
+    def new_round(self, client: int, rnd: int) -> None:
+        """Client ``client`` (FS id) starts round ``rnd``."""
+        self.client, self.rnd = client, rnd
         if self.dp_sgd is not None:
             self.dp_sgd.new_round()
 
     @property
     def sits_out(self) -> bool:
         """Sample mode with ``fedpa.dp_min_records``: this client has fewer records and takes no DP-SGD step."""
-        if self.mode != "sample" or not self.client.method.cfg.dp_min_records:
+        if self.mode != "sample" or not self.fedpa.dp_min_records:
             return False
-        n = self.client.trainer.ctx.get("num_train_data")
-        return isinstance(n, int) and n < self.client.method.cfg.dp_min_records
+        n = self.trainer.ctx.get("num_train_data")
+        return isinstance(n, int) and n < self.fedpa.dp_min_records
 
     def stats(self, stats: dict) -> dict:
         """What of the round's statistics leaves the client (all of them without DP)."""
@@ -206,23 +211,24 @@ class ClientPrivacy:
     def log_round(self, rounds_trained: int) -> None:
         """Sample mode: the client's own epsilon after ``rounds_trained`` rounds, in its own log."""
         if self.sits_out:
-            n = self.client.trainer.ctx.get("num_train_data")
+            n = self.trainer.ctx.get("num_train_data")
             logger.info(
-                f"[fedpa] client #{self.client.ID}: {n} training records, fewer than fedpa.dp_min_records"
-                f"(={self.client.method.cfg.dp_min_records}): it takes no DP-SGD step, sends the factors it started "
+                f"[fedpa] client #{self.client}: {n} training records, fewer than fedpa.dp_min_records"
+                f"(={self.fedpa.dp_min_records}): it takes no DP-SGD step, sends the factors it started "
                 "from with sample size 0 (no weight), and spends epsilon 0"
             )
             return
         if self.dp_sgd is None or self.dp_sgd.plan_in_use is None:
             return
-        plan, client = self.dp_sgd.plan_in_use, self.client
+        plan = self.dp_sgd.plan_in_use
         steps = rounds_trained * plan.steps_per_round
         logger.info(
-            f"[fedpa] client #{client.ID}: DP-SGD epsilon {plan.epsilon(steps):.4g} at delta {plan.delta:.3g} after "
+            f"[fedpa] client #{self.client}: DP-SGD epsilon {plan.epsilon(steps):.4g} at delta {plan.delta:.3g} after "
             f"{steps} steps (n={plan.n}, b={plan.b}{' expected' if plan.sampling == 'poisson' else ''}, "
-            f"z={plan.z:.4g}, C={client.method.cfg.dp_clip:g}; {plan.sampling} sampling, {plan.accounting})"
+            f"z={plan.z:.4g}, C={self.fedpa.dp_clip:g}; {plan.sampling} sampling, {plan.accounting})"
             + (f"; {self.dp_sgd.round_nonfinite} records of this round had a non-finite gradient and contributed "
                "zero" if self.dp_sgd.round_nonfinite else "")
             + (f"; {self.dp_sgd.round_empty} steps drew no record (Poisson) and were noise alone"
                if self.dp_sgd.round_empty else "")
         )
+

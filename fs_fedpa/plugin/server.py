@@ -1,14 +1,13 @@
 """FedPA server for FederatedScope: the global factors and one downlink message per client.
 
-The server keeps the global factors (effective, rank R_g) and writes them into its own model after every
-aggregation, so that FS's server-side evaluation and checkpoints see the global adapter. This module holds the
-downlink and what a round installs; the other concerns are in modules of their name, as mixins that hold FS
-handlers (:mod:`~fs_fedpa.plugin.inbox`: what comes in, checked and authenticated; :mod:`~fs_fedpa.plugin.liveness`:
-the round watchdog) or collaborators: :class:`~fs_fedpa.plugin.aggregator.FedPAAggregator` (FS has no aggregator
+The worker holds FS's handlers, as delegations; the other concerns are in modules of their name, as mixins that hold
+FS handlers (:mod:`~fs_fedpa.plugin.inbox`: what comes in, checked and authenticated; :mod:`~fs_fedpa.plugin.liveness`:
+the round watchdog) or collaborators: :class:`~fs_fedpa.plugin.global_model.GlobalModel` (the global factors, shared
+tensors and merges in the server's model, FS's checkpoint of them, each client's downlink message),
+:class:`~fs_fedpa.plugin.aggregator.FedPAAggregator` (FS has no aggregator
 registry, so the server installs it itself, in ``self.aggregator`` and ``self.aggregators[0]``; it is given each
-round and leaves its result, which the server installs), :class:`~fs_fedpa.plugin.record_fs.RoundLog`,
-:class:`~fs_fedpa.plugin.resume_fs.ServerResume`, :class:`~fs_fedpa.merge_ledger.MergeLedger` and
-:class:`~fs_fedpa.plugin.privacy_server.ServerPrivacy`.
+round and leaves its result, which the global model installs), :class:`~fs_fedpa.plugin.record_fs.RoundLog`,
+:class:`~fs_fedpa.plugin.resume_fs.ServerResume` and :class:`~fs_fedpa.plugin.privacy_server.ServerPrivacy`.
 """
 
 from __future__ import annotations
@@ -21,18 +20,15 @@ from pathlib import Path
 
 import torch
 from federatedscope.core.workers import Server
-from torch import Tensor
 
 from fs_fedpa import lora, resume
-from fs_fedpa.merge_ledger import MergeLedger
-from fs_fedpa.methods.base import FederatedMethod
 from fs_fedpa.plugin import auth
 from fs_fedpa.plugin.aggregator import FedPAAggregator, RoundInput
-from fs_fedpa.plugin.common import build_method, global_init, layer_shapes, non_lora_trainables, send
+from fs_fedpa.plugin.common import build_method, layer_shapes, non_lora_trainables, send
 from fs_fedpa.plugin.export_fs import check_export_dir
+from fs_fedpa.plugin.global_model import GlobalModel
 from fs_fedpa.plugin.inbox import ServerInbox
 from fs_fedpa.plugin.liveness import ServerLiveness
-from fs_fedpa.plugin.payload import encode_factors, encode_merge, encode_tensors, nbytes
 from fs_fedpa.plugin.privacy_server import ServerPrivacy
 from fs_fedpa.plugin.record_fs import RoundLog
 from fs_fedpa.plugin.resume_fs import ServerResume, check_resume_file
@@ -51,25 +47,21 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
         self.method = build_method(self._cfg, self.model)
         if self.method.cfg.num_threads > 0:  # FS's standalone runner has just pinned torch to 1 thread
             torch.set_num_threads(self.method.cfg.num_threads)
-        self.scaling = lora.Scaling.of(self.model)
         if self.method.merges:
             lora.keep_base(self.model)  # before a resume point's merged weights are loaded into it
         local_names, self.shared_names = non_lora_trainables(self.model, self._cfg.personalization.local_param)
-        self.keep_shared()
-        # client-level DP: the server's files hold these initial values for the clients' local tensors (a head),
-        # never what the model holds later: with federate.share_local_model that is the last client's, trained
-        # without DP
+        # client-level DP: the server's files hold the initial values of the clients' local tensors (a head)
         params = dict(self.model.named_parameters())
-        self.public_locals = (
+        public_locals = (
             {n: params[n].detach().cpu().clone() for n in local_names} if self.method.cfg.dp_mode == "client" else {}
         )
-        self.global_factors = global_init(self.model, self.method)  # (B_g^(0), A_g^(0)), rank r_g
+        self.globals = GlobalModel(self.model, self.method, self.shared_names, public_locals)
         self.generator = torch.Generator().manual_seed(self.method.seed + 1)  # sketches
         self.privacy = None
         if self.method.cfg.dp_mode != "none":
             self.privacy = ServerPrivacy(self._cfg, self.method, clients=self.client_num, rounds=self.total_round_num,
                                          per_round=self.sample_client_num, shared_names=self.shared_names,
-                                         global_factors=self.global_factors)  # fmt: skip
+                                         global_factors=self.globals.factors)  # fmt: skip
         if self.privacy is not None and self.privacy.poisson_clients:
             # a Poisson round draws any number of the N clients (K is the expected number, privacy.K), and FS
             # asserts that a round never waits for more than sample_client_num
@@ -85,9 +77,6 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
         self._install_inbox()  # before any client's message reaches FS
         if self._cfg.federate.save_to:  # FS saves only after training: a missing folder would lose the run
             os.makedirs(os.path.dirname(os.path.abspath(self._cfg.federate.save_to)), exist_ok=True)
-        self._down_bytes: dict[int, int] = {}
-        self._late_down: dict[int, int] = {}  # merge bytes that rode on evaluation messages: next round's downlink
-        self.merges = MergeLedger()  # exact-aggregation methods: merges into the base weights, and who holds them
         self.resume = ServerResume(self._cfg, self.method)
         self._pending_rng: dict | None = None
         self._expected: set[int] = set()  # receivers of this round's model: the only valid senders of updates
@@ -120,7 +109,7 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
         exporter = Exporter(self._cfg, self.model, self.method, out, force=True)
         params = dict(self.model.named_parameters())
         shared = {n: params[n] for n in self.shared_names}
-        entry = exporter.write_global(self.global_factors, self.merges.merged, shared)
+        entry = exporter.write_global(self.globals.factors, self.globals.merges.merged, shared)
         exporter.finish(entry, {}, run_info(self._cfg, Path(self._cfg.outdir), self.state, []))
 
     # ---------------------------------------------------------------------------------- downlink
@@ -148,33 +137,8 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
         rnd = self.state - 1 if msg_type == "evaluate" else self.state  # FS: evaluation closes a round
         if msg_type == "evaluate":  # the only evaluations the server accepts next (ServerInbox)
             self._eval_round, self._eval_expected = min(rnd, self.total_round_num), set(receivers)
-        params = dict(self.model.named_parameters())
         wire = self._cfg.federate.mode.lower() == "distributed"  # tensors as explicit encodings, never pickled
-        shared = encode_tensors({n: params[n] for n in self.shared_names}, wire)
-        # Standalone: the receivers of one reference rank share one read-only copy of it (the method's default
-        # downlink), so a broadcast to N clients holds one copy per rank, not N (clients never change it in place).
-        shared_downlink = not wire and type(self.method).downlink is FederatedMethod.downlink
-        copies: dict[int, dict] = {}
-        for client_id in receivers:
-            R_i = self.method.plan.reference_ranks[client_id - 1]
-            if not shared_downlink or R_i not in copies:
-                copies[R_i] = encode_factors(self.method.downlink(self.global_factors, client_id - 1), wire=wire)
-            down = copies[R_i] if shared_downlink else copies.pop(R_i)
-            # FS's gRPC encoder fails on empty dicts, and rewrites dicts in place: one per receiver
-            payload = {"lora": dict(down)} if down else {"zero_reference": 1}
-            if shared:
-                payload["shared"] = dict(shared)
-            merges = self.merges.pending(client_id)
-            if merges is not None:
-                kind, value = merges
-                payload[kind] = encode_merge(value, wire) if kind == "base" else (
-                    encode_tensors(value, wire) if wire else dict(value))  # fmt: skip
-            if msg_type == "model_para":
-                self._down_bytes[client_id] = nbytes(payload) + self._late_down.pop(client_id, 0)
-                self.merges.trained(client_id)
-            elif merges is not None:
-                late = nbytes({merges[0]: payload[merges[0]]})
-                self._late_down[client_id] = self._late_down.get(client_id, 0) + late
+        for client_id, payload in self.globals.downlink(receivers, training=msg_type == "model_para", wire=wire):
             send(self, msg_type, client_id, payload, self.cur_timestamp, state=min(rnd, self.total_round_num))
         if filter_unseen_clients:
             self.sampler.change_state(self.unseen_clients_id, "seen")
@@ -196,106 +160,34 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
     # ---------------------------------------------------------------------------------- aggregation
     def _perform_federated_aggregation(self):
         """FS's aggregation, with the round given to the aggregator first and its result installed after."""
-        self.aggregator.start(RoundInput(self.state, tuple(sorted(self._expected)), self.global_factors,
-                                         dict(self._down_bytes)))  # fmt: skip
+        globals_ = self.globals
+        self.aggregator.start(RoundInput(self.state, tuple(sorted(self._expected)), globals_.factors,
+                                         dict(globals_.down_bytes)))  # fmt: skip
         count = super()._perform_federated_aggregation()
         if (done := self.aggregator.result) is not None:
             for client in done.lost:  # its stored state, merges included, is gone: the next message sends them all
-                self.merges.forget(client)
-            self.install_global(done.global_factors, done.shared, done.merge)
+                globals_.merges.forget(client)
+            globals_.install(done.global_factors, done.shared, done.merge)
         return count
-
-    def install_global(self, global_factors, shared: dict[str, Tensor], merge=None) -> None:
-        """Adopt new global factors; write them (raw, rank R_g) and the averaged shared tensors into the model; add
-        a method's ``merge`` to the base weights (the server's own, and, with the next messages, the clients')."""
-        self.global_factors = global_factors
-        lora.set_factors(self.model, self.scaling.raw(self.method.expand(global_factors)))
-        if merge:
-            self.merges.add(merge, dense=self.method.merge_encoding == "dense")
-        if self.merges.merged:
-            lora.set_base_offsets(self.model, self.merges.merged)
-        if shared:
-            params = dict(self.model.named_parameters())
-            with torch.no_grad():
-                for name, value in shared.items():
-                    params[name].copy_(value)
-            self.keep_shared()
-
-    def keep_shared(self) -> None:
-        """The server's own CPU copy of the shared tensors as its model holds them now (after install or restore):
-        the clients may share that model object and load theirs into it."""
-        params = dict(self.model.named_parameters())
-        self.shared = {n: params[n].detach().cpu().clone() for n in self.shared_names}
-
-    @torch.no_grad()
-    def checkpoint_model(self) -> dict[str, Tensor]:
-        """FS's checkpoint ``model`` (its trainable state, named as FS names it) with the global adapter in place of
-        whatever the live model holds: the raw global factors at rank R_g, the server's shared tensors and, where
-        merges exist, the base weights ``W_0 + merged``. Built beside the live model, which the clients may share
-        (``federate.share_local_model``) and which is left as it is; local tensors (a head) are the model's, except
-        under client-level DP, where they are their initial values (:attr:`public_locals`)."""
-        state = dict(self.model.state_dict())
-        key = self._state_keys(state)
-        layers = lora.lora_layers(self.model)
-        for name, (B, A) in self.scaling.raw(self.method.expand(self.global_factors)).items():
-            weight_B, weight_A = lora.adapter_weights(layers[name])
-            state[key[id(weight_B)]] = B.detach().to("cpu", weight_B.dtype, copy=True)
-            state[key[id(weight_A)]] = A.detach().to("cpu", weight_A.dtype, copy=True)
-        for name, offset in self.merges.merged.items():
-            base = layers[name].get_base_layer().weight
-            state[key[id(base)]] = lora.offset_base(layers[name], offset, name).cpu()
-        params = dict(self.model.named_parameters())
-        state.update({key[id(params[n])]: t.detach().to("cpu", copy=True) for n, t in self.shared.items()})
-        return self.with_public_locals(state)
-
-    def _state_keys(self, state: dict) -> dict[int, str]:
-        """id of each parameter -> its key in the model's ``state_dict`` (FS-LLM's AdapterModel names its state by
-        the inner model)."""
-        root = getattr(self.model, "model", self.model)
-        key = {id(p): n for n, p in root.named_parameters()}
-        if not set(state) <= set(key.values()):
-            key = {id(p): n for n, p in self.model.named_parameters()}
-        return key
-
-    def with_public_locals(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
-        """``state`` (keys of the model's ``state_dict``) with the local tensors replaced by :attr:`public_locals`
-        (client-level DP; unchanged otherwise)."""
-        if not self.public_locals:
-            return state
-        key, params = self._state_keys(state), dict(self.model.named_parameters())
-        return {**state, **{key[id(params[n])]: t.clone() for n, t in self.public_locals.items()}}
 
     def save_checkpoint(self, path: str, cur_round: int) -> None:
         """FS's checkpoint format (``cur_round``, trainable ``model`` state with the global adapter) plus
-        ``fedpa``: the effective global factors and the rank plan."""
-        plan = self.method.plan
-        torch.save(
-            {
-                "cur_round": cur_round,
-                "model": self.checkpoint_model(),
-                "fedpa": {
-                    "method": self.method.name,
-                    "global": lora.copy_factors(self.global_factors, "cpu"),
-                    "merged": {n: t.cpu() for n, t in self.merges.merged.items()},  # (d, k): what merges added to W_0
-                    "client_ranks": list(plan.client_ranks),
-                    "reference_ranks": list(plan.reference_ranks),
-                    "R_g": plan.R_g,
-                    "scaling": self.scaling.record(),  # the export checks the config against it
-                },
-            },
-            path,
-        )
+        ``fedpa``: the effective global factors and the rank plan (:class:`GlobalModel`)."""
+        state = {"cur_round": cur_round, "model": self.globals.checkpoint_state(),
+                 "fedpa": self.globals.checkpoint_fields()}  # fmt: skip
+        torch.save(state, path)
 
     # ---------------------------------------------------------------------------------- resume points
     def write_resume_point(self) -> str:
         """The resume point of round ``self.state`` (:class:`~fs_fedpa.plugin.resume_fs.ServerResume`): the global
         factors and the state of every collaborator that a continued run needs."""
+        globals_ = self.globals
         fields = {
-            "global": lora.copy_factors(self.global_factors, "cpu"),
+            "global": lora.copy_factors(globals_.factors, "cpu"),
             "generator": self.generator.get_state(),
             "totals": dict(self.rounds.totals),
-            "down_bytes": dict(self._down_bytes),
-            "merges": self.merges.state(),
+            "down_bytes": dict(globals_.down_bytes),
+            "merges": globals_.merges.state(),
             "records": resume.plain(self.rounds.records),
             "history_results": resume.plain(self.history_results),
             "best_results": resume.plain(self.best_results),
@@ -303,24 +195,18 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
             "privacy": self.privacy.state() if self.privacy is not None else {},
         }
         # client-level DP: the initial local tensors, not a client's (with_public_locals)
-        return self.resume.write(self.state, self.with_public_locals(self.model.state_dict()), fields)
+        return self.resume.write(self.state, globals_.with_public_locals(self.model.state_dict()), fields)
 
     def restore(self, path: str) -> int:
         """Continue the run saved in the resume point ``path``, checked by
         :meth:`~fs_fedpa.plugin.resume_fs.ServerResume.read`; returns the round it continues at."""
         local_names, _ = non_lora_trainables(self.model, self._cfg.personalization.local_param)
         params = dict(self.model.named_parameters())
-        checkpoint, saved = self.resume.read(path, global_factors=self.global_factors, clients=self.client_num,
+        checkpoint, saved = self.resume.read(path, global_factors=self.globals.factors, clients=self.client_num,
                                              local={n: params[n] for n in local_names}, rounds=self.total_round_num)
-        device = next(iter(self.global_factors.values()))[0].device
-        self.install_global({n: (B.to(device), A.to(device)) for n, (B, A) in saved["global"].items()}, {})
-        self.model.load_state_dict(checkpoint["model"], strict=False)  # shared tensors, e.g. a shared head
-        self.keep_shared()
+        # the model's state: its shared tensors, e.g. a shared head
+        self.globals.restore(saved["global"], checkpoint["model"], saved.get("merges", {}), saved["down_bytes"])
         self.generator.set_state(saved["generator"])
-        self._down_bytes = dict(saved["down_bytes"])
-        self.merges.restore(saved.get("merges", {}), device)
-        if self.merges.merged:
-            lora.set_base_offsets(self.model, self.merges.merged)
         self.rounds.restore(saved["records"], saved["totals"])
         self.aggregator.failed_in_a_row = self.rounds.failed_in_a_row()
         self.history_results, self.best_results = saved["history_results"], saved["best_results"]

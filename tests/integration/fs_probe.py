@@ -79,6 +79,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
     from fs_fedpa import lora
     from fs_fedpa.plugin import aggregator as aggregator_mod
     from fs_fedpa.plugin import client as client_mod
+    from fs_fedpa.plugin import client_round as round_mod
     from fs_fedpa.plugin import evaluation as evaluation_mod
     from fs_fedpa.plugin import record_fs as records_mod
     from fs_fedpa.plugin.payload import decode_factors, decode_parts
@@ -103,8 +104,9 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
     }  # client:round
     Client, Aggregator = client_mod.FedPAClient, aggregator_mod.FedPAAggregator
 
-    orig_init, orig_enter, orig_leave = Client.__init__, Client._enter_round, Client._leave_round
-    orig_personal = Client._train_personal
+    Round = round_mod.ClientRound
+    orig_init, orig_enter, orig_leave = Client.__init__, Round.enter, Round.leave
+    orig_personal = Round.train_personal
     record["personal"] = []
     orig_aggregate = Aggregator.aggregate
 
@@ -117,7 +119,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
                 record["loss_gap"].append(float((ctx.loss_task - ctx.loss_batch).detach()))
 
             self.trainer.register_hook_in_train(new_hook=gap, trigger="on_batch_forward")
-            send = self._send  # below the client's own check of what it sends: faults of the wire
+            send = self.outbox.deliver  # below the client's own check of what it sends: faults of the wire
 
             def spy_send(message):
                 if message.msg_type == "model_para":
@@ -136,55 +138,57 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
                         message.content = corrupt(name, size, upload)
                 return send(message)
 
-            self._send = spy_send
+            self.outbox.deliver = spy_send
 
-    def enter(self, payload):
-        orig_enter(self, payload)
+    def enter(self, payload, rnd):  # a ClientRound's
+        orig_enter(self, payload, rnd)
         received = decode_factors(payload.get("lora", {}))
-        layers = lora.lora_layers(self.model) if self._moves_base else {}
+        model = self.models.model
+        layers = lora.lora_layers(model) if self.models.moves_base else {}
         record["enter"].append(
             {
-                "client": self.ID,
-                "round": self.state,
-                "start": _copy(lora.get_factors(self.model)),
+                "client": self.models.client_id,
+                "round": rnd,
+                "start": _copy(lora.get_factors(model)),
                 "received_ranks": sorted({B.shape[1] for B, _ in received.values()}),
                 "received": _copy(received) if self.method.folds or not self.method.state_is_factors else {},
                 "base": {n: layer.get_base_layer().weight.detach().cpu().clone() for n, layer in layers.items()},
-                **({} if self.method.state_is_factors else _heads(self.model)),
+                **({} if self.method.state_is_factors else _heads(model)),
             }
         )
 
-    def train_personal(self, received, payload):
+    def train_personal(self, received, payload, rnd):
         before = None if self.kept.personal is None else _copy(self.kept.personal)
         seen = {}
         train = self.trainer.train
 
         def spy_train(*args, **kwargs):  # the model as the personal phase trains it
-            layers = lora.lora_layers(self.model)
-            seen["start"] = _copy(lora.get_factors(self.model))
+            layers = lora.lora_layers(self.models.model)
+            seen["start"] = _copy(lora.get_factors(self.models.model))
             seen["base"] = {n: layer.get_base_layer().weight.detach().cpu().clone() for n, layer in layers.items()}
             seen["scaling"] = {n: next(iter(layer.scaling.values())) for n, layer in layers.items()}
             return train(*args, **kwargs)
 
         self.trainer.train = spy_train
         try:
-            orig_personal(self, received, payload)
+            orig_personal(self, received, payload, rnd)
         finally:
             self.trainer.train = train
         if seen:
-            entry = {"client": self.ID, "round": self.state, "before": before, "after": _copy(self.kept.personal)}
+            entry = {"client": self.models.client_id, "round": rnd, "before": before,
+                     "after": _copy(self.kept.personal)}  # fmt: skip
             record["personal"].append({**entry, **seen, "received": _copy(received)})
 
-    def leave(self):
-        if (self.ID, self.state) in poison_local:  # a training step gone wrong: NaN in the live factors
+    def leave(self, rnd):
+        if (self.models.client_id, rnd) in poison_local:  # a training step gone wrong: NaN in the live factors
             B = next(iter(self.alignment.live.values()))[0]
             with torch.no_grad():
                 B[0, 0] = float("nan")
-        upload = orig_leave(self)
+        upload = orig_leave(self, rnd)
         record["leave"].append(
             {
-                "client": self.ID,
-                "round": self.state,
+                "client": self.models.client_id,
+                "round": rnd,
                 "end": _copy(self.kept.factors),
                 "local": {n: t.detach().cpu().clone() for n, t in self.kept.local.items()},
                 "upload_keys": sorted(upload["lora"]) + sorted(upload.get("shared", {})),
@@ -224,7 +228,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
     record["evaluate"] = []
 
     def evaluate_splits(client):  # the model each evaluation sees: the paper protocol's first, then the own factors'
-        layers = lora.lora_layers(client.model) if client._moves_base else {}
+        layers = lora.lora_layers(client.model) if client.models.moves_base else {}
         record["evaluate"].append(
             {
                 "client": client.ID,
@@ -257,8 +261,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         return aggregation_error(*args, **kwargs)
 
     records_mod.aggregation_error = counted_aggregation_error
-    Client.__init__, Client._enter_round, Client._leave_round = init, enter, leave
-    Client._train_personal = train_personal
+    Client.__init__, Round.enter, Round.leave, Round.train_personal = init, enter, leave, train_personal
     Aggregator.aggregate = aggregate
     ends, orig_finish = {}, Client.callback_funcs_for_finish
 
@@ -305,8 +308,8 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
     runner.run()
     record["final"] = {
         "clients": {cid: e["factors"] for cid, e in ends.items() if e["factors"] is not None},
-        "global": _copy(runner.server.global_factors),
-        "merged": {n: t.cpu().clone() for n, t in runner.server.merges.merged.items()},
+        "global": _copy(runner.server.globals.factors),
+        "merged": {n: t.cpu().clone() for n, t in runner.server.globals.merges.merged.items()},
         "offsets": {cid: e["offsets"] for cid, e in ends.items()},
         "personal": {cid: e["personal"] for cid, e in ends.items() if e["personal"] is not None},
         "local": {cid: e["local"] for cid, e in ends.items()},

@@ -157,13 +157,13 @@ def test_a_client_puts_what_it_receives_on_its_trainers_device_not_where_fs_park
     from types import SimpleNamespace
 
     peft = pytest.importorskip("peft")
-    from fs_fedpa.plugin.client import FedPAClient
+    from fs_fedpa.plugin.client_model import ClientModel
 
     base = torch.nn.Sequential(torch.nn.Linear(6, 5))
     model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["0"])).to("meta")
     client = SimpleNamespace(model=model, trainer=SimpleNamespace(ctx=SimpleNamespace(device="cpu")))
-    assert FedPAClient._device.fget(client) == torch.device("cpu")
+    assert ClientModel.device.fget(client) == torch.device("cpu")
     client.trainer.ctx.device = "cuda:1"
-    assert FedPAClient._device.fget(client) == torch.device("cuda:1")
+    assert ClientModel.device.fget(client) == torch.device("cuda:1")
     del client.trainer.ctx.device  # no trainer device (a test double): where the factors are
-    assert FedPAClient._device.fget(client) == torch.device("meta")
+    assert ClientModel.device.fget(client) == torch.device("meta")

@@ -281,10 +281,9 @@ def test_a_clients_delta_above_its_bound_is_refused_when_it_is_built_not_in_its_
     trainer = GeneralTorchTrainer(torch.nn.Linear(3, 1), data, "cpu", cfg, only_for_eval=False, monitor=Monitor(cfg))
     assert trainer.ctx.num_train_data == 20000
     fedpa = FedPAConfig(dp_mode="sample", dp_clip=1.0, dp_noise_multiplier=1.0, dp_delta=1e-5)
-    client = SimpleNamespace(ID=1, state=0, trainer=trainer, _cfg=cfg,
-                             method=SimpleNamespace(cfg=fedpa, personal_weight=None))  # fmt: skip
+    method = SimpleNamespace(cfg=fedpa, personal_weight=None)
     with pytest.raises(ValueError, match=r"above min\(1e-5, 1/\(10 x 20000 n_i records\)\)"):
-        ClientPrivacy(client)
+        ClientPrivacy(cfg, method, trainer, [])
 
 
 @pytest.mark.parametrize("kind", ["cosine", "constant"])

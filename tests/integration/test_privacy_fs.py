@@ -508,19 +508,22 @@ def test_client_level_messages_time_stamp_the_sample_count_they_carry():
     from fs_fedpa.plugin.privacy import ClientPrivacy
 
     sent = []
+    cfg = SimpleNamespace(llm=SimpleNamespace(deepspeed=SimpleNamespace(use=False)))
     fake = SimpleNamespace(ID=2, state=0, comp_speed=0.5, comm_bandwidth=4.0, model_size=8.0, schedule=None,
-                           kept=SimpleNamespace(rounds_trained=1), _device="cpu",
+                           kept=SimpleNamespace(rounds_trained=1), _cfg=cfg,
+                           models=SimpleNamespace(initial_factors=None, device="cpu"),
+                           round=SimpleNamespace(enter=lambda *a: None, leave=lambda rnd: {"lora": {}}),
+                           outbox=SimpleNamespace(answering=lambda *a: None),
                            resume=SimpleNamespace(restore=lambda *a: None),
                            method=SimpleNamespace(cfg=FedPAConfig(dp_mode="client", dp_clip=1.0,
                                                                   dp_noise_multiplier=1.0)),
-                           trainer=SimpleNamespace(train=lambda: (57, None, {})),
+                           trainer=SimpleNamespace(train=lambda: (57, None, {}), ctx=SimpleNamespace()),
                            _monitor=SimpleNamespace(format_eval_res=lambda *a, **k: ""),
                            comm_manager=SimpleNamespace(send=sent.append))  # fmt: skip
-    for name in ("_unpark", "_initial_factors", "_enter_round", "_release_optimizer", "_park"):
+    for name in ("_unpark", "_park"):
         setattr(fake, name, lambda *a, **k: None)
-    fake._leave_round = lambda: {"lora": {}}
     fake._gen_timestamp = lambda **kw: Client._gen_timestamp(fake, **kw)
-    fake.privacy = ClientPrivacy(fake)
+    fake.privacy = ClientPrivacy(cfg, fake.method, fake.trainer, [])
     FedPAClient.callback_funcs_for_model_para(fake, Message(msg_type="model_para", sender=0, receiver=[2], state=0,
                                                              timestamp=10.0, content={}))  # fmt: skip
     (message,) = sent

@@ -12,9 +12,8 @@ STATS = {"alignment_loss": 0.1, "lam": 1.0, "num_train_data": 600, "restarted": 
          "delta_norm": 2.0, "change_norm": 1.0, "grad_ratio_first": 0.3, "grad_ratio_last": 0.2}  # fmt: skip
 
 
-def _client(mode: str):
-    return SimpleNamespace(method=SimpleNamespace(cfg=SimpleNamespace(dp_mode=mode, dp_seed=-1, dp_clip=1.0,
-                                                                      dp_min_records=0)))
+def _fedpa(mode: str):
+    return SimpleNamespace(dp_mode=mode, dp_seed=-1, dp_clip=1.0, dp_min_records=0)
 
 
 @pytest.mark.parametrize(
@@ -27,6 +26,6 @@ def _client(mode: str):
 )
 def test_what_leaves_the_client(mode, kept, size):
     privacy = ClientPrivacy.__new__(ClientPrivacy)  # the filter alone: no trainer to hook
-    privacy.client, privacy.mode, privacy.dp_sgd = _client(mode), mode, None
+    privacy.fedpa, privacy.mode, privacy.dp_sgd = _fedpa(mode), mode, None
     assert set(privacy.stats(dict(STATS))) == kept
     assert privacy.sample_size(32) == size

@@ -1,0 +1,132 @@
+"""A client's training round (Alg. 1 l.7-12; :class:`ClientRound`, a collaborator of
+:class:`~fs_fedpa.plugin.client.FedPAClient`, whose FS handler runs FS's training between :meth:`ClientRound.enter`
+and :meth:`ClientRound.leave`).
+
+Entering, the method picks the round's starting factors from what the client received and its own factors (FedPA:
+its own, never the server's); they and the local tensors go into the model, whether or not FS shares one model
+object between clients, and the alignment term starts toward the reference. A method with a personal phase
+(FedDPA) trains it first. Leaving, the client keeps the trained factors and local tensors and builds its upload: the
+factors (applied, ``s_i B_i``), any shared non-LoRA tensors, and the round's statistics that may leave it. Local
+tensors never leave the client."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from fs_fedpa import lora
+from fs_fedpa.lora import Factors
+from fs_fedpa.plugin.alignment import Alignment
+from fs_fedpa.plugin.client_model import ClientModel
+from fs_fedpa.plugin.payload import encode_parts, encode_tensors
+from fs_fedpa.plugin.privacy import ClientPrivacy
+from fs_fedpa.plugin.record_fs import RoundStats
+from fs_fedpa.plugin.resume_fs import ClientResume
+
+logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
+
+
+class ClientRound:
+    """One client's rounds on ``models`` (:class:`ClientModel`) and FS's ``trainer``; ``local_names`` and
+    ``shared_names`` are its trainable non-LoRA tensors that stay and that are sent; ``wire``: tensors are sent as
+    explicit encodings (distributed mode), never pickled."""
+
+    def __init__(self, models: ClientModel, trainer, alignment: Alignment, stats: RoundStats,
+                 privacy: ClientPrivacy, resume: ClientResume, local_names: list[str], shared_names: list[str],
+                 wire: bool):  # fmt: skip
+        self.models, self.trainer, self.alignment, self.stats = models, trainer, alignment, stats
+        self.privacy, self.resume = privacy, resume
+        self.method, self.kept = models.method, models.kept
+        self.local_names, self.shared_names, self.wire = local_names, shared_names, wire
+        self.restarted = False  # its factors or local tensors became non-finite this round
+        self.staleness: dict[str, float] = {}
+        self.init_error: dict[str, float] = {}
+        self.start: Factors | None = None  # the round's starting factors (diagnostics only)
+
+    def enter(self, payload: dict, rnd: int) -> None:
+        """Round ``rnd`` from the server's ``payload``: the model holds the round's start, the term its reference."""
+        models, kept, method = self.models, self.kept, self.method
+        if kept.factors is None and not kept.lost:
+            kept.factors = models.initial_factors()
+        received = models.own_and_received(payload, rnd)
+        kept.lost_this_round, kept.lost_unreported = kept.lost_unreported, False  # the server resends merges
+        self.staleness = self.stats.staleness(models.space, kept, received, rnd)
+        self.train_personal(received, payload, rnd)
+        start = method.start_round(received, kept.factors, models.index, rnd)
+        self.init_error = self.stats.init_error(start, kept.factors, kept.rounds_trained)
+        self.start = lora.copy_factors(start) if method.cfg.diagnostics else None
+        kept.received = received
+        kept.fold = method.fold(received, models.index, rnd)
+        models.set_base(kept.fold)
+        models.load(start, rnd, trainable=method.trainable(rnd))
+        models.load_round_tensors(payload)
+        device = models.device
+        reference = {n: (B.to(device), A.to(device)) for n, (B, A) in received.items()}
+        self.alignment.start_round(method.read(models.model), reference)
+
+    def train_personal(self, received: Factors, payload: dict, rnd: int) -> None:
+        """The personal phase, if the method has one this round: the model applies ``a * personal + (1 - a) *
+        reference`` with the reference frozen in the base weights (FedDPA's mixed forward), trains the personal
+        factors and the local tensors, and keeps them; the personal factors never leave the client."""
+        models, kept = self.models, self.kept
+        start = self.method.personal_start(received, kept.personal, models.index, rnd)
+        if start is None or self.privacy.sits_out:
+            return
+        a, model, space = self.method.personal_weight, models.model, models.space
+        frozen = {n: (1 - a) * (B @ A) for n, (B, A) in space.upload(received).items()}
+        lora.set_base_offsets(model, frozen)
+        lora.set_factors(model, space.to_model(start))
+        lora.scale_adapters(model, a)
+        models.load_round_tensors(payload)
+        try:
+            with self.alignment.paused():  # no alignment term in this phase
+                self.trainer.train()
+        finally:
+            lora.set_base_offsets(model, {})  # back to W_0
+        kept.personal = space.from_model(lora.copy_factors(lora.get_factors(model)))
+        kept.local = models.read_tensors(self.local_names)
+
+    def leave(self, rnd: int) -> dict:
+        """The end of round ``rnd``: the trained state kept (a client whose state became non-finite restarts from
+        the reference), its resume file written where asked, and its upload (``lora``, ``stats``, ``shared``)."""
+        models, kept, method = self.models, self.kept, self.method
+        self.alignment.grads.close()
+        trained = models.space.from_model(lora.copy_factors(method.read(models.model)))
+        local = models.read_tensors(self.local_names)
+        finite = all(bool(torch.isfinite(t).all()) for B, A in trained.values() for t in (B, A))
+        self.restarted = not (finite and all(bool(torch.isfinite(t).all()) for t in local.values()))
+        if self.restarted:  # one bad step must not exclude this client for the rest of the run
+            logger.warning(
+                f"[fedpa] client #{models.client_id}, round {rnd}: its own factors or local tensors became "
+                "non-finite; it restarts from the global reference it received (and keeps its local tensors of the "
+                "last round)"
+            )
+            trained, local = models.restart_factors(rnd), kept.local or local
+        kept.factors = method.end_round(trained, models.index, rnd)
+        kept.local = local
+        kept.rounds_trained += 1
+        kept.last_trained = rnd
+        if self.resume.out:  # federate.save_to
+            self.resume.write(kept, models.snapshot(rnd), models.client_id, rnd)
+        sent = models.space.upload(method.before_upload(kept.factors, kept.received, rnd))
+        upload = {
+            "lora": encode_parts(method.upload_payload(sent, models.index, rnd), wire=self.wire),
+            "stats": self.privacy.stats(
+                {
+                    "alignment_loss": self.alignment.mean(),
+                    "lam": float(self.alignment.lam),
+                    "num_train_data": int(getattr(self.trainer.ctx, "num_train_data", 0) or 0),
+                    "restarted": int(self.restarted),
+                    "state_lost": int(kept.lost_this_round),
+                    **self.staleness,
+                    **self.init_error,
+                    **self.stats.round_stats(sent, models.space, kept.received, kept.fold, self.start, rnd),
+                }
+            ),
+        }
+        self.start = None  # only the round's statistics read it
+        if self.shared_names:  # FS's gRPC encoder fails on empty dicts
+            params = dict(models.model.named_parameters())
+            upload["shared"] = encode_tensors({n: params[n] for n in self.shared_names}, self.wire)
+        return upload

@@ -1,0 +1,164 @@
+"""The global adapter as the server holds, checkpoints and sends it (:class:`GlobalModel`, a collaborator of
+:class:`~fs_fedpa.plugin.server.FedPAServer`): the global factors (effective, rank R_g), written into the server's
+FS model after every aggregation so that FS's server-side evaluation and checkpoints see them; the shared tensors;
+the merges into the base weights (:class:`~fs_fedpa.merge_ledger.MergeLedger`); and each client's downlink message,
+with its byte count."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from fs_fedpa import lora
+from fs_fedpa.lora import Factors
+from fs_fedpa.merge_ledger import MergeLedger
+from fs_fedpa.methods.base import FederatedMethod
+from fs_fedpa.plugin.common import global_init
+from fs_fedpa.plugin.payload import encode_factors, encode_merge, encode_tensors, nbytes
+
+
+class GlobalModel:
+    """The global adapter of ``method`` on the server's FS ``model``. ``shared_names``: the trainable non-LoRA
+    tensors the clients send and the server averages; ``public_locals``: under client-level DP, the initial values
+    of the clients' local tensors (a head), which the server's files hold in place of what its model holds (with
+    ``federate.share_local_model`` that is the last client's, trained without DP); empty otherwise.
+
+    ``factors``: (B_g, A_g) per module, starting at Alg. 1 l.2's initialisation; ``down_bytes``: per client, the
+    bytes of its last training message (with the merges that rode on evaluation messages since)."""
+
+    def __init__(self, model, method, shared_names: list[str], public_locals: dict[str, Tensor]):
+        self.model, self.method, self.shared_names = model, method, shared_names
+        self.scaling = lora.Scaling.of(model)
+        self.shared: dict[str, Tensor] = {}
+        self.keep_shared()
+        self.public_locals = public_locals
+        self.factors: Factors = global_init(model, method)  # (B_g^(0), A_g^(0)), rank r_g
+        self.merges = MergeLedger()  # exact-aggregation methods: merges into the base weights, and who holds them
+        self.down_bytes: dict[int, int] = {}
+        self.late_down: dict[int, int] = {}  # merge bytes that rode on evaluation messages: next round's downlink
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.factors.values()))[0].device
+
+    def install(self, factors: Factors, shared: dict[str, Tensor], merge=None) -> None:
+        """Adopt new global factors; write them (raw, rank R_g) and the averaged shared tensors into the model; add
+        a method's ``merge`` to the base weights (the server's own, and, with the next messages, the clients')."""
+        self.factors = factors
+        lora.set_factors(self.model, self.scaling.raw(self.method.expand(factors)))
+        if merge:
+            self.merges.add(merge, dense=self.method.merge_encoding == "dense")
+        if self.merges.merged:
+            lora.set_base_offsets(self.model, self.merges.merged)
+        if shared:
+            params = dict(self.model.named_parameters())
+            with torch.no_grad():
+                for name, value in shared.items():
+                    params[name].copy_(value)
+            self.keep_shared()
+
+    def keep_shared(self) -> None:
+        """The server's own CPU copy of the shared tensors as its model holds them now (after install or restore):
+        the clients may share that model object and load theirs into it."""
+        params = dict(self.model.named_parameters())
+        self.shared = {n: params[n].detach().cpu().clone() for n in self.shared_names}
+
+    def restore(self, factors: Factors, model_state: dict[str, Tensor], merges: dict,
+                down_bytes: dict[int, int]) -> None:
+        """A resume point's global factors, FS model state (the shared tensors, e.g. a shared head), merges and
+        downlink bytes."""
+        device = self.device
+        self.install({n: (B.to(device), A.to(device)) for n, (B, A) in factors.items()}, {})
+        self.model.load_state_dict(model_state, strict=False)
+        self.keep_shared()
+        self.down_bytes = dict(down_bytes)
+        self.merges.restore(merges, device)
+        if self.merges.merged:
+            lora.set_base_offsets(self.model, self.merges.merged)
+
+    # ---------------------------------------------------------------------------------- downlink
+    def downlink(self, receivers: list[int], training: bool, wire: bool) -> Iterator[tuple[int, dict]]:
+        """(client id, payload) for each receiver: its rank-R_i reference, the shared tensors and the merges it
+        lacks. ``training``: a round's model message (its bytes are the round's downlink, and the client holds the
+        merges from now on); else an evaluation's. ``wire``: tensors as explicit encodings, never pickled."""
+        params = dict(self.model.named_parameters())
+        shared = encode_tensors({n: params[n] for n in self.shared_names}, wire)
+        # Standalone: the receivers of one reference rank share one read-only copy of it (the method's default
+        # downlink), so a broadcast to N clients holds one copy per rank, not N (clients never change it in place).
+        shared_downlink = not wire and type(self.method).downlink is FederatedMethod.downlink
+        copies: dict[int, dict] = {}
+        for client_id in receivers:
+            R_i = self.method.plan.reference_ranks[client_id - 1]
+            if not shared_downlink or R_i not in copies:
+                copies[R_i] = encode_factors(self.method.downlink(self.factors, client_id - 1), wire=wire)
+            down = copies[R_i] if shared_downlink else copies.pop(R_i)
+            # FS's gRPC encoder fails on empty dicts, and rewrites dicts in place: one per receiver
+            payload = {"lora": dict(down)} if down else {"zero_reference": 1}
+            if shared:
+                payload["shared"] = dict(shared)
+            merges = self.merges.pending(client_id)
+            if merges is not None:
+                kind, value = merges
+                payload[kind] = encode_merge(value, wire) if kind == "base" else (
+                    encode_tensors(value, wire) if wire else dict(value))  # fmt: skip
+            if training:
+                self.down_bytes[client_id] = nbytes(payload) + self.late_down.pop(client_id, 0)
+                self.merges.trained(client_id)
+            elif merges is not None:
+                late = nbytes({merges[0]: payload[merges[0]]})
+                self.late_down[client_id] = self.late_down.get(client_id, 0) + late
+            yield client_id, payload
+
+    # ---------------------------------------------------------------------------------- FS's checkpoint
+    @torch.no_grad()
+    def checkpoint_state(self) -> dict[str, Tensor]:
+        """FS's checkpoint ``model`` (its trainable state, named as FS names it) with the global adapter in place of
+        whatever the live model holds: the raw global factors at rank R_g, the server's shared tensors and, where
+        merges exist, the base weights ``W_0 + merged``. Built beside the live model, which the clients may share
+        (``federate.share_local_model``) and which is left as it is; local tensors (a head) are the model's, except
+        under client-level DP, where they are :attr:`public_locals`."""
+        state = dict(self.model.state_dict())
+        key = self._state_keys(state)
+        layers = lora.lora_layers(self.model)
+        for name, (B, A) in self.scaling.raw(self.method.expand(self.factors)).items():
+            weight_B, weight_A = lora.adapter_weights(layers[name])
+            state[key[id(weight_B)]] = B.detach().to("cpu", weight_B.dtype, copy=True)
+            state[key[id(weight_A)]] = A.detach().to("cpu", weight_A.dtype, copy=True)
+        for name, offset in self.merges.merged.items():
+            base = layers[name].get_base_layer().weight
+            state[key[id(base)]] = lora.offset_base(layers[name], offset, name).cpu()
+        params = dict(self.model.named_parameters())
+        state.update({key[id(params[n])]: t.detach().to("cpu", copy=True) for n, t in self.shared.items()})
+        return self.with_public_locals(state)
+
+    def checkpoint_fields(self) -> dict:
+        """The ``fedpa`` entry of FS's checkpoint: the effective global factors, the merges and the rank plan."""
+        plan = self.method.plan
+        return {
+            "method": self.method.name,
+            "global": lora.copy_factors(self.factors, "cpu"),
+            "merged": {n: t.cpu() for n, t in self.merges.merged.items()},  # (d, k): what merges added to W_0
+            "client_ranks": list(plan.client_ranks),
+            "reference_ranks": list(plan.reference_ranks),
+            "R_g": plan.R_g,
+            "scaling": self.scaling.record(),  # the export checks the config against it
+        }
+
+    def with_public_locals(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``state`` (keys of the model's ``state_dict``) with the local tensors replaced by :attr:`public_locals`
+        (client-level DP; unchanged otherwise)."""
+        if not self.public_locals:
+            return state
+        key, params = self._state_keys(state), dict(self.model.named_parameters())
+        return {**state, **{key[id(params[n])]: t.clone() for n, t in self.public_locals.items()}}
+
+    def _state_keys(self, state: dict) -> dict[int, str]:
+        """id of each parameter -> its key in the model's ``state_dict`` (FS-LLM's AdapterModel names its state by
+        the inner model)."""
+        root = getattr(self.model, "model", self.model)
+        key = {id(p): n for n, p in root.named_parameters()}
+        if not set(state) <= set(key.values()):
+            key = {id(p): n for n, p in self.model.named_parameters()}
+        return key
