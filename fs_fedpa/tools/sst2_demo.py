@@ -30,6 +30,10 @@ CLIENT_EVAL = re.compile(r"'Role': 'Client #(\d+)', 'Round': \d+, 'Results_raw':
 SHARD = re.compile(r"'val_(acc|total)': (?:np\.float64\()?([\d.]+)")  # 'local.val_acc' has no quote before val_
 DIAGNOSTICS = re.compile(r"\[fedpa\] round (\d+): ([^\x1b]*)")
 METRIC = re.compile(r"'((?:local\.)?val_acc)': (?:np\.float64\()?([\d.]+)")
+# Wall minutes of the main job (the checkout's yaml, 2 free CPU cores) per CPU second of the host probe
+# (fs_fedpa.compare.host_record): one run took 484 s, export included, where the probe read 0.41 s (19.7 min/s); a
+# host whose probe read 1.14 s took about 22 minutes (README).
+MINUTES_PER_PROBE_SECOND = 20.0
 
 
 def progress(line: str, rounds: int) -> str | None:
@@ -67,6 +71,14 @@ class Clock:
         per_round = (now - self.start[0]) / max(r - self.start[1], 1)
         left = per_round * (self.rounds - r)
         return f"  about {left / 60:.1f} min left ({per_round:.0f} s a round so far, {self.rounds - r} rounds to go)"
+
+
+def expected_minutes(probe: float) -> str:
+    """The main job's expected wall time on a host whose probe (:func:`fs_fedpa.compare.host_record`) reads
+    ``probe`` CPU seconds, from :data:`MINUTES_PER_PROBE_SECOND`."""
+    minutes = MINUTES_PER_PROBE_SECOND * probe
+    return (f"this host's probe reads {probe:.2f} CPU s, so expect about {minutes:.0f} minutes on 2 free cores "
+            f"({MINUTES_PER_PROBE_SECOND:g} per probe second); after round 1 it prints the time left")
 
 
 def find_glue_dir(given: str | None) -> Path:
@@ -107,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if len(args.opts) % 2:
         sys.exit(f"FS overrides come in KEY VALUE pairs; got {len(args.opts)} words: {' '.join(args.opts)}")
-    if args.cfg is None:
+    default_cfg = args.cfg is None
+    if default_cfg:
         args.cfg = str(find_checkout(args.repo, [str(CFG_NAME)], "sst2_demo") / CFG_NAME)
     if not Path(args.cfg).is_file():
         sys.exit(f"--cfg {args.cfg}: no such FS config")
@@ -131,6 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     ]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     print(f"[fs_fedpa] FedPA-LoRA on SST-2 from {root}\n[fs_fedpa] {' '.join(cmd)}", flush=True)
+    if default_cfg and not args.opts:  # the time of another config or overrides is its own
+        from fs_fedpa.compare import host_record
+
+        if probe := host_record()["probe_cpu_seconds"]:
+            print(f"[fs_fedpa] {expected_minutes(probe)}", flush=True)
     start = time.time()
     log_lines: list[str] = []
     rounds = _rounds(args.cfg, args.opts)

@@ -85,3 +85,17 @@ def test_the_main_job_estimates_the_time_left_after_the_first_round():
     assert clock.line("INFO: Starting a new training round (Round #2) ---", 140.0) == (
         "  about 6.5 min left (65 s a round so far, 6 rounds to go)"
     )
+
+
+def test_the_start_estimate_scales_the_measured_minutes_by_the_probe_and_the_readme_quotes_the_same_rate():
+    """The README's "minutes per CPU second of the host probe" is the constant the job prints from; 1.14 s (the slow
+    host, 22 minutes measured) gives 23 minutes at 20 per probe second."""
+    from pathlib import Path
+
+    from fs_fedpa.tools import sst2_demo
+
+    rate = sst2_demo.MINUTES_PER_PROBE_SECOND
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    assert f"about {rate:g} minutes per CPU second of the host probe" in readme
+    line = sst2_demo.expected_minutes(1.14)
+    assert f"about {round(rate * 1.14)} minutes" in line and "probe reads 1.14 CPU s" in line
