@@ -57,6 +57,9 @@ class DPSGD:
         self.round_steps = 0  # DP steps of the round: never more than its plan, which the accounting covers
         self.round_nonfinite = 0  # records of the round whose gradient norm was not finite: they contributed zero
         self.round_empty = 0  # steps of the round whose Poisson draw held no record
+        # per step of the round, (||clipped sum||, ||noise||) over the clipped tensors: how far the noise drowns the
+        # signal. Computed from the client's records, so a local diagnostic for its own log, never sent
+        self.round_norms: list[tuple[float, float]] = []
         self._grad_sum: list[Tensor] = []
         self._plan = None
         self._empty = False  # this step's Poisson draw was empty
@@ -89,6 +92,15 @@ class DPSGD:
         self.round_steps = 0
         self.round_nonfinite = 0
         self.round_empty = 0
+        self.round_norms = []
+
+    def signal_noise(self) -> tuple[float, float] | None:
+        """The round's mean ||clipped sum|| and mean ||noise|| per step (None before a step): the noise's share
+        of each step is the second over the first. Local only (it reads the client's records)."""
+        if not self.round_norms:
+            return None
+        signal, noise = zip(*self.round_norms)
+        return sum(signal) / len(signal), sum(noise) / len(noise)
 
     def _hook_on_fit_start_dp(self, ctx):
         self._generator = self._make_generator(self._routine)
@@ -259,13 +271,18 @@ class DPSGD:
             ctx.loss_task.backward()  # the data-free terms: ctx.loss_batch is detached
         params = [p for p in ctx.model.parameters() if p.requires_grad]
         std = plan.z * self.C
+        signal = noise = 0.0
         with torch.no_grad():
             for p, g, plain in zip(params, self._grad_sum, self._plain_mask(ctx.model, params)):
                 if plain:
                     step = g / max(self._count, 1)
                 else:
-                    step = (g + gaussian(g.shape, std, self.generator, g)) / plan.b
+                    drawn = gaussian(g.shape, std, self.generator, g)
+                    signal = signal + g.double().pow(2).sum()
+                    noise = noise + drawn.double().pow(2).sum()
+                    step = (g + drawn) / plan.b
                 p.grad = step.to(p.dtype) if p.grad is None else p.grad + step.to(p.dtype)
+        self.round_norms.append((float(signal) ** 0.5, float(noise) ** 0.5))
         self._grad_sum = []
         ctx.optimizer.step()
         if ctx.scheduler is not None:

@@ -230,5 +230,16 @@ class ClientPrivacy:
                "zero" if self.dp_sgd.round_nonfinite else "")
             + (f"; {self.dp_sgd.round_empty} steps drew no record (Poisson) and were noise alone"
                if self.dp_sgd.round_empty else "")
+            + signal_noise_text(self.dp_sgd.signal_noise())
         )
 
+
+def signal_noise_text(norms: tuple[float, float] | None) -> str:
+    """The round's signal against noise in the client's own log (:meth:`DPSGD.signal_noise`; it reads the client's
+    records, so it is never sent)."""
+    if norms is None:
+        return ""
+    signal, noise = norms
+    ratio = f"{noise / signal:.3g}" if signal > 0 else "inf"
+    return (f"; this round, per step, clipped sum {signal:.4g} against noise {noise:.4g} (noise/signal {ratio}; "
+            "from its records: this log only, never sent)")

@@ -82,6 +82,28 @@ def test_step_is_the_mean_of_clipped_per_example_gradients(clip, batched):
     torch.testing.assert_close(model.bias.detach(), expected_b, rtol=1e-5, atol=1e-6)
 
 
+def test_the_rounds_signal_and_noise_norms_are_those_of_its_clipped_sum_and_its_noise():
+    """The local diagnostic (DPSGD.signal_noise): without noise, ||sum of clipped per-example gradients|| by vmap;
+    on zero data, ||noise|| = ||the step|| x b / lr, read off the parameters' change."""
+    trainer, model, X, y = _trainer()
+    w0, b0 = model.weight.detach().clone(), model.bias.detach().clone()
+    dp = _dp_step(trainer, 0.3)
+    gw, gb = _per_example_grads(w0, b0, X[_chosen()], y[_chosen()])
+    c = torch.clamp(0.3 / (gw.flatten(1).pow(2).sum(1) + gb.flatten(1).pow(2).sum(1)).sqrt(), max=1.0)
+    clipped = torch.cat([(c[:, None, None] * gw).sum(0).flatten(), (c[:, None] * gb).sum(0).flatten()])
+    signal, noise = dp.signal_noise()
+    assert signal == pytest.approx(float(clipped.norm()), rel=1e-5) and noise == 0.0
+
+    trainer, model, X, y = _trainer(zero_data=True)
+    w0, b0 = model.weight.detach().clone(), model.bias.detach().clone()
+    dp = _dp_step(trainer, 1.0, z=2.0)
+    step = torch.cat([(model.weight.detach() - w0).flatten(), (model.bias.detach() - b0).flatten()])
+    signal, noise = dp.signal_noise()
+    assert signal == 0.0 and noise == pytest.approx(float(step.norm()) * B / 1.0, rel=1e-5)  # lr 1
+    dp.new_round()
+    assert dp.signal_noise() is None
+
+
 def _poisson_drawn(seed: int, rate: float) -> list[int]:
     """The records a Poisson draw at ``rate`` takes from the DP generator's stream, by hand: one uniform a record."""
     from fs_fedpa.core.dp import dp_generator
