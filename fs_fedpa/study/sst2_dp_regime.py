@@ -25,6 +25,18 @@ A. b ∈ :data:`BATCHES` × τ ∈ :data:`TAUS` × head ∈ :data:`HEADS` (``loc
 B. At A's best (b, τ, head): every optimizer of :data:`OPTIMIZERS` (AdamW 2e-4, 5e-4, 1e-3; SGD with momentum 0.9 at
    2e-2) × trainable set of :data:`LAYERS` (the top two layers, the top one): 7 more runs.
 
+C. Amended on 2026-11-28, after A and B's first three runs, before any run of C (docs/sst2_protocol.md): at the
+   best of A and B, every clip C of :data:`CLIPS` × b ∈ :data:`BATCHES`: 4 runs. Every A and B run ends at the
+   clients' shard-majority score, and ``scripts/dp_signal_noise.py`` (one client of the training split, n = 8,000,
+   b = 256, z = 0.62) measured why: with the head local, a record's LoRA gradient is shorter than 0.1, far inside
+   C = 1 (a step's clipped sum is the same at C = 0.1), so that sum is about 1.2 while the noise, z·C·√D, is about
+   68, 55 times it, whatever the optimizer; 5 times it at C = 0.1, 2.5 times at C = 0.01, where every record is
+   clipped (and C = 0.001 is the same run under Adam, every gradient scaled by C). B's other four runs (the top
+   layer alone, at C = 1) are dropped for that reason. With the head federated its gradient is longer than 1, so
+   every record is clipped at any C ≤ 1: noise/signal 2.1 at C = 1, 0.1 and 0.01 alike, and under Adam the same run;
+   C does not vary it. b = 1,024 is tried again at the new clips: four times the signal against 1.4-2.5 times the
+   noise (its larger z).
+
 The regime is the search run with the best held-out score (strictly; the first in the order above among ties).
 
 The finals, in that regime, on the dev set, seeds 0-2 (seed-major): FedPA-LoRA (the main cell's λ), FedIT, FFA-LoRA
@@ -39,15 +51,17 @@ The cross-device client-level demonstration (issue 59 §3) is not part of this s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fs_fedpa.study import sst2_protocol as sp
 
 STAGE = "dpregime"
-EPSILON, CLIP, MIN_RECORDS = 8.0, 1.0, 1000
+EPSILON, CLIP, MIN_RECORDS = 8.0, 1.0, 1000  # CLIP: parts A and B's
+CLIPS = (0.1, 0.01)  # part C's (the amendment above)
 STEPS, WARMUP, EVALS = 120, 12, 4
 BATCHES, TAUS, HEADS = (256, 1024), (1, 2), ("local", "federated")
 LAYERS = ((4, 5), (5,))  # MiniLM's top two layers, its top one
+B_LAYERS = LAYERS[:1]  # part B as run: its top-one-layer half was dropped by the amendment
 FIRST = ("AdamW", 5e-4)  # part A's optimizer
 OPTIMIZERS = (("AdamW", 2e-4), ("AdamW", 5e-4), ("AdamW", 1e-3), ("SGD", 2e-2))
 MOMENTUM = 0.9  # SGD's
@@ -59,7 +73,7 @@ SEEDS, CENTRAL_SEED = (0, 1, 2), 0
 @dataclass(frozen=True)
 class Regime:
     """One point of the search: b records a step, τ steps a round, the head's place, the adapted layers, the
-    optimizer and its rate."""
+    optimizer and its rate, and the clip C."""
 
     b: int
     tau: int
@@ -67,6 +81,7 @@ class Regime:
     layers: tuple[int, ...]
     optimizer: str
     lr: float
+    clip: float = CLIP
 
     @property
     def rounds(self) -> int:
@@ -75,7 +90,8 @@ class Regime:
     @property
     def name(self) -> str:
         layers = "".join(map(str, self.layers))
-        return f"b{self.b}_tau{self.tau}_{self.head}_l{layers}_{self.optimizer.lower()}{self.lr:g}"
+        clip = "" if self.clip == CLIP else f"_c{self.clip:g}"  # parts A and B's names as they were run
+        return f"b{self.b}_tau{self.tau}_{self.head}_l{layers}_{self.optimizer.lower()}{self.lr:g}{clip}"
 
     def opts(self) -> tuple[str, ...]:
         """The FS overrides of this regime, without DP."""
@@ -93,7 +109,7 @@ class Regime:
         """DP-SGD at ε = 8 over the run: ``add_remove`` (Poisson, the papers') or ``replace`` (fixed-size sampling,
         replace-one); both with the PLD accountant."""
         sampling = {"add_remove": "poisson", "replace": "wor"}[convention]
-        opts = ("fedpa.dp_mode", "sample", "fedpa.dp_epsilon", f"{EPSILON:g}", "fedpa.dp_clip", f"{CLIP:g}",
+        opts = ("fedpa.dp_mode", "sample", "fedpa.dp_epsilon", f"{EPSILON:g}", "fedpa.dp_clip", f"{self.clip:g}",
                 "fedpa.dp_sampling", sampling, "fedpa.dp_accountant", "pld", "fedpa.dp_horizon", str(self.rounds),
                 "fedpa.dp_min_records", str(MIN_RECORDS))  # fmt: skip
         if self.head == "local":
@@ -103,10 +119,11 @@ class Regime:
     @classmethod
     def of(cls, name: str) -> Regime:
         """The regime a search run's name states (the inverse of :attr:`name`)."""
-        b, tau, head, layers, opt = name.split("_")[:5]
+        b, tau, head, layers, opt, *rest = name.split("_")
         optimizer = "AdamW" if opt.startswith("adamw") else "SGD"
+        clip = float(rest[0][1:]) if rest and rest[0].startswith("c") else CLIP
         return cls(int(b[1:]), int(tau[3:]), head, tuple(int(c) for c in layers[1:]), optimizer,
-                   float(opt[len(optimizer):]))  # fmt: skip
+                   float(opt[len(optimizer):]), clip)  # fmt: skip
 
 
 def _search_run(regime: Regime) -> sp.Run:
@@ -120,14 +137,20 @@ def search_a() -> list[sp.Run]:
 
 
 def search_b(best_a: Regime) -> list[sp.Run]:
-    """Part B: every optimizer × trainable set at A's best (b, τ, head), less the run A already made."""
+    """Part B: every optimizer × trainable set (:data:`B_LAYERS`) at A's best (b, τ, head), less the run A already
+    made."""
     runs = []
-    for layers in LAYERS:
+    for layers in B_LAYERS:
         for optimizer, lr in OPTIMIZERS:
             regime = Regime(best_a.b, best_a.tau, best_a.head, layers, optimizer, lr)
             if regime != best_a:
                 runs.append(_search_run(regime))
     return runs
+
+
+def search_c(best_ab: Regime) -> list[sp.Run]:
+    """Part C: every clip of :data:`CLIPS` × b of :data:`BATCHES` at the best of A and B."""
+    return [_search_run(replace(best_ab, b=b, clip=clip)) for clip in CLIPS for b in BATCHES]
 
 
 def best(results: dict, runs: list[sp.Run]) -> sp.Run | None:
@@ -164,22 +187,29 @@ def final_runs(regime: Regime, fedpa_lam: float) -> list[sp.Run]:
     return runs
 
 
-def search(results: dict) -> tuple[list[sp.Run], list[sp.Run] | None, sp.Run | None]:
-    """Part A's runs, part B's once A has selected (else None), and the selected search run (else None)."""
+def search(results: dict) -> tuple[list[sp.Run], list[sp.Run] | None, list[sp.Run] | None, sp.Run | None]:
+    """Part A's runs, part B's once A has selected (else None), part C's once A and B have (else None), and the
+    selected search run (else None)."""
     a = search_a()
     top_a = best(results, a)
     if top_a is None:
-        return a, None, None
+        return a, None, None, None
     b = search_b(regime_of(top_a))
-    return a, b, best(results, [top_a, *b])
+    top_ab = best(results, [top_a, *b])
+    if top_ab is None:
+        return a, b, None, None
+    c = search_c(regime_of(top_ab))
+    return a, b, c, best(results, [top_ab, *c])
 
 
 def runs(selected: dict, results: dict) -> list[tuple[str, list[sp.Run]]]:
     """The stage's parts, as far as the committed results determine them."""
-    a, b, top = search(results)
+    a, b, c, top = search(results)
     parts = [("dp regime: search A (b, tau, head)", a)]
     if b is not None:
         parts.append(("dp regime: search B (optimizer, layers)", b))
+    if c is not None:
+        parts.append(("dp regime: search C (clip, b)", c))
     if top is not None:
         parts.append(("dp regime: finals", final_runs(regime_of(top), selected["methods"]["fedpa"]["lam"])))
     return parts
@@ -187,7 +217,7 @@ def runs(selected: dict, results: dict) -> list[tuple[str, list[sp.Run]]]:
 
 def selected_regime(results: dict) -> Regime | None:
     """The regime the search selected, or None before it has."""
-    top = search(results)[2]
+    top = search(results)[3]
     return regime_of(top) if top else None
 
 
@@ -227,11 +257,11 @@ def minutes(runs: list[sp.Run], results: dict) -> float:
 
 def stage_hours() -> tuple[float, float]:
     """The whole stage's CPU hours here before any run, as a range over the selections the search can make: part A,
-    part B at A's cheapest and dearest (b, τ, head), and the finals in the cheapest and dearest regime."""
+    parts B and C at A's cheapest and dearest (b, τ, head), and the finals in the cheapest and dearest regime."""
     a = search_a()
     regimes = [Regime(b, t, h, layers, o, lr) for b in BATCHES for t in TAUS for h in HEADS for layers in LAYERS
                for o, lr in OPTIMIZERS]  # fmt: skip
-    b_costs = [minutes(search_b(regime_of(run)), {}) for run in a]
+    bc_costs = [minutes(search_b(regime_of(run)) + search_c(regime_of(run)), {}) for run in a]
     finals = [minutes(final_runs(r, 0.1), {}) for r in regimes]
     base = minutes(a, {})
-    return (base + min(b_costs) + min(finals)) / 60, (base + max(b_costs) + max(finals)) / 60
+    return (base + min(bc_costs) + min(finals)) / 60, (base + max(bc_costs) + max(finals)) / 60

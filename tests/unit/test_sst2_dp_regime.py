@@ -43,7 +43,7 @@ def test_part_a_covers_batch_steps_and_head_on_the_held_out_split_at_the_finals_
         assert int(o["eval.freq"]) * dr.EVALS == run.rounds
 
 
-def test_the_search_selects_by_held_out_score_then_tunes_the_optimizer_and_layers_and_the_finals_use_its_regime():
+def test_the_search_selects_by_held_out_score_then_tunes_the_optimizer_then_the_clip_and_the_finals_use_its_regime():
     results: dict = {}
     a = dr.search_a()
     assert [part for part, _ in dr.runs(SELECTED, results)] == ["dp regime: search A (b, tau, head)"]
@@ -55,21 +55,34 @@ def test_the_search_selects_by_held_out_score_then_tunes_the_optimizer_and_layer
         results[run.key] = _result(run, 0.85 if best else 0.76)
     parts = dict(dr.runs(SELECTED, results))
     b = parts["dp regime: search B (optimizer, layers)"]
-    assert len(b) == 7 and "dp regime: finals" not in parts  # B waits for its own runs
+    assert len(b) == 3 and "dp regime: finals" not in parts  # B waits for its own runs
     assert {(_opts(r)["dataloader.batch_size"], _opts(r)["train.local_update_steps"]) for r in b} == {("1024", "2")}
     tried = {(o["train.optimizer.type"], o["train.optimizer.lr"], o["model.seqcls.layers_to_transform"])
              for o in map(_opts, b)}  # fmt: skip
     assert tried | {("AdamW", "0.0005", "[4, 5]")} == {
-        (o, f"{lr:g}", str(list(layers))) for o, lr in dr.OPTIMIZERS for layers in dr.LAYERS
-    }
+        (o, f"{lr:g}", str(list(layers))) for o, lr in dr.OPTIMIZERS for layers in dr.B_LAYERS
+    }  # the amendment dropped B's top-layer half
+    assert all(_opts(r)["fedpa.dp_clip"] == "1" for r in [*a, *b])
     sgd = [r for r in b if _opts(r)["train.optimizer.type"] == "SGD"]
     assert sgd and all(_opts(r)["train.optimizer.momentum"] == "0.9" for r in sgd)
-    for run in b:  # two runs tie at the best score: the first in declared order wins
+    for run in b:
+        results[run.key] = _result(run, 0.87 if _opts(run)["train.optimizer.lr"] == "0.001" else 0.80)
+    parts = dict(dr.runs(SELECTED, results))
+    c = parts["dp regime: search C (clip, b)"]
+    assert "dp regime: finals" not in parts  # C waits for its own runs
+    # C: every clip x b at the best of A and B, nothing else changed
+    assert {(_opts(r)["fedpa.dp_clip"], _opts(r)["dataloader.batch_size"]) for r in c} == {
+        (f"{clip:g}", str(b)) for clip in dr.CLIPS for b in dr.BATCHES} and len(c) == 4
+    kept = ("personalization.local_param", "train.local_update_steps", "train.optimizer.lr",
+            "model.seqcls.layers_to_transform")
+    assert {tuple(_opts(r)[k] for k in kept) for r in c} == {("[]", "2", "0.001", "[4, 5]")}
+    for run in c:  # two runs tie at the best score: the first in declared order wins
         o = _opts(run)
-        top = o["train.optimizer.lr"] == "0.001"
-        results[run.key] = _result(run, 0.87 if top else 0.80)
-    winner = [r for r in b if _opts(r)["train.optimizer.lr"] == "0.001"][0]
-    assert dr.selected_regime(results) == dr.regime_of(winner) == dr.Regime(1024, 2, "federated", (4, 5), "AdamW", 1e-3)
+        results[run.key] = _result(run, 0.90 if o["dataloader.batch_size"] == "1024" else 0.80)
+    winner = [r for r in c if _opts(r)["fedpa.dp_clip"] == "0.1" and _opts(r)["dataloader.batch_size"] == "1024"]
+    expected = dr.Regime(1024, 2, "federated", (4, 5), "AdamW", 1e-3, 0.1)
+    assert dr.selected_regime(results) == dr.regime_of(winner[0]) == expected
+    assert winner[0].name == "search_b1024_tau2_federated_l45_adamw0.001_c0.1"
     finals = dict(dr.runs(SELECTED, results))["dp regime: finals"]
     cells = {r.name for r in finals}
     assert cells == {*dr.METHODS, *(f"{m}_dp" for m in dr.METHODS), "fedit_dp_replace", "central", "central_dp",
@@ -83,6 +96,8 @@ def test_the_search_selects_by_held_out_score_then_tunes_the_optimizer_and_layer
         assert ("fedpa.dp_mode" in o) == run.name.endswith(("_dp", "_dp_replace"))
         if run.name.endswith("_replace"):
             assert o["fedpa.dp_sampling"] == "wor" and o["fedpa.dp_epsilon"] == "8"
+        if "fedpa.dp_mode" in o:
+            assert o["fedpa.dp_clip"] == "0.1"  # the selected clip
         if run.method == "fedpa":
             assert o["fedpa.lam"] == "0.01"
         central = run.name.startswith("central")
@@ -90,11 +105,11 @@ def test_the_search_selects_by_held_out_score_then_tunes_the_optimizer_and_layer
     assert len(finals) == 3 * 9 + 3
 
 
-EVERY = [dr.Regime(b, t, h, layers, o, lr) for b in dr.BATCHES for t in dr.TAUS for h in dr.HEADS
-         for layers in dr.LAYERS for o, lr in dr.OPTIMIZERS]  # fmt: skip
+EVERY = [dr.Regime(b, t, h, layers, o, lr, clip) for b in dr.BATCHES for t in dr.TAUS for h in dr.HEADS
+         for layers in dr.LAYERS for o, lr in dr.OPTIMIZERS for clip in (dr.CLIP, *dr.CLIPS)]  # fmt: skip
 
 
-@pytest.mark.parametrize("regime", EVERY[::5])
+@pytest.mark.parametrize("regime", EVERY[::7])
 def test_a_regime_is_read_back_from_its_run_name(regime):
     assert dr.Regime.of(regime.name) == regime
 
