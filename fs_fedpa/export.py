@@ -164,10 +164,14 @@ def load(base_model: nn.Module, export_dir, client: int | None = None, protocol:
     """The model of ``client`` under ``protocol`` (``"paper"``: the global reference at its rank R_i with its local
     tensors; ``"local"``: its own factors) from an export, on ``base_model`` (the run's HF base model, fresh); or the
     global model (``client=None``). Returns a ``PeftModel``, ``base_model`` with merged weights loaded (FedEx-LoRA),
-    or an :class:`InstanceMix` (FedDPA's paper protocol)."""
+    or an :class:`InstanceMix` (FedDPA's paper protocol). A 4-bit base keeps the weight layout the run evaluated it in
+    (:func:`fs_fedpa.quantization.keep_packable_4bit`)."""
+    from fs_fedpa.quantization import keep_packable_4bit
+
     root = Path(export_dir)
     info = manifest(root)
     check_base(base_model, info)
+    keep_packable_4bit(base_model)
     if client is None:
         entry = info["global"]
     else:

@@ -82,6 +82,25 @@ def load_kwargs(quantization: str, keep: Sequence[str] = ()) -> dict:
     return {"quantization_config": config}
 
 
+def keep_packable_4bit(model) -> list[str]:
+    """Turn off bitsandbytes' CPU repacking of a 4-bit weight where it would fail; the names of those layers.
+
+    On a CPU with AVX512-BF16, bitsandbytes (0.48 on) repacks a ``Linear4bit`` weight in place at its first forward
+    in eval mode without gradients, reshaping the per-block absmax to (out, in // blocksize). A layer whose input
+    width is not a multiple of the block size (64) cannot be reshaped so, and every evaluation then fails; such a
+    layer keeps the layout it was loaded in (the packed one is only a faster kernel). Other layers are left to
+    bitsandbytes. Hosts without AVX512-BF16 never repack."""
+    kept = []
+    for name, module in model.named_modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            state = getattr(module.weight, "quant_state", None)
+            blocksize = getattr(state, "blocksize", 64) or 64
+            if module.in_features % blocksize:
+                module.support_avx512bf16_for_cpu = False
+                kept.append(name)
+    return kept
+
+
 def quiet_int8_cast_notice() -> None:
     """Drop bitsandbytes' "inputs will be cast from float32 to float16" notice: LLM.int8 logs it at every forward of
     every int8 layer (casting is how it quantizes activations), thousands of lines a round in FS's log."""

@@ -112,6 +112,7 @@ def build_quantized_llm(model_config, input_shape=None):
     name, hub = model_config.type.split("@")
     cache = {"cache_dir": node.cache_dir} if node.cache_dir else {}
     model = AutoModelForCausalLM.from_pretrained(name, **cache, **quantization.load_kwargs(q))
+    quantization.keep_packable_4bit(model)
     logger.info(quantization.describe(model, q))
     tokenizer, num_new_tokens = get_tokenizer(name, node.data_root, node.tok_len, hub)
     _resize_embeddings(model, len(tokenizer), num_new_tokens)

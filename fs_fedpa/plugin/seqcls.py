@@ -236,6 +236,7 @@ def build_seqcls_model(model_config, input_shape=None):
     kwargs = quantization.load_kwargs(q, keep=quantization.HEADS)
     model = AutoModelForSequenceClassification.from_pretrained(name, num_labels=s.num_labels, **kwargs)
     if kwargs:
+        quantization.keep_packable_4bit(model)
         logger.info(quantization.describe(model, q))
     lora = peft.LoraConfig(
         task_type=peft.TaskType.SEQ_CLS,

@@ -100,3 +100,28 @@ def test_weight_bytes_count_codes_and_scales_of_a_quantized_layer(tmp_path, kind
     assert linear * bytes_per_weight < held["quantized"] < linear * bytes_per_weight * 1.2  # codes + scales
     assert ref["quantized"] == 0 and held["full"] == ref["full"] - linear * 4
     assert "7 linear layers quantized" in quantization.describe(model, kind)
+
+
+@BNB_SKIP
+def test_a_4bit_layer_narrower_than_a_block_evaluates_on_the_cpu_and_a_wide_one_is_left_to_bitsandbytes():
+    """bitsandbytes repacks a 4-bit weight at its first no-grad eval forward on an AVX512-BF16 CPU, which fails for an
+    input width that is not a multiple of the block size; keep_packable_4bit turns it off there only. Checked by the
+    flags on any host, and by the forward itself (against the dequantized weight) where the host repacks."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as F
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(bnb.nn.Linear4bit(16, 32, bias=False, compute_dtype=torch.float32, quant_type="nf4"),
+                                bnb.nn.Linear4bit(64, 16, bias=False, compute_dtype=torch.float32, quant_type="nf4"))
+    for layer in model:
+        layer.weight = bnb.nn.Params4bit(torch.randn_like(layer.weight.data), requires_grad=False, quant_type="nf4")
+        layer.to("cpu")
+    if not hasattr(model[0], "support_avx512bf16_for_cpu"):
+        pytest.skip("this bitsandbytes never repacks a 4-bit weight on the CPU")
+    repacks = model[0].support_avx512bf16_for_cpu
+    assert quantization.keep_packable_4bit(model.eval()) == (["0"] if repacks else [])
+    assert model[0].support_avx512bf16_for_cpu is False and model[1].support_avx512bf16_for_cpu == repacks
+    x = torch.randn(3, 16)
+    expected = x @ F.dequantize_4bit(model[0].weight.data, model[0].weight.quant_state).T
+    with torch.no_grad():
+        torch.testing.assert_close(model[0](x), expected, rtol=1e-4, atol=1e-4)
