@@ -184,7 +184,7 @@ def dp_regime_section(results: dict, stages: list[tuple[str, list[sp.Run]]], rep
         "",
         "Part C (C ∈ {" + ", ".join(f"{c:g}" for c in dr.CLIPS) + "} × b ∈ {256, 1,024} at the best of A and B) "
         "was added on 2026-11-28, before its runs, and B's four top-layer runs dropped: every A and B run ends at "
-        "the shard-majority score, and the measured signal explains it (`scripts/dp_signal_noise.py`, one client of "
+        "the shard-majority score, and the measured signal is one reason (`scripts/dp_signal_noise.py`, one client of "
         "the training split, n = 8,000, b = 256, z = 0.62): with the head local a record's LoRA gradient is shorter "
         "than 0.1, far inside C = 1 (a step's clipped sum is the same at C = 0.1), so that sum is about 1.2 "
         "against noise of norm 68, 55 times it; 5 times at C = 0.1 and 2.5 times at C = 0.01, where every record is "
