@@ -57,9 +57,10 @@ class DPSGD:
         self.round_steps = 0  # DP steps of the round: never more than its plan, which the accounting covers
         self.round_nonfinite = 0  # records of the round whose gradient norm was not finite: they contributed zero
         self.round_empty = 0  # steps of the round whose Poisson draw held no record
-        # per step of the round, (||clipped sum||, ||noise||) over the clipped tensors: how far the noise drowns the
-        # signal. Computed from the client's records, so a local diagnostic for its own log, never sent
-        self.round_norms: list[tuple[float, float]] = []
+        # per step of the round, (||clipped sum||^2, ||noise||^2) over the clipped tensors, as 0-d tensors read only
+        # by signal_noise (no host sync in the step): how far the noise drowns the signal. Computed from the client's
+        # records, so a local diagnostic for its own log, never sent
+        self.round_norms: list[tuple[Tensor, Tensor]] = []
         self._grad_sum: list[Tensor] = []
         self._plan = None
         self._empty = False  # this step's Poisson draw was empty
@@ -99,8 +100,8 @@ class DPSGD:
         of each step is the second over the first. Local only (it reads the client's records)."""
         if not self.round_norms:
             return None
-        signal, noise = zip(*self.round_norms)
-        return sum(signal) / len(signal), sum(noise) / len(noise)
+        signal, noise = torch.tensor([[float(s), float(n)] for s, n in self.round_norms], dtype=torch.float64).sqrt().T
+        return float(signal.mean()), float(noise.mean())
 
     def _hook_on_fit_start_dp(self, ctx):
         self._generator = self._make_generator(self._routine)
@@ -271,7 +272,7 @@ class DPSGD:
             ctx.loss_task.backward()  # the data-free terms: ctx.loss_batch is detached
         params = [p for p in ctx.model.parameters() if p.requires_grad]
         std = plan.z * self.C
-        signal = noise = 0.0
+        signal = noise = 0.0  # 0-d tensors on the gradients' device once a clipped tensor is seen
         with torch.no_grad():
             for p, g, plain in zip(params, self._grad_sum, self._plain_mask(ctx.model, params)):
                 if plain:
@@ -282,7 +283,7 @@ class DPSGD:
                     noise = noise + drawn.double().pow(2).sum()
                     step = (g + drawn) / plan.b
                 p.grad = step.to(p.dtype) if p.grad is None else p.grad + step.to(p.dtype)
-        self.round_norms.append((float(signal) ** 0.5, float(noise) ** 0.5))
+        self.round_norms.append((signal, noise))
         self._grad_sum = []
         ctx.optimizer.step()
         if ctx.scheduler is not None:
