@@ -86,6 +86,32 @@ def search_lines(results: dict, runs: list[sp.Run]) -> list[str]:
     return [*lines, ""]
 
 
+def diagnostic_lines(results: dict, runs: list[sp.Run]) -> list[str]:
+    """Part D: each diagnostic's held-out score, macro-F1 and loss at the last evaluation, beside the search run of
+    its regime at ε = 8."""
+    lines = [
+        "**Diagnostics (part D, not selecting).** FedIT at the best of A and B on the held-out split: without DP, "
+        f"and with DP-SGD's sampling and clip but noise z = {dr.DIAG_Z:g} (its ε is meaningless); the search run of the "
+        "same regime at ε = 8 beside each.",
+        "",
+        "| run | DP-SGD | C | z | held-out score | macro-F1 | held-out loss, last | same regime at ε = 8 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        o, result = _o(run.opts), results.get(run.key)
+        dp = o.get("fedpa.dp_mode") == "sample"
+        twin = f"{dr.STAGE}/search_{run.name[len('diag_'):].rsplit('_', 1)[0]}_s{run.seed}"
+        last = result and result["rounds"][max(result["rounds"], key=int)].get("val_avg_loss")
+        lines.append(
+            f"| {run.name} | {'yes' if dp else 'no'} | {o.get('fedpa.dp_clip', '–')} | "
+            f"{o.get('fedpa.dp_noise_multiplier', '–')} | "
+            f"{'not run yet' if result is None else _score(sp.score(result))} | "
+            f"{'–' if result is None else _score(macro_f1(result))} | {'–' if last is None else f'{last:.4f}'} | "
+            f"{'–' if twin not in results else _score(sp.score(results[twin]))} |"
+        )
+    return [*lines, ""]
+
+
 def final_values(results: dict) -> dict[str, dict[int, float]]:
     return sp.cell_values(results, "val_acc", dr.STAGE)
 
@@ -196,6 +222,7 @@ def dp_regime_section(results: dict, stages: list[tuple[str, list[sp.Run]]], rep
         "",
         *search_lines(results, [*a, *parts.get("dp regime: search B (optimizer, layers)", []),
                                 *parts.get("dp regime: search C (clip, b)", [])]),
+        *(diagnostic_lines(results, d) if (d := parts.get("dp regime: diagnostics D (not selecting)")) else []),
     ]
     regime = dr.selected_regime(results)
     if regime is None:

@@ -37,6 +37,13 @@ C. Amended on 2026-11-28, after A and B's first three runs, before any run of C 
    C does not vary it. b = 1,024 is tried again at the new clips: four times the signal against 1.4-2.5 times the
    noise (its larger z).
 
+D. Amended on 2026-11-28, after C's first run (C = 0.01, b = 256: the majority score again, the held-out loss of
+   the C = 1 run, though its clients logged noise at 0.4-1.4 times the clipped sum), before any run of D. Diagnostics,
+   not selecting: can this regime learn beyond the label prior at all, and which of DP-SGD's parts stops it? At the
+   best of A and B, FedIT on the held-out split without DP (every client trains), and with DP-SGD's sampling and
+   clip but noise z = :data:`DIAG_Z` (1/50-1/90 of the finals'; its ε is meaningless) at C = 1 (the clip never
+   binds: DP-SGD's own path, noise aside) and at C = 0.01 (every record clipped): 3 runs.
+
 The regime is the search run with the best held-out score (strictly; the first in the order above among ties).
 
 The finals, in that regime, on the dev set, seeds 0-2 (seed-major): FedPA-LoRA (the main cell's λ), FedIT, FFA-LoRA
@@ -68,6 +75,7 @@ MOMENTUM = 0.9  # SGD's
 METHODS = ("fedpa", "fedit", "ffa_lora", "fedsvd")
 REFERENCE = "fedit"  # the search's method
 SEEDS, CENTRAL_SEED = (0, 1, 2), 0
+DIAG_Z, DIAG_CLIPS = 0.01, (CLIP, 0.01)  # part D's noise multiplier and clips
 
 
 @dataclass(frozen=True)
@@ -105,12 +113,14 @@ class Regime:
             opts += ("train.optimizer.momentum", f"{MOMENTUM:g}")
         return (*opts, *sp.ONE_THREAD)
 
-    def dp_opts(self, convention: str = "add_remove") -> tuple[str, ...]:
+    def dp_opts(self, convention: str = "add_remove", z: float | None = None) -> tuple[str, ...]:
         """DP-SGD at ε = 8 over the run: ``add_remove`` (Poisson, the papers') or ``replace`` (fixed-size sampling,
-        replace-one); both with the PLD accountant."""
+        replace-one); both with the PLD accountant. ``z``: this noise multiplier instead of ε's (part D's, read by the
+        RDP accountant, which takes any z)."""
         sampling = {"add_remove": "poisson", "replace": "wor"}[convention]
-        opts = ("fedpa.dp_mode", "sample", "fedpa.dp_epsilon", f"{EPSILON:g}", "fedpa.dp_clip", f"{self.clip:g}",
-                "fedpa.dp_sampling", sampling, "fedpa.dp_accountant", "pld", "fedpa.dp_horizon", str(self.rounds),
+        noise = ("fedpa.dp_epsilon", f"{EPSILON:g}") if z is None else ("fedpa.dp_noise_multiplier", f"{z:g}")
+        opts = ("fedpa.dp_mode", "sample", *noise, "fedpa.dp_clip", f"{self.clip:g}", "fedpa.dp_sampling", sampling,
+                "fedpa.dp_accountant", "pld" if z is None else "rdp", "fedpa.dp_horizon", str(self.rounds),
                 "fedpa.dp_min_records", str(MIN_RECORDS))  # fmt: skip
         if self.head == "local":
             opts += ("fedpa.dp_local_tensors", "plain")
@@ -151,6 +161,18 @@ def search_b(best_a: Regime) -> list[sp.Run]:
 def search_c(best_ab: Regime) -> list[sp.Run]:
     """Part C: every clip of :data:`CLIPS` × b of :data:`BATCHES` at the best of A and B."""
     return [_search_run(replace(best_ab, b=b, clip=clip)) for clip in CLIPS for b in BATCHES]
+
+
+def diagnostics(best_ab: Regime) -> list[sp.Run]:
+    """Part D, not selecting: at the best of A and B, FedIT without DP, then with noise z = :data:`DIAG_Z` at each
+    clip of :data:`DIAG_CLIPS`; the held-out split."""
+    plain = replace(best_ab, clip=CLIP)
+    runs = [sp.Run(STAGE, f"diag_{plain.name}_nodp", REFERENCE, (*plain.opts(), *sp.TUNE_EVAL), 0, plain.rounds)]
+    for clip in DIAG_CLIPS:
+        regime = replace(best_ab, clip=clip)
+        opts = (*regime.opts(), *regime.dp_opts(z=DIAG_Z), *sp.TUNE_EVAL)
+        runs.append(sp.Run(STAGE, f"diag_{regime.name}_z{DIAG_Z:g}", REFERENCE, opts, 0, regime.rounds))
+    return runs
 
 
 def best(results: dict, runs: list[sp.Run]) -> sp.Run | None:
@@ -210,6 +232,8 @@ def runs(selected: dict, results: dict) -> list[tuple[str, list[sp.Run]]]:
         parts.append(("dp regime: search B (optimizer, layers)", b))
     if c is not None:
         parts.append(("dp regime: search C (clip, b)", c))
+        top_ab = best(results, [best(results, a), *b])
+        parts.append(("dp regime: diagnostics D (not selecting)", diagnostics(regime_of(top_ab))))
     if top is not None:
         parts.append(("dp regime: finals", final_runs(regime_of(top), selected["methods"]["fedpa"]["lam"])))
     return parts

@@ -77,3 +77,18 @@ def test_the_other_reading_of_a_poisson_ledger_is_weaker_and_of_a_fixed_size_one
     assert poisson > 2 * 7.99
     # the fixed-size ledger read with Poisson and add/remove is the Poisson calibration again, by RDP (>= the PLD's)
     assert 7.99 <= fixed <= 1.3 * 7.99
+
+
+def test_the_diagnostics_sit_beside_the_search_run_of_their_regime(tmp_path):
+    results: dict = {}
+    _complete_search(results)
+    d = dict(dr.runs(SELECTED, results))["dp regime: diagnostics D (not selecting)"]
+    for run, acc in zip(d, (0.86, 0.84, 0.77)):
+        results[run.key] = _result(run, acc)
+        results[run.key]["rounds"][run.rounds - 1]["val_avg_loss"] = 0.3
+    text = "\n".join(rr.dp_regime_section(results, dr.runs(SELECTED, results), tmp_path))
+    # the regime's own ε = 8 run: search A's best at C = 1 scored 0.80, C's run at C = 0.01 and b = 1,024 0.75
+    assert "| diag_b1024_tau2_local_l45_adamw0.0005_nodp | no | – | – | 0.8600 | 0.5000 | 0.3000 | 0.8000 |" in text
+    assert "| diag_b1024_tau2_local_l45_adamw0.0005_z0.01 | yes | 1 | 0.01 | 0.8400 | 0.5000 | 0.3000 | 0.8000 |" in text
+    assert "| diag_b1024_tau2_local_l45_adamw0.0005_c0.01_z0.01 | yes | 0.01 | 0.01 | 0.7700 |" in text
+    assert "| 0.7500 |" in text.split("diag_b1024_tau2_local_l45_adamw0.0005_c0.01_z0.01")[1].splitlines()[0]

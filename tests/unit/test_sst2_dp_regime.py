@@ -76,6 +76,17 @@ def test_the_search_selects_by_held_out_score_then_tunes_the_optimizer_then_the_
     kept = ("personalization.local_param", "train.local_update_steps", "train.optimizer.lr",
             "model.seqcls.layers_to_transform")
     assert {tuple(_opts(r)[k] for k in kept) for r in c} == {("[]", "2", "0.001", "[4, 5]")}
+    # D, not selecting: at the best of A and B (not C's b), without DP and at z = 0.01 with C = 1 and C = 0.01
+    d = parts["dp regime: diagnostics D (not selecting)"]
+    assert [r.name for r in d] == ["diag_b1024_tau2_federated_l45_adamw0.001_nodp",
+                                   "diag_b1024_tau2_federated_l45_adamw0.001_z0.01",
+                                   "diag_b1024_tau2_federated_l45_adamw0.001_c0.01_z0.01"]  # fmt: skip
+    assert "fedpa.dp_mode" not in _opts(d[0]) and all(_opts(r)["data.glue_holdout"] == "0.015" for r in d)
+    for run, clip in zip(d[1:], ("1", "0.01")):
+        o = _opts(run)
+        assert (o["fedpa.dp_mode"], o["fedpa.dp_noise_multiplier"], o["fedpa.dp_clip"]) == ("sample", "0.01", clip)
+        assert "fedpa.dp_epsilon" not in o and o["fedpa.dp_sampling"] == "poisson"
+    assert {tuple(_opts(r)[k] for k in kept) for r in d} == {("[]", "2", "0.001", "[4, 5]")}
     for run in c:  # two runs tie at the best score: the first in declared order wins
         o = _opts(run)
         results[run.key] = _result(run, 0.90 if o["dataloader.batch_size"] == "1024" else 0.80)
