@@ -91,8 +91,8 @@ def diagnostic_lines(results: dict, runs: list[sp.Run]) -> list[str]:
     its regime at ε = 8."""
     lines = [
         "**Diagnostics (part D, not selecting).** FedIT at the best of A and B on the held-out split: without DP, "
-        f"and with DP-SGD's sampling and clip but noise z = {dr.DIAG_Z:g} (its ε is meaningless); the search run of the "
-        "same regime at ε = 8 beside each.",
+        f"and with DP-SGD's sampling and clip but noise z = {dr.DIAG_Z:g} (its ε is meaningless); the search run of "
+        "the same regime at ε = 8 beside each.",
         "",
         "| run | DP-SGD | C | z | held-out score | macro-F1 | held-out loss, last | same regime at ε = 8 |",
         "|---|---|---|---|---|---|---|---|",
