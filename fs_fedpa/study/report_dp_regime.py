@@ -9,6 +9,7 @@ import math
 import statistics
 from pathlib import Path
 
+from fs_fedpa.study import sst2_dp_device as dd
 from fs_fedpa.study import sst2_dp_regime as dr
 from fs_fedpa.study import sst2_protocol as sp
 from fs_fedpa.study.report_text import pm as _pm
@@ -108,6 +109,51 @@ def diagnostic_lines(results: dict, runs: list[sp.Run]) -> list[str]:
             f"{'not run yet' if result is None else _score(sp.score(result))} | "
             f"{'–' if result is None else _score(macro_f1(result))} | {'–' if last is None else f'{last:.4f}'} | "
             f"{'–' if twin not in results else _score(sp.score(results[twin]))} |"
+        )
+    return [*lines, ""]
+
+
+def released_size(method: str) -> int:
+    """D of the cross-device part: the entries a client's contribution has (LoRA on the top two layers, the head)."""
+    from fs_fedpa.tools.dp_table import HEAD_LABELS, SPACES
+
+    space = {"fedpa": "fedpa", "fedit": "fedit"}.get(method, "ffa_lora / fedsvd")
+    modules, hidden, rank = 2 * len(dd.LAYERS), 384, 4  # query and value of each adapted layer of MiniLM
+    return modules * SPACES[space](hidden, hidden, rank) + hidden * HEAD_LABELS + HEAD_LABELS
+
+
+def _last_acc(result: dict | None) -> float | None:
+    rounds = (result or {}).get("rounds") or {}
+    return rounds[max(rounds, key=int)].get("val_acc") if rounds else None
+
+
+def device_lines(results: dict, plain: list[sp.Run], private: list[sp.Run]) -> list[str]:
+    """Part E: per method, the dev accuracy at the last round without and with client-level DP, the clip, z, the
+    bound K/(z√D) and ε."""
+    lines = [
+        f"**Cross-device, client level (part E, `fs_fedpa/study/sst2_dp_device.py`).** N = {dd.CLIENTS:,} clients "
+        f"(LDA α = {dd.ALPHA:g}), K = {dd.SAMPLED} a round, T = {dd.ROUNDS}, τ = {dd.LOCAL_STEPS} step of 16, LoRA on "
+        f"MiniLM's top two layers, the head federated; client-level DP at ε = {dd.EPSILON:g} (replace-one, K of N "
+        "without replacement), C the median contribution norm of the method's no-DP run. One seed: a measurement, "
+        "not a ranking. D: the entries of a client's contribution; K/(z√D): the largest possible signal on the mean "
+        "over the noise's norm.",
+        "",
+        "| method | dev accuracy, no DP | dev accuracy, DP | C | z | D | K/(z√D) | ε | CPU time (no DP, DP) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for base in plain:
+        dp = next((r for r in private if r.method == base.method), None)
+        a, b = results.get(base.key), results.get(dp.key) if dp else None
+        privacy = (b or {}).get("privacy") or {}
+        z, D = privacy.get("dp_noise_multiplier"), released_size(base.method)
+        bound = f"{dd.SAMPLED / (z * math.sqrt(D)):.3g}" if z else "–"
+        eps = f"{privacy['dp_epsilon']:.2f}" if "dp_epsilon" in privacy else "–"
+        times = ", ".join("–" if r is None else f"{r.get('cpu_seconds', r['seconds']) / 60:.0f} min" for r in (a, b))
+        acc = [_score(v) if (v := _last_acc(r)) is not None else "not run yet" for r in (a, b)]
+        lines.append(
+            f"| {base.method} | {acc[0]} | {acc[1]} | {privacy.get('dp_clip', '–')} | "
+            f"{f'{z:.3g}' if z else '–'} | {D:,} | {bound} | "
+            f"{eps} | {times} |"
         )
     return [*lines, ""]
 
@@ -224,8 +270,10 @@ def dp_regime_section(results: dict, stages: list[tuple[str, list[sp.Run]]], rep
                                 *parts.get("dp regime: search C (clip, b)", [])]),
         *(diagnostic_lines(results, d) if (d := parts.get("dp regime: diagnostics D (not selecting)")) else []),
     ]
+    device = device_lines(results, parts.get("dp regime: cross-device, no DP", []),
+                          parts.get("dp regime: cross-device, DP", []))  # fmt: skip
     regime = dr.selected_regime(results)
     if regime is None:
-        return [*lines, "The regime is selected once the search's runs are in.", ""]
+        return [*lines, "The regime is selected once the search's runs are in.", "", *device]
     lines += [f"Selected regime (best held-out score, the first of ties): `{regime.name}`.", ""]
-    return [*lines, *final_lines(results)]
+    return [*lines, *final_lines(results), *device]

@@ -53,13 +53,15 @@ both conventions and without. Endpoint: dev accuracy (``val_acc``) at the last r
 against each other method under DP (Holm over 3), and each method under DP against itself without (Holm over 4);
 paired over seeds, t intervals.
 
-The cross-device client-level demonstration (issue 59 §3) is not part of this stage.
+E. The cross-device client-level demonstration (issue 59 §3), declared on 2026-11-28 before its runs, in
+   :mod:`fs_fedpa.study.sst2_dp_device`; it does not depend on the search.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from fs_fedpa.study import sst2_dp_device
 from fs_fedpa.study import sst2_protocol as sp
 
 STAGE = "dpregime"
@@ -236,6 +238,8 @@ def runs(selected: dict, results: dict) -> list[tuple[str, list[sp.Run]]]:
         parts.append(("dp regime: diagnostics D (not selecting)", diagnostics(regime_of(top_ab))))
     if top is not None:
         parts.append(("dp regime: finals", final_runs(regime_of(top), selected["methods"]["fedpa"]["lam"])))
+    plain, private = sst2_dp_device.runs(selected, results)
+    parts += [("dp regime: cross-device, no DP", plain), ("dp regime: cross-device, DP", private)]
     return parts
 
 
@@ -262,6 +266,8 @@ EVAL_RECORDS = {"0": 872, "holdout": round(sum(CLIENT_SIZES) * sp.HOLDOUT)}  # t
 def cpu_seconds(run: sp.Run) -> float:
     """The CPU seconds a run of this stage takes here, from :data:`SECONDS_PER_RECORD`: the cache's fill, every
     client's steps of min(b, n_i) records (under DP the small clients take none), and the evaluations."""
+    if run.name.startswith("device_"):
+        return sst2_dp_device.cpu_seconds(run)
     o = dict(zip(run.opts[::2], run.opts[1::2]))
     b, tau = int(o["dataloader.batch_size"]), int(o["train.local_update_steps"])
     dp = o.get("fedpa.dp_mode") == "sample"
@@ -281,11 +287,13 @@ def minutes(runs: list[sp.Run], results: dict) -> float:
 
 def stage_hours() -> tuple[float, float]:
     """The whole stage's CPU hours here before any run, as a range over the selections the search can make: part A,
-    parts B and C at A's cheapest and dearest (b, τ, head), and the finals in the cheapest and dearest regime."""
+    parts B, C and D at A's cheapest and dearest (b, τ, head), the finals in the cheapest and dearest regime, and
+    part E."""
     a = search_a()
     regimes = [Regime(b, t, h, layers, o, lr) for b in BATCHES for t in TAUS for h in HEADS for layers in LAYERS
                for o, lr in OPTIMIZERS]  # fmt: skip
-    bc_costs = [minutes(search_b(regime_of(run)) + search_c(regime_of(run)), {}) for run in a]
+    bc_costs = [minutes(search_b(regime_of(run)) + search_c(regime_of(run)) + diagnostics(regime_of(run)), {})
+                for run in a]  # fmt: skip
     finals = [minutes(final_runs(r, 0.1), {}) for r in regimes]
-    base = minutes(a, {})
+    base = minutes(a, {}) + sst2_dp_device.part_seconds() / 60
     return (base + min(bc_costs) + min(finals)) / 60, (base + max(bc_costs) + max(finals)) / 60

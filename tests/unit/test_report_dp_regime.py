@@ -12,7 +12,8 @@ from fs_fedpa.study import sst2_dp_regime as dr
 from fs_fedpa.study import sst2_protocol as sp
 from fs_fedpa.study import report_dp_regime as rr
 
-SELECTED = {"methods": {"fedpa": {"lam": 0.01}}}
+SELECTED = {"methods": {m: {"method": m, "optimizer": "AdamW", "lr": 5e-3, "lam": 0.01 if m == "fedpa" else None}
+                        for m in ("fedpa", "fedit", "ffa_lora")}}  # fmt: skip
 LEDGER = {"1": {"epsilon": 7.99, "delta": 1e-5, "noise_multiplier": 0.84, "steps": 120, "n": 3544, "b": 256},
           "3": {"epsilon": 0.0, "delta": 1e-5, "noise_multiplier": 0.0, "steps": 0, "n": 634, "b": 256}}  # fmt: skip
 

@@ -11,7 +11,8 @@ import pytest
 from fs_fedpa.study import sst2_dp_regime as dr
 from fs_fedpa.study import sst2_protocol as sp
 
-SELECTED = {"methods": {"fedpa": {"lam": 0.01}}}
+SELECTED = {"methods": {m: {"method": m, "optimizer": "AdamW", "lr": 5e-3, "lam": 0.01 if m == "fedpa" else None}
+                        for m in ("fedpa", "fedit", "ffa_lora")}}  # fmt: skip
 
 
 def _opts(run: sp.Run) -> dict[str, str]:
@@ -46,7 +47,8 @@ def test_part_a_covers_batch_steps_and_head_on_the_held_out_split_at_the_finals_
 def test_the_search_selects_by_held_out_score_then_tunes_the_optimizer_then_the_clip_and_the_finals_use_its_regime():
     results: dict = {}
     a = dr.search_a()
-    assert [part for part, _ in dr.runs(SELECTED, results)] == ["dp regime: search A (b, tau, head)"]
+    assert [part for part, _ in dr.runs(SELECTED, results)] == [
+        "dp regime: search A (b, tau, head)", "dp regime: cross-device, no DP", "dp regime: cross-device, DP"]
     # b = 1,024, tau = 2, federated head is best; a tie with a later run keeps the earlier one
     for run in a:
         o = _opts(run)
