@@ -32,6 +32,7 @@ from fs_fedpa.plugin.client_round import ClientRound
 from fs_fedpa.plugin.common import build_method, non_lora_trainables, send, share_equal
 from fs_fedpa.plugin.evaluation import ClientEvaluation, Evaluation
 from fs_fedpa.plugin.export_fs import export_client
+from fs_fedpa.plugin.fs_patches import sized_once
 from fs_fedpa.plugin.liveness import ClientLiveness
 from fs_fedpa.plugin.outbox import ClientOutbox
 from fs_fedpa.plugin.privacy import ClientPrivacy
@@ -47,7 +48,8 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
     def __init__(self, *args, **kwargs):
         if kwargs.get("config") is not None:
             kwargs["config"] = share_equal("config", kwargs["config"])
-        super().__init__(*args, **kwargs)
+        with sized_once(kwargs.get("model")):
+            super().__init__(*args, **kwargs)
         if self._cfg is None:  # FS builds an unconfigured client to list message handlers
             return
         ctx = self.trainer.ctx

@@ -8,7 +8,10 @@ defines one elsewhere or with another signature, so an FS upgrade shows where to
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 FS_COMMIT = "7f08694"
@@ -45,6 +48,11 @@ SEAMS = (
          294, "def finish_fed_runner(self, fl_mode=None):",
          "wrapped on the server in standalone mode, whose runner never calls Server.run: the end-of-run checks and "
          "the run's (epsilon, delta) line"),
+    Seam("federatedscope.core.workers.client:Client.__init__", "federatedscope/core/workers/client.py", 56,
+         "def __init__(self,",
+         "its module's pickle is a shim while a client is built (sized_once): FS sizes the client's model with "
+         "sys.getsizeof(pickle.dumps(model)), read only to simulate a link's time, and with share_local_model that "
+         "pickled the one shared model again for every client, 0.16 s each (most of setting up 2,000 clients)"),
     Seam("federatedscope.core.trainers.torch_trainer:GeneralTorchTrainer._hook_on_batch_forward",
          "federatedscope/core/trainers/torch_trainer.py", 286, "def _hook_on_batch_forward(self, ctx):",
          "found by name among the trainer's train hooks and replaced by DP-SGD's per-example forward"),
@@ -97,3 +105,51 @@ def train_hook(trainer, trigger: str, name: str) -> Callable:
     if len(hooks) != 1:
         raise ValueError(f"trainer {type(trainer).__name__} has {len(hooks)} {name} train hooks at {trigger}, not 1")
     return hooks[0]
+
+
+_PICKLE_SIZES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> sys.getsizeof of its pickle
+
+
+class _Sized:
+    """Stands for a pickle where FS only reads ``sys.getsizeof`` of it: that is ``size``."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, size: int):
+        self._inner = 0
+        self._inner = size - sys.getsizeof(self)  # getsizeof adds the object's header to __sizeof__
+
+    def __sizeof__(self) -> int:
+        return self._inner
+
+
+class _SizingPickle:
+    """FS's client module's ``pickle`` while a client is built: ``dumps(model)`` pickles ``model`` once per process
+    and returns a stand-in of its size; anything else goes to the real module."""
+
+    def __init__(self, real, model):
+        self._real, self._model = real, model
+
+    def dumps(self, obj, *args, **kwargs):
+        if self._model is None or obj is not self._model:
+            return self._real.dumps(obj, *args, **kwargs)
+        if obj not in _PICKLE_SIZES:
+            _PICKLE_SIZES[obj] = sys.getsizeof(self._real.dumps(obj, *args, **kwargs))
+        return _Sized(_PICKLE_SIZES[obj])
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+@contextmanager
+def sized_once(model) -> Iterator[None]:
+    """Within: FS's ``Client.__init__`` sizes ``model`` from one pickle of it per process instead of pickling it for
+    every client (the same ``model_size``; a client with a model of its own is sized as before)."""
+    from federatedscope.core.workers import client as fs_client
+
+    real = fs_client.pickle
+    fs_client.pickle = _SizingPickle(real, model)
+    try:
+        yield
+    finally:
+        fs_client.pickle = real

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
 import shutil
 import sys
 
@@ -324,6 +325,9 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         "optimizers_kept": sorted(
             cid for cid, c in runner.client.items() if getattr(c.trainer.ctx, "optimizer", None) is not None
         ),
+        # FS's own sizing of each client's model (Client.__init__), which fs_patches.sized_once computes once
+        "model_sizes": {cid: c.model_size for cid, c in runner.client.items()},
+        "model_size_fs": {cid: sys.getsizeof(pickle.dumps(c.model)) / 1024.0 * 8.0 for cid, c in runner.client.items()},
         "distinct": {  # how many objects the clients hold of what FS and the method build alike for each
             "config": len({id(c._cfg) for c in runner.client.values()}),
             "trainer config": len({id(c.trainer.ctx.cfg) for c in runner.client.values()}),

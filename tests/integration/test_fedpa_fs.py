@@ -153,6 +153,14 @@ def test_clients_share_one_config_name_set_and_rank_plan(shared_run):
     assert shared_run["final"]["distinct"] == {"config": 1, "trainer config": 1, "names": 1, "plan": 1}
 
 
+def test_each_client_has_fs_own_model_size_from_one_pickle_of_the_shared_model(shared_run):
+    """FS's Client.__init__ pickles the client's model to size it; with share_local_model the plugin sizes the one
+    model once (fs_patches.sized_once), and every client still holds the size FS's own formula gives."""
+    final = shared_run["final"]
+    assert len(final["model_sizes"]) > 1 and final["model_sizes"] == final["model_size_fs"]
+    assert all(size > 8 for size in final["model_sizes"].values())  # a real pickle's, not FS's fallback of 1.0
+
+
 def test_diagnostics_off_computes_none_and_changes_nothing_else(tiny_llm, tmp_path, shared_run):
     """``fedpa.diagnostics False``: no E_agg on the server, no mechanism stats from the clients, no file; the run
     itself (global factors, every client's factors and local tensors) is bit for bit the run with diagnostics."""

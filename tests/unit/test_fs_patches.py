@@ -78,3 +78,32 @@ def test_the_byte_counter_is_replaced_once_and_keeps_the_original_underneath():
             assert calls == [before]
     finally:
         Message.count_bytes = before
+
+
+def test_sized_once_pickles_a_shared_model_once_and_gives_fs_the_same_size(monkeypatch):
+    import pickle
+    import sys
+
+    import torch
+
+    from federatedscope.core.workers import client as fs_client
+    from fs_fedpa.plugin.fs_patches import sized_once
+
+    model, other = torch.nn.Linear(64, 32), torch.nn.Linear(8, 4)
+    expected = sys.getsizeof(pickle.dumps(model))
+    calls = []
+    real = fs_client.pickle
+
+    class Counting:
+        def dumps(self, obj, *args, **kwargs):
+            calls.append(obj)
+            return pickle.dumps(obj, *args, **kwargs)
+
+    monkeypatch.setattr(fs_client, "pickle", Counting())
+    for _ in range(3):  # three clients built on one shared model
+        with sized_once(model):
+            assert sys.getsizeof(fs_client.pickle.dumps(model)) == expected  # FS's expression, line 147
+            assert sys.getsizeof(fs_client.pickle.dumps(other)) == sys.getsizeof(pickle.dumps(other))
+    assert [c is model for c in calls] == [True, False, False, False]  # the model once, the other object each time
+    assert isinstance(fs_client.pickle, Counting)  # restored on leaving
+    monkeypatch.setattr(fs_client, "pickle", real)
