@@ -89,9 +89,19 @@ def test_the_search_selects_by_held_out_score_then_tunes_the_optimizer_then_the_
         assert (o["fedpa.dp_mode"], o["fedpa.dp_noise_multiplier"], o["fedpa.dp_clip"]) == ("sample", "0.01", clip)
         assert "fedpa.dp_epsilon" not in o and o["fedpa.dp_sampling"] == "poisson"
     assert {tuple(_opts(r)[k] for k in kept) for r in d} == {("[]", "2", "0.001", "[4, 5]")}
+    # F: AdamW at 5e-3 and 2e-3 under DP at C = 0.1, at the best of A and B; FedIT without DP at 5e-3 beside them
+    f, f_diag = parts["dp regime: search F (learning rate)"], parts["dp regime: diagnostics F (not selecting)"]
+    assert [r.name for r in f] == ["search_b1024_tau2_federated_l45_adamw0.005_c0.1",
+                                   "search_b1024_tau2_federated_l45_adamw0.002_c0.1"]  # fmt: skip
+    assert [r.name for r in f_diag] == ["diag_b1024_tau2_federated_l45_adamw0.005_nodp"]
+    assert "fedpa.dp_mode" not in _opts(f_diag[0]) and _opts(f_diag[0])["data.glue_holdout"] == "0.015"
+    assert all(_opts(r)["fedpa.dp_epsilon"] == "8" for r in f)
     for run in c:  # two runs tie at the best score: the first in declared order wins
         o = _opts(run)
         results[run.key] = _result(run, 0.90 if o["dataloader.batch_size"] == "1024" else 0.80)
+    assert "dp regime: finals" not in dict(dr.runs(SELECTED, results))  # the finals wait for F's runs too
+    for run in [*f, *f_diag]:  # F ties C's best: C's run came first; the diagnostic never selects
+        results[run.key] = _result(run, 0.99 if run in f_diag else 0.90)
     winner = [r for r in c if _opts(r)["fedpa.dp_clip"] == "0.1" and _opts(r)["dataloader.batch_size"] == "1024"]
     expected = dr.Regime(1024, 2, "federated", (4, 5), "AdamW", 1e-3, 0.1)
     assert dr.selected_regime(results) == dr.regime_of(winner[0]) == expected
