@@ -120,11 +120,10 @@ def diagnostic_lines(results: dict, runs: list[sp.Run]) -> list[str]:
 
 def released_size(method: str) -> int:
     """D of the cross-device part: the entries a client's contribution has (LoRA on the top two layers, the head)."""
-    from fs_fedpa.tools.dp_table import HEAD_LABELS, SPACES
+    from fs_fedpa.tools.dp_table import released
 
     space = {"fedpa": "fedpa", "fedit": "fedit"}.get(method, "ffa_lora / fedsvd")
-    modules, hidden, rank = 2 * len(dd.LAYERS), 384, 4  # query and value of each adapted layer of MiniLM
-    return modules * SPACES[space](hidden, hidden, rank) + hidden * HEAD_LABELS + HEAD_LABELS
+    return released("MiniLM-L6 (this cell)", space, layers=len(dd.LAYERS), head=True)
 
 
 def _last_acc(result: dict | None) -> float | None:

@@ -49,12 +49,16 @@ SPACES = {  # the entries a method releases per (d, k) module at rank r
 K_VALUES = (10, 100, 1000, 10_000)
 
 
-def released(model: str, space: str) -> int:
+def released(model: str, space: str, layers: int | None = None, head: bool = False) -> int:
+    """D of one client's contribution: the entries ``space`` releases of every adapted module (on the top ``layers``
+    of the model's, default all), plus the two-label head when it is federated (``head``)."""
     modules, r = MODELS[model]
-    return sum(count * SPACES[space](d, k, r) for d, k, count in modules)
+    share = 1.0 if layers is None else min(layers, LAYERS[model]) / LAYERS[model]
+    lora = sum(round(count * share) * SPACES[space](d, k, r) for d, k, count in modules)
+    return lora + (modules[0][1] * HEAD_LABELS + HEAD_LABELS if head else 0)
 
 
-def table(epsilon: float, rounds: int, rate: float) -> str:
+def table(epsilon: float, rounds: int, rate: float, layers: int | None = None, head: bool = False) -> str:
     from fs_fedpa.core.dp_accountant import calibrate
 
     z = {}
@@ -64,7 +68,9 @@ def table(epsilon: float, rounds: int, rate: float) -> str:
     lines = [
         f"Target epsilon {epsilon:g} over T = {rounds} rounds, K of N = K / {rate:g} clients a round, delta = "
         "min(1e-5, 1/(10 N)); z from dp-accounting (replace-one). Cells: the bound on signal / noise, "
-        "K / (z sqrt(D)); for 'fedpa, truncated', K / (z sqrt(M) (sqrt(d) + sqrt(k))).",
+        "K / (z sqrt(D)); for 'fedpa, truncated', K / (z sqrt(M) (sqrt(d) + sqrt(k))). Released: LoRA on "
+        f"{f'the top {layers}' if layers else 'all'} of each model's layers, {'with' if head else 'without'} the "
+        "head.",
         "",
         "| model | method | D released | K for signal = noise | "
         + " | ".join(f"K = {K:,} (z {z[K]:.2f})" for K in K_VALUES)
@@ -73,13 +79,14 @@ def table(epsilon: float, rounds: int, rate: float) -> str:
     ]
     for model in MODELS:
         for space in SPACES:
-            D = released(model, space)
+            D = released(model, space, layers, head)
             need = z[K_VALUES[-1]] * math.sqrt(D)
             cells = " | ".join(f"{K / (z[K] * math.sqrt(D)):.3g}" for K in K_VALUES)
             lines.append(f"| {model} | {space} | {D:,} | {need:,.0f} | {cells} |")
             if space == "fedpa":
                 modules, _ = MODELS[model]
-                M = sum(count for _, _, count in modules)
+                share = 1.0 if layers is None else min(layers, LAYERS[model]) / LAYERS[model]
+                M = sum(round(count * share) for _, _, count in modules)
                 spread = math.sqrt(M) * max(math.sqrt(d) + math.sqrt(k) for d, k, _ in modules)
                 cells = " | ".join(f"{K / (z[K] * spread):.3g}" for K in K_VALUES)
                 lines.append(
@@ -180,9 +187,11 @@ def main() -> None:
     parser.add_argument("--sampling", choices=("wor", "poisson"), default="wor", help="--sample: fedpa.dp_sampling")
     parser.add_argument("--accountant", choices=("rdp", "pld"), default="rdp", help="--sample: fedpa.dp_accountant")
     parser.add_argument("--rank", type=int, default=None, help="--sample: the LoRA rank (default 4)")
-    parser.add_argument("--layers", type=int, default=None, help="--sample: LoRA on the top LAYERS layers only")
+    parser.add_argument("--layers", type=int, default=None, help="LoRA on the top LAYERS layers only")
     parser.add_argument("--plain-head", action="store_true",
                         help="--sample: the local head trains plainly (dp_local_tensors plain): not in D")
+    parser.add_argument("--federated-head", action="store_true",
+                        help="client level: the head is federated, so every contribution releases it too")
     args = parser.parse_args()
     if args.tau is not None and (not args.sample or args.tau < 1):
         parser.error("--tau needs --sample and a value >= 1")
@@ -191,7 +200,7 @@ def main() -> None:
         print(sample_table(args.epsilon, steps, args.n, args.batch, args.sampling, args.accountant, args.rank,
                            args.layers, not args.plain_head))  # fmt: skip
         return
-    print(table(args.epsilon, args.rounds, args.rate))
+    print(table(args.epsilon, args.rounds, args.rate, args.layers, args.federated_head))
     if args.time:
         print()
         print(time_module())

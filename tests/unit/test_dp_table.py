@@ -75,3 +75,17 @@ def test_the_dp_regimes_knobs_give_the_noise_its_search_runs_used(capsys, monkey
     z = float(re.findall(r"\| ([0-9.]+)", row)[2])
     assert z == pytest.approx(client["noise_multiplier"], rel=0.01) and "over 120 steps" in text
     assert "(D = 12,288)" in text  # r (d + k) on 4 modules: query and value of two layers
+
+
+def test_the_client_level_table_releases_what_peft_trains_on_the_top_two_layers_with_the_head():
+    """--layers 2 --federated-head (the cross-device part): FedIT releases every trained entry PEFT has with LoRA
+    r = 4 on layers [4, 5] and the head; FFA-LoRA B and the head; FedPA-LoRA the d x k product of each module."""
+    trained = _minilm_lora(r=4, lora_alpha=8, layers_to_transform=[4, 5])
+    minilm = "MiniLM-L6 (this cell)"
+    assert dp_table.released(minilm, "fedit", layers=2, head=True) == sum(trained.values())
+    b_and_head = sum(v for n, v in trained.items() if "lora_A" not in n)
+    assert dp_table.released(minilm, "ffa_lora / fedsvd", layers=2, head=True) == b_and_head
+    assert dp_table.released(minilm, "fedpa", layers=2, head=True) == 4 * 384 * 384 + 384 * 2 + 2
+    text = dp_table.table(8.0, 30, 0.2, layers=2, head=True)
+    row = next(line for line in text.splitlines() if line.startswith(f"| {minilm} | fedit |"))
+    assert f"| {sum(trained.values()):,} |" in row and "top 2 of each model's layers, with the head" in text
