@@ -145,8 +145,8 @@ def sample_table(epsilon: float, steps: int, ns: list[int], batches: list[int], 
     lines += ["", "The bound holds only where every record's gradient is at least C long and all agree: a record "
               "inside C gives less than C while the noise grows with C. MiniLM's LoRA gradients are shorter than "
               "0.1 (docs/privacy.md), so at C = 1, n = 8,000, b = 256 and Poisson's z = 0.62 the measured noise was "
-              "55 times the signal where this bound promised a signal 3.7 times the noise. Measure the real ratio before a run with scripts/dp_signal_noise.py, or read it in each "
-              "client's log (noise/signal)."]  # fmt: skip
+              "55 times the signal where this bound promised a signal 3.7 times the noise. Measure the real ratio "
+              "before a run with scripts/dp_signal_noise.py, or read it in each client's log (noise/signal)."]
     return "\n".join(lines)
 
 
