@@ -107,7 +107,8 @@ def train_hook(trainer, trigger: str, name: str) -> Callable:
     return hooks[0]
 
 
-_PICKLE_SIZES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> sys.getsizeof of its pickle
+# model -> sys.getsizeof of its pickle, or the exception pickling it raised (FS then sizes it 1.0 and warns)
+_PICKLE_SIZES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _Sized:
@@ -134,8 +135,14 @@ class _SizingPickle:
         if self._model is None or obj is not self._model:
             return self._real.dumps(obj, *args, **kwargs)
         if obj not in _PICKLE_SIZES:
-            _PICKLE_SIZES[obj] = sys.getsizeof(self._real.dumps(obj, *args, **kwargs))
-        return _Sized(_PICKLE_SIZES[obj])
+            try:
+                _PICKLE_SIZES[obj] = sys.getsizeof(self._real.dumps(obj, *args, **kwargs))
+            except Exception as error:  # e.g. a lambda in the model: FS catches it, per client
+                _PICKLE_SIZES[obj] = error
+        found = _PICKLE_SIZES[obj]
+        if isinstance(found, Exception):
+            raise found
+        return _Sized(found)
 
     def __getattr__(self, name):
         return getattr(self._real, name)

@@ -327,7 +327,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         ),
         # FS's own sizing of each client's model (Client.__init__), which fs_patches.sized_once computes once
         "model_sizes": {cid: c.model_size for cid, c in runner.client.items()},
-        "model_size_fs": {cid: sys.getsizeof(pickle.dumps(c.model)) / 1024.0 * 8.0 for cid, c in runner.client.items()},
+        "model_size_fs": {cid: _fs_model_size(c.model) for cid, c in runner.client.items()},
         "distinct": {  # how many objects the clients hold of what FS and the method build alike for each
             "config": len({id(c._cfg) for c in runner.client.values()}),
             "trainer config": len({id(c.trainer.ctx.cfg) for c in runner.client.values()}),
@@ -336,6 +336,14 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         },
     }
     torch.save(record, out)
+
+
+def _fs_model_size(model) -> float:
+    """FS's Client.__init__ sizing of a model, as FS writes it (1.0 where the model cannot be pickled)."""
+    try:
+        return sys.getsizeof(pickle.dumps(model)) / 1024.0 * 8.0
+    except Exception:
+        return 1.0
 
 
 def _damages(spec: str) -> dict[int, str]:

@@ -107,3 +107,29 @@ def test_sized_once_pickles_a_shared_model_once_and_gives_fs_the_same_size(monke
     assert [c is model for c in calls] == [True, False, False, False]  # the model once, the other object each time
     assert isinstance(fs_client.pickle, Counting)  # restored on leaving
     monkeypatch.setattr(fs_client, "pickle", real)
+
+
+def test_sized_once_raises_for_an_unpicklable_model_every_time_as_fs_expects(monkeypatch):
+    """FS catches the error and sizes the model 1.0; the shim tries to pickle it once and raises the same error for
+    every client after."""
+    import pickle
+
+    import torch
+
+    from federatedscope.core.workers import client as fs_client
+    from fs_fedpa.plugin.fs_patches import sized_once
+
+    model = torch.nn.Linear(4, 2)
+    model.hook = lambda x: x  # a local lambda: pickle raises
+    calls = []
+
+    class Counting:
+        def dumps(self, obj, *args, **kwargs):
+            calls.append(obj)
+            return pickle.dumps(obj, *args, **kwargs)
+
+    monkeypatch.setattr(fs_client, "pickle", Counting())
+    for _ in range(3):
+        with sized_once(model), pytest.raises((AttributeError, pickle.PicklingError)):
+            fs_client.pickle.dumps(model)
+    assert len(calls) == 1
