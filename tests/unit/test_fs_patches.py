@@ -92,7 +92,6 @@ def test_sized_once_pickles_a_shared_model_once_and_gives_fs_the_same_size(monke
     model, other = torch.nn.Linear(64, 32), torch.nn.Linear(8, 4)
     expected = sys.getsizeof(pickle.dumps(model))
     calls = []
-    real = fs_client.pickle
 
     class Counting:
         def dumps(self, obj, *args, **kwargs):
@@ -106,7 +105,6 @@ def test_sized_once_pickles_a_shared_model_once_and_gives_fs_the_same_size(monke
             assert sys.getsizeof(fs_client.pickle.dumps(other)) == sys.getsizeof(pickle.dumps(other))
     assert [c is model for c in calls] == [True, False, False, False]  # the model once, the other object each time
     assert isinstance(fs_client.pickle, Counting)  # restored on leaving
-    monkeypatch.setattr(fs_client, "pickle", real)
 
 
 def test_sized_once_raises_for_an_unpicklable_model_every_time_as_fs_expects(monkeypatch):
