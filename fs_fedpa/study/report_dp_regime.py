@@ -107,7 +107,7 @@ def diagnostic_lines(results: dict, runs: list[sp.Run]) -> list[str]:
         # part F's run without DP: its twin is F's DP run, at C = F_CLIP
         twins = (f"{dr.STAGE}/search_{regime}{suffix}_s{run.seed}" for suffix in ("", f"_c{dr.F_CLIP:g}"))
         twin = next((t for t in twins if t in results), "")
-        last = result and result["rounds"][max(result["rounds"], key=int)].get("val_avg_loss")
+        last = result and sp.final_metric(result, "val_avg_loss")
         lines.append(
             f"| {run.name} | {'yes' if dp else 'no'} | {o.get('fedpa.dp_clip', '–')} | "
             f"{o.get('fedpa.dp_noise_multiplier', '–')} | "
@@ -124,11 +124,6 @@ def released_size(method: str) -> int:
 
     space = {"fedpa": "fedpa", "fedit": "fedit"}.get(method, "ffa_lora / fedsvd")
     return released("MiniLM-L6 (this cell)", space, layers=len(dd.LAYERS), head=True)
-
-
-def _last_acc(result: dict | None) -> float | None:
-    rounds = (result or {}).get("rounds") or {}
-    return rounds[max(rounds, key=int)].get("val_acc") if rounds else None
 
 
 def device_lines(results: dict, plain: list[sp.Run], private: list[sp.Run]) -> list[str]:
@@ -153,7 +148,7 @@ def device_lines(results: dict, plain: list[sp.Run], private: list[sp.Run]) -> l
         bound = f"{dd.SAMPLED / (z * math.sqrt(D)):.3g}" if z else "–"
         eps = f"{privacy['dp_epsilon']:.2f}" if "dp_epsilon" in privacy else "–"
         times = ", ".join("–" if r is None else f"{r.get('cpu_seconds', r['seconds']) / 60:.0f} min" for r in (a, b))
-        acc = [_score(v) if (v := _last_acc(r)) is not None else "not run yet" for r in (a, b)]
+        acc = [_score(v) if r and (v := sp.final_metric(r, "val_acc")) is not None else "not run yet" for r in (a, b)]
         lines.append(
             f"| {base.method} | {acc[0]} | {acc[1]} | {privacy.get('dp_clip', '–')} | "
             f"{f'{z:.3g}' if z else '–'} | {D:,} | {bound} | "

@@ -176,11 +176,16 @@ def search_c(best_ab: Regime) -> list[sp.Run]:
     return [_search_run(replace(best_ab, b=b, clip=clip)) for clip in CLIPS for b in BATCHES]
 
 
+def _nodp_run(regime: Regime) -> sp.Run:
+    """FedIT in ``regime`` without DP, on the held-out split: a diagnostic, named ``diag_<regime at C = 1>_nodp``."""
+    plain = replace(regime, clip=CLIP)
+    return sp.Run(STAGE, f"diag_{plain.name}_nodp", REFERENCE, (*plain.opts(), *sp.TUNE_EVAL), 0, plain.rounds)
+
+
 def diagnostics(best_ab: Regime) -> list[sp.Run]:
     """Part D, not selecting: at the best of A and B, FedIT without DP, then with noise z = :data:`DIAG_Z` at each
     clip of :data:`DIAG_CLIPS`; the held-out split."""
-    plain = replace(best_ab, clip=CLIP)
-    runs = [sp.Run(STAGE, f"diag_{plain.name}_nodp", REFERENCE, (*plain.opts(), *sp.TUNE_EVAL), 0, plain.rounds)]
+    runs = [_nodp_run(best_ab)]
     for clip in DIAG_CLIPS:
         regime = replace(best_ab, clip=clip)
         opts = (*regime.opts(), *regime.dp_opts(z=DIAG_Z), *sp.TUNE_EVAL)
@@ -222,13 +227,14 @@ def final_runs(regime: Regime, fedpa_lam: float) -> list[sp.Run]:
     return runs
 
 
-def search_f(best_ab: Regime) -> tuple[list[sp.Run], list[sp.Run]]:
-    """Part F: at the best of A and B with C = :data:`F_CLIP`, every rate of :data:`F_LRS` under DP (selecting),
-    and FedIT without DP at the first of them (a diagnostic, not selecting)."""
-    runs = [_search_run(replace(best_ab, lr=lr, clip=F_CLIP)) for lr in F_LRS]
-    plain = replace(best_ab, lr=F_LRS[0], clip=CLIP)
-    diagnostic = sp.Run(STAGE, f"diag_{plain.name}_nodp", REFERENCE, (*plain.opts(), *sp.TUNE_EVAL), 0, plain.rounds)
-    return runs, [diagnostic]
+def search_f(best_ab: Regime) -> list[sp.Run]:
+    """Part F (selecting): at the best of A and B with C = :data:`F_CLIP`, every rate of :data:`F_LRS` under DP."""
+    return [_search_run(replace(best_ab, lr=lr, clip=F_CLIP)) for lr in F_LRS]
+
+
+def f_diagnostics(best_ab: Regime) -> list[sp.Run]:
+    """Part F's diagnostic (not selecting): FedIT without DP at the best of A and B and the first rate of F."""
+    return [_nodp_run(replace(best_ab, lr=F_LRS[0]))]
 
 
 @dataclass(frozen=True)
@@ -240,7 +246,8 @@ class Search:
     b: list[sp.Run] | None = None
     c: list[sp.Run] | None = None
     d: list[sp.Run] | None = None
-    f: tuple[list[sp.Run], list[sp.Run]] | None = None
+    f: list[sp.Run] | None = None
+    f_diagnostics: list[sp.Run] | None = None
     top: sp.Run | None = None
 
 
@@ -257,7 +264,7 @@ def search(results: dict) -> Search:
         return Search(a, b)
     regime = regime_of(top_ab)
     c, f = search_c(regime), search_f(regime)
-    return Search(a, b, c, diagnostics(regime), f, best(results, [top_ab, *c, *f[0]]))
+    return Search(a, b, c, diagnostics(regime), f, f_diagnostics(regime), best(results, [top_ab, *c, *f]))
 
 
 def runs(selected: dict, results: dict) -> list[tuple[str, list[sp.Run]]]:
@@ -269,8 +276,8 @@ def runs(selected: dict, results: dict) -> list[tuple[str, list[sp.Run]]]:
     if found.c is not None:
         parts.append(("dp regime: search C (clip, b)", found.c))
         parts.append(("dp regime: diagnostics D (not selecting)", found.d))
-        parts.append(("dp regime: search F (learning rate)", found.f[0]))
-        parts.append(("dp regime: diagnostics F (not selecting)", found.f[1]))
+        parts.append(("dp regime: search F (learning rate)", found.f))
+        parts.append(("dp regime: diagnostics F (not selecting)", found.f_diagnostics))
     if found.top is not None:
         parts.append(("dp regime: finals", final_runs(regime_of(found.top), selected["methods"]["fedpa"]["lam"])))
     plain, private = sst2_dp_device.runs(selected, results)
@@ -327,7 +334,7 @@ def stage_hours() -> tuple[float, float]:
     a = search_a()
     regimes = [Regime(b, t, h, layers, o, lr) for b in BATCHES for t in TAUS for h in HEADS for layers in LAYERS
                for o, lr in OPTIMIZERS]  # fmt: skip
-    bc_costs = [minutes([*search_b(r), *search_c(r), *diagnostics(r), *(x for f in search_f(r) for x in f)], {})
+    bc_costs = [minutes([*search_b(r), *search_c(r), *diagnostics(r), *search_f(r), *f_diagnostics(r)], {})
                 for r in map(regime_of, a)]  # fmt: skip
     finals = [minutes(final_runs(r, 0.1), {}) for r in regimes]
     base = minutes(a, {}) + sst2_dp_device.part_seconds() / 60

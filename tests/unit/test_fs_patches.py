@@ -80,54 +80,60 @@ def test_the_byte_counter_is_replaced_once_and_keeps_the_original_underneath():
         Message.count_bytes = before
 
 
-def test_sized_once_pickles_a_shared_model_once_and_gives_fs_the_same_size(monkeypatch):
+class _CountingPickle:
+    """FS's client module's ``pickle`` in these tests: the real one, recording every object it is asked to pickle."""
+
+    def __init__(self):
+        self.calls = []
+
+    def dumps(self, obj, *args, **kwargs):
+        import pickle
+
+        self.calls.append(obj)
+        return pickle.dumps(obj, *args, **kwargs)
+
+
+@pytest.fixture
+def counting_pickle(monkeypatch):
+    from federatedscope.core.workers import client as fs_client
+
+    counting = _CountingPickle()
+    monkeypatch.setattr(fs_client, "pickle", counting)
+    return fs_client, counting
+
+
+def test_sized_once_pickles_a_shared_model_once_and_gives_fs_the_same_size(counting_pickle):
     import pickle
     import sys
 
     import torch
 
-    from federatedscope.core.workers import client as fs_client
     from fs_fedpa.plugin.fs_patches import sized_once
 
+    fs_client, counting = counting_pickle
     model, other = torch.nn.Linear(64, 32), torch.nn.Linear(8, 4)
     expected = sys.getsizeof(pickle.dumps(model))
-    calls = []
-
-    class Counting:
-        def dumps(self, obj, *args, **kwargs):
-            calls.append(obj)
-            return pickle.dumps(obj, *args, **kwargs)
-
-    monkeypatch.setattr(fs_client, "pickle", Counting())
     for _ in range(3):  # three clients built on one shared model
         with sized_once(model):
             assert sys.getsizeof(fs_client.pickle.dumps(model)) == expected  # FS's expression, line 147
             assert sys.getsizeof(fs_client.pickle.dumps(other)) == sys.getsizeof(pickle.dumps(other))
-    assert [c is model for c in calls] == [True, False, False, False]  # the model once, the other object each time
-    assert isinstance(fs_client.pickle, Counting)  # restored on leaving
+    assert [c is model for c in counting.calls] == [True, False, False, False]  # the model once, the other each time
+    assert fs_client.pickle is counting  # restored on leaving
 
 
-def test_sized_once_raises_for_an_unpicklable_model_every_time_as_fs_expects(monkeypatch):
+def test_sized_once_raises_for_an_unpicklable_model_every_time_as_fs_expects(counting_pickle):
     """FS catches the error and sizes the model 1.0; the shim tries to pickle it once and raises the same error for
     every client after."""
     import pickle
 
     import torch
 
-    from federatedscope.core.workers import client as fs_client
     from fs_fedpa.plugin.fs_patches import sized_once
 
+    fs_client, counting = counting_pickle
     model = torch.nn.Linear(4, 2)
     model.hook = lambda x: x  # a local lambda: pickle raises
-    calls = []
-
-    class Counting:
-        def dumps(self, obj, *args, **kwargs):
-            calls.append(obj)
-            return pickle.dumps(obj, *args, **kwargs)
-
-    monkeypatch.setattr(fs_client, "pickle", Counting())
     for _ in range(3):
         with sized_once(model), pytest.raises((AttributeError, pickle.PicklingError)):
             fs_client.pickle.dumps(model)
-    assert len(calls) == 1
+    assert len(counting.calls) == 1
