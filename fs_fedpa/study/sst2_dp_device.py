@@ -40,22 +40,17 @@ def base_opts() -> tuple[str, ...]:
             "data.glue_holdout", "0", "fedpa.eval_local", "False", *sp.ONE_THREAD)  # fmt: skip
 
 
-def _method_opts(selected: dict, method: str) -> tuple[str, ...]:
-    chosen = selected["methods"]
-    return sp.selected_opts(chosen[method if method in chosen else "ffa_lora"])  # FedSVD: its relative's values
-
-
 def runs(selected: dict, results: dict) -> tuple[list[sp.Run], list[sp.Run]]:
     """The no-DP runs, and the DP runs of the methods whose no-DP run is in (their clip comes from it)."""
     plain, private = [], []
     for method in METHODS:
-        base = sp.Run(STAGE, f"device_{method}", method, (*_method_opts(selected, method), *base_opts()), SEED,
-                      ROUNDS)  # fmt: skip
+        base = sp.Run(STAGE, f"device_{method}", method, (*sp.client_dp_method_opts(selected, method),
+                                                           *base_opts()), SEED, ROUNDS)  # fmt: skip
         plain.append(base)
         clip = sp.median_contribution(results.get(base.key), method)
         if clip is not None:
-            dp = ("fedpa.dp_mode", "client", "fedpa.dp_epsilon", f"{EPSILON:g}", "fedpa.dp_clip", f"{clip:.4g}")
-            private.append(sp.Run(STAGE, f"device_{method}_dp", method, (*base.opts, *dp), SEED, ROUNDS))
+            private.append(sp.Run(STAGE, f"device_{method}_dp", method, (*base.opts, *sp.client_dp(clip, EPSILON)),
+                                  SEED, ROUNDS))  # fmt: skip
     return plain, private
 
 

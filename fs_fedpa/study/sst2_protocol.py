@@ -441,26 +441,29 @@ def client_dp_base() -> tuple[str, ...]:
     return (*FINAL_EVAL, *many, *ONE_THREAD)
 
 
+def client_dp_method_opts(selected: dict, method: str) -> tuple[str, ...]:
+    """A method's values selected in the main cell; FedSVD, not tuned there, at its relative FFA-LoRA's."""
+    chosen = selected["methods"]
+    return selected_opts(chosen[method if method in chosen else "ffa_lora"])
+
+
+def client_dp(clip: float, epsilon: float = PRIVACY_EPSILON) -> tuple[str, ...]:
+    """Client-level DP at ``epsilon`` over the run, each contribution clipped to ``clip`` (4 significant digits)."""
+    return ("fedpa.dp_mode", "client", "fedpa.dp_epsilon", f"{epsilon:g}", "fedpa.dp_clip", f"{clip:.4g}")
+
+
 def client_dp_runs(selected: dict, results: dict) -> tuple[list[Run], list[Run]]:
     """(b): the no-DP runs, and the DP runs of those that have finished (their clip from the no-DP run)."""
-    chosen, plain, private = selected["methods"], [], []
+    plain, private = [], []
     for method in CLIENT_DP_METHODS:
-        opts = selected_opts(chosen[method if method in chosen else "ffa_lora"])  # FedSVD: its relative's values
+        opts = client_dp_method_opts(selected, method)
         base = Run("privacy", f"partial30_{method}", method, (*opts, *client_dp_base()), CLIENT_DP_SEED,
                    CLIENT_DP_ROUNDS)  # fmt: skip
         plain.append(base)
         clip = median_contribution(results.get(base.key), method)
         if clip is not None:
-            dp = (
-                "fedpa.dp_mode",
-                "client",
-                "fedpa.dp_epsilon",
-                f"{PRIVACY_EPSILON:g}",
-                "fedpa.dp_clip",
-                f"{clip:.4g}",
-            )
-            private.append(Run("privacy", f"partial30_{method}_dp", method, (*base.opts, *dp), CLIENT_DP_SEED,
-                               CLIENT_DP_ROUNDS))  # fmt: skip
+            private.append(Run("privacy", f"partial30_{method}_dp", method, (*base.opts, *client_dp(clip)),
+                               CLIENT_DP_SEED, CLIENT_DP_ROUNDS))  # fmt: skip
     return plain, private
 
 
