@@ -72,40 +72,39 @@ def test_the_search_selects_by_held_out_score_then_tunes_the_optimizer_then_the_
     parts = dict(dr.runs(SELECTED, results))
     c = parts["dp regime: search C (clip, b)"]
     assert "dp regime: finals" not in parts  # C waits for its own runs
-    # C: every clip x b at the best of A and B, nothing else changed
+    # C: every clip at b = 256 (amendment G dropped b = 1,024) at the best of A and B, nothing else changed
     assert {(_opts(r)["fedpa.dp_clip"], _opts(r)["dataloader.batch_size"]) for r in c} == {
-        (f"{clip:g}", str(b)) for clip in dr.CLIPS for b in dr.BATCHES} and len(c) == 4
+        ("0.1", "256"), ("0.01", "256")} and len(c) == 2
     kept = ("personalization.local_param", "train.local_update_steps", "train.optimizer.lr",
             "model.seqcls.layers_to_transform")
     assert {tuple(_opts(r)[k] for k in kept) for r in c} == {("[]", "2", "0.001", "[4, 5]")}
-    # D, not selecting: at the best of A and B (not C's b), without DP and at z = 0.01 with C = 1 and C = 0.01
+    # D, not selecting: at the best of A and B (not C's b), without DP and at z = 0.01 with C = 1 (G dropped C = 0.01)
     d = parts["dp regime: diagnostics D (not selecting)"]
     assert [r.name for r in d] == ["diag_b1024_tau2_federated_l45_adamw0.001_nodp",
-                                   "diag_b1024_tau2_federated_l45_adamw0.001_z0.01",
-                                   "diag_b1024_tau2_federated_l45_adamw0.001_c0.01_z0.01"]  # fmt: skip
+                                   "diag_b1024_tau2_federated_l45_adamw0.001_z0.01"]  # fmt: skip
     assert "fedpa.dp_mode" not in _opts(d[0]) and all(_opts(r)["data.glue_holdout"] == "0.015" for r in d)
-    for run, clip in zip(d[1:], ("1", "0.01")):
+    for run, clip in zip(d[1:], ("1",)):
         o = _opts(run)
         assert (o["fedpa.dp_mode"], o["fedpa.dp_noise_multiplier"], o["fedpa.dp_clip"]) == ("sample", "0.01", clip)
         assert "fedpa.dp_epsilon" not in o and o["fedpa.dp_sampling"] == "poisson"
     assert {tuple(_opts(r)[k] for k in kept) for r in d} == {("[]", "2", "0.001", "[4, 5]")}
-    # F: AdamW at 5e-3 and 2e-3 under DP at C = 0.1, at the best of A and B; FedIT without DP at 5e-3 beside them
-    f, f_diag = parts["dp regime: search F (learning rate)"], parts["dp regime: diagnostics F (not selecting)"]
+    # F: AdamW at 5e-3 and 2e-3 under DP at C = 0.1, at the best of A and B (G dropped its run without DP)
+    f = parts["dp regime: search F (learning rate)"]
     assert [r.name for r in f] == ["search_b1024_tau2_federated_l45_adamw0.005_c0.1",
                                    "search_b1024_tau2_federated_l45_adamw0.002_c0.1"]  # fmt: skip
-    assert [r.name for r in f_diag] == ["diag_b1024_tau2_federated_l45_adamw0.005_nodp"]
-    assert "fedpa.dp_mode" not in _opts(f_diag[0]) and _opts(f_diag[0])["data.glue_holdout"] == "0.015"
+    assert "dp regime: diagnostics F (not selecting)" not in parts
     assert all(_opts(r)["fedpa.dp_epsilon"] == "8" for r in f)
     for run in c:  # two runs tie at the best score: the first in declared order wins
-        o = _opts(run)
-        results[run.key] = _result(run, 0.90 if o["dataloader.batch_size"] == "1024" else 0.80)
+        results[run.key] = _result(run, 0.90 if _opts(run)["fedpa.dp_clip"] == "0.1" else 0.80)
     assert "dp regime: finals" not in dict(dr.runs(SELECTED, results))  # the finals wait for F's runs too
-    for run in [*f, *f_diag]:  # F ties C's best: C's run came first; the diagnostic never selects
-        results[run.key] = _result(run, 0.99 if run in f_diag else 0.90)
-    winner = [r for r in c if _opts(r)["fedpa.dp_clip"] == "0.1" and _opts(r)["dataloader.batch_size"] == "1024"]
-    expected = dr.Regime(1024, 2, "federated", (4, 5), "AdamW", 1e-3, 0.1)
-    assert dr.selected_regime(results) == dr.regime_of(winner[0]) == expected
-    assert winner[0].name == "search_b1024_tau2_federated_l45_adamw0.001_c0.1"
+    for run in d:  # a diagnostic never selects, however high it scores
+        results[run.key] = _result(run, 0.99)
+    for run in f:  # F ties C's best: C's run came first
+        results[run.key] = _result(run, 0.90)
+    (winner,) = [r for r in c if _opts(r)["fedpa.dp_clip"] == "0.1"]
+    expected = dr.Regime(256, 2, "federated", (4, 5), "AdamW", 1e-3, 0.1)
+    assert dr.selected_regime(results) == dr.regime_of(winner) == expected
+    assert winner.name == "search_b256_tau2_federated_l45_adamw0.001_c0.1"
     finals = dict(dr.runs(SELECTED, results))["dp regime: finals"]
     cells = {r.name for r in finals}
     assert cells == {*dr.METHODS, *(f"{m}_dp" for m in dr.METHODS), "fedit_dp_replace", "central", "central_dp",
@@ -114,7 +113,7 @@ def test_the_search_selects_by_held_out_score_then_tunes_the_optimizer_then_the_
         o = _opts(run)
         assert o["data.glue_holdout"] == "0" and o["fedpa.eval_local"] == "True"  # the dev set, both protocols
         assert (o["dataloader.batch_size"], o["train.local_update_steps"], o["train.optimizer.lr"]) == (
-            "1024", "2", "0.001")  # fmt: skip
+            "256", "2", "0.001")  # fmt: skip
         assert o["personalization.local_param"] == "[]" and run.rounds == 60
         assert ("fedpa.dp_mode" in o) == run.name.endswith(("_dp", "_dp_replace"))
         if run.name.endswith("_replace"):
