@@ -553,3 +553,22 @@ def test_the_regimes_knobs_together_through_fs(tiny_glue, tmp_path):
     assert "prefix cache: embeddings and layers 0-0 computed once per record" in log
     adapter = json.loads((tmp_path / "at_end" / "global" / "adapter_config.json").read_text())
     assert adapter["target_modules"] and all(".layer.1." in m for m in adapter["target_modules"])
+
+
+def test_the_dp_regime_config_passes_fs_and_the_plugins_checks():
+    """yaml_configs/dp_sst2_minilm_cpu.yaml, as a user starts it: FS merges it and its checks (the plugin's
+    among them) accept it when the config is frozen, with DP-SGD at ε = 8 on the selected regime's knobs."""
+    import importlib
+    from pathlib import Path
+
+    from federatedscope.core.configs.config import global_cfg
+
+    importlib.import_module("fs_fedpa")  # registers the plugin's config node and checks
+
+    cfg = global_cfg.clone()
+    cfg.merge_from_file(str(Path(__file__).resolve().parents[2] / "yaml_configs" / "dp_sst2_minilm_cpu.yaml"))
+    cfg.freeze()
+    assert (cfg.fedpa.dp_mode, cfg.fedpa.dp_epsilon, cfg.fedpa.dp_clip, cfg.fedpa.dp_sampling) == (
+        "sample", 8.0, 0.1, "poisson")  # fmt: skip
+    assert (cfg.dataloader.batch_size, cfg.train.local_update_steps, cfg.federate.total_round_num) == (256, 1, 120)
+    assert cfg.model.seqcls.layers_to_transform == [4, 5] and cfg.personalization.local_param == ["classifier"]
