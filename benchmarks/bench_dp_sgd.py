@@ -9,11 +9,13 @@ step and the ratios to the plain step.
 
     python benchmarks/bench_dp_sgd.py --data ../shared/data/glue [--routines 5] [--local-steps 10] [--batch 16]
         [--device cuda] [--model DIR] [--tok-len 128] [--limit 512] [--layers L]
-        [--kinds plain taps loop cache plain_cache]
+        [--kinds plain taps loop cache cache_chunks plain_cache plain_chunks] [--train-chunk 32] [--dp-chunk 32]
 
 ``--layers L`` puts LoRA on the top L of MiniLM's 6 layers (``model.seqcls.layers_to_transform``); the kind ``cache``
 is the taps' DP-SGD step with ``model.seqcls.prefix_cache`` (timed once every record of ``--limit`` is cached, the
-steady state of every later epoch), ``plain_cache`` the plain step with it; the routines that fill the cache are
+steady state of every later epoch), ``plain_cache`` the plain step with it, ``plain_chunks`` that step forwarded in
+length-sorted chunks of ``--train-chunk`` records (``model.seqcls.train_chunk``), ``cache_chunks`` the DP-SGD step
+with the cache in chunks of ``--dp-chunk`` records instead of the CPU's default; the routines that fill the cache are
 timed apart, and each kind's time is also given per record. At b = 256 or 1,024 leave out ``loop`` (b forwards a step).
 
 On a GPU (``--device cuda``) the threads are not pinned; the GPU check runs it there (``gpu_check --only dp_sgd``).
@@ -30,7 +32,7 @@ import torch
 from _common import interleaved_times
 
 
-def trainer(args, dp: bool, batched: bool = True, cache: bool = False):
+def trainer(args, dp: bool, batched: bool = True, cache: bool = False, chunk: int = 0, dp_chunk: int | None = None):
     from federatedscope.core.configs.config import global_cfg
     from federatedscope.core.monitors.monitor import Monitor
     from torch.utils.data import DataLoader
@@ -50,7 +52,7 @@ def trainer(args, dp: bool, batched: bool = True, cache: bool = False):
                          "train.local_update_steps", args.local_steps, "train.batch_or_epoch", "batch",
                          "dataloader.batch_size", args.batch, "trainer.type", "seqcls", "criterion.type",
                          "CrossEntropyLoss", "use_gpu", cuda, "device", index,
-                         "llm.tok_len", args.tok_len])  # fmt: skip
+                         "llm.tok_len", args.tok_len, "model.seqcls.train_chunk", chunk])  # fmt: skip
     if args.layers:
         cfg.merge_from_list(["model.seqcls.layers_to_transform", list(range(6 - args.layers, 6)),
                              "model.seqcls.prefix_cache", cache])  # fmt: skip
@@ -62,7 +64,7 @@ def trainer(args, dp: bool, batched: bool = True, cache: bool = False):
     t = _trainer_class()(model, {"train": loader}, device, cfg, only_for_eval=False, monitor=Monitor(cfg))
     if dp:
         plan = SamplePlan(len(examples), args.batch, 10**9, 1.0, 1e-5)
-        DPSGD(t, lambda n: plan, lambda k: dp_generator(0, f"bench {k}"), 1.0, batched=batched)
+        DPSGD(t, lambda n: plan, lambda k: dp_generator(0, f"bench {k}"), 1.0, batched=batched, chunk=dp_chunk)
     return t
 
 
@@ -78,19 +80,23 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=512, help="SST-2 training sentences to draw batches from")
     parser.add_argument("--layers", type=int, default=0, help="LoRA on the top LAYERS of 6 only (0: every layer)")
     parser.add_argument("--kinds", nargs="+", default=["plain", "taps", "loop"],
-                        choices=["plain", "taps", "loop", "cache", "plain_cache"],
+                        choices=["plain", "taps", "loop", "cache", "cache_chunks", "plain_cache", "plain_chunks"],
                         help="the steps timed side by side")  # fmt: skip
+    parser.add_argument("--train-chunk", type=int, default=32, help="plain_chunks: records a forward")
+    parser.add_argument("--dp-chunk", type=int, default=32, help="cache_chunks: records a DP-SGD forward")
     args = parser.parse_args()
-    if {"cache", "plain_cache"} & set(args.kinds) and not args.layers:
+    if {"cache", "cache_chunks", "plain_cache", "plain_chunks"} & set(args.kinds) and not args.layers:
         parser.error("--kinds cache needs --layers (a frozen prefix to cache)")
     if not args.device.startswith("cuda"):
         torch.set_num_threads(1)
     logging.disable(logging.WARNING)
     kinds = {"plain": (False, True, False), "taps": (True, True, False), "loop": (True, False, False),
-             "cache": (True, True, True), "plain_cache": (False, True, True)}  # fmt: skip
+             "cache": (True, True, True), "plain_cache": (False, True, True),
+             "plain_chunks": (False, True, True, args.train_chunk),
+             "cache_chunks": (True, True, True, 0, args.dp_chunk)}  # fmt: skip
     routines = {k: trainer(args, *kinds[k]).train for k in args.kinds}
     fill = {}
-    for kind in ("cache", "plain_cache"):  # fill the cache: every record of --limit once (the first epoch's cost)
+    for kind in ("cache", "cache_chunks", "plain_cache", "plain_chunks"):  # fill the cache: every record once
         if kind in routines:
             start = time.perf_counter()
             for _ in range(-(-args.limit // (args.batch * args.local_steps)) + 1):
@@ -106,9 +112,12 @@ def main() -> None:
     chunks = "the whole batch" if args.device.startswith("cuda") else f"chunks of {CPU_CHUNK} length-sorted records"
     words = {"plain": "plain step                 ", "taps": "DP-SGD step, batched taps  ",
              "loop": "DP-SGD step, per-example   ", "cache": "DP-SGD step, taps + cache  ",
-             "plain_cache": "plain step + cache         "}  # fmt: skip
+             "plain_cache": "plain step + cache         ", "plain_chunks": "plain step, cache, chunks  ",
+             "cache_chunks": "DP-SGD step, cache, chunks "}  # fmt: skip
     notes = {"plain": "", "taps": f"  ({chunks}, clip, noise)", "cache": "  (the frozen prefix from the cache)",
              "plain_cache": "  (the frozen prefix from the cache)",
+             "plain_chunks": f"  (cache; chunks of {args.train_chunk} length-sorted records, one gradient)",
+             "cache_chunks": f"  (cache; chunks of {args.dp_chunk} length-sorted records)",
              "loop": f"  ({args.batch} forwards and backwards, clip, noise)"}  # fmt: skip
     for k in args.kinds:
         print(f"  {words[k]} {times[k]:.3f} s{notes[k]}")
@@ -119,7 +128,8 @@ def main() -> None:
     for k in args.kinds:
         print(f"  per record: {k} {times[k] / args.batch * 1e3:.2f} ms")
     pairs = [("taps", "plain"), ("loop", "plain"), ("loop", "taps"), ("cache", "taps"), ("cache", "plain"),
-             ("plain_cache", "plain"), ("cache", "plain_cache")]
+             ("plain_cache", "plain"), ("cache", "plain_cache"), ("plain_chunks", "plain_cache"),
+             ("cache", "plain_chunks"), ("cache_chunks", "cache")]
     for a, b in pairs:
         if a in times and b in times:
             print(f"  ratio {a} / {b}: {times[a] / times[b]:.2f}x")

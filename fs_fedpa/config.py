@@ -398,6 +398,16 @@ class FedPAConfig:
             )
         },
     )
+    dp_chunk: int = field(
+        default=0,
+        metadata={
+            "help": (
+                "sample mode: records a batched DP-SGD forward takes on a CPU (0: 4; an accelerator takes the whole "
+                "batch). Chunks are length-sorted and each record is clipped alone, so the step is the same; larger "
+                "chunks of a large b cost less (benchmarks/bench_dp_sgd.py --kinds cache cache_chunks)"
+            )
+        },
+    )
     dp_local_tensors: Literal["noised", "plain"] = field(
         default="noised",
         metadata={
@@ -535,6 +545,7 @@ class FedPAConfig:
         self.dp_seed = _integer(self.dp_seed, "dp_seed", minimum=-1)
         self.dp_horizon = _integer(self.dp_horizon, "dp_horizon", minimum=0)
         self.dp_min_records = _integer(self.dp_min_records, "dp_min_records", minimum=0)
+        self.dp_chunk = _integer(self.dp_chunk, "dp_chunk", minimum=0)
         if self.dp_seed > SEED_MAX:
             raise ValueError(f"fedpa.dp_seed(={self.dp_seed}) must be <= 2**32 - 1")
         for key, choices in (("dp_sampling", DP_SAMPLINGS), ("dp_accountant", DP_ACCOUNTANTS),
@@ -635,7 +646,8 @@ class FedPAConfig:
 
 
 # the keys that only mean something under DP, and their values when DP is off (0 unless named)
-DP_KEYS = ("dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_horizon", "dp_seed", "dp_min_records")
+DP_KEYS = ("dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_horizon", "dp_seed", "dp_min_records",
+           "dp_chunk")
 DP_OFF = {"dp_seed": -1}
 # the DP settings that are names, at their defaults
 DP_NAMED = {"dp_sampling": "wor", "dp_accountant": "rdp", "dp_local_tensors": "noised"}

@@ -36,12 +36,13 @@ def _value(text: str):
 
 
 def config(regime: dr.Regime) -> dict:
-    """The protocol's config with ``regime``'s options and its DP-SGD at ε = 8 (add/remove, Poisson, PLD)."""
+    """The protocol's config with ``regime``'s options and its DP-SGD at ε = 8 (add/remove, Poisson, PLD), in the
+    finals' CPU chunks."""
     cfg = yaml.safe_load((ROOT / sp.CFG_NAME).read_text())
     cfg["expname"] = "sst2_dp"
     cfg["federate"]["method"] = dr.REFERENCE
     cfg["federate"]["total_round_num"] = regime.rounds
-    opts = (*regime.opts(), *regime.dp_opts(), *sp.FINAL_EVAL)
+    opts = (*regime.opts(), *regime.dp_opts(), *dr.chunk_opts(True), *sp.FINAL_EVAL)
     for key, text in zip(opts[::2], opts[1::2]):
         if key in STUDY_ONLY:
             continue

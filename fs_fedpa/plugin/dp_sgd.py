@@ -28,6 +28,7 @@ from federatedscope.core.trainers.context import CtxVar
 from federatedscope.core.trainers.enums import LIFECYCLE
 from torch import Tensor
 
+from fs_fedpa.core.batches import length_chunks, select_records
 from fs_fedpa.core.dp import add_clipped, gaussian, sample_poisson, sample_without_replacement
 from fs_fedpa.core.per_example import LinearTaps, check_sum, clipped_sum, linear_owners, per_example_grads
 from fs_fedpa.plugin import fs_patches
@@ -168,9 +169,9 @@ class DPSGD:
         chunk = self.chunk or (size if _device(ctx.model).type != "cpu" else CPU_CHUNK)
         total, dropped, losses, y_true, y_prob = None, 0, [], [], []
         mask = self._plain_mask(ctx.model, params)  # the same for every chunk of the step
-        for index in _chunks(batch, size, chunk):
+        for index in length_chunks(batch, size, chunk):
             n = len(index)
-            ctx.data_batch = CtxVar(_select(batch, index, size), LIFECYCLE.BATCH)
+            ctx.data_batch = CtxVar(select_records(batch, index, size), LIFECYCLE.BATCH)
             with LinearTaps([m for m, _ in owners]) as taps:
                 self._forward(ctx)
             if isinstance(ctx.get("loss_batch"), Tensor) and not bool(torch.isfinite(ctx.loss_batch).all()):
@@ -347,38 +348,6 @@ def _device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def _chunks(batch, size: int, chunk: int) -> list[Tensor]:
-    """The batch's record indices in chunks of at most ``chunk``, sorted by length (attended positions) where the
-    batch has an attention mask."""
-    lengths = _attended(batch, size)
-    order = torch.argsort(lengths, stable=True) if lengths is not None else torch.arange(size)
-    return list(order.split(max(1, chunk)))
-
-
-def _attended(batch, size: int) -> Tensor | None:
-    if isinstance(batch, dict):
-        mask = batch.get("attention_mask")
-        if isinstance(mask, Tensor) and mask.ndim == 2 and mask.shape[0] == size:
-            return mask.sum(1).cpu()
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for v in batch:
-            if (found := _attended(v, size)) is not None:
-                return found
-    return None
-
-
-def _select(batch, index: Tensor, size: int):
-    """Records ``index`` of a batch (every tensor whose first dimension is the batch's), as a batch."""
-    if isinstance(batch, Tensor):
-        return batch[index.to(batch.device)] if batch.ndim and batch.shape[0] == size else batch
-    if isinstance(batch, dict):
-        return {k: _select(v, index, size) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_select(v, index, size) for v in batch)
-    return batch
-
-
 def _row(batch, j: int, size: int):
     """Record ``j`` of a batch, as a batch of one."""
-    return _select(batch, torch.tensor([j]), size)
+    return select_records(batch, torch.tensor([j]), size)

@@ -46,6 +46,10 @@ def extend_seqcls_cfg(cfg) -> None:
     # (fs_fedpa.plugin.prefix_cache); needs layers_to_transform above layer 0
     cfg.model.seqcls.prefix_cache = False
     cfg.model.seqcls.precision = "fp32"  # fp32 | fp16 | bf16 (autocast in the forward)
+    # > 0: on a CPU, a training batch of more records is forwarded in length-sorted chunks of at most this many, their
+    # gradients summed into the batch's mean-loss gradient (the same step in less padded compute); 0, or an
+    # accelerator: one forward. DP-SGD chunks its own batches (fedpa.dp_chunk)
+    cfg.model.seqcls.train_chunk = 0
     cfg.data.glue_limit = 0  # > 0: keep only the first N train examples (quick runs)
     cfg.data.glue_eval_split = ""  # "": the task's dev split; e.g. validation_mismatched for MNLI-mm
     # > 0: hold out this fraction (< 1) or count (>= 1) of each client's train shard as its `val` split, for
@@ -80,6 +84,13 @@ def _check_seqcls_cfg(cfg) -> None:
                 f"model.seqcls.prefix_cache with federate.method {cfg.federate.method!r}, which {writes}: the frozen "
                 "prefix would change under the cache"
             )
+    if not (isinstance(s.train_chunk, int) and s.train_chunk >= 0):
+        raise ValueError(f"model.seqcls.train_chunk(={s.train_chunk!r}) must be 0 (one forward) or a chunk size > 0")
+    if s.train_chunk and cfg.fedpa.dp_mode == "sample":
+        raise ValueError(
+            "model.seqcls.train_chunk with fedpa.dp_mode sample: DP-SGD forwards its batches in chunks of its own "
+            "(fs_fedpa.plugin.dp_sgd); leave train_chunk at 0"
+        )
     if s.precision not in ("fp32", "fp16", "bf16"):
         raise ValueError(f"model.seqcls.precision(={s.precision!r}) must be 'fp32', 'fp16' or 'bf16'")
     if not cfg.data.glue_holdout >= 0:
@@ -303,6 +314,20 @@ def _trainer_class():
 
         def _hook_on_batch_forward(self, ctx):
             features, labels = ctx.data_batch
+            chunk = ctx.cfg.model.seqcls.train_chunk
+            on_cpu = torch.device(ctx.device).type == "cpu"  # an accelerator takes the whole batch
+            if ctx.cur_mode == "train" and on_cpu and 0 < chunk < len(labels) and _mean_loss(ctx.criterion):
+                logits, labels, loss = self._chunked_step(ctx, features, labels, chunk)
+            else:
+                logits, labels, loss = self._forward_loss(ctx, features, labels)
+            ctx.y_true = CtxVar(labels, LIFECYCLE.BATCH)
+            ctx.y_prob = CtxVar(logits, LIFECYCLE.BATCH)
+            ctx.loss_batch = CtxVar(loss, LIFECYCLE.BATCH)
+            ctx.batch_size = CtxVar(len(labels), LIFECYCLE.BATCH)
+
+        @staticmethod
+        def _forward_loss(ctx, features: dict, labels):
+            """``(logits, labels, mean loss)`` of one padded forward of these records."""
             features = {k: v.to(ctx.device) for k, v in trim_padding(features).items()}
             labels = labels.to(ctx.device)
             precision = ctx.cfg.model.seqcls.precision
@@ -313,13 +338,41 @@ def _trainer_class():
             if logits.shape[-1] == 1:  # regression (STS-B)
                 logits = logits.squeeze(-1)
                 labels = labels.float()
-            loss = ctx.criterion(logits, labels)
-            ctx.y_true = CtxVar(labels, LIFECYCLE.BATCH)
-            ctx.y_prob = CtxVar(logits, LIFECYCLE.BATCH)
-            ctx.loss_batch = CtxVar(loss, LIFECYCLE.BATCH)
-            ctx.batch_size = CtxVar(len(labels), LIFECYCLE.BATCH)
+            return logits, labels, ctx.criterion(logits, labels)
+
+        def _chunked_step(self, ctx, features: dict, labels, chunk: int):
+            """The batch's n records in length-sorted chunks c of at most ``chunk``: g = Σ_c (n_c/n) ∇L_c, the
+            gradient of the batch's mean loss L, one chunk's graph alive at a time. Returns the records' logits and
+            labels (in the chunks' order) and L + Σ_p <p, g_p> − stop_grad(Σ_p <p, g_p>): L in value, g in gradient,
+            so FS's backward (zero_grad, backward, step) takes this step, and later forward hooks (the alignment
+            term, FS's regularizer) add their terms as usual."""
+            from fs_fedpa.core.batches import length_chunks, select_records
+
+            n = len(labels)
+            params = [p for p in ctx.model.parameters() if p.requires_grad]
+            if not params:
+                return self._forward_loss(ctx, features, labels)
+            grads = [torch.zeros_like(p) for p in params]
+            total, outs, ys = 0.0, [], []
+            for index in length_chunks(features, n, chunk):
+                logits, y, loss = self._forward_loss(ctx, select_records(features, index, n), labels[index])
+                weight = len(index) / n
+                found = torch.autograd.grad(loss * weight, params, allow_unused=True)
+                for g, f in zip(grads, found):
+                    if f is not None:
+                        g.add_(f)
+                total += weight * loss.detach()
+                outs.append(logits.detach())
+                ys.append(y)
+            linear = sum((p * g).sum() for p, g in zip(params, grads))
+            return torch.cat(outs), torch.cat(ys), total + linear - linear.detach()
 
     return SeqClsTrainer
+
+
+def _mean_loss(criterion) -> bool:
+    """Whether ``criterion`` averages over records (the chunked step weighs chunk c's loss by n_c/n)."""
+    return getattr(criterion, "reduction", "mean") == "mean"
 
 
 # ----------------------------------------------------------------------------------------------- metrics

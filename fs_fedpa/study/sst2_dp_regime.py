@@ -65,6 +65,12 @@ G. Amended on 2026-11-29, after C's two runs at b = 256, D's first two and F's t
 The regime is the search run with the best held-out score among A, B, C and F as run (strictly; the first in the
 order above among ties).
 
+H. Amended on 2026-11-29, before any final: the finals forward a batch on the CPU in length-sorted chunks of
+   :data:`CHUNK` records, without DP ``model.seqcls.train_chunk`` (the batch's mean-loss gradient summed over the
+   chunks) and under DP ``fedpa.dp_chunk`` (each record clipped alone, as in chunks of 4): the same steps (tests
+   against autograd on the whole batch), measured side by side at 0.33 and 0.75 of the step time
+   (``benchmarks/bench_dp_sgd.py --batch 256 --layers 2 --tok-len 48``). An accelerator takes the whole batch.
+
 The finals, in that regime, on the dev set, seeds 0-2 (seed-major): FedPA-LoRA (the main cell's λ), FedIT, FFA-LoRA
 and FedSVD with DP and without; FedIT with DP calibrated to ε = 8 under fixed-size sampling and replace-one
 (``fedit_dp_replace``); and the central anchors, one seed: one client with every training sentence, with DP in
@@ -100,6 +106,7 @@ SEEDS, CENTRAL_SEED = (0, 1, 2), 0
 DIAG_Z, DIAG_CLIPS = 0.01, (CLIP, 0.01)  # part D's noise multiplier and clips as declared
 D_CLIPS = DIAG_CLIPS[:1]  # part D as run: C = 0.01 dropped by amendment G
 F_LRS, F_CLIP = (5e-3, 2e-3), 0.1  # part F's rates (AdamW, as at the best of A and B) and clip
+CHUNK = 32  # records a CPU forward takes in the finals (amendment H)
 
 
 @dataclass(frozen=True)
@@ -220,21 +227,26 @@ def regime_of(run: sp.Run) -> Regime:
     return Regime.of(run.name[len("search_") :])
 
 
+def chunk_opts(dp: bool) -> tuple[str, ...]:
+    """Amendment H: a CPU forward of :data:`CHUNK` length-sorted records, DP-SGD's or the plain step's."""
+    return ("fedpa.dp_chunk" if dp else "model.seqcls.train_chunk", str(CHUNK))
+
+
 def final_runs(regime: Regime, fedpa_lam: float) -> list[sp.Run]:
     """The finals in ``regime`` (seed-major) and the central anchors."""
     base = (*regime.opts(), *sp.FINAL_EVAL)
+    plain, private = chunk_opts(False), (*regime.dp_opts(), *chunk_opts(True))
+    replace_one = (*regime.dp_opts("replace"), *chunk_opts(True))
     runs = []
     for seed in SEEDS:
         for method in METHODS:
             lam = ("fedpa.lam", f"{fedpa_lam:g}") if method == "fedpa" else ()
-            runs.append(sp.Run(STAGE, method, method, (*base, *lam), seed, regime.rounds))
-            runs.append(sp.Run(STAGE, f"{method}_dp", method, (*base, *lam, *regime.dp_opts()), seed, regime.rounds))
-        runs.append(sp.Run(STAGE, "fedit_dp_replace", "fedit", (*base, *regime.dp_opts("replace")), seed,
-                           regime.rounds))  # fmt: skip
+            runs.append(sp.Run(STAGE, method, method, (*base, *lam, *plain), seed, regime.rounds))
+            runs.append(sp.Run(STAGE, f"{method}_dp", method, (*base, *lam, *private), seed, regime.rounds))
+        runs.append(sp.Run(STAGE, "fedit_dp_replace", "fedit", (*base, *replace_one), seed, regime.rounds))
     one = ("federate.client_num", "1", "federate.sample_client_num", "1")
-    for cell, dp in (("central", ()), ("central_dp", regime.dp_opts()), ("central_dp_replace",
-                                                                        regime.dp_opts("replace"))):  # fmt: skip
-        runs.append(sp.Run(STAGE, cell, "fedit", (*base, *one, *dp), CENTRAL_SEED, regime.rounds))
+    for cell, extra in (("central", plain), ("central_dp", private), ("central_dp_replace", replace_one)):
+        runs.append(sp.Run(STAGE, cell, "fedit", (*base, *one, *extra), CENTRAL_SEED, regime.rounds))
     return runs
 
 
@@ -305,6 +317,10 @@ def selected_regime(results: dict) -> Regime | None:
 # through the frozen prefix (the cache's fill) about 14 ms. Assumed, not measured: the top layer alone costs half a
 # step of the top two, an evaluated record half a training record.
 SECONDS_PER_RECORD = {"plain": 0.0169, "dp": 0.0102, "prefix": 0.014}
+# Amendment H's chunks of 32, from the ratios measured side by side on 2026-11-29 (the same command with
+# --kinds plain_cache plain_chunks, then cache cache_chunks; beside two other runs, so the ratios, not the times):
+# 0.33 of the plain step, 0.75 of DP-SGD's in chunks of 4.
+SECONDS_PER_RECORD |= {"plain_chunks": 0.33 * SECONDS_PER_RECORD["plain"], "dp_chunks": 0.75 * SECONDS_PER_RECORD["dp"]}
 # The committed split's client sizes (every stage's ledgers): the three under MIN_RECORDS take no DP step.
 CLIENT_SIZES = (6424, 13425, 634, 3598, 956, 12696, 13379, 7377, 646, 8214)
 EVAL_RECORDS = {"0": 872, "holdout": round(sum(CLIENT_SIZES) * sp.HOLDOUT)}  # the dev set, the held-out split
@@ -321,7 +337,8 @@ def cpu_seconds(run: sp.Run) -> float:
     sizes = (sum(CLIENT_SIZES),) if o.get("federate.client_num") == "1" else CLIENT_SIZES
     records = sum(min(b, n) for n in sizes if not (dp and n < MIN_RECORDS)) * tau * run.rounds
     top_one = o["model.seqcls.layers_to_transform"].count(",") == 0
-    step = SECONDS_PER_RECORD["dp" if dp else "plain"] * (0.5 if top_one else 1.0)
+    chunked = "fedpa.dp_chunk" in o or "model.seqcls.train_chunk" in o
+    step = SECONDS_PER_RECORD[("dp" if dp else "plain") + ("_chunks" if chunked else "")] * (0.5 if top_one else 1.0)
     evaluated = EVAL_RECORDS.get(o.get("data.glue_holdout", "0"), EVAL_RECORDS["holdout"]) * EVALS
     evaluated *= 2 if o.get("fedpa.eval_local") == "True" else 1  # the global model and each client's own
     return sum(CLIENT_SIZES) * SECONDS_PER_RECORD["prefix"] + records * step + evaluated * 0.5 * step

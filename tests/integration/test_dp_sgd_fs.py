@@ -308,6 +308,32 @@ def test_a_clients_delta_above_its_bound_is_refused_when_it_is_built_not_in_its_
         ClientPrivacy(cfg, method, trainer, [])
 
 
+@pytest.mark.parametrize("dp_chunk,expected", [(0, None), (32, 32)])
+def test_fedpa_dp_chunk_sets_the_records_a_dp_sgd_forward_takes(dp_chunk, expected):
+    """fedpa.dp_chunk reaches the client's DP-SGD (0: its device's default); under no DP it is refused as stray."""
+    from types import SimpleNamespace
+
+    from federatedscope.core.configs.config import global_cfg
+    from federatedscope.core.monitors.monitor import Monitor
+    from federatedscope.core.trainers import GeneralTorchTrainer
+
+    from fs_fedpa.config import FedPAConfig
+    from fs_fedpa.plugin.privacy import ClientPrivacy
+
+    cfg = global_cfg.clone()
+    cfg.merge_from_list(["train.local_update_steps", 1, "train.batch_or_epoch", "batch", "dataloader.batch_size", 4,
+                         "criterion.type", "MSELoss", "use_gpu", False])  # fmt: skip
+    data = {"train": DataLoader(TensorDataset(torch.zeros(64, 3), torch.zeros(64, 1)), batch_size=4)}
+    trainer = GeneralTorchTrainer(torch.nn.Linear(3, 1), data, "cpu", cfg, only_for_eval=False, monitor=Monitor(cfg))
+    fedpa = FedPAConfig(dp_mode="sample", dp_clip=1.0, dp_noise_multiplier=1.0, dp_chunk=dp_chunk)
+    privacy = ClientPrivacy(cfg, SimpleNamespace(cfg=fedpa, personal_weight=None), trainer, [])
+    assert privacy.dp_sgd.chunk == expected
+    with pytest.raises(ValueError, match="dp_chunk"):
+        FedPAConfig(dp_chunk=32)  # no DP: a DP-only key set is refused
+    with pytest.raises(ValueError, match=r"fedpa.dp_chunk\(=-1\)"):
+        FedPAConfig(dp_mode="sample", dp_clip=1.0, dp_noise_multiplier=1.0, dp_chunk=-1)
+
+
 @pytest.mark.parametrize("kind", ["cosine", "constant"])
 def test_the_run_schedule_sets_each_steps_rate_from_the_global_step(kind):
     """Round 3 of a 5-round run of 4 steps a round, 6 steps of warm-up: the k-th step of the round runs at

@@ -40,7 +40,7 @@ def test_it_differs_from_the_protocol_in_the_selected_regime_and_its_dp_only():
         "train.optimizer.lr": 0.005, "fedpa.lr_schedule": "constant", "fedpa.lr_warmup_steps": 12,
         "fedpa.dp_mode": "sample", "fedpa.dp_epsilon": 8, "fedpa.dp_clip": 0.1, "fedpa.dp_sampling": "poisson",
         "fedpa.dp_accountant": "pld", "fedpa.dp_horizon": 120, "fedpa.dp_min_records": 1000,
-        "fedpa.dp_local_tensors": "plain",
+        "fedpa.dp_local_tensors": "plain", "fedpa.dp_chunk": 32,
     }  # fmt: skip
     assert dp["personalization.local_param"] == ["classifier"] and dp["train.optimizer.type"] == "AdamW"
     assert dp["data.glue_holdout"] == 0  # the dev set, as the protocol's own file

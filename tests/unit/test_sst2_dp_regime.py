@@ -118,6 +118,9 @@ def test_the_search_selects_by_held_out_score_then_tunes_the_optimizer_then_the_
         assert ("fedpa.dp_mode" in o) == run.name.endswith(("_dp", "_dp_replace"))
         if run.name.endswith("_replace"):
             assert o["fedpa.dp_sampling"] == "wor" and o["fedpa.dp_epsilon"] == "8"
+        # amendment H: a CPU forward takes 32 length-sorted records, DP-SGD's chunks under DP, the plain step's without
+        assert (o.get("fedpa.dp_chunk"), o.get("model.seqcls.train_chunk")) == (
+            ("32", None) if "fedpa.dp_mode" in o else (None, "32"))  # fmt: skip
         if "fedpa.dp_mode" in o:
             assert o["fedpa.dp_clip"] == "0.1"  # the selected clip
         if run.method == "fedpa":
