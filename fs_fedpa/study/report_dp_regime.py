@@ -204,36 +204,60 @@ def final_lines(results: dict) -> list[str]:
 
 
 def figure(results: dict, report: Path) -> list[str]:
-    """Accuracy against b: the search's held-out scores under DP (by head) and, once in, the finals' dev accuracy
-    with and without DP in the selected regime."""
+    """Two panels. The search: each run's held-out score under DP at ε = 8 against its learning rate (colour: b,
+    marker: the head; the selected run ringed). The finals: each method's dev accuracy at ε = 8 and without DP (mean
+    and sample sd over seeds), and the central anchors."""
     search = [r for k, r in results.items() if k.startswith(f"{dr.STAGE}/search_")]
     if not search:
         return []
     from fs_fedpa.plots import pyplot, save
 
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for head, marker in (("local", "o"), ("federated", "s")):
-        points = [(int(_o(r["opts"])["dataloader.batch_size"]), sp.score(r)) for r in search
-                  if (_o(r["opts"])["personalization.local_param"] == "[]") == (head == "federated")]  # fmt: skip
-        if points:
-            xs, ys = zip(*points)
-            ax.scatter(xs, ys, marker=marker, alpha=0.6, label=f"search, DP, {head} head (held-out)")
-    values, regime = final_values(results), dr.selected_regime(results)
-    if regime is not None:
-        for suffix, label, marker in (("_dp", "finals, DP (dev)", "v"), ("", "finals, no DP (dev)", "^")):
-            means = [statistics.fmean(v.values()) for m in dr.METHODS if (v := values.get(f"{m}{suffix}"))]
-            if means:
-                ax.scatter([regime.b] * len(means), means, marker=marker, s=60, label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("records a DP step, b")
-    ax.set_ylabel("accuracy")
-    ax.set_title(f"SST-2, MiniLM, ε = {dr.EPSILON:g} (Poisson, add/remove), {dr.STEPS} steps a client")
-    ax.legend(fontsize=7)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1, 1.3]})
+    for b, colour in zip(dr.BATCHES, ("tab:blue", "tab:orange")):
+        for head, marker in (("local", "o"), ("federated", "s")):
+            for sgd in (False, True):
+                points = [(float(o["train.optimizer.lr"]), sp.score(r)) for r in search
+                          if int((o := _o(r["opts"]))["dataloader.batch_size"]) == b
+                          and (o["personalization.local_param"] == "[]") == (head == "federated")
+                          and (o["train.optimizer.type"] == "SGD") == sgd]  # fmt: skip
+                if points:
+                    xs, ys = zip(*points)
+                    left.scatter(xs, ys, marker="x" if sgd else marker, color=colour, alpha=0.7,
+                                 label=f"b = {b}, {head} head" + (", SGD + momentum" if sgd else ""))  # fmt: skip
+    top = dr.search(results).top
+    if top is not None and top.key in results:
+        chosen = results[top.key]
+        left.scatter([float(_o(chosen["opts"])["train.optimizer.lr"])], [sp.score(chosen)], s=220,
+                     facecolors="none", edgecolors="black", label="selected")  # fmt: skip
+    left.set_xscale("log")
+    left.set_xlabel("learning rate")
+    left.set_ylabel("held-out score (mean of the last two evaluations)")
+    left.set_title(f"search: FedIT, DP-SGD at ε = {dr.EPSILON:g}, seed 0", fontsize=10)
+    left.legend(fontsize=7, loc="center left")
+    values = final_values(results)
+    names = [*dr.METHODS, "central"]
+    for offset, suffix, label, marker in ((-0.12, "_dp", f"ε = {dr.EPSILON:g} (Poisson, add/remove)", "v"),
+                                          (0.12, "", "no DP", "^")):  # fmt: skip
+        for i, name in enumerate(names):
+            seeds = list(values.get(f"{name}{suffix}", {}).values())
+            if seeds:
+                sd = statistics.stdev(seeds) if len(seeds) > 1 else 0.0
+                right.errorbar([i + offset], [statistics.fmean(seeds)], yerr=[sd], fmt=marker, capsize=3,
+                               color="tab:red" if suffix else "tab:green", label=label if i == 0 else None)  # fmt: skip
+    right.set_xticks(range(len(names)), [n.replace("_", " ") for n in names])
+    right.set_xlim(-0.6, len(names) - 0.4)
+    right.set_ylabel("dev accuracy, last round")
+    right.set_title("finals in the selected regime (mean ± sd over seeds; central: one seed)", fontsize=10)
+    if right.get_legend_handles_labels()[0]:
+        right.legend(fontsize=7)
+    else:
+        right.text(0.5, 0.5, "no final run yet", ha="center", va="center", transform=right.transAxes)
+    fig.suptitle(f"SST-2, MiniLM, sample-level DP-SGD, {dr.STEPS} steps a client", fontsize=11)
     folder = report / dr.STAGE
     folder.mkdir(parents=True, exist_ok=True)
-    path = save(fig, folder / "accuracy_vs_b.png")
-    return [f"![accuracy against b]({dr.STAGE}/{path.name})", ""]
+    path = save(fig, folder / "dp_regime.png")
+    return [f"![the search and the finals]({dr.STAGE}/{path.name})", ""]
 
 
 def dp_regime_section(results: dict, stages: list[tuple[str, list[sp.Run]]], report: Path) -> list[str]:

@@ -61,7 +61,7 @@ def test_the_section_shows_the_search_then_the_selected_regime_and_the_finals_wi
     mean = statistics.fmean(d)
     row = next(line for line in text.splitlines() if line.startswith("| fedpa_dp − fedit_dp |"))
     assert f"{mean:+.4f} [{mean - half:+.4f}, {mean + half:+.4f}]; n=3, ahead in 3; Holm p" in row
-    assert (tmp_path / dr.STAGE / "accuracy_vs_b.png").stat().st_size > 10_000
+    assert (tmp_path / dr.STAGE / "dp_regime.png").stat().st_size > 10_000
 
 
 def test_the_finals_wait_for_the_search_and_say_so(tmp_path):
