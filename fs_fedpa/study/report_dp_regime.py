@@ -132,7 +132,9 @@ def device_lines(results: dict, plain: list[sp.Run], private: list[sp.Run]) -> l
         f"MiniLM's top two layers, the head federated; client-level DP at ε = {dd.EPSILON:g} (replace-one, K of N "
         "without replacement), C the median contribution norm of the method's no-DP run. One seed: a measurement, "
         "not a ranking. D: the entries of a client's contribution; K/(z√D): the largest possible signal on the mean "
-        "over the noise's norm.",
+        "over the noise's norm. Amended on 2026-11-29 before any DP run: a method's DP run is made only if its run "
+        f"without DP ended above {dd.LEARNED:.3f}, the one-label accuracy {dd.ONE_LABEL:.4f} plus two binomial "
+        "standard errors on 872 sentences.",
         "",
         "| method | dev accuracy, no DP | dev accuracy, DP | C | z | D | K/(z√D) | ε | CPU time (no DP, DP) |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -146,6 +148,8 @@ def device_lines(results: dict, plain: list[sp.Run], private: list[sp.Run]) -> l
         eps = f"{privacy['dp_epsilon']:.2f}" if "dp_epsilon" in privacy else "–"
         times = ", ".join("–" if r is None else f"{r.get('cpu_seconds', r['seconds']) / 60:.0f} min" for r in (a, b))
         acc = [_score(v) if r and (v := sp.final_metric(r, "val_acc")) is not None else "not run yet" for r in (a, b)]
+        if a is not None and dp is None and not dd.learned(a):
+            acc[1] = "not made: no DP run of a method that did not learn without DP"
         lines.append(
             f"| {base.method} | {acc[0]} | {acc[1]} | {privacy.get('dp_clip', '–')} | "
             f"{f'{z:.3g}' if z else '–'} | {D:,} | {bound} | "

@@ -50,9 +50,15 @@ def test_the_no_dp_runs_are_the_declared_federation_at_each_methods_selection():
 def test_a_dp_run_waits_for_its_no_dp_run_and_clips_at_its_median_contribution():
     plain, _ = dd.runs(SELECTED, {})
     fedpa, fedit = plain[0], plain[1]
-    results = {fedpa.key: _result(fedpa, 0.8, [3.0, 1.0, 2.0, 10.0]), fedit.key: _result(fedit, 0.8, [0.5, 0.7, 0.9])}
+    ffa = plain[2]
+    results = {fedpa.key: _result(fedpa, 0.8, [3.0, 1.0, 2.0, 10.0]), fedit.key: _result(fedit, 0.8, [0.5, 0.7, 0.9]),
+               ffa.key: _result(ffa, 0.5424, [0.5])}  # fmt: skip
     _, private = dd.runs(SELECTED, results)
+    # the amendment: FFA-LoRA's run ended within two standard errors of one label (0.5092 + 0.0339), so no DP run
     assert [r.name for r in private] == ["device_fedpa_dp", "device_fedit_dp"]
+    results[ffa.key] = _result(ffa, 0.5436, [0.5])
+    names = [r.name for r in dd.runs(SELECTED, results)[1]]
+    assert names == ["device_fedpa_dp", "device_fedit_dp", "device_ffa_lora_dp"]
     clips = {r.method: _opts(r)["fedpa.dp_clip"] for r in private}
     assert clips == {"fedpa": "2.5", "fedit": "0.7"}  # the median of each method's own norm (fedpa: ||s B A||)
     for run, base in zip(private, plain):
@@ -77,6 +83,9 @@ def test_the_report_bounds_the_signal_with_d_counted_by_hand():
     # FedPA-LoRA's contribution is the product: d x k a module
     assert rr.released_size("fedpa") == 4 * 384 * 384 + 770 and rr.released_size("fedsvd") == 4 * 4 * 384 + 770
     assert f"| fedpa | not run yet | not run yet | – | – | {4 * 384 * 384 + 770:,} | – | – | –, – |" in text
+    results[plain[0].key] = _result(plain[0], 0.5092, [0.5])  # at one label: its DP run is not made, and says so
+    text = "\n".join(rr.device_lines(results, plain, dd.runs(SELECTED, results)[1]))
+    assert "| fedpa | 0.5092 | not made: no DP run of a method that did not learn without DP |" in text
 
 
 def test_the_part_is_priced_by_clients_set_up_and_turns_taken():
