@@ -157,14 +157,17 @@ def add_clipped(total: list[Tensor] | None, grads: Sequence[Tensor], C: float) -
 
 
 def release_products(uploads: Sequence[dict[str, tuple[Tensor, Tensor]]], shapes: dict[str, tuple[int, int]], K: int,
-                     C: float, z: float, generator: Generator) -> tuple[dict[str, Tensor], list[float]]:  # fmt: skip
+                     C: float, z: float, generator: Generator, extra_sq: Sequence[float] | None = None,
+                     ) -> tuple[dict[str, Tensor], list[float]]:  # fmt: skip
     """Client-level release of product-space methods: per module the (d, k) noisy mean
     ``(1/K) sum_i c_i B_i A_i + N(0, (z C / K)^2)``, each client's whole update ``{B_i A_i}`` over modules clipped to
     Frobenius norm C (norms from the factors in float64, :func:`~fs_fedpa.core.diagnostics.product_sq_norm`); also
     the c_i. ``uploads``: applied factors, at most K of them (a missing client contributes zero); ``shapes[name] =
-    (d, k)``."""
-    scales = [clip_scale(product_sq_norm({n: (B.double(), A.double()) for n, (B, A) in u.items()}), C)
-              for u in uploads]  # fmt: skip
+    (d, k)``. ``extra_sq[i]``: the squared norm of the rest of client i's contribution (its federated non-LoRA
+    tensors' change, :func:`release_shared`), clipped with it."""
+    extra = extra_sq if extra_sq is not None else [0.0] * len(uploads)
+    scales = [clip_scale(product_sq_norm({n: (B.double(), A.double()) for n, (B, A) in u.items()}) + e, C)
+              for u, e in zip(uploads, extra)]  # fmt: skip
     std = z * C / K
     like = next(iter(uploads[0].values()))[0] if uploads else torch.zeros(())
     release = {}
@@ -176,15 +179,18 @@ def release_products(uploads: Sequence[dict[str, tuple[Tensor, Tensor]]], shapes
 
 def release_changes(uploads: Sequence[dict[str, tuple[Tensor, Tensor]]], starts: Sequence[dict[str, tuple[Tensor,
                     Tensor]]], parts: Sequence[str], K: int, C: float, z: float, generator: Generator,
+                    extra_sq: Sequence[float] | None = None,
                     ) -> tuple[dict[str, dict[str, Tensor]], list[float]]:  # fmt: skip
     """Client-level release of factor-averaging methods: per module and uploaded part (``"B"``, ``"A"``) the noisy
     mean change ``(1/K) sum_i c_i (X_i - X_i^0) + N(0, (z C / K)^2)``, where ``X_i^0`` is what client i started from
     (``starts[i]``, the factors it received) and each client's change over all modules and parts is clipped to
     Frobenius norm C; also the c_i. ``starts`` must hold one entry per upload, or one for all (``len == 1``) when there
-    are none."""
+    are none. ``extra_sq[i]``: the squared norm of the rest of client i's contribution (its federated non-LoRA
+    tensors' change, :func:`release_shared`), clipped with it."""
     changes = [{(n, p): u[n][PART[p]].double() - s[n][PART[p]].double() for n in u for p in parts}
                for u, s in zip(uploads, starts)]  # fmt: skip
-    scales = [clip_scale(change_sq_norm(u, s, parts), C) for u, s in zip(uploads, starts)]
+    extra = extra_sq if extra_sq is not None else [0.0] * len(uploads)
+    scales = [clip_scale(change_sq_norm(u, s, parts) + e, C) for u, s, e in zip(uploads, starts, extra)]
     std = z * C / K
     release: dict[str, dict[str, Tensor]] = {}
     for name, pair in starts[0].items():
@@ -193,3 +199,31 @@ def release_changes(uploads: Sequence[dict[str, tuple[Tensor, Tensor]]], starts:
             like = pair[PART[p]]
             release[name][p] = noisy_mean([c[(name, p)] for c in changes], scales, K, std, generator, like)
     return release, scales
+
+
+def shared_changes(uploads: Sequence[dict[str, Tensor]], start: dict[str, Tensor]) -> tuple[list[dict[str, Tensor]],
+                                                                                             list[float]]:  # fmt: skip
+    """Each client's change ``X_i - X^0`` of the federated non-LoRA tensors (e.g. a shared head; float64) from the
+    values ``start`` the round sent, and its squared Frobenius norm over all of them: the part of its contribution
+    that client-level DP clips together with its LoRA update (``extra_sq`` of :func:`release_products` and
+    :func:`release_changes`). ValueError where a tensor's shape differs from its start's."""
+    changes, sq = [], []
+    for u in uploads:
+        change = {}
+        for name, x0 in start.items():
+            if u[name].shape != x0.shape:
+                raise ValueError(f"{name}: shape {tuple(u[name].shape)}, started from {tuple(x0.shape)}")
+            change[name] = u[name].double() - x0.double()
+        changes.append(change)
+        sq.append(sum(float(c.pow(2).sum()) for c in change.values()))
+    return changes, sq
+
+
+def release_shared(changes: Sequence[dict[str, Tensor]], scales: Sequence[float], K: int, C: float, z: float,
+                   generator: Generator, start: dict[str, Tensor]) -> dict[str, Tensor]:  # fmt: skip
+    """The new federated non-LoRA tensors under client-level DP: ``X^0 + (1/K) sum_i c_i (X_i - X^0) + N(0, (z C /
+    K)^2)`` per tensor, with the c_i that clipped each client's whole contribution (LoRA update and these changes
+    together), so the release's sensitivity stays C / K."""
+    std = z * C / K
+    return {name: (x0.double() + noisy_mean([c[name] for c in changes], scales, K, std, generator, x0.double())
+                   ).to(x0.dtype) for name, x0 in start.items()}  # fmt: skip

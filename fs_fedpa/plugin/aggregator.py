@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from federatedscope.core.aggregators import Aggregator
@@ -30,6 +30,7 @@ class RoundInput:
     expected: tuple[int, ...]
     global_factors: Factors
     down_bytes: dict[int, int]
+    shared: dict[str, Tensor] = field(default_factory=dict)  # the federated non-LoRA tensors it started from
 
 
 @dataclass(frozen=True)
@@ -155,14 +156,15 @@ class FedPAAggregator(Aggregator):
         the fixed K, the method's server step on it, and a record of the release only."""
         rnd, kept = self.round.rnd, list(accepted)
         uploads = [accepted[c].factors for c in kept]
-        new_global, spectra, release = self.privacy.release(uploads, kept, self.round.global_factors, rnd)
-        _check_finite(new_global, {})
+        new_global, spectra, release, shared = self.privacy.release(
+            uploads, kept, self.round.global_factors, rnd, [accepted[c].shared for c in kept], self.round.shared)
+        _check_finite(new_global, shared)
         # the K receivers, which the DP generator drew: which of them arrived or were dropped (and each upload's
         # bytes) can depend on their data, and stays in the private faults file (privacy.fault)
         receivers = sorted(self.round.expected)
         weight = 1.0 / self.privacy.K
         record = private_record(self._head(receivers), receivers, weight, new_global, spectra, release)
-        self.result = Aggregated(new_global, {}, None)
+        self.result = Aggregated(new_global, shared, None)
         self.rounds.add(record)
         self.privacy.account(rnd, receivers, {})
         self.failed_in_a_row = 0

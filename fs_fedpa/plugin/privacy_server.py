@@ -14,7 +14,8 @@ import secrets
 import torch
 from torch import Tensor
 
-from fs_fedpa.core.dp import dp_generator, release_changes, release_products, sample_poisson
+from fs_fedpa.core.dp import dp_generator, release_changes, release_products, release_shared, sample_poisson
+from fs_fedpa.core.dp import shared_changes
 from fs_fedpa.core.dp import sample_without_replacement as _sample
 from fs_fedpa.core.ranks import truncate_factors
 from fs_fedpa.plugin.privacy import check_method, noise_source, routines, sample_plan, seed_warning
@@ -49,16 +50,14 @@ class ServerPrivacy:
         self.trained: dict[int, int] = {}  # sample mode: rounds each client was asked to train
         self.sizes: dict[int, int] = {}  # sample mode: n_i as the clients report it (public under replace-one)
         self.last: dict = {}
+        self.shared_names: list[str] = []
         if (warning := seed_warning(fedpa.dp_seed)) is not None:
             logger.warning(warning)
         if self.mode == "client":
             check_method(method, fedpa)
-            if shared_names:
-                raise ValueError(
-                    f"differential privacy at client level (fedpa.dp_mode client) with federated tensors "
-                    f"{sorted(shared_names)} (e.g. a head averaged by FS): they would leave unclipped and "
-                    "unnoised; keep them with each client (personalization.local_param)"
-                )
+            # federated non-LoRA tensors (e.g. a shared head): each client's change of them is clipped with its
+            # LoRA update as one contribution, and their mean is released with the same noise (release)
+            self.shared_names = sorted(shared_names)
             plan = method.plan
             if method.dp_space == "change" and (
                 set(plan.reference_ranks) != {plan.r_g} or set(plan.client_ranks) != {plan.r_g}
@@ -92,7 +91,9 @@ class ServerPrivacy:
                 + f", from {noise_source(fedpa)}; {self.adjacency} adjacency, {self.accounting} accountant), clip "
                 f"C={self.C:g}, "
                 f"noise z={self.z:.4g} (std zC/K={self.z * self.C / self.K:.4g}), delta={self.delta:.3g}; "
-                f"epsilon after {self.T} rounds: {self.kind.epsilon(self.T, self.delta):.4g}"
+                + (f"clipped and noised with the LoRA update: {', '.join(self.shared_names)}; " if self.shared_names
+                   else "")  # fmt: skip
+                + f"epsilon after {self.T} rounds: {self.kind.epsilon(self.T, self.delta):.4g}"
             )
 
     # ------------------------------------------------------------------------------------------ client mode
@@ -119,25 +120,31 @@ class ServerPrivacy:
             return [i + 1 for i in sample_poisson(self.N, self.K / self.N, self.generator)]
         return [i + 1 for i in _sample(self.N, self.K, self.generator)]
 
-    def release(self, uploads: list, clients: list[int], global_factors: dict, rnd: int
-                ) -> tuple[dict, dict[str, Tensor], dict]:  # fmt: skip
-        """New global factors, spectra and the release of round ``rnd``, from the accepted ``uploads`` (applied
-        factors of ``clients``, complete) and the ``global_factors`` the round started from: a missing or dropped
-        client contributes zero, and the mean divides by K."""
+    def release(self, uploads: list, clients: list[int], global_factors: dict, rnd: int,
+                shared: list[dict[str, Tensor]] | None = None, shared_start: dict[str, Tensor] | None = None,
+                ) -> tuple[dict, dict[str, Tensor], dict, dict[str, Tensor]]:  # fmt: skip
+        """New global factors, spectra, the release of round ``rnd`` and the new federated non-LoRA tensors, from the
+        accepted ``uploads`` (applied factors of ``clients``, complete), their ``shared`` tensors and the
+        ``global_factors`` and ``shared_start`` the round started from: a missing or dropped client contributes zero,
+        and the mean divides by K. A client's LoRA update and its shared tensors' change are clipped together."""
         method = self.method
+        start_shared = {n: shared_start[n] for n in self.shared_names} if self.shared_names else {}
+        changes, extra = shared_changes([{n: s[n] for n in self.shared_names} for s in shared or [{}] * len(uploads)],
+                                        start_shared) if start_shared else ([], None)  # fmt: skip
         shapes = {n: (B.shape[0], A.shape[1]) for n, (B, A) in method.expand(global_factors).items()}
         if method.dp_space == "product":
-            release, _ = release_products([method.expand(u) for u in uploads], shapes, self.K, self.C, self.z,
-                                          self.generator)  # fmt: skip
+            release, scales = release_products([method.expand(u) for u in uploads], shapes, self.K, self.C, self.z,
+                                               self.generator, extra)  # fmt: skip
         else:
             parts = method.upload_parts(rnd)
             r = method.plan.r_g
             start = {n: truncate_factors(B, A, r) for n, (B, A) in global_factors.items()}
-            release, _ = release_changes(uploads, [start] * max(len(uploads), 1), parts, self.K, self.C, self.z,
-                                         self.generator)  # fmt: skip
+            release, scales = release_changes(uploads, [start] * max(len(uploads), 1), parts, self.K, self.C,
+                                              self.z, self.generator, extra)  # fmt: skip
+        new_shared = release_shared(changes, scales, self.K, self.C, self.z, self.generator, start_shared)
         new_global, spectra = method.dp_global(release, global_factors, self.sketch_generator)
         self.rounds += 1
-        return new_global, spectra, release
+        return new_global, spectra, release, new_shared
 
     # ------------------------------------------------------------------------------------------ both
     def account(self, rnd: int, receivers: list[int], stats: dict[int, dict]) -> dict:

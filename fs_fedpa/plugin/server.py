@@ -162,7 +162,7 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
         """FS's aggregation, with the round given to the aggregator first and its result installed after."""
         globals_ = self.globals
         self.aggregator.start(RoundInput(self.state, tuple(sorted(self._expected)), globals_.factors,
-                                         dict(globals_.down_bytes)))  # fmt: skip
+                                         dict(globals_.down_bytes), dict(globals_.shared)))  # fmt: skip
         count = super()._perform_federated_aggregation()
         if (done := self.aggregator.result) is not None:
             for client in done.lost:  # its stored state, merges included, is gone: the next message sends them all

@@ -83,7 +83,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
     from fs_fedpa.plugin import client_round as round_mod
     from fs_fedpa.plugin import evaluation as evaluation_mod
     from fs_fedpa.plugin import record_fs as records_mod
-    from fs_fedpa.plugin.payload import decode_factors, decode_parts
+    from fs_fedpa.plugin.payload import decode_factors, decode_parts, from_wire
     from tests.integration.fault_cases import corrupt
 
     record = {"enter": [], "leave": [], "aggregate": [], "loss_gap": [], "sent": []}
@@ -213,6 +213,13 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
                 uploads.append(_copy(self.method.complete_upload(parts, start.global_factors, c - 1, start.rnd)))
             except Exception:  # a fault of the table: the server's own checks say why
                 uploads.append(None)
+        shared = []  # each upload's shared (non-LoRA) tensors, as sent
+        for _, content in pairs:
+            try:
+                shared.append({k: from_wire(v) if isinstance(v, dict) else v.detach().clone()
+                               for k, v in content["shared"].items()})  # fmt: skip
+            except Exception:
+                shared.append(None)
         result = orig_aggregate(self, agg_info)
         record["aggregate"].append(
             {
@@ -221,6 +228,10 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
                 "weights": weights,
                 "clients": clients,
                 "global": _copy(self.result.global_factors if self.result is not None else start.global_factors),
+                "global_start": _copy(start.global_factors),
+                "shared_uploads": shared,
+                "shared_start": {k: v.clone() for k, v in start.shared.items()},
+                "shared": {k: v.clone() for k, v in self.result.shared.items()} if self.result is not None else {},
             }
         )
         return result

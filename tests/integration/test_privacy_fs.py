@@ -329,15 +329,40 @@ def test_each_supported_method_runs_its_server_step_on_the_unweighted_mean(tiny_
                     torch.testing.assert_close(mine.double(), expected, atol=1e-5, rtol=1e-4)
 
 
-def test_client_level_refuses_a_federated_head(tiny_glue, tmp_path):
+@pytest.mark.parametrize("method", ["fedit", "fedpa"])
+def test_client_level_clips_and_releases_a_federated_head_with_the_lora_update(tiny_glue, tmp_path, method):
+    """A classifier head averaged by the server (not in personalization.local_param): each client's head change is
+    clipped with its LoRA update as one contribution, and the server releases the start head plus the mean clipped
+    change over K. With noise below the float floor and a clip that binds, the new head is that mean, computed here
+    from the uploads (an independent computation of the joint clip: dense products for FedPA-LoRA)."""
+    from tests.integration.conftest import probe
     from tests.integration.tiny_assets import fs_glue_yaml
 
+    C = 0.05
     cfg = fs_glue_yaml(tmp_path, tiny_glue["model"], tiny_glue["glue"], **{
-        "personalization.local_param": [], "fedpa.dp_mode": "client", "fedpa.dp_clip": 1.0,
-        "fedpa.dp_noise_multiplier": 1.0})  # fmt: skip
-    proc = run_fs(cfg, tmp_path)
-    assert proc.returncode != 0
-    assert "differential privacy at client level (fedpa.dp_mode client) with federated tensors" in proc.stderr
+        "federate.method": method, "personalization.local_param": [], "fedpa.dp_mode": "client", "fedpa.dp_clip": C,
+        "fedpa.dp_noise_multiplier": 1e-12, "federate.total_round_num": 2})  # fmt: skip
+    run = probe(cfg, tmp_path)
+    assert any("classifier" in k for k in run["aggregate"][0]["shared_start"])
+    for agg in run["aggregate"]:
+        start, sent, K = agg["shared_start"], agg["global_start"], len(agg["uploads"])
+        expected = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in start.items()}
+        clipped = 0
+        for factors, heads in zip(agg["uploads"], agg["shared_uploads"]):
+            change = {k: heads[k].double() - v.double() for k, v in start.items()}
+            sq = sum(float(c.pow(2).sum()) for c in change.values())
+            if method == "fedpa":  # the applied product s_i B_i A_i (the probe's uploads are applied factors)
+                sq += sum(float((B.double() @ A.double()).pow(2).sum()) for B, A in factors.values())
+            else:  # the change of B and A from the global factors the round sent
+                sq += sum(float((B.double() - sent[n][0].double()).pow(2).sum() + (A.double() - sent[n][1].double()
+                          ).pow(2).sum()) for n, (B, A) in factors.items())  # fmt: skip
+            scale = min(1.0, C / sq**0.5)
+            clipped += scale < 1.0
+            for k in expected:
+                expected[k] += scale * change[k] / K
+        assert clipped  # the clip binds: the head's change was scaled with the LoRA update
+        for k, v in start.items():
+            torch.testing.assert_close(agg["shared"][k].double(), v.double() + expected[k], atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["client", pytest.param("sample", marks=SLOW)])

@@ -15,7 +15,9 @@ from fs_fedpa.core.dp import (
     dp_generator,
     release_changes,
     release_products,
+    release_shared,
     sample_without_replacement,
+    shared_changes,
 )
 
 SETTINGS = settings(max_examples=40, deadline=None)
@@ -66,6 +68,48 @@ def test_change_release_is_the_clipped_mean_change(problem):
             expected = sum((c * (u[name][i].double() - start[name][i].double()) for u, c in zip(uploads, scales)),
                            torch.zeros_like(start[name][i], dtype=torch.float64)) / K  # fmt: skip
             torch.testing.assert_close(release[name][part].double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@SETTINGS
+@given(rounds(), st.booleans())
+def test_a_shared_head_is_clipped_with_the_lora_update_as_one_contribution(problem, product):
+    """Each client's head change joins its LoRA update in one clip (dense float64 norms here), and the released head
+    is the start plus the mean of the clipped changes over K; the released sum moves by at most C / K per client."""
+    shapes, n, K, rank, C, seed = problem
+    uploads = _uploads(seed, n, shapes, rank, scale=3.0)
+    g = torch.Generator().manual_seed(seed + 7)
+    start_head = {"head.weight": torch.randn(2, 5, generator=g), "head.bias": torch.randn(2, generator=g)}
+    heads = [{k: v + 2.0 * torch.randn(v.shape, generator=g) for k, v in start_head.items()} for _ in range(n)]
+    changes, extra = shared_changes(heads, start_head)
+    start = _uploads(seed + 1, 1, shapes, rank)[0]
+    if product:
+        _, scales = release_products(uploads, shapes, K, C, 0.0, dp_generator(0), extra)
+    else:
+        _, scales = release_changes(uploads, [start] * max(n, 1), ("B", "A"), K, C, 0.0, dp_generator(0), extra)
+    new = release_shared(changes, scales, K, C, 0.0, dp_generator(0), start_head)
+    expected = {k: v.double().clone() for k, v in start_head.items()}
+    for u, h, c in zip(uploads, heads, scales):
+        head_sq = sum(float((h[k].double() - v.double()).pow(2).sum()) for k, v in start_head.items())
+        if product:
+            lora_sq = sum(float((B.double() @ A.double()).pow(2).sum()) for B, A in u.values())
+        else:
+            lora_sq = sum(float((B.double() - start[m][0].double()).pow(2).sum() + (A.double() - start[m][1].double())
+                          .pow(2).sum()) for m, (B, A) in u.items())  # fmt: skip
+        norm = math.sqrt(lora_sq + head_sq)
+        assert c == pytest.approx(min(1.0, C / norm), rel=1e-9) and c * norm <= C * (1 + 1e-9)
+        for k, v in start_head.items():
+            expected[k] += c * (h[k].double() - v.double()) / K
+    for k in start_head:
+        torch.testing.assert_close(new[k].double(), expected[k], rtol=1e-5, atol=1e-6)
+        assert new[k].dtype == start_head[k].dtype
+
+
+def test_a_shared_head_gets_noise_of_std_z_C_over_K():
+    head = {"w": torch.zeros(400, 100)}
+    new = release_shared([], [], 10, 0.5, 2.0, dp_generator(3), head)  # no client arrived: the noise alone
+    assert float(new["w"].std()) == pytest.approx(2.0 * 0.5 / 10, rel=0.03)
+    with pytest.raises(ValueError, match="shape"):
+        shared_changes([{"w": torch.zeros(3)}], {"w": torch.zeros(4)})
 
 
 def test_noise_std_is_z_C_over_K_on_a_large_module():
