@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+import torch
+
 from fs_fedpa.core.dp import dp_generator
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
@@ -167,8 +169,6 @@ class ClientPrivacy:
                     "fedpa.dp_local_tensors 'plain' with no local tensor to train plainly: "
                     "personalization.local_param names none of the model's trainable non-LoRA tensors"
                 )
-            import torch
-
             on_cpu = torch.device(trainer.ctx.device).type == "cpu"  # an accelerator takes the whole batch
             chunk = fedpa.dp_chunk if fedpa.dp_chunk and on_cpu else None
             self.dp_sgd = DPSGD(trainer, plan, make_generator, fedpa.dp_clip, plain=plain, chunk=chunk)

@@ -128,9 +128,10 @@ class ServerPrivacy:
         ``global_factors`` and ``shared_start`` the round started from: a missing or dropped client contributes zero,
         and the mean divides by K. A client's LoRA update and its shared tensors' change are clipped together."""
         method = self.method
-        start_shared = {n: shared_start[n] for n in self.shared_names} if self.shared_names else {}
-        changes, extra = shared_changes([{n: s[n] for n in self.shared_names} for s in shared or [{}] * len(uploads)],
-                                        start_shared) if start_shared else ([], None)  # fmt: skip
+        start_shared, changes, extra = {}, [], None
+        if self.shared_names:
+            start_shared = {n: shared_start[n] for n in self.shared_names}
+            changes, extra = shared_changes([{n: s[n] for n in self.shared_names} for s in shared], start_shared)
         shapes = {n: (B.shape[0], A.shape[1]) for n, (B, A) in method.expand(global_factors).items()}
         if method.dp_space == "product":
             release, scales = release_products([method.expand(u) for u in uploads], shapes, self.K, self.C, self.z,
