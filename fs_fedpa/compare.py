@@ -217,7 +217,29 @@ def collect(out: Path) -> dict:
         run["outcomes"] = outcomes
     if (privacy := read_privacy(out / "run")) is not None:
         run["privacy"] = privacy
+    if noise := read_noise_signal(out / "run"):
+        run["noise_signal"] = noise
     return run
+
+
+# a DP-SGD client's round line in its log (fs_fedpa.plugin.privacy.signal_noise_text)
+_NOISE_LINE = re.compile(r"client #(\d+): DP-SGD .*?clipped sum ([0-9.eE+-]+) against noise ([0-9.eE+-]+) ")
+
+
+def read_noise_signal(folder: Path) -> dict[str, list[float | None]]:
+    """Each DP-SGD client's noise/signal per round in its own log (``{client: [||noise|| / ||clipped sum||, ...]}``
+    in round order, 3 significant digits; None where the clipped sum is 0): the share of noise in what it trains on,
+    which only the client's log holds (it reads the client's records). Empty without DP-SGD or its log."""
+    path = folder / "exp_print.log"
+    out: dict[str, list[float | None]] = {}
+    if not path.is_file():
+        return out
+    with open(path, encoding="utf-8", errors="replace") as log:
+        for line in log:
+            if (match := _NOISE_LINE.search(line)) is not None:
+                signal, noise = float(match.group(2)), float(match.group(3))
+                out.setdefault(match.group(1), []).append(float(f"{noise / signal:.3g}") if signal > 0 else None)
+    return out
 
 
 def read_privacy(folder: Path) -> dict | None:

@@ -171,6 +171,17 @@ def comparisons(results: dict) -> dict[str, dict]:
     return rows
 
 
+def noise_shares(run: dict) -> list[float]:
+    """Each DP-SGD client's median noise/signal over the last quarter of its rounds (``noise_signal`` of the run
+    file; rounds where its clipped sum was 0 left out)."""
+    out = []
+    for ratios in (run.get("noise_signal") or {}).values():
+        last = [r for r in ratios[-max(1, len(ratios) // 4) :] if r is not None]
+        if last:
+            out.append(statistics.median(last))
+    return out
+
+
 def final_lines(results: dict) -> list[str]:
     values = final_values(results)
     cells = [*(c for m in dr.METHODS for c in (f"{m}_dp", m)), "fedit_dp_replace", "central_dp", "central_dp_replace",
@@ -178,21 +189,26 @@ def final_lines(results: dict) -> list[str]:
     lines = [
         "Finals: the dev set, accuracy at the last round (mean ± sample sd over seeds (n)). ε: the run's own "
         "guarantee (its ledger, largest client and seed) and the same noise read in the other convention (median "
-        "[range] over stepping clients and seeds; for comparison with published numbers only).",
+        "[range] over stepping clients and seeds; for comparison with published numbers only). Noise/signal: "
+        "‖noise‖ / ‖clipped sum‖ of a DP-SGD step, each client's median over the last quarter of the rounds, from "
+        "its own log (median [range] over clients and seeds).",
         "",
-        "| cell | dev accuracy | ε (own) | ε, other convention | agreement | global norm, last round |",
-        "|---|---|---|---|---|---|",
+        "| cell | dev accuracy | ε (own) | ε, other convention | noise/signal per step | agreement | "
+        "global norm, last round |",
+        "|---|---|---|---|---|---|---|",
     ]
     for cell in cells:
         runs = [r for k, r in results.items() if k.startswith(f"{dr.STAGE}/{cell}_s")]
         eps = [r["privacy"]["dp_epsilon"] for r in runs if r.get("privacy")]
         other = sorted(e for r in runs for e in other_reading(r))
         read = f"{statistics.median(other):.2f} [{other[0]:.2f}, {other[-1]:.2f}]" if other else "–"
+        shares = sorted(v for r in runs for v in noise_shares(r))
+        share = f"{statistics.median(shares):.3g} [{shares[0]:.3g}, {shares[-1]:.3g}]" if shares else "–"
         agree = [a for r in runs if (a := agreement(r)) is not None]
         norms = [r["diagnostics"][-1]["global_norm"] for r in runs if r.get("diagnostics")]
         lines.append(
             f"| {cell} | {_pm(list(values.get(cell, {}).values()))} | {f'{max(eps):.2f}' if eps else '–'} | {read} | "
-            f"{_pm(agree)} | {_pm(norms)} |"
+            f"{share} | {_pm(agree)} | {_pm(norms)} |"
         )
     rows = comparisons(results)
     for title, family in FAMILIES:
