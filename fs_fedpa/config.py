@@ -568,6 +568,10 @@ class FedPAConfig:
                 "fedpa.dp_local_tensors 'plain' is a choice of DP-SGD (fedpa.dp_mode sample); under client-level DP a "
                 "client's local tensors always train without DP"
             )
+        if self.dp_chunk and self.dp_mode != "sample":
+            raise ValueError(
+                "fedpa.dp_chunk is a choice of DP-SGD (fedpa.dp_mode sample); client-level DP trains without it"
+            )
         if (self.dp_noise_multiplier > 0) == (self.dp_epsilon > 0):
             raise ValueError(
                 f"fedpa.dp_mode {self.dp_mode!r} needs exactly one of fedpa.dp_noise_multiplier (z > 0) and "

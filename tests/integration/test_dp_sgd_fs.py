@@ -330,6 +330,8 @@ def test_fedpa_dp_chunk_sets_the_records_a_dp_sgd_forward_takes(dp_chunk, expect
     assert privacy.dp_sgd.chunk == expected
     with pytest.raises(ValueError, match="dp_chunk"):
         FedPAConfig(dp_chunk=32)  # no DP: a DP-only key set is refused
+    with pytest.raises(ValueError, match="fedpa.dp_chunk is a choice of DP-SGD"):
+        FedPAConfig(dp_mode="client", dp_clip=1.0, dp_noise_multiplier=1.0, dp_chunk=32)
     with pytest.raises(ValueError, match=r"fedpa.dp_chunk\(=-1\)"):
         FedPAConfig(dp_mode="sample", dp_clip=1.0, dp_noise_multiplier=1.0, dp_chunk=-1)
 
