@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fs_fedpa.fs_command import fs_overrides, with_yaml_keys
-from fs_fedpa.fs_results import weighted_avg_by_round
+from fs_fedpa.fs_results import read_noise_signal, weighted_avg_by_round
 from fs_fedpa.methods import names as method_names
 from fs_fedpa.record import CLIENT_STATS, DIAGNOSTICS_FILE, EVAL_SHARDS_FILE, OUTCOMES_FILE, PRIVACY_FILE, compact
 
@@ -220,26 +220,6 @@ def collect(out: Path) -> dict:
     if noise := read_noise_signal(out / "run"):
         run["noise_signal"] = noise
     return run
-
-
-# a DP-SGD client's round line in its log (fs_fedpa.plugin.privacy.signal_noise_text)
-_NOISE_LINE = re.compile(r"client #(\d+): DP-SGD .*?clipped sum ([0-9.eE+-]+) against noise ([0-9.eE+-]+) ")
-
-
-def read_noise_signal(folder: Path) -> dict[str, list[float | None]]:
-    """Each DP-SGD client's noise/signal per round in its own log (``{client: [||noise|| / ||clipped sum||, ...]}``
-    in round order, 3 significant digits; None where the clipped sum is 0): the share of noise in what it trains on,
-    which only the client's log holds (it reads the client's records). Empty without DP-SGD or its log."""
-    path = folder / "exp_print.log"
-    out: dict[str, list[float | None]] = {}
-    if not path.is_file():
-        return out
-    with open(path, encoding="utf-8", errors="replace") as log:
-        for line in log:
-            if (match := _NOISE_LINE.search(line)) is not None:
-                signal, noise = float(match.group(2)), float(match.group(3))
-                out.setdefault(match.group(1), []).append(float(f"{noise / signal:.3g}") if signal > 0 else None)
-    return out
 
 
 def read_privacy(folder: Path) -> dict | None:

@@ -3,7 +3,7 @@ holds (written by the plugin's own text), and the report's per-client median ove
 
 from __future__ import annotations
 
-from fs_fedpa.compare import read_noise_signal
+from fs_fedpa.fs_results import read_noise_signal
 from fs_fedpa.plugin.privacy import signal_noise_text
 from fs_fedpa.study.report_dp_regime import noise_shares
 
