@@ -9,7 +9,7 @@ divided by b, is the step's task gradient. What does not touch the data, FedPA-L
 and FS's parameter regularizer, is differentiated as usual and added after clipping and noise.
 
 The per-example gradients come from batched forwards and backwards with taps on the trainable ``nn.Linear`` modules
-(:mod:`fs_fedpa.core.per_example`; the whole batch on an accelerator, chunks of CPU_CHUNK length-sorted records on a
+(:mod:`fs_fedpa.core.per_example`; the whole batch on an accelerator, chunks of CPU_CHUNK (fedpa.dp_chunk) length-sorted records on a
 CPU, each chunk clipped and added to the step's sum as it comes, so a logical batch of any b needs the memory of one
 chunk's per-example gradients) when every trainable tensor is such a module's and the trainer's loss is a mean of
 per-record losses this module can rebuild from the logits; otherwise, and on any chunk where the taps' sum misses
@@ -51,7 +51,7 @@ class DPSGD:
         self.plain = frozenset(plain)
         self._count = 0  # records in this step's batch
         self.batched = batched  # per-example gradients from batched backwards; False: the per-example loop
-        # records a batched forward takes; None: the whole batch on an accelerator, CPU_CHUNK on a CPU
+        # records a batched forward takes on a CPU (None: CPU_CHUNK); an accelerator takes the whole batch
         self.chunk = chunk
         self._owners = None  # (ids of the model and its trainable tensors, their nn.Linear owners, why not, model)
         self._make_generator, self._generator = make_generator, None
@@ -166,7 +166,7 @@ class DPSGD:
         owners, why = self._linear_owners(ctx.model, params)
         if owners is None:
             return self._give_up(why)
-        chunk = self.chunk or (size if _device(ctx.model).type != "cpu" else CPU_CHUNK)
+        chunk = size if _device(ctx.model).type != "cpu" else (self.chunk or CPU_CHUNK)
         total, dropped, losses, y_true, y_prob = None, 0, [], [], []
         mask = self._plain_mask(ctx.model, params)  # the same for every chunk of the step
         for index in length_chunks(batch, size, chunk):

@@ -16,8 +16,6 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-import torch
-
 from fs_fedpa.core.dp import dp_generator
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
@@ -169,9 +167,8 @@ class ClientPrivacy:
                     "fedpa.dp_local_tensors 'plain' with no local tensor to train plainly: "
                     "personalization.local_param names none of the model's trainable non-LoRA tensors"
                 )
-            on_cpu = torch.device(trainer.ctx.device).type == "cpu"  # an accelerator takes the whole batch
-            chunk = fedpa.dp_chunk if fedpa.dp_chunk and on_cpu else None
-            self.dp_sgd = DPSGD(trainer, plan, make_generator, fedpa.dp_clip, plain=plain, chunk=chunk)
+            self.dp_sgd = DPSGD(trainer, plan, make_generator, fedpa.dp_clip, plain=plain,
+                                chunk=fedpa.dp_chunk or None)  # fmt: skip
             n = trainer.ctx.get("num_train_data")
             if isinstance(n, int) and n > 0:
                 plan(n)  # now, not in the first batch: a delta above min(1e-5, 1/(10 n_i)) is refused at start
