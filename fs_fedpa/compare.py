@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fs_fedpa.fs_command import fs_overrides, with_yaml_keys
-from fs_fedpa.fs_results import read_noise_signal, weighted_avg_by_round
+from fs_fedpa.fs_results import clients_last_round, read_noise_signal, weighted_avg_by_round
 from fs_fedpa.methods import names as method_names
 from fs_fedpa.record import CLIENT_STATS, DIAGNOSTICS_FILE, EVAL_SHARDS_FILE, OUTCOMES_FILE, PRIVACY_FILE, compact
 
@@ -210,6 +210,8 @@ def collect(out: Path) -> dict:
     run.setdefault("cell", run.get("method"))
     run["split_seed"] = split_seed(out / "run")
     run["rounds"] = {int(r): m for r, m in weighted_avg_by_round(out / "run" / "eval_results.log").items()}
+    if clients := clients_last_round(out / "run" / "eval_results.log"):
+        run["clients"] = clients
     path = out / "run" / DIAGNOSTICS_FILE
     lines = path.read_text().splitlines() if path.is_file() else []
     run["diagnostics"] = [compact(json.loads(line)) for line in lines]

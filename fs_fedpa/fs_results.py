@@ -10,17 +10,40 @@ from pathlib import Path
 _NP_SCALAR = re.compile(r"np\.\w+\(([^()]*)\)")
 
 
-def weighted_avg_by_round(path: str | Path) -> dict[int, dict]:
-    """``round -> Results_weighted_avg`` of every server evaluation in ``path`` (nan becomes None)."""
-    rounds = {}
+def _rows(path: str | Path):
+    """Each line of ``path`` that is a dict with an integer ``Round`` (nan becomes None)."""
     for line in Path(path).read_text().splitlines():
         try:
             row = ast.literal_eval(_NP_SCALAR.sub(r"\1", line).replace("nan", "None"))
         except (ValueError, SyntaxError):
             continue
-        if isinstance(row, dict) and isinstance(row.get("Round"), int) and "Results_weighted_avg" in row:
-            rounds[row["Round"]] = row["Results_weighted_avg"]
+        if isinstance(row, dict) and isinstance(row.get("Round"), int):
+            yield row
+
+
+def weighted_avg_by_round(path: str | Path) -> dict[int, dict]:
+    """``round -> Results_weighted_avg`` of every server evaluation in ``path`` (nan becomes None)."""
+    rounds = {row["Round"]: row["Results_weighted_avg"] for row in _rows(path) if "Results_weighted_avg" in row}
     return dict(sorted(rounds.items()))
+
+
+_CLIENT = re.compile(r"Client #(\d+)$")
+CLIENT_KEYS = ("val_acc", "val_f1", "val_total", "local.val_acc", "local.val_f1")
+
+
+def clients_last_round(path: str | Path) -> dict[str, dict]:
+    """Each client's own evaluation at its last round in ``path`` (``{client: {key: value}}`` for the keys of
+    :data:`CLIENT_KEYS` it has, floats to 4 decimals), which the weighted average hides: e.g. which clients of a run
+    predict one label. Empty when the file holds no client's row."""
+    last: dict[str, tuple[int, dict]] = {}
+    for row in _rows(path):
+        client = _CLIENT.match(str(row.get("Role", "")))
+        if client and isinstance(row.get("Results_raw"), dict) and row["Round"] >= last.get(client[1], (-1,))[0]:
+            last[client[1]] = (row["Round"], row["Results_raw"])
+    return {
+        c: {k: round(raw[k], 4) if isinstance(raw[k], float) else raw[k] for k in CLIENT_KEYS if k in raw}
+        for c, (_, raw) in sorted(last.items(), key=lambda item: int(item[0]))
+    }
 
 
 _NOISE_LINE = re.compile(r"client #(\d+): DP-SGD .*?clipped sum ([0-9.eE+-]+) against noise ([0-9.eE+-]+) ")

@@ -171,15 +171,53 @@ def comparisons(results: dict) -> dict[str, dict]:
     return rows
 
 
+def _last_quarter(ratios: list) -> float | None:
+    last = [r for r in ratios[-max(1, len(ratios) // 4) :] if r is not None]
+    return statistics.median(last) if last else None
+
+
 def noise_shares(run: dict) -> list[float]:
     """Each DP-SGD client's median noise/signal over the last quarter of its rounds (``noise_signal`` of the run
     file; rounds where its clipped sum was 0 left out)."""
-    out = []
-    for ratios in (run.get("noise_signal") or {}).values():
-        last = [r for r in ratios[-max(1, len(ratios) // 4) :] if r is not None]
-        if last:
-            out.append(statistics.median(last))
-    return out
+    return [v for ratios in (run.get("noise_signal") or {}).values() if (v := _last_quarter(ratios)) is not None]
+
+
+def client_lines(results: dict) -> list[str]:
+    """The mechanism per client: each one's own model (``local.val_*``) on its dev shard at the last round and, under
+    DP-SGD, its noise/signal (its median over the last quarter of the rounds); medians over seeds (one split)."""
+    cells = [*(f"{m}_dp" for m in dr.METHODS), "fedpa", "fedit"]
+    runs = {c: [r for k, r in results.items() if k.startswith(f"{dr.STAGE}/{c}_s") and r.get("clients")] for c in cells}
+    ids = sorted({i for rs in runs.values() for r in rs for i in r["clients"]}, key=int)
+    if not ids:
+        return []
+    lines = [
+        "Per client, the mechanism: each client's own model on its dev shard at the last round (accuracy / macro-F1; "
+        "a model that predicts one label scores a macro-F1 of 0.5 at most) and, under DP-SGD, its "
+        "noise/signal (its median over the last quarter of the rounds; – where it takes no DP step: under "
+        f"{dr.MIN_RECORDS:,} training sentences); medians over seeds, whose split is the same.",
+        "",
+        "| client | dev sentences | " + " | ".join(f"{c} (seeds)" for c in cells) + " |",
+        "|---|---|" + "---|" * len(cells),
+    ]
+
+    def med(values: list) -> float | None:
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    for i in ids:
+        sizes = {r["clients"][i].get("val_total") for rs in runs.values() for r in rs if i in r["clients"]}
+        row = [i, "/".join(str(n) for n in sorted(n for n in sizes if n is not None)) or "–"]
+        for cell in cells:
+            mine = [r for r in runs[cell] if i in r["clients"]]
+            acc = med([r["clients"][i].get("local.val_acc") for r in mine])
+            f1 = med([r["clients"][i].get("local.val_f1") for r in mine])
+            share = med([_last_quarter((r.get("noise_signal") or {}).get(i) or []) for r in mine])
+            text = "–" if acc is None else f"{acc:.3f} / {f1:.2f}" if f1 is not None else f"{acc:.3f}"
+            if cell.endswith("_dp") and mine:
+                text = f"{'–' if share is None else f'{share:.3g}'}; {text}"
+            row.append(f"{text} ({len(mine)})" if mine else "–")
+        lines.append("| " + " | ".join(row) + " |")
+    return [*lines, ""]
 
 
 def final_lines(results: dict) -> list[str]:
@@ -220,7 +258,7 @@ def final_lines(results: dict) -> list[str]:
                 f"{row['mean']:+.4f} [{row['low']:+.4f}, {row['high']:+.4f}]; n={row['seeds']}, ahead in {row['ahead']}"
                 + (f"; Holm p {row['holm_p']:.3f}, {row['holm']}" if "holm" in row else ""))  # fmt: skip
             lines.append(f"| {key} | {text} |")
-    return [*lines, ""]
+    return [*lines, "", *client_lines(results)]
 
 
 def figure(results: dict, report: Path) -> list[str]:
