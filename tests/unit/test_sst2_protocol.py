@@ -750,6 +750,8 @@ def test_a_run_records_the_commit_of_the_code_it_started_with(tmp_path, monkeypa
 
     commits = iter(["at-start", "at-end"])
     monkeypatch.setattr(compare, "code_commit", lambda: next(commits))
+    # host_record's probe would run through the fake Popen below, and its cached None would reach later tests
+    monkeypatch.setattr(compare, "host_record", lambda: {"cpu": None, "cpus": 1, "probe_cpu_seconds": None})
     real = subprocess.Popen
 
     def fake_fs(cmd, **kw):  # FS's place: one round line, then exit 0
