@@ -21,6 +21,8 @@ FAMILIES = (
      {f"fedpa_dp − {m}_dp": ("fedpa_dp", f"{m}_dp") for m in dr.METHODS if m != "fedpa"}),
     ("each method under DP against itself without DP, Holm over 4",
      {f"{m}_dp − {m}": (f"{m}_dp", m) for m in dr.METHODS}),
+    ("the other three pairwise under DP, Holm over 3 (amendment I: added after seed 0, before seeds 1–2)",
+     {f"{a}_dp − {b}_dp": (f"{a}_dp", f"{b}_dp") for i, a in enumerate(dr.OTHERS) for b in dr.OTHERS[i + 1 :]}),
 )  # fmt: skip
 
 

@@ -96,3 +96,22 @@ def test_the_diagnostics_sit_beside_the_search_run_of_their_regime(tmp_path):
     row = "| diag_b1024_tau2_local_l45_adamw0.0005_z0.01 | yes | 1 | 0.01 | 0.8400 | 0.5000 | 0.3000 | 0.8000 |"
     assert row in text
     assert "diagnostics F" not in text and "Amendment G" in text  # G dropped F's run without DP
+
+
+def test_amendment_i_pairs_the_other_three_under_dp_in_a_family_of_its_own(tmp_path):
+    results: dict = {}
+    _complete_search(results)
+    ffa = {0: 0.75, 1: 0.79, 2: 0.76}
+    for run in dict(dr.runs(SELECTED, results))["dp regime: finals"]:
+        acc = ffa[run.seed] if run.name == "ffa_lora_dp" else 0.78 + 0.01 * run.seed
+        results[run.key] = _result(run, acc)
+    text = "\n".join(rr.final_lines(results))
+    assert "the other three pairwise under DP, Holm over 3 (amendment I" in text
+    # fedit_dp − ffa_lora_dp, by hand: differences 0.03, 0.00, 0.04
+    d = [0.03, 0.00, 0.04]
+    half = 4.302653 * statistics.stdev(d) / 3**0.5
+    mean = statistics.fmean(d)
+    row = next(line for line in text.splitlines() if line.startswith("| fedit_dp − ffa_lora_dp |"))
+    assert f"{mean:+.4f} [{mean - half:+.4f}, {mean + half:+.4f}]; n=3, ahead in 2; Holm p" in row
+    assert next(line for line in text.splitlines() if line.startswith("| ffa_lora_dp − fedsvd_dp |"))
+    assert "| fedit_dp − fedit |" in text and "| fedsvd_dp − fedit_dp |" not in text
