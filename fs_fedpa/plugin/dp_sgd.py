@@ -9,12 +9,13 @@ divided by b, is the step's task gradient. What does not touch the data, FedPA-L
 and FS's parameter regularizer, is differentiated as usual and added after clipping and noise.
 
 The per-example gradients come from batched forwards and backwards with taps on the trainable ``nn.Linear`` modules
-(:mod:`fs_fedpa.core.per_example`; the whole batch on an accelerator, chunks of CPU_CHUNK (fedpa.dp_chunk) length-sorted records on a
-CPU, each chunk clipped and added to the step's sum as it comes, so a logical batch of any b needs the memory of one
-chunk's per-example gradients) when every trainable tensor is such a module's and the trainer's loss is a mean of
-per-record losses this module can rebuild from the logits; otherwise, and on any chunk where the taps' sum misses
-autograd's gradient, from a per-example loop (FS's forward on each record alone; ``torch.func.vmap`` fails inside
-transformers' attention-mask code). Both give the same clipped sum (tests/integration/test_dp_sgd_fs.py).
+(:mod:`fs_fedpa.core.per_example`; the whole batch on an accelerator, on a CPU chunks of ``fedpa.dp_chunk`` (default
+CPU_CHUNK) length-sorted records, each chunk clipped and added to the step's sum as it comes, so a logical batch of
+any b needs the memory of one chunk's per-example gradients) when every trainable tensor is such a module's and the
+trainer's loss is a mean of per-record losses this module can rebuild from the logits; otherwise, and on any chunk
+where the taps' sum misses autograd's gradient, from a per-example loop (FS's forward on each record alone;
+``torch.func.vmap`` fails inside transformers' attention-mask code). Both give the same clipped sum
+(tests/integration/test_dp_sgd_fs.py).
 """
 
 from __future__ import annotations
