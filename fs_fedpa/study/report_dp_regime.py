@@ -265,8 +265,8 @@ def final_lines(results: dict) -> list[str]:
 
 def figure(results: dict, report: Path) -> list[str]:
     """Two panels. The search: each run's held-out score under DP at ε = 8 against its learning rate (colour: b,
-    marker: the head; the selected run ringed). The finals: each method's dev accuracy at ε = 8 and without DP (mean
-    and sample sd over seeds), and the central anchors."""
+    marker: the head; the selected run ringed). The finals: each method's dev accuracy at ε = 8 in both conventions
+    (where run) and without DP (mean and sample sd over seeds), and the central anchors."""
     search = [r for k, r in results.items() if k.startswith(f"{dr.STAGE}/search_")]
     if not search:
         return []
@@ -297,14 +297,18 @@ def figure(results: dict, report: Path) -> list[str]:
     left.legend(fontsize=7, loc="center left")
     values = final_values(results)
     names = [*dr.METHODS, "central"]
-    for offset, suffix, label, marker in ((-0.12, "_dp", f"ε = {dr.EPSILON:g} (Poisson, add/remove)", "v"),
-                                          (0.12, "", "no DP", "^")):  # fmt: skip
+    series = ((-0.18, "_dp", f"ε = {dr.EPSILON:g} (Poisson, add/remove)", "v", "tab:red"),
+              (0.0, "_dp_replace", f"ε = {dr.EPSILON:g} (fixed-size, replace-one)", "D", "tab:purple"),
+              (0.18, "", "no DP", "^", "tab:green"))  # fmt: skip
+    for offset, suffix, label, marker, colour in series:
+        labelled = False
         for i, name in enumerate(names):
             seeds = list(values.get(f"{name}{suffix}", {}).values())
             if seeds:
                 sd = statistics.stdev(seeds) if len(seeds) > 1 else 0.0
                 right.errorbar([i + offset], [statistics.fmean(seeds)], yerr=[sd], fmt=marker, capsize=3,
-                               color="tab:red" if suffix else "tab:green", label=label if i == 0 else None)  # fmt: skip
+                               color=colour, label=None if labelled else label)  # fmt: skip
+                labelled = True
     right.set_xticks(range(len(names)), [n.replace("_", " ") for n in names])
     right.set_xlim(-0.6, len(names) - 0.4)
     right.set_ylabel("dev accuracy, last round")
