@@ -26,6 +26,7 @@ ADAPTIVE_CHOICES = ("none", "loss", "grad", "direction")
 DP_CHOICES = ("none", "client", "sample")
 DP_SAMPLINGS = ("wor", "poisson")
 DP_ACCOUNTANTS = ("rdp", "pld")
+DP_LOCAL_TENSORS = ("noised", "frozen")  # "plain" is refused by name: it broke DP-SGD's guarantee
 DP_DELTA_MAX = 1e-5  # the largest delta a run may take, whatever the population (docs/privacy.md)
 LAM_MAX = 1e6  # upper bound of fedpa.lam and fedpa.lam_max: far above any useful weight, far below an overflow
 SEED_MAX = 2**32 - 1  # fedpa.seed: FS's top-level seed (numpy's) has this range; derived seeds stay within int64
@@ -408,14 +409,16 @@ class FedPAConfig:
             )
         },
     )
-    dp_local_tensors: Literal["noised", "plain"] = field(
+    dp_local_tensors: Literal["noised", "frozen"] = field(
         default="noised",
         metadata={
             "help": (
                 "sample mode: the client's local tensors (personalization.local_param, e.g. a local head) train "
-                "under DP-SGD with the rest ('noised'), or on the batch's mean loss, neither clipped nor noised "
-                "('plain'): they never leave the client, so the guarantee still covers all it sends, but not its "
-                "local head or the client exports that hold it"
+                "under DP-SGD with the rest, clipped and noised ('noised'), or stay at their initial value, which no "
+                "record touches, while the rest trains ('frozen'). Either way every tensor the client trains is "
+                "inside the mechanism, so the guarantee covers all it sends and its exports. 'plain' (the head on "
+                "the batch's exact gradient) is refused: through the head one record moves every other record's "
+                "clipped gradient, so a step's sensitivity is not 2C and the stated epsilon would be no guarantee"
             )
         },
     )
@@ -548,8 +551,14 @@ class FedPAConfig:
         self.dp_chunk = _integer(self.dp_chunk, "dp_chunk", minimum=0)
         if self.dp_seed > SEED_MAX:
             raise ValueError(f"fedpa.dp_seed(={self.dp_seed}) must be <= 2**32 - 1")
+        if self.dp_local_tensors == "plain":
+            raise ValueError(
+                "fedpa.dp_local_tensors 'plain' is withdrawn: a local head trained on the batch's exact gradient "
+                "changes every other record's clipped gradient, so DP-SGD's sensitivity bound does not hold and "
+                "epsilon is no guarantee; use 'noised' (the default) or 'frozen'"
+            )
         for key, choices in (("dp_sampling", DP_SAMPLINGS), ("dp_accountant", DP_ACCOUNTANTS),
-                             ("dp_local_tensors", ("noised", "plain"))):  # fmt: skip
+                             ("dp_local_tensors", DP_LOCAL_TENSORS)):  # fmt: skip
             if getattr(self, key) not in choices:
                 raise ValueError(f"fedpa.{key}(={getattr(self, key)!r}) must be one of {choices}")
         if self.dp_mode == "none":
@@ -563,10 +572,10 @@ class FedPAConfig:
             return
         if self.dp_clip <= 0:
             raise ValueError(f"fedpa.dp_mode {self.dp_mode!r} needs fedpa.dp_clip, the clip norm C > 0")
-        if self.dp_local_tensors == "plain" and self.dp_mode != "sample":
+        if self.dp_local_tensors != "noised" and self.dp_mode != "sample":
             raise ValueError(
-                "fedpa.dp_local_tensors 'plain' is a choice of DP-SGD (fedpa.dp_mode sample); under client-level DP a "
-                "client's local tensors always train without DP"
+                f"fedpa.dp_local_tensors {self.dp_local_tensors!r} is a choice of DP-SGD (fedpa.dp_mode sample); "
+                "under client-level DP a client's local tensors train on its data and never leave it"
             )
         if self.dp_chunk and self.dp_mode != "sample":
             raise ValueError(

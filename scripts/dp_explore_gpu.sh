@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Issue 59, exploratory (one seed, untuned, not a protocol stage): the protocol's federation (10 clients, LDA 0.5)
 # at b = 256, 2 local steps, 30 rounds, AdamW 1e-3; FedIT and FedPA-LoRA, with DP-SGD at epsilon 8 (Poisson,
-# add/remove, PLD, C = 1, local heads plain, clients under 1,000 sentences sitting out) and without.
+# add/remove, PLD, C = 1, local heads frozen (the
+# plain heads it first ran with broke the guarantee), clients under 1,000 sentences sitting out) and without.
 set -u
 OUT=${OUT:-/tmp/out}
 CARRY=${CARRY:-.gpu}
 common=(data.root "$CARRY/glue" use_gpu True device 0 federate.total_round_num 30 dataloader.batch_size 256
   train.local_update_steps 2 train.optimizer.lr 0.001 eval.freq 10 fedpa.num_threads 2)
 dp=(fedpa.dp_mode sample fedpa.dp_clip 1.0 fedpa.dp_epsilon 8 fedpa.dp_sampling poisson fedpa.dp_accountant pld
-  fedpa.dp_local_tensors plain fedpa.dp_min_records 1000)
+  fedpa.dp_local_tensors frozen fedpa.dp_min_records 1000)
 start=$(date +%s)
 launch() {
   local name=$1 method=$2; shift 2

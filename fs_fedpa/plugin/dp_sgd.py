@@ -4,7 +4,8 @@
 At every step, in place of the batch FS's shuffled, cycled loader gave (which matches no sampling an accountant
 knows): b of the client's n_i records drawn uniformly without replacement from the DP generator, or each record at
 rate b/n_i (``fedpa.dp_sampling poisson``, b then the expected size); the gradient of each
-record's task loss over every trainable tensor (LoRA factors and head) clipped to C; the sum plus N(0, (z C)^2),
+record's task loss over every tensor that trains (LoRA factors and head; a head held at its initial value by
+``fedpa.dp_local_tensors frozen`` takes no step) clipped to C; the sum plus N(0, (z C)^2),
 divided by b, is the step's task gradient. What does not touch the data, FedPA-LoRA's alignment term at a fixed lambda
 and FS's parameter regularizer, is differentiated as usual and added after clipping and noise.
 
@@ -45,12 +46,12 @@ class DPSGD:
     and in distributed mode the stream is named by the id the client learns when it joins)."""
 
     def __init__(self, trainer, plan, make_generator, clip: float, batched: bool = True, chunk: int | None = None,
-                 plain: frozenset[str] = frozenset()):  # fmt: skip
+                 frozen: frozenset[str] = frozenset()):  # fmt: skip
+        # Every tensor that moves is clipped and noised; ``frozen`` names trainable tensors held at their value
+        # (fedpa.dp_local_tensors frozen). None may train on the exact gradient (the withdrawn 'plain'): through it
+        # one record would move every other record's clipped gradient, and a step's sensitivity would not be 2C
         self.plan, self.C = plan, clip
-        # names of trainable tensors that never leave the client (fedpa.dp_local_tensors plain): trained on the
-        # batch's mean loss, neither clipped nor noised; the clip norm is over the others only
-        self.plain = frozenset(plain)
-        self._count = 0  # records in this step's batch
+        self.frozen = frozenset(frozen)
         self.batched = batched  # per-example gradients from batched backwards; False: the per-example loop
         # records a batched forward takes on a CPU (None: CPU_CHUNK); an accelerator takes the whole batch
         self.chunk = chunk
@@ -136,7 +137,7 @@ class DPSGD:
         mean of the records' losses, detached (the client's own log; it is never sent)."""
         batch = ctx.data_batch
         size = _batch_size(batch)
-        params = [p for p in ctx.model.parameters() if p.requires_grad]
+        params = self._params(ctx.model)
         if self._empty:
             self._no_records(ctx, params)
             return
@@ -152,7 +153,6 @@ class DPSGD:
         with torch.no_grad():
             self._forward(ctx)
         self._grad_sum = [torch.zeros_like(p, dtype=torch.float64) for p in params]
-        self._count = 0
         ctx.loss_batch = CtxVar(torch.zeros((), device=_device(ctx.model)), LIFECYCLE.BATCH)
         ctx.y_true = CtxVar(ctx.y_true[:0], LIFECYCLE.BATCH)
         ctx.y_prob = CtxVar(ctx.y_prob[:0], LIFECYCLE.BATCH)
@@ -169,7 +169,6 @@ class DPSGD:
             return self._give_up(why)
         chunk = size if _device(ctx.model).type != "cpu" else (self.chunk or CPU_CHUNK)
         total, dropped, losses, y_true, y_prob = None, 0, [], [], []
-        mask = self._plain_mask(ctx.model, params)  # the same for every chunk of the step
         for index in length_chunks(batch, size, chunk):
             n = len(index)
             ctx.data_batch = CtxVar(select_records(batch, index, size), LIFECYCLE.BATCH)
@@ -194,10 +193,7 @@ class DPSGD:
                 )
             # clipped chunk by chunk: the clip is per record, so the sum is the same, and only one chunk's
             # per-example gradients are alive at a time (a logical batch of b records in bounded memory)
-            private, scales = clipped_sum([f for f, plain in zip(found, mask) if not plain], self.C)
-            summed = [torch.zeros_like(p, dtype=torch.float64) if g is None else g.detach().double()
-                      for g, p, plain in zip(grads, params, mask) if plain]  # fmt: skip
-            part_sum = _interleave(private, summed, mask)
+            part_sum, scales = clipped_sum(found, self.C)
             total = part_sum if total is None else [t.add_(x) for t, x in zip(total, part_sum)]
             dropped += scales.count(0.0)  # c_j = 0 only for a non-finite norm (C > 0)
             del found
@@ -205,7 +201,6 @@ class DPSGD:
             y_true.append(ctx.y_true.detach())
             y_prob.append(ctx.y_prob.detach())
         self._grad_sum = total or []
-        self._count = size
         self.round_nonfinite += dropped
         ctx.loss_batch = CtxVar(torch.cat(losses).mean(), LIFECYCLE.BATCH)
         ctx.y_true = CtxVar(torch.cat(y_true), LIFECYCLE.BATCH)  # in chunk order: the client's own metrics
@@ -221,12 +216,9 @@ class DPSGD:
             self._owners = (key, *linear_owners(model, params), model)
         return self._owners[1:3]
 
-    def _plain_mask(self, model, params) -> list[bool]:
-        """Per trainable tensor: True when it is one of ``self.plain``."""
-        if not self.plain:
-            return [False] * len(params)
-        names = {id(p): n for n, p in model.named_parameters()}
-        return [names.get(id(p)) in self.plain for p in params]
+    def _params(self, model) -> list[Tensor]:
+        """The tensors DP-SGD trains: the trainable ones less ``self.frozen``."""
+        return [p for n, p in model.named_parameters() if p.requires_grad and n not in self.frozen]
 
     def _give_up(self, why: str, warn: bool = False) -> bool:
         self.batched = False
@@ -235,8 +227,7 @@ class DPSGD:
 
     def _loop(self, ctx, batch, size: int, params) -> None:
         """Per record: FS's forward on it alone and the gradient of its loss, clipped into the running sum."""
-        total, summed, losses, y_true, y_prob = None, None, [], [], []
-        mask = self._plain_mask(ctx.model, params)
+        total, losses, y_true, y_prob = None, [], [], []
         for j in range(size):  # one record's gradient alive at a time
             ctx.data_batch = CtxVar(_row(batch, j, size), LIFECYCLE.BATCH)
             self._forward(ctx)
@@ -245,23 +236,19 @@ class DPSGD:
             else:  # e.g. a causal-LM record with no label token: it contributes zero, within the clip bound
                 grads = [None] * len(params)
             grads = [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(grads, params)]
-            total, c = add_clipped(total, [g for g, plain in zip(grads, mask) if not plain], self.C)
-            plain_grads = [g.double() for g, plain in zip(grads, mask) if plain]
-            summed = plain_grads if summed is None else [t.add_(g) for t, g in zip(summed, plain_grads)]
+            total, c = add_clipped(total, grads, self.C)
             self.round_nonfinite += c == 0.0
             losses.append(ctx.loss_batch.detach())
             y_true.append(ctx.y_true.detach())
             y_prob.append(ctx.y_prob.detach())
-        self._grad_sum = _interleave(total or [], summed or [], mask) if size else []
-        self._count = size
+        self._grad_sum = (total or []) if size else []
         ctx.loss_batch = CtxVar(torch.stack(losses).mean(), LIFECYCLE.BATCH)
         ctx.y_true = CtxVar(torch.cat([y.reshape(-1, *y.shape[1:]) if y.ndim else y.reshape(1) for y in y_true]),
                             LIFECYCLE.BATCH)  # fmt: skip
         ctx.y_prob = CtxVar(torch.cat(y_prob), LIFECYCLE.BATCH)
 
     def _hook_on_batch_backward_dp(self, ctx):
-        """grad = d(alignment + regularizer) + (clipped sum + N(0, (z C)^2)) / b, then FS's optimizer step; a plain
-        tensor's task gradient is the mean of its records' gradients over the batch (that of the mean loss)."""
+        """grad = d(alignment + regularizer) + (clipped sum + N(0, (z C)^2)) / b, then FS's optimizer step."""
         plan = self._plan
         self.round_steps += 1
         if self.round_steps > plan.steps_per_round:
@@ -272,30 +259,24 @@ class DPSGD:
         ctx.optimizer.zero_grad()
         if isinstance(ctx.loss_task, Tensor) and ctx.loss_task.requires_grad:
             ctx.loss_task.backward()  # the data-free terms: ctx.loss_batch is detached
-        params = [p for p in ctx.model.parameters() if p.requires_grad]
+        for n, p in ctx.model.named_parameters():
+            if n in self.frozen:
+                p.grad = None  # e.g. a regularizer's gradient: a frozen tensor takes no step at all
+        params = self._params(ctx.model)
         std = plan.z * self.C
-        signal = noise = 0.0  # 0-d tensors on the gradients' device once a clipped tensor is seen
+        signal = noise = 0.0  # 0-d tensors on the gradients' device once a tensor is seen
         with torch.no_grad():
-            for p, g, plain in zip(params, self._grad_sum, self._plain_mask(ctx.model, params)):
-                if plain:
-                    step = g / max(self._count, 1)
-                else:
-                    drawn = gaussian(g.shape, std, self.generator, g)
-                    signal = signal + g.double().pow(2).sum()
-                    noise = noise + drawn.double().pow(2).sum()
-                    step = (g + drawn) / plan.b
+            for p, g in zip(params, self._grad_sum):
+                drawn = gaussian(g.shape, std, self.generator, g)
+                signal = signal + g.double().pow(2).sum()
+                noise = noise + drawn.double().pow(2).sum()
+                step = (g + drawn) / plan.b
                 p.grad = step.to(p.dtype) if p.grad is None else p.grad + step.to(p.dtype)
         self.round_norms.append((signal, noise))
         self._grad_sum = []
         ctx.optimizer.step()
         if ctx.scheduler is not None:
             ctx.scheduler.step()
-
-
-def _interleave(private: list[Tensor], plain: list[Tensor], mask: list[bool]) -> list[Tensor]:
-    """One list in the trainable tensors' order from the private (clipped) and the plain sums."""
-    private_it, plain_it = iter(private), iter(plain)
-    return [next(plain_it) if m else next(private_it) for m in mask]
 
 
 def record_losses(ctx, size: int) -> tuple[Tensor | None, str]:

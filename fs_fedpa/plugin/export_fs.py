@@ -383,8 +383,8 @@ def run_info(cfg, outdir: Path, rounds: int, missing: list[int]) -> dict:
 def privacy_info(dp_mode: str, outdir: Path, local_tensors: str = "noised") -> dict:
     """What of the export is differentially private, and at which (epsilon, delta) and convention (from the run's
     ledger, its last line). Client level: the global adapter only; the clients' heads and own factors are trained
-    on their data without DP. Sample level (DP-SGD): the global adapter and every client's own factors, and its head
-    unless ``fedpa.dp_local_tensors`` is ``plain``."""
+    on their data without DP. Sample level (DP-SGD): everything, the clients' heads included (clipped and noised,
+    or with ``fedpa.dp_local_tensors frozen`` held at their initial value, which no record touches)."""
     if dp_mode == "none":
         return {"dp_mode": "none", "dp_files": [], "not_dp_files": ["global", "client_<id>"]}
     from fs_fedpa.record import PRIVACY_FILE
@@ -397,12 +397,8 @@ def privacy_info(dp_mode: str, outdir: Path, local_tensors: str = "noised") -> d
            "accountant": last.get("dp_accountant")}  # fmt: skip
     if dp_mode == "client":
         out.update(dp_files=["global"], not_dp_files=["client_<id> (heads and own factors: trained without DP)"])
-    elif local_tensors == "plain":
-        local = "client_<id> (local tensors, e.g. the head: trained without DP, never sent)"
-        out.update(epsilon_is="the largest over the clients (per client in the ledger)",
-                   dp_files=["global", "client_<id> (own factors)"], not_dp_files=[local])  # fmt: skip
     else:
-        out.update(epsilon_is="the largest over the clients (per client in the ledger)",
+        out.update(epsilon_is="the largest over the clients (per client in the ledger)", local_tensors=local_tensors,
                    dp_files=["global", "client_<id>"], not_dp_files=[])  # fmt: skip
     return out
 

@@ -144,7 +144,7 @@ def routines(method) -> int:
 class ClientPrivacy:
     """A client's side: what it may send, and its DP-SGD in sample mode. It takes FS's config ``cfg``, the client's
     ``method``, FS's ``trainer`` (DP-SGD replaces its step; ``num_train_data`` is the client's n_i) and the names of
-    its local tensors (``fedpa.dp_local_tensors plain`` trains them without noise)."""
+    its local tensors (``fedpa.dp_local_tensors frozen`` holds them at their initial value)."""
 
     def __init__(self, cfg, method, trainer, local_names: list[str]):
         fedpa = method.cfg
@@ -161,14 +161,9 @@ class ClientPrivacy:
                 stream = f"client {self.client} round {self.rnd} routine {routine}"
                 return dp_generator(fedpa.dp_seed, stream, fedpa.dp_secure_rng)
 
-            plain = frozenset(local_names) if fedpa.dp_local_tensors == "plain" else frozenset()
-            if fedpa.dp_local_tensors == "plain" and not plain:
-                raise ValueError(
-                    "fedpa.dp_local_tensors 'plain' with no local tensor to train plainly: "
-                    "personalization.local_param names none of the model's trainable non-LoRA tensors"
-                )
-            self.dp_sgd = DPSGD(trainer, plan, make_generator, fedpa.dp_clip, plain=plain,
-                                chunk=fedpa.dp_chunk or None)  # fmt: skip
+            frozen = frozen_names(fedpa.dp_local_tensors, local_names)
+            self.dp_sgd = DPSGD(trainer, plan, make_generator, fedpa.dp_clip, chunk=fedpa.dp_chunk or None,
+                                frozen=frozen)  # fmt: skip
             n = trainer.ctx.get("num_train_data")
             if isinstance(n, int) and n > 0:
                 plan(n)  # now, not in the first batch: a delta above min(1e-5, 1/(10 n_i)) is refused at start
@@ -233,6 +228,20 @@ class ClientPrivacy:
                if self.dp_sgd.round_empty else "")
             + signal_noise_text(self.dp_sgd.signal_noise())
         )
+
+
+def frozen_names(treatment: str, local_names: list[str]) -> frozenset[str]:
+    """The tensors DP-SGD holds still: with ``fedpa.dp_local_tensors frozen`` the client's local tensors (a head),
+    which keep the value they were built with, a value no record touches; DP-SGD clips and noises every tensor that
+    moves, so what the client releases is post-processing of the mechanism alone."""
+    if treatment != "frozen":
+        return frozenset()
+    if not local_names:
+        raise ValueError(
+            "fedpa.dp_local_tensors 'frozen' with no local tensor to freeze: personalization.local_param names none "
+            "of the model's trainable non-LoRA tensors"
+        )
+    return frozenset(local_names)
 
 
 def signal_noise_text(norms: tuple[float, float] | None) -> str:

@@ -16,7 +16,7 @@ module's signal is at most C / sqrt(M), so the truncated release needs K >= z sq
 
     python -m fs_fedpa.tools.dp_table [--epsilon 8] [--rounds 30] [--rate 0.1] [--time]
     python -m fs_fedpa.tools.dp_table --sample [--epsilon 8] [--steps 210] [--n 624 6797 13224] [--batch 16 64 256]
-        [--sampling wor|poisson] [--accountant rdp|pld] [--rank R] [--layers L] [--plain-head]
+        [--sampling wor|poisson] [--accountant rdp|pld] [--rank R] [--layers L] [--frozen-head]
 
 ``--sample``: sample-level DP-SGD in this repository's cell instead (MiniLM-L6, r = 4 on query and value, a local
 two-class head, T = 21 rounds of tau = 10 steps; by default its smallest, median and largest client). A step adds
@@ -107,7 +107,7 @@ def trained(space: str, model: str = "MiniLM-L6 (this cell)", rank: int | None =
             head: bool = True) -> int:  # fmt: skip
     """D: the LoRA entries DP-SGD trains (at ``rank``, default the model's; on the top ``layers`` of the model's,
     default all: ``model.seqcls.layers_to_transform``) plus the classifier head (hidden size k, two labels) unless
-    ``head`` is False (``fedpa.dp_local_tensors plain``: a local head is neither clipped nor noised)."""
+    ``head`` is False (``fedpa.dp_local_tensors frozen``: the local head takes no step, so it is not in D)."""
     modules, r = MODELS[model]
     r = rank or r
     total_layers = LAYERS[model]
@@ -188,8 +188,8 @@ def main() -> None:
     parser.add_argument("--accountant", choices=("rdp", "pld"), default="rdp", help="--sample: fedpa.dp_accountant")
     parser.add_argument("--rank", type=int, default=None, help="--sample: the LoRA rank (default 4)")
     parser.add_argument("--layers", type=int, default=None, help="LoRA on the top LAYERS layers only")
-    parser.add_argument("--plain-head", action="store_true",
-                        help="--sample: the local head trains plainly (dp_local_tensors plain): not in D")
+    parser.add_argument("--frozen-head", action="store_true",
+                        help="--sample: the local head is held at its initial value (dp_local_tensors frozen): not in D")
     parser.add_argument("--federated-head", action="store_true",
                         help="client level: the head is federated, so every contribution releases it too")
     args = parser.parse_args()
@@ -198,7 +198,7 @@ def main() -> None:
     if args.sample:
         steps = args.rounds * args.tau if args.tau else args.steps
         print(sample_table(args.epsilon, steps, args.n, args.batch, args.sampling, args.accountant, args.rank,
-                           args.layers, not args.plain_head))  # fmt: skip
+                           args.layers, not args.frozen_head))  # fmt: skip
         return
     print(table(args.epsilon, args.rounds, args.rate, args.layers, args.federated_head))
     if args.time:

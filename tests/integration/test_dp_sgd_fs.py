@@ -464,11 +464,11 @@ HEAD = frozenset({"1.weight", "1.bias"})
 
 
 @pytest.mark.parametrize("batched", [True, False], ids=["taps", "loop"])
-@pytest.mark.parametrize("plain", [frozenset(), HEAD], ids=["head_noised", "head_plain"])
-def test_the_head_is_clipped_and_noised_exactly_when_it_is_not_plain(batched, plain):
-    """fedpa.dp_local_tensors: a plain head takes the mean loss's gradient over the drawn records (no clip), and the
-    body's records are clipped on the body's norm alone; a noised head is clipped jointly with the body. Expected
-    steps from torch.func's per-example gradients of the two-layer model."""
+@pytest.mark.parametrize("frozen", [frozenset(), HEAD], ids=["head_noised", "head_frozen"])
+def test_the_head_is_clipped_and_noised_with_the_body_or_held_still(batched, frozen):
+    """fedpa.dp_local_tensors: a noised head is clipped jointly with the body; a frozen head takes no step, and the
+    body's records are clipped on the body's norm alone. Expected steps from torch.func's per-example gradients of
+    the two-layer model."""
     from torch.func import functional_call, grad, vmap
 
     from fs_fedpa.core.dp import dp_generator
@@ -478,7 +478,7 @@ def test_the_head_is_clipped_and_noised_exactly_when_it_is_not_plain(batched, pl
     trainer, model, X, y = _two_layer_trainer()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     DPSGD(trainer, lambda n: SamplePlan(n, B, 1, 0.0, 1e-5), lambda routine: dp_generator(3, "t"), clip=0.05,
-          batched=batched, plain=plain)  # fmt: skip
+          batched=batched, frozen=frozen)  # fmt: skip
     trainer.train()
     idx = _chosen()
 
@@ -486,29 +486,112 @@ def test_the_head_is_clipped_and_noised_exactly_when_it_is_not_plain(batched, pl
         return ((functional_call(model, params, (x[None],)) - t) ** 2).mean()
 
     per = vmap(grad(loss), in_dims=(None, 0, 0))(before, X[idx], y[idx])
-    private = [n for n in before if n not in plain]
+    private = [n for n in before if n not in frozen]
     norms = sum(per[n].flatten(1).pow(2).sum(1) for n in private).sqrt()
     c = torch.clamp(0.05 / norms, max=1.0)
     assert (c < 1).all()  # the clip bites on every record
     for n, p in model.named_parameters():
-        scale = c if n in private else torch.ones_like(c)
-        expected = before[n] - (scale.view(-1, *[1] * (per[n].ndim - 1)) * per[n]).sum(0) / B
+        if n in frozen:
+            assert torch.equal(p.detach(), before[n]), n
+            continue
+        expected = before[n] - (c.view(-1, *[1] * (per[n].ndim - 1)) * per[n]).sum(0) / B
         torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_a_plain_head_gets_no_noise():
-    """Zero data, zero weights: every gradient is 0, so a step is its noise alone; the plain head does not move."""
+def test_a_frozen_head_takes_no_step_under_noise_or_a_regularizer():
+    """Zero data, zero weights: every gradient is 0, so a step is its noise alone; the frozen head stays at 0 even
+    with FS's L2 regularizer on (its gradient would move it), the body moves."""
     from fs_fedpa.core.dp import dp_generator
     from fs_fedpa.plugin.dp_sgd import DPSGD
     from fs_fedpa.plugin.privacy import SamplePlan
 
     trainer, model, X, y = _two_layer_trainer(zero_data=True)
+    with torch.no_grad():
+        model[1].weight.fill_(1.0)  # a regularizer's gradient on it is not zero
     DPSGD(trainer, lambda n: SamplePlan(n, B, 1, 2.0, 1e-5), lambda routine: dp_generator(3, "t"), clip=1.0,
-          plain=HEAD)  # fmt: skip
+          frozen=HEAD)  # fmt: skip
+
+    def l2(ctx):  # a data-free term on every tensor, as FS's regularizer adds to ctx.loss_task
+        ctx.loss_task = ctx.loss_task + sum((p**2).sum() for p in ctx.model.parameters())
+
+    trainer.register_hook_in_train(new_hook=l2, trigger="on_batch_forward")
     trainer.train()
     params = dict(model.named_parameters())
-    assert all(float(params[n].abs().max()) == 0.0 for n in HEAD)
+    assert float(params["1.bias"].abs().max()) == 0.0 and bool((params["1.weight"] == 1.0).all())
     assert float(params["0.weight"].abs().max()) > 0
+
+
+def _clipped_sums(frozen: frozenset, canary: bool, leak: bool, steps: int = 3, clip: float = 0.05):
+    """The clipped sum of each of ``steps`` DP-SGD steps (no noise, SGD) on the two-layer model, on the records or
+    with record ``_chosen()[0]`` (drawn at the first step) replaced by a far-off canary. The tensors DP-SGD trains
+    take lr 0, so the model at step k depends on the data only through what trains outside the mechanism: nothing
+    here, or with ``leak`` the head on the batch's exact mean-loss gradient at lr 1 (what the withdrawn
+    ``dp_local_tensors plain`` did)."""
+    from fs_fedpa.core.dp import dp_generator
+    from fs_fedpa.plugin.dp_sgd import DPSGD
+    from fs_fedpa.plugin.privacy import SamplePlan
+
+    trainer, model, X, y = _two_layer_trainer()
+    if canary:
+        j = _chosen()[0]
+        X[j], y[j] = X[j] * 10, 50.0  # the dataset is the trainer's tensors: this is its neighbour
+    dp = DPSGD(trainer, lambda n: SamplePlan(n, B, steps, 0.0, 1e-5), lambda routine: dp_generator(3, "t"),
+               clip=clip, frozen=frozen)  # fmt: skip
+    trainer.cfg.defrost()
+    trainer.cfg.train.local_update_steps = steps
+    head = [p for n, p in model.named_parameters() if n in HEAD]
+    sums = []
+
+    def optimizer(ctx):  # lr 0 for what DP-SGD trains, 1 for the head
+        trained = [p for n, p in model.named_parameters() if n not in HEAD or not frozen]
+        groups = [{"params": trained, "lr": 0.0}] + ([{"params": head, "lr": 1.0}] if frozen else [])
+        ctx.optimizer = torch.optim.SGD(groups)
+
+    def record(ctx):
+        sums.append([g.detach().clone() for g in dp._grad_sum])
+
+    def plain_head(ctx):  # the head's step on the drawn batch's mean loss, neither clipped nor noised
+        inputs, target = ctx.data_batch
+        loss = ((model(inputs) - target) ** 2).mean()
+        grads = torch.autograd.grad(loss, head)
+        with torch.no_grad():
+            for p, g in zip(head, grads):
+                p.sub_(g)
+
+    trainer.register_hook_in_train(new_hook=optimizer, trigger="on_fit_start", insert_pos=-1)
+    trainer.register_hook_in_train(new_hook=record, trigger="on_batch_backward", insert_pos=0)
+    if leak:
+        trainer.register_hook_in_train(new_hook=plain_head, trigger="on_batch_end", insert_pos=0)
+    trainer.train()
+    assert len(sums) == steps
+    return [torch.cat([g.flatten() for g in step]) for step in sums]
+
+
+@pytest.mark.parametrize("frozen", [frozenset(), HEAD], ids=["head_noised", "head_frozen"])
+def test_a_step_s_clipped_sum_moves_at_most_2c_between_neighbours(frozen):
+    """DP-SGD's sensitivity, through the plugin's hooks: on two datasets that differ in one record, with what DP-SGD
+    trains at lr 0, the clipped sums of every step differ by at most 2C (replace-one; C under add/remove) for each
+    valid treatment of the head. The check can fail: with the head trained on the exact gradient (the withdrawn
+    'plain'), the canary moves the head, the head every other record's clipped gradient, and a later step's sums
+    differ by more than 2C."""
+    C = 0.05
+    a = _clipped_sums(frozen, canary=False, leak=False, clip=C)
+    b = _clipped_sums(frozen, canary=True, leak=False, clip=C)
+    gaps = [float((x - z).norm()) for x, z in zip(a, b)]
+    assert gaps[0] > 0.1 * C  # the canary is drawn at the first step and changes its sum
+    assert max(gaps) <= 2 * C * (1 + 1e-6), gaps
+    if frozen:
+        leaky = [float((x - z).norm()) for x, z in zip(_clipped_sums(frozen, False, True, clip=C),
+                                                        _clipped_sums(frozen, True, True, clip=C))]  # fmt: skip
+        assert max(leaky[1:]) > 2 * C * 1.5, leaky  # the check catches the leak
+
+
+def test_the_privacy_option_freezes_the_local_tensors_or_refuses():
+    from fs_fedpa.plugin.privacy import frozen_names
+
+    assert frozen_names("frozen", sorted(HEAD)) == HEAD and frozen_names("noised", sorted(HEAD)) == frozenset()
+    with pytest.raises(ValueError, match="no local tensor to freeze"):
+        frozen_names("frozen", [])
 
 
 @pytest.mark.parametrize("batched", [True, False], ids=["taps", "loop"])
@@ -566,7 +649,7 @@ def test_the_prefix_cache_is_refused_where_the_prefix_is_not_frozen():
 
 
 def test_the_regimes_knobs_together_through_fs(tiny_glue, tmp_path):
-    """DP-SGD with LoRA on the top layer only, the frozen prefix cached, a plain local head, Poisson sampling, the
+    """DP-SGD with LoRA on the top layer only, the frozen prefix cached, a frozen local head, Poisson sampling, the
     PLD accountant and a cosine schedule: the run completes through FS, and its exported adapter adapts layer 1 only."""
     import json
 
@@ -574,7 +657,7 @@ def test_the_regimes_knobs_together_through_fs(tiny_glue, tmp_path):
 
     cfg, outdir = _run(tiny_glue, tmp_path, "fedpa", **{
         "model.seqcls.layers_to_transform": [1], "model.seqcls.prefix_cache": True, "fedpa.dp_mode": "sample",
-        "fedpa.dp_clip": 1.0, "fedpa.dp_noise_multiplier": 1.0, "fedpa.dp_local_tensors": "plain",
+        "fedpa.dp_clip": 1.0, "fedpa.dp_noise_multiplier": 1.0, "fedpa.dp_local_tensors": "frozen",
         "fedpa.dp_sampling": "poisson", "fedpa.dp_accountant": "pld", "fedpa.lr_schedule": "cosine",
         "fedpa.lr_warmup_steps": 1})  # fmt: skip
     log = (outdir / "exp_print.log").read_text()
@@ -600,3 +683,4 @@ def test_the_dp_regime_config_passes_fs_and_the_plugins_checks():
         "sample", 8.0, 0.1, "poisson")  # fmt: skip
     assert (cfg.dataloader.batch_size, cfg.train.local_update_steps, cfg.federate.total_round_num) == (256, 1, 120)
     assert cfg.model.seqcls.layers_to_transform == [4, 5] and cfg.personalization.local_param == ["classifier"]
+    assert cfg.fedpa.dp_local_tensors == "frozen"  # inside the guarantee

@@ -387,16 +387,16 @@ def test_check_scaling_compares_every_module_with_what_the_config_builds(tmp_pat
         check_scaling({"alpha": 8.0}, now, tmp_path / "x.pt")
 
 
-@pytest.mark.parametrize("mode", ["client", "sample", "sample_plain", "none"])
+@pytest.mark.parametrize("mode", ["client", "sample", "sample_frozen", "none"])
 def test_the_manifest_says_what_is_private_and_on_which_base(tiny_glue, tmp_path, mode):
     """export.json and its README record dp_mode, the ledger's (epsilon, delta), adjacency, sampling and accountant,
     which files are DP (client level: the global adapter only; DP-SGD: the clients' parts too) and the base's
     quantization; before, an exported client head trained without DP was indistinguishable from a private one."""
-    plain = mode == "sample_plain"  # the local head trained without DP (fedpa.dp_local_tensors plain)
-    mode = "sample" if plain else mode
+    frozen = mode == "sample_frozen"  # the local head held at its initial value (fedpa.dp_local_tensors frozen)
+    mode = "sample" if frozen else mode
     dp = {} if mode == "none" else {"fedpa.dp_mode": mode, "fedpa.dp_clip": 1.0, "fedpa.dp_noise_multiplier": 1.0}
-    if plain:
-        dp["fedpa.dp_local_tensors"] = "plain"
+    if frozen:
+        dp["fedpa.dp_local_tensors"] = "frozen"
     cfg, outdir = _run(tiny_glue, tmp_path, "fedpa", **dp)
     info = json.loads((tmp_path / "at_end" / "export.json").read_text())
     privacy = info["privacy"]
@@ -410,9 +410,7 @@ def test_the_manifest_says_what_is_private_and_on_which_base(tiny_glue, tmp_path
     assert (privacy["adjacency"], privacy["sampling"]) == ("replace_one", "wor") and "rdp" in privacy["accountant"]
     if mode == "client":
         assert privacy["dp_files"] == ["global"] and "client_<id>" in privacy["not_dp_files"][0]
-    elif plain:
-        assert privacy["dp_files"] == ["global", "client_<id> (own factors)"]
-        assert "local tensors, e.g. the head: trained without DP" in privacy["not_dp_files"][0]
-    else:
+    else:  # every tensor a DP-SGD client trains is inside the mechanism, its head too (noised, or never moved)
         assert privacy["dp_files"] == ["global", "client_<id>"] and privacy["not_dp_files"] == []
+        assert privacy["local_tensors"] == ("frozen" if frozen else "noised")
     assert f"differential privacy: {mode} level, (epsilon, delta) = ({privacy['epsilon']:.4g}" in readme

@@ -178,7 +178,9 @@ def test_an_unsupported_method_is_refused_through_fs_naming_dp(tiny_llm, tmp_pat
          "fedpa.dp_sampling=poisson set while fedpa.dp_mode is 'none'"),
         (["fedpa.dp_mode", "sample", "fedpa.dp_accountant", "prv"], r"fedpa.dp_accountant\(='prv'\) must be one of"),
         (["fedpa.dp_mode", "sample", "fedpa.dp_sampling", "shuffle"], r"fedpa.dp_sampling\(='shuffle'\) must be one"),
-        (["fedpa.dp_mode", "client", "fedpa.dp_local_tensors", "plain"], "is a choice of DP-SGD"),
+        (["fedpa.dp_mode", "client", "fedpa.dp_local_tensors", "frozen"], "is a choice of DP-SGD"),
+        (["fedpa.dp_mode", "sample", "fedpa.dp_clip", "1.0", "fedpa.dp_noise_multiplier", "1.0",
+          "fedpa.dp_local_tensors", "plain"], "'plain' is withdrawn: .* sensitivity bound does not hold"),
         (
             [
                 "fedpa.dp_mode",

@@ -48,7 +48,7 @@ def test_z_and_the_bound_are_those_of_the_committed_runs():
 
 
 def test_the_regimes_d_is_what_peft_trains_on_the_top_layer_at_rank_2():
-    """--layers 1 --rank 2 --plain-head: LoRA r = 2 on MiniLM's top layer (layers_to_transform [5]), the head not
+    """--layers 1 --rank 2 --frozen-head: LoRA r = 2 on MiniLM's top layer (layers_to_transform [5]), the head not
     noised: D is PEFT's trainable LoRA entries alone."""
     lora = {n: v for n, v in _minilm_lora(r=2, lora_alpha=4, layers_to_transform=[5]).items() if "lora_" in n}
     assert sum(lora.values()) == dp_table.trained("fedpa / fedit / fedsa_lora", rank=2, layers=1, head=False)
@@ -60,14 +60,14 @@ def test_the_regimes_d_is_what_peft_trains_on_the_top_layer_at_rank_2():
 
 def test_the_dp_regimes_knobs_give_the_noise_its_search_runs_used(capsys, monkeypatch):
     """``--rounds R --tau τ`` (the steps R·τ) with the dpregime stage's b, sampling and accountant: the z of the
-    largest client of a committed search run (its ledger), and D of the top two layers without the plain head."""
+    largest client of a committed search run (its ledger), and D of the top two layers without the head (not in D when frozen)."""
     files = sorted((RUNS.parent / "dpregime").glob("search_b256_tau2_local_*_s0.json"))
     if not files:
         pytest.skip(f"no committed dpregime search run in {RUNS.parent / 'dpregime'}")
     clients = json.loads(files[0].read_text())["privacy"]["dp_clients"]
     client = max(clients.values(), key=lambda c: c["n"])
     argv = ["dp_table", "--sample", "--rounds", "60", "--tau", "2", "--n", str(client["n"]), "--batch", "256",
-            "--sampling", "poisson", "--accountant", "pld", "--layers", "2", "--plain-head"]  # fmt: skip
+            "--sampling", "poisson", "--accountant", "pld", "--layers", "2", "--frozen-head"]  # fmt: skip
     monkeypatch.setattr("sys.argv", argv)
     dp_table.main()
     text = capsys.readouterr().out
