@@ -1,0 +1,181 @@
+"""An empirical lower bound on the epsilon of the plugin's DP-SGD, from a gradient canary (the white-box auditing of
+Nasr et al., IEEE S&P 2021, in the Monte-Carlo form of Jagielski et al., NeurIPS 2020), one bound per treatment of
+the client's local head (``fedpa.dp_local_tensors``), and for the withdrawn 'plain' head as an emulation.
+
+The audited mechanism is the plugin's own DP-SGD hooks (:class:`fs_fedpa.plugin.dp_sgd.DPSGD`) in FS's
+``GeneralTorchTrainer`` on a two-layer model (a body, which DP-SGD trains and the client releases, and a local
+head): ``--steps`` full-batch steps (b = n, so no sampling amplification), replace-one adjacency, z calibrated by the
+plugin's accountant so that the ledger states ``--epsilon`` at ``--delta``. The neighbouring dataset replaces one
+record by a far-off canary. The auditor sees what the client releases, each step's noised gradient of the body (the
+body's lr is 0, so every step is taken at the same point and the releases are the step's noisy sums divided by b),
+and knows both datasets. Its test is the likelihood-ratio test of that pair: the projection of the releases on the
+difference of their noise-free values, thresholded at a value chosen on a first half of the trials; Clopper-Pearson
+bounds (95 % overall) on its false-positive and false-negative rates over the second half give
+
+    epsilon_lb = max(log((1 - delta - FNR_hi) / FPR_hi), log((1 - delta - FPR_hi) / FNR_hi)).
+
+'plain' is emulated as it ran: the head on the batch's exact mean-loss gradient (lr ``--head-lr``), outside the
+mechanism. What a bound says: with 95 % confidence the mechanism's epsilon at that delta is at least epsilon_lb. A
+bound below the ledger's epsilon is consistent with the guarantee but does not prove it (another pair of datasets or
+another test could do better); a bound above it shows that the stated epsilon is no guarantee.
+
+    python -m fs_fedpa.tools.dp_audit [--trials 4000] [--epsilon 1] [--steps 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+TREATMENTS = ("noised", "frozen", "plain")
+HEAD = frozenset({"1.weight", "1.bias"})
+
+
+def clopper_pearson_upper(k: int, n: int, alpha: float) -> float:
+    """The one-sided (1 - alpha) upper bound on a rate seen k times in n trials."""
+    from scipy.stats import beta
+
+    return 1.0 if k >= n else float(beta.ppf(1 - alpha, k + 1, n - k))
+
+
+def epsilon_lower_bound(null, alt, threshold: float, delta: float, alpha: float = 0.05) -> float:
+    """epsilon_lb from the test 'statistic > threshold' over samples ``null`` (dataset D) and ``alt`` (D'); each
+    rate's bound at alpha/2, so the pair holds at 1 - alpha."""
+    fp = int((null > threshold).sum())
+    fn = int((alt <= threshold).sum())
+    fpr = clopper_pearson_upper(fp, len(null), alpha / 2)
+    fnr = clopper_pearson_upper(fn, len(alt), alpha / 2)
+    best = 0.0
+    for a, b in ((fnr, fpr), (fpr, fnr)):
+        if 1 - delta - a > 0:
+            best = max(best, math.log((1 - delta - a) / b))
+    return best
+
+
+class Audit:
+    """One treatment's auditing game on the plugin's DP-SGD; :meth:`releases` runs ``trials`` of it."""
+
+    def __init__(self, treatment: str, z: float, steps: int, clip: float, n: int = 64, head_lr: float = 1.0):
+        if treatment not in TREATMENTS:
+            raise ValueError(f"treatment {treatment!r} must be one of {TREATMENTS}")
+        self.treatment, self.z, self.steps, self.C, self.n, self.head_lr = treatment, z, steps, clip, n, head_lr
+
+    def _trainer(self, canary: bool):
+        import torch
+        from federatedscope.core.configs.config import global_cfg
+        from federatedscope.core.monitors.monitor import Monitor
+        from federatedscope.core.trainers import GeneralTorchTrainer
+        from torch.utils.data import DataLoader, TensorDataset
+
+        cfg = global_cfg.clone()
+        cfg.merge_from_list(["train.optimizer.type", "SGD", "train.optimizer.lr", 0.0, "train.local_update_steps",
+                             self.steps, "train.batch_or_epoch", "batch", "dataloader.batch_size", self.n,
+                             "criterion.type", "MSELoss", "use_gpu", False])  # fmt: skip
+        torch.manual_seed(1)
+        # records alike, so that their clipped gradients add up: what moves all of them shows in the sum
+        X, y = 1 + 0.3 * torch.randn(self.n, 3), -2 + 0.3 * torch.randn(self.n, 1)
+        if canary:  # the neighbour: record 0 replaced by a far-off one
+            X[0], y[0] = X[0] * 10, 50.0
+        model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+        data = {"train": DataLoader(TensorDataset(X, y), batch_size=self.n)}
+        return GeneralTorchTrainer(model, data, "cpu", cfg, only_for_eval=False, monitor=Monitor(cfg)), model
+
+    def releases(self, canary: bool, trials: int, z: float | None = None, seed: int = 0):
+        """(trials, steps x 8): the body's noised gradient of every step, one row a trial (``z``: this noise
+        instead, 0 for the noise-free values)."""
+        import torch
+
+        from fs_fedpa.core.dp import dp_generator
+        from fs_fedpa.plugin.dp_sgd import DPSGD
+        from fs_fedpa.plugin.privacy import SamplePlan
+
+        trainer, model = self._trainer(canary)
+        z = self.z if z is None else z
+        start = {k: v.clone() for k, v in model.state_dict().items()}
+        frozen = frozenset() if self.treatment == "noised" else HEAD
+        trial = {"k": 0}
+        dp = DPSGD(trainer, lambda n: SamplePlan(n, self.n, self.steps, z, 1e-5),
+                   lambda routine: dp_generator(seed, f"audit {canary} trial {trial['k']}"), clip=self.C,
+                   frozen=frozen)  # fmt: skip
+        body = [p for name, p in model.named_parameters() if name not in HEAD]
+        head = [p for name, p in model.named_parameters() if name in HEAD]
+        out, row = [], []
+
+        def record(ctx):  # after DP-SGD's step: p.grad is (clipped sum + noise) / b for the body
+            row.append(torch.cat([p.grad.detach().flatten().double() for p in body]))
+
+        def plain_head(ctx):  # the withdrawn option: the head on the exact mean-loss gradient, no clip, no noise
+            inputs, target = ctx.data_batch
+            grads = torch.autograd.grad(((model(inputs) - target) ** 2).mean(), head)
+            with torch.no_grad():
+                for p, g in zip(head, grads):
+                    p.sub_(self.head_lr * g)
+
+        trainer.register_hook_in_train(new_hook=record, trigger="on_batch_backward")
+        if self.treatment == "plain":
+            trainer.register_hook_in_train(new_hook=plain_head, trigger="on_batch_end", insert_pos=0)
+        for k in range(trials):
+            trial["k"] = k
+            model.load_state_dict(start)
+            dp.new_round()  # each trial is one client round of ``steps`` steps
+            row.clear()
+            trainer.train()
+            out.append(torch.cat(row))
+        return torch.stack(out)
+
+    def bound(self, trials: int, delta: float, seed: int = 0) -> dict:
+        """epsilon_lb of this treatment, with the pair's noise-free gap in units of the noise."""
+        mean0, mean1 = self.releases(False, 1, z=0.0)[0], self.releases(True, 1, z=0.0)[0]
+        gap = mean1 - mean0
+        u = gap / gap.norm()
+        sigma = self.z * self.C / self.n  # the per-coordinate noise of a release
+        null = (self.releases(False, trials, seed=seed) - mean0) @ u
+        alt = (self.releases(True, trials, seed=seed + 1) - mean0) @ u
+        half = trials // 2
+        # the threshold from the first halves (its best value over a grid), the rates from the second halves
+        grid = [float(t) for t in torch_quantiles(null[:half], alt[:half])]
+        threshold = max(grid, key=lambda t: epsilon_lower_bound(null[:half], alt[:half], t, delta))
+        return {"treatment": self.treatment, "gap_over_noise": float(gap.norm()) / sigma,
+                "epsilon_lb": epsilon_lower_bound(null[half:], alt[half:], threshold, delta)}
+
+
+def torch_quantiles(null, alt, count: int = 200):
+    import torch
+
+    both = torch.cat([null, alt])
+    return torch.quantile(both, torch.linspace(0.0, 1.0, count, dtype=both.dtype))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=4000, help="trials per dataset (half choose the threshold)")
+    parser.add_argument("--epsilon", type=float, default=1.0, help="the ledger's epsilon the noise is calibrated to")
+    parser.add_argument("--delta", type=float, default=1e-5)
+    parser.add_argument("--steps", type=int, default=2, help="DP-SGD steps (full batch)")
+    parser.add_argument("--clip", type=float, default=0.05)
+    parser.add_argument("--treatment", choices=TREATMENTS, nargs="+", default=list(TREATMENTS))
+    args = parser.parse_args(argv)
+    for flag, value, ok in (("--trials", args.trials, args.trials >= 20), ("--epsilon", args.epsilon,
+                            0 < args.epsilon < 50), ("--delta", args.delta, 0 < args.delta < 1),
+                            ("--steps", args.steps, 1 <= args.steps <= 100),
+                            ("--clip", args.clip, 0 < args.clip < math.inf)):  # fmt: skip
+        if not ok:
+            parser.error(f"{flag} {value} is out of range")
+    from fs_fedpa.core.dp_accountant import calibrate
+
+    n = 64
+    z = calibrate(n, n, args.steps, args.epsilon, args.delta)  # the plugin's accountant: replace-one, b = n
+    print(f"ledger: epsilon {args.epsilon:g} at delta {args.delta:g} (replace-one, b = n = {n}, {args.steps} steps, "
+          f"z = {z:.4g}, C = {args.clip:g}); {args.trials} trials per dataset")  # fmt: skip
+    for treatment in args.treatment:
+        found = Audit(treatment, z, args.steps, args.clip, n).bound(args.trials, args.delta)
+        verdict = "ABOVE the ledger: not private" if found["epsilon_lb"] > args.epsilon else "below the ledger"
+        label = treatment + (" (withdrawn; emulated)" if treatment == "plain" else "")
+        print(f"{label:24s} epsilon_lb {found['epsilon_lb']:.3f} (95 %), gap {found['gap_over_noise']:.3g} x noise: "
+              f"{verdict}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
