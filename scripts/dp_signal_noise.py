@@ -5,10 +5,11 @@ all-MiniLM-L6-v2 and real SST-2). The bound of ``fs_fedpa.tools.dp_table`` compa
 possible signal, b·C, reached only when every record's clipped gradient points the same way.
 
     python scripts/dp_signal_noise.py --data ../shared/data/glue [--n 8000] [--batch 256] [--steps 30]
-        [--layers 2] [--lr 5e-4] [--heads local federated] [--clips 1 0.1 0.01]
+        [--layers 2] [--lr 5e-4] [--heads frozen noised] [--clips 1 0.1 0.01]
 
-For each head (``local``: trained plainly, not in the clipped set, as ``fedpa.dp_local_tensors plain``;
-``federated``: clipped and noised with the LoRA factors) and each clip C of ``--clips`` it runs ``--steps`` steps
+For each head (``frozen``: held at its initial value, not trained, as ``fedpa.dp_local_tensors frozen``; ``noised``:
+clipped and noised with the LoRA factors, as ``noised`` or a federated head; the search's first runs used a head
+trained plainly, which broke the guarantee and is refused now) and each clip C of ``--clips`` it runs ``--steps`` steps
 from the same start at the z that ε = 8 over the regime's 120 steps gives a client of ``--n`` records (Poisson, PLD,
 δ = min(1e-5, 1/(10 n))). It prints, every few steps, ||clipped sum|| (and per record), ||noise||, their ratio and
 the train loss. A record whose gradient is shorter than C contributes its whole gradient, so where most are, the
@@ -57,11 +58,11 @@ def client(args, z: float, clip: float, head: str):
     examples = _encode(load_glue(get_task("sst2"), args.data, "train", limit=args.n), tokenizer, 48)
     loader = DataLoader(examples, batch_size=args.batch, shuffle=True, generator=torch.Generator().manual_seed(0))
     trainer = _trainer_class()(model, {"train": loader}, "cpu", cfg, only_for_eval=False, monitor=Monitor(cfg))
-    plain = frozenset(n for n, p in model.named_parameters() if p.requires_grad and "classifier" in n)
+    head_names = frozenset(n for n, p in model.named_parameters() if p.requires_grad and "classifier" in n)
     plan = SamplePlan(len(examples), args.batch, 10**9, z, 1e-5, "poisson", "pld")
     dp = DPSGD(trainer, lambda n: plan, lambda k: dp_generator(args.seed, f"signal {k}"), clip,
-               plain=plain if head == "local" else frozenset())  # fmt: skip
-    clipped = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and n not in dp.plain)
+               frozen=head_names if head == "frozen" else frozenset())  # fmt: skip
+    clipped = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and n not in dp.frozen)
     return trainer, dp, clipped
 
 
@@ -75,7 +76,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=5, help="steps between two printed lines")
     parser.add_argument("--layers", type=int, default=2, help="LoRA on the top LAYERS of MiniLM's 6")
     parser.add_argument("--lr", type=float, default=5e-4, help="AdamW's (no warm-up here)")
-    parser.add_argument("--heads", nargs="+", default=["local", "federated"], choices=["local", "federated"])
+    parser.add_argument("--heads", nargs="+", default=["frozen", "noised"], choices=["frozen", "noised"])
     parser.add_argument("--clips", type=float, nargs="+", default=[1.0, 0.1, 0.01], help="C, each a run")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

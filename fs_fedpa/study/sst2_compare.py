@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from fs_fedpa import compare
-from fs_fedpa.study import sst2_dp_regime
+from fs_fedpa.study import sst2_dp_regime, sst2_dp_valid
 from fs_fedpa.study import sst2_protocol as sp
 from fs_fedpa.study.sst2_protocol import (
     CFG,
@@ -228,7 +228,9 @@ def plan(results: dict, report: Path) -> list[tuple[str, list[Run]]]:
     stages = sp.plan(results, report)
     selected = report / "selected.json"
     if any(part.startswith("privacy") for part, _ in stages) and selected.is_file():
-        stages += sst2_dp_regime.runs(json.loads(selected.read_text()), results)
+        main = json.loads(selected.read_text())
+        stages += sst2_dp_regime.runs(main, results)
+        stages += sst2_dp_valid.runs(main, results)
     return stages
 
 
@@ -236,8 +238,9 @@ def minutes_left(runs: list[Run], results: dict) -> float:
     """The machine minutes the runs without a result will take: by rounds
     (:func:`fs_fedpa.study.sst2_protocol.minutes_left`), the ``dpregime`` stage's by the records they train on
     (:func:`fs_fedpa.study.sst2_dp_regime.minutes`)."""
-    regime = [r for r in runs if r.stage == sst2_dp_regime.STAGE]
-    return sp.minutes_left([r for r in runs if r.stage != sst2_dp_regime.STAGE], results) + sst2_dp_regime.minutes(
+    by_records = (sst2_dp_regime.STAGE, sst2_dp_valid.STAGE)
+    regime = [r for r in runs if r.stage in by_records]
+    return sp.minutes_left([r for r in runs if r.stage not in by_records], results) + sst2_dp_regime.minutes(
         regime, results
     )
 
@@ -312,6 +315,10 @@ def print_plan(stages: list[tuple[str, list[Run]]], results: dict, scoped: bool 
         print(f"  dp regime, the whole stage before any run: {low:.0f}-{high:.0f} CPU-h here, as the search selects "
               "(priced by records from the measured step cost, fs_fedpa/study/sst2_dp_regime.py)",
               flush=True)  # fmt: skip
+    if any(r.stage == sst2_dp_valid.STAGE for _, runs in stages for r in runs):
+        print(f"  dp valid, the whole stage before any run: {sst2_dp_valid.stage_hours():.0f} CPU-h here by the "
+              "same pricing, which priced the dpregime finals at about 2x what they took (43 against 20 CPU-min a "
+              "DP final): about 12 CPU-h measured-rate (fs_fedpa/study/sst2_dp_valid.py)", flush=True)  # fmt: skip
     if scoped and not stages:
         print("[sst2_compare] no run of the stages known now matches --stage/--cell: nothing to run (a cell is a "
               "run's name without its seed, e.g. fedpa_dp or partial30_fedit)", flush=True)  # fmt: skip
