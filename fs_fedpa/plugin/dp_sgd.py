@@ -259,9 +259,10 @@ class DPSGD:
         ctx.optimizer.zero_grad()
         if isinstance(ctx.loss_task, Tensor) and ctx.loss_task.requires_grad:
             ctx.loss_task.backward()  # the data-free terms: ctx.loss_batch is detached
-        for n, p in ctx.model.named_parameters():
-            if n in self.frozen:
-                p.grad = None  # e.g. a regularizer's gradient: a frozen tensor takes no step at all
+        if self.frozen:  # not walked on every step of a run that freezes nothing
+            for n, p in ctx.model.named_parameters():
+                if n in self.frozen:
+                    p.grad = None  # e.g. a regularizer's gradient: a frozen tensor takes no step at all
         params = self._params(ctx.model)
         std = plan.z * self.C
         signal = noise = 0.0  # 0-d tensors on the gradients' device once a tensor is seen

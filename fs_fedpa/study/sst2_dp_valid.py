@@ -120,7 +120,7 @@ def point_of(run: sp.Run) -> Valid:
 
 
 def final_runs(point: Valid, fedpa_lam: float) -> list[sp.Run]:
-    """The finals (seed-major), the central anchors and the diagnostics, in ``point``."""
+    """The finals (seed-major) and the central anchors, in ``point`` (the diagnostics: :func:`diagnostic_runs`)."""
     base = (*point.opts(), *sp.FINAL_EVAL)
     private, off = (*point.dp_opts(), *dr.chunk_opts(True)), point.off_opts()
     runs = []

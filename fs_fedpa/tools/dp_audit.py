@@ -14,8 +14,8 @@ bounds (95 % overall) on its false-positive and false-negative rates over the se
 
     epsilon_lb = max(log((1 - delta - FNR_hi) / FPR_hi), log((1 - delta - FPR_hi) / FNR_hi)).
 
-'plain' is emulated as it ran: the head on the batch's exact mean-loss gradient (lr ``--head-lr``), outside the
-mechanism. What a bound says: with 95 % confidence the mechanism's epsilon at that delta is at least epsilon_lb. A
+'plain' is emulated as it ran: the head on the batch's exact mean-loss gradient (at :class:`Audit`'s ``head_lr``,
+1 from the command line), outside the mechanism. What a bound says: with 95 % confidence the mechanism's epsilon at that delta is at least epsilon_lb. A
 bound below the ledger's epsilon is consistent with the guarantee but does not prove it (another pair of datasets or
 another test could do better); a bound above it shows that the stated epsilon is no guarantee.
 
