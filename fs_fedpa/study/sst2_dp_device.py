@@ -55,12 +55,17 @@ def learned(result: dict | None) -> bool:
     return accuracy is not None and accuracy > LEARNED
 
 
+def plain_run(selected: dict, method: str) -> sp.Run:
+    """A method's run of this part without DP."""
+    opts = (*sp.client_dp_method_opts(selected, method), *base_opts())
+    return sp.Run(STAGE, f"device_{method}", method, opts, SEED, ROUNDS)
+
+
 def runs(selected: dict, results: dict) -> tuple[list[sp.Run], list[sp.Run]]:
     """The no-DP runs, and the DP runs of the methods whose no-DP run is in and learned (their clip comes from it)."""
     plain, private = [], []
     for method in METHODS:
-        base = sp.Run(STAGE, f"device_{method}", method, (*sp.client_dp_method_opts(selected, method),
-                                                           *base_opts()), SEED, ROUNDS)  # fmt: skip
+        base = plain_run(selected, method)
         plain.append(base)
         clip = sp.median_contribution(results.get(base.key), method)
         if clip is not None and learned(results.get(base.key)):

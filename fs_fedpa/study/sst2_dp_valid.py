@@ -37,14 +37,25 @@ under DP (Holm over 3), each method under DP against itself without (Holm over 4
 
 Diagnostics beside the finals (declared, single seed, dev set, not selecting): ``fedpa_no_preservation`` under DP (the
 restart, nothing else changed), and FedPA-LoRA under DP at λ ∈ :data:`DIAG_LAMS`. Declared but not yet built, so not
-in the plan: both protocols' scores with a head refitted on the client's training data after its last release, and
-FedPA-LoRA in the dpregime stage's cross-device client-level setting (part E).
+in the plan: both protocols' scores with a head refitted on the client's training data after its last release.
+
+Part E′ (declared on 2026-12-02, before its runs; independent of the gate, since it is client-level DP): FedPA-LoRA in
+the dpregime stage's cross-device setting (:mod:`fs_fedpa.study.sst2_dp_device`: N = 2,000, K = 400, 30 rounds, the
+head federated), scoring each client's own adapter (``fedpa.eval_local True``, ``local.val_acc``) beside the global
+adapter, without DP and with client-level DP at ε = 8 (replace-one, K of N sampled, RDP as in part E). Under
+client-level DP a client's own factors never leave it, so its own adapter carries no noise of its own; only the
+received reference and the head do. C = the median contribution of the committed part-E run ``device_fedpa`` (the
+stage's rule (b)), which also stands as the global adapter's no-DP figure. Part E's amendment (no DP run for a method
+whose no-DP global adapter stayed at one label) does not apply: the own adapters are the endpoint here. Endpoint:
+dev accuracy at the last round, own and global, against FedIT's part-E runs (0.779 without DP, 0.776 with). One seed:
+a measurement, not a test; no ranking is claimed from it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from fs_fedpa.study import sst2_dp_device as dd
 from fs_fedpa.study import sst2_dp_regime as dr
 from fs_fedpa.study import sst2_protocol as sp
 
@@ -144,6 +155,20 @@ def diagnostic_runs(point: Valid, fedpa_lam: float) -> list[sp.Run]:
     return runs
 
 
+def device_runs(selected_main: dict, results: dict) -> list[sp.Run]:
+    """Part E′: FedPA-LoRA's own adapters in the cross-device client-level setting, without DP, and with DP once the
+    committed part-E run that sets C is in."""
+    part_e = dd.plain_run(selected_main, "fedpa")
+    opts = dict(zip(part_e.opts[::2], part_e.opts[1::2])) | {"fedpa.eval_local": "True"}
+    flat = tuple(x for kv in opts.items() for x in kv)
+    runs = [sp.Run(STAGE, "device_fedpa_own", "fedpa", flat, dd.SEED, dd.ROUNDS)]
+    clip = sp.median_contribution(results.get(part_e.key), "fedpa")
+    if clip is not None:
+        runs.append(sp.Run(STAGE, "device_fedpa_own_dp", "fedpa", (*flat, *sp.client_dp(clip, dd.EPSILON)), dd.SEED,
+                           dd.ROUNDS))  # fmt: skip
+    return runs
+
+
 def selected(results: dict) -> tuple[list[sp.Run], list[sp.Run] | None, sp.Run | None]:
     """S1's runs, S2's once S1 is in, and the best search run once both are (None before)."""
     first = search_1()
@@ -162,7 +187,8 @@ def passes_gate(results: dict, top: sp.Run | None) -> bool:
 def runs(selected_main: dict, results: dict) -> list[tuple[str, list[sp.Run]]]:
     """The stage's parts as far as the committed results determine them; no finals unless the gate passes."""
     first, second, top = selected(results)
-    parts = [("dp valid: search S1 (head, clip)", first)]
+    parts = [("dp valid: search S1 (head, clip)", first),
+             ("dp valid: part E′, FedPA-LoRA's own adapters cross-device", device_runs(selected_main, results))]
     if second is not None:
         parts.append(("dp valid: search S2 (rate)", second))
     if passes_gate(results, top):
@@ -176,4 +202,5 @@ def stage_hours(fedpa_lam: float = 0.01) -> float:
     """The whole stage's CPU hours here before any run (the frozen head's finals, which cost the same as noised)."""
     point = Valid("frozen", 0.1, FIRST_LR)
     everything = [*search_1(), *search_2(point), *final_runs(point, fedpa_lam), *diagnostic_runs(point, fedpa_lam)]
-    return dr.minutes(everything, {}) / 60
+    return (dr.minutes(everything, {}) + 2 * dd.cpu_seconds(sp.Run(STAGE, "device", "fedpa", (), dd.SEED, dd.ROUNDS))
+            / 60) / 60
