@@ -271,6 +271,16 @@ class FedPAConfig:
             )
         },
     )
+    checkpoint: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "when federate.save_to is empty, save the run's checkpoint, resume points and client end states in "
+                "the run's own folder (<outdir>/checkpoint.pt, FS's final_checkpoint.pt at the end); False saves "
+                "none. An explicit federate.save_to is used as FS uses it"
+            )
+        },
+    )
     export_clients: bool = field(
         default=False,
         metadata={
@@ -503,7 +513,7 @@ class FedPAConfig:
         self.hetlora_lam = _number(self.hetlora_lam, "hetlora_lam", minimum=0.0)
         self.ravan_heads = _int_list(self.ravan_heads, "ravan_heads")
         self.ravan_head_rank = _integer(self.ravan_head_rank, "ravan_head_rank", minimum=0)
-        for flag in ("eval_local", "diagnostics", "save_outcomes", "export_clients", "dp_secure_rng"):
+        for flag in ("eval_local", "diagnostics", "save_outcomes", "checkpoint", "export_clients", "dp_secure_rng"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"fedpa.{flag} must be True or False, got {getattr(self, flag)!r}")
         self.num_threads = _integer(self.num_threads, "num_threads", minimum=0)

@@ -172,7 +172,6 @@ def glue(task: str, name: str, lr: float, lam: float, **changes) -> tuple[str, d
             "train.optimizer.lr": lr,
             "fedpa.lam": lam,
             "expname": name,
-            "federate.save_to": f"exp/{name}.ckpt",
         },
         **changes,
     )
@@ -246,13 +245,12 @@ def configs() -> dict[str, dict]:
         name = f"{tag}_mnli"
         changes = {**mnli3, "data.splitter_args": [{"alpha": 0.5}], "federate.method": method, **changes}
         out[f"ablation/{name}.yaml"] = glue("mnli", name, rate, lam, **changes)[1]
-    gsm = {"expname": "fedpa_gsm8k_llama3", "federate.save_to": "exp/fedpa_gsm8k_llama3.ckpt"}
+    gsm = {"expname": "fedpa_gsm8k_llama3"}
     out["fedpa_gsm8k_llama3.yaml"] = merged(GENERATION, **gsm)
     out["paper/fedpa_gsm8k_llama3_hetero.yaml"] = merged(
         GENERATION,
         expname="fedpa_gsm8k_llama3_hetero",
         **{
-            "federate.save_to": "exp/fedpa_gsm8k_llama3_hetero.ckpt",
             "fedpa.client_ranks": [2, 4, 16],
             "fedpa.reference_ranks": [2, 4, 16],
             "fedpa.lam": 0.1,
@@ -265,14 +263,13 @@ def configs() -> dict[str, dict]:
         "data.splits": [0.998, 0.001, 0.001],
     }
     out["paper/fedpa_humaneval_llama3.yaml"] = merged(
-        GENERATION, expname="fedpa_humaneval_llama3", **code, **{"federate.save_to": "exp/fedpa_humaneval_llama3.ckpt"}
+        GENERATION, expname="fedpa_humaneval_llama3", **code
     )
     out["paper/fedpa_humaneval_llama3_hetero.yaml"] = merged(
         GENERATION,
         expname="fedpa_humaneval_llama3_hetero",
         **code,
         **{
-            "federate.save_to": "exp/fedpa_humaneval_llama3_hetero.ckpt",
             "fedpa.client_ranks": [2, 4, 16],
             "fedpa.reference_ranks": [2, 4, 16],
             "fedpa.group_sizes": [2, 2, 2],
@@ -299,7 +296,7 @@ def configs() -> dict[str, dict]:
         out[f"baselines/{name}.yaml"] = merged(
             GENERATION,
             expname=name,
-            **{"federate.method": method, "train.optimizer.lr": lr, "federate.save_to": f"exp/{name}.ckpt"},
+            **{"federate.method": method, "train.optimizer.lr": lr},
             **({"fedpa.rotation_strength": FEDROT_STRENGTH["gsm8k"]} if method == "fedrot_lora" else {}),
         )
     return out

@@ -38,6 +38,7 @@ from fs_fedpa.plugin.outbox import ClientOutbox
 from fs_fedpa.plugin.privacy import ClientPrivacy
 from fs_fedpa.plugin.record_fs import RoundStats
 from fs_fedpa.plugin.resume_fs import ClientResume
+from fs_fedpa.plugin.run_folder_fs import identity, in_run_folder
 from fs_fedpa.plugin.schedule import RunSchedule
 from fs_fedpa.plugin.trainer import install_alignment_hook
 
@@ -46,8 +47,8 @@ logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its ow
 
 class FedPAClient(ClientLiveness, ClientEvaluation, Client):
     def __init__(self, *args, **kwargs):
-        if kwargs.get("config") is not None:
-            kwargs["config"] = share_equal("config", kwargs["config"])
+        if kwargs.get("config") is not None:  # its files in the run's folder, before FS reads federate.save_to
+            kwargs["config"] = share_equal("config", in_run_folder(kwargs["config"]))
         with sized_once(kwargs.get("model")):
             super().__init__(*args, **kwargs)
         if self._cfg is None:  # FS builds an unconfigured client to list message handlers
@@ -149,7 +150,7 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
         if self.kept.factors is not None:
             # what its own-factor evaluation adds to the base weights (Fed-PLoRA's undrawn modules): for the export
             state = {**self.models.snapshot(self.state), "fold": lora.copy_factors(self.kept.fold or {}, "cpu"),
-                     "scaling": lora.Scaling.of(self.model).record()}  # fmt: skip
+                     "scaling": lora.Scaling.of(self.model).record(), "run": identity(self._cfg.outdir)}  # fmt: skip
             if self._cfg.federate.save_to:
                 torch.save(state, add_prefix_to_path(f"fedpa_client_{self.ID}_", self._cfg.federate.save_to))
             if self.method.cfg.export_dir:

@@ -7,6 +7,7 @@ run selects a method of this plugin.
 
 from __future__ import annotations
 
+import difflib
 import logging
 from dataclasses import fields
 
@@ -63,19 +64,19 @@ def fedpa_config(cfg) -> FedPAConfig:
     return FedPAConfig(**{f.name: _plain(cfg.fedpa[f.name]) for f in fields(FedPAConfig)})
 
 
+def fs_methods() -> set[str]:
+    """The ``federate.method`` names FederatedScope itself knows (its constants and its worker registry)."""
+    from federatedscope.core.configs import constants
+    from federatedscope.register import worker_dict
+
+    known = {*constants.AGGREGATOR_TYPE, *constants.CLIENTS_TYPE, *constants.SERVER_TYPE, *worker_dict}
+    return {name.lower() for name in known} - set(PLUGIN_METHODS)
+
+
 def check_fedpa_cfg(cfg) -> None:
     fedpa = fedpa_config(cfg)
     if cfg.federate.method.lower() not in PLUGIN_METHODS:
-        if changed := sorted(
-            f.name for f in fields(FedPAConfig) if getattr(fedpa, f.name) != getattr(DEFAULTS, f.name)
-        ):
-            message = (
-                f"the fedpa section ({', '.join(f'fedpa.{k}' for k in changed)}) is ignored: federate.method "
-                f"{cfg.federate.method!r} is not a method of fs_fedpa (one of {', '.join(PLUGIN_METHODS)})"
-            )
-            if message not in _WARNED:
-                _WARNED.add(message)
-                logger.warning(message)
+        _check_other_method(cfg, fedpa)
         return
     if cfg.federate.mode.lower() == "distributed" and fedpa.client_timeout_s > 0 and (
         fedpa.join_timeout_s == 0 or fedpa.client_timeout_s < fedpa.join_timeout_s
@@ -125,6 +126,29 @@ def check_fedpa_cfg(cfg) -> None:
             f"fedpa.lr_schedule {fedpa.lr_schedule!r} and train.scheduler.type {cfg.train.scheduler.type!r} both set "
             "the learning rate of every step; keep one"
         )
+
+
+def _check_other_method(cfg, fedpa: FedPAConfig) -> None:
+    """A method that is not this plugin's: refused when FS does not know it either and it looks like a misspelt
+    plugin method or the run sets the fedpa section (FS would train FedAvg in its place and ignore the section);
+    one warning when it is FS's own and the section is set."""
+    changed = sorted(f.name for f in fields(FedPAConfig) if getattr(fedpa, f.name) != getattr(DEFAULTS, f.name))
+    method, known = cfg.federate.method.lower(), fs_methods()
+    near_plugin = difflib.get_close_matches(method, PLUGIN_METHODS, n=1, cutoff=0.8)
+    if method not in known and (changed or near_plugin):
+        near = near_plugin or difflib.get_close_matches(method, [*PLUGIN_METHODS, *sorted(known)], n=1, cutoff=0.6)
+        hint = f"did you mean {near[0]!r}?" if near else f"this plugin's methods: {', '.join(PLUGIN_METHODS)}"
+        section = f", and the run sets the fedpa section ({', '.join(f'fedpa.{k}' for k in changed)})" if changed else ""
+        raise ValueError(f"federate.method {cfg.federate.method!r} is neither a method of fs_fedpa nor one "
+                         f"FederatedScope knows (FS would train FedAvg in its place){section}: {hint}")  # fmt: skip
+    if changed:
+        message = (
+            f"the fedpa section ({', '.join(f'fedpa.{k}' for k in changed)}) is ignored: federate.method "
+            f"{cfg.federate.method!r} is not a method of fs_fedpa (one of {', '.join(PLUGIN_METHODS)})"
+        )
+        if message not in _WARNED:
+            _WARNED.add(message)
+            logger.warning(message)
 
 
 def _check_dp(cfg, fedpa: FedPAConfig) -> None:

@@ -13,6 +13,7 @@ import torch
 from fs_fedpa import export, lora
 from fs_fedpa.methods import FederatedMethod
 from fs_fedpa.plugin.export_fs import Exporter, run_info
+from fs_fedpa.plugin.run_folder_fs import CHECKPOINT, identity, same_run
 
 logger = logging.getLogger(f"federatedscope.{__name__}")
 
@@ -43,10 +44,11 @@ def run_files(run, cfg_file=None) -> tuple[object, Path, Path]:
     if run.is_file():
         return cfg, run, Path(cfg.outdir)
     save_to = cfg.federate.save_to
-    if not save_to:
-        raise ValueError(f"{run}: the run did not set federate.save_to, so it saved no checkpoint to export")
-    saved = Path(save_to)
-    candidates = [saved, run / saved.name, run.parent / saved, Path(cfg_file).parent / saved.name]
+    if not save_to and not cfg.fedpa.checkpoint:
+        raise ValueError(f"{run}: the run saved no checkpoint (fedpa.checkpoint False, no federate.save_to)")
+    saved = Path(save_to or CHECKPOINT)
+    # its own folder first: FS's config.yaml of a run saving into it names the path the run had when it ran
+    candidates = [run / saved.name, saved, run.parent / saved] if save_to else [run / CHECKPOINT]
     for place in candidates:
         final = place.parent / f"final_{place.name}"
         for path in (final, place):
@@ -56,8 +58,15 @@ def run_files(run, cfg_file=None) -> tuple[object, Path, Path]:
     if resume_point:
         raise ValueError(f"{run}: the run has not finished (only its resume point {resume_point[0].parent} is there); "
                          "resume it with federate.restore_from, then export")  # fmt: skip
-    raise ValueError(f"{run}: no checkpoint found for federate.save_to {save_to!r} (looked in "
-                     f"{', '.join(str(p.parent) for p in candidates)})")  # fmt: skip
+    raise ValueError(f"{run}: no checkpoint found for federate.save_to {save_to or str(run / CHECKPOINT)!r} (looked "
+                     f"in {', '.join(dict.fromkeys(str(p.parent) for p in candidates))})")  # fmt: skip
+
+
+def _another_run(path: Path, owner: dict, asked: Path) -> str:
+    return (f"{path} was written by the run in {owner.get('outdir')} (config {owner.get('config') or '?'}), not by "
+            f"the run in {Path(asked).resolve()}: both runs saved onto one federate.save_to and the later one "
+            "replaced this run's files; nothing is exported. Rerun it without federate.save_to (its files then stay "
+            "in its own folder)")  # fmt: skip
 
 
 def client_file(checkpoint: Path, client: int) -> Path:
@@ -77,6 +86,9 @@ def export_run(run, out, *, clients: bool = False, force: bool = False, cfg_file
     section = saved.get("fedpa") if isinstance(saved, dict) else None
     if not isinstance(section, dict) or "global" not in section:
         raise ValueError(f"{checkpoint} is not a checkpoint of an fs_fedpa run (no 'fedpa' section)")
+    owner = section.get("run")
+    if Path(run).is_dir() and not same_run(owner, identity(str(outdir))):  # a file with --cfg: the user's word
+        raise ValueError(_another_run(checkpoint, owner, outdir))
     if int(saved.get("cur_round", 0)) < 1:
         raise ValueError(f"{checkpoint}: the run has no finished round (cur_round {saved.get('cur_round')})")
     require_finite({"global": section["global"], "merged": section.get("merged", {})}, checkpoint)
@@ -87,6 +99,9 @@ def export_run(run, out, *, clients: bool = False, force: bool = False, cfg_file
         states[client] = _load(paths[client])
         if isinstance(states[client], dict):
             require_finite(states[client], paths[client])
+            written_by = states[client].get("run")
+            if cfg.federate.mode.lower() == "standalone" and isinstance(owner, dict) and not same_run(written_by, owner):
+                raise ValueError(_another_run(paths[client], written_by, outdir))
     model = get_model(cfg)
     method = build_method(cfg, model)
     plan = method.plan

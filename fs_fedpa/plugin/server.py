@@ -26,12 +26,14 @@ from fs_fedpa.plugin import auth
 from fs_fedpa.plugin.aggregator import FedPAAggregator, RoundInput
 from fs_fedpa.plugin.common import build_method, layer_shapes, non_lora_trainables, send
 from fs_fedpa.plugin.export_fs import check_export_dir
+from fs_fedpa.plugin.fs_patches import no_aggregator_notice
 from fs_fedpa.plugin.global_model import GlobalModel
 from fs_fedpa.plugin.inbox import ServerInbox
 from fs_fedpa.plugin.liveness import ServerLiveness
 from fs_fedpa.plugin.privacy_server import ServerPrivacy
 from fs_fedpa.plugin.record_fs import RoundLog
 from fs_fedpa.plugin.resume_fs import ServerResume, check_resume_file
+from fs_fedpa.plugin.run_folder_fs import identity, in_run_folder, warn_if_taken
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
@@ -41,9 +43,18 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
         config = kwargs.get("config", args[2] if len(args) > 2 else None)
         if config is not None and config.federate.restore_from:
             check_resume_file(config.federate.restore_from)  # before FS's own aggregator loads it with its raw errors
-        super().__init__(*args, **kwargs)
+        explicit = config is not None and bool(config.federate.save_to)
+        if config is not None:  # before FS's constructor reads federate.save_to
+            config = in_run_folder(config)
+            if "config" in kwargs:
+                kwargs["config"] = config
+            else:
+                args = (*args[:2], config, *args[3:])
+        with no_aggregator_notice():  # FS builds a FedAvg aggregator first, which this server replaces
+            super().__init__(*args, **kwargs)
         if self._cfg is None:
             return
+        self.identity = identity(self._cfg.outdir)  # the run this server's files belong to
         self.method = build_method(self._cfg, self.model)
         if self.method.cfg.num_threads > 0:  # FS's standalone runner has just pinned torch to 1 thread
             torch.set_num_threads(self.method.cfg.num_threads)
@@ -78,6 +89,8 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
         if self._cfg.federate.save_to:  # FS saves only after training: a missing folder would lose the run
             os.makedirs(os.path.dirname(os.path.abspath(self._cfg.federate.save_to)), exist_ok=True)
         self.resume = ServerResume(self._cfg, self.method)
+        if explicit:
+            warn_if_taken(self._cfg, self._cfg.federate.save_to, resume.server_path(self._cfg.federate.save_to))
         self._pending_rng: dict | None = None
         self._expected: set[int] = set()  # receivers of this round's model: the only valid senders of updates
         self._eval_round: int | None = None  # the round of the last evaluation asked for, and whom it was asked of
@@ -174,7 +187,7 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
         """FS's checkpoint format (``cur_round``, trainable ``model`` state with the global adapter) plus
         ``fedpa``: the effective global factors and the rank plan (:class:`GlobalModel`)."""
         state = {"cur_round": cur_round, "model": self.globals.checkpoint_state(),
-                 "fedpa": self.globals.checkpoint_fields()}  # fmt: skip
+                 "fedpa": {**self.globals.checkpoint_fields(), "run": dict(self.identity)}}  # fmt: skip
         torch.save(state, path)
 
     # ---------------------------------------------------------------------------------- resume points

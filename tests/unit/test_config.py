@@ -119,6 +119,24 @@ def test_a_fedpa_section_under_another_method_is_named_in_one_warning(monkeypatc
     assert len(warned) == 1  # defaults only: nothing to warn about
 
 
+def test_a_misspelt_method_beside_a_fedpa_section_is_refused_with_the_nearest_name(monkeypatch):
+    from types import SimpleNamespace
+
+    from fs_fedpa.plugin import config_fs as plugin_config
+
+    fedpa = {f.name: getattr(FedPAConfig(), f.name) for f in fields(FedPAConfig)}
+    for method, nearest in (("fedpaa", "'fedpa'"), ("FedAvgg", "'fedavg'"), ("fed_svd", "'fedsvd'")):
+        cfg = SimpleNamespace(federate=SimpleNamespace(method=method), fedpa={**fedpa, "lam": 0.3})
+        with pytest.raises(ValueError, match=f"federate.method '{method}' is neither .* did you mean {nearest}"):
+            plugin_config.check_fedpa_cfg(cfg)
+    cfg = SimpleNamespace(federate=SimpleNamespace(method="zzz"), fedpa={**fedpa, "lam": 0.3})
+    with pytest.raises(ValueError, match="this plugin's methods: .*fedpa"):
+        plugin_config.check_fedpa_cfg(cfg)
+    with pytest.raises(ValueError, match="did you mean 'fedpa'"):  # near a plugin method: refused even unset
+        plugin_config.check_fedpa_cfg(SimpleNamespace(federate=SimpleNamespace(method="fedpaa"), fedpa=fedpa))
+    plugin_config.check_fedpa_cfg(SimpleNamespace(federate=SimpleNamespace(method="zzz"), fedpa=fedpa))  # FS's call
+
+
 def test_multi_process_standalone_is_refused_with_the_distributed_recipe():
     from types import SimpleNamespace
 
