@@ -47,6 +47,7 @@ from fs_fedpa.study.sst2_protocol import (
     write_run,
 )
 from fs_fedpa.study.report import write_report
+from fs_fedpa.tools import cli
 from fs_fedpa.tools.sst2_demo import find_glue_dir
 
 
@@ -125,7 +126,7 @@ def with_threads(fs_opts: list[str], jobs: int, cpus: int) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)  # run.sh matches flags
+    parser = cli.Parser(description=__doc__.splitlines()[0], allow_abbrev=False)  # run.sh matches flags
     parser.add_argument("--data", help="GLUE folder (or set FS_FEDPA_DATA)")
     parser.add_argument("--report", help=f"committed results, selection and report (default: {REPORT}, in a checkout)")
     parser.add_argument("--work", default=str(WORK), help="FS's outputs of every run (not committed)")
@@ -153,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run only the cells whose name matches this shell pattern (repeat for several, e.g. --cell 'partial30_*' "
         "--cell fedit_dp), to share a stage between hosts; the other cells' results are still read from --report",
     )
-    parser.add_argument("--hours", type=float, default=0.0, help="stop after the run that ends past this many hours")
+    parser.add_argument("--hours", type=cli.number(minimum=0), default=0.0, help="stop after the run that ends past this many hours")
     parser.add_argument(
         "--jobs",
         type=int,

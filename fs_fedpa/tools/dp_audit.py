@@ -24,9 +24,9 @@ another test could do better); a bound above it shows that the stated epsilon is
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
+from fs_fedpa.tools import cli
 
 TREATMENTS = ("noised", "frozen", "plain")
 HEAD = frozenset({"1.weight", "1.bias"})
@@ -148,7 +148,7 @@ def torch_quantiles(null, alt, count: int = 200):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.Parser(prog="python -m fs_fedpa.tools.dp_audit", description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=4000, help="trials per dataset (half choose the threshold)")
     parser.add_argument("--epsilon", type=float, default=1.0, help="the ledger's epsilon the noise is calibrated to")
     parser.add_argument("--delta", type=float, default=1e-5)

@@ -30,9 +30,11 @@ of 10 rank-16 uploads, then its exact and its randomized rank-16 factors.
 
 from __future__ import annotations
 
-import argparse
 import math
+import sys
 import time
+
+from fs_fedpa.tools import cli
 
 # name -> (modules as (d, k, count), LoRA rank): the attention query and value projections PEFT adapts by default
 MODELS = {
@@ -172,39 +174,41 @@ def time_module(d: int = 4096, clients: int = 10, r: int = 16) -> str:
     return "; ".join(out)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epsilon", type=float, default=8.0)
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--rate", type=float, default=0.1)
+def main(argv: list[str] | None = None) -> int:
+    parser = cli.Parser(prog="python -m fs_fedpa.tools.dp_table", description=__doc__.splitlines()[0])
+    count = cli.number(int, minimum=1)
+    parser.add_argument("--epsilon", type=cli.number(above=0), default=8.0)
+    parser.add_argument("--rounds", type=count, default=30)
+    parser.add_argument("--rate", type=cli.number(above=0, maximum=1), default=0.1)
     parser.add_argument("--time", action="store_true", help="also time FedPA-LoRA's DP server step at d = 4096")
     parser.add_argument("--sample", action="store_true", help="sample-level DP-SGD in this cell instead")
-    parser.add_argument("--steps", type=int, default=210, help="--sample: DP-SGD steps over the run (T tau)")
-    parser.add_argument("--tau", type=int, default=None,
+    parser.add_argument("--steps", type=count, default=210, help="--sample: DP-SGD steps over the run (T tau)")
+    parser.add_argument("--tau", type=count, default=None,
                         help="--sample: local steps a round; the steps are then --rounds x tau, not --steps")
-    parser.add_argument("--n", type=int, nargs="+", default=[624, 6797, 13224], help="--sample: clients' records")
-    parser.add_argument("--batch", type=int, nargs="+", default=[16, 64, 256], help="--sample: records a step")
+    parser.add_argument("--n", type=count, nargs="+", default=[624, 6797, 13224], help="--sample: clients' records")
+    parser.add_argument("--batch", type=count, nargs="+", default=[16, 64, 256], help="--sample: records a step")
     parser.add_argument("--sampling", choices=("wor", "poisson"), default="wor", help="--sample: fedpa.dp_sampling")
     parser.add_argument("--accountant", choices=("rdp", "pld"), default="rdp", help="--sample: fedpa.dp_accountant")
-    parser.add_argument("--rank", type=int, default=None, help="--sample: the LoRA rank (default 4)")
-    parser.add_argument("--layers", type=int, default=None, help="LoRA on the top LAYERS layers only")
+    parser.add_argument("--rank", type=count, default=None, help="--sample: the LoRA rank (default 4)")
+    parser.add_argument("--layers", type=count, default=None, help="LoRA on the top LAYERS layers only")
     parser.add_argument("--frozen-head", action="store_true",
                         help="--sample: the local head is held at its initial value (dp_local_tensors frozen): not in D")
     parser.add_argument("--federated-head", action="store_true",
                         help="client level: the head is federated, so every contribution releases it too")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.tau is not None and (not args.sample or args.tau < 1):
         parser.error("--tau needs --sample and a value >= 1")
     if args.sample:
         steps = args.rounds * args.tau if args.tau else args.steps
         print(sample_table(args.epsilon, steps, args.n, args.batch, args.sampling, args.accountant, args.rank,
                            args.layers, not args.frozen_head))  # fmt: skip
-        return
+        return 0
     print(table(args.epsilon, args.rounds, args.rate, args.layers, args.federated_head))
     if args.time:
         print()
         print(time_module())
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.one_line_errors(main, "dp_table")())

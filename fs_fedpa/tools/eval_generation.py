@@ -12,12 +12,12 @@ base model's weights. Generation is greedy. HumanEval runs model-written code: s
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 import zipfile
 from pathlib import Path
+from fs_fedpa.tools import cli
 
 WRAPPER_PREFIXES = ("model.base_model.model.", "base_model.model.", "model.")
 
@@ -87,16 +87,16 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int, device: str) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.Parser(prog="python -m fs_fedpa.tools.eval_generation", description=__doc__.splitlines()[0])
     parser.add_argument("task", choices=["gsm8k", "humaneval"])
     parser.add_argument("--base", required=True, help="base causal LM: local directory or hub name")
     parser.add_argument("--ckpt", help="FedPA checkpoint (federate.save_to of the run)")
     parser.add_argument("--no-adapter", action="store_true", help="evaluate the base model alone")
     parser.add_argument("--data", required=True, help="GSM8K test.jsonl or HumanEval.jsonl.gz")
     parser.add_argument("--shots-from", help="GSM8K train.jsonl for the few-shot prompt (0-shot without)")
-    parser.add_argument("--shots", type=int, default=8)
-    parser.add_argument("--limit", type=int)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--shots", type=cli.number(int, minimum=0), default=8)
+    parser.add_argument("--limit", type=cli.number(int, minimum=1), help="the first LIMIT problems only")
+    parser.add_argument("--max-new-tokens", type=cli.number(int, minimum=1), default=256)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default="generation_results.json")
     args = parser.parse_args(argv)
@@ -113,6 +113,16 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
 
+    if args.task == "gsm8k":
+        from fs_fedpa.tasks.gsm8k import exact_match, few_shot_prompt, load_gsm8k
+
+        shots = _read(parser, "--shots-from", args.shots_from, load_gsm8k) if args.shots_from else []
+        records = _read(parser, "--data", args.data, lambda path: load_gsm8k(path, args.limit))
+    else:
+        from fs_fedpa.tasks.humaneval import completion_from_generation, load_humaneval, pass_at_1
+
+        problems = _read(parser, "--data", args.data, load_humaneval)[: args.limit]
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.base)
@@ -122,10 +132,6 @@ def main(argv: list[str] | None = None) -> int:
 
     items, start = [], time.time()
     if args.task == "gsm8k":
-        from fs_fedpa.tasks.gsm8k import exact_match, few_shot_prompt, load_gsm8k
-
-        shots = load_gsm8k(args.shots_from) if args.shots_from else []
-        records = load_gsm8k(args.data, args.limit)
         for i, rec in enumerate(records, start=1):
             text = generate(
                 model, tokenizer, few_shot_prompt(rec["question"], shots, args.shots), args.max_new_tokens, args.device
@@ -142,9 +148,6 @@ def main(argv: list[str] | None = None) -> int:
             _progress(i, len(records), start)
         metric = {"exact_match": sum(it["correct"] for it in items) / len(items)}
     else:
-        from fs_fedpa.tasks.humaneval import completion_from_generation, load_humaneval, pass_at_1
-
-        problems = load_humaneval(args.data)[: args.limit]
         for i, problem in enumerate(problems, start=1):
             text = generate(model, tokenizer, problem["prompt"], args.max_new_tokens, args.device)
             items.append({"task_id": problem["task_id"], "completion": completion_from_generation(text)})
@@ -155,10 +158,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _read(parser, flag: str, path: str, load):
+    """``load(path)``, or one line naming the flag when the file is not the task's JSON lines (before the model)."""
+    try:
+        return load(path)
+    except (ValueError, KeyError, TypeError, OSError, EOFError) as exc:
+        parser.error(f"{flag} {path}: not this task's JSON lines ({type(exc).__name__}: {str(exc)[:120]})")
+
+
 def _progress(i: int, n: int, start: float) -> None:
     if i == n or i % max(1, n // 20) == 0:
         print(f"  {i}/{n} ({time.time() - start:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.one_line_errors(main, "eval_generation")())

@@ -45,6 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fs_fedpa.tools.checkout import find_checkout
+from fs_fedpa.tools import cli
 
 NEEDS = ("yaml_configs", "scripts", "benchmarks")  # what the steps read from the checkout
 STEPS = ("env", "standalone", "cpu_match", "distributed", "reconstruct", "adapter", "penalty", "clients", "dp_sgd")
@@ -461,7 +462,7 @@ def prepare(out: Path, data: str | None, fs_source: str | None, train_lines: int
 
 # ---------------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fs_fedpa.tools.gpu_check", description=__doc__.splitlines()[0])
+    parser = cli.Parser(prog="python -m fs_fedpa.tools.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default=None, help="cuda, cuda:K or cpu (default: cuda when torch sees one)")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes: a random BERT and synthetic SST-2")
     parser.add_argument("--only", nargs="+", choices=STEPS, metavar="STEP", help=f"some of: {' '.join(STEPS)}")
@@ -469,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default=None, help="scratch folder (default: beside --out)")
     parser.add_argument("--data", default=None, help="GLUE folder holding SST-2/ (not with --tiny)")
     parser.add_argument("--model", default=None, help=f"MiniLM folder, fp16 or fp32 (default: the {MINILM} package)")
-    parser.add_argument("--step-timeout", type=float, default=240.0, help="seconds a child process may take")
+    parser.add_argument("--step-timeout", type=cli.number(above=0), default=240.0, help="seconds a child process may take")
     parser.add_argument("--repo", default=None, help="the fs_fedpa checkout (default: the working directory)")
     parser.add_argument("--prepare", metavar="DIR", help="write the carry folder for a GPU host and exit")
     parser.add_argument("--fs-source", default=None, help="with --prepare: FS's archive or checkout, as a wheel")
@@ -491,6 +492,10 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.device == "cpu" or args.device.startswith("cuda")):
         parser.error(f"--device must be cpu, cuda or cuda:K (got {args.device!r})")
     out_path = Path(args.out)
+    for flag, path in (("--out", out_path.parent), ("--work", Path(args.work) if args.work else None)):
+        blocked = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None) if path else None
+        if blocked is not None:
+            parser.error(f"{flag} {path}: {blocked} is a file, not a folder")
     args.work = args.work or str(out_path.parent / "work")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     check = Check(args)
@@ -525,4 +530,4 @@ def table(record: dict) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.one_line_errors(main, "gpu_check")())

@@ -8,14 +8,16 @@ Nothing is downloaded. Needs FederatedScope (its prompt templates shape the toke
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import random
 import re
+import sys
 from collections.abc import Iterable
 from importlib.util import find_spec
 from pathlib import Path
+
+from fs_fedpa.tools import cli
 
 # Special tokens FS's get_tokenizer checks (llm/dataset/llm_dataset.py:DefaultToken). Defining all
 # four means get_tokenizer adds none, so FS never resizes/mean-initialises the embeddings.
@@ -238,10 +240,10 @@ def build_tiny_bert(path, vocab_texts: Iterable[str], hidden: int = 32, layers: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.Parser(prog="python -m fs_fedpa.tools.tiny_llm", description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", help="folder to write model/ and data.jsonl into")
-    parser.add_argument("--samples", type=int, default=120, help="number of instruction records")
-    parser.add_argument("--categories", type=int, default=2, help="2: sentiment task; 3..8: topic task")
+    parser.add_argument("--samples", type=cli.number(int, minimum=1), default=120, help="number of instruction records")
+    parser.add_argument("--categories", type=cli.number(int, minimum=1, maximum=MAX_CATEGORIES), default=2, help="2: sentiment task; 3..8: topic task")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.samples < 1 or not 1 <= args.categories <= MAX_CATEGORIES:
@@ -250,12 +252,13 @@ def main(argv: list[str] | None = None) -> None:
     if missing := [m for m in ("federatedscope", "torch", "transformers", "tokenizers") if find_spec(m) is None]:
         parser.error(f"needs {', '.join(missing)}, which this Python lacks (FederatedScope: see docs/install.md)")
     out = Path(args.out_dir)
-    if out.exists() and not out.is_dir():
-        parser.error(f"{out} is a file, not a folder to write model/ and data.jsonl into")
+    blocked = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        parser.error(f"{out}: {blocked} is a file, not a folder to write model/ and data.jsonl into")
     data, texts = write_instruction_jsonl(out / "data.jsonl", args.samples, args.seed, args.categories)
     model = build_tiny_llama(out / "model", texts, seed=args.seed)
     print(f"wrote {data} and {model}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.one_line_errors(main, "tiny_llm")())
