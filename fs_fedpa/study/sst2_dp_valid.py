@@ -187,14 +187,14 @@ def passes_gate(results: dict, top: sp.Run | None) -> bool:
 def runs(selected_main: dict, results: dict) -> list[tuple[str, list[sp.Run]]]:
     """The stage's parts as far as the committed results determine them; no finals unless the gate passes."""
     first, second, top = selected(results)
-    parts = [("dp valid: search S1 (head, clip)", first),
-             ("dp valid: part E′, FedPA-LoRA's own adapters cross-device", device_runs(selected_main, results))]
+    parts = [("dp valid: search S1 (head, clip)", first)]
     if second is not None:
         parts.append(("dp valid: search S2 (rate)", second))
     if passes_gate(results, top):
         lam = selected_main["methods"]["fedpa"]["lam"]
         parts.append(("dp valid: finals", final_runs(point_of(top), lam)))
         parts.append(("dp valid: diagnostics (not selecting)", diagnostic_runs(point_of(top), lam)))
+    parts.append(("dp valid: part E′, FedPA-LoRA's own adapters cross-device", device_runs(selected_main, results)))
     return parts
 
 

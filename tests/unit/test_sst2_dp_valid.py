@@ -38,6 +38,7 @@ def test_the_search_then_the_gate_then_the_finals():
     main = MAIN
     parts = v.runs(main, {})
     assert [name for name, _ in parts] == ["dp valid: search S1 (head, clip)", PART_E] and len(parts[0][1]) == 4
+    assert [name for name, _ in v.runs(main, {r.key: _result(0.7) for r in v.search_1()})][-1] == PART_E
     results = {r.key: _result(0.70 + 0.01 * i) for i, r in enumerate(v.search_1())}  # frozen_c0.01 best: 0.73
     parts = dict(v.runs(main, results))
     assert [r.name for r in parts["dp valid: search S2 (rate)"]] == ["search_frozen_c0.01_lr0.002",
