@@ -221,7 +221,8 @@ def base_model_name(cfg) -> str:
         from fs_fedpa.plugin.seqcls import resolve_model_path
 
         return resolve_model_path(name)
-    return name
+    # a local folder by its absolute path: the export's README loads it from the export folder, not the run's cwd
+    return str(Path(name).resolve()) if Path(name).is_dir() else name
 
 
 def config_hash(path) -> str:
@@ -239,6 +240,26 @@ def _privacy_line(privacy: dict) -> str:
             f"not DP: {', '.join(privacy['not_dp_files']) or 'nothing'}")
 
 
+def model_card_metadata(info: dict) -> list[str]:
+    """The README's YAML header, the Hugging Face model card metadata (``huggingface_hub.ModelCardData``'s keys:
+    base model, library, license, tags) plus what fs_fedpa trained: the method, rounds and the privacy."""
+    import yaml
+
+    privacy = info.get("privacy") or {}
+    dp = {k: privacy.get(k) for k in ("dp_mode", "epsilon", "delta", "adjacency", "sampling", "accountant")
+          if privacy.get(k) is not None}  # fmt: skip
+    card = {
+        "base_model": info["base_model"],
+        "library_name": "peft",
+        "license": "other",  # the base model's license governs an adapter of it
+        "pipeline_tag": "text-classification" if info["task_type"] == "SEQ_CLS" else "text-generation",
+        "tags": ["fs_fedpa", "federated-learning", "lora", info["method"]],
+        "fs_fedpa": {"method": info["method"], "rounds": info.get("rounds"), "R_g": info["R_g"],
+                     "privacy": dp or {"dp_mode": "none"}},  # fmt: skip
+    }
+    return ["---", *yaml.safe_dump(card, sort_keys=False).splitlines(), "---", ""]
+
+
 def readme(info: dict) -> str:
     """The export's README: what was trained and how to load each part."""
     task = info["task_type"]
@@ -249,6 +270,7 @@ def readme(info: dict) -> str:
     clients = info["clients"]
     first = next(iter(clients), None)
     lines = [
+        *model_card_metadata(info),
         f"# {info['method']} adapters, exported by fs_fedpa",
         "",
         f"- method: `{info['method']}`; rounds: {info.get('rounds', '?')}; "
@@ -290,21 +312,30 @@ def readme(info: dict) -> str:
         ]
         if "mix" in entry:
             lines += ["FedDPA mixes two adapters per input; `fs_fedpa.export.load` rebuilds the mixing:"]
-        elif entry.get("global") and entry.get("head"):
+        elif entry.get("global") and "adapter" in info["global"]:
+            head = [f'model.load_state_dict(load_file("{entry["head"]}"), strict=False)  # its head']
+            R_i = clients[first].get("reference_rank", info["R_g"])
+            folder = "global" if R_i >= info["R_g"] else f"global_r{R_i}"  # the reference the server sent it
             lines += [
                 "```python",
                 "from peft import PeftModel",
-                "from safetensors.torch import load_file",
-                f'model = PeftModel.from_pretrained({auto}.from_pretrained("{info["base_model"]}"{labels}), "global")',
-                f'model.load_state_dict(load_file("{entry["head"]}"), strict=False)',
+                *(["from safetensors.torch import load_file"] if entry.get("head") else []),
+                "from transformers import " + auto,
+                f'model = PeftModel.from_pretrained({auto}.from_pretrained("{info["base_model"]}"{labels}), '
+                f'"{folder}")',
+                *(head if entry.get("head") else []),
                 "```",
-                "(`global_r<R>` in place of `global` for a client whose reference rank R_i is below R_g.)",
-            ] if "adapter" in info["global"] else []  # fmt: skip
+                "(another client: its reference rank's `global_r<R>`, or `global` at R_g, and its own head; "
+                "`export.json` names both.)",
+            ]  # fmt: skip
+        else:
+            lines += ["This method's paper-protocol model is the client's own; the manifest names it:"]
         lines += [
             "",
             "Any client and protocol, with the manifest `export.json`:",
             "```python",
             "from fs_fedpa.export import load",
+            "from transformers import " + auto,
             f'model = load({auto}.from_pretrained("{info["base_model"]}"{labels}), ".", client={first}, '
             'protocol="paper")  # or "local": its own factors (client_<id>/, written with --clients)',
             "```",

@@ -198,6 +198,28 @@ def test_hetero_ranks_export_each_client_at_its_own_rank(tiny_glue, tmp_path):
     assert json.loads((out / "global" / "adapter_config.json").read_text())["r"] == 8
     assert (out / "global_r2").is_dir() and (out / "global_r4").is_dir()
     _check_round_trip(tiny_glue, outdir, out, "fedpa")
+    _check_readme(out, "SEQ_CLS", "global_r2")  # client 1's reference rank is R_1 = 2
+
+
+def _check_readme(out: Path, task: str, client_folder: str) -> None:
+    """The export README's metadata is a model card Hugging Face reads, and each of its Python blocks runs as
+    written from the export folder and builds a model of the expected class."""
+    import re
+
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(out / "README.md")
+    assert card.data.library_name == "peft" and Path(card.data.base_model).is_dir() and card.data.license
+    assert card.data.to_dict()["fs_fedpa"]["method"] == "fedpa" and "fedpa" in card.data.tags
+    text = (out / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) == 3 and f'"{client_folder}")' in blocks[1] and not re.search(r"^#+ .*\n\n\n", text, re.M)
+    for block in blocks:
+        check = block + "\nassert type(model).__name__ in ('PeftModel', 'PeftModelForSequenceClassification', " \
+            "'PeftModelForCausalLM') or hasattr(model, 'config'), type(model)\n"
+        proc = subprocess.run([sys.executable, "-c", check], cwd=out, capture_output=True, text=True, env=fs_env(),
+                              timeout=300)  # fmt: skip
+        assert proc.returncode == 0, block + proc.stderr[-2000:]
 
 
 def test_export_refuses_what_it_cannot_write(tiny_glue, tmp_path):
@@ -257,6 +279,7 @@ def test_causal_lm_run_exports_global_and_client_adapters(tiny_llm, tmp_path):
             assert torch.equal(layers[module_path(name)].lora_B["default"].weight, B)  # bit for bit
             assert torch.allclose(layers[module_path(name)].get_delta_weight("default").double(), want, atol=1e-7)
     assert (tmp_path / "at_end" / "global" / "adapter_model.safetensors").is_file()
+    _check_readme(out, "CAUSAL_LM", "global")
 
 
 REAL = Path(__file__).resolve().parents[3] / "shared" / "data" / "glue"
