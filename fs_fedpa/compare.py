@@ -126,7 +126,7 @@ def run_one(cfg: str, cell: Cell, seed: int, out: Path, opts: list[str], total_r
 
 
 # A fixed one-thread workload (50 float32 matmuls of MiniLM's feed-forward shape) timed in CPU seconds: runs whose
-# hosts differ in speed differ in CPU time for the same work (docs/sst2_protocol.md), and this says by how much.
+# hosts differ in speed differ in CPU time for the same work (docs/study/sst2_protocol.md), and this says by how much.
 _PROBE = (
     "import time, torch\n"
     "torch.set_num_threads(1)\n"

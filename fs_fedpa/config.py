@@ -303,7 +303,7 @@ class FedPAConfig:
                 "load the frozen base of a '@seqcls_llm' or '@huggingface_llm' model in 8 bits (int8: LLM.int8) or "
                 "4 bits (nf4: NF4) with bitsandbytes (the quant extra); LoRA factors and heads stay float32. Refused "
                 "with the methods that write the base weights: fedex_lora, flora, fed_plora, feddpa_t, feddpa_f "
-                "(docs/plugin.md)"
+                "(docs/dev/plugin.md)"
             )
         },
     )

@@ -9,7 +9,7 @@ trains is not quantized: PEFT's LoRA factors wrap the quantized layer in float32
 the same factors as on a float32 base; only the frozen W_0 they are added to is rounded. A method that writes
 W_0 (merges, folds, a personal phase over the global adapter frozen in it) is refused by the plugin's check.
 
-Why bitsandbytes (measured on this project's CPU, torch 2.13 CPU build; docs/plugin.md): bitsandbytes 0.46.1 to
+Why bitsandbytes (measured on this project's CPU, torch 2.13 CPU build; docs/dev/plugin.md): bitsandbytes 0.46.1 to
 0.50.2 train LoRA on an int8 and an NF4 base on the CPU (CUDA is its first platform; not measured here), through
 transformers' own loading path, and PEFT has LoRA layers for both of its linear types; torchao 0.18 trains on its
 int8 weights, but its int4 conversion fails (``Requires mslk >= 1.0.0``); optimum-quanto 0.2.7 has int2/4/8 and

@@ -1,4 +1,4 @@
-"""One round's diagnostics: the record the server writes, the comparison runner reads and docs/plugin.md lists.
+"""One round's diagnostics: the record the server writes, the comparison runner reads and docs/dev/plugin.md lists.
 
 No torch and no FederatedScope here, so the comparison runner and the docs test import it cheaply. The server
 appends one :class:`RoundRecord` per round, as a JSON line, to ``<outdir>/fedpa_diagnostics.jsonl``.
@@ -173,7 +173,7 @@ def compact(record: dict) -> dict:
 
 
 def describe() -> list[tuple[str, str]]:
-    """``(field, meaning)`` of every record field, in order: the source of docs/plugin.md's table."""
+    """``(field, meaning)`` of every record field, in order: the source of docs/dev/plugin.md's table."""
     return [(f.name, f.metadata["help"]) for f in fields(RoundRecord)]
 
 

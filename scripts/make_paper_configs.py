@@ -103,7 +103,7 @@ BASELINE_LR_HETERO = {  # heterogeneous GLUE: FlexLoRA, HetLoRA, Ravan, Fed-PLoR
 BASELINE_LR_GSM8K = dict(fedit=5e-3, flexlora=5e-3, ffa_lora=5e-3, rolora=1e-3, fedrot_lora=5e-3)
 # FedEx-LoRA, FLoRA and LoRA-FAIR are not in the paper's tables, so no rate was tuned for them: they take FedIT's
 # (each is FedIT plus a server-side repair of its aggregate) and, with heterogeneous ranks, FLoRA takes FlexLoRA's.
-# Our choice, in docs/baselines.md.
+# Our choice, in docs/dev/baselines.md.
 EXACT = ("fedex_lora", "flora", "lora_fair")
 
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DOC_FILES = sorted([ROOT / "README.md", ROOT / "yaml_configs" / "README.md", *(ROOT / "docs").glob("*.md")])
+USER_DOCS = sorted((ROOT / "docs").glob("*.md"))  # the user's guide; the study and the developers' notes apart
+DOC_FILES = sorted([ROOT / "README.md", ROOT / "yaml_configs" / "README.md", *(ROOT / "docs").glob("**/*.md")])
 
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 SPAN = re.compile(r"`([^`\n]+)`")

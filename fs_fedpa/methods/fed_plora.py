@@ -6,7 +6,7 @@ uploads them alone; the server averages each module's b_j and a_j over the clien
 the paper's 1/|Q_j|), keeps a module nobody trained, and sends every client all R modules.
 Paper: arxiv.org/abs/2602.16936; authors' code (TNI-playground/Fed-PLoRA) could not be read here.
 
-Choices where the paper is silent (docs/baselines.md lists them): one draw per client and round for every layer,
+Choices where the paper is silent (docs/dev/baselines.md lists them): one draw per client and round for every layer,
 from a stream seeded by (seed, round, client) so that the server knows it without it being sent; the global rank
 R is ``r_g = max r_i``; the modules start as PEFT's LoRA (b = 0, a Kaiming-uniform); a client trains at PEFT's
 scale of its rank r_i (the fold and the upload are applied updates, so the scale changes no product).

@@ -4,7 +4,7 @@ the averaged product: ``B_bar' = B_bar + Delta B*``, Delta B* minimising ``1 - c
 load ``(B_bar', A_bar)`` every round ("Avg-Initial"), as in FedIT; bytes are FedIT's. Paper:
 arxiv.org/abs/2411.14961; no public code of the authors could be read here.
 
-Choices where the paper is silent (docs/baselines.md lists them): Delta B starts at 0 (FedIT's average), plain
+Choices where the paper is silent (docs/dev/baselines.md lists them): Delta B starts at 0 (FedIT's average), plain
 gradient descent with step 0.01 for 1000 steps and lam = 0.01 (the values of the re-implementations; the paper
 states lam = 0.01), the cosine of the flattened matrices, the squared norm, the best iterate kept. The problem is
 solved on the applied factors ``(s B, A)``; the cosine does not depend on s, the regulariser does (by s^2).

@@ -6,7 +6,7 @@ random; the others stay frozen in the forward pass) and uploads ``s_h H_h`` of t
 head's unweighted mean over the clients that trained it (exact: the mean of their ``s_h B_h H_h A_h``), keeps a
 head nobody trained, and sends every client all H cores. Paper: arxiv.org/abs/2506.05568 (Alg. 1, Eq. 8).
 
-Choices where the paper is silent (docs/baselines.md lists them): the bases are Gaussian with variance 1/d (B) and
+Choices where the paper is silent (docs/dev/baselines.md lists them): the bases are Gaussian with variance 1/d (B) and
 1/k (A), so that their columns/rows have the unit norm of the paper's Gram-Schmidt variant, drawn per module from a
 seed every worker shares (nothing about them travels); the heads a client trains are one uniform draw per client
 and round for every layer (the paper's "random" rule), from a stream the server derives too; a client's budget is

@@ -46,7 +46,7 @@ def share_equal(kind: str, value):
     """``value``, or the equal one of ``kind`` that the previous worker of this process holds. FS's standalone
     runner gives every client a deep copy of the whole config, each trainer's context a set of every parameter name
     of the shared model, and every client builds its own rank plan (per-client tuples of length N) and module tables:
-    shared, FS's setup costs 17 KiB a client instead of 117 (docs/plugin.md). All are read-only once set up: the
+    shared, FS's setup costs 17 KiB a client instead of 117 (docs/dev/plugin.md). All are read-only once set up: the
     config is frozen and an unfrozen one is never shared. A trainer wrapper that defrosts and edits a shared config
     (FS's FedProx and NbAFL do) edits it for its sharers too, which is harmless where, as there, every client makes
     the same edit; the next client's config is then unequal and keeps its own."""

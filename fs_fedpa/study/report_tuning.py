@@ -138,7 +138,7 @@ def stage_section(title: str, stage: str, results: dict, report: Path, pairs: di
     folder = report / stage
     folder.mkdir(exist_ok=True)
     summary = compare.summarize(runs, "val_acc", larger_is_better=True)
-    compare.write_table(summary, "val_acc", folder, f"Stage `{stage}` of the SST-2 protocol (docs/sst2_protocol.md).")
+    compare.write_table(summary, "val_acc", folder, f"Stage `{stage}` of the SST-2 protocol (docs/study/sst2_protocol.md).")
     try:
         from fs_fedpa.plots import plot_all
 
@@ -199,7 +199,7 @@ def lambda_trajectory(runs: list[dict]) -> list[str]:
     ]
 
 
-# The last round's diagnostics that explain a ranking (docs/sst2_protocol.md).
+# The last round's diagnostics that explain a ranking (docs/study/sst2_protocol.md).
 MECHANISM = (
     ("global_update_norm", "‖Σ w_i ΔW_i‖"),
     ("delta_norm_mean", "mean ‖ΔW_i‖"),

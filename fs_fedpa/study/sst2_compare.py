@@ -1,4 +1,4 @@
-"""The tuned comparison protocol on real SST-2 with the embedded MiniLM (docs/sst2_protocol.md).
+"""The tuned comparison protocol on real SST-2 with the embedded MiniLM (docs/study/sst2_protocol.md).
 
     ./run.sh compare --data <GLUE dir>            # or: python -m fs_fedpa.study.sst2_compare --data <GLUE dir>
     ./run.sh compare --plan                       # the stages, their runs and the expected CPU time; writes nothing

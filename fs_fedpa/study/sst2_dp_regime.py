@@ -25,7 +25,7 @@ A. b ∈ :data:`BATCHES` × τ ∈ :data:`TAUS` × head ∈ :data:`HEADS` (``loc
 B. At A's best (b, τ, head): every optimizer of :data:`OPTIMIZERS` (AdamW 2e-4, 5e-4, 1e-3; SGD with momentum 0.9 at
    2e-2) × trainable set of :data:`LAYERS` (the top two layers, the top one): 7 more runs.
 
-C. Amended on 2026-11-28, after A and B's first three runs, before any run of C (docs/sst2_protocol.md): at the
+C. Amended on 2026-11-28, after A and B's first three runs, before any run of C (docs/study/sst2_protocol.md): at the
    best of A and B, every clip C of :data:`CLIPS` × b ∈ :data:`BATCHES`: 4 runs. Every A and B run ends at the
    clients' shard-majority score, and ``scripts/dp_signal_noise.py`` (one client of the training split, n = 8,000,
    b = 256, z = 0.62) measured why: with the head local, a record's LoRA gradient is shorter than 0.1, far inside

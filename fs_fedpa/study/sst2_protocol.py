@@ -1,5 +1,5 @@
 """The SST-2 comparison protocol as data: its stages and runs, the plan that the committed results determine, and
-the reading of those results (docs/sst2_protocol.md). The runner
+the reading of those results (docs/study/sst2_protocol.md). The runner
 (:mod:`fs_fedpa.study.sst2_compare`) executes the plan and the report (:mod:`fs_fedpa.study.report`) reads
 it; both import this module, which imports neither. No torch, no FS.
 
@@ -535,7 +535,7 @@ def seconds_per_round(results: dict, sample_dp: bool = False) -> float:
     """Median machine time per round of the committed CPU runs: wall time / rounds / runs side by side (--jobs);
     runs made on a GPU host (``use_gpu True`` among their FS overrides) say nothing of this machine's time. With
     ``sample_dp``, of the DP-SGD runs only (before any has run, the plain rate times :data:`DP_SGD_FACTOR`), else of
-    the others. The committed runs may come from hosts of different speeds (docs/sst2_protocol.md)."""
+    the others. The committed runs may come from hosts of different speeds (docs/study/sst2_protocol.md)."""
     rates = [
         r["seconds"] / r["rounds_planned"] / r.get("jobs", 1)
         for r in list(results.values())  # a snapshot: the runner's threads add finished runs meanwhile

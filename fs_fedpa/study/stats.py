@@ -3,7 +3,7 @@ hyper-parameters on held-out validation data, paired confidence intervals betwee
 a family of them, a paired bootstrap over seeds and sentences, the false-positive rate of the seed rule, and the
 across-split intervals (t on the split means; the fixed-split interval) with the split's variance component.
 
-Used by :mod:`fs_fedpa.study.sst2_protocol` (docs/sst2_protocol.md). The rules are plain Python, so that
+Used by :mod:`fs_fedpa.study.sst2_protocol` (docs/study/sst2_protocol.md). The rules are plain Python, so that
 they can be checked by hand; the t distribution's tail comes from scipy, the resampling from numpy.
 """
 

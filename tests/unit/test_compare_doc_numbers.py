@@ -1,4 +1,4 @@
-"""docs/compare.md's verdict and docs/sst2_protocol.md quote the SST-2 protocol's report: every interval and every
+"""docs/compare.md's verdict and docs/study/sst2_protocol.md quote the SST-2 protocol's report: every interval and every
 mean ± std they print must be one of the report's values rounded once, at the precision printed (no double rounding,
 no stale number). The report's values are recomputed here from the committed run files."""
 
@@ -31,10 +31,10 @@ def _protocol_section() -> str:
     """README's results, compare.md's verdict, the whole of sst2_protocol.md and what privacy.md measured: every
     place that quotes the protocol's report."""
     readme = _section(ROOT / "README.md", "## Results")
-    verdict = _section(ROOT / "docs" / "compare.md", "## Verdict on SST-2")
-    privacy = (ROOT / "docs" / "privacy.md").read_text()
-    measured = privacy[privacy.index("### Measured") :]
-    return "\n".join((readme, verdict, (ROOT / "docs" / "sst2_protocol.md").read_text(), measured))
+    verdict = (ROOT / "docs" / "study" / "verdict.md").read_text()
+    privacy = (ROOT / "docs" / "study" / "privacy_measured.md").read_text()
+    measured = privacy[privacy.index("## Measured") :]
+    return "\n".join((readme, verdict, (ROOT / "docs" / "study" / "sst2_protocol.md").read_text(), measured))
 
 
 def test_readmes_results_quote_the_report():
@@ -156,7 +156,7 @@ def test_every_interval_and_spread_quoted_is_the_reports_rounded_once():
         if not any((f"{m:.{len(mean) - 2}f}", f"{s:.{len(std) - 2}f}") == (mean, std) for m, s in spreads):
             stale.append(match.group(0))
     assert stale == [], (
-        f"README.md, docs/compare.md or docs/sst2_protocol.md quote numbers not the report's rounded once: {stale}"
+        f"README.md, docs/compare.md or docs/study/sst2_protocol.md quote numbers not the report's rounded once: {stale}"
     )
 
 

@@ -269,14 +269,14 @@ def test_readmes_docs_table_lists_every_page():
 
 
 def test_the_plugin_map_names_every_module_of_the_fs_glue():
-    """docs/plugin.md's "Where each concern lives" names every module of ``fs_fedpa/plugin/``: a newcomer following
+    """docs/dev/plugin.md's "Where each concern lives" names every module of ``fs_fedpa/plugin/``: a newcomer following
     a concern finds its room there."""
-    text = (ROOT / "docs" / "plugin.md").read_text()
+    text = (ROOT / "docs" / "dev" / "plugin.md").read_text()
     start = text.index("### Where each concern lives")
     table = text[start : text.index("\n### ", start + 1)]
     modules = {p.name for p in (ROOT / "fs_fedpa" / "plugin").glob("*.py")} - {"__init__.py"}
     missing = sorted(m for m in modules if f"`{m}`" not in table)
-    assert not missing, f"docs/plugin.md's map leaves out {missing}"
+    assert not missing, f"docs/dev/plugin.md's map leaves out {missing}"
 
 
 def test_a_module_over_450_lines_says_why_in_its_docstring():
@@ -290,3 +290,19 @@ def test_a_module_over_450_lines_says_why_in_its_docstring():
             doc = ast.get_docstring(ast.parse(text)) or ""
             long[path.relative_to(ROOT).as_posix()] = "Why one module over 450 lines:" in doc
     assert all(long.values()), f"over 450 lines, no reason in the docstring: {[p for p, ok in long.items() if not ok]}"
+
+
+def test_the_users_guide_is_short_and_speaks_to_users():
+    """README at most 1,200 words and the guide in docs/ at most 20,000; neither names an internal issue or a path
+    outside the repository (the study and the developers' notes live apart, each with its index)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    guide = {dc.rel(p): p.read_text(encoding="utf-8") for p in dc.USER_DOCS}
+    assert len(readme.split()) <= 1200
+    assert sum(len(t.split()) for t in guide.values()) <= 20000, {k: len(t.split()) for k, t in guide.items()}
+    for name, text in {"README.md": readme, **guide}.items():
+        assert not re.search(r"\b[Ii]ssues? \d+", text), name
+        assert "../shared" not in text, name
+    for folder in ("study", "dev"):
+        index = (ROOT / "docs" / folder / "README.md").read_text(encoding="utf-8")
+        pages = {p.name for p in (ROOT / "docs" / folder).glob("*.md")} - {"README.md"}
+        assert pages <= set(dc.links(index)), f"docs/{folder}/README.md misses {pages - set(dc.links(index))}"
