@@ -75,6 +75,30 @@ def plot_staleness(runs: Sequence[dict], path: Path) -> Path:
 VERDICT_COLOURS = {"wins": "#1a9850", "loses": "#d73027", "ties": "#808080"}
 
 
+def plot_headline(rows: Sequence[dict], path: Path) -> Path:
+    """FedPA-LoRA − FedIT, one row a setting (``{"label", "val_acc": {"mean", "low", "high", "verdict", "holm"}}``,
+    fractions), in accuracy points on one axis; the paper's protocol; the dot filled where the Holm label holds."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 0.9 + 0.42 * len(rows)))
+    for y, row in enumerate(rows):
+        r = row["val_acc"]
+        colour = VERDICT_COLOURS[r["verdict"]]
+        ax.plot([100 * r["low"], 100 * r["high"]], [y, y], color=colour, lw=2.5)
+        filled = r["holm"] != "ties"
+        ax.plot(100 * r["mean"], y, "o", color=colour, mfc=colour if filled else "white", ms=7)
+    ax.axvline(0, color="black", lw=0.8)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([row["label"] for row in rows], fontsize=9)
+    ax.invert_yaxis()
+    ax.set_xlabel("FedPA-LoRA − FedIT, SST-2 dev accuracy points (95% interval)")
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title("Right of 0: FedPA-LoRA better. Red: worse, grey: a tie; filled: holds after Holm", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def plot_verdict(rows: Sequence[dict], path: Path) -> Path:
     """One horizontal interval per row (``{"setting", "against", "val_acc": row, "local.val_acc": row}``, each row
     ``{"mean", "low", "high", "verdict", "holm"}`` as fractions), in points; a panel per protocol, zero drawn,

@@ -226,7 +226,10 @@ def verdict_figure(results: dict, report: Path) -> list[str]:
     try:
         from fs_fedpa.study.plots import plot_verdict
 
+        from fs_fedpa.study.plots import plot_headline
+
         plot_verdict(rows, report / "verdict.png")
+        plot_headline(sv.headline_rows(results), report / "headline.png")
     except ImportError:  # matplotlib is an extra
         return []
     return [
@@ -235,5 +238,9 @@ def verdict_figure(results: dict, report: Path) -> list[str]:
         "`verdict.png`: FedPA-LoRA − baseline per setting, in points, paired 95% t intervals (across client splits: "
         "the t interval on the split means); green: the interval lies above 0, red: below, grey: across; a filled "
         "dot: the label survives Holm's correction in its family (the across-split rows: the splits section's).",
+        "",
+        "![headline](headline.png)",
+        "",
+        "`headline.png`: the same for FedPA-LoRA − FedIT alone, one row a main setting, the paper's protocol.",
         "",
     ]

@@ -203,6 +203,27 @@ def verdict_rows(results: dict) -> list[dict]:
     return rows
 
 
+# The headline: FedPA-LoRA − FedIT in each main setting, under the paper's protocol, by a plain label:
+# (the label, verdict_rows' setting, its "against")
+HEADLINE = (
+    ("10 clients, β = 0.5 (main)", "main cell (final runs)", "fedit"),
+    ("β = 0.5, over 3 client splits", "β = 0.5 across client splits (t on 3 split means)", "fedit"),
+    ("β = 0.1 (near one label each)", "β = 0.1", "fedit"),
+    ("β = 0.1, over 8 client splits", "β = 0.1 across client splits (t on 8 split means)", "fedit"),
+    ("β = 100 (near IID)", "β = 100", "fedit"),
+    ("60 rounds instead of 21", "long horizon, 60 rounds (arm − FedIT)", "arm fedpa"),
+    ("10 of 100 clients a round, 60 rounds", "partial participation (arm − baseline)", "fedpa − fedit"),
+    ("both without a local head", "FedIT without a local head", "FedPA-LoRA without head − FedIT"),
+)
+
+
+def headline_rows(results: dict) -> list[dict]:
+    """``headline.png``'s rows: ``{"label", "val_acc": row}`` for each of :data:`HEADLINE` the results hold."""
+    rows = {(r["setting"], r["against"]): r for r in verdict_rows(results) if "val_acc" in r}
+    return [{"label": label, "val_acc": rows[(setting, against)]["val_acc"]} for label, setting, against in HEADLINE
+            if (setting, against) in rows]  # fmt: skip
+
+
 HEAD_COMPARISONS = (  # label, (stage, cell) minus (stage, cell)
     ("FedPA-LoRA (local head) − FedIT without head", ("final", "fedpa"), ("head", sp.HEAD_CELL)),
     ("FedPA-LoRA without head − FedIT without head", ("ablation", "fedpa_no_local_head"), ("head", sp.HEAD_CELL)),

@@ -41,7 +41,7 @@ def test_readmes_results_quote_the_report():
     """README's results section quotes intervals (each checked below against the report) and shows the verdict."""
     readme = _section(ROOT / "README.md", "## Results")
     assert len(INTERVAL.findall(readme)) >= 4
-    assert "docs/reference/sst2_protocol/verdict.png" in readme and "docs/reference/sst2_protocol/report.md" in readme
+    assert "docs/reference/sst2_protocol/headline.png" in readme and "docs/reference/sst2_protocol/report.md" in readme
 
 
 def _plain(number: str) -> str:
