@@ -32,7 +32,7 @@ from fs_fedpa.plugin.client_round import ClientRound
 from fs_fedpa.plugin.common import build_method, non_lora_trainables, send, share_equal
 from fs_fedpa.plugin.evaluation import ClientEvaluation, Evaluation
 from fs_fedpa.plugin.export_fs import export_client
-from fs_fedpa.plugin.fs_patches import sized_once
+from fs_fedpa.plugin.fs_patches import sized_once, warn_once
 from fs_fedpa.plugin.liveness import ClientLiveness
 from fs_fedpa.plugin.outbox import ClientOutbox
 from fs_fedpa.plugin.privacy import ClientPrivacy
@@ -49,6 +49,7 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
     def __init__(self, *args, **kwargs):
         if kwargs.get("config") is not None:  # its files in the run's folder, before FS reads federate.save_to
             kwargs["config"] = share_equal("config", in_run_folder(kwargs["config"]))
+        warn_once()  # FS's trainer context repeats one warning at every evaluation of every client
         with sized_once(kwargs.get("model")):
             super().__init__(*args, **kwargs)
         if self._cfg is None:  # FS builds an unconfigured client to list message handlers

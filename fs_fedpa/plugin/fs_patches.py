@@ -70,6 +70,10 @@ SEAMS = (
          "def get_aggregator(method, model=None, device=None, online=False, config=None):",
          "its 'not implemented' notice is filtered out of its logger while the plugin's server is built "
          "(no_aggregator_notice): the plugin's server replaces the aggregator FS builds there"),
+    Seam("federatedscope.core.trainers.context:Context._calculate_batch_epoch_num",
+         "federatedscope/core/trainers/context.py", 224, "def _calculate_batch_epoch_num(self, mode='train'):",
+         "its 'cur_mode ... mismatch' warning, repeated at every evaluation of every client, is shown once per "
+         "process of a plugin run (warn_once)"),
 )  # fmt: skip
 
 _GUARD = "fedpa_guard"  # marks FS's Message.count_bytes once replaced
@@ -183,3 +187,28 @@ def no_aggregator_notice() -> Iterator[None]:
         yield
     finally:
         fs_logger.removeFilter(keep)
+
+
+class _OncePerMessage:
+    """A logging filter: each distinct message of its logger once, marked so; its repeats are counted, not shown."""
+
+    def __init__(self):
+        self.seen: dict[str, int] = {}
+
+    def filter(self, record) -> bool:
+        text = record.getMessage()
+        self.seen[text] = self.seen.get(text, 0) + 1
+        if self.seen[text] == 1:
+            record.msg, record.args = f"{text} (shown once; its repeats are not)", ()
+            return True
+        return False
+
+
+def warn_once(name: str = "federatedscope.core.trainers.context") -> None:
+    """Within this process, FS's logger ``name`` says each message once: its trainer context warns that
+    ``cur_mode test mismatch mode val`` at every evaluation of every client (60 lines in the tiny run)."""
+    import logging
+
+    fs_logger = logging.getLogger(name)
+    if not any(isinstance(f, _OncePerMessage) for f in fs_logger.filters):
+        fs_logger.addFilter(_OncePerMessage())

@@ -114,6 +114,10 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
         super().terminate(msg_type=msg_type)
         if self.privacy is not None and self._cfg.federate.mode.lower() == "distributed":  # standalone: at the end
             logger.info(self.privacy.summary())
+        if msg_type == "finish":
+            folder = self._cfg.outdir
+            export = f"; export its adapters: fs-fedpa export {folder} --out {os.path.join(folder, 'export')}"
+            logger.info(f"[fedpa] the run's folder: {folder}{export if self._cfg.federate.save_to else ''}")
 
     def export(self, out: str) -> None:
         """The global adapter, the shared tensors and the manifest into ``out`` (:mod:`fs_fedpa.plugin.export_fs`)."""

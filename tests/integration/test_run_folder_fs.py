@@ -53,6 +53,8 @@ def test_two_runs_keep_their_own_files_and_each_export_is_its_own_adapter(tiny_l
     first = _shipped(tiny_llm, cwd, "outdir", "A")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "Aggregator for method" not in first.stderr  # FS's notice for a method it does not know itself
+    assert first.stderr.count("cur_mode `test` mismatch") == 1  # FS's warning at every evaluation, once
+    assert "[fedpa] the run's folder: A/fedpa_tiny_llm_cpu; export its adapters: fs-fedpa export" in first.stderr
     second = _shipped(tiny_llm, cwd, "outdir", "B", "fedpa.lam", "5.0", "train.optimizer.lr", "0.05")
     assert second.returncode == 0, second.stderr[-3000:]
     run_a, run_b = cwd / "A" / "fedpa_tiny_llm_cpu", cwd / "B" / "fedpa_tiny_llm_cpu"
