@@ -97,7 +97,8 @@ def run_one(cfg: str, cell: Cell, seed: int, out: Path, opts: list[str], total_r
     out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out / "run", ignore_errors=True)  # left by a killed run; FS would nest a sub_exp_* beside it
     fs_opts = ["federate.method", cell.method, "seed", str(seed), "outdir", str(out), "expname", "run"]
-    cfg, given = with_yaml_keys(cfg, ["federate.save_to", "", "fedpa.checkpoint", "False", *opts, *cell.opts, *fs_opts], out)
+    no_checkpoint = ["federate.save_to", "", "fedpa.checkpoint", "False"]  # the runner keeps results, not models
+    cfg, given = with_yaml_keys(cfg, [*no_checkpoint, *opts, *cell.opts, *fs_opts], out)
     cmd = [sys.executable, "-m", "federatedscope.main", "--cfg", cfg, *fs_overrides(given)]
     commit = code_commit()  # the code the run imports now; the checkout may move on while it trains
     start = time.time()

@@ -138,7 +138,8 @@ def _check_other_method(cfg, fedpa: FedPAConfig) -> None:
     if method not in known and (changed or near_plugin):
         near = near_plugin or difflib.get_close_matches(method, [*PLUGIN_METHODS, *sorted(known)], n=1, cutoff=0.6)
         hint = f"did you mean {near[0]!r}?" if near else f"this plugin's methods: {', '.join(PLUGIN_METHODS)}"
-        section = f", and the run sets the fedpa section ({', '.join(f'fedpa.{k}' for k in changed)})" if changed else ""
+        keys = ", ".join(f"fedpa.{k}" for k in changed)
+        section = f", and the run sets the fedpa section ({keys})" if changed else ""
         raise ValueError(f"federate.method {cfg.federate.method!r} is neither a method of fs_fedpa nor one "
                          f"FederatedScope knows (FS would train FedAvg in its place){section}: {hint}")  # fmt: skip
     if changed:

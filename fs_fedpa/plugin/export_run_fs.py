@@ -100,7 +100,8 @@ def export_run(run, out, *, clients: bool = False, force: bool = False, cfg_file
         if isinstance(states[client], dict):
             require_finite(states[client], paths[client])
             written_by = states[client].get("run")
-            if cfg.federate.mode.lower() == "standalone" and isinstance(owner, dict) and not same_run(written_by, owner):
+            standalone = cfg.federate.mode.lower() == "standalone"  # distributed parties keep folders of their own
+            if standalone and isinstance(owner, dict) and not same_run(written_by, owner):
                 raise ValueError(_another_run(paths[client], written_by, outdir))
     model = get_model(cfg)
     method = build_method(cfg, model)

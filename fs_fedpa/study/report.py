@@ -33,7 +33,8 @@ def write_report(report: Path, results: dict, stages: list) -> Path:
     lines = [
         "# SST-2 protocol: results",
         "",
-        "Rebuilt by `./run.sh compare` from the run files in `runs/` (docs/study/sst2_protocol.md describes the protocol).",
+        "Rebuilt by `./run.sh compare` from the run files in `runs/` (docs/study/sst2_protocol.md describes the "
+        "protocol).",
         f"Time of the committed runs: {spent} (2 cores). Runs still to do: "
         + (", ".join(f"{s}: {n}" for s, n in pending if n) or "none of the stages known now")
         + ".",

@@ -154,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run only the cells whose name matches this shell pattern (repeat for several, e.g. --cell 'partial30_*' "
         "--cell fedit_dp), to share a stage between hosts; the other cells' results are still read from --report",
     )
-    parser.add_argument("--hours", type=cli.number(minimum=0), default=0.0, help="stop after the run that ends past this many hours")
+    parser.add_argument("--hours", type=cli.number(minimum=0), default=0.0,
+                        help="stop after the run that ends past this many hours")
     parser.add_argument(
         "--jobs",
         type=int,

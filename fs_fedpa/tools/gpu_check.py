@@ -470,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default=None, help="scratch folder (default: beside --out)")
     parser.add_argument("--data", default=None, help="GLUE folder holding SST-2/ (not with --tiny)")
     parser.add_argument("--model", default=None, help=f"MiniLM folder, fp16 or fp32 (default: the {MINILM} package)")
-    parser.add_argument("--step-timeout", type=cli.number(above=0), default=240.0, help="seconds a child process may take")
+    parser.add_argument("--step-timeout", type=cli.number(above=0), default=240.0,
+                        help="seconds a child process may take")
     parser.add_argument("--repo", default=None, help="the fs_fedpa checkout (default: the working directory)")
     parser.add_argument("--prepare", metavar="DIR", help="write the carry folder for a GPU host and exit")
     parser.add_argument("--fs-source", default=None, help="with --prepare: FS's archive or checkout, as a wheel")

@@ -243,7 +243,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = cli.Parser(prog="python -m fs_fedpa.tools.tiny_llm", description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", help="folder to write model/ and data.jsonl into")
     parser.add_argument("--samples", type=cli.number(int, minimum=1), default=120, help="number of instruction records")
-    parser.add_argument("--categories", type=cli.number(int, minimum=1, maximum=MAX_CATEGORIES), default=2, help="2: sentiment task; 3..8: topic task")
+    parser.add_argument("--categories", type=cli.number(int, minimum=1, maximum=MAX_CATEGORIES), default=2,
+                        help="2: sentiment task; 3..8: topic task")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.samples < 1 or not 1 <= args.categories <= MAX_CATEGORIES:

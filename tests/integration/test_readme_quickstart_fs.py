@@ -23,7 +23,8 @@ def _blocks(section: str) -> tuple[str, str]:
 
 def test_the_readmes_quickstart_runs_as_written_and_prints_what_it_shows(tmp_path):
     if shutil.which("fs-fedpa") is None:
-        pytest.fail("the fs-fedpa command is not on PATH: install the package (pip install -e .), as ./run.sh test does")
+        pytest.fail("the fs-fedpa command is not on PATH: install the package (pip install -e .), as ./run.sh test "
+                    "does")
     listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
     checkout = tmp_path / "checkout"
     for name in filter(None, listed.decode().split("\0")):

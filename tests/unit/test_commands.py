@@ -286,7 +286,8 @@ def test_sst2_demo_refuses_an_odd_number_of_overrides_in_one_line_before_looking
 
 @pytest.mark.parametrize(
     "extra, words",
-    [(["--categories", "9"], "argument --categories: 9 must be <= 8"), (["--samples", "0"], "argument --samples: 0 must be >= 1")],
+    [(["--categories", "9"], "argument --categories: 9 must be <= 8"),
+     (["--samples", "0"], "argument --samples: 0 must be >= 1")],
 )
 def test_tiny_llm_checks_its_arguments_before_creating_its_folder(tmp_path, capsys, extra, words):
     out = tmp_path / "tiny"

@@ -156,7 +156,8 @@ def test_every_interval_and_spread_quoted_is_the_reports_rounded_once():
         if not any((f"{m:.{len(mean) - 2}f}", f"{s:.{len(std) - 2}f}") == (mean, std) for m, s in spreads):
             stale.append(match.group(0))
     assert stale == [], (
-        f"README.md, docs/compare.md or docs/study/sst2_protocol.md quote numbers not the report's rounded once: {stale}"
+        f"README.md, docs/study/verdict.md or docs/study/sst2_protocol.md quote numbers not the report's rounded once: "
+        f"{stale}"
     )
 
 
