@@ -12,11 +12,14 @@ deployment, head, client splits), :mod:`.report_tuning` (pilot, tuning, selectio
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 from fs_fedpa.study import sst2_protocol as sp
 from fs_fedpa.study import sst2_verdict as sv
 from fs_fedpa.study.report_dp_regime import dp_regime_section
+from fs_fedpa.study.report_dp_valid import dp_valid_section
 from fs_fedpa.study.report_long import long_section, partial_section
 from fs_fedpa.study.report_privacy import privacy_section
 from fs_fedpa.study.report_tuning import edge_section, lambda_section, mechanism_section, pilot_section
@@ -61,6 +64,8 @@ def write_report(report: Path, results: dict, stages: list) -> Path:
         *splits_section(results),
         *privacy_section(results, stages),
         *dp_regime_section(results, stages, report),
+        *dp_valid_section(results, json.loads(selected.read_text()) if (selected := report / "selected.json").is_file()
+                          else None),
     ]  # fmt: skip
     path = report / "report.md"
     path.write_text("\n".join(lines) + "\n")

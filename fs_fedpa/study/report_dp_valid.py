@@ -1,0 +1,114 @@
+"""The report's section on the ``dpvalid`` stage (:mod:`fs_fedpa.study.sst2_dp_valid`): the search and its gate, the
+finals under DP against themselves without DP in the same head treatment (Holm over the four DP costs) and
+FedPA-LoRA against each other method under DP (Holm over three), the diagnostics, part E′. No torch, no FS."""
+
+from __future__ import annotations
+
+from fs_fedpa.study import sst2_dp_regime as dr
+from fs_fedpa.study import sst2_dp_valid as dv
+from fs_fedpa.study import sst2_protocol as sp
+from fs_fedpa.study.report_dp_regime import other_reading
+from fs_fedpa.study.report_privacy import paired
+from fs_fedpa.study.report_text import METRIC_NAMES, METRICS
+from fs_fedpa.study.report_text import pm as _pm
+
+OTHERS = tuple(m for m in dr.METHODS if m != "fedpa")
+
+
+def families() -> tuple[tuple[str, dict[str, tuple[str, str]]], ...]:
+    """(title, {label: (cell, cell it is compared with)}) of each Holm family, declared with the stage."""
+    return (
+        ("FedPA-LoRA against each other method under DP (Holm over 3)",
+         {f"fedpa_dp − {m}_dp": ("fedpa_dp", f"{m}_dp") for m in OTHERS}),
+        ("each method under DP against itself without DP, the DP cost (Holm over 4)",
+         {f"{m}_dp − {m}": (f"{m}_dp", m) for m in dr.METHODS}),
+    )  # fmt: skip
+
+
+def comparisons(results: dict, metric: str) -> dict[str, dict]:
+    """Every row with 2 seeds or more; a family's Holm labels once all its rows are in."""
+    values, rows = sp.cell_values(results, metric, dv.STAGE), {}
+    for _, family in families():
+        mine = {k: row for k, (a, b) in family.items() if (row := paired(values.get(a, {}), values.get(b, {})))}
+        rows.update(sp.with_holm(mine) if len(mine) == len(family) else mine)
+    return rows
+
+
+def _interval(row: dict | None) -> str:
+    if row is None:
+        return "–"
+    holm = f"; Holm p {row['holm_p']:.3f}, {row['holm']}" if "holm" in row else "; Holm: the family is not complete"
+    return f"{100 * row['mean']:+.1f} [{100 * row['low']:+.1f}, {100 * row['high']:+.1f}] (n={row['seeds']}){holm}"
+
+
+def search_lines(results: dict) -> list[str]:
+    first, second, top = dv.selected(results)
+    lines = ["Search (FedIT, seed 0, the held-out split; score: the mean of the last two evaluations):", "",
+             "| run | held-out accuracy by evaluation | score | macro-F1, last |", "|---|---|---|---|"]  # fmt: skip
+    for run in [*first, *(second or [])]:
+        result = results.get(run.key)
+        if result is None:
+            lines.append(f"| {run.name} | – | – | – |")
+            continue
+        accs = ", ".join(f"{m['val_acc']:.4f}" for _, m in sorted(result["rounds"].items()) if "val_acc" in m)
+        last = result["rounds"][max(result["rounds"])].get("val_f1")
+        lines.append(f"| {run.name} | {accs} | {sp.score(result):.4f} | {'–' if last is None else f'{last:.3f}'} |")
+    if top is not None:
+        verdict = "passes" if dv.passes_gate(results, top) else "does not pass"
+        lines += ["", f"The best, {top.name} ({sp.score(results[top.key]):.4f}), {verdict} the declared gate "
+                  f"({dv.GATE:.4f}).", ""]  # fmt: skip
+    return lines
+
+
+def final_lines(results: dict) -> list[str]:
+    cells = [c for m in dr.METHODS for c in (f"{m}_dp", m)] + ["central_dp", "central"]
+    values = {metric: sp.cell_values(results, metric, dv.STAGE) for metric in METRICS}
+    lines = ["Finals (dev set, accuracy at the last round, mean ± sample sd over seeds (n)); the frozen head's cells "
+             "without DP run DP-SGD's path with the clip and the noise off:", "",
+             "| cell | paper protocol | own factors | ε (ledger: Poisson, add/remove, PLD; largest client) | "
+             "the same noise read as replace-one, fixed-size (PLD; largest client) |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for cell in cells:
+        runs = [r for k, r in results.items() if k.startswith(f"{dv.STAGE}/{cell}_s")]
+        eps = [r["privacy"]["dp_epsilon"] for r in runs if (r.get("privacy") or {}).get("dp_epsilon") is not None]
+        private = cell.endswith("_dp")
+        shown = f"{max(eps):.2f}" if eps and private else "–"
+        other = [e for r in runs for e in other_reading(r)] if private else []
+        lines.append(f"| {cell} | {_pm(list(values['val_acc'].get(cell, {}).values()))} | "
+                     f"{_pm(list(values['local.val_acc'].get(cell, {}).values()))} | {shown} | "
+                     f"{f'{max(other):.2f}' if other else '–'} |")  # fmt: skip
+    for metric in METRICS:
+        rows = comparisons(results, metric)
+        for title, family in families():
+            lines += ["", f"{title}, {METRIC_NAMES[metric]}: paired 95% t intervals over seeds, in accuracy points.",
+                      "", "| comparison | interval |", "|---|---|"]  # fmt: skip
+            lines += [f"| {key} | {_interval(rows.get(key))} |" for key in family]
+    return [*lines, ""]
+
+
+def single_lines(results: dict, runs: list[sp.Run], title: str) -> list[str]:
+    lines = [title, "", "| run | paper protocol | own factors |", "|---|---|---|"]
+    for run in runs:
+        result = results.get(run.key)
+        acc = {m: sp.final_metric(result, m) if result else None for m in METRICS}
+        lines.append(f"| {run.name} | " + " | ".join("–" if v is None else f"{v:.4f}" for v in acc.values()) + " |")
+    return [*lines, ""]
+
+
+def dp_valid_section(results: dict, selected_main: dict | None) -> list[str]:
+    """The section, as far as the committed runs go."""
+    if not any(k.startswith(f"{dv.STAGE}/") for k in results):
+        return []
+    lines = ["## DP in a valid treatment (stage `dpvalid`)", "",
+             "Declared in `fs_fedpa/study/sst2_dp_valid.py` before its runs: the dpregime regime with each client's "
+             "head inside DP-SGD's guarantee (noised, or frozen at its initial value), ε = 8 per client (Poisson, "
+             "add/remove, PLD).", "", *search_lines(results)]  # fmt: skip
+    _, _, top = dv.selected(results)
+    if top is None or not dv.passes_gate(results, top) or selected_main is None:
+        return lines
+    point, lam = dv.point_of(top), selected_main["methods"]["fedpa"]["lam"]
+    lines += final_lines(results)
+    lines += single_lines(results, dv.diagnostic_runs(point, lam), "Diagnostics (single seed, not selecting):")
+    lines += single_lines(results, dv.device_runs(selected_main, results),
+                          "Part E′ (N = 2,000, K = 400, client-level DP at ε = 8, one seed):")  # fmt: skip
+    return lines

@@ -1,0 +1,52 @@
+"""The dpvalid report section: its paired intervals are scipy's t intervals over seeds, a Holm family is labelled
+only when all its rows are in, and the gate line follows the search."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+from scipy import stats as scipy_stats
+
+from fs_fedpa.study import report_dp_valid as rv
+from fs_fedpa.study import sst2_dp_regime as dr
+from fs_fedpa.study import sst2_dp_valid as dv
+
+
+def _run(cell: str, seed: int, acc: float) -> tuple[str, dict]:
+    return f"dpvalid/{cell}_s{seed}", {"cell": cell, "seed": seed, "rounds": {119: {"val_acc": acc,
+                                                                                 "local.val_acc": acc + 0.01}}}
+
+
+def _finals(shift: dict[str, float]) -> dict:
+    results = {}
+    for seed in (0, 1, 2):
+        for m in dr.METHODS:
+            private = 0.80 + shift[m] + 0.01 * seed**2
+            results.update([_run(m, seed, 0.80 + 0.003 * seed), _run(f"{m}_dp", seed, private)])
+    return results
+
+
+def test_the_dp_cost_rows_are_t_intervals_over_seeds_with_holm_once_complete():
+    shift = {"fedpa": -0.30, "fedit": -0.03, "ffa_lora": -0.05, "fedsvd": -0.04}
+    results = _finals(shift)
+    rows = rv.comparisons(results, "val_acc")
+    d = [(0.80 + shift["fedit"] + 0.01 * s**2) - (0.80 + 0.003 * s) for s in (0, 1, 2)]
+    half = scipy_stats.t.ppf(0.975, 2) * statistics.stdev(d) / 3**0.5
+    row = rows["fedit_dp − fedit"]
+    assert row["mean"] == pytest.approx(statistics.fmean(d)) and row["low"] == pytest.approx(statistics.fmean(d) - half)
+    assert all("holm" in rows[k] for k in ("fedpa_dp − fedpa", "fedpa_dp − fedit_dp"))
+    del results["dpvalid/fedsvd_dp_s0"], results["dpvalid/fedsvd_dp_s1"]  # one family left incomplete
+    rows = rv.comparisons(results, "val_acc")
+    assert "fedsvd_dp − fedsvd" not in rows and "holm" not in rows["fedit_dp − fedit"]
+    assert "Holm: the family is not complete" in "\n".join(rv.final_lines(results))
+
+
+def test_the_gate_line_names_the_best_search_run():
+    results = {r.key: {"cell": r.name, "seed": 0, "rounds": {89: {"val_acc": 0.7}, 119: {"val_acc": 0.7}}}
+               for r in dv.search_1()}  # fmt: skip
+    first, second, _ = dv.selected(results)
+    for run in second:
+        results[run.key] = {"cell": run.name, "seed": 0, "rounds": {89: {"val_acc": 0.9}, 119: {"val_acc": 0.8}}}
+    text = "\n".join(rv.search_lines(results))
+    assert f"{second[0].name} (0.8500), passes the declared gate" in text
