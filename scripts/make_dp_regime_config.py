@@ -1,8 +1,8 @@
-"""Write yaml_configs/dp_sst2_minilm_cpu.yaml: the regime the dpregime stage selected (issue 59; docs/privacy.md),
-with each client's head frozen (the stage's plain head broke the guarantee), as a config a user can start from. It
-is the protocol's file (yaml_configs/compare_sst2_protocol.yaml) with the regime's overrides and DP-SGD at ε = 8,
-the options of the stage's finals with DP but the head, on the dev set, less the study's thread and evaluation
-bookkeeping. Run from the repo root.
+"""Write yaml_configs/dp_sst2_minilm_cpu.yaml: the DP-SGD setting the dpvalid stage's search selected (the dpregime
+regime with each client's head inside the guarantee; docs/privacy.md), as a config a user can start from. It is the
+protocol's file (yaml_configs/compare_sst2_protocol.yaml) with the selection's overrides and DP-SGD at ε = 8, the
+options of the stage's DP finals on the dev set, less the study's thread and evaluation bookkeeping. Run from the
+repo root.
 
     python scripts/make_dp_regime_config.py          # (re)write from the committed search results
     python scripts/make_dp_regime_config.py --check  # exit 1 if the committed file differs
@@ -22,10 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fs_fedpa.study import sst2_dp_regime as dr  # noqa: E402
+from fs_fedpa.study import sst2_dp_valid as dv  # noqa: E402
 from fs_fedpa.study import sst2_protocol as sp  # noqa: E402
 
 TARGET = ROOT / "yaml_configs" / "dp_sst2_minilm_cpu.yaml"
-VALID_HEAD = "frozen"  # each client's head at its initial value: inside the guarantee, unlike the stage's 'plain'
 STUDY_ONLY = {"fedpa.num_threads", "fedpa.eval_local"}  # the runner's one thread a run; its second evaluation
 
 
@@ -37,14 +37,15 @@ def _value(text: str):
         return text
 
 
-def config(regime: dr.Regime) -> dict:
-    """The protocol's config with ``regime``'s options and its DP-SGD at ε = 8 (add/remove, Poisson, PLD), in the
+def config(point: dv.Valid) -> dict:
+    """The protocol's config with ``point``'s options and its DP-SGD at ε = 8 (add/remove, Poisson, PLD), in the
     finals' CPU chunks."""
+    regime = point.regime
     cfg = yaml.safe_load((ROOT / sp.CFG_NAME).read_text())
     cfg["expname"] = "sst2_dp"
     cfg["federate"]["method"] = dr.REFERENCE
     cfg["federate"]["total_round_num"] = regime.rounds
-    opts = (*regime.opts(), *regime.dp_opts(), *dr.chunk_opts(True), *sp.FINAL_EVAL)
+    opts = (*point.opts(), *point.dp_opts(), *dr.chunk_opts(True), *sp.FINAL_EVAL)
     for key, text in zip(opts[::2], opts[1::2]):
         if key in STUDY_ONLY:
             continue
@@ -53,31 +54,31 @@ def config(regime: dr.Regime) -> dict:
         for part in path:
             node = node.setdefault(part, {})
         node[leaf] = _value(text)
-    # the stage ran its local head with the withdrawn 'plain' (not private); a user's config keeps the guarantee
-    cfg["fedpa"]["dp_local_tensors"] = VALID_HEAD
     return cfg
 
 
-def render(regime: dr.Regime) -> str:
+def render(point: dv.Valid, held_out: float) -> str:
+    regime = point.regime
+    head_is = {"frozen": "held at its initial value (fedpa.dp_local_tensors frozen)",
+               "noised": "clipped and noised with the factors"}[point.head]  # fmt: skip
     about = (
-        f"The regime of the dpregime stage's search (`{regime.name}`, FedIT, the held-out split): every client with "
-        f"at least {dr.MIN_RECORDS:,} sentences takes {dr.STEPS} DP-SGD steps of {regime.b} Poisson-sampled records "
-        f"(b) at epsilon = {dr.EPSILON:g} (add/remove adjacency, PLD accountant, delta = min(1e-5, 1/(10 n)), clip "
-        f"{regime.clip:g}); LoRA on MiniLM's top two layers over a cached frozen prefix. Each client's head is held "
-        "at its initial value (fedpa.dp_local_tensors frozen), so the guarantee covers everything the client "
-        "trains. The stage itself trained the heads plainly, outside the mechanism: its runs were not private and "
-        "are withdrawn (docs/privacy.md), and their accuracies say nothing of this config, whose accuracy is not "
-        "measured yet. About 30 CPU-min on 2 cores. Print the noise against the signal first, then run:"
+        f"The setting the dpvalid stage's search selected (`{point.name}`, FedIT; held-out score {held_out:.4f}, "
+        f"the mean of its last two evaluations): every client with at least {dr.MIN_RECORDS:,} sentences takes "
+        f"{dr.STEPS} DP-SGD steps of {regime.b} Poisson-sampled records (b) at epsilon = {dr.EPSILON:g} (add/remove "
+        f"adjacency, PLD accountant, delta = min(1e-5, 1/(10 n)), clip {regime.clip:g}, AdamW {regime.lr:g}); LoRA "
+        f"on MiniLM's top two layers over a cached frozen prefix. Each client's head is {head_is}, so the guarantee "
+        "covers everything the client trains. Its finals on the dev set: docs/study/privacy_measured.md. About "
+        "30 CPU-min on 2 cores. Print the noise against the signal first, then run:"
     )
     head = [
-        "Generated by scripts/make_dp_regime_config.py from the stage's selection; edit the script, not this file.",
+        "Generated by scripts/make_dp_regime_config.py from the dpvalid search; edit the script, not this file.",
         *textwrap.wrap(about, 116),
         f"  python -m fs_fedpa.tools.dp_table --sample --n 6424 13425 3598 --batch {regime.b} "
         f"--steps {dr.STEPS} \\",
-        "      --sampling poisson --accountant pld --layers 2 --frozen-head",
+        "      --sampling poisson --accountant pld --layers 2" + (" --frozen-head" if point.head == "frozen" else ""),
         "  python -m federatedscope.main --cfg yaml_configs/dp_sst2_minilm_cpu.yaml data.root <GLUE dir>",
     ]
-    body = yaml.safe_dump(config(regime), sort_keys=False, default_flow_style=False, width=119)
+    body = yaml.safe_dump(config(point), sort_keys=False, default_flow_style=False, width=119)
     return "".join(f"# {line}\n" for line in head) + body
 
 
@@ -85,18 +86,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
     args = parser.parse_args()
-    regime = dr.selected_regime(sp.load_results(sp.REPORT))
-    if regime is None:
-        print("the dpregime search has not selected a regime yet (python -m fs_fedpa.study.sst2_compare --plan)")
+    results = sp.load_results(sp.REPORT)
+    _, _, top = dv.selected(results)
+    if top is None or not dv.passes_gate(results, top):
+        print("the dpvalid search has not selected a setting that passes its gate (python -m "
+              "fs_fedpa.study.sst2_compare --plan)")  # fmt: skip
         return 1
-    text = render(regime)
+    text = render(dv.point_of(top), sp.score(results[top.key]))
     if args.check:
         if not TARGET.is_file() or TARGET.read_text() != text:
             print(f"out of date (run scripts/make_dp_regime_config.py): {TARGET.relative_to(ROOT)}")
             return 1
         return 0
     TARGET.write_text(text)
-    print(f"wrote {TARGET.relative_to(ROOT)} ({regime.name})")
+    print(f"wrote {TARGET.relative_to(ROOT)} ({top.name})")
     return 0
 
 

@@ -680,7 +680,7 @@ def test_the_dp_regime_config_passes_fs_and_the_plugins_checks():
     cfg.merge_from_file(str(Path(__file__).resolve().parents[2] / "yaml_configs" / "dp_sst2_minilm_cpu.yaml"))
     cfg.freeze()
     assert (cfg.fedpa.dp_mode, cfg.fedpa.dp_epsilon, cfg.fedpa.dp_clip, cfg.fedpa.dp_sampling) == (
-        "sample", 8.0, 0.1, "poisson")  # fmt: skip
+        "sample", 8.0, 0.01, "poisson")  # fmt: skip
     assert (cfg.dataloader.batch_size, cfg.train.local_update_steps, cfg.federate.total_round_num) == (256, 1, 120)
     assert cfg.model.seqcls.layers_to_transform == [4, 5] and cfg.personalization.local_param == ["classifier"]
     assert cfg.fedpa.dp_local_tensors == "frozen"  # inside the guarantee

@@ -32,14 +32,14 @@ def test_it_differs_from_the_protocol_in_the_selected_regime_and_its_dp_only():
     dp = _flat(yaml.safe_load((ROOT / "yaml_configs" / "dp_sst2_minilm_cpu.yaml").read_text()))
     base = _flat(yaml.safe_load((ROOT / "yaml_configs" / "compare_sst2_protocol.yaml").read_text()))
     changed = {k: dp.get(k) for k in dp.keys() | base.keys() if dp.get(k) != base.get(k)}
-    # the search's selected run, b256_tau1_local_l45_adamw0.005_c0.1, written out by hand, with the head frozen
-    # where the run trained it plainly (outside the guarantee: refused now)
+    # the dpvalid search's selected run, search_frozen_c0.01_lr0.01 (the dpregime regime with the head frozen),
+    # written out by hand
     assert changed == {
         "expname": "sst2_dp", "federate.method": "fedit", "federate.total_round_num": 120,
         "dataloader.batch_size": 256, "train.local_update_steps": 1, "eval.freq": 30,
         "model.seqcls.layers_to_transform": [4, 5], "model.seqcls.prefix_cache": True,
-        "train.optimizer.lr": 0.005, "fedpa.lr_schedule": "constant", "fedpa.lr_warmup_steps": 12,
-        "fedpa.dp_mode": "sample", "fedpa.dp_epsilon": 8, "fedpa.dp_clip": 0.1, "fedpa.dp_sampling": "poisson",
+        "train.optimizer.lr": 0.01, "fedpa.lr_schedule": "constant", "fedpa.lr_warmup_steps": 12,
+        "fedpa.dp_mode": "sample", "fedpa.dp_epsilon": 8, "fedpa.dp_clip": 0.01, "fedpa.dp_sampling": "poisson",
         "fedpa.dp_accountant": "pld", "fedpa.dp_horizon": 120, "fedpa.dp_min_records": 1000,
         "fedpa.dp_local_tensors": "frozen", "fedpa.dp_chunk": 32,
     }  # fmt: skip
