@@ -138,8 +138,8 @@ def stage_section(title: str, stage: str, results: dict, report: Path, pairs: di
     folder = report / stage
     folder.mkdir(exist_ok=True)
     summary = compare.summarize(runs, "val_acc", larger_is_better=True)
-    title = f"Stage `{stage}` of the SST-2 protocol (docs/study/sst2_protocol.md)."
-    compare.write_table(summary, "val_acc", folder, title)
+    table_title = f"Stage `{stage}` of the SST-2 protocol (docs/study/sst2_protocol.md)."
+    compare.write_table(summary, "val_acc", folder, table_title)
     try:
         from fs_fedpa.plots import plot_all
 

@@ -377,7 +377,8 @@ def test_export_reads_and_checks_every_input_before_it_writes_anything(tiny_glue
     (out / "heads").symlink_to(tmp_path, target_is_directory=True)
     assert _export(outdir, out, "--force").returncode == 0
     assert outside.read_text() == "keep me"
-    assert not any(p.is_symlink() for p in out.rglob("*")) and (out / "README.md").read_text().startswith("#")
+    assert not any(p.is_symlink() for p in out.rglob("*"))
+    assert (out / "README.md").read_text().startswith("---\nbase_model:")  # the model card's header
     assert not (tmp_path / "client_1.safetensors").exists()
 
 

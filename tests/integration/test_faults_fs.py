@@ -113,8 +113,8 @@ def test_a_huge_sample_size_takes_the_aggregate_by_default_and_is_capped_by_the_
 
 
 def test_docs_table_lists_exactly_these_faults():
-    text = (ROOT / "docs" / "errors.md").read_text()
-    section = text.split("### The fault table", 1)[1].split("\n#", 1)[0]  # up to the next heading
+    text = (ROOT / "docs" / "dev" / "faults.md").read_text()
+    section = text.split("## The fault table", 1)[1].split("\n#", 1)[0]  # up to the next heading
     rows = [line.split("|")[1:3] for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert [(c.strip().strip("`"), r.strip().strip("`")) for c, r in rows] == [(n, FAULTS[n][1]) for n in NAMES]
 
