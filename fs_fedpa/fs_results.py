@@ -27,6 +27,12 @@ def weighted_avg_by_round(path: str | Path) -> dict[int, dict]:
     return dict(sorted(rounds.items()))
 
 
+def last_weighted_avg(path: str | Path) -> dict:
+    """The last server evaluation's ``Results_weighted_avg`` in ``path``; {} when it holds none."""
+    rounds = weighted_avg_by_round(path)
+    return rounds[max(rounds)] if rounds else {}
+
+
 _CLIENT = re.compile(r"Client #(\d+)$")
 CLIENT_KEYS = ("val_acc", "val_f1", "val_total", "local.val_acc", "local.val_f1")
 

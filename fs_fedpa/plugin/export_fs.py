@@ -313,17 +313,17 @@ def readme(info: dict) -> str:
         if "mix" in entry:
             lines += ["FedDPA mixes two adapters per input; `fs_fedpa.export.load` rebuilds the mixing:"]
         elif entry.get("global") and "adapter" in info["global"]:
-            head = [f'model.load_state_dict(load_file("{entry["head"]}"), strict=False)  # its head']
+            head = entry.get("head")
             R_i = clients[first].get("reference_rank", info["R_g"])
             folder = "global" if R_i >= info["R_g"] else f"global_r{R_i}"  # the reference the server sent it
             lines += [
                 "```python",
                 "from peft import PeftModel",
-                *(["from safetensors.torch import load_file"] if entry.get("head") else []),
+                *(["from safetensors.torch import load_file"] if head else []),
                 "from transformers import " + auto,
                 f'model = PeftModel.from_pretrained({auto}.from_pretrained("{info["base_model"]}"{labels}), '
                 f'"{folder}")',
-                *(head if entry.get("head") else []),
+                *([f'model.load_state_dict(load_file("{head}"), strict=False)  # its head'] if head else []),
                 "```",
                 "(another client: its reference rank's `global_r<R>`, or `global` at R_g, and its own head; "
                 "`export.json` names both.)",
@@ -394,15 +394,11 @@ def _unlink_links(folder: Path) -> None:
 
 def run_info(cfg, outdir: Path, rounds: int, missing: list[int]) -> dict:
     """What the README says of the run: rounds, config hash, final metrics from FS's eval_results.log."""
-    from fs_fedpa.fs_results import weighted_avg_by_round
+    from fs_fedpa.fs_results import last_weighted_avg
 
     log = Path(outdir) / "eval_results.log"
-    metrics = {}
-    if log.is_file():
-        by_round = weighted_avg_by_round(log)
-        if by_round:
-            last = by_round[max(by_round)]
-            metrics = {k: float(v) for k, v in last.items() if k.endswith(("_acc", "_loss"))}
+    last = last_weighted_avg(log) if log.is_file() else {}
+    metrics = {k: float(v) for k, v in last.items() if k.endswith(("_acc", "_loss"))}
     info = {"rounds": rounds, "config_hash": config_hash(Path(outdir) / "config.yaml"), "final_metrics": metrics,
             "missing_clients": missing, "base_quantization": cfg.fedpa.base_quantization,
             "privacy": privacy_info(cfg.fedpa.dp_mode, Path(outdir), cfg.fedpa.dp_local_tensors)}  # fmt: skip

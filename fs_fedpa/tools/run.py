@@ -95,13 +95,10 @@ class Console:
 
 def final_metrics(run_folder: Path) -> dict[str, float]:
     """The last server evaluation's weighted means (FS's ``eval_results.log``): accuracies and losses."""
-    from fs_fedpa.fs_results import weighted_avg_by_round
+    from fs_fedpa.fs_results import last_weighted_avg
 
     log = run_folder / "eval_results.log"
-    by_round = weighted_avg_by_round(log) if log.is_file() else {}
-    if not by_round:
-        return {}
-    last = by_round[max(by_round)]
+    last = last_weighted_avg(log) if log.is_file() else {}
     return {k: float(v) for k, v in last.items() if k.endswith(("_acc", "_f1", "avg_loss")) and v is not None}
 
 

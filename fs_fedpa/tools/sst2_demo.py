@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from fs_fedpa.fs_command import fs_overrides
-from fs_fedpa.fs_results import weighted_avg_by_round
+from fs_fedpa.fs_results import last_weighted_avg
 from fs_fedpa.tools.checkout import find_checkout
 
 CFG_NAME = Path("yaml_configs") / "fedpa_sst2_minilm_cpu.yaml"  # in the checkout (./run.sh runs from its root)
@@ -101,8 +101,7 @@ def find_glue_dir(given: str | None) -> Path:
 
 def final_accuracy(outdir: Path) -> dict[str, float]:
     """The last round's weighted-average metrics from FS's eval_results.log."""
-    rounds = weighted_avg_by_round(outdir / "eval_results.log")
-    return rounds[max(rounds)] if rounds else {}
+    return last_weighted_avg(outdir / "eval_results.log")
 
 
 def build_parser() -> argparse.ArgumentParser:
