@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fs_fedpa.fs_command import fs_overrides, with_yaml_keys
-from fs_fedpa.fs_results import clients_last_round, read_noise_signal, weighted_avg_by_round
+from fs_fedpa.fs_results import ROUND_START, clients_last_round, read_noise_signal, weighted_avg_by_round
 from fs_fedpa.methods import names as method_names
 from fs_fedpa.record import CLIENT_STATS, DIAGNOSTICS_FILE, EVAL_SHARDS_FILE, OUTCOMES_FILE, PRIVACY_FILE, compact
 
@@ -108,7 +108,7 @@ def run_one(cfg: str, cell: Cell, seed: int, out: Path, opts: list[str], total_r
     ):
         for line in proc.stdout:
             log.write(line)
-            if match := re.search(r"Starting (?:a new )?training(?: round)? \(Round #(\d+)\)", line):
+            if match := ROUND_START.search(line):
                 total = f"/{total_rounds}" if total_rounds else ""
                 done = int(match.group(1)) + 1
                 print(f"    {cell.name} seed {seed}: round {done}{total} ({time.time() - start:.0f} s)", flush=True)

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 _NP_SCALAR = re.compile(r"np\.\w+\(([^()]*)\)")
+ROUND_START = re.compile(r"Starting (?:a new )?training(?: round)? \(Round #(\d+)\)")  # FS's server, round r begins
 
 
 def _rows(path: str | Path):

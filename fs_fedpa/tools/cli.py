@@ -7,6 +7,7 @@ import argparse
 import math
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 
 class Parser(argparse.ArgumentParser):
@@ -17,8 +18,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def number(kind: type = float, *, minimum: float | None = None, above: float | None = None,
-           maximum: float | None = None) -> Callable[[str], float]:  # fmt: skip
-    """An argparse ``type``: a finite ``kind`` within the bounds (``above``: strictly greater)."""
+           maximum: float | None = None, below: float | None = None) -> Callable[[str], float]:  # fmt: skip
+    """An argparse ``type``: a finite ``kind`` within the bounds (``above``, ``below``: strictly)."""
 
     def parse(text: str):
         try:
@@ -33,10 +34,17 @@ def number(kind: type = float, *, minimum: float | None = None, above: float | N
             raise argparse.ArgumentTypeError(f"{text} must be >= {minimum:g}")
         if maximum is not None and value > maximum:
             raise argparse.ArgumentTypeError(f"{text} must be <= {maximum:g}")
+        if below is not None and not value < below:
+            raise argparse.ArgumentTypeError(f"{text} must be < {below:g}")
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in its messages
     return parse
+
+
+def file_in_the_way(folder: Path) -> Path | None:
+    """The file at ``folder`` or at one of its parents, which keeps ``folder`` from being made; None if none."""
+    return next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
 
 
 def one_line_errors(main: Callable[..., int | None], prog: str) -> Callable[..., int]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import sys
+
 from fs_fedpa.tools import cli
 
 TREATMENTS = ("noised", "frozen", "plain")
@@ -149,19 +150,16 @@ def torch_quantiles(null, alt, count: int = 200):
 
 def main(argv: list[str] | None = None) -> int:
     parser = cli.Parser(prog="python -m fs_fedpa.tools.dp_audit", description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=4000, help="trials per dataset (half choose the threshold)")
-    parser.add_argument("--epsilon", type=float, default=1.0, help="the ledger's epsilon the noise is calibrated to")
-    parser.add_argument("--delta", type=float, default=1e-5)
-    parser.add_argument("--steps", type=int, default=2, help="DP-SGD steps (full batch)")
-    parser.add_argument("--clip", type=float, default=0.05)
+    parser.add_argument("--trials", type=cli.number(int, minimum=20), default=4000,
+                        help="trials per dataset (half choose the threshold)")
+    parser.add_argument("--epsilon", type=cli.number(above=0, below=50), default=1.0,
+                        help="the ledger's epsilon the noise is calibrated to")
+    parser.add_argument("--delta", type=cli.number(above=0, below=1), default=1e-5)
+    parser.add_argument("--steps", type=cli.number(int, minimum=1, maximum=100), default=2,
+                        help="DP-SGD steps (full batch)")
+    parser.add_argument("--clip", type=cli.number(above=0), default=0.05)
     parser.add_argument("--treatment", choices=TREATMENTS, nargs="+", default=list(TREATMENTS))
     args = parser.parse_args(argv)
-    for flag, value, ok in (("--trials", args.trials, args.trials >= 20), ("--epsilon", args.epsilon,
-                            0 < args.epsilon < 50), ("--delta", args.delta, 0 < args.delta < 1),
-                            ("--steps", args.steps, 1 <= args.steps <= 100),
-                            ("--clip", args.clip, 0 < args.clip < math.inf)):  # fmt: skip
-        if not ok:
-            parser.error(f"{flag} {value} is out of range")
     from fs_fedpa.core.dp_accountant import calibrate
 
     n = 64

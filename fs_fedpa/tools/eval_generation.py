@@ -17,6 +17,7 @@ import sys
 import time
 import zipfile
 from pathlib import Path
+
 from fs_fedpa.tools import cli
 
 WRAPPER_PREFIXES = ("model.base_model.model.", "base_model.model.", "model.")

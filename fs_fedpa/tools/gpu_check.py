@@ -44,8 +44,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from fs_fedpa.tools.checkout import find_checkout
 from fs_fedpa.tools import cli
+from fs_fedpa.tools.checkout import find_checkout
 
 NEEDS = ("yaml_configs", "scripts", "benchmarks")  # what the steps read from the checkout
 STEPS = ("env", "standalone", "cpu_match", "distributed", "reconstruct", "adapter", "penalty", "clients", "dp_sgd")
@@ -494,8 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--device must be cpu, cuda or cuda:K (got {args.device!r})")
     out_path = Path(args.out)
     for flag, path in (("--out", out_path.parent), ("--work", Path(args.work) if args.work else None)):
-        blocked = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None) if path else None
-        if blocked is not None:
+        if path is not None and (blocked := cli.file_in_the_way(path)) is not None:
             parser.error(f"{flag} {path}: {blocked} is a file, not a folder")
     args.work = args.work or str(out_path.parent / "work")
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -17,12 +17,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from fs_fedpa.fs_results import ROUND_START, last_weighted_avg
 from fs_fedpa.tools import cli
 
 PROG = "fs-fedpa run"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ \((\w+):\d+\) ?(\w+): (.*)$")  # FS's log format
-_ROUND = re.compile(r"Starting (?:a new )?training(?: round)? \(Round #(\d+)\)")
 _ERROR = re.compile(r"^(\w+(?:Error|Exception)): (.+)$")
 _PY_WARNING = re.compile(r"^(\S+):\d+: (\w*Warning): (.+)$")  # warnings.warn's "file:line: Category: text"
 
@@ -58,7 +58,7 @@ class Console:
             self.in_dump = True
         elif message.startswith("the output dir is "):
             self.run_folder = Path(message[len("the output dir is ") :].strip())
-        elif m := _ROUND.search(message):
+        elif m := ROUND_START.search(message):
             self._advance(int(m.group(1)))
         elif level in ("WARNING", "ERROR", "CRITICAL"):
             self._warn(level.lower(), message)
@@ -95,8 +95,6 @@ class Console:
 
 def final_metrics(run_folder: Path) -> dict[str, float]:
     """The last server evaluation's weighted means (FS's ``eval_results.log``): accuracies and losses."""
-    from fs_fedpa.fs_results import last_weighted_avg
-
     log = run_folder / "eval_results.log"
     last = last_weighted_avg(log) if log.is_file() else {}
     return {k: float(v) for k, v in last.items() if k.endswith(("_acc", "_f1", "avg_loss")) and v is not None}

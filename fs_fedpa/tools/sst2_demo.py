@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 
 from fs_fedpa.fs_command import fs_overrides
-from fs_fedpa.fs_results import last_weighted_avg
+from fs_fedpa.fs_results import ROUND_START, last_weighted_avg
 from fs_fedpa.tools.checkout import find_checkout
 
 CFG_NAME = Path("yaml_configs") / "fedpa_sst2_minilm_cpu.yaml"  # in the checkout (./run.sh runs from its root)
-ROUND = re.compile(r"Starting (?:a new )?training(?: round)? \(Round #(\d+)\)")
+ROUND = ROUND_START
 CLIENT = re.compile(
     r"'Role': 'Client #(\d+)', 'Round': (\d+), 'Results_raw': \{.*?'train_acc': (?:np\.float64\()?([\d.]+)"
 )

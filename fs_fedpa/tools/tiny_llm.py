@@ -247,14 +247,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="2: sentiment task; 3..8: topic task")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.samples < 1 or not 1 <= args.categories <= MAX_CATEGORIES:
-        parser.error(f"--samples must be >= 1 and --categories in 1..{MAX_CATEGORIES}; got {args.samples}, "
-                     f"{args.categories}")  # fmt: skip
     if missing := [m for m in ("federatedscope", "torch", "transformers", "tokenizers") if find_spec(m) is None]:
         parser.error(f"needs {', '.join(missing)}, which this Python lacks (FederatedScope: see docs/install.md)")
     out = Path(args.out_dir)
-    blocked = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
-    if blocked is not None:
+    if (blocked := cli.file_in_the_way(out)) is not None:
         parser.error(f"{out}: {blocked} is a file, not a folder to write model/ and data.jsonl into")
     data, texts = write_instruction_jsonl(out / "data.jsonl", args.samples, args.seed, args.categories)
     model = build_tiny_llama(out / "model", texts, seed=args.seed)
