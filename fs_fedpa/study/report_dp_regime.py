@@ -166,13 +166,19 @@ def final_values(results: dict) -> dict[str, dict[int, float]]:
     return sp.cell_values(results, "val_acc", dr.STAGE)
 
 
-def comparisons(results: dict) -> dict[str, dict]:
-    """Every row of :data:`FAMILIES` that has 2 seeds or more; Holm within a family once all its rows are in."""
-    values, rows = final_values(results), {}
-    for _, family in FAMILIES:
+def family_comparisons(values: dict[str, dict[int, float]], families) -> dict[str, dict]:
+    """Every row of ``families`` ((title, {label: (cell, cell)}) each) whose cells share 2 seeds or more in
+    ``values``; Holm within a family once all its rows are in."""
+    rows = {}
+    for _, family in families:
         mine = {k: row for k, (a, b) in family.items() if (row := paired(values.get(a, {}), values.get(b, {})))}
         rows.update(sp.with_holm(mine) if len(mine) == len(family) else mine)
     return rows
+
+
+def comparisons(results: dict) -> dict[str, dict]:
+    """Every row of :data:`FAMILIES` (:func:`family_comparisons`)."""
+    return family_comparisons(final_values(results), FAMILIES)
 
 
 def _last_quarter(ratios: list) -> float | None:

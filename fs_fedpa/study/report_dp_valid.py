@@ -7,8 +7,7 @@ from __future__ import annotations
 from fs_fedpa.study import sst2_dp_regime as dr
 from fs_fedpa.study import sst2_dp_valid as dv
 from fs_fedpa.study import sst2_protocol as sp
-from fs_fedpa.study.report_dp_regime import other_reading
-from fs_fedpa.study.report_privacy import paired
+from fs_fedpa.study.report_dp_regime import family_comparisons, other_reading
 from fs_fedpa.study.report_text import METRIC_NAMES, METRICS
 from fs_fedpa.study.report_text import pm as _pm
 
@@ -26,12 +25,8 @@ def families() -> tuple[tuple[str, dict[str, tuple[str, str]]], ...]:
 
 
 def comparisons(results: dict, metric: str) -> dict[str, dict]:
-    """Every row with 2 seeds or more; a family's Holm labels once all its rows are in."""
-    values, rows = sp.cell_values(results, metric, dv.STAGE), {}
-    for _, family in families():
-        mine = {k: row for k, (a, b) in family.items() if (row := paired(values.get(a, {}), values.get(b, {})))}
-        rows.update(sp.with_holm(mine) if len(mine) == len(family) else mine)
-    return rows
+    """Every row of :func:`families` under ``metric`` (:func:`~fs_fedpa.study.report_dp_regime.family_comparisons`)."""
+    return family_comparisons(sp.cell_values(results, metric, dv.STAGE), families())
 
 
 def _interval(row: dict | None) -> str:
