@@ -234,6 +234,16 @@ class FedPAConfig:
             )
         },
     )
+    eval_refit_head: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "a diagnostic (sequence classification): after the last upload also score both protocols with the "
+                "head refitted without DP on the client's training split, as refit.* and local.refit.*; those "
+                "scores are outside any DP guarantee"
+            )
+        },
+    )
     diagnostics: bool = field(
         default=True,
         metadata={
@@ -513,7 +523,9 @@ class FedPAConfig:
         self.hetlora_lam = _number(self.hetlora_lam, "hetlora_lam", minimum=0.0)
         self.ravan_heads = _int_list(self.ravan_heads, "ravan_heads")
         self.ravan_head_rank = _integer(self.ravan_head_rank, "ravan_head_rank", minimum=0)
-        for flag in ("eval_local", "diagnostics", "save_outcomes", "checkpoint", "export_clients", "dp_secure_rng"):
+        flags = ("eval_local", "eval_refit_head", "diagnostics", "save_outcomes", "checkpoint", "export_clients",
+                 "dp_secure_rng")  # fmt: skip
+        for flag in flags:
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"fedpa.{flag} must be True or False, got {getattr(self, flag)!r}")
         self.num_threads = _integer(self.num_threads, "num_threads", minimum=0)

@@ -117,6 +117,12 @@ def check_fedpa_cfg(cfg) -> None:
             f"fedpa.save_outcomes records per-example outcomes of sequence classification (trainer.type seqcls); "
             f"this run's trainer.type is {cfg.trainer.type!r}: unset fedpa.save_outcomes"
         )
+    if fedpa.eval_refit_head and (cfg.trainer.type != "seqcls" or not list(cfg.personalization.local_param)):
+        raise ValueError(
+            "fedpa.eval_refit_head refits a sequence classifier's local head: it needs trainer.type seqcls and the "
+            f"head in personalization.local_param (this run: {cfg.trainer.type!r}, "
+            f"{list(cfg.personalization.local_param)}); unset fedpa.eval_refit_head"
+        )
     if cfg.federate.client_num > 0:
         fedpa.check_clients(cfg.federate.client_num, _adapter_rank(cfg))
     if fedpa.dp_mode != "none":

@@ -15,6 +15,7 @@ from federatedscope.core.message import Message
 from torch import Tensor
 
 from fs_fedpa import lora, resume
+from fs_fedpa.core import head_refit
 from fs_fedpa.core.instance import instance_weights, representation
 from fs_fedpa.plugin.common import send, without_empty_splits
 from fs_fedpa.record import OUTCOMES_FILE
@@ -53,11 +54,17 @@ class ClientEvaluation:
         if mixed:  # the global adapter's rank: the columns of B_g in the loaded ([B_g, B_l], [A_g; A_l])
             rank = next(iter(received.values()))[0].shape[1]
             undo = evaluation.instance_mix(rank, models.device, self.state, self.ID)
+        # after the client's last upload only (the evaluation closing the last round, numbered from 0): the refitted
+        # head sees its training records exactly
+        refit = self.method.cfg.eval_refit_head and message.state >= self._cfg.federate.total_round_num - 1
         try:
             metrics = evaluation.splits()
         finally:
             undo()
         outcomes = {"global": evaluation.take_outcomes()}
+        if refit:
+            metrics.update({f"refit.{key}": value for key, value in evaluation.refit_splits().items()})
+            outcomes["refit"] = evaluation.take_outcomes()
         if self.method.cfg.eval_local:
             # the model it trained: Fed-PLoRA's own modules sit on the undrawn ones it folded into the base
             models.set_base(self.kept.fold)
@@ -66,6 +73,9 @@ class ClientEvaluation:
             # "<split>_", so the protocol goes in front: local.test_acc, local.test_total, ...
             metrics.update({f"local.{key}": value for key, value in evaluation.splits().items()})
             outcomes["local"] = evaluation.take_outcomes()
+            if refit:
+                metrics.update({f"local.refit.{key}": value for key, value in evaluation.refit_splits().items()})
+                outcomes["local.refit"] = evaluation.take_outcomes()
         if self.method.cfg.save_outcomes:
             evaluation.write_outcomes(outcomes, self.state, self.ID)
         metrics, empty = without_empty_splits(metrics)
@@ -165,6 +175,29 @@ class Evaluation:
         ]
         with open(os.path.join(self.cfg.outdir, OUTCOMES_FILE), "a", encoding="utf-8") as f:
             f.writelines(json.dumps(line) + "\n" for line in lines)
+
+    def refit_splits(self) -> dict:
+        """:meth:`splits` with the classifier head refitted on this client's whole training split under the loaded
+        adapter (:func:`fs_fedpa.core.head_refit.fit_softmax_head`, no DP) and put back after."""
+        ctx = self.trainer.ctx
+        head = head_refit.head_of(self.model, self.cfg.personalization.local_param)
+        train = ctx.data["train"]  # FS's DataLoader; its records in order, whatever its sampler
+        size, n = max(1, self.cfg.dataloader.batch_size), len(train.dataset)
+        if n == 0:
+            logger.warning("[fedpa] a client without training records: no head to refit, no refit.* scores")
+            return {}
+        batches = (train.collate_fn([train.dataset[i] for i in range(j, min(j + size, n))]) for j in range(0, n, size))
+        forward = lambda features, labels: self.trainer._forward_loss(ctx, features, labels)  # noqa: E731
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with resume.fork_rng():
+                X, y = head_refit.head_inputs(head, batches, forward)
+        finally:
+            self.model.train(was_training)
+        W, b = head_refit.fit_softmax_head(X, y, head.out_features)
+        with head_refit.swapped(head, W, b):
+            return self.splits()
 
     def splits(self) -> dict:
         """FS's evaluation of the loaded model on every split of ``eval.split``, merged."""

@@ -69,6 +69,11 @@ CASES = [
     ("an FS feature FedPA does not speak", ["federate.use_ss", "True"], "does not support secret sharing"),
     ("half-precision training on the CPU", ["train.is_enable_half", "True"], "train.is_enable_half True on the CPU"),
     (
+        "`eval_refit_head` without a local head",
+        ["fedpa.eval_refit_head", "True", "personalization.local_param", "[]"],
+        "fedpa.eval_refit_head refits a sequence classifier's local head",
+    ),
+    (
         "missing GLUE file",
         ["data.root", "{tmp}/no_glue"],
         "GLUE sst2 train: {tmp}/no_glue/SST-2/train.tsv does not exist",
