@@ -81,13 +81,49 @@ def final_lines(results: dict) -> list[str]:
     return [*lines, ""]
 
 
-def single_lines(results: dict, runs: list[sp.Run], title: str) -> list[str]:
-    lines = [title, "", "| run | paper protocol | own factors |", "|---|---|---|"]
+def single_lines(results: dict, runs: list[sp.Run], title: str, refit: bool = False) -> list[str]:
+    """One row a run: its last-round accuracy by protocol (``refit``: also with the heads refitted)."""
+    metrics = (*METRICS, *(dv.REFIT_METRICS if refit else ()))
+    head = " | ".join([*METRIC_NAMES.values(), *(("paper, head refitted", "own, head refitted") if refit else ())])
+    lines = [title, "", f"| run | {head} |", "|---" * (len(metrics) + 1) + "|"]
     for run in runs:
         result = results.get(run.key)
-        acc = {m: sp.final_metric(result, m) if result else None for m in METRICS}
+        acc = {m: sp.final_metric(result, m) if result else None for m in metrics}
         lines.append(f"| {run.name} | " + " | ".join("–" if v is None else f"{v:.4f}" for v in acc.values()) + " |")
     return [*lines, ""]
+
+
+def refit_check(results: dict, point: dv.Valid, lam: float) -> list[str]:
+    """Whether each refit run's own scores equal its seed-0 DP final's (the refit must leave training alone)."""
+    lines = []
+    for run in (r for r in dv.diagnostic_runs(point, lam) if r.name.endswith("_refit")):
+        final = dv.STAGE + "/" + run.name[: -len("_refit")] + "_s0"
+        mine, theirs = results.get(run.key), results.get(final)
+        if mine is None or theirs is None:
+            continue
+        same = all(sp.final_metric(mine, m) == sp.final_metric(theirs, m) for m in METRICS)
+        verdict = "equal its" if same else "DIFFER from its"
+        lines.append(f"- {run.name}: its scores without the refit {verdict} seed-0 DP final's.")
+    return [*lines, ""] if lines else []
+
+
+def closing_lines(results: dict, point: dv.Valid, lam: float) -> list[str]:
+    """The declared screen (which diagnostics recover half the gap) and the follow-up comparisons it starts."""
+    found = dv.closing(results, point, lam)
+    values = dv.followup_values(results, point, lam)
+    lines = [f"Diagnostics that recover at least half of FedPA-LoRA's seed-0 gap to FedIT under DP: "
+             f"{', '.join(found) if found else 'none (so far)'}.", ""]  # fmt: skip
+    if not found or 0 not in values.get("fedit_dp", {}):
+        return lines
+    family = {f"{name} − {'fedit_dp_refit' if name == 'fedpa_dp_refit' else 'fedit_dp'}":
+              (name, "fedit_dp_refit" if name == "fedpa_dp_refit" else "fedit_dp") for name in found}  # fmt: skip
+    title = f"The variants that close the gap against FedIT under DP (Holm over {len(family)})"
+    if "fedpa_dp_refit" in found:
+        title += f"; the refit scored by {dv.refit_metric(results, point, lam)}, fixed at seed 0"
+    rows = family_comparisons(values, ((title, family),))
+    lines += [f"{title}: paired 95% t intervals over seeds, in accuracy points.", "", "| comparison | interval |",
+              "|---|---|", *(f"| {key} | {_interval(rows.get(key))} |" for key in family), ""]  # fmt: skip
+    return lines
 
 
 def dp_valid_section(results: dict, selected_main: dict | None) -> list[str]:
@@ -103,7 +139,8 @@ def dp_valid_section(results: dict, selected_main: dict | None) -> list[str]:
         return lines
     point, lam = dv.point_of(top), selected_main["methods"]["fedpa"]["lam"]
     lines += final_lines(results)
-    lines += single_lines(results, dv.diagnostic_runs(point, lam), "Diagnostics (single seed, not selecting):")
+    lines += single_lines(results, dv.diagnostic_runs(point, lam), "Diagnostics (single seed, not selecting):", True)
+    lines += refit_check(results, point, lam) + closing_lines(results, point, lam)
     lines += single_lines(results, dv.device_runs(selected_main, results),
                           "Part E′ (N = 2,000, K = 400, client-level DP at ε = 8, one seed):")  # fmt: skip
     return lines

@@ -318,10 +318,11 @@ def print_plan(stages: list[tuple[str, list[Run]]], results: dict, scoped: bool 
               "(priced by records from the measured step cost, fs_fedpa/study/sst2_dp_regime.py)",
               flush=True)  # fmt: skip
     if any(r.stage == sst2_dp_valid.STAGE for _, runs in stages for r in runs):
-        print(f"  dp valid, the whole stage before any run: {sst2_dp_valid.stage_hours():.0f} CPU-h here by the "
-              "same pricing, which priced the dpregime finals at about 2x what they took (43 against 20 CPU-min a "
-              "DP final): about 12 CPU-h measured-rate, plus part E′ (about 1.2 CPU-h, priced as part E's runs took) "
-              "(fs_fedpa/study/sst2_dp_valid.py)", flush=True)  # fmt: skip
+        hours = sst2_dp_valid.stage_hours()
+        print(f"  dp valid, the whole stage before any run: {hours:.0f} CPU-h here by the same pricing, which priced "
+              "the dpregime finals at about 2x what they took (43 against 20 CPU-min a DP final): about "
+              f"{hours * 20 / 43:.0f} CPU-h measured-rate, plus part E′ (about 1.2 CPU-h, priced as part E's runs "
+              "took) (fs_fedpa/study/sst2_dp_valid.py)", flush=True)  # fmt: skip
     if scoped and not stages:
         print("[sst2_compare] no run of the stages known now matches --stage/--cell: nothing to run (a cell is a "
               "run's name without its seed, e.g. fedpa_dp or partial30_fedit)", flush=True)  # fmt: skip

@@ -48,7 +48,7 @@ def test_the_search_then_the_gate_then_the_finals():
     results[v.search_1()[3].key] = _result(0.80)
     parts = dict(v.runs(main, results))
     finals = parts["dp valid: finals"]
-    assert len(finals) == 3 * 4 * 2 + 2 and len(parts["dp valid: diagnostics (not selecting)"]) == 3
+    assert len(finals) == 3 * 4 * 2 + 2 and len(parts["dp valid: diagnostics (not selecting)"]) == 5
     off = _opts(next(r for r in finals if r.name == "fedit"))
     assert off["fedpa.dp_local_tensors"] == "frozen" and float(off["fedpa.dp_clip"]) == v.OFF_CLIP
     assert "fedpa.dp_epsilon" not in off and float(off["fedpa.dp_noise_multiplier"]) == v.OFF_Z
@@ -73,3 +73,39 @@ def test_part_e_prime_scores_fedpa_own_adapters_and_takes_its_clip_from_part_e()
     private = dict(v.runs(main, results))[PART_E][1]
     o = _opts(private)
     assert (o["fedpa.dp_mode"], o["fedpa.dp_epsilon"], float(o["fedpa.dp_clip"])) == ("client", "8", 0.5)
+
+
+def _final(**metrics) -> dict:
+    return {"rounds": {119: metrics}}
+
+
+def test_refit_runs_are_the_seed_0_finals_scored_with_refitted_heads_too():
+    point = v.Valid("frozen", 0.01, 1e-2)
+    finals = {r.name: r for r in v.final_runs(point, 0.01) if r.seed == 0}
+    for run in (r for r in v.diagnostic_runs(point, 0.01) if r.name.endswith("_refit")):
+        final = finals[run.name[: -len("_refit")]]
+        assert run.opts == (*final.opts, "fedpa.eval_refit_head", "True") and run.method == final.method
+        assert (run.seed, run.rounds) == (0, final.rounds)
+
+
+def test_only_the_diagnostics_that_recover_half_the_gap_run_again():
+    point, lam = v.Valid("frozen", 0.01, 1e-2), 0.01
+    key = {r.name: r.key for r in (*v.final_runs(point, lam), *v.diagnostic_runs(point, lam)) if r.seed == 0}
+    results = {key["fedit_dp"]: _final(val_acc=0.80), key["fedpa_dp"]: _final(val_acc=0.50),  # the gap: 0.30
+               key["fedpa_dp_lam1"]: _final(val_acc=0.66),  # recovers 0.16 >= 0.15
+               key["fedpa_dp_lam0.1"]: _final(val_acc=0.64),  # 0.14: not enough
+               key["fedpa_no_preservation_dp"]: _final(val_acc=0.40),
+               key["fedpa_dp_refit"]: _final(**{"val_acc": 0.5, "refit.val_acc": 0.60, "local.refit.val_acc": 0.79}),
+               key["fedit_dp_refit"]: _final(**{"val_acc": 0.8, "refit.val_acc": 0.82})}  # fmt: skip
+    assert v.closing(results, point, lam) == ["fedpa_dp_lam1", "fedpa_dp_refit"]
+    assert v.refit_metric(results, point, lam) == "local.refit.val_acc"
+    more = v.followup_runs(results, point, lam)
+    assert sorted((r.name, r.seed) for r in more) == [(n, s) for n in ("fedit_dp_refit", "fedpa_dp_lam1",
+                                                                       "fedpa_dp_refit") for s in (1, 2)]  # fmt: skip
+    assert "dp valid: the diagnostics that close the gap, seeds 1-2" not in dict(v.runs(MAIN, {}))
+    values = v.followup_values(results, point, lam)
+    assert values == {"fedit_dp": {0: 0.80}, "fedpa_dp_lam1": {0: 0.66}, "fedpa_dp_refit": {0: 0.79},
+                      "fedit_dp_refit": {0: 0.82}}  # fmt: skip
+    # FedIT below FedPA-LoRA: no gap to close
+    results[key["fedit_dp"]] = _final(val_acc=0.40)
+    assert v.closing(results, point, lam) == [] and v.followup_runs(results, point, lam) == []
