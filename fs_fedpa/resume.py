@@ -37,10 +37,11 @@ from torch import Tensor
 from fs_fedpa.methods.base import FederatedMethod
 
 PREFIX = "fedpa_resume_"
-# the fields of a server resume point that a restore reads (``merges`` and ``settings`` are optional)
+# the fields of a server resume point that a restore reads (``merges`` is optional); ``settings`` and ``privacy``
+# are what the accountant's past depends on: a point without them is refused, not trusted
 SERVER_FIELDS = (
     "method", "round", "plan", "global", "generator", "totals", "down_bytes", "records", "history_results",
-    "best_results", "rng",
+    "best_results", "rng", "settings", "privacy",
 )  # fmt: skip
 OWNER_FIELDS = ("client", "rank", "reference_rank", "run")  # whose a client file is
 _DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
@@ -229,7 +230,7 @@ def check_server_fields(saved: dict, path) -> None:
             raise ValueError(f"{at}: field {key!r} is malformed ({saved[key]!r:.200})")
     if not all(isinstance(record, dict) for record in saved["records"]):
         raise ValueError(f"{at}: field 'records' holds something other than mappings")
-    for key in ("settings", "merges"):
+    for key in ("settings", "merges", "privacy"):
         if key in saved and not isinstance(saved[key], dict):
             raise ValueError(f"{at}: field {key!r} is not a mapping")
 
@@ -256,10 +257,21 @@ def _check_int(saved: dict, at: str, key: str, minimum: int, maximum: int | None
 
 
 def _check_tensor(t, where: str) -> None:
+    """A dense floating-point tensor whose every element has storage of its own; its values are not read (a planted
+    view can stand for far more elements than its file holds, so :func:`_check_finite` runs after the shape's
+    check)."""
     if not isinstance(t, Tensor):
         raise ValueError(f"{where} is a {type(t).__name__}, not a tensor")
     if t.layout != torch.strided or not t.is_floating_point():
         raise ValueError(f"{where} is a {t.dtype} tensor of layout {t.layout}, not a dense floating-point one")
+    if any(stride <= 0 for size, stride in zip(t.shape, t.stride()) if size > 1) or (
+        t.untyped_storage().nbytes() < t.numel() * t.element_size()
+    ):
+        shape = tuple(t.shape)
+        raise ValueError(f"{where} is a view of shape {shape} and strides {t.stride()} over a smaller storage")
+
+
+def _check_finite(t: Tensor, where: str) -> None:
     if not bool(torch.isfinite(t).all()):
         raise ValueError(f"{where} holds a NaN or an Inf")
 
@@ -281,6 +293,8 @@ def _check_pairs(pairs, at: str, field: str, shapes: dict, max_rank: int | None,
         (B, A), (want_B, want_A) = [tuple(t.shape) for t in pair], shapes[name]
         if not _fits(B, A, want_B, want_A, max_rank if lower_rank else None, lower_rank):
             raise ValueError(f"{where} has shapes B {B}, A {A}; this run's adapter has B {want_B}, A {want_A}")
+        for part, t in zip("BA", pair):
+            _check_finite(t, f"{where} {part}")
 
 
 def _fits(B: tuple, A: tuple, want_B: tuple, want_A: tuple, max_rank: int | None, lower_rank: bool) -> bool:
@@ -305,3 +319,4 @@ def _check_tensors(tensors, at: str, field: str, shapes: dict, exact: bool) -> N
         _check_tensor(t, where)
         if tuple(t.shape) != tuple(shapes[name]):
             raise ValueError(f"{where} has shape {tuple(t.shape)}; this client's is {tuple(shapes[name])}")
+        _check_finite(t, where)

@@ -122,8 +122,11 @@ def accounting_settings(cfg) -> dict:
     fedpa = cfg.fedpa
     if fedpa.dp_mode == "none":
         return {"fedpa.dp_mode": "none"}
-    out = {f"fedpa.{k}": getattr(fedpa, k) for k in ("dp_mode", "dp_clip", "dp_noise_multiplier", "dp_epsilon",
-                                                      "dp_delta", "dp_sampling", "dp_accountant")}  # fmt: skip
+    # dp_seed: a seeded run continues its noise stream, an unseeded one draws fresh entropy; neither can become the
+    # other across a resume
+    keys = ("dp_mode", "dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_sampling", "dp_accountant",
+            "dp_seed")  # fmt: skip
+    out = {f"fedpa.{k}": getattr(fedpa, k) for k in keys}
     if fedpa.dp_epsilon > 0:  # z calibrated over the horizon
         out["fedpa.dp_horizon (or federate.total_round_num)"] = int(fedpa.dp_horizon or cfg.federate.total_round_num)
     out["federate.client_num"] = int(cfg.federate.client_num)
@@ -132,7 +135,10 @@ def accounting_settings(cfg) -> dict:
     else:
         out.update({"dataloader.batch_size": int(cfg.dataloader.batch_size), "dataloader.drop_last":
                     bool(cfg.dataloader.drop_last), "train.local_update_steps": int(cfg.train.local_update_steps),
-                    "train.batch_or_epoch": str(cfg.train.batch_or_epoch)})  # fmt: skip
+                    "train.batch_or_epoch": str(cfg.train.batch_or_epoch),
+                    # who takes steps at all, and what the clip and noise cover
+                    "fedpa.dp_min_records": int(fedpa.dp_min_records),
+                    "fedpa.dp_local_tensors": str(fedpa.dp_local_tensors)})  # fmt: skip
     return out
 
 

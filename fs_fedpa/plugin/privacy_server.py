@@ -228,33 +228,40 @@ class ServerPrivacy:
             out["generator"] = self.generator.get_state()
         return out
 
-    def restore(self, saved: dict | None) -> None:
-        """Continue the accounting of a resume point. The ledger of the run it continues is the source of truth: a
-        round released after the resume point was written (a crash between the release, which leaves with FS's
-        evaluation broadcast, and the next round's resume point) is in the ledger but not in the point, and the
-        resumed run releases that round again with fresh noise. So the counts are the larger of the two, and this
-        run's ledger begins with the continued run's lines: one file states the whole run's epsilon."""
-        if not saved:
-            return
-        self.rounds = int(saved["rounds"])
-        self.trained = {int(k): int(v) for k, v in saved["trained"].items()}
-        self.sizes = {int(k): int(v) for k, v in saved["sizes"].items()}
-        self.last = dict(saved.get("last", {}))
-        if self.method.cfg.dp_seed >= 0:  # reproducible: continue the stream; else fresh OS entropy
+    def restore(self, saved: dict, path: str) -> None:
+        """Continue the accounting of the resume point ``path`` (its ``privacy`` field ``saved``). The ledger of the
+        run it continues is the source of truth: a round released after the resume point was written (a crash
+        between the release, which leaves with FS's evaluation broadcast, and the next round's resume point) is in
+        the ledger but not in the point, and the resumed run releases that round again with fresh noise. So the
+        counts are the larger of the two, and this run's ledger begins with the continued run's lines: one file
+        states the whole run's epsilon. A field the accounting reads that is missing or malformed is refused, naming
+        the file and the field: a point the ledger cannot vouch for is not trusted."""
+        at = f"federate.restore_from {path!r}: field 'privacy"
+        seeded = self.method.cfg.dp_seed >= 0  # reproducible: continue the stream; else fresh OS entropy
+        needs = {"rounds": int, "trained": dict, "sizes": dict, "last": dict, "ledger": str}
+        for key, kind in (*needs.items(), *((("generator", Tensor),) if seeded else ())):
+            if not isinstance(saved.get(key), kind) or kind is int and isinstance(saved[key], bool):
+                what = "missing" if key not in saved else f"a {type(saved[key]).__name__}, not a {kind.__name__}"
+                raise ValueError(f"{at}.{key}' is {what}; the accounting of this run's past cannot continue from it")
+        try:
+            self.rounds = int(saved["rounds"])
+            self.trained = {int(k): int(v) for k, v in saved["trained"].items()}
+            self.sizes = {int(k): int(v) for k, v in saved["sizes"].items()}
+        except (TypeError, ValueError):
+            raise ValueError(f"{at}' holds counts that are not integers") from None
+        self.last = dict(saved["last"])
+        if seeded:
             self.generator.set_state(saved["generator"])
-        self._continue_ledger(saved.get("ledger"))
+        self._continue_ledger(saved["ledger"])
 
-    def _continue_ledger(self, previous: str | None) -> None:
-        if not previous:
-            return
-        if not os.path.isfile(previous):
+    def _continue_ledger(self, previous: str) -> None:
+        if not os.path.exists(previous):
             logger.warning(
                 f"[fedpa] the DP ledger of the run this resumes ({previous}) is not there: epsilon counts the releases "
                 "up to the resume point only, not a round released after it before the run stopped"
             )
             return
-        with open(previous, encoding="utf-8") as f:
-            lines = [json.loads(line) for line in f if line.strip()]
+        lines = read_ledger(previous)
         if os.path.abspath(previous) != os.path.abspath(self.path):
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             with open(self.path, "w", encoding="utf-8") as f:
@@ -274,6 +281,42 @@ class ServerPrivacy:
         for c, entry in (last.get("dp_clients") or {}).items():
             if entry:
                 spr = sample_plan(self.cfg, int(entry["n"]), routines(self.method)).steps_per_round
+                if not spr:  # below fedpa.dp_min_records: no step, nothing spent
+                    continue
                 rounds = -(-int(entry["steps"]) // spr)
                 if rounds > self.trained.get(int(c), 0):
                     self.trained[int(c)], self.sizes[int(c)], self.last = rounds, int(entry["n"]), last
+
+
+def read_ledger(path: str) -> list[dict]:
+    """The lines of the DP ledger ``path``; ValueError naming the file (and the line) for anything that is not one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as err:
+        what = type(err).__name__
+        raise ValueError(f"the DP ledger {path!r} of the run this resumes cannot be read ({what})") from None
+    lines = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            entry = None
+        if not isinstance(entry, dict) or not _is_ledger_line(entry):
+            raise ValueError(f"the DP ledger {path!r} of the run this resumes: line {number} is not a ledger line")
+        lines.append(entry)
+    return lines
+
+
+def _is_ledger_line(entry: dict) -> bool:
+    if not isinstance(entry.get("round"), int) or entry.get("dp_mode") not in ("client", "sample"):
+        return False
+    if entry["dp_mode"] == "client":
+        return isinstance(entry.get("dp_events"), int)
+    clients = entry.get("dp_clients")
+    return isinstance(clients, dict) and all(
+        v is None or isinstance(v, dict) and isinstance(v.get("n"), int) and isinstance(v.get("steps"), int)
+        for v in clients.values()
+    )

@@ -121,9 +121,12 @@ class ServerResume:
                 f"federate.restore_from {path!r} resumes at round {saved['round']}, but federate.total_round_num is "
                 f"{rounds}: nothing is left to train; raise total_round_num to continue the run"
             )
-        now_settings, then = self.settings(), saved.get("settings", {})
-        if changed := sorted(k for k in then if then[k] != now_settings.get(k)):
-            diffs = ", ".join(f"{k}: saved {then[k]!r}, now {now_settings.get(k)!r}" for k in changed)
+        now_settings, then = self.settings(), saved["settings"]
+        missing = object()  # a key this run has and the point does not: compared against nothing would pass it
+        if changed := sorted(k for k in then.keys() | now_settings.keys()
+                             if then.get(k, missing) != now_settings.get(k, missing)):  # fmt: skip
+            diffs = ", ".join(f"{k}: saved {then.get(k, 'nothing')!r}, now {now_settings.get(k, 'nothing')!r}"
+                              for k in changed)  # fmt: skip
             raise ValueError(f"federate.restore_from {path!r} was saved with other settings ({diffs})")
         trained = sorted({c for record in saved["records"] for c in record.get("clients", [])})
         if missing := [c for c in trained if not any(r < saved["round"] for r in resume.client_files(path, c))]:

@@ -229,7 +229,7 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
         self.history_results, self.best_results = saved["history_results"], saved["best_results"]
         self._pending_rng = saved["rng"]
         if self.privacy is not None:
-            self.privacy.restore(saved.get("privacy"))
+            self.privacy.restore(saved["privacy"], path)
         self.state = saved["round"]
         logger.info(f"[fedpa] resumed from {path} at round {self.state}")
         return self.state

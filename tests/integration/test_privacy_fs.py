@@ -401,7 +401,9 @@ def test_resume_restores_the_accountant_and_the_seeded_noise(tiny_llm, tmp_path,
     "key,value,named",
     [("fedpa.dp_noise_multiplier", 2.0, "fedpa.dp_noise_multiplier: saved 1.0, now 2.0"),
      ("federate.sample_client_num", 3, "federate.sample_client_num: saved 2, now 3"),
-     ("fedpa.dp_clip", 0.1, "fedpa.dp_clip: saved 0.05, now 0.1")],
+     ("fedpa.dp_clip", 0.1, "fedpa.dp_clip: saved 0.05, now 0.1"),
+     # before: a bare KeyError 'generator' (an unseeded point holds no noise stream to continue)
+     ("fedpa.dp_seed", 5, "fedpa.dp_seed: saved -1, now 5")],
 )  # fmt: skip
 def test_a_resume_with_other_privacy_settings_is_refused_naming_the_key(tiny_llm, tmp_path, key, value, named):
     """Killed after round 2 of 4 and resumed with z (or K, or C) changed: before, the accountant recomputed the
@@ -422,6 +424,77 @@ def test_a_resume_with_other_privacy_settings_is_refused_naming_the_key(tiny_llm
     proc = run_fs(cfg("resumed", **{"federate.restore_from": str(point), key: value}), tmp_path / "resumed")
     assert proc.returncode != 0
     assert "was saved with other settings" in proc.stderr and named in proc.stderr, proc.stderr[-3000:]
+
+
+def _killed_at_round_2(tiny_llm, tmp_path: Path, mode: str = "client", **more):
+    """(resume point, cfg maker): a DP run of 4 rounds killed after round 2's resume point."""
+    from tests.integration.test_reliability_fs import _kill_after_resume_point
+
+    def cfg(name, **extra):
+        (tmp_path / name).mkdir()
+        changes = {"federate.total_round_num": 4, "federate.sample_client_num": 2, "expname": name,
+                   "federate.save_to": str(tmp_path / name / "ckpt" / "run.pt"), "fedpa.dp_mode": mode,
+                   "fedpa.dp_clip": 0.05, "fedpa.dp_noise_multiplier": 1.0, **more}  # fmt: skip
+        return fedpa_cfg(tiny_llm, tmp_path / name, **{**changes, **extra})
+
+    return _kill_after_resume_point(cfg("killed"), tmp_path / "killed", rnd=2), cfg
+
+
+def test_a_sample_level_resume_with_other_dp_min_records_is_refused(tiny_llm, tmp_path):
+    """Before: the resume reached the ledger, whose clients now sat out (0 steps a round), and stopped with a bare
+    ZeroDivisionError. dp_min_records decides who spends at all, so it is compared like every accounting input."""
+    point, cfg = _killed_at_round_2(tiny_llm, tmp_path, "sample")
+    proc = run_fs(cfg("resumed", **{"federate.restore_from": str(point), "fedpa.dp_min_records": 10**6}),
+                  tmp_path / "resumed")  # fmt: skip
+    assert proc.returncode != 0 and "ZeroDivisionError" not in proc.stderr
+    assert "fedpa.dp_min_records: saved 0, now 1000000" in proc.stderr, proc.stderr[-3000:]
+
+
+def _rewrite(point: Path, change) -> None:
+    saved = torch.load(point, weights_only=True, map_location="cpu")
+    change(saved["fedpa_resume"])
+    torch.save(saved, point)
+
+
+@pytest.mark.parametrize(
+    "field,named",
+    [("settings", "has no field 'settings'"),  # before: compared against nothing, and resumed
+     ("privacy", "has no field 'privacy'"),  # before: trusted, the accountant restarting at 0 releases
+     ("privacy.rounds", "field 'privacy.rounds' is missing"),
+     ("settings.fedpa.dp_clip", "fedpa.dp_clip: saved 'nothing', now 0.05")],
+)  # fmt: skip
+def test_a_resume_point_missing_what_the_accountant_reads_is_refused(tiny_llm, tmp_path, field, named):
+    point, cfg = _killed_at_round_2(tiny_llm, tmp_path)
+
+    def drop(saved: dict) -> None:
+        head, _, rest = field.partition(".")
+        if rest:
+            del saved[head][rest]
+        else:
+            del saved[head]
+
+    _rewrite(point, drop)
+    proc = run_fs(cfg("resumed", **{"federate.restore_from": str(point)}), tmp_path / "resumed")
+    assert proc.returncode != 0 and str(point) in proc.stderr, proc.stderr[-3000:]
+    assert named in proc.stderr and "Traceback" not in proc.stderr.split("ValueError")[-1], proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("damage", ["garbage line", "a folder"])
+def test_a_broken_ledger_is_refused_naming_it(tiny_llm, tmp_path, damage):
+    """Before: a bare JSONDecodeError (a garbage line) or an IsADirectoryError naming no file."""
+    import shutil
+
+    point, cfg = _killed_at_round_2(tiny_llm, tmp_path)
+    ledger = Path(torch.load(point, weights_only=True, map_location="cpu")["fedpa_resume"]["privacy"]["ledger"])
+    if damage == "garbage line":
+        ledger.write_text(ledger.read_text() + "{not json\n")
+    else:
+        shutil.rmtree(ledger, ignore_errors=True)
+        ledger.unlink()
+        ledger.mkdir()
+    proc = run_fs(cfg("resumed", **{"federate.restore_from": str(point)}), tmp_path / "resumed")
+    assert proc.returncode != 0 and f"the DP ledger {str(ledger)!r}" in proc.stderr, proc.stderr[-3000:]
+    assert ("line 3 is not a ledger line" if damage == "garbage line" else "cannot be read") in proc.stderr
 
 
 def test_a_release_after_the_last_resume_point_is_counted_when_the_run_resumes(tiny_llm, tmp_path):
