@@ -611,6 +611,18 @@ class FedPAConfig:
             )
         if self.dp_delta > DP_DELTA_MAX:
             raise ValueError(f"fedpa.dp_delta(={self.dp_delta:g}) must be <= {DP_DELTA_MAX:g} (0: the default)")
+        from fs_fedpa.core.dp_accountant import MAX_EPSILON  # torch-free
+
+        if self.dp_epsilon > MAX_EPSILON:
+            raise ValueError(
+                f"fedpa.dp_epsilon(={self.dp_epsilon:g}) must be <= {MAX_EPSILON:g}: above it the accountants' "
+                "discretisation no longer resolves the losses and no guarantee is meaningful"
+            )
+        if self.dp_min_records and self.dp_mode != "sample":
+            raise ValueError(
+                "fedpa.dp_min_records is a choice of DP-SGD (fedpa.dp_mode sample): under client-level DP every "
+                "client's update is clipped and noised whatever its size; unset it"
+            )
         if self.adaptive_lam != "none":
             raise ValueError(
                 f"fedpa.adaptive_lam {self.adaptive_lam!r} with differential privacy (fedpa.dp_mode "
@@ -685,7 +697,7 @@ DP_KEYS = ("dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_horiz
            "dp_chunk")
 DP_OFF = {"dp_seed": -1}
 # the DP settings that are names, at their defaults
-DP_NAMED = {"dp_sampling": "wor", "dp_accountant": "rdp", "dp_local_tensors": "noised"}
+DP_NAMED = {"dp_sampling": "wor", "dp_accountant": "rdp", "dp_local_tensors": "noised", "dp_secure_rng": True}
 
 
 def dp_delta_for(setting: float, population: int, who: str) -> float:

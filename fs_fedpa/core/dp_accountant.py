@@ -45,6 +45,12 @@ ACCOUNTANTS = ("rdp", "pld")
 SAMPLINGS = ("wor", "poisson")
 ADJACENCY = {"wor": "replace_one", "poisson": "add_remove"}
 PLD_INTERVAL = 1e-3  # the PLD's loss grid: 1e-4 moved no epsilon of the protocol's runs by 1e-4, at 10x the time
+# the PLD accountant's memory is bounded before it is asked for: a grid point is 8 bytes (16 complex in the FFT);
+# a Gaussian's losses are kept out to about 10 standard deviations (dp-accounting's mass truncation bound, e^-50)
+PLD_MEMORY_CAP = 4 * 2**30
+MAX_EPSILON = 100.0  # the largest target epsilon calibrated to (fedpa.dp_epsilon)
+_PLD_TAIL_SDS = 10.0
+_PLD_COPIES = 4  # live arrays of the grid's size while dp-accounting builds (or FFT-composes) it
 
 
 def _dpa():
@@ -137,12 +143,61 @@ class Sampled:
         return _pld_one(self)
 
 
+def pld_single_bytes(kind: Sampled) -> float:
+    """About the bytes dp-accounting needs for one event's PLD grid: the Gaussian's losses, s (x - s / 2) / z^2 over
+    x within :data:`_PLD_TAIL_SDS` standard deviations, span s^2 / z^2 + 2 t s / z, at :data:`PLD_INTERVAL` (an
+    upper bound on the subsampled event's span, whose losses are log(1 - q + q e^l))."""
+    s, z = kind.sensitivity, kind.z
+    if z <= 0:
+        return float("inf")
+    return 8 * _PLD_COPIES * (s * s / (z * z) + 2 * _PLD_TAIL_SDS * s / z) / PLD_INTERVAL
+
+
+def _refuse_pld(kind: Sampled, count: int | None, need: float) -> None:
+    steps = "" if count is None else f" over {count} events"
+    raise ValueError(
+        f"the PLD accountant would need about {need / 2**30:.3g} GiB for noise multiplier z={kind.z:g} at rate "
+        f"q={kind.rate:g}{steps}, above its cap of {PLD_MEMORY_CAP / 2**30:g} GiB: use fedpa.dp_accountant rdp, or "
+        "more noise"
+    )
+
+
+def check_pld_cost(kind: Sampled, count: int | None) -> None:
+    """ValueError, before anything is allocated, if ``count`` events of ``kind`` (None: one event's grid alone, which
+    does not depend on the rate) would take the PLD accountant past :data:`PLD_MEMORY_CAP`: first from
+    :func:`pld_single_bytes`, then from the length dp-accounting's own Chernoff bound gives the composition's FFT
+    (``compute_self_convolve_bounds``, what ``self_compose`` allocates)."""
+    if kind.accounting != "pld":
+        return
+    if (need := pld_single_bytes(kind)) > PLD_MEMORY_CAP:
+        _refuse_pld(kind, None, need)
+    if count is None or count <= 0:
+        return
+    from dp_accounting.pld import common
+
+    one = kind.pld()
+    for pmf in {id(p): p for p in (one._pmf_remove, one._pmf_add)}.values():
+        probs = getattr(pmf, "_probs", None)
+        if probs is None:  # a sparse pmf: a few points
+            continue
+        low, high = common.compute_self_convolve_bounds(probs, count, 1e-15)
+        if (need := 16 * _PLD_COPIES * max(high - low + 1, len(probs))) > PLD_MEMORY_CAP:
+            _refuse_pld(kind, count, need)
+
+
 @lru_cache(maxsize=4096)
 def _epsilon(kind: Sampled, count: int, delta: float) -> float:
     if count <= 0:
         return 0.0
     if kind.accounting == "pld":
-        return float(kind.pld().self_compose(count).get_epsilon_for_delta(delta))
+        check_pld_cost(kind, count)
+        epsilon = float(kind.pld().self_compose(count).get_epsilon_for_delta(delta))
+        if not epsilon < float("inf"):
+            raise ValueError(
+                f"the PLD accountant gives no finite epsilon at delta {delta:g} for {count} events of noise "
+                f"multiplier z={kind.z:g} at rate q={kind.rate:g}: the noise is too small for any guarantee there"
+            )
+        return epsilon
     _, rdp = _dpa()
     orders, one = _rdp_one(kind)
     return float(rdp.compute_epsilon(orders, [count * r for r in one], delta)[0])
@@ -160,6 +215,8 @@ def _rdp_one(kind: Sampled) -> tuple[tuple[float, ...], tuple[float, ...]]:
 @lru_cache(maxsize=256)
 def _pld_one(kind: Sampled):
     _dpa()
+    if (need := pld_single_bytes(kind)) > PLD_MEMORY_CAP:
+        _refuse_pld(kind, None, need)
     from dp_accounting.pld import privacy_loss_distribution as pld
 
     if kind.sampling == "poisson":
@@ -203,8 +260,17 @@ def calibrate(population: int, sample_size: int, count: int, target_epsilon: flo
     if count <= 0:
         raise ValueError("calibrating a noise multiplier needs at least one event")
 
+    if not 0 < target_epsilon <= MAX_EPSILON:
+        raise ValueError(
+            f"a target epsilon of {target_epsilon:g} is outside the accountants' range (0, {MAX_EPSILON:g}]: above "
+            "it the PLD grid no longer resolves the losses and no guarantee is meaningful"
+        )
+
     def spent(z: float) -> float:
-        return Sampled(population, sample_size, z, sampling, accounting).epsilon(count, delta)
+        try:
+            return Sampled(population, sample_size, z, sampling, accounting).epsilon(count, delta)
+        except ValueError:  # too little noise for the accountant (no finite epsilon, or past its memory cap)
+            return float("inf")
 
     lo, hi = 1e-3, 1.0
     while spent(hi) > target_epsilon:

@@ -174,6 +174,10 @@ def _check_dp(cfg, fedpa: FedPAConfig) -> None:
             f"fedpa.dp_horizon(={fedpa.dp_horizon}) is below federate.total_round_num"
             f"(={cfg.federate.total_round_num}): the noise calibrated for it would spend more than fedpa.dp_epsilon"
         )
+    if fedpa.dp_noise_multiplier > 0 and fedpa.dp_accountant == "pld":  # a calibrated z is checked as it is found
+        from fs_fedpa.core.dp_accountant import Sampled, check_pld_cost
+
+        check_pld_cost(Sampled(2, 1, fedpa.dp_noise_multiplier, fedpa.dp_sampling, "pld"), None)
     method = get_method(cfg.federate.method.lower())
     if fedpa.dp_mode == "client":
         from fs_fedpa.plugin.privacy import check_method

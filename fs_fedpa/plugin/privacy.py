@@ -88,12 +88,14 @@ def sample_plan(cfg, n: int, routines: int = 1) -> SamplePlan:
 def _plan(n: int, b: int, tau: int, rounds: int, z: float, target: float, delta_setting: float, sampling: str,
           accounting: str) -> SamplePlan:  # fmt: skip
     from fs_fedpa.config import dp_delta_for
-    from fs_fedpa.core.dp_accountant import calibrate
+    from fs_fedpa.core.dp_accountant import calibrate, check_pld_cost
 
     delta = dp_delta_for(delta_setting, n, "n_i records")
     if not z:
         z = calibrate(n, b, rounds * tau, target, delta, sampling, accounting)
-    return SamplePlan(n, b, tau, z, delta, sampling, accounting)
+    plan = SamplePlan(n, b, tau, z, delta, sampling, accounting)
+    check_pld_cost(plan.kind, rounds * tau)  # the whole horizon's accounting, at the client's start
+    return plan
 
 
 def noise_source(fedpa) -> str:

@@ -179,6 +179,14 @@ def test_an_unsupported_method_is_refused_through_fs_naming_dp(tiny_llm, tmp_pat
         (["fedpa.dp_mode", "sample", "fedpa.dp_accountant", "prv"], r"fedpa.dp_accountant\(='prv'\) must be one of"),
         (["fedpa.dp_mode", "sample", "fedpa.dp_sampling", "shuffle"], r"fedpa.dp_sampling\(='shuffle'\) must be one"),
         (["fedpa.dp_mode", "client", "fedpa.dp_local_tensors", "frozen"], "is a choice of DP-SGD"),
+        # issue 73: before, accepted; the first two then asked for 15-30 GiB, or stopped with an ArithmeticError
+        (["fedpa.dp_mode", "sample", "fedpa.dp_noise_multiplier", "0.001", "fedpa.dp_accountant", "pld"],
+         r"the PLD accountant would need about .* GiB for noise multiplier z=0.001"),
+        (["fedpa.dp_mode", "sample", "fedpa.dp_noise_multiplier", "0.0", "fedpa.dp_epsilon", "1000",
+          "fedpa.dp_accountant", "pld"], r"fedpa.dp_epsilon\(=1000\) must be <= 100"),
+        (["fedpa.dp_mode", "client", "fedpa.dp_min_records", "5"], "dp_min_records is a choice of DP-SGD"),
+        (["fedpa.dp_mode", "none", "fedpa.dp_noise_multiplier", "0.0", "fedpa.dp_clip", "0.0",
+          "fedpa.dp_secure_rng", "False"], "fedpa.dp_secure_rng=False set while fedpa.dp_mode is 'none'"),
         (["fedpa.dp_mode", "sample", "fedpa.dp_clip", "1.0", "fedpa.dp_noise_multiplier", "1.0",
           "fedpa.dp_local_tensors", "plain"], "'plain' is withdrawn: .* sensitivity bound does not hold"),
         (

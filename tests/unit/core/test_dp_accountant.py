@@ -159,3 +159,39 @@ def test_the_docs_table_of_one_run_under_both_conventions_is_recomputed():
                   for s, a in (("wor", "rdp"), ("wor", "pld"), ("poisson", "rdp"), ("poisson", "pld"))]  # fmt: skip
         assert values[0] == pytest.approx(entry["epsilon"], rel=1e-9)
         assert quoted == [f"{v:.2f}" for v in values], client
+
+
+def test_the_pld_cost_is_refused_before_it_is_allocated(monkeypatch):
+    """z = 0.001 asked dp-accounting for 15-30 GiB; the grid's bound refuses it at once, with tracemalloc's peak
+    far below a grid's size."""
+    import time
+    import tracemalloc
+
+    from fs_fedpa.core import dp_accountant as da
+
+    kind = da.Sampled(16, 8, 0.001, "poisson", "pld")
+    tracemalloc.start()
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"would need about 3\d\.\d GiB .* above its cap of 4 GiB"):
+        kind.epsilon(6, 1e-5)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 50 * 2**20 and time.perf_counter() - start < 5
+    with pytest.raises(ValueError, match="outside the accountants' range"):
+        da.calibrate(8000, 256, 120, 1000.0, 1e-5, "poisson", "pld")
+
+
+@pytest.mark.parametrize("sampling", ["poisson", "wor"])
+def test_the_composition_bound_covers_what_dp_accounting_composes(monkeypatch, sampling):
+    """The composed length checked before self_compose is dp-accounting's own: the composed pmf it then builds is
+    never longer; with the cap just under it the same call is refused."""
+    from fs_fedpa.core import dp_accountant as da
+
+    kind = da.Sampled(8000, 240, 0.6, sampling, "pld")
+    composed = kind.pld().self_compose(120)
+    lengths = [len(p._probs) for p in (composed._pmf_remove, composed._pmf_add) if hasattr(p, "_probs")]
+    need = 16 * da._PLD_COPIES * max(lengths)
+    da.check_pld_cost(kind, 120)  # under the default cap
+    monkeypatch.setattr(da, "PLD_MEMORY_CAP", need - 1)
+    with pytest.raises(ValueError, match="over 120 events"):
+        da.check_pld_cost(kind, 120)
