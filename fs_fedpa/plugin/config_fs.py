@@ -82,15 +82,12 @@ def check_fedpa_cfg(cfg) -> None:
         fedpa.join_timeout_s == 0 or fedpa.client_timeout_s < fedpa.join_timeout_s
     ):
         bound = "waits forever" if fedpa.join_timeout_s == 0 else f"waits up to {fedpa.join_timeout_s:g} s"
-        message = (
+        raise ValueError(
             f"fedpa.client_timeout_s(={fedpa.client_timeout_s:g}) is shorter than the server's join bound "
             f"(fedpa.join_timeout_s {bound} for a late client): while the server waits for one, the honest clients "
             "that joined give up first and only hear that the server is gone; keep client_timeout_s above "
             "join_timeout_s (docs/distributed.md)"
         )
-        if message not in _WARNED:
-            _WARNED.add(message)
-            logger.warning(message)
     for key, bad, what in _UNSUPPORTED:
         if bad(cfg):
             raise ValueError(

@@ -176,6 +176,7 @@ def test_a_client_whose_server_dies_exits_with_the_reason(tiny_llm, tmp_path):
     # the clients' timeout covers their wait for the others to join, which is slow on a loaded machine
     changes = {"federate.save_to": "", "federate.total_round_num": 200, "fedpa.round_timeout_s": 20.0}
     changes["fedpa.client_timeout_s"] = 40.0
+    changes["fedpa.join_timeout_s"] = 35.0  # at most the clients' timeout (a longer join bound is refused)
     cfgs = distributed_cfgs(fedpa_cfg(tiny_llm, tmp_path, **changes), tmp_path / "dist")
     proc = _launch(cfgs, tmp_path)
     try:
