@@ -1,9 +1,10 @@
 """Reading FederatedScope's ``eval_results.log`` (one ``str(dict)`` per line; numpy 2 prints ``np.float64(x)``) and
-the DP-SGD lines of a run's ``exp_print.log``."""
+the DP-SGD clients' own accounting files of a run."""
 
 from __future__ import annotations
 
 import ast
+import json
 import re
 from pathlib import Path
 
@@ -53,16 +54,18 @@ def clients_last_round(path: str | Path) -> dict[str, dict]:
     }
 
 
-_NOISE_LINE = re.compile(r"client #(\d+): DP-SGD .*?clipped sum ([0-9.eE+-]+) against noise ([0-9.eE+-]+) ")
-
-
 def read_noise_signal(folder: str | Path) -> dict[str, list[float | None]]:
-    """Each DP-SGD client's noise/signal per round in its own log (``{client: [||noise|| / ||clipped sum||, ...]}``
-    in round order, 3 significant digits; None where the clipped sum is 0; the line of
-    :func:`fs_fedpa.plugin.privacy.signal_noise_text`, which only the client's log holds). Empty without DP-SGD."""
-    path, out = Path(folder) / "exp_print.log", {}
-    for match in map(_NOISE_LINE.search, path.read_text(errors="replace").splitlines() if path.is_file() else []):
-        if match:
-            signal, noise = float(match.group(2)), float(match.group(3))
-            out.setdefault(match.group(1), []).append(float(f"{noise / signal:.3g}") if signal > 0 else None)
+    """Each DP-SGD client's noise/signal per round from its own accounting file
+    (:data:`~fs_fedpa.record.CLIENT_PRIVACY_FILE`): ``{client: [||noise|| / ||clipped sum||, ...]}`` in the file's
+    order, 3 significant digits; None where the clipped sum is 0 or unknown. Empty without DP-SGD."""
+    from fs_fedpa.record import CLIENT_PRIVACY_FILE
+
+    path, out = Path(folder) / CLIENT_PRIVACY_FILE, {}
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        signal, noise = row.get("clipped_sum"), row.get("noise")
+        ratio = float(f"{noise / signal:.3g}") if signal and noise is not None else None
+        out.setdefault(str(row["client"]), []).append(ratio)
     return out

@@ -20,6 +20,10 @@ EVAL_SHARDS_FILE = "fedpa_eval_shards.json"
 PRIVACY_FILE = "fedpa_privacy.jsonl"  # the DP ledger, one line a round (fs_fedpa.plugin.privacy_server)
 # client-level DP: which client's upload the server dropped and why, server-private and outside epsilon
 PRIVATE_FAULTS_FILE = "fedpa_dp_faults.jsonl"
+# sample-level DP: each client's own accounting, one line a round it trains ({"round", "client", "epsilon", "delta",
+# "steps", "n", "b", "z", "clip", "sampling", "accountant", "nonfinite", "empty", "clipped_sum", "noise"}); the last
+# two are the round's mean per step, read from its records, so the file is the client's and never sent
+CLIENT_PRIVACY_FILE = "fedpa_client_privacy.jsonl"
 
 # What each client reports about its round (fs_fedpa.plugin.client); the record keeps them per client and summarised.
 CLIENT_STATS = (

@@ -11,12 +11,15 @@ multiplier and sensitivity the accountant was given.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
 from fs_fedpa.core.dp import dp_generator
+from fs_fedpa.record import CLIENT_PRIVACY_FILE
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
@@ -157,6 +160,7 @@ class ClientPrivacy:
     def __init__(self, cfg, method, trainer, local_names: list[str]):
         fedpa = method.cfg
         self.fedpa, self.trainer, self.mode = fedpa, trainer, fedpa.dp_mode
+        self.path = os.path.join(cfg.outdir, CLIENT_PRIVACY_FILE)
         self.client, self.rnd = 0, 0  # whose round it is (:meth:`new_round`): the noise stream's name
         self.dp_sgd = None
         if self.mode == "sample":
@@ -213,7 +217,8 @@ class ClientPrivacy:
         return sample_size
 
     def log_round(self, rounds_trained: int) -> None:
-        """Sample mode: the client's own epsilon after ``rounds_trained`` rounds, in its own log."""
+        """Sample mode: the client's own epsilon after ``rounds_trained`` rounds, in its own log and as a line of its
+        own :data:`~fs_fedpa.record.CLIENT_PRIVACY_FILE` (:meth:`record`)."""
         if self.sits_out:
             n = self.trainer.ctx.get("num_train_data")
             logger.info(
@@ -221,21 +226,39 @@ class ClientPrivacy:
                 f"(={self.fedpa.dp_min_records}): it takes no DP-SGD step, sends the factors it started "
                 "from with sample size 0 (no weight), and spends epsilon 0"
             )
+            self._write({"round": self.rnd, "client": self.client, "epsilon": 0.0, "steps": 0, "n": n,
+                         "sits_out": True, "clipped_sum": None, "noise": None})  # fmt: skip
             return
         if self.dp_sgd is None or self.dp_sgd.plan_in_use is None:
             return
         plan = self.dp_sgd.plan_in_use
-        steps = rounds_trained * plan.steps_per_round
+        line = self.record(rounds_trained)
+        self._write(line)
         logger.info(
-            f"[fedpa] client #{self.client}: DP-SGD epsilon {plan.epsilon(steps):.4g} at delta {plan.delta:.3g} after "
-            f"{steps} steps (n={plan.n}, b={plan.b}{' expected' if plan.sampling == 'poisson' else ''}, "
+            f"[fedpa] client #{self.client}: DP-SGD epsilon {line['epsilon']:.4g} at delta {plan.delta:.3g} after "
+            f"{line['steps']} steps (n={plan.n}, b={plan.b}{' expected' if plan.sampling == 'poisson' else ''}, "
             f"z={plan.z:.4g}, C={self.fedpa.dp_clip:g}; {plan.sampling} sampling, {plan.accounting})"
-            + (f"; {self.dp_sgd.round_nonfinite} records of this round had a non-finite gradient and contributed "
-               "zero" if self.dp_sgd.round_nonfinite else "")
-            + (f"; {self.dp_sgd.round_empty} steps drew no record (Poisson) and were noise alone"
-               if self.dp_sgd.round_empty else "")
+            + (f"; {line['nonfinite']} records of this round had a non-finite gradient and contributed "
+               "zero" if line["nonfinite"] else "")
+            + (f"; {line['empty']} steps drew no record (Poisson) and were noise alone" if line["empty"] else "")
             + signal_noise_text(self.dp_sgd.signal_noise())
         )
+
+    def _write(self, line: dict) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def record(self, rounds_trained: int) -> dict:
+        """This client's accounting after ``rounds_trained`` rounds and the round's signal against noise (per step:
+        the clipped sum's norm and the noise's; None without a step)."""
+        plan = self.dp_sgd.plan_in_use
+        steps = rounds_trained * plan.steps_per_round
+        norms = self.dp_sgd.signal_noise()
+        return {"round": self.rnd, "client": self.client, "epsilon": plan.epsilon(steps), "delta": plan.delta,
+                "steps": steps, "n": plan.n, "b": plan.b, "z": plan.z, "clip": float(self.fedpa.dp_clip),
+                "sampling": plan.sampling, "accountant": plan.accounting, "nonfinite": self.dp_sgd.round_nonfinite,
+                "empty": self.dp_sgd.round_empty, "clipped_sum": None if norms is None else float(norms[0]),
+                "noise": None if norms is None else float(norms[1])}  # fmt: skip
 
 
 def frozen_names(treatment: str, local_names: list[str]) -> frozenset[str]:

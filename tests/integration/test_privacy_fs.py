@@ -235,6 +235,17 @@ def test_sample_level_records_each_clients_epsilon(tiny_llm, tmp_path):
         expected = _expected_epsilon(entry["n"], 2, 1.5, 4, entry["delta"])
         assert entry["epsilon"] == pytest.approx(expected, rel=1e-9)
     assert last["dp_epsilon"] == max(e["epsilon"] for e in last["dp_clients"].values())
+    # each client's own accounting file: a line a round, its figure the ledger's, its noise/signal what the run file
+    # reads (compare.collect), with no number taken from a log line
+    own = _jsonl(out / "fedpa_client_privacy.jsonl")
+    assert sorted((r["client"], r["round"]) for r in own) == [(c, r) for c in (1, 2, 3) for r in (0, 1)]
+    for row in (r for r in own if r["round"] == 1):
+        entry = last["dp_clients"][str(row["client"])]
+        assert (row["epsilon"], row["steps"], row["n"]) == (entry["epsilon"], entry["steps"], entry["n"])
+        assert row["clipped_sum"] > 0 and row["noise"] > 0
+    from fs_fedpa.fs_results import read_noise_signal
+
+    assert {c: len(v) for c, v in read_noise_signal(out).items()} == {"1": 2, "2": 2, "3": 2}
     records = _jsonl(out / "fedpa_diagnostics.jsonl")
     # statistics of the DP factors are post-processing; the task-gradient ratios (raw data) are not sent
     assert all(not r.get("grad_ratio_first") and not r.get("grad_ratio_last") for r in records)
@@ -650,5 +661,7 @@ def test_clients_below_dp_min_records_take_no_step_and_spend_nothing(tiny_llm, t
     assert last["dp_epsilon"] == 0.0 and len(last["dp_clients"]) == 3
     assert all(e["steps"] == 0 and e["epsilon"] == 0.0 for e in last["dp_clients"].values())
     assert "fewer than fedpa.dp_min_records(=1000000): it takes no DP-SGD step" in (out / "exp_print.log").read_text()
+    own = _jsonl(out / "fedpa_client_privacy.jsonl")  # each client's own account: nothing spent, every round
+    assert len(own) == 6 and all(r["sits_out"] and r["steps"] == 0 and r["epsilon"] == 0.0 for r in own)
     records = _jsonl(out / "fedpa_diagnostics.jsonl")
     assert [r["global_update_norm"] for r in records] == [0.0, 0.0]  # ||sum w_i B_i A_i|| with every B_i still 0

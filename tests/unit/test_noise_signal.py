@@ -1,31 +1,44 @@
-"""The run file's ``noise_signal``: each DP-SGD client's per-round noise/signal read back from the lines its own log
-holds (written by the plugin's own text), and the report's per-client median over the last quarter of the rounds."""
+"""The run file's ``noise_signal``: each DP-SGD client's per-round noise/signal read back from its own accounting
+file (a JSON line a round, written by ClientPrivacy), never from a log line, and the report's per-client median over
+the last quarter of the rounds."""
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
+
 from fs_fedpa.fs_results import read_noise_signal
-from fs_fedpa.plugin.privacy import signal_noise_text
+from fs_fedpa.plugin.privacy import ClientPrivacy, SamplePlan
+from fs_fedpa.record import CLIENT_PRIVACY_FILE
 from fs_fedpa.study.report_dp_regime import noise_shares
 
 
-def _line(client: int, signal: float, noise: float, extra: str = "") -> str:
-    head = (f"2026-11-29 02:09:53,942 (privacy:229) INFO: [fedpa] client #{client}: DP-SGD epsilon 2.915 at delta "
-            f"1e-05 after 1 steps (n=8214, b=256 expected, z=0.6156, C=0.1; poisson sampling, pld){extra}")
-    return head + signal_noise_text((signal, noise)) + "\n"
+def _client(tmp_path, client: int, norms, empty: int = 0) -> ClientPrivacy:
+    """A ClientPrivacy whose DP-SGD left ``norms`` (clipped sum, noise) for the round: its ``log_round`` writes."""
+    privacy = ClientPrivacy.__new__(ClientPrivacy)
+    privacy.fedpa = SimpleNamespace(dp_clip=0.1, dp_min_records=0)
+    privacy.mode, privacy.client, privacy.rnd = "sample", client, 3
+    privacy.path = str(tmp_path / CLIENT_PRIVACY_FILE)
+    privacy.trainer = SimpleNamespace(ctx={"num_train_data": 8214})
+    plan = SamplePlan(8214, 256, 1, 0.6156, 1e-5, "poisson", "rdp")
+    privacy.dp_sgd = SimpleNamespace(plan_in_use=plan, round_nonfinite=0, round_empty=empty,
+                                     signal_noise=lambda: norms)  # fmt: skip
+    return privacy
 
 
-def test_each_clients_noise_over_signal_is_read_in_round_order(tmp_path):
-    lines = [
-        _line(10, 3.219, 6.831),
-        "2026-11-29 02:09:54 (client:123) INFO: {'Role': 'Client #10', 'Round': 0}\n",  # not a DP-SGD line
-        _line(2, 7.56, 6.148, "; 2 steps drew no record (Poisson) and were noise alone"),
-        _line(10, 4.0, 2.0),
-        _line(2, 0.0, 6.0),  # an empty round: no signal
-    ]
-    (tmp_path / "exp_print.log").write_text("".join(lines))
+def test_each_clients_noise_over_signal_is_read_in_round_order(tmp_path, caplog):
+    for client, norms, empty in ((10, (3.219, 6.831), 0), (2, (7.56, 6.148), 2), (10, (4.0, 2.0), 0),
+                                 (2, (0.0, 6.0), 0)):  # fmt: skip  # the last: an empty round, no signal
+        _client(tmp_path, client, norms, empty).log_round(4)
     found = read_noise_signal(tmp_path)
     assert found == {"10": [2.12, 0.5], "2": [0.813, None]}  # 6.831 / 3.219 = 2.122..., 6.148 / 7.56 = 0.8132...
+    rows = [json.loads(line) for line in (tmp_path / CLIENT_PRIVACY_FILE).read_text().splitlines()]
+    assert rows[1]["empty"] == 2 and rows[0]["steps"] == 4 and rows[0]["n"] == 8214 and rows[0]["clip"] == 0.1
+    assert rows[0]["epsilon"] == SamplePlan(8214, 256, 1, 0.6156, 1e-5, "poisson", "rdp").epsilon(4)
     assert read_noise_signal(tmp_path / "missing") == {}
+    # the numbers come from the file alone: rewording or dropping the log line changes nothing
+    (tmp_path / "exp_print.log").write_text("client #10: DP-SGD clipped sum 1 against noise 100 \n")
+    assert read_noise_signal(tmp_path) == found
 
 
 def test_the_report_takes_each_clients_median_over_its_last_quarter():
