@@ -93,7 +93,11 @@ class FedPAAggregator(Aggregator):
         if self.privacy is not None:
             if self.privacy.samples_clients:  # client-level DP: every round releases, whatever arrived
                 return self._aggregate_private(accepted)
-            self.privacy.account(rnd, sorted(self.round.expected), {c: a.stats for c, a in accepted.items()})
+            stats = {c: a.stats for c, a in accepted.items()}  # a refused client's too: what it spent is the ledger's
+            for client_id, reason in self.privacy.check_spent(rnd, stats).items():
+                self._drop(dropped, client_id, reason)
+                del accepted[client_id]
+            self.privacy.account(rnd, sorted(self.round.expected), stats)
         method, cfg = self.method, self.method.cfg
         if cfg.norm_outlier and accepted:
             norms = {c: update_norm(method.expand(a.factors)) for c, a in accepted.items()}
@@ -204,13 +208,16 @@ class FedPAAggregator(Aggregator):
 
     def _weights(self, uploads: list[Accepted]) -> list[float]:
         """The aggregation weights of accepted uploads: the method's (FS's sample sizes; FlexLoRA's
-        ``num_train_data``), capped by ``fedpa.max_weight_ratio``. A client of size 0 weighs 0; a round whose
-        weights are all 0 weighs its uploads equally (docs/errors.md). Sizes were checked per client, so every
-        weight is finite, >= 0 and at most 1e15."""
+        ``num_train_data``), capped by ``fedpa.max_weight_ratio``. A client of size 0 weighs 0, and so does one that
+        took no DP-SGD step (``fedpa.dp_min_records``: its account says 0 steps), whatever the method or
+        ``federate.ignore_weight``; a round whose weights are all 0 weighs its uploads equally (docs/errors.md).
+        Sizes were checked per client, so every weight is finite, >= 0 and at most 1e15."""
         if self.ignore_weight:
-            return [1.0] * len(uploads)
-        sizes, data_sizes = [a.size for a in uploads], [a.stats.get("num_train_data") for a in uploads]
-        weights = cap_weights(self.method.weights(sizes, data_sizes), self.method.cfg.max_weight_ratio)
+            weights = [1.0] * len(uploads)
+        else:
+            sizes, data_sizes = [a.size for a in uploads], [a.stats.get("num_train_data") for a in uploads]
+            weights = cap_weights(self.method.weights(sizes, data_sizes), self.method.cfg.max_weight_ratio)
+        weights = [0.0 if a.stats.get("dp_steps") == 0 else w for a, w in zip(uploads, weights)]
         return weights if sum(weights) > 0 else [1.0] * len(uploads)
 
     def _check(self, client_id, size, content) -> Accepted | str:

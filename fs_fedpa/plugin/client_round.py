@@ -122,7 +122,8 @@ class ClientRound:
                     **self.staleness,
                     **self.init_error,
                     **self.stats.round_stats(sent, models.space, kept.received, kept.fold, self.start, rnd),
-                }
+                },
+                kept.rounds_trained,
             ),
         }
         self.start = None  # only the round's statistics read it

@@ -27,6 +27,8 @@ logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its ow
 # sample mode, everything computed from its DP factors, but not the task-gradient ratios (raw data)
 CLIENT_MODE_STATS = ("state_lost",)
 RAW_DATA_STATS = ("grad_ratio_",)
+# sample mode: what a client reports it spent, with its upload (ClientPrivacy.spent; ServerPrivacy.check_spent)
+SPENT_STATS = ("dp_n", "dp_b", "dp_steps", "dp_z", "dp_clip", "dp_delta", "dp_epsilon")
 
 
 def check_method(method, cfg_fedpa) -> None:
@@ -160,7 +162,7 @@ class ClientPrivacy:
     def __init__(self, cfg, method, trainer, local_names: list[str]):
         fedpa = method.cfg
         self.fedpa, self.trainer, self.mode = fedpa, trainer, fedpa.dp_mode
-        self.path = os.path.join(cfg.outdir, CLIENT_PRIVACY_FILE)
+        self.path = os.path.join(cfg.outdir, CLIENT_PRIVACY_FILE) if self.mode == "sample" else None
         self.client, self.rnd = 0, 0  # whose round it is (:meth:`new_round`): the noise stream's name
         self.dp_sgd = None
         if self.mode == "sample":
@@ -194,13 +196,27 @@ class ClientPrivacy:
         n = self.trainer.ctx.get("num_train_data")
         return isinstance(n, int) and n < self.fedpa.dp_min_records
 
-    def stats(self, stats: dict) -> dict:
-        """What of the round's statistics leaves the client (all of them without DP)."""
+    def stats(self, stats: dict, rounds_trained: int = 0) -> dict:
+        """What of the round's statistics leaves the client (all of them without DP); in sample mode with what it
+        spent after ``rounds_trained`` rounds (:meth:`spent`), which the server checks and its ledger records."""
         if self.mode == "none":
             return stats
         if self.mode == "client":
             return {k: v for k, v in stats.items() if k in CLIENT_MODE_STATS}
-        return {k: v for k, v in stats.items() if not k.startswith(RAW_DATA_STATS)}
+        return {**{k: v for k, v in stats.items() if not k.startswith(RAW_DATA_STATS)}, **self.spent(rounds_trained)}
+
+    def spent(self, rounds_trained: int) -> dict:
+        """Sample mode: this client's own account as upload stats (:data:`SPENT_STATS`): n_i, b, steps so far, z, C,
+        delta and epsilon, from the plan its own config gave it; zeros for a client that sits out."""
+        n = self.trainer.ctx.get("num_train_data")
+        plan = self.dp_sgd.plan_in_use if self.dp_sgd is not None else None
+        if self.sits_out or plan is None:
+            return {"dp_n": int(n or 0), "dp_b": 0, "dp_steps": 0, "dp_z": 0.0, "dp_clip": float(self.fedpa.dp_clip),
+                    "dp_delta": 0.0, "dp_epsilon": 0.0}  # fmt: skip
+        steps = rounds_trained * plan.steps_per_round
+        clip = float(self.fedpa.dp_clip)
+        return {"dp_n": plan.n, "dp_b": plan.b, "dp_steps": steps, "dp_z": plan.z, "dp_clip": clip,
+                "dp_delta": plan.delta, "dp_epsilon": plan.epsilon(steps)}  # fmt: skip
 
     def sample_size(self, sample_size: int) -> int:
         """FS's sample count of the message: 1 under client-level DP (a client's size is private there); 0 for a

@@ -18,7 +18,7 @@ from fs_fedpa.core.dp import dp_generator, release_changes, release_products, re
 from fs_fedpa.core.dp import shared_changes
 from fs_fedpa.core.dp import sample_without_replacement as _sample
 from fs_fedpa.core.ranks import truncate_factors
-from fs_fedpa.plugin.privacy import check_method, noise_source, routines, sample_plan, seed_warning
+from fs_fedpa.plugin.privacy import SPENT_STATS, check_method, noise_source, routines, sample_plan, seed_warning
 from fs_fedpa.record import PRIVACY_FILE, PRIVATE_FAULTS_FILE
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
@@ -49,6 +49,7 @@ class ServerPrivacy:
         self.rounds = 0  # client mode: rounds released
         self.trained: dict[int, int] = {}  # sample mode: rounds each client was asked to train
         self.sizes: dict[int, int] = {}  # sample mode: n_i as the clients report it (public under replace-one)
+        self.spent: dict[int, dict] = {}  # sample mode: each client's own account, as it last reported it
         self.last: dict = {}
         self.shared_names: list[str] = []
         if (warning := seed_warning(fedpa.dp_seed)) is not None:
@@ -147,6 +148,50 @@ class ServerPrivacy:
         self.rounds += 1
         return new_global, spectra, release, new_shared
 
+    # ------------------------------------------------------------------------------------------ sample mode
+    def check_spent(self, rnd: int, stats: dict[int, dict]) -> dict[int, str]:
+        """Sample mode: each uploading client's own account (:data:`~fs_fedpa.plugin.privacy.SPENT_STATS`) against
+        what this server's config plans for its reported size: the same n_i, b, z, C and delta, a whole number of
+        the plan's rounds of steps, no more than the rounds it was asked to train (this one included; fewer when it
+        missed one), and the epsilon of those steps. Returns ``client -> reason`` for those whose account is missing
+        or disagrees (their uploads are not aggregated; the reason also goes to the private faults file); every
+        account is kept for the ledger, which states what each client spent."""
+        refused = {}
+        for c, st in stats.items():
+            mine = {k: st.get(k) for k in SPENT_STATS}
+            if any(v is None for v in mine.values()):
+                refused[c] = "its upload carries no account of its DP-SGD steps (dp_n, dp_steps, dp_epsilon, ...)"
+                continue
+            self.spent[c] = mine
+            size = st.get("num_train_data")
+            plan = sample_plan(self.cfg, max(int(mine["dp_n"]), 1), routines(self.method))
+            spr, most = plan.steps_per_round, (self.trained.get(c, 0) + 1) * plan.steps_per_round
+            steps = int(mine["dp_steps"])
+            if not (0 <= steps <= most and (steps % spr == 0 if spr else steps == 0)):
+                steps = most  # not a count this plan can give: compared against the most it allows
+            expected = {"dp_n": size, "dp_b": plan.b if spr else 0, "dp_steps": steps, "dp_z": plan.z,
+                        "dp_clip": float(self.C), "dp_delta": plan.delta if spr else 0.0,
+                        "dp_epsilon": plan.epsilon(steps)}  # fmt: skip
+            off = [k for k in SPENT_STATS if not _close(mine[k], expected[k])]
+            if off:
+                shown = ", ".join(f"{k} {mine[k]:.6g} (the server's plan: {expected[k]:.6g})" for k in off)
+                refused[c] = f"its DP-SGD account disagrees with the server's plan for n_i={size}: {shown}"
+                self.fault(rnd, c, refused[c])
+        return refused
+
+    def _own_entry(self, own: dict) -> dict:
+        """A client's ledger entry from its own account, when that is above the server's plan (its own config
+        trained more, or it reported another size): the epsilon of its steps on its n_i and b at the server's z for
+        that n_i, or the epsilon it reported if larger. Floats cross FS's wire as float32, so the reported figure
+        alone could state a little less than was spent; the integers are exact."""
+        n, b, steps = int(own["dp_n"]), int(own["dp_b"]), int(own["dp_steps"])
+        plan = sample_plan(self.cfg, max(n, 1), routines(self.method))
+        from fs_fedpa.core.dp_accountant import Sampled
+
+        ours = Sampled(max(n, 1), max(b, 1), plan.z, self.sampling, self.accounting).epsilon(steps, plan.delta)
+        return {"epsilon": max(ours, float(own["dp_epsilon"])), "delta": plan.delta, "noise_multiplier": plan.z,
+                "steps": steps, "n": n, "b": b, "source": "client"}  # fmt: skip
+
     # ------------------------------------------------------------------------------------------ both
     def account(self, rnd: int, receivers: list[int], stats: dict[int, dict]) -> dict:
         """The ledger line of round ``rnd`` (written, and returned)."""
@@ -181,8 +226,12 @@ class ServerPrivacy:
                     continue
                 plan = sample_plan(self.cfg, self.sizes[c], routines(self.method))
                 steps = self.trained[c] * plan.steps_per_round
-                per_client[str(c)] = {"epsilon": plan.epsilon(steps), "delta": plan.delta, "noise_multiplier": plan.z,
-                                      "steps": steps, "n": plan.n, "b": plan.b}  # fmt: skip
+                entry = {"epsilon": plan.epsilon(steps), "delta": plan.delta, "noise_multiplier": plan.z,
+                         "steps": steps, "n": plan.n, "b": plan.b}  # fmt: skip
+                own = self.spent.get(c)
+                if own is not None and own["dp_epsilon"] > entry["epsilon"]:
+                    entry = self._own_entry(own)
+                per_client[str(c)] = entry
             known = [v for v in per_client.values() if v]
             line = {
                 "round": rnd,
@@ -286,6 +335,11 @@ class ServerPrivacy:
                 rounds = -(-int(entry["steps"]) // spr)
                 if rounds > self.trained.get(int(c), 0):
                     self.trained[int(c)], self.sizes[int(c)], self.last = rounds, int(entry["n"]), last
+
+
+def _close(a: float, b: float) -> bool:
+    """Equal up to FS's wire, which carries floats as float32 (a relative 6e-8); counts are ints and exact."""
+    return abs(float(a) - float(b)) <= 1e-6 * max(abs(float(a)), abs(float(b)), 1e-12)
 
 
 def read_ledger(path: str) -> list[dict]:

@@ -322,7 +322,8 @@ def test_fedpa_dp_chunk_sets_the_records_a_dp_sgd_forward_takes(dp_chunk, expect
 
     cfg = global_cfg.clone()
     cfg.merge_from_list(["train.local_update_steps", 1, "train.batch_or_epoch", "batch", "dataloader.batch_size", 4,
-                         "criterion.type", "MSELoss", "use_gpu", False])  # fmt: skip
+                         "criterion.type", "MSELoss", "use_gpu", False, "fedpa.dp_mode", "sample", "fedpa.dp_clip",
+                         1.0, "fedpa.dp_noise_multiplier", 1.0])  # fmt: skip
     data = {"train": DataLoader(TensorDataset(torch.zeros(64, 3), torch.zeros(64, 1)), batch_size=4)}
     trainer = GeneralTorchTrainer(torch.nn.Linear(3, 1), data, "cpu", cfg, only_for_eval=False, monitor=Monitor(cfg))
     fedpa = FedPAConfig(dp_mode="sample", dp_clip=1.0, dp_noise_multiplier=1.0, dp_chunk=dp_chunk)

@@ -255,6 +255,54 @@ def test_sample_level_records_each_clients_epsilon(tiny_llm, tmp_path):
     assert "per-example loop" not in log  # FS-LLM's trainer on a LoRA Llama: the batched taps served every step
 
 
+SAMPLE = {"fedpa.dp_mode": "sample", "fedpa.dp_clip": 1.0, "fedpa.dp_noise_multiplier": 1.5,
+          "federate.total_round_num": 2}  # fmt: skip
+
+
+def test_a_client_whose_own_config_trains_more_is_refused_and_its_spend_is_the_ledgers(tiny_llm, tmp_path):
+    """Distributed, client 1's own yaml trains 3x the server's local steps. Before, the ledger stated the server's
+    plan (a red team: the client's log said epsilon 28.05, the ledger 16.1). Now the client reports its account,
+    the server refuses its upload naming it (private faults file) and the ledger states what the client spent."""
+    from tests.integration.test_distributed_fs import distributed_cfgs, run_distributed
+
+    base = fedpa_cfg(tiny_llm, tmp_path, **SAMPLE, **{"federate.save_to": "", "fedpa.round_timeout_s": 60.0})
+    cfgs = distributed_cfgs(base, tmp_path / "dist")
+    steps = base["train"]["local_update_steps"]
+    cfgs[1]["train"]["local_update_steps"] = 3 * steps
+    assert run_distributed(cfgs, tmp_path) == 0
+    server, client1 = outdir_of(cfgs[0]), outdir_of(cfgs[1])
+    own = _jsonl(client1 / "fedpa_client_privacy.jsonl")[-1]
+    entry = _jsonl(server / "fedpa_privacy.jsonl")[-1]["dp_clients"]["1"]
+    assert own["steps"] == 2 * 3 * steps and (entry["source"], entry["steps"]) == ("client", own["steps"])
+    # the client's figure, computed independently by dp-accounting (the stats crossed the wire as float32)
+    assert entry["epsilon"] == pytest.approx(own["epsilon"], rel=1e-12)
+    assert entry["epsilon"] == pytest.approx(_expected_epsilon(own["n"], own["b"], 1.5, 6 * steps, own["delta"]),
+                                             rel=1e-9)  # fmt: skip
+    faults = _jsonl(server / "fedpa_dp_faults.jsonl")
+    assert {f["client"] for f in faults} == {"1"} and "disagrees with the server's plan" in faults[0]["reason"]
+    records = _jsonl(server / "fedpa_diagnostics.jsonl")
+    assert all("1" in r["dropped"] and not {"2", "3"} & set(r["dropped"]) for r in records)
+
+
+def test_a_client_that_misreports_its_size_is_refused_and_credited_what_it_spent(tiny_llm, tmp_path):
+    """Before: a client training on its n_i records but reporting 10^6 was credited the epsilon of 10^6 records
+    (2.2 where its own log said 16.1), at full weight. Now its upload is refused, and the ledger keeps its own
+    account."""
+    from tests.conftest import ROOT
+    from tests.integration.tiny_assets import dump_yaml, fs_env, run_module
+
+    cfg = fedpa_cfg(tiny_llm, tmp_path, **SAMPLE)
+    proc = run_module("tests.integration.careless_client",
+                      [dump_yaml(cfg, tmp_path / "careless.yaml"), "misreported size", "2", "1"], ROOT, fs_env(), 300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = outdir_of(cfg)
+    entry = _jsonl(out / "fedpa_privacy.jsonl")[-1]["dp_clients"]["2"]
+    own = [r for r in _jsonl(out / "fedpa_client_privacy.jsonl") if r["client"] == 2][-1]
+    assert (entry["epsilon"], entry["n"], entry["source"]) == (own["epsilon"], own["n"], "client") and own["n"] < 100
+    faults = _jsonl(out / "fedpa_dp_faults.jsonl")
+    assert [(f["round"], f["client"]) for f in faults] == [(1, "2")] and "dp_n" in faults[0]["reason"]
+
+
 def test_sample_level_poisson_sampling_with_the_pld_accountant(tiny_llm, tmp_path):
     """fedpa.dp_sampling poisson, fedpa.dp_accountant pld, z calibrated for epsilon 8: the ledger names the sampling,
     the add/remove adjacency and the accountant, each client's epsilon is dp-accounting's PLD of the Poisson

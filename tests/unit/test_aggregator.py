@@ -101,3 +101,22 @@ def test_a_round_without_an_upload_installs_nothing_and_the_limit_stops_the_run(
                 aggregator.aggregate(feedback)
         assert aggregator.result is None
     assert [rec["clients"] for rec in rounds.records] == [[], []]
+
+
+@pytest.mark.parametrize("ignore_weight", [False, True])
+def test_a_client_that_took_no_dp_step_weighs_nothing(tmp_path, ignore_weight):
+    """fedpa.dp_min_records: a client too small for DP-SGD sends its untrained factors with its account (0 steps).
+    Before, a method that weighs by num_train_data (FlexLoRA) or federate.ignore_weight gave them full weight. The
+    global is then the dense SVD of the others' products alone."""
+    aggregator, rounds = _aggregator(tmp_path, ignore_weight=ignore_weight)
+    _start(aggregator)
+    uploads = [_upload(s) for s in (1, 2, 3)]
+    messages = [_message(u, n) for u, n in zip(uploads, (10, 30, 60))]
+    for (_, content), steps in zip(messages, (4, 0, 4)):
+        content["stats"]["dp_steps"] = steps
+    aggregator.aggregate({"client_feedback": messages, "staleness": [(1, 0), (2, 0), (3, 0)]})
+    weights = (0.5, 0.0, 0.5) if ignore_weight else (10 / 70, 0.0, 60 / 70)
+    for name in SHAPES:
+        dense = sum(w * (u[name][0].double() @ u[name][1].double()) for u, w in zip(uploads, weights))
+        B, A = aggregator.result.global_factors[name]
+        torch.testing.assert_close(B.double() @ A.double(), _best_rank(dense, R_g), rtol=1e-4, atol=1e-5)

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fs_fedpa.plugin.privacy import ClientPrivacy
+from fs_fedpa.plugin.privacy import SPENT_STATS, ClientPrivacy
 
 STATS = {"alignment_loss": 0.1, "lam": 1.0, "num_train_data": 600, "restarted": 0, "state_lost": 0,
          "delta_norm": 2.0, "change_norm": 1.0, "grad_ratio_first": 0.3, "grad_ratio_last": 0.2}  # fmt: skip
@@ -20,12 +20,14 @@ def _fedpa(mode: str):
     ("mode", "kept", "size"),
     [
         ("none", set(STATS), 32),  # without DP, every statistic, and FS's sample count
-        ("sample", set(STATS) - {"grad_ratio_first", "grad_ratio_last"}, 32),  # the raw-gradient ratios stay
+        # the raw-gradient ratios stay; its account of what it spent goes with them
+        ("sample", set(STATS) - {"grad_ratio_first", "grad_ratio_last"} | set(SPENT_STATS), 32),
         ("client", {"state_lost"}, 1),  # only a fault of its storage; its size is private too
     ],
 )
 def test_what_leaves_the_client(mode, kept, size):
     privacy = ClientPrivacy.__new__(ClientPrivacy)  # the filter alone: no trainer to hook
     privacy.fedpa, privacy.mode, privacy.dp_sgd = _fedpa(mode), mode, None
+    privacy.trainer = SimpleNamespace(ctx={"num_train_data": 600})
     assert set(privacy.stats(dict(STATS))) == kept
     assert privacy.sample_size(32) == size
