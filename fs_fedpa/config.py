@@ -297,6 +297,11 @@ class FedPAConfig:
             "help": "with fedpa.export_dir: each client also writes its own model (client_<id>/) as a PEFT directory"
         },
     )
+    max_clients: int = field(
+        default=10_000,
+        metadata={"help": "federate.client_num above it is refused (FS sets clients up at about 0.6 s each); raise "
+                          "it to opt in"},
+    )
     num_threads: int = field(
         default=0,
         metadata={
@@ -529,6 +534,7 @@ class FedPAConfig:
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"fedpa.{flag} must be True or False, got {getattr(self, flag)!r}")
         self.num_threads = _integer(self.num_threads, "num_threads", minimum=0)
+        self.max_clients = _integer(self.max_clients, "max_clients", minimum=1)
         if self.base_quantization not in QUANTIZATION_CHOICES:
             raise ValueError(
                 f"fedpa.base_quantization(={self.base_quantization!r}) must be one of {QUANTIZATION_CHOICES}"

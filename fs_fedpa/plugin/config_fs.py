@@ -120,6 +120,13 @@ def check_fedpa_cfg(cfg) -> None:
             f"head in personalization.local_param (this run: {cfg.trainer.type!r}, "
             f"{list(cfg.personalization.local_param)}); unset fedpa.eval_refit_head"
         )
+    if cfg.federate.client_num > fedpa.max_clients:
+        hours = cfg.federate.client_num * 0.6 / 3600
+        raise ValueError(
+            f"federate.client_num(={cfg.federate.client_num}) is above fedpa.max_clients(={fedpa.max_clients}): FS "
+            f"sets its clients up one at a time, about 0.6 s each on a CPU here ({hours:.3g} h before round 1); "
+            "raise fedpa.max_clients to run it"
+        )
     if cfg.federate.client_num > 0:
         fedpa.check_clients(cfg.federate.client_num, _adapter_rank(cfg))
     if fedpa.dp_mode != "none":

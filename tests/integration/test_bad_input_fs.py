@@ -68,6 +68,7 @@ CASES = [
     ),
     ("an FS feature FedPA does not speak", ["federate.use_ss", "True"], "does not support secret sharing"),
     ("half-precision training on the CPU", ["train.is_enable_half", "True"], "train.is_enable_half True on the CPU"),
+    ("more clients than `max_clients`", ["federate.client_num", "1000000"], "is above fedpa.max_clients(=10000)"),
     (
         "`eval_refit_head` without a local head",
         ["fedpa.eval_refit_head", "True", "personalization.local_param", "[]"],

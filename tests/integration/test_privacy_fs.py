@@ -167,7 +167,8 @@ def test_an_unsupported_method_is_refused_through_fs_naming_dp(tiny_llm, tmp_pat
         (["fedpa.dp_mode", "client", "fedpa.max_weight_ratio", "2.0"], "max_weight_ratio with differential privacy"),
         (["fedpa.dp_mode", "client", "fedpa.dp_delta", "1e-3"], r"dp_delta\(=0.001\) must be <= 1e-05"),
         (
-            ["federate.client_num", "200000", "fedpa.dp_mode", "client", "fedpa.dp_delta", "1e-5"],
+            ["federate.client_num", "200000", "fedpa.max_clients", "200000", "fedpa.dp_mode", "client",
+             "fedpa.dp_delta", "1e-5"],
             r"above min\(1e-5, 1/\(10 x 200000 N clients\)\)",
         ),  # fmt: skip
         (["fedpa.dp_mode", "client", "fedpa.dp_epsilon", "4.0"], "exactly one of"),
