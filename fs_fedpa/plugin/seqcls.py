@@ -141,6 +141,13 @@ def load_glue_data(config, client_cfgs=None):
     train = load_glue(task, root, "train", limit=limit)
     dev = load_glue(task, root, config.data.glue_eval_split or default_eval_split(task))
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(_model_name(config)))
+    if config.model.seqcls.prefix_cache and tokenizer.padding_side != "right":
+        # the cache computes each record from its attended tokens alone, at positions 0..L-1: a left-padded
+        # record sits at other positions in a batch (logits off by about 1e-4 on MiniLM)
+        raise ValueError(
+            f"model.seqcls.prefix_cache needs a tokenizer that pads on the right; {_model_name(config)!r}'s pads on "
+            f"the {tokenizer.padding_side}: set padding_side right in its tokenizer_config.json, or unset prefix_cache"
+        )
     max_len = config.llm.tok_len
     logger.info(f"GLUE {task.name}: {len(train)} train, {len(dev)} dev examples, max length {max_len}")
 
