@@ -412,8 +412,9 @@ def privacy_info(dp_mode: str, outdir: Path, local_tensors: str = "noised") -> d
     ledger, its last line). Client level: the global adapter only; the clients' heads and own factors are trained
     on their data without DP. Sample level (DP-SGD): everything, the clients' heads included (clipped and noised,
     or with ``fedpa.dp_local_tensors frozen`` held at their initial value, which no record touches)."""
+    shared, own = ["global", "global_r<R>"], ["client_<id>", "heads/client_<id>.safetensors"]  # every path written
     if dp_mode == "none":
-        return {"dp_mode": "none", "dp_files": [], "not_dp_files": ["global", "client_<id>"]}
+        return {"dp_mode": "none", "dp_files": [], "not_dp_files": [*shared, *own]}
     from fs_fedpa.record import PRIVACY_FILE
 
     ledger = Path(outdir) / PRIVACY_FILE
@@ -423,10 +424,10 @@ def privacy_info(dp_mode: str, outdir: Path, local_tensors: str = "noised") -> d
            "adjacency": last.get("dp_adjacency"), "sampling": last.get("dp_sampling"),
            "accountant": last.get("dp_accountant")}  # fmt: skip
     if dp_mode == "client":
-        out.update(dp_files=["global"], not_dp_files=["client_<id> (heads and own factors: trained without DP)"])
+        out.update(dp_files=shared, not_dp_files=[f"{p} (heads and own factors: trained without DP)" for p in own])
     else:
         out.update(epsilon_is="the largest over the clients (per client in the ledger)", local_tensors=local_tensors,
-                   dp_files=["global", "client_<id>"], not_dp_files=[])  # fmt: skip
+                   dp_files=[*shared, *own], not_dp_files=[])  # fmt: skip
     return out
 
 

@@ -426,6 +426,11 @@ def test_the_manifest_says_what_is_private_and_on_which_base(tiny_glue, tmp_path
     privacy = info["privacy"]
     assert info["base_quantization"] == "none" and privacy["dp_mode"] == mode
     readme = (tmp_path / "at_end" / "README.md").read_text()
+    # every path the export writes is in one of the two lists (the heads' files were in neither)
+    listed = {p.split(" ")[0] for p in privacy["dp_files"] + privacy["not_dp_files"]}
+    written = {p.relative_to(tmp_path / "at_end").parts[0] for p in (tmp_path / "at_end").iterdir() if p.is_dir()}
+    assert {"client_<id>" if w.startswith("client_") else w for w in written} <= listed | {"heads"}
+    assert "heads/client_<id>.safetensors" in listed and (tmp_path / "at_end" / "heads").is_dir()
     if mode == "none":
         assert privacy["dp_files"] == [] and "differential privacy: none" in readme
         return
@@ -433,8 +438,9 @@ def test_the_manifest_says_what_is_private_and_on_which_base(tiny_glue, tmp_path
     assert (privacy["epsilon"], privacy["delta"]) == (last["dp_epsilon"], last["dp_delta"]) and privacy["epsilon"] > 0
     assert (privacy["adjacency"], privacy["sampling"]) == ("replace_one", "wor") and "rdp" in privacy["accountant"]
     if mode == "client":
-        assert privacy["dp_files"] == ["global"] and "client_<id>" in privacy["not_dp_files"][0]
+        assert privacy["dp_files"] == ["global", "global_r<R>"] and "client_<id>" in privacy["not_dp_files"][0]
     else:  # every tensor a DP-SGD client trains is inside the mechanism, its head too (noised, or never moved)
-        assert privacy["dp_files"] == ["global", "client_<id>"] and privacy["not_dp_files"] == []
+        assert privacy["dp_files"] == ["global", "global_r<R>", "client_<id>", "heads/client_<id>.safetensors"]
+        assert privacy["not_dp_files"] == []
         assert privacy["local_tensors"] == ("frozen" if frozen else "noised")
     assert f"differential privacy: {mode} level, (epsilon, delta) = ({privacy['epsilon']:.4g}" in readme
