@@ -164,6 +164,13 @@ class ServerPrivacy:
                 continue
             self.spent[c] = mine
             size = st.get("num_train_data")
+            if c in self.sizes and int(mine["dp_n"]) != self.sizes[c]:
+                # the steps it took before were accounted at the earlier n_i (an earlier round's, or the resume
+                # point's): a client whose data changed is not the one whose epsilon the ledger states
+                refused[c] = (f"its training set has {int(mine['dp_n'])} records, but its DP-SGD steps so far were "
+                              f"accounted at n_i={self.sizes[c]} (an earlier round, or the resume point)")  # fmt: skip
+                self.fault(rnd, c, refused[c])
+                continue
             plan = sample_plan(self.cfg, max(int(mine["dp_n"]), 1), routines(self.method))
             spr, most = plan.steps_per_round, (self.trained.get(c, 0) + 1) * plan.steps_per_round
             steps = int(mine["dp_steps"])
@@ -217,8 +224,11 @@ class ServerPrivacy:
             for c in receivers:
                 self.trained[c] = self.trained.get(c, 0) + 1
             for c, st in stats.items():
-                if isinstance(st.get("num_train_data"), int) and st["num_train_data"] > 0:
-                    self.sizes[c] = st["num_train_data"]
+                if c in self.sizes:  # its first size stays: the one its past steps were accounted at
+                    continue
+                size = int(self.spent[c]["dp_n"]) if c in self.spent else st.get("num_train_data")
+                if isinstance(size, int) and size > 0:  # its own account's n_i, else what it reported
+                    self.sizes[c] = size
             per_client = {}
             for c in sorted(self.trained):
                 if c not in self.sizes:  # never reported its size: its epsilon is unknown here (its own log has it)

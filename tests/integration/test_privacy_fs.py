@@ -287,8 +287,8 @@ def test_a_client_whose_own_config_trains_more_is_refused_and_its_spend_is_the_l
 
 def test_a_client_that_misreports_its_size_is_refused_and_credited_what_it_spent(tiny_llm, tmp_path):
     """Before: a client training on its n_i records but reporting 10^6 was credited the epsilon of 10^6 records
-    (2.2 where its own log said 16.1), at full weight. Now its upload is refused, and the ledger keeps its own
-    account."""
+    (2.2 where its own log said 16.1), at full weight. Now its upload is refused, and the ledger keeps the n_i of
+    its own account."""
     from tests.conftest import ROOT
     from tests.integration.tiny_assets import dump_yaml, fs_env, run_module
 
@@ -299,7 +299,8 @@ def test_a_client_that_misreports_its_size_is_refused_and_credited_what_it_spent
     out = outdir_of(cfg)
     entry = _jsonl(out / "fedpa_privacy.jsonl")[-1]["dp_clients"]["2"]
     own = [r for r in _jsonl(out / "fedpa_client_privacy.jsonl") if r["client"] == 2][-1]
-    assert (entry["epsilon"], entry["n"], entry["source"]) == (own["epsilon"], own["n"], "client") and own["n"] < 100
+    # its entry is what it spent: the n_i its own account gave (the ledger keeps it, not the reported 10^6)
+    assert (entry["epsilon"], entry["n"]) == (own["epsilon"], own["n"]) and own["n"] < 100
     faults = _jsonl(out / "fedpa_dp_faults.jsonl")
     assert [(f["round"], f["client"]) for f in faults] == [(1, "2")] and "dp_n" in faults[0]["reason"]
 
@@ -516,6 +517,24 @@ def test_a_sample_level_resume_with_other_dp_min_records_is_refused(tiny_llm, tm
                   tmp_path / "resumed")  # fmt: skip
     assert proc.returncode != 0 and "ZeroDivisionError" not in proc.stderr
     assert "fedpa.dp_min_records: saved 0, now 1000000" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_resume_whose_clients_hold_other_data_refuses_their_uploads(tiny_llm, tmp_path):
+    """The accounting of a client's past steps used its n_i then; resumed on a data file of 1.5x the records, each
+    client's n_i changes. Before, the ledger recomputed every past step at the new n_i (its epsilon went down). Now
+    the uploads of the clients whose n_i changed are refused, naming them, and the ledger keeps the saved n_i."""
+    point, cfg = _killed_at_round_2(tiny_llm, tmp_path, "sample", **{"fedpa.dp_clip": 1.0})
+    lines = Path(tiny_llm["data"]).read_text().splitlines()
+    bigger = tmp_path / "bigger.jsonl"
+    bigger.write_text("\n".join(lines + lines[: len(lines) // 2]) + "\n")
+    resumed = cfg("resumed", **{"federate.restore_from": str(point)})
+    resumed["data"]["type"] = f"{bigger}@llm"
+    out = _finished(resumed, tmp_path / "resumed")
+    saved = torch.load(point, weights_only=True, map_location="cpu")["fedpa_resume"]["privacy"]["sizes"]
+    faults = _jsonl(out / "fedpa_dp_faults.jsonl")
+    assert faults and all("were accounted at n_i=" in f["reason"] for f in faults)
+    last = _jsonl(out / "fedpa_privacy.jsonl")[-1]["dp_clients"]
+    assert {c: last[str(c)]["n"] for c in saved} == {int(c): n for c, n in saved.items()}
 
 
 def _rewrite(point: Path, change) -> None:
