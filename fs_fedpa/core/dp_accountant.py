@@ -154,11 +154,11 @@ def pld_single_bytes(kind: Sampled) -> float:
 
 
 def _refuse_pld(kind: Sampled, count: int | None, need: float) -> None:
-    steps = "" if count is None else f" over {count} events"
+    # one event's grid does not depend on the rate (the config check has none to give)
+    steps = "" if count is None else f" at rate q={kind.rate:g} over {count} events"
     raise ValueError(
-        f"the PLD accountant would need about {need / 2**30:.3g} GiB for noise multiplier z={kind.z:g} at rate "
-        f"q={kind.rate:g}{steps}, above its cap of {PLD_MEMORY_CAP / 2**30:g} GiB: use fedpa.dp_accountant rdp, or "
-        "more noise"
+        f"the PLD accountant would need about {need / 2**30:.3g} GiB for noise multiplier z={kind.z:g}{steps}, above "
+        f"its cap of {PLD_MEMORY_CAP / 2**30:g} GiB: use fedpa.dp_accountant rdp, or more noise"
     )
 
 
