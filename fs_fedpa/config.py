@@ -590,8 +590,8 @@ class FedPAConfig:
             if getattr(self, key) not in choices:
                 raise ValueError(f"fedpa.{key}(={getattr(self, key)!r}) must be one of {choices}")
         if self.dp_mode == "none":
-            stray = [f"fedpa.{k}={getattr(self, k):g}" for k in DP_KEYS if getattr(self, k) != DP_OFF.get(k, 0)]
-            stray += [f"fedpa.{k}={getattr(self, k)}" for k, default in DP_NAMED.items() if getattr(self, k) != default]
+            stray = [f"fedpa.{k}={_shown(getattr(self, k))}" for k, off in dp_defaults().items()
+                     if getattr(self, k) != off]  # fmt: skip
             if stray:
                 raise ValueError(
                     f"{', '.join(stray)} set while fedpa.dp_mode is 'none': this run would train without differential "
@@ -698,12 +698,14 @@ class FedPAConfig:
         return asdict(self)
 
 
-# the keys that only mean something under DP, and their values when DP is off (0 unless named)
-DP_KEYS = ("dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_horizon", "dp_seed", "dp_min_records",
-           "dp_chunk")
-DP_OFF = {"dp_seed": -1}
-# the DP settings that are names, at their defaults
-DP_NAMED = {"dp_sampling": "wor", "dp_accountant": "rdp", "dp_local_tensors": "noised", "dp_secure_rng": True}
+def dp_defaults() -> dict:
+    """The keys that only mean something under DP (every ``dp_*`` field but ``dp_mode``) and their values when DP is
+    off, their defaults: one list, from the dataclass, so a new DP key is refused without DP by being declared."""
+    return {f.name: f.default for f in fields(FedPAConfig) if f.name.startswith("dp_") and f.name != "dp_mode"}
+
+
+def _shown(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def dp_delta_for(setting: float, population: int, who: str) -> float:
