@@ -169,13 +169,13 @@ def check_pld_cost(kind: Sampled, count: int | None) -> None:
     (``compute_self_convolve_bounds``, what ``self_compose`` allocates)."""
     if kind.accounting != "pld":
         return
-    if (need := pld_single_bytes(kind)) > PLD_MEMORY_CAP:
-        _refuse_pld(kind, None, need)
     if count is None or count <= 0:
+        if (need := pld_single_bytes(kind)) > PLD_MEMORY_CAP:
+            _refuse_pld(kind, None, need)
         return
     from dp_accounting.pld import common
 
-    one = kind.pld()
+    one = kind.pld()  # refuses a grid past the cap before building it (_pld_one)
     for pmf in {id(p): p for p in (one._pmf_remove, one._pmf_add)}.values():
         probs = getattr(pmf, "_probs", None)
         if probs is None:  # a sparse pmf: a few points

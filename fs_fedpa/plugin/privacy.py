@@ -242,8 +242,7 @@ class ClientPrivacy:
                 f"(={self.fedpa.dp_min_records}): it takes no DP-SGD step, sends the factors it started "
                 "from with sample size 0 (no weight), and spends epsilon 0"
             )
-            self._write({"round": self.rnd, "client": self.client, "epsilon": 0.0, "steps": 0, "n": n,
-                         "sits_out": True, "clipped_sum": None, "noise": None})  # fmt: skip
+            self._write({**self._account(rounds_trained), "sits_out": True, "clipped_sum": None, "noise": None})
             return
         if self.dp_sgd is None or self.dp_sgd.plan_in_use is None:
             return
@@ -264,16 +263,19 @@ class ClientPrivacy:
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")
 
+    def _account(self, rounds_trained: int) -> dict:
+        """The round, the client and :meth:`spent` under the file's names (n, b, steps, z, clip, delta, epsilon)."""
+        own = {k.removeprefix("dp_"): v for k, v in self.spent(rounds_trained).items()}
+        return {"round": self.rnd, "client": self.client, **own}
+
     def record(self, rounds_trained: int) -> dict:
-        """This client's accounting after ``rounds_trained`` rounds and the round's signal against noise (per step:
-        the clipped sum's norm and the noise's; None without a step)."""
+        """This client's accounting after ``rounds_trained`` rounds (what its upload reports, :meth:`spent`) and the
+        round's signal against noise (per step: the clipped sum's norm and the noise's; None without a step)."""
         plan = self.dp_sgd.plan_in_use
-        steps = rounds_trained * plan.steps_per_round
         norms = self.dp_sgd.signal_noise()
-        return {"round": self.rnd, "client": self.client, "epsilon": plan.epsilon(steps), "delta": plan.delta,
-                "steps": steps, "n": plan.n, "b": plan.b, "z": plan.z, "clip": float(self.fedpa.dp_clip),
-                "sampling": plan.sampling, "accountant": plan.accounting, "nonfinite": self.dp_sgd.round_nonfinite,
-                "empty": self.dp_sgd.round_empty, "clipped_sum": None if norms is None else float(norms[0]),
+        return {**self._account(rounds_trained), "sampling": plan.sampling, "accountant": plan.accounting,
+                "nonfinite": self.dp_sgd.round_nonfinite, "empty": self.dp_sgd.round_empty,
+                "clipped_sum": None if norms is None else float(norms[0]),
                 "noise": None if norms is None else float(norms[1])}  # fmt: skip
 
 

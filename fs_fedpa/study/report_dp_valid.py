@@ -115,8 +115,7 @@ def closing_lines(results: dict, point: dv.Valid, lam: float) -> list[str]:
              f"{', '.join(found) if found else 'none (so far)'}.", ""]  # fmt: skip
     if not found or 0 not in values.get("fedit_dp", {}):
         return lines
-    family = {f"{name} − {'fedit_dp_refit' if name == 'fedpa_dp_refit' else 'fedit_dp'}":
-              (name, "fedit_dp_refit" if name == "fedpa_dp_refit" else "fedit_dp") for name in found}  # fmt: skip
+    family = {f"{name} − {dv.comparator(name)}": (name, dv.comparator(name)) for name in found}
     title = f"The variants that close the gap against FedIT under DP (Holm over {len(family)})"
     if "fedpa_dp_refit" in found:
         title += f"; the refit scored by {dv.refit_metric(results, point, lam)}, fixed at seed 0"

@@ -173,6 +173,11 @@ def _refit_run(point: Valid, method: str, fedpa_lam: float, seed: int) -> sp.Run
     return replace(final, name=f"{method}_dp_refit", opts=(*final.opts, *REFIT))
 
 
+def comparator(name: str) -> str:
+    """The run a diagnostic (or its follow-up) is compared with under DP: FedIT's refit for the refit, else FedIT."""
+    return "fedit_dp_refit" if name == "fedpa_dp_refit" else "fedit_dp"
+
+
 def _score(result: dict | None, metrics: tuple[str, ...]) -> float | None:
     values = [v for m in metrics if result and (v := sp.final_metric(result, m)) is not None]
     return max(values) if values else None
@@ -213,8 +218,8 @@ def followup_values(results: dict, point: Valid, fedpa_lam: float) -> dict[str, 
     runs = [*final_runs(point, fedpa_lam), *diagnostic_runs(point, fedpa_lam)]
     runs += followup_runs(results, point, fedpa_lam)
     metric = {"fedpa_dp_refit": refit_metric(results, point, fedpa_lam), "fedit_dp_refit": REFIT_METRICS[0]}
-    wanted = {"fedit_dp", *closing(results, point, fedpa_lam)}
-    wanted |= {"fedit_dp_refit"} if "fedpa_dp_refit" in wanted else set()
+    found = closing(results, point, fedpa_lam)
+    wanted = {"fedit_dp", *found, *map(comparator, found)}
     values: dict[str, dict[int, float]] = {}
     for run in runs:
         if run.name in wanted and (v := _score(results.get(run.key), (metric.get(run.name, "val_acc"),))) is not None:

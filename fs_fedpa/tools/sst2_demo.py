@@ -21,7 +21,6 @@ from fs_fedpa.fs_results import ROUND_START, last_weighted_avg
 from fs_fedpa.tools.checkout import find_checkout
 
 CFG_NAME = Path("yaml_configs") / "fedpa_sst2_minilm_cpu.yaml"  # in the checkout (./run.sh runs from its root)
-ROUND = ROUND_START
 CLIENT = re.compile(
     r"'Role': 'Client #(\d+)', 'Round': (\d+), 'Results_raw': \{.*?'train_acc': (?:np\.float64\()?([\d.]+)"
 )
@@ -38,7 +37,7 @@ MINUTES_PER_PROBE_SECOND = 20.0
 
 def progress(line: str, rounds: int) -> str | None:
     """A short progress line for the FS log lines that mark progress, else None."""
-    if match := ROUND.search(line):
+    if match := ROUND_START.search(line):
         return f"round {int(match.group(1)) + 1}/{rounds}: local training on every client"
     if match := CLIENT.search(line):
         return f"  client {match.group(1)}: train accuracy {float(match.group(3)):.3f}"
@@ -62,7 +61,7 @@ class Clock:
 
     def line(self, log_line: str, now: float) -> str | None:
         """An estimate when ``log_line`` starts a training round after the first one seen, else None."""
-        if not (match := ROUND.search(log_line)):
+        if not (match := ROUND_START.search(log_line)):
             return None
         r = int(match.group(1))  # FS's round index: r rounds are done
         if self.start is None:
