@@ -38,10 +38,10 @@ def trainer(args, dp: bool, batched: bool = True, cache: bool = False, chunk: in
     from torch.utils.data import DataLoader
     from transformers import AutoTokenizer
 
-    from fs_fedpa.core.dp import dp_generator
     from fs_fedpa.plugin.dp_sgd import DPSGD
-    from fs_fedpa.plugin.privacy import SamplePlan
     from fs_fedpa.plugin.seqcls import _encode, _trainer_class, build_seqcls_model, resolve_model_path
+    from fs_fedpa.privacy.mechanism import dp_generator
+    from fs_fedpa.privacy.sample_level import SamplePlan
     from fs_fedpa.tasks.glue import get_task, load_glue
 
     cuda = args.device.startswith("cuda")

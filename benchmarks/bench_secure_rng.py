@@ -1,5 +1,5 @@
 """What the cryptographic DP generator costs (``fedpa.dp_secure_rng``): the noise and sampling of one round drawn
-from the OS's CSPRNG (two Gaussians summed, :class:`fs_fedpa.core.dp.SecureGenerator`) against torch's MT19937.
+from the OS's CSPRNG (two Gaussians summed, :class:`fs_fedpa.privacy.mechanism.SecureGenerator`) against torch's MT19937.
 
 (a) sample level: one client's round of DP-SGD, 10 steps of b = 16 records out of 5,000, noise on every trainable
     entry (MiniLM-L6 with LoRA r = 4 on query and value and a 2-class head: D = 37,634);
@@ -18,7 +18,7 @@ import argparse
 import torch
 from _common import interleaved_times
 
-from fs_fedpa.core.dp import dp_generator, gaussian, sample_without_replacement
+from fs_fedpa.privacy.mechanism import dp_generator, gaussian, sample_without_replacement
 
 SAMPLE_D, STEPS, BATCH, RECORDS = 37_634, 10, 16, 5_000
 MODULES, SIDE, K, N = 12, 384, 10, 100

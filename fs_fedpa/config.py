@@ -10,30 +10,25 @@ places.
 
 from __future__ import annotations
 
-import math
-import operator
 import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from fs_fedpa.core.schedule import SCHEDULES  # torch-free
-
+from fs_fedpa.privacy.settings import SEED_MAX, DPSettings
 from fs_fedpa.quantization import CHOICES as QUANTIZATION_CHOICES
+from fs_fedpa.values import int_list as _int_list
+from fs_fedpa.values import integer as _integer
+from fs_fedpa.values import number as _number
 
 REG_CHOICES = ("product", "b", "a", "both", "none")
 SVD_CHOICES = ("reduced", "randomized", "dense")
 ADAPTIVE_CHOICES = ("none", "loss", "grad", "direction")
-DP_CHOICES = ("none", "client", "sample")
-DP_SAMPLINGS = ("wor", "poisson")
-DP_ACCOUNTANTS = ("rdp", "pld")
-DP_LOCAL_TENSORS = ("noised", "frozen")  # "plain" is refused by name: it broke DP-SGD's guarantee
-DP_DELTA_MAX = 1e-5  # the largest delta a run may take, whatever the population (docs/privacy.md)
 LAM_MAX = 1e6  # upper bound of fedpa.lam and fedpa.lam_max: far above any useful weight, far below an overflow
-SEED_MAX = 2**32 - 1  # fedpa.seed: FS's top-level seed (numpy's) has this range; derived seeds stay within int64
 
 
 @dataclass
-class FedPAConfig:
+class FedPAConfig(DPSettings):
     """FedPA-LoRA options (the ``fedpa:`` section of an FS yaml)."""
 
     lam: float = field(
@@ -336,136 +331,6 @@ class FedPAConfig:
         default=0,
         metadata={"help": "global steps of linear warm-up from lr / warmup to lr (with lr_schedule)"},
     )
-    dp_mode: Literal["none", "client", "sample"] = field(
-        default="none",
-        metadata={
-            "help": (
-                "differential privacy (docs/privacy.md): 'client' (client-level DP with a trusted server: it samples "
-                "K of N clients, clips each contribution to dp_clip, adds Gaussian noise to the mean over K), "
-                "'sample' (each client trains by DP-SGD over its own records), or 'none'"
-            )
-        },
-    )
-    dp_clip: float = field(
-        default=0.0,
-        metadata={
-            "help": (
-                "C > 0: the clip norm of a client's contribution (client mode: ||s_i B_i A_i||_F for fedpa, the "
-                "Frobenius norm of the round change of the uploaded factors for the others) or of a per-example "
-                "gradient (sample mode)"
-            )
-        },
-    )
-    dp_noise_multiplier: float = field(
-        default=0.0,
-        metadata={
-            "help": (
-                "z > 0: Gaussian noise of standard deviation z C / K on the mean (client mode) or z C on the sum of "
-                "clipped gradients (sample mode); give it or dp_epsilon, not both"
-            )
-        },
-    )
-    dp_epsilon: float = field(
-        default=0.0,
-        metadata={
-            "help": (
-                "a target epsilon > 0 for the whole run, from which z is computed (client mode: for T rounds; sample "
-                "mode: per client, for every step it could take); give it or dp_noise_multiplier, not both"
-            )
-        },
-    )
-    dp_delta: float = field(
-        default=0.0,
-        metadata={
-            "help": (
-                "delta of the reported (epsilon, delta); 0: the largest allowed, min(1e-5, 1/(10 N)) in client mode "
-                "(N clients) and min(1e-5, 1/(10 n_i)) in sample mode (n_i records of client i); larger is refused"
-            )
-        },
-    )
-    dp_horizon: int = field(
-        default=0,
-        metadata={
-            "help": (
-                "the rounds a dp_epsilon target covers: z is calibrated for this many rounds (0: "
-                "federate.total_round_num; at least that), so a shorter run, e.g. a tuning run, trains at the noise "
-                "of the full one"
-            )
-        },
-    )
-    dp_sampling: Literal["wor", "poisson"] = field(
-        default="wor",
-        metadata={
-            "help": (
-                "how DP samples (docs/privacy.md): 'wor', a fixed K of N clients a round (client mode) or b of n_i "
-                "records a step (sample mode) without replacement, with replace-one adjacency; 'poisson', each client "
-                "(record) in independently at rate K/N (b/n_i), the sum divided by the expected K (b), with "
-                "add/remove adjacency: the convention of Opacus and the DP fine-tuning papers"
-            )
-        },
-    )
-    dp_accountant: Literal["rdp", "pld"] = field(
-        default="rdp",
-        metadata={
-            "help": (
-                "the accountant that calibrates z and states epsilon (dp-accounting): 'rdp' (Renyi DP) or 'pld' "
-                "(privacy loss distribution: a tighter valid bound, 14-16 % less noise at epsilon 8 on the protocol's "
-                "shards); rdp stays the default so that the runs made with it keep their noise"
-            )
-        },
-    )
-    dp_min_records: int = field(
-        default=0,
-        metadata={
-            "help": (
-                "sample mode: a client with fewer training records takes no DP-SGD step (0: none is left out); it "
-                "sends the factors it started the round from with sample size 0, which weighs nothing in the "
-                "aggregate, and spends epsilon 0. At b of n_i records a step, a small client needs a large z"
-            )
-        },
-    )
-    dp_chunk: int = field(
-        default=0,
-        metadata={
-            "help": (
-                "sample mode: records a batched DP-SGD forward takes on a CPU (0: 4; an accelerator takes the whole "
-                "batch). Chunks are length-sorted and each record is clipped alone, so the step is the same; larger "
-                "chunks of a large b cost less (benchmarks/bench_dp_sgd.py --kinds cache cache_chunks)"
-            )
-        },
-    )
-    dp_local_tensors: Literal["noised", "frozen"] = field(
-        default="noised",
-        metadata={
-            "help": (
-                "sample mode: the client's local tensors (personalization.local_param, e.g. a local head) train "
-                "under DP-SGD with the rest, clipped and noised ('noised'), or stay at their initial value, which no "
-                "record touches, while the rest trains ('frozen'). Either way every tensor the client trains is "
-                "inside the mechanism, so the guarantee covers all it sends and its exports. 'plain' (the head on "
-                "the batch's exact gradient) is refused: through the head one record moves every other record's "
-                "clipped gradient, so a step's sensitivity is not 2C and the stated epsilon would be no guarantee"
-            )
-        },
-    )
-    dp_secure_rng: bool = field(
-        default=True,
-        metadata={
-            "help": (
-                "without dp_seed: draw the DP noise and sampling from the OS's cryptographic generator (a sum of two "
-                "Gaussians, as Opacus's secure_mode), whose state cannot be recovered from its outputs; False: "
-                "torch's MT19937 seeded from OS entropy (faster, weaker); ignored with dp_seed"
-            )
-        },
-    )
-    dp_seed: int = field(
-        default=-1,
-        metadata={
-            "help": (
-                "seed of the DP noise and sampling (0 to 2**32 - 1), for reproducible experiments: the guarantee then "
-                "assumes the seed is secret; -1: seeded from OS entropy (never from the run's seed)"
-            )
-        },
-    )
     seed: int = field(
         default=-1,
         metadata={
@@ -528,8 +393,7 @@ class FedPAConfig:
         self.hetlora_lam = _number(self.hetlora_lam, "hetlora_lam", minimum=0.0)
         self.ravan_heads = _int_list(self.ravan_heads, "ravan_heads")
         self.ravan_head_rank = _integer(self.ravan_head_rank, "ravan_head_rank", minimum=0)
-        flags = ("eval_local", "eval_refit_head", "diagnostics", "save_outcomes", "checkpoint", "export_clients",
-                 "dp_secure_rng")  # fmt: skip
+        flags = ("eval_local", "eval_refit_head", "diagnostics", "save_outcomes", "checkpoint", "export_clients")
         for flag in flags:
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"fedpa.{flag} must be True or False, got {getattr(self, flag)!r}")
@@ -554,7 +418,7 @@ class FedPAConfig:
                 f"fedpa.seed(={self.seed}) must be <= 2**32 - 1 (= {SEED_MAX}), the range of FS's top-level seed "
                 "(torch's generators overflow beyond 2**64 - 1)"
             )
-        self._check_dp()
+        self.check_dp()  # fs_fedpa.privacy.settings: the DP keys, and what DP refuses of the others
         if self.lr_schedule not in SCHEDULES:
             raise ValueError(f"fedpa.lr_schedule(={self.lr_schedule!r}) must be one of {SCHEDULES}")
         self.lr_warmup_steps = _integer(self.lr_warmup_steps, "lr_warmup_steps", minimum=0)
@@ -567,89 +431,6 @@ class FedPAConfig:
                 f"fedpa.adaptive_lam(={self.adaptive_lam!r}) adapts the product penalty; it needs fedpa.reg "
                 f"'product', got {self.reg!r}"
             )
-
-    def _check_dp(self) -> None:
-        if self.dp_mode not in DP_CHOICES:
-            raise ValueError(f"fedpa.dp_mode(={self.dp_mode!r}) must be one of {DP_CHOICES}")
-        for key in ("dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta"):
-            setattr(self, key, _number(getattr(self, key), key, minimum=0.0))
-        self.dp_seed = _integer(self.dp_seed, "dp_seed", minimum=-1)
-        self.dp_horizon = _integer(self.dp_horizon, "dp_horizon", minimum=0)
-        self.dp_min_records = _integer(self.dp_min_records, "dp_min_records", minimum=0)
-        self.dp_chunk = _integer(self.dp_chunk, "dp_chunk", minimum=0)
-        if self.dp_seed > SEED_MAX:
-            raise ValueError(f"fedpa.dp_seed(={self.dp_seed}) must be <= 2**32 - 1")
-        if self.dp_local_tensors == "plain":
-            raise ValueError(
-                "fedpa.dp_local_tensors 'plain' is withdrawn: a local head trained on the batch's exact gradient "
-                "changes every other record's clipped gradient, so DP-SGD's sensitivity bound does not hold and "
-                "epsilon is no guarantee; use 'noised' (the default) or 'frozen'"
-            )
-        for key, choices in (("dp_sampling", DP_SAMPLINGS), ("dp_accountant", DP_ACCOUNTANTS),
-                             ("dp_local_tensors", DP_LOCAL_TENSORS)):  # fmt: skip
-            if getattr(self, key) not in choices:
-                raise ValueError(f"fedpa.{key}(={getattr(self, key)!r}) must be one of {choices}")
-        if self.dp_mode == "none":
-            stray = [f"fedpa.{k}={_shown(getattr(self, k))}" for k, off in dp_defaults().items()
-                     if getattr(self, k) != off]  # fmt: skip
-            if stray:
-                raise ValueError(
-                    f"{', '.join(stray)} set while fedpa.dp_mode is 'none': this run would train without differential "
-                    "privacy and write no ledger; set fedpa.dp_mode sample or client, or remove them"
-                )
-            return
-        if self.dp_clip <= 0:
-            raise ValueError(f"fedpa.dp_mode {self.dp_mode!r} needs fedpa.dp_clip, the clip norm C > 0")
-        if self.dp_local_tensors != "noised" and self.dp_mode != "sample":
-            raise ValueError(
-                f"fedpa.dp_local_tensors {self.dp_local_tensors!r} is a choice of DP-SGD (fedpa.dp_mode sample); "
-                "under client-level DP a client's local tensors train on its data and never leave it"
-            )
-        if self.dp_chunk and self.dp_mode != "sample":
-            raise ValueError(
-                "fedpa.dp_chunk is a choice of DP-SGD (fedpa.dp_mode sample); client-level DP trains without it"
-            )
-        if (self.dp_noise_multiplier > 0) == (self.dp_epsilon > 0):
-            raise ValueError(
-                f"fedpa.dp_mode {self.dp_mode!r} needs exactly one of fedpa.dp_noise_multiplier (z > 0) and "
-                f"fedpa.dp_epsilon (a target from which z is computed); got z={self.dp_noise_multiplier:g}, "
-                f"epsilon={self.dp_epsilon:g}"
-            )
-        if self.dp_delta > DP_DELTA_MAX:
-            raise ValueError(f"fedpa.dp_delta(={self.dp_delta:g}) must be <= {DP_DELTA_MAX:g} (0: the default)")
-        from fs_fedpa.core.dp_accountant import MAX_EPSILON  # torch-free
-
-        if self.dp_epsilon > MAX_EPSILON:
-            raise ValueError(
-                f"fedpa.dp_epsilon(={self.dp_epsilon:g}) must be <= {MAX_EPSILON:g}: above it the accountants' "
-                "discretisation no longer resolves the losses and no guarantee is meaningful"
-            )
-        if self.dp_min_records and self.dp_mode != "sample":
-            raise ValueError(
-                "fedpa.dp_min_records is a choice of DP-SGD (fedpa.dp_mode sample): under client-level DP every "
-                "client's update is clipped and noised whatever its size; unset it"
-            )
-        if self.adaptive_lam != "none":
-            raise ValueError(
-                f"fedpa.adaptive_lam {self.adaptive_lam!r} with differential privacy (fedpa.dp_mode "
-                f"{self.dp_mode!r}): the adaptive lambda is computed from the task loss and its gradients, which "
-                "would leave the mechanism; use a fixed fedpa.lam"
-            )
-        if self.dp_mode == "client" and self.norm_outlier:
-            raise ValueError(
-                "fedpa.norm_outlier with differential privacy (fedpa.dp_mode 'client'): one client's update could "
-                "drop another's, a release outside the mechanism; clipping to fedpa.dp_clip bounds every client"
-            )
-        if self.dp_mode == "client" and self.max_weight_ratio:
-            raise ValueError(
-                "fedpa.max_weight_ratio with differential privacy (fedpa.dp_mode 'client'): every sampled client "
-                "weighs 1/K there; unset it"
-            )
-
-    def dp_delta_for(self, population: int) -> float:
-        """delta of a population of ``population`` (N clients in client mode, n_i records in sample mode)
-        (:func:`dp_delta_for`)."""
-        return dp_delta_for(self.dp_delta, population, "N clients" if self.dp_mode == "client" else "n_i records")
 
     def per_client(
         self, which: Literal["client_ranks", "reference_ranks", "ravan_heads"], num_clients: int
@@ -698,31 +479,6 @@ class FedPAConfig:
         return asdict(self)
 
 
-def dp_defaults() -> dict:
-    """The keys that only mean something under DP (every ``dp_*`` field but ``dp_mode``) and their values when DP is
-    off, their defaults: one list, from the dataclass, so a new DP key is refused without DP by being declared."""
-    return {f.name: f.default for f in fields(FedPAConfig) if f.name.startswith("dp_") and f.name != "dp_mode"}
-
-
-def _shown(value) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def dp_delta_for(setting: float, population: int, who: str) -> float:
-    """delta of a population of ``population`` (``who``: "N clients", "n_i records"): ``setting``
-    (fedpa.dp_delta), or 0's default min(1e-5, 1/(10 population)); ValueError above that bound, which keeps the
-    chance of a total release of one member far below 1/population."""
-    bound = min(DP_DELTA_MAX, 1.0 / (10 * max(population, 1)))
-    if setting == 0:
-        return bound
-    if setting > bound * (1 + 1e-9):
-        raise ValueError(
-            f"fedpa.dp_delta(={setting:g}) is above min(1e-5, 1/(10 x {population} {who})) = {bound:g}: "
-            f"a delta near 1/{population} allows releasing one member outright; lower it or set 0"
-        )
-    return setting
-
-
 def describe() -> list[tuple[str, str, str]]:
     """(key, default, help) for every option, in declaration order: the source of the docs table."""
     out = []
@@ -730,25 +486,3 @@ def describe() -> list[tuple[str, str, str]]:
         default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
         out.append((f.name, repr(default), f.metadata["help"]))
     return out
-
-
-def _number(value: Any, name: str, minimum: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < minimum:
-        raise ValueError(f"fedpa.{name}(={value!r}) must be a finite number >= {minimum:g}")
-    return float(value)
-
-
-def _integer(value: Any, name: str, minimum: int) -> int:
-    try:
-        as_int = operator.index(value)
-    except TypeError:
-        as_int = None
-    if isinstance(value, bool) or as_int is None or as_int < minimum:
-        raise ValueError(f"fedpa.{name}(={value!r}) must be an int >= {minimum}")
-    return as_int
-
-
-def _int_list(values: Any, name: str) -> list[int]:
-    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
-        raise ValueError(f"fedpa.{name}(={values!r}) must be a list of positive ints")
-    return [_integer(v, f"{name}[{i}]", minimum=1) for i, v in enumerate(values)]

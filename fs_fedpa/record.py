@@ -17,7 +17,7 @@ DIAGNOSTICS_FILE = "fedpa_diagnostics.jsonl"
 # indices of the GLUE evaluation file ({"size": n, "splits": {split: {client id: [index, ...]}}}).
 OUTCOMES_FILE = "fedpa_outcomes.jsonl"
 EVAL_SHARDS_FILE = "fedpa_eval_shards.json"
-PRIVACY_FILE = "fedpa_privacy.jsonl"  # the DP ledger, one line a round (fs_fedpa.plugin.privacy_server)
+PRIVACY_FILE = "fedpa_privacy.jsonl"  # the DP ledger, one line a round (fs_fedpa.privacy.private)
 # client-level DP: which client's upload the server dropped and why, server-private and outside epsilon
 PRIVATE_FAULTS_FILE = "fedpa_dp_faults.jsonl"
 # sample-level DP: each client's own accounting, one line a round it trains ({"round", "client", "epsilon", "delta",

@@ -38,10 +38,10 @@ def client(args, z: float, clip: float, head: str):
     from torch.utils.data import DataLoader
     from transformers import AutoTokenizer
 
-    from fs_fedpa.core.dp import dp_generator
     from fs_fedpa.plugin.dp_sgd import DPSGD
-    from fs_fedpa.plugin.privacy import SamplePlan
     from fs_fedpa.plugin.seqcls import _encode, _trainer_class, build_seqcls_model, resolve_model_path
+    from fs_fedpa.privacy.mechanism import dp_generator
+    from fs_fedpa.privacy.sample_level import SamplePlan
     from fs_fedpa.tasks.glue import get_task, load_glue
 
     cfg = global_cfg.clone()
@@ -84,8 +84,8 @@ def main() -> None:
         parser.error("--steps must be a multiple of --every")
     torch.set_num_threads(1)
     logging.disable(logging.WARNING)
-    from fs_fedpa.config import dp_delta_for
-    from fs_fedpa.core.dp_accountant import calibrate
+    from fs_fedpa.privacy.accountant import calibrate
+    from fs_fedpa.privacy.settings import dp_delta_for
 
     delta = dp_delta_for(1e-5, args.n, "n records")
     z = calibrate(args.n, args.batch, HORIZON, EPSILON, delta, "poisson", "pld")

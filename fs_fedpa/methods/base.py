@@ -32,8 +32,8 @@ from torch import Generator, Tensor
 from fs_fedpa import lora
 from fs_fedpa.config import FedPAConfig
 from fs_fedpa.core.diagnostics import PART
-from fs_fedpa.core.ranks import RankPlan, init_global_factors, truncate_factors
 from fs_fedpa.core.factored_svd import pad_rank, svd_pairs
+from fs_fedpa.core.ranks import RankPlan, init_global_factors, truncate_factors
 from fs_fedpa.lora import Factors
 
 PARTS = ("B", "A")
@@ -121,8 +121,8 @@ class FederatedMethod:
 
     def dp_global(self, release: dict, global_: Factors, generator: Generator) -> tuple[Factors, dict[str, Tensor]]:
         """Client-level DP: the new global factors and spectra from the round's noisy release, by post-processing
-        only (:mod:`fs_fedpa.core.dp`). ``"product"``: ``release[name]`` is the (d, k) noisy mean product, and the
-        global is its rank-R_g truncated SVD (B = U S, A = V^T; ``fedpa.svd: randomized`` sketches it with width
+        only (:mod:`fs_fedpa.privacy.mechanism`). ``"product"``: ``release[name]`` is the (d, k) noisy mean product,
+        and the global is its rank-R_g truncated SVD (B = U S, A = V^T; ``fedpa.svd: randomized`` sketches it with width
         R_g + p). ``"change"``: ``release[name][part]`` is the noisy mean change of that factor, added to the
         global."""
         if self.dp_space == "product":

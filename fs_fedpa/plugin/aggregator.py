@@ -17,6 +17,7 @@ from fs_fedpa.lora import Factors
 from fs_fedpa.plugin.intake import Accepted, cap_weights, check_upload, message_pair, norm_outliers, update_norm
 from fs_fedpa.plugin.payload import nbytes
 from fs_fedpa.plugin.record_fs import RecordHead, RoundLog, new_record, private_record, round_record
+from fs_fedpa.privacy.policy import ServerPolicy
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
@@ -47,7 +48,8 @@ class Aggregated:
 
 class FedPAAggregator(Aggregator):
     """``aggregate(agg_info)`` for the FedPA server: decode (copies), check, reconstruct and record. It is given what
-    it needs: the method, the round log it adds to, the server's privacy (or None), the sketches' generator, the
+    it needs: the method, the round log it adds to, the server's DP policy (:mod:`fs_fedpa.privacy`; without DP the
+    one that lets everything through), the sketches' generator, the
     shapes of the LoRA modules (d, k) and of the shared tensors, and per round a :class:`RoundInput`
     (:meth:`start`). It leaves :attr:`result`, which the server installs, and stops the run on a count of its own,
     :attr:`failed_in_a_row`. ``save``/``load``: the server's checkpoint and restore, which FS calls through it."""
@@ -55,7 +57,8 @@ class FedPAAggregator(Aggregator):
     def __init__(self, method, rounds: RoundLog, *, privacy=None, generator: torch.Generator | None = None,
                  shapes=({}, {}), distributed=False, ignore_weight=False, save=None, load=None):  # fmt: skip
         super().__init__()
-        self.method, self.rounds, self.privacy = method, rounds, privacy
+        self.method, self.rounds = method, rounds
+        self.privacy = privacy if privacy is not None else ServerPolicy()  # without DP: everything through
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
         self.shapes, self.distributed, self.ignore_weight = shapes, distributed, ignore_weight
         self._save, self._load = save, load
@@ -90,14 +93,13 @@ class FedPAAggregator(Aggregator):
                         f"[fedpa] round {rnd}: client #{client_id} reported stats that are not finite "
                         f"({', '.join(bad)}); recorded as such, and its upload is aggregated"
                     )
-        if self.privacy is not None:
-            if self.privacy.samples_clients:  # client-level DP: every round releases, whatever arrived
-                return self._aggregate_private(accepted)
-            stats = {c: a.stats for c, a in accepted.items()}  # a refused client's too: what it spent is the ledger's
-            for client_id, reason in self.privacy.check_spent(rnd, stats).items():
-                self._drop(dropped, client_id, reason)
-                del accepted[client_id]
-            self.privacy.account(rnd, sorted(self.round.expected), stats)
+        if self.privacy.releases:  # client-level DP: every round releases, whatever arrived
+            return self._aggregate_private(accepted)
+        stats = {c: a.stats for c, a in accepted.items()}  # a refused client's too: what it spent is the ledger's
+        for client_id, reason in self.privacy.admit(rnd, stats).items():
+            self._drop(dropped, client_id, reason)
+            del accepted[client_id]
+        self.privacy.account(rnd, sorted(self.round.expected), stats)
         method, cfg = self.method, self.method.cfg
         if cfg.norm_outlier and accepted:
             norms = {c: update_norm(method.expand(a.factors)) for c, a in accepted.items()}
@@ -156,7 +158,7 @@ class FedPAAggregator(Aggregator):
         return RecordHead(self.round.rnd, self.method, next(iter(self.round.global_factors)), down)
 
     def _aggregate_private(self, accepted: dict) -> dict:
-        """Client-level DP (:mod:`fs_fedpa.plugin.privacy_server`): the noisy mean of the clipped contributions over
+        """Client-level DP (:mod:`fs_fedpa.privacy.client_level`): the noisy mean of the clipped contributions over
         the fixed K, the method's server step on it, and a record of the release only."""
         rnd, kept = self.round.rnd, list(accepted)
         uploads = [accepted[c].factors for c in kept]
@@ -166,7 +168,7 @@ class FedPAAggregator(Aggregator):
         # the K receivers, which the DP generator drew: which of them arrived or were dropped (and each upload's
         # bytes) can depend on their data, and stays in the private faults file (privacy.fault)
         receivers = sorted(self.round.expected)
-        weight = 1.0 / self.privacy.K
+        weight = self.privacy.release_weight
         record = private_record(self._head(receivers), receivers, weight, new_global, spectra, release)
         self.result = Aggregated(new_global, shared, None)
         self.rounds.add(record)
@@ -176,9 +178,8 @@ class FedPAAggregator(Aggregator):
 
     def _drop(self, dropped: dict, client_id, reason: str) -> None:
         dropped[str(client_id)] = reason
-        privacy = self.privacy
-        if privacy is not None and privacy.samples_clients:  # client-level DP: not in the log (privacy.fault)
-            privacy.fault(self.round.rnd, client_id, reason)
+        if self.privacy.private_faults:  # client-level DP: not in the log (privacy.fault)
+            self.privacy.fault(self.round.rnd, client_id, reason)
             return
         logger.warning(f"[fedpa] round {self.round.rnd}: dropped the upload of client #{client_id}: {reason}")
 

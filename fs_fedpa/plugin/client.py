@@ -6,7 +6,7 @@ The worker holds FS's handlers only, as delegations to collaborators that own th
 FS's model), :class:`~fs_fedpa.plugin.client_state.ClientState` (what it keeps, parked between messages),
 :class:`~fs_fedpa.plugin.alignment.Alignment` (the training term, adaptive lam),
 :class:`~fs_fedpa.plugin.resume_fs.ClientResume`, :class:`~fs_fedpa.plugin.record_fs.RoundStats` (its upload's
-statistics), :class:`~fs_fedpa.plugin.privacy.ClientPrivacy` and
+statistics), the DP policy (:func:`fs_fedpa.privacy.client_policy`) and
 :class:`~fs_fedpa.plugin.evaluation.Evaluation`. The mixins :mod:`~fs_fedpa.plugin.liveness` (the watchdog) and
 :mod:`~fs_fedpa.plugin.evaluation` hold FS handlers too. Factors live in the client's one space
 (:class:`fs_fedpa.lora.ClientSpace`) and are converted only at download, upload and when loaded into the model.
@@ -23,19 +23,19 @@ from federatedscope.core.auxiliaries.utils import add_prefix_to_path
 from federatedscope.core.message import Message
 from federatedscope.core.workers import Client
 
-from fs_fedpa import lora
+from fs_fedpa import lora, privacy
 from fs_fedpa.plugin import auth
 from fs_fedpa.plugin.alignment import Alignment
-from fs_fedpa.plugin.client_state import ClientState, state_store
 from fs_fedpa.plugin.client_model import ClientModel
 from fs_fedpa.plugin.client_round import ClientRound
+from fs_fedpa.plugin.client_state import ClientState, state_store
 from fs_fedpa.plugin.common import build_method, non_lora_trainables, send, share_equal
+from fs_fedpa.plugin.dp_sgd import DPSGD
 from fs_fedpa.plugin.evaluation import ClientEvaluation, Evaluation
 from fs_fedpa.plugin.export_fs import export_client
 from fs_fedpa.plugin.fs_patches import sized_once, warn_once
 from fs_fedpa.plugin.liveness import ClientLiveness
 from fs_fedpa.plugin.outbox import ClientOutbox
-from fs_fedpa.plugin.privacy import ClientPrivacy
 from fs_fedpa.plugin.record_fs import RoundStats
 from fs_fedpa.plugin.resume_fs import ClientResume
 from fs_fedpa.plugin.run_folder_fs import identity, in_run_folder
@@ -58,8 +58,8 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
         ctx.trainable_para_names = share_equal("names", ctx.trainable_para_names)
         self.method = build_method(self._cfg, self.model)
         # diagnostics off: none computed, not only not sent; under DP-SGD the task gradient is the noisy one
-        watched = self.method.cfg.diagnostics and self.method.cfg.dp_mode != "sample"
-        self.alignment = Alignment(self.method, watched)
+        policy = privacy.mechanism_of(self.method.cfg).Client
+        self.alignment = Alignment(self.method, self.method.cfg.diagnostics and policy.gradient_diagnostics)
         local_names, shared_names = non_lora_trainables(self.model, self._cfg.personalization.local_param)
         store = state_store(self._cfg, self.method.cfg.state_budget_mb)
         self.kept = ClientState(store, keep_received=bool(self.method.cfg.export_dir))
@@ -74,7 +74,7 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
         self.resume = ClientResume(self._cfg, self.method)
         self.evaluation = Evaluation(self.trainer, self.model, self._cfg, self.method)
         install_alignment_hook(self.trainer, self.alignment)
-        self.privacy = ClientPrivacy(self._cfg, self.method, self.trainer, local_names)
+        self.privacy = policy(self._cfg, self.method, self.trainer, local_names, DPSGD)
         wire = self._cfg.federate.mode.lower() == "distributed"  # tensors as explicit encodings, never pickled
         self.round = ClientRound(self.models, self.trainer, self.alignment, RoundStats(self.method, self.alignment),
                                  self.privacy, self.resume, local_names, shared_names, wire)  # fmt: skip

@@ -20,9 +20,9 @@ from fs_fedpa.lora import Factors
 from fs_fedpa.plugin.alignment import Alignment
 from fs_fedpa.plugin.client_model import ClientModel
 from fs_fedpa.plugin.payload import encode_parts, encode_tensors
-from fs_fedpa.plugin.privacy import ClientPrivacy
 from fs_fedpa.plugin.record_fs import RoundStats
 from fs_fedpa.plugin.resume_fs import ClientResume
+from fs_fedpa.privacy.policy import ClientPolicy
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
@@ -33,7 +33,7 @@ class ClientRound:
     explicit encodings (distributed mode), never pickled."""
 
     def __init__(self, models: ClientModel, trainer, alignment: Alignment, stats: RoundStats,
-                 privacy: ClientPrivacy, resume: ClientResume, local_names: list[str], shared_names: list[str],
+                 privacy: ClientPolicy, resume: ClientResume, local_names: list[str], shared_names: list[str],
                  wire: bool):  # fmt: skip
         self.models, self.trainer, self.alignment, self.stats = models, trainer, alignment, stats
         self.privacy, self.resume = privacy, resume
@@ -110,6 +110,7 @@ class ClientRound:
         if self.resume.out:  # federate.save_to
             self.resume.write(kept, models.snapshot(rnd), models.client_id, rnd)
         sent = models.space.upload(method.before_upload(kept.factors, kept.received, rnd))
+        sent = self.privacy.upload(sent, rnd)  # what leaves, as the DP policy has it (without DP: as trained)
         upload = {
             "lora": encode_parts(method.upload_payload(sent, models.index, rnd), wire=self.wire),
             "stats": self.privacy.stats(

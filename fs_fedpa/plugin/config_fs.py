@@ -129,8 +129,9 @@ def check_fedpa_cfg(cfg) -> None:
         )
     if cfg.federate.client_num > 0:
         fedpa.check_clients(cfg.federate.client_num, _adapter_rank(cfg))
-    if fedpa.dp_mode != "none":
-        _check_dp(cfg, fedpa)
+    from fs_fedpa.privacy import check_run
+
+    check_run(cfg, fedpa)  # what the run's DP mechanism refuses
     if fedpa.lr_schedule != "none" and cfg.train.scheduler.type:
         raise ValueError(
             f"fedpa.lr_schedule {fedpa.lr_schedule!r} and train.scheduler.type {cfg.train.scheduler.type!r} both set "
@@ -160,50 +161,6 @@ def _check_other_method(cfg, fedpa: FedPAConfig) -> None:
         if message not in _WARNED:
             _WARNED.add(message)
             logger.warning(message)
-
-
-def _check_dp(cfg, fedpa: FedPAConfig) -> None:
-    """What differential privacy refuses before any data or model is built (docs/privacy.md); the server refuses
-    federated tensors (a shared head) when it sees the model."""
-    try:
-        import dp_accounting  # noqa: F401
-    except ImportError as exc:
-        raise ValueError(
-            f"fedpa.dp_mode {fedpa.dp_mode!r} needs Google's dp-accounting: pip install 'fs_fedpa[dp]'"
-        ) from exc
-    from fs_fedpa.methods.base import get_method
-
-    if 0 < fedpa.dp_horizon < cfg.federate.total_round_num:
-        raise ValueError(
-            f"fedpa.dp_horizon(={fedpa.dp_horizon}) is below federate.total_round_num"
-            f"(={cfg.federate.total_round_num}): the noise calibrated for it would spend more than fedpa.dp_epsilon"
-        )
-    if fedpa.dp_noise_multiplier > 0 and fedpa.dp_accountant == "pld":  # a calibrated z is checked as it is found
-        from fs_fedpa.core.dp_accountant import Sampled, check_pld_cost
-
-        check_pld_cost(Sampled(2, 1, fedpa.dp_noise_multiplier, fedpa.dp_sampling, "pld"), None)
-    method = get_method(cfg.federate.method.lower())
-    if fedpa.dp_mode == "client":
-        from fs_fedpa.plugin.privacy import check_method
-
-        check_method(method, fedpa)
-        if cfg.federate.unseen_clients_rate > 0:
-            raise ValueError(
-                f"federate.unseen_clients_rate(={cfg.federate.unseen_clients_rate:g}) with differential privacy at "
-                "client level (fedpa.dp_mode client): the accountant assumes K drawn from all N clients, and FS's "
-                "unseen clients are never drawn; set it to 0"
-            )
-        if cfg.federate.client_num > 0:
-            fedpa.dp_delta_for(cfg.federate.client_num)  # raises above min(1e-5, 1/(10 N))
-    else:
-        if cfg.llm.deepspeed.use:
-            raise ValueError("fedpa.dp_mode sample runs its own DP-SGD step; deepspeed's engine would bypass it")
-        if cfg.grad.grad_clip > 0:
-            message = f"grad.grad_clip(={cfg.grad.grad_clip:g}) is not applied under fedpa.dp_mode sample: each "
-            message += f"example's gradient is clipped to fedpa.dp_clip(={fedpa.dp_clip:g}) instead"
-            if message not in _WARNED:
-                _WARNED.add(message)
-                logger.warning(message)
 
 
 def _adapter_rank(cfg) -> int | None:

@@ -10,7 +10,7 @@ divided by b, is the step's task gradient. What does not touch the data, FedPA-L
 and FS's parameter regularizer, is differentiated as usual and added after clipping and noise.
 
 The per-example gradients come from batched forwards and backwards with taps on the trainable ``nn.Linear`` modules
-(:mod:`fs_fedpa.core.per_example`; the whole batch on an accelerator, on a CPU chunks of ``fedpa.dp_chunk`` (default
+(:mod:`fs_fedpa.privacy.per_example`; the whole batch on an accelerator, on a CPU chunks of ``fedpa.dp_chunk`` (default
 CPU_CHUNK) length-sorted records, each chunk clipped and added to the step's sum as it comes, so a logical batch of
 any b needs the memory of one chunk's per-example gradients) when every trainable tensor is such a module's and the
 trainer's loss is a mean of per-record losses this module can rebuild from the logits; otherwise, and on any chunk
@@ -31,19 +31,20 @@ from federatedscope.core.trainers.enums import LIFECYCLE
 from torch import Tensor
 
 from fs_fedpa.core.batches import length_chunks, select_records
-from fs_fedpa.core.dp import add_clipped, gaussian, sample_poisson, sample_without_replacement
-from fs_fedpa.core.per_example import LinearTaps, check_sum, clipped_sum, linear_owners, per_example_grads
 from fs_fedpa.plugin import fs_patches
+from fs_fedpa.privacy.mechanism import add_clipped, gaussian, sample_poisson, sample_without_replacement
+from fs_fedpa.privacy.per_example import LinearTaps, check_sum, clipped_sum, linear_owners, per_example_grads
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 CPU_CHUNK = 4  # records a batched forward takes on the CPU (benchmarks/bench_dp_sgd.py)
 
 
 class DPSGD:
-    """The hooks of one client's trainer; ``plan(n)`` gives the client's :class:`~fs_fedpa.plugin.privacy.SamplePlan`
-    for its training set size, ``make_generator(k)`` its DP generator for the k-th training routine of the current
-    round (a fresh stream per routine: with ``fedpa.dp_seed`` a resumed run draws what the uninterrupted one drew,
-    and in distributed mode the stream is named by the id the client learns when it joins)."""
+    """The hooks of one client's trainer; ``plan(n)`` gives the client's
+    :class:`~fs_fedpa.privacy.sample_level.SamplePlan` for its training set size, ``make_generator(k)`` its DP
+    generator for the k-th training routine of the current round (a fresh stream per routine: with ``fedpa.dp_seed`` a
+    resumed run draws what the uninterrupted one drew, and in distributed mode the stream is named by the id the
+    client learns when it joins)."""
 
     def __init__(self, trainer, plan, make_generator, clip: float, batched: bool = True, chunk: int | None = None,
                  frozen: frozenset[str] = frozenset()):  # fmt: skip
@@ -81,7 +82,8 @@ class DPSGD:
 
     @property
     def plan_in_use(self):
-        """The :class:`~fs_fedpa.plugin.privacy.SamplePlan` of the client's last DP-SGD step (None before its first)."""
+        """The :class:`~fs_fedpa.privacy.sample_level.SamplePlan` of the client's last DP-SGD step (None before its
+        first)."""
         return self._plan
 
     @property
@@ -208,7 +210,7 @@ class DPSGD:
         return True
 
     def _linear_owners(self, model, params):
-        """:func:`~fs_fedpa.core.per_example.linear_owners`, walked again only when the trainable tensors change
+        """:func:`~fs_fedpa.privacy.per_example.linear_owners`, walked again only when the trainable tensors change
         (not at every step)."""
         key = (id(model), tuple(id(p) for p in params))
         if self._owners is None or self._owners[0] != key:

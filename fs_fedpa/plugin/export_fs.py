@@ -21,6 +21,7 @@ from fs_fedpa import export, lora
 from fs_fedpa.core.ranks import truncate_factors
 from fs_fedpa.methods import FederatedMethod
 from fs_fedpa.plugin.common import non_lora_trainables
+from fs_fedpa.privacy import export_info
 
 logger = logging.getLogger(f"federatedscope.{__name__}")
 
@@ -230,12 +231,12 @@ def config_hash(path) -> str:
 
 
 def _privacy_line(privacy: dict) -> str:
-    mode = privacy.get("dp_mode", "none")
-    if mode == "none":
+    """The README's line on privacy, from the manifest's ``privacy`` (:func:`fs_fedpa.privacy.export_info`)."""
+    if not privacy.get("dp_files"):
         return "differential privacy: none"
     eps, delta = privacy.get("epsilon"), privacy.get("delta")
     spent = f"(epsilon, delta) = ({eps:.4g}, {delta:.3g})" if eps is not None and delta is not None else "epsilon ?"
-    return (f"differential privacy: {mode} level, {spent}, {privacy.get('adjacency')} adjacency, "
+    return (f"differential privacy: {privacy.get('dp_mode')} level, {spent}, {privacy.get('adjacency')} adjacency, "
             f"{privacy.get('sampling')} sampling, {privacy.get('accountant')}; DP: {', '.join(privacy['dp_files'])}; "
             f"not DP: {', '.join(privacy['not_dp_files']) or 'nothing'}")
 
@@ -401,34 +402,10 @@ def run_info(cfg, outdir: Path, rounds: int, missing: list[int]) -> dict:
     metrics = {k: float(v) for k, v in last.items() if k.endswith(("_acc", "_loss"))}
     info = {"rounds": rounds, "config_hash": config_hash(Path(outdir) / "config.yaml"), "final_metrics": metrics,
             "missing_clients": missing, "base_quantization": cfg.fedpa.base_quantization,
-            "privacy": privacy_info(cfg.fedpa.dp_mode, Path(outdir), cfg.fedpa.dp_local_tensors)}  # fmt: skip
+            "privacy": export_info(cfg.fedpa, Path(outdir))}  # fmt: skip
     if cfg.model.type.lower().endswith("@seqcls_llm"):
         info["num_labels"] = int(cfg.model.seqcls.num_labels)
     return info
-
-
-def privacy_info(dp_mode: str, outdir: Path, local_tensors: str = "noised") -> dict:
-    """What of the export is differentially private, and at which (epsilon, delta) and convention (from the run's
-    ledger, its last line). Client level: the global adapter only; the clients' heads and own factors are trained
-    on their data without DP. Sample level (DP-SGD): everything, the clients' heads included (clipped and noised,
-    or with ``fedpa.dp_local_tensors frozen`` held at their initial value, which no record touches)."""
-    shared, own = ["global", "global_r<R>"], ["client_<id>", "heads/client_<id>.safetensors"]  # every path written
-    if dp_mode == "none":
-        return {"dp_mode": "none", "dp_files": [], "not_dp_files": [*shared, *own]}
-    from fs_fedpa.record import PRIVACY_FILE
-
-    ledger = Path(outdir) / PRIVACY_FILE
-    lines = ledger.read_text(encoding="utf-8").splitlines() if ledger.is_file() else []
-    last = json.loads(lines[-1]) if lines else {}
-    out = {"dp_mode": dp_mode, "epsilon": last.get("dp_epsilon"), "delta": last.get("dp_delta"),
-           "adjacency": last.get("dp_adjacency"), "sampling": last.get("dp_sampling"),
-           "accountant": last.get("dp_accountant")}  # fmt: skip
-    if dp_mode == "client":
-        out.update(dp_files=shared, not_dp_files=[f"{p} (heads and own factors: trained without DP)" for p in own])
-    else:
-        out.update(epsilon_is="the largest over the clients (per client in the ledger)", local_tensors=local_tensors,
-                   dp_files=[*shared, *own], not_dp_files=[])  # fmt: skip
-    return out
 
 
 def export_client(cfg, model, method, client: int, state: dict, received, factors) -> None:

@@ -93,8 +93,8 @@ class ServerLiveness:
             def finish_fed_runner(*args, **kwargs):
                 result = finish(*args, **kwargs)
                 self._raise_if_unfinished("no message was left to handle")
-                if self.privacy is not None:  # the run's last line: the (epsilon, delta) it spent
-                    logger.info(self.privacy.summary())
+                if summary := self.privacy.summary():  # the run's last line: the (epsilon, delta) it spent
+                    logger.info(summary)
                 return result
 
             return finish_fed_runner

@@ -12,7 +12,7 @@ import re
 from torch import Tensor
 
 from fs_fedpa import resume
-from fs_fedpa.plugin.privacy import accounting_settings
+from fs_fedpa.privacy import accounting_settings
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
@@ -78,7 +78,7 @@ class ServerResume:
 
     def settings(self) -> dict:
         """The keys that change a run's result (recorded in every client file) and those its privacy accounting
-        depends on (:func:`fs_fedpa.plugin.privacy.accounting_settings`), compared when it resumes."""
+        depends on (:func:`fs_fedpa.privacy.accounting_settings`), compared when it resumes."""
         return {**resume.result_settings(self.cfg, self.method), **accounting_settings(self.cfg)}
 
     def write(self, rnd: int, model_state: dict, fields: dict) -> str:

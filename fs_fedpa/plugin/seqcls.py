@@ -86,7 +86,9 @@ def _check_seqcls_cfg(cfg) -> None:
             )
     if not (isinstance(s.train_chunk, int) and s.train_chunk >= 0):
         raise ValueError(f"model.seqcls.train_chunk(={s.train_chunk!r}) must be 0 (one forward) or a chunk size > 0")
-    if s.train_chunk and cfg.fedpa.dp_mode == "sample":
+    from fs_fedpa.privacy import trains_per_example
+
+    if s.train_chunk and trains_per_example(cfg.fedpa):
         raise ValueError(
             "model.seqcls.train_chunk with fedpa.dp_mode sample: DP-SGD forwards its batches in chunks of its own "
             "(fs_fedpa.plugin.dp_sgd); leave train_chunk at 0"

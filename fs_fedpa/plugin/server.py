@@ -7,7 +7,7 @@ tensors and merges in the server's model, FS's checkpoint of them, each client's
 :class:`~fs_fedpa.plugin.aggregator.FedPAAggregator` (FS has no aggregator
 registry, so the server installs it itself, in ``self.aggregator`` and ``self.aggregators[0]``; it is given each
 round and leaves its result, which the global model installs), :class:`~fs_fedpa.plugin.record_fs.RoundLog`,
-:class:`~fs_fedpa.plugin.resume_fs.ServerResume` and :class:`~fs_fedpa.plugin.privacy_server.ServerPrivacy`.
+:class:`~fs_fedpa.plugin.resume_fs.ServerResume` and the DP policy (:func:`fs_fedpa.privacy.server_policy`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from federatedscope.core.workers import Server
 
-from fs_fedpa import lora, resume
+from fs_fedpa import lora, privacy, resume
 from fs_fedpa.plugin import auth
 from fs_fedpa.plugin.aggregator import FedPAAggregator, RoundInput
 from fs_fedpa.plugin.common import build_method, layer_shapes, non_lora_trainables, send
@@ -30,7 +30,6 @@ from fs_fedpa.plugin.fs_patches import no_aggregator_notice
 from fs_fedpa.plugin.global_model import GlobalModel
 from fs_fedpa.plugin.inbox import ServerInbox
 from fs_fedpa.plugin.liveness import ServerLiveness
-from fs_fedpa.plugin.privacy_server import ServerPrivacy
 from fs_fedpa.plugin.record_fs import RoundLog
 from fs_fedpa.plugin.resume_fs import ServerResume, check_resume_file
 from fs_fedpa.plugin.run_folder_fs import identity, in_run_folder, warn_if_taken
@@ -61,19 +60,16 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
         if self.method.merges:
             lora.keep_base(self.model)  # before a resume point's merged weights are loaded into it
         local_names, self.shared_names = non_lora_trainables(self.model, self._cfg.personalization.local_param)
-        # client-level DP: the server's files hold the initial values of the clients' local tensors (a head)
         params = dict(self.model.named_parameters())
-        public_locals = (
-            {n: params[n].detach().cpu().clone() for n in local_names} if self.method.cfg.dp_mode == "client" else {}
-        )
+        policy = privacy.mechanism_of(self.method.cfg).Server
+        # client-level DP: the server's files hold the initial values of the clients' local tensors (a head)
+        public_locals = {n: params[n].detach().cpu().clone() for n in local_names} if policy.locals_public else {}
         self.globals = GlobalModel(self.model, self.method, self.shared_names, public_locals)
         self.generator = torch.Generator().manual_seed(self.method.seed + 1)  # sketches
-        self.privacy = None
-        if self.method.cfg.dp_mode != "none":
-            self.privacy = ServerPrivacy(self._cfg, self.method, clients=self.client_num, rounds=self.total_round_num,
-                                         per_round=self.sample_client_num, shared_names=self.shared_names,
-                                         global_factors=self.globals.factors)  # fmt: skip
-        if self.privacy is not None and self.privacy.poisson_clients:
+        self.privacy = policy(self._cfg, self.method, clients=self.client_num, rounds=self.total_round_num,
+                              per_round=self.sample_client_num, shared_names=self.shared_names,
+                              global_factors=self.globals.factors)  # fmt: skip
+        if self.privacy.draws_any_number:
             # a Poisson round draws any number of the N clients (K is the expected number, privacy.K), and FS
             # asserts that a round never waits for more than sample_client_num
             self.sample_client_num = self.client_num
@@ -112,8 +108,9 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
         if self.method.cfg.export_dir and msg_type == "finish":
             self.export(self.method.cfg.export_dir)
         super().terminate(msg_type=msg_type)
-        if self.privacy is not None and self._cfg.federate.mode.lower() == "distributed":  # standalone: at the end
-            logger.info(self.privacy.summary())
+        summary = self.privacy.summary()
+        if summary and self._cfg.federate.mode.lower() == "distributed":  # standalone: at the end
+            logger.info(summary)
         if msg_type == "finish":
             folder = self._cfg.outdir
             export = f"; export its adapters: fs-fedpa export {folder} --out {os.path.join(folder, 'export')}"
@@ -140,7 +137,7 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
                 self.write_resume_point()
         if filter_unseen_clients:
             self.sampler.change_state(self.unseen_clients_id, "unseen")
-        if msg_type == "model_para" and self.privacy is not None and self.privacy.samples_clients:
+        if msg_type == "model_para" and self.privacy.draws_receivers:
             receivers = self.privacy.receivers()  # client-level DP: the DP generator draws K, not FS's sampler
             self.sampler.change_state(receivers, "working")
         elif sample_client_num > 0:
@@ -160,7 +157,7 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
         if filter_unseen_clients:
             self.sampler.change_state(self.unseen_clients_id, "seen")
         self._progress = time.monotonic()  # the round's wait starts now: sending to every receiver can take a while
-        if msg_type == "model_para" and not receivers and self.privacy is not None and self.privacy.poisson_clients:
+        if msg_type == "model_para" and not receivers and self.privacy.draws_any_number:
             # a Poisson draw of no client: no message will arrive, so the round releases its noise alone now
             logger.info(f"[fedpa] round {self.state}: the Poisson draw sampled no client; the release is noise alone")
             self.check_and_move_on()
@@ -168,7 +165,7 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
     def check_and_move_on(self, check_eval_result=False, min_received_num=None):
         """FS's; under Poisson client sampling a round waits for the clients it drew (FS's default is
         ``federate.sample_client_num``), possibly none."""
-        if self.privacy is not None and self.privacy.poisson_clients and not check_eval_result:
+        if self.privacy.draws_any_number and not check_eval_result:
             if min_received_num is None:
                 min_received_num = len(self._expected)
             self.msg_buffer["train"].setdefault(self.state, {})  # FS reads it even when nothing arrived
@@ -209,7 +206,7 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
             "history_results": resume.plain(self.history_results),
             "best_results": resume.plain(self.best_results),
             "rng": resume.rng_state(),
-            "privacy": self.privacy.state() if self.privacy is not None else {},
+            "privacy": self.privacy.state_dict(),
         }
         # client-level DP: the initial local tensors, not a client's (with_public_locals)
         return self.resume.write(self.state, globals_.with_public_locals(self.model.state_dict()), fields)
@@ -228,8 +225,7 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
         self.aggregator.failed_in_a_row = self.rounds.failed_in_a_row()
         self.history_results, self.best_results = saved["history_results"], saved["best_results"]
         self._pending_rng = saved["rng"]
-        if self.privacy is not None:
-            self.privacy.restore(saved["privacy"], path)
+        self.privacy.load_state_dict(saved["privacy"], path)
         self.state = saved["round"]
         logger.info(f"[fedpa] resumed from {path} at round {self.state}")
         return self.state

@@ -14,9 +14,9 @@ from pathlib import Path
 from fs_fedpa.study import sst2_dp_device as dd
 from fs_fedpa.study import sst2_dp_regime as dr
 from fs_fedpa.study import sst2_protocol as sp
+from fs_fedpa.study.report_privacy import agreement, macro_f1, paired
 from fs_fedpa.study.report_text import pm as _pm
 from fs_fedpa.study.report_text import score as _score
-from fs_fedpa.study.report_privacy import agreement, macro_f1, paired
 
 FAMILIES = (
     ("FedPA-LoRA against each other method under DP, Holm over 3",
@@ -52,7 +52,7 @@ def other_reading(result: dict | None) -> list[float]:
     sampling and replace-one adjacency (PLD), a fixed-size run read with Poisson sampling and add/remove (RDP)."""
     privacy = (result or {}).get("privacy") or {}
     try:
-        from fs_fedpa.core.dp_accountant import Sampled, poisson_add_remove_epsilon
+        from fs_fedpa.privacy.accountant import Sampled, poisson_add_remove_epsilon
     except ImportError:
         return []
     out = []
@@ -106,7 +106,7 @@ def diagnostic_lines(results: dict, runs: list[sp.Run]) -> list[str]:
     ]
     for run in runs:
         o, result = _o(run.opts), results.get(run.key)
-        dp = o.get("fedpa.dp_mode") == "sample"
+        dp = sp.dp_sgd(run.opts)
         twin = f"{dr.STAGE}/search_{run.name[len('diag_') :].rsplit('_', 1)[0]}_s{run.seed}"
         last = result and sp.final_metric(result, "val_avg_loss")
         lines.append(

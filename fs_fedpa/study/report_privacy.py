@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import statistics
 
-from fs_fedpa.study import stats
+from fs_fedpa import privacy
 from fs_fedpa.study import sst2_protocol as sp
+from fs_fedpa.study import stats
 from fs_fedpa.study.report_text import pm as _pm
 from fs_fedpa.study.report_text import score as _score
 
@@ -44,11 +45,11 @@ def spent(result: dict | None) -> float | None:
 
 def literature_epsilons(result: dict | None) -> list[float]:
     """Per client of a sample-level run, the epsilon its noise spends read in the literature's convention (Poisson
-    sampling at rate b/n_i, add/remove adjacency; :func:`fs_fedpa.core.dp_accountant.poisson_add_remove_epsilon`), from
+    sampling at rate b/n_i, add/remove adjacency; :func:`fs_fedpa.privacy.accountant.poisson_add_remove_epsilon`), from
     the ledger's z, n, b, steps and delta. Empty for a run without per-client entries (or without dp-accounting)."""
     clients = ((result or {}).get("privacy") or {}).get("dp_clients") or {}
     try:
-        from fs_fedpa.core.dp_accountant import poisson_add_remove_epsilon
+        from fs_fedpa.privacy.accountant import poisson_add_remove_epsilon
 
         return [poisson_add_remove_epsilon(v["b"] / v["n"], v["noise_multiplier"], v["steps"], v["delta"])
                 for v in clients.values() if v]  # fmt: skip
@@ -136,7 +137,8 @@ def privacy_section(results: dict, stages: list[tuple[str, list[sp.Run]]]) -> li
         value = None if result is None else sp.score(result)
         eps = spent(result)
         lines.append(
-            f"| {run.method}{'' if 'fedpa.dp_mode' in opts else ' (no DP)'} | {opts.get('fedpa.dp_clip', '–')} | "
+            f"| {run.method}{'' if privacy.entry(opts.get('fedpa.dp_mode', 'none')).noised else ' (no DP)'} | "
+            f"{opts.get('fedpa.dp_clip', '–')} | "
             f"{opts.get('train.optimizer.type')} {opts.get('train.optimizer.lr')} | "
             f"{'not run yet' if result is None else _score(value)} | "
             f"{'–' if result is None else _score(macro_f1(result))} | {'–' if eps is None else f'{eps:.2f}'} |"

@@ -91,6 +91,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from fs_fedpa.privacy import trains_by_dp_sgd
 from fs_fedpa.study import sst2_dp_device
 from fs_fedpa.study import sst2_protocol as sp
 
@@ -339,7 +340,7 @@ def cpu_seconds(run: sp.Run) -> float:
         return sst2_dp_device.cpu_seconds(run)
     o = dict(zip(run.opts[::2], run.opts[1::2]))
     b, tau = int(o["dataloader.batch_size"]), int(o["train.local_update_steps"])
-    dp = o.get("fedpa.dp_mode") == "sample"
+    dp = trains_by_dp_sgd(o)
     sizes = (sum(CLIENT_SIZES),) if o.get("federate.client_num") == "1" else CLIENT_SIZES
     records = sum(min(b, n) for n in sizes if not (dp and n < MIN_RECORDS)) * tau * run.rounds
     top_one = o["model.seqcls.layers_to_transform"].count(",") == 0

@@ -527,8 +527,10 @@ def on_gpu(run: dict) -> bool:
 
 def dp_sgd(opts) -> bool:
     """Whether a run's overrides (a Run's ``opts`` or a run file's) train by DP-SGD (``fedpa.dp_mode sample``)."""
+    from fs_fedpa.privacy import trains_by_dp_sgd
+
     opts = list(opts)
-    return dict(zip(opts[::2], opts[1::2])).get("fedpa.dp_mode") == "sample"
+    return trains_by_dp_sgd(dict(zip(opts[::2], opts[1::2])))
 
 
 def seconds_per_round(results: dict, sample_dp: bool = False) -> float:

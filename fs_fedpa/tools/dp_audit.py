@@ -87,9 +87,9 @@ class Audit:
         instead, 0 for the noise-free values)."""
         import torch
 
-        from fs_fedpa.core.dp import dp_generator
         from fs_fedpa.plugin.dp_sgd import DPSGD
-        from fs_fedpa.plugin.privacy import SamplePlan
+        from fs_fedpa.privacy.mechanism import dp_generator
+        from fs_fedpa.privacy.sample_level import SamplePlan
 
         trainer, model = self._trainer(canary)
         z = self.z if z is None else z
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clip", type=cli.number(above=0), default=0.05)
     parser.add_argument("--treatment", choices=TREATMENTS, nargs="+", default=list(TREATMENTS))
     args = parser.parse_args(argv)
-    from fs_fedpa.core.dp_accountant import calibrate
+    from fs_fedpa.privacy.accountant import calibrate
 
     n = 64
     z = calibrate(n, n, args.steps, args.epsilon, args.delta)  # the plugin's accountant: replace-one, b = n

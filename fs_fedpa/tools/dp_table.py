@@ -1,7 +1,7 @@
 """Client-level DP, computed (nothing is trained): noise against signal as a function of K, the clients a round.
 
 For a target (epsilon, delta) over T rounds at sampling rate q = K / N, the accountant gives the noise multiplier z
-(:func:`fs_fedpa.core.dp_accountant.calibrate`; replace-one, z / 2 to the accountant). The release adds N(0, (z C /
+(:func:`fs_fedpa.privacy.accountant.calibrate`; replace-one, z / 2 to the accountant). The release adds N(0, (z C /
 K)^2) to each of the D entries the method releases, a noise of norm (z C / K) sqrt(D), while the mean of K clipped
 contributions has norm at most C. So signal / noise <= K / (z sqrt(D)), and K >= z sqrt(D) clients a round are
 needed before the noise is even as large as the largest possible signal. D per method: FedPA-LoRA releases the
@@ -61,7 +61,7 @@ def released(model: str, space: str, layers: int | None = None, head: bool = Fal
 
 
 def table(epsilon: float, rounds: int, rate: float, layers: int | None = None, head: bool = False) -> str:
-    from fs_fedpa.core.dp_accountant import calibrate
+    from fs_fedpa.privacy.accountant import calibrate
 
     z = {}
     for K in K_VALUES:
@@ -124,8 +124,8 @@ def sample_table(epsilon: float, steps: int, ns: list[int], batches: list[int], 
     """The sample-level table; ``sampling``, ``accounting``, ``rank``, ``layers`` and ``head`` are the regime's knobs
     (``fedpa.dp_sampling``, ``fedpa.dp_accountant``, ``model.seqcls.r``, ``model.seqcls.layers_to_transform`` on the
     top layers, ``fedpa.dp_local_tensors``)."""
-    from fs_fedpa.config import dp_delta_for
-    from fs_fedpa.core.dp_accountant import ADJACENCY, calibrate
+    from fs_fedpa.privacy.accountant import ADJACENCY, calibrate
+    from fs_fedpa.privacy.settings import dp_delta_for
 
     D = {space: trained(space, rank=rank, layers=layers, head=head) for space in TRAINED}
     how = "without replacement" if sampling == "wor" else "Poisson, b expected"
@@ -156,8 +156,8 @@ def time_module(d: int = 4096, clients: int = 10, r: int = 16) -> str:
     import torch
 
     from fs_fedpa.config import FedPAConfig
-    from fs_fedpa.core.dp import dp_generator, release_products
     from fs_fedpa.methods.base import _top_factors
+    from fs_fedpa.privacy.mechanism import dp_generator, release_products
 
     g = torch.Generator().manual_seed(0)
     uploads = [{"m": (torch.randn(d, r, generator=g) * 1e-2, torch.randn(r, d, generator=g) / d**0.5)}

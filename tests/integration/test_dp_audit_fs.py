@@ -32,7 +32,7 @@ def test_the_bound_is_zero_when_the_test_does_no_better_than_chance():
 
 @pytest.mark.slow
 def test_the_audit_stays_below_the_ledger_for_each_option_and_catches_the_plain_head():
-    from fs_fedpa.core.dp_accountant import calibrate
+    from fs_fedpa.privacy.accountant import calibrate
     from fs_fedpa.tools.dp_audit import Audit
 
     z = calibrate(64, 64, 2, 1.0, 1e-5)

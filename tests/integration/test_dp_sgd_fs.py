@@ -38,9 +38,9 @@ def _trainer(lr: float = 1.0, extra_hook=None, zero_data: bool = False, n: int =
 
 def _dp_step(trainer, clip: float, z: float = 0.0, seed: int = 3, batched: bool = True, b: int = B, chunk=None,
              sampling: str = "wor", steps: int = 1):  # fmt: skip
-    from fs_fedpa.core.dp import dp_generator
     from fs_fedpa.plugin.dp_sgd import DPSGD
-    from fs_fedpa.plugin.privacy import SamplePlan
+    from fs_fedpa.privacy.mechanism import dp_generator
+    from fs_fedpa.privacy.sample_level import SamplePlan
 
     dp = DPSGD(trainer, lambda n: SamplePlan(n, b, steps, z, 1e-5, sampling), lambda routine: dp_generator(seed, "t"),
                clip=clip, batched=batched, chunk=chunk)  # fmt: skip
@@ -60,7 +60,7 @@ def _per_example_grads(weight, bias, X, y):
 
 
 def _chosen(seed: int = 3) -> list[int]:
-    from fs_fedpa.core.dp import dp_generator, sample_without_replacement
+    from fs_fedpa.privacy.mechanism import dp_generator, sample_without_replacement
 
     return sample_without_replacement(N, B, dp_generator(seed, "t"))
 
@@ -106,7 +106,7 @@ def test_the_rounds_signal_and_noise_norms_are_those_of_its_clipped_sum_and_its_
 
 def _poisson_drawn(seed: int, rate: float) -> list[int]:
     """The records a Poisson draw at ``rate`` takes from the DP generator's stream, by hand: one uniform a record."""
-    from fs_fedpa.core.dp import dp_generator
+    from fs_fedpa.privacy.mechanism import dp_generator
 
     u = torch.rand(N, generator=dp_generator(seed, "t"), dtype=torch.float64)
     return [j for j in range(N) if u[j] < rate]
@@ -129,7 +129,7 @@ def test_a_poisson_step_sums_the_drawn_records_and_divides_by_the_expected_b(bat
 def test_a_logical_batch_of_256_over_chunks_is_one_step_of_its_256_records(chunk):
     """b = 256 records a DP step whatever the physical chunk: 16 forwards of 16 records, each clipped and summed as
     it comes, take the same step as one forward of 256, and both the step of the records drawn, by torch.func."""
-    from fs_fedpa.core.dp import dp_generator, sample_without_replacement
+    from fs_fedpa.privacy.mechanism import dp_generator, sample_without_replacement
 
     trainer, model, X, y = _trainer(lr=0.5, n=300)
     w0, b0 = model.weight.detach().clone(), model.bias.detach().clone()
@@ -293,7 +293,8 @@ def test_a_clients_delta_above_its_bound_is_refused_when_it_is_built_not_in_its_
     from federatedscope.core.trainers import GeneralTorchTrainer
 
     from fs_fedpa.config import FedPAConfig
-    from fs_fedpa.plugin.privacy import ClientPrivacy
+    from fs_fedpa.plugin.dp_sgd import DPSGD
+    from fs_fedpa.privacy import client_policy
 
     cfg = global_cfg.clone()
     cfg.merge_from_list(["train.local_update_steps", 1, "train.batch_or_epoch", "batch", "dataloader.batch_size", 4,
@@ -305,7 +306,7 @@ def test_a_clients_delta_above_its_bound_is_refused_when_it_is_built_not_in_its_
     fedpa = FedPAConfig(dp_mode="sample", dp_clip=1.0, dp_noise_multiplier=1.0, dp_delta=1e-5)
     method = SimpleNamespace(cfg=fedpa, personal_weight=None)
     with pytest.raises(ValueError, match=r"above min\(1e-5, 1/\(10 x 20000 n_i records\)\)"):
-        ClientPrivacy(cfg, method, trainer, [])
+        client_policy(cfg, method, trainer, [], DPSGD)
 
 
 @pytest.mark.parametrize("dp_chunk,expected", [(0, None), (32, 32)])
@@ -318,7 +319,8 @@ def test_fedpa_dp_chunk_sets_the_records_a_dp_sgd_forward_takes(dp_chunk, expect
     from federatedscope.core.trainers import GeneralTorchTrainer
 
     from fs_fedpa.config import FedPAConfig
-    from fs_fedpa.plugin.privacy import ClientPrivacy
+    from fs_fedpa.plugin.dp_sgd import DPSGD
+    from fs_fedpa.privacy import client_policy
 
     cfg = global_cfg.clone()
     cfg.merge_from_list(["train.local_update_steps", 1, "train.batch_or_epoch", "batch", "dataloader.batch_size", 4,
@@ -327,7 +329,7 @@ def test_fedpa_dp_chunk_sets_the_records_a_dp_sgd_forward_takes(dp_chunk, expect
     data = {"train": DataLoader(TensorDataset(torch.zeros(64, 3), torch.zeros(64, 1)), batch_size=4)}
     trainer = GeneralTorchTrainer(torch.nn.Linear(3, 1), data, "cpu", cfg, only_for_eval=False, monitor=Monitor(cfg))
     fedpa = FedPAConfig(dp_mode="sample", dp_clip=1.0, dp_noise_multiplier=1.0, dp_chunk=dp_chunk)
-    privacy = ClientPrivacy(cfg, SimpleNamespace(cfg=fedpa, personal_weight=None), trainer, [])
+    privacy = client_policy(cfg, SimpleNamespace(cfg=fedpa, personal_weight=None), trainer, [], DPSGD)
     assert privacy.dp_sgd.chunk == expected
     with pytest.raises(ValueError, match="dp_chunk"):
         FedPAConfig(dp_chunk=32)  # no DP: a DP-only key set is refused
@@ -369,7 +371,7 @@ def test_the_run_schedule_sets_each_steps_rate_from_the_global_step(kind):
 def test_dp_sgd_steps_through_sgd_with_momentum():
     """Two DP-SGD steps (z = 0) through FS's SGD with momentum 0.9: torch's buffer v = 0.9 v + g, then w -= lr v,
     each g the clipped mean of the step's drawn records, by torch.func at the step's weights."""
-    from fs_fedpa.core.dp import dp_generator, sample_without_replacement
+    from fs_fedpa.privacy.mechanism import dp_generator, sample_without_replacement
 
     trainer, model, X, y = _trainer(lr=0.1)
     trainer.cfg.train.optimizer.momentum = 0.9  # FS passes the optimizer node's keys to torch.optim.SGD
@@ -472,9 +474,9 @@ def test_the_head_is_clipped_and_noised_with_the_body_or_held_still(batched, fro
     the two-layer model."""
     from torch.func import functional_call, grad, vmap
 
-    from fs_fedpa.core.dp import dp_generator
     from fs_fedpa.plugin.dp_sgd import DPSGD
-    from fs_fedpa.plugin.privacy import SamplePlan
+    from fs_fedpa.privacy.mechanism import dp_generator
+    from fs_fedpa.privacy.sample_level import SamplePlan
 
     trainer, model, X, y = _two_layer_trainer()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -502,9 +504,9 @@ def test_the_head_is_clipped_and_noised_with_the_body_or_held_still(batched, fro
 def test_a_frozen_head_takes_no_step_under_noise_or_a_regularizer():
     """Zero data, zero weights: every gradient is 0, so a step is its noise alone; the frozen head stays at 0 even
     with FS's L2 regularizer on (its gradient would move it), the body moves."""
-    from fs_fedpa.core.dp import dp_generator
     from fs_fedpa.plugin.dp_sgd import DPSGD
-    from fs_fedpa.plugin.privacy import SamplePlan
+    from fs_fedpa.privacy.mechanism import dp_generator
+    from fs_fedpa.privacy.sample_level import SamplePlan
 
     trainer, model, X, y = _two_layer_trainer(zero_data=True)
     with torch.no_grad():
@@ -528,9 +530,9 @@ def _clipped_sums(frozen: frozenset, canary: bool, leak: bool, steps: int = 3, c
     take lr 0, so the model at step k depends on the data only through what trains outside the mechanism: nothing
     here, or with ``leak`` the head on the batch's exact mean-loss gradient at lr 1 (what the withdrawn
     ``dp_local_tensors plain`` did)."""
-    from fs_fedpa.core.dp import dp_generator
     from fs_fedpa.plugin.dp_sgd import DPSGD
-    from fs_fedpa.plugin.privacy import SamplePlan
+    from fs_fedpa.privacy.mechanism import dp_generator
+    from fs_fedpa.privacy.sample_level import SamplePlan
 
     trainer, model, X, y = _two_layer_trainer()
     if canary:
@@ -588,7 +590,7 @@ def test_a_step_s_clipped_sum_moves_at_most_2c_between_neighbours(frozen):
 
 
 def test_the_privacy_option_freezes_the_local_tensors_or_refuses():
-    from fs_fedpa.plugin.privacy import frozen_names
+    from fs_fedpa.privacy.sample_level import frozen_names
 
     assert frozen_names("frozen", sorted(HEAD)) == HEAD and frozen_names("noised", sorted(HEAD)) == frozenset()
     with pytest.raises(ValueError, match="no local tensor to freeze"):

@@ -311,7 +311,7 @@ def test_sample_level_poisson_sampling_with_the_pld_accountant(tiny_llm, tmp_pat
     subsampled Gaussian composed over its steps, and its z is below what rdp with fixed-size sampling needs."""
     from dp_accounting.pld import privacy_loss_distribution as pld
 
-    from fs_fedpa.core.dp_accountant import calibrate
+    from fs_fedpa.privacy.accountant import calibrate
 
     overrides = {"fedpa.dp_mode": "sample", "fedpa.dp_clip": 1.0, "fedpa.dp_epsilon": 8.0,
                  "federate.total_round_num": 1, "fedpa.dp_sampling": "poisson", "fedpa.dp_accountant": "pld",
@@ -692,7 +692,7 @@ def test_client_level_messages_time_stamp_the_sample_count_they_carry():
 
     from fs_fedpa.config import FedPAConfig
     from fs_fedpa.plugin.client import FedPAClient
-    from fs_fedpa.plugin.privacy import ClientPrivacy
+    from fs_fedpa.privacy import client_policy
 
     sent = []
     cfg = SimpleNamespace(llm=SimpleNamespace(deepspeed=SimpleNamespace(use=False)))
@@ -710,7 +710,7 @@ def test_client_level_messages_time_stamp_the_sample_count_they_carry():
     for name in ("_unpark", "_park"):
         setattr(fake, name, lambda *a, **k: None)
     fake._gen_timestamp = lambda **kw: Client._gen_timestamp(fake, **kw)
-    fake.privacy = ClientPrivacy(cfg, fake.method, fake.trainer, [])
+    fake.privacy = client_policy(cfg, fake.method, fake.trainer, [])
     FedPAClient.callback_funcs_for_model_para(fake, Message(msg_type="model_para", sender=0, receiver=[2], state=0,
                                                              timestamp=10.0, content={}))  # fmt: skip
     (message,) = sent

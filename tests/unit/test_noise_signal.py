@@ -1,5 +1,5 @@
 """The run file's ``noise_signal``: each DP-SGD client's per-round noise/signal read back from its own accounting
-file (a JSON line a round, written by ClientPrivacy), never from a log line, and the report's per-client median over
+file (a JSON line a round, written by the sample-level client policy), never from a log line, and the report's per-client median over
 the last quarter of the rounds."""
 
 from __future__ import annotations
@@ -8,16 +8,16 @@ import json
 from types import SimpleNamespace
 
 from fs_fedpa.fs_results import read_noise_signal
-from fs_fedpa.plugin.privacy import ClientPrivacy, SamplePlan
+from fs_fedpa.privacy.sample_level import SampleLevelClient, SamplePlan
 from fs_fedpa.record import CLIENT_PRIVACY_FILE
 from fs_fedpa.study.report_dp_regime import noise_shares
 
 
-def _client(tmp_path, client: int, norms, empty: int = 0) -> ClientPrivacy:
-    """A ClientPrivacy whose DP-SGD left ``norms`` (clipped sum, noise) for the round: its ``log_round`` writes."""
-    privacy = ClientPrivacy.__new__(ClientPrivacy)
+def _client(tmp_path, client: int, norms, empty: int = 0) -> SampleLevelClient:
+    """A client policy whose DP-SGD left ``norms`` (clipped sum, noise) for the round: its ``log_round`` writes."""
+    privacy = SampleLevelClient.__new__(SampleLevelClient)
     privacy.fedpa = SimpleNamespace(dp_clip=0.1, dp_min_records=0)
-    privacy.mode, privacy.client, privacy.rnd = "sample", client, 3
+    privacy.client, privacy.rnd = client, 3
     privacy.path = str(tmp_path / CLIENT_PRIVACY_FILE)
     privacy.trainer = SimpleNamespace(ctx={"num_train_data": 8214})
     plan = SamplePlan(8214, 256, 1, 0.6156, 1e-5, "poisson", "rdp")

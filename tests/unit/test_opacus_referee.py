@@ -1,5 +1,5 @@
 """Opacus as the referee of the plugin's DP-SGD (no FederatedScope): the per-example gradients of the batched taps
-(fs_fedpa.core.per_example) equal Opacus's GradSampleModule grad samples on a LoRA BERT classifier and a LoRA Llama,
+(fs_fedpa.privacy.per_example) equal Opacus's GradSampleModule grad samples on a LoRA BERT classifier and a LoRA Llama,
 padded batches included; and one DP-SGD step from them (clip, sum, noise, divide by b) equals a step of Opacus's
 DPOptimizer with the same records, clip and injected noise. Opacus is a test dependency only (the test extra)."""
 
@@ -15,8 +15,8 @@ opacus = pytest.importorskip("opacus", reason="opacus (the test extra) is not in
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from fs_fedpa.core.dp import gaussian  # noqa: E402
-from fs_fedpa.core.per_example import LinearTaps, clipped_sum, linear_owners, per_example_grads  # noqa: E402
+from fs_fedpa.privacy.mechanism import gaussian  # noqa: E402
+from fs_fedpa.privacy.per_example import LinearTaps, clipped_sum, linear_owners, per_example_grads  # noqa: E402
 
 
 def _bert():
@@ -105,7 +105,7 @@ def test_the_taps_per_example_gradients_equal_opacus_grad_samples(kind):
 
 def test_one_dp_step_equals_opacus_dpoptimizer_with_the_same_noise(monkeypatch):
     """b = 6 records, C = 0.05 (every record clipped), z = 1.3, plain SGD: the plugin's step is
-    p - lr (sum_j c_j g_j + N(0, (z C)^2)) / b with the noise drawn by fs_fedpa.core.dp.gaussian; Opacus's
+    p - lr (sum_j c_j g_j + N(0, (z C)^2)) / b with the noise drawn by fs_fedpa.privacy.mechanism.gaussian; Opacus's
     DPOptimizer is handed those same draws through its noise generator. Opacus divides by ||g_j|| + 1e-6 when it
     clips, hence the tolerance."""
     from opacus.optimizers import optimizer as opacus_optimizer
@@ -152,7 +152,7 @@ def test_the_literature_reading_of_epsilon_equals_opacus_rdp_accountant(rate, z,
     pytest.importorskip("dp_accounting")
     from opacus.accountants import RDPAccountant
 
-    from fs_fedpa.core.dp_accountant import poisson_add_remove_epsilon
+    from fs_fedpa.privacy.accountant import poisson_add_remove_epsilon
 
     accountant = RDPAccountant()
     accountant.history = [(z, rate, steps)]

@@ -1,4 +1,4 @@
-"""What of a round's statistics leaves a client, per DP mode (fs_fedpa.plugin.privacy.ClientPrivacy)."""
+"""What of a round's statistics leaves a client, per DP mode (its client policy, fs_fedpa.privacy)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from fs_fedpa.plugin.privacy import SPENT_STATS, ClientPrivacy
+from fs_fedpa import privacy as dp
+from fs_fedpa.privacy.sample_level import SPENT_STATS
 
 STATS = {"alignment_loss": 0.1, "lam": 1.0, "num_train_data": 600, "restarted": 0, "state_lost": 0,
          "delta_norm": 2.0, "change_norm": 1.0, "grad_ratio_first": 0.3, "grad_ratio_last": 0.2}  # fmt: skip
@@ -26,8 +27,10 @@ def _fedpa(mode: str):
     ],
 )
 def test_what_leaves_the_client(mode, kept, size):
-    privacy = ClientPrivacy.__new__(ClientPrivacy)  # the filter alone: no trainer to hook
-    privacy.fedpa, privacy.mode, privacy.dp_sgd = _fedpa(mode), mode, None
+    cls = dp.mechanism_of(_fedpa(mode)).Client
+    privacy = cls.__new__(cls)  # the filter alone: no trainer to hook
+    privacy.fedpa = _fedpa(mode)
+    privacy.dp_sgd = SimpleNamespace(plan_in_use=None)
     privacy.trainer = SimpleNamespace(ctx={"num_train_data": 600})
     assert set(privacy.stats(dict(STATS))) == kept
     assert privacy.sample_size(32) == size

@@ -1,4 +1,4 @@
-"""The accountants of fs_fedpa.core.dp_accountant against independent computations: the PLD bound for fixed-size
+"""The accountants of fs_fedpa.privacy.accountant against independent computations: the PLD bound for fixed-size
 sampling without replacement under replace-one against hockey-stick divergences integrated by hand on the worst
 datasets of a small case, against dp-accounting's RDP bound, and the Poisson readings against Opacus's accountants."""
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 pytest.importorskip("dp_accounting")
 from scipy import integrate, stats  # noqa: E402
 
-from fs_fedpa.core.dp_accountant import Sampled, calibrate  # noqa: E402
+from fs_fedpa.privacy.accountant import Sampled, calibrate  # noqa: E402
 
 GRID = np.linspace(-14.0, 14.0, 2801)  # the outputs integrated over (noise std 1 to 2, means within [-1, 1])
 
@@ -167,7 +167,7 @@ def test_the_pld_cost_is_refused_before_it_is_allocated(monkeypatch):
     import time
     import tracemalloc
 
-    from fs_fedpa.core import dp_accountant as da
+    from fs_fedpa.privacy import accountant as da
 
     kind = da.Sampled(16, 8, 0.001, "poisson", "pld")
     tracemalloc.start()
@@ -185,7 +185,7 @@ def test_the_pld_cost_is_refused_before_it_is_allocated(monkeypatch):
 def test_the_composition_bound_covers_what_dp_accounting_composes(monkeypatch, sampling):
     """The composed length checked before self_compose is dp-accounting's own: the composed pmf it then builds is
     never longer; with the cap just under it the same call is refused."""
-    from fs_fedpa.core import dp_accountant as da
+    from fs_fedpa.privacy import accountant as da
 
     kind = da.Sampled(8000, 240, 0.6, sampling, "pld")
     composed = kind.pld().self_compose(120)

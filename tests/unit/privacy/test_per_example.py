@@ -1,5 +1,5 @@
-"""Per-example gradients from batched taps (fs_fedpa.core.per_example) against autograd on each record alone, on
-LoRA-shaped stacks of nn.Linear; the clipped sum against fs_fedpa.core.dp.add_clipped record by record; and the
+"""Per-example gradients from batched taps (fs_fedpa.privacy.per_example) against autograd on each record alone, on
+LoRA-shaped stacks of nn.Linear; the clipped sum against fs_fedpa.privacy.mechanism.add_clipped record by record; and the
 refusals (a module that mixes records, a tensor outside a plain nn.Linear, a weight read outside its forward)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from fs_fedpa.core.dp import add_clipped
-from fs_fedpa.core.per_example import LinearTaps, check_sum, clipped_sum, linear_owners, per_example_grads
+from fs_fedpa.privacy.mechanism import add_clipped
+from fs_fedpa.privacy.per_example import LinearTaps, check_sum, clipped_sum, linear_owners, per_example_grads
 
 SETTINGS = settings(max_examples=30, deadline=None)
 
@@ -147,7 +147,7 @@ def test_a_record_with_a_non_finite_gradient_contributes_zero(bad):
 def test_a_non_finite_client_update_is_left_out_of_the_client_level_release():
     """Client level: an upload whose norm is not finite gets c = 0 and is left out of the noisy mean, which stays
     finite and equals the release without it (the same noise, K unchanged)."""
-    from fs_fedpa.core.dp import dp_generator, release_products
+    from fs_fedpa.privacy.mechanism import dp_generator, release_products
 
     torch.manual_seed(2)
     good = {"m": (torch.randn(6, 2), torch.randn(2, 5))}

@@ -1,6 +1,6 @@
 """Privacy accounting with Google's ``dp-accounting`` (the ``dp`` extra; imported only when DP is on).
 
-Both mechanisms of :mod:`fs_fedpa.core.dp` release a sum of members clipped to C plus N(0, (z C)^2) (divided by the
+Both mechanisms of :mod:`fs_fedpa.privacy.mechanism` release a sum of members clipped to C plus N(0, (z C)^2) (divided by the
 fixed or expected sample size, which changes nothing here). Two samplings, each with the adjacency it supports
 (``fedpa.dp_sampling``):
 
@@ -32,7 +32,7 @@ Two accountants (``fedpa.dp_accountant``), both valid upper bounds on the same m
      Gaussian (REMOVE, sensitivity 2), so the pair built here dominates the mechanism at every alpha, and
      compositions of it bound the run (dominating pairs compose, Zhu, Dong and Wang, adaptively).
 
-  tests/unit/test_dp_accountant.py checks it against hockey-stick divergences integrated by hand (one and two
+  tests/unit/privacy/test_accountant.py checks it against hockey-stick divergences integrated by hand (one and two
   releases, the worst datasets of a small case) and against the RDP bound, which it never exceeds.
 """
 

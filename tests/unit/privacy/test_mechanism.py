@@ -1,4 +1,4 @@
-"""The Gaussian mechanisms of fs_fedpa.core.dp against dense computations, and the accountant against dp-accounting
+"""The Gaussian mechanisms of fs_fedpa.privacy.mechanism against dense computations, and the accountant against dp-accounting
 composing the run itself and against the Gaussian's RDP by hand."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fs_fedpa.core.dp import (
+from fs_fedpa.privacy.mechanism import (
     clip_scale,
     dp_generator,
     release_changes,
@@ -168,8 +168,8 @@ def test_without_a_seed_the_noise_and_sampling_come_from_the_cryptographic_gener
     then decide them), the Gaussians are N(0, 1) by scipy's Kolmogorov-Smirnov test, and sampling is uniform."""
     from scipy import stats
 
-    from fs_fedpa.core import dp as dp_module
-    from fs_fedpa.core.dp import SecureGenerator, gaussian
+    from fs_fedpa.privacy import mechanism as dp_module
+    from fs_fedpa.privacy.mechanism import SecureGenerator, gaussian
 
     g = dp_generator()
     assert isinstance(g, SecureGenerator) and isinstance(dp_generator(3), torch.Generator)
@@ -195,7 +195,7 @@ dpa = pytest.importorskip("dp_accounting", reason="dp-accounting (the dp extra) 
 
 def test_all_clients_each_round_is_the_gaussians_rdp_by_hand():
     """K = N: no amplification; T rounds of noise z C / K over sensitivity 2C / K are RDP T alpha / (2 (z/2)^2)."""
-    from fs_fedpa.core.dp_accountant import Sampled
+    from fs_fedpa.privacy.accountant import Sampled
 
     z, T = 1.7, 12
     accountant = Sampled(10, 10, z).accountant(T)
@@ -217,7 +217,7 @@ def test_all_clients_each_round_is_the_gaussians_rdp_by_hand():
 def test_ledger_route_equals_dp_accounting_composing_the_run(N, K, z, T, by_round):
     from dp_accounting.rdp import rdp_privacy_accountant as rdp
 
-    from fs_fedpa.core.dp_accountant import Sampled
+    from fs_fedpa.privacy.accountant import Sampled
 
     accountant = rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
     event = dpa.SampledWithoutReplacementDpEvent(N, K, dpa.GaussianDpEvent(z / 2))
@@ -230,13 +230,13 @@ def test_ledger_route_equals_dp_accounting_composing_the_run(N, K, z, T, by_roun
 
 
 def test_replace_one_costs_the_z_over_2_of_the_issue():
-    from fs_fedpa.core.dp_accountant import Sampled
+    from fs_fedpa.privacy.accountant import Sampled
 
     assert Sampled(100, 10, 1.0).epsilon(30, 1e-5) == pytest.approx(32.27, abs=0.05)  # not 7.6, which z gives
 
 
 def test_calibrate_meets_the_target_tightly():
-    from fs_fedpa.core.dp_accountant import Sampled, calibrate
+    from fs_fedpa.privacy.accountant import Sampled, calibrate
 
     z = calibrate(100, 10, 30, 8.0, 1e-5)
     assert Sampled(100, 10, z).epsilon(30, 1e-5) <= 8.0

@@ -5,7 +5,7 @@ Client level (a trusted server): K of N clients are sampled without replacement 
 to ``||x_i|| <= C`` (c_i = min(1, C / ||x_i||)); the release is ``(1/K) sum_i c_i x_i + N(0, (z C / K)^2 I)``, with
 the fixed K in the denominator whatever arrived. Replacing one client moves the mean by at most ``2C/K``, so the
 accountant sees the noise multiplier z/2 (under Poisson sampling, adding or removing one: ``C/K`` and z;
-:mod:`fs_fedpa.core.dp_accountant`).
+:mod:`fs_fedpa.privacy.accountant`).
 
 Sample level (DP-SGD on a client): b of its n_i records are drawn without replacement at every step (or each record
 at rate b/n_i, and b is the expected count); the per-example gradients g_j are clipped to C (:func:`add_clipped`)

@@ -21,8 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from fs_fedpa.core.dp import clip_scale
-
+from fs_fedpa.privacy.mechanism import clip_scale
 
 # torch modules whose default layout puts the sequence first: with batch_first=False they and the layers around them
 # (torch's transformer layers pass the flag to their attention) see (sequence, batch, features), so a tap would take
@@ -127,7 +126,7 @@ def check_sum(per_example: Sequence[Tensor], grads: Sequence[Tensor | None], rto
 
 def clipped_sum(per_example: Sequence[Tensor], C: float) -> tuple[list[Tensor], list[float]]:
     """``sum_j c_j g_j`` in float64 with ``c_j = min(1, C / ||g_j||)``, ``||g_j||`` over all tensors of record j
-    jointly (as :func:`fs_fedpa.core.dp.add_clipped` for one record at a time); also the c_j. A record whose norm is
+    jointly (as :func:`fs_fedpa.privacy.mechanism.add_clipped` for one record at a time); also the c_j. A record whose norm is
     not finite (an fp16 overflow, say) contributes exactly zero, c_j = 0 with its tensors zeroed first: 0 * inf
     would make the whole sum NaN, and the step would then depend on that one record."""
     sq = sum(pe.double().flatten(1).pow(2).sum(1) for pe in per_example)

@@ -1,0 +1,217 @@
+"""What the Gaussian mechanisms (client level, sample level) share: the server's DP generator, the ledger
+``<outdir>/fedpa_privacy.jsonl`` (one line a round) and its continuation on resume, the seed warning, and the
+manifest's account of an export.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from fs_fedpa.privacy.mechanism import dp_generator
+from fs_fedpa.privacy.policy import EVERY_EXPORT, Mechanism, ServerPolicy
+from fs_fedpa.record import PRIVACY_FILE
+
+logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
+
+
+def noise_source(fedpa) -> str:
+    """Where the DP noise and sampling come from, in words."""
+    if fedpa.dp_seed >= 0:
+        return "fedpa.dp_seed"
+    return "the OS's cryptographic generator" if fedpa.dp_secure_rng else "MT19937 seeded from OS entropy"
+
+
+def seed_warning(dp_seed: int) -> str | None:
+    """The warning a run with ``fedpa.dp_seed`` gets, in both modes (None without a seed)."""
+    if dp_seed < 0:
+        return None
+    return (
+        f"[fedpa] fedpa.dp_seed(={dp_seed}) is set: the DP noise and sampling are reproducible from it, and the "
+        "(epsilon, delta) guarantee holds only while the seed stays secret; for a private release leave it at -1 (OS "
+        "entropy)"
+    )
+
+
+def common_settings(cfg) -> dict:
+    """The settings every Gaussian mechanism's accounting reads (:meth:`Mechanism.accounting_settings`)."""
+    fedpa = cfg.fedpa
+    # dp_seed: a seeded run continues its noise stream, an unseeded one draws fresh entropy; neither can become the
+    # other across a resume
+    keys = ("dp_mode", "dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_sampling", "dp_accountant",
+            "dp_seed")  # fmt: skip
+    out = {f"fedpa.{k}": getattr(fedpa, k) for k in keys}
+    if fedpa.dp_epsilon > 0:  # z calibrated over the horizon
+        out["fedpa.dp_horizon (or federate.total_round_num)"] = int(fedpa.dp_horizon or cfg.federate.total_round_num)
+    out["federate.client_num"] = int(cfg.federate.client_num)
+    return out
+
+
+class GaussianMechanism(Mechanism):
+    """Client or sample level: the run-level rules both share."""
+
+    level = ""  # "client", "sample": the manifest's and the ledger's word for it
+
+    @classmethod
+    def check_run(cls, cfg, fedpa) -> None:
+        try:
+            import dp_accounting  # noqa: F401
+        except ImportError as exc:
+            raise ValueError(
+                f"fedpa.dp_mode {fedpa.dp_mode!r} needs Google's dp-accounting: pip install 'fs_fedpa[dp]'"
+            ) from exc
+        if 0 < fedpa.dp_horizon < cfg.federate.total_round_num:
+            raise ValueError(
+                f"fedpa.dp_horizon(={fedpa.dp_horizon}) is below federate.total_round_num"
+                f"(={cfg.federate.total_round_num}): the noise calibrated for it would spend more than "
+                "fedpa.dp_epsilon"
+            )
+        if fedpa.dp_noise_multiplier > 0 and fedpa.dp_accountant == "pld":  # a calibrated z is checked as it is found
+            from fs_fedpa.privacy.accountant import Sampled, check_pld_cost
+
+            # one event's grid at the given z, which the sampling rate does not change: the smallest population
+            check_pld_cost(Sampled(2, 1, fedpa.dp_noise_multiplier, fedpa.dp_sampling, "pld"), None)
+
+    @classmethod
+    def export_info(cls, fedpa, outdir: Path) -> dict:
+        ledger = Path(outdir) / PRIVACY_FILE
+        lines = ledger.read_text(encoding="utf-8").splitlines() if ledger.is_file() else []
+        last = json.loads(lines[-1]) if lines else {}
+        return {"dp_mode": fedpa.dp_mode, "epsilon": last.get("dp_epsilon"), "delta": last.get("dp_delta"),
+                "adjacency": last.get("dp_adjacency"), "sampling": last.get("dp_sampling"),
+                "accountant": last.get("dp_accountant")}  # fmt: skip
+
+
+class GaussianServer(ServerPolicy):
+    """The server's side of a Gaussian mechanism: the DP generator (and one for the method's sketches), the
+    sampling, adjacency and accountant it states, the ledger and its continuation."""
+
+    level = ""  # the ledger's dp_mode
+
+    def __init__(self, cfg, method, *, clients: int, rounds: int, per_round: int, shared_names, global_factors):
+        super().__init__(cfg, method, clients=clients, rounds=rounds, per_round=per_round, shared_names=shared_names,
+                         global_factors=global_factors)  # fmt: skip
+        from fs_fedpa.privacy.accountant import ADJACENCY, describe
+
+        fedpa = method.cfg
+        self.C, self.N, self.T = fedpa.dp_clip, clients, rounds
+        self.generator = dp_generator(fedpa.dp_seed, "server", fedpa.dp_secure_rng)
+        # the method's post-processing draws (a randomized SVD's sketch) take a torch generator: the DP one when it
+        # is one (seeded runs stay reproducible), else one seeded from the cryptographic generator
+        self.sketch_generator = (self.generator if isinstance(self.generator, torch.Generator)
+                                 else torch.Generator().manual_seed(secrets.randbits(63)))  # fmt: skip
+        self.sampling, self.accounting = fedpa.dp_sampling, fedpa.dp_accountant
+        self.adjacency = ADJACENCY[self.sampling]
+        self.accountant = describe(self.accounting)
+        self.last: dict = {}
+        if (warning := seed_warning(fedpa.dp_seed)) is not None:
+            logger.warning(warning)
+
+    def write(self, line: dict) -> dict:
+        """Append ``line`` to the ledger; it is the last line from now on."""
+        self.last = line
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+        return line
+
+    # ------------------------------------------------------------------------------------------ resume
+    FIELDS: dict[str, type] = {"last": dict, "ledger": str}  # what a resume point must carry (subclasses add)
+
+    def state_dict(self) -> dict:
+        """The accountant's counts, and the DP generator only with ``fedpa.dp_seed`` (reproducible runs). Without a
+        seed the generator's state would let anyone holding the file regenerate every noise draw and subtract it; a
+        resumed run draws from fresh OS entropy instead."""
+        out = {"last": dict(self.last), "ledger": os.path.abspath(self.path), **self.counts()}
+        if self.method.cfg.dp_seed >= 0:
+            out["generator"] = self.generator.get_state()
+        return out
+
+    def counts(self) -> dict:
+        """The accountant's counts, as the resume point carries them."""
+        return {}
+
+    def load_state_dict(self, saved: dict, path: str) -> None:
+        """Continue the accounting of the resume point ``path`` (its ``privacy`` field ``saved``). The ledger of the
+        run it continues is the source of truth: a round released after the resume point was written (a crash
+        between the release, which leaves with FS's evaluation broadcast, and the next round's resume point) is in
+        the ledger but not in the point, and the resumed run releases that round again with fresh noise. So the
+        counts are the larger of the two, and this run's ledger begins with the continued run's lines: one file
+        states the whole run's epsilon. A field the accounting reads that is missing or malformed is refused, naming
+        the file and the field: a point the ledger cannot vouch for is not trusted."""
+        at = f"federate.restore_from {path!r}: field 'privacy"
+        seeded = self.method.cfg.dp_seed >= 0  # reproducible: continue the stream; else fresh OS entropy
+        for key, kind in (*self.FIELDS.items(), *((("generator", Tensor),) if seeded else ())):
+            if not isinstance(saved.get(key), kind) or kind is int and isinstance(saved[key], bool):
+                what = "missing" if key not in saved else f"a {type(saved[key]).__name__}, not a {kind.__name__}"
+                raise ValueError(f"{at}.{key}' is {what}; the accounting of this run's past cannot continue from it")
+        try:
+            self.load_counts(saved)
+        except (TypeError, ValueError):
+            raise ValueError(f"{at}' holds counts that are not integers") from None
+        self.last = dict(saved["last"])
+        if seeded:
+            self.generator.set_state(saved["generator"])
+        previous = saved["ledger"]
+        if not os.path.exists(previous):
+            logger.warning(
+                f"[fedpa] the DP ledger of the run this resumes ({previous}) is not there: epsilon counts the "
+                "releases up to the resume point only, not a round released after it before the run stopped"
+            )
+            return
+        lines = read_ledger(previous, self.ledger_line_ok)
+        if os.path.abspath(previous) != os.path.abspath(self.path):
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            with open(self.path, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(line) + "\n" for line in lines)
+        if lines:
+            self.continue_from(lines[-1])
+
+    def load_counts(self, saved: dict) -> None:
+        """The counts of :meth:`counts` from the resume point's ``saved`` (TypeError/ValueError if not integers)."""
+
+    def continue_from(self, last: dict) -> None:
+        """The counts raised to those of the continued run's last ledger line ``last``, where it counts more."""
+
+    def ledger_line_ok(self, entry: dict) -> bool:
+        """Whether ``entry`` is a ledger line of this mechanism."""
+        return isinstance(entry.get("round"), int) and entry.get("dp_mode") == self.level
+
+
+def read_ledger(path: str, line_ok) -> list[dict]:
+    """The lines of the DP ledger ``path``, each passing ``line_ok``; ValueError naming the file (and the line) for
+    anything that is not one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as err:
+        what = type(err).__name__
+        raise ValueError(f"the DP ledger {path!r} of the run this resumes cannot be read ({what})") from None
+    lines = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            entry = None
+        if not isinstance(entry, dict) or not line_ok(entry):
+            raise ValueError(f"the DP ledger {path!r} of the run this resumes: line {number} is not a ledger line")
+        lines.append(entry)
+    return lines
+
+
+def split_exports(level: str) -> tuple[list[str], list[str]]:
+    """(the exported paths the guarantee covers, those it does not) at ``level`` "client" or "sample". Client level:
+    the global adapter only; the clients' heads and own factors are trained on their data without DP. Sample level
+    (DP-SGD): everything, the clients' heads included (clipped and noised, or with ``fedpa.dp_local_tensors frozen``
+    held at their initial value, which no record touches)."""
+    shared, own = EVERY_EXPORT
+    if level == "client":
+        return shared, [f"{p} (heads and own factors: trained without DP)" for p in own]
+    return [*shared, *own], []

@@ -1,0 +1,421 @@
+"""Sample-level DP (``fedpa.dp_mode sample``, docs/privacy.md): each client trains by DP-SGD over its own records
+(:class:`SampleLevelClient`, on the plugin's DP-SGD hooks), accounts its own steps and reports that account with its
+upload; the server checks each account against the plan its own config gives that client and states in its ledger
+what each client spent (:class:`SampleLevelServer`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from fs_fedpa.privacy.mechanism import dp_generator
+from fs_fedpa.privacy.policy import ClientPolicy
+from fs_fedpa.privacy.private import GaussianMechanism, GaussianServer, common_settings, split_exports
+from fs_fedpa.privacy.settings import dp_delta_for
+from fs_fedpa.record import CLIENT_PRIVACY_FILE
+
+logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
+
+# what a client sends of its statistics: everything computed from its DP factors, but not the task-gradient ratios
+# (raw data); with what it reports it spent (SampleLevelClient.spent; SampleLevelServer.admit)
+RAW_DATA_STATS = ("grad_ratio_",)
+SPENT_STATS = ("dp_n", "dp_b", "dp_steps", "dp_z", "dp_clip", "dp_delta", "dp_epsilon")
+
+
+@dataclass(frozen=True)
+class SamplePlan:
+    """Client i's DP-SGD: b of its n records a step (``sampling`` "poisson": each at rate b/n, b expected),
+    ``steps_per_round`` steps a round, noise multiplier z, epsilon from ``accounting``."""
+
+    n: int
+    b: int
+    steps_per_round: int
+    z: float
+    delta: float
+    sampling: str = "wor"
+    accounting: str = "rdp"
+
+    @property
+    def kind(self):
+        from fs_fedpa.privacy.accountant import Sampled
+
+        return Sampled(self.n, self.b, self.z, self.sampling, self.accounting)
+
+    def epsilon(self, steps: int) -> float:
+        return self.kind.epsilon(steps, self.delta)
+
+
+def sample_plan(cfg, n: int, routines: int = 1) -> SamplePlan:
+    """The plan of a client with ``n`` training records under FS config ``cfg``: b = min(batch size, n); steps a
+    round as FS runs them (``local_update_steps`` batches, or that many epochs of ceil(n / b) batches, n // b with
+    ``drop_last``), times the ``routines`` a round trains (2 with a personal phase); z as given, or calibrated so that
+    every step it could take over the run (T rounds, or ``fedpa.dp_horizon``) spends at most ``fedpa.dp_epsilon``
+    at its delta."""
+    fedpa = cfg.fedpa
+    b = max(1, min(int(cfg.dataloader.batch_size), n))
+    if cfg.train.batch_or_epoch == "batch":
+        tau = int(cfg.train.local_update_steps)
+    else:
+        per_epoch = n // b if cfg.dataloader.drop_last else math.ceil(n / b)
+        tau = int(cfg.train.local_update_steps) * max(per_epoch, 1)
+    tau *= routines
+    if n < fedpa.dp_min_records:  # left out of DP training: no step, epsilon 0, no noise to calibrate
+        delta = dp_delta_for(float(fedpa.dp_delta), n, "n_i records")
+        return SamplePlan(n, b, 0, 0.0, delta, fedpa.dp_sampling, fedpa.dp_accountant)
+    return _plan(n, b, tau, int(fedpa.dp_horizon or cfg.federate.total_round_num), float(fedpa.dp_noise_multiplier),
+                 float(fedpa.dp_epsilon), float(fedpa.dp_delta), fedpa.dp_sampling, fedpa.dp_accountant)  # fmt: skip
+
+
+@lru_cache(maxsize=1024)
+def _plan(n: int, b: int, tau: int, rounds: int, z: float, target: float, delta_setting: float, sampling: str,
+          accounting: str) -> SamplePlan:  # fmt: skip
+    from fs_fedpa.privacy.accountant import calibrate, check_pld_cost
+
+    delta = dp_delta_for(delta_setting, n, "n_i records")
+    if not z:
+        z = calibrate(n, b, rounds * tau, target, delta, sampling, accounting)
+    plan = SamplePlan(n, b, tau, z, delta, sampling, accounting)
+    check_pld_cost(plan.kind, rounds * tau)  # the whole horizon's accounting, at the client's start
+    return plan
+
+
+def routines(method) -> int:
+    """Training routines a client runs in a round: 2 for a method with a personal phase (FedDPA), else 1."""
+    return 1 if method.personal_weight is None else 2
+
+
+def frozen_names(treatment: str, local_names: list[str]) -> frozenset[str]:
+    """The tensors DP-SGD holds still: with ``fedpa.dp_local_tensors frozen`` the client's local tensors (a head),
+    which keep the value they were built with, a value no record touches; DP-SGD clips and noises every tensor that
+    moves, so what the client releases is post-processing of the mechanism alone."""
+    if treatment != "frozen":
+        return frozenset()
+    if not local_names:
+        raise ValueError(
+            "fedpa.dp_local_tensors 'frozen' with no local tensor to freeze: personalization.local_param names none "
+            "of the model's trainable non-LoRA tensors"
+        )
+    return frozenset(local_names)
+
+
+class SampleLevelClient(ClientPolicy):
+    """DP-SGD on FS's ``trainer`` (``dp_sgd``: the plugin's hooks, which replace its step; ``num_train_data`` is the
+    client's n_i), what of its statistics leaves, and its own account: in its log, in its upload (:meth:`spent`) and
+    as a line a round of :data:`~fs_fedpa.record.CLIENT_PRIVACY_FILE` (:meth:`record`). ``fedpa.dp_local_tensors
+    frozen`` holds its local tensors at their initial value."""
+
+    gradient_diagnostics = False  # its task gradient is the noisy one
+
+    def __init__(self, cfg, method, trainer, local_names: list[str], dp_sgd=None):
+        super().__init__(cfg, method, trainer, local_names, dp_sgd)
+        fedpa = self.fedpa
+        self.path = os.path.join(cfg.outdir, CLIENT_PRIVACY_FILE)
+        if dp_sgd is None:
+            raise ValueError("fedpa.dp_mode sample needs the plugin's DP-SGD hooks (fs_fedpa.plugin.dp_sgd.DPSGD)")
+
+        def plan(n: int) -> SamplePlan:
+            return sample_plan(cfg, n, routines(method))
+
+        def make_generator(routine: int):  # a torch.Generator or a SecureGenerator (dp_generator)
+            stream = f"client {self.client} round {self.rnd} routine {routine}"
+            return dp_generator(fedpa.dp_seed, stream, fedpa.dp_secure_rng)
+
+        frozen = frozen_names(fedpa.dp_local_tensors, local_names)
+        self.dp_sgd = dp_sgd(trainer, plan, make_generator, fedpa.dp_clip, chunk=fedpa.dp_chunk or None,
+                             frozen=frozen)  # fmt: skip
+        n = trainer.ctx.get("num_train_data")
+        if isinstance(n, int) and n > 0:
+            plan(n)  # now, not in the first batch: a delta above min(1e-5, 1/(10 n_i)) is refused at start
+
+    def new_round(self, client: int, rnd: int) -> None:
+        super().new_round(client, rnd)
+        self.dp_sgd.new_round()
+
+    @property
+    def sits_out(self) -> bool:
+        """``fedpa.dp_min_records``: this client has fewer records and takes no DP-SGD step."""
+        if not self.fedpa.dp_min_records:
+            return False
+        n = self.trainer.ctx.get("num_train_data")
+        return isinstance(n, int) and n < self.fedpa.dp_min_records
+
+    def stats(self, stats: dict, rounds_trained: int = 0) -> dict:
+        """Every statistic but the raw-gradient ones, with what it spent after ``rounds_trained`` rounds
+        (:meth:`spent`), which the server checks and its ledger records."""
+        return {**{k: v for k, v in stats.items() if not k.startswith(RAW_DATA_STATS)}, **self.spent(rounds_trained)}
+
+    def spent(self, rounds_trained: int) -> dict:
+        """This client's own account as upload stats (:data:`SPENT_STATS`): n_i, b, steps so far, z, C, delta and
+        epsilon, from the plan its own config gave it; zeros for a client that sits out."""
+        n = self.trainer.ctx.get("num_train_data")
+        plan = self.dp_sgd.plan_in_use
+        if self.sits_out or plan is None:
+            return {"dp_n": int(n or 0), "dp_b": 0, "dp_steps": 0, "dp_z": 0.0, "dp_clip": float(self.fedpa.dp_clip),
+                    "dp_delta": 0.0, "dp_epsilon": 0.0}  # fmt: skip
+        steps = rounds_trained * plan.steps_per_round
+        clip = float(self.fedpa.dp_clip)
+        return {"dp_n": plan.n, "dp_b": plan.b, "dp_steps": steps, "dp_z": plan.z, "dp_clip": clip,
+                "dp_delta": plan.delta, "dp_epsilon": plan.epsilon(steps)}  # fmt: skip
+
+    def sample_size(self, sample_size: int) -> int:
+        """0 for a client that sits out (its upload weighs nothing); under Poisson DP-SGD the expected count of the
+        round's steps, not how many records the draws held (which adding or removing one would change)."""
+        if self.sits_out:
+            return 0
+        plan = self.dp_sgd.plan_in_use
+        if plan is not None and plan.sampling == "poisson":
+            return plan.steps_per_round * plan.b
+        return sample_size
+
+    def log_round(self, rounds_trained: int) -> None:
+        """The client's own epsilon after ``rounds_trained`` rounds, in its own log and as a line of its own
+        :data:`~fs_fedpa.record.CLIENT_PRIVACY_FILE` (:meth:`record`)."""
+        if self.sits_out:
+            n = self.trainer.ctx.get("num_train_data")
+            logger.info(
+                f"[fedpa] client #{self.client}: {n} training records, fewer than fedpa.dp_min_records"
+                f"(={self.fedpa.dp_min_records}): it takes no DP-SGD step, sends the factors it started "
+                "from with sample size 0 (no weight), and spends epsilon 0"
+            )
+            self._write({**self._account(rounds_trained), "sits_out": True, "clipped_sum": None, "noise": None})
+            return
+        if self.dp_sgd.plan_in_use is None:
+            return
+        plan = self.dp_sgd.plan_in_use
+        line = self.record(rounds_trained)
+        self._write(line)
+        logger.info(
+            f"[fedpa] client #{self.client}: DP-SGD epsilon {line['epsilon']:.4g} at delta {plan.delta:.3g} after "
+            f"{line['steps']} steps (n={plan.n}, b={plan.b}{' expected' if plan.sampling == 'poisson' else ''}, "
+            f"z={plan.z:.4g}, C={self.fedpa.dp_clip:g}; {plan.sampling} sampling, {plan.accounting})"
+            + (f"; {line['nonfinite']} records of this round had a non-finite gradient and contributed "
+               "zero" if line["nonfinite"] else "")
+            + (f"; {line['empty']} steps drew no record (Poisson) and were noise alone" if line["empty"] else "")
+            + signal_noise_text(self.dp_sgd.signal_noise())
+        )
+
+    def _write(self, line: dict) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def _account(self, rounds_trained: int) -> dict:
+        """The round, the client and :meth:`spent` under the file's names (n, b, steps, z, clip, delta, epsilon)."""
+        own = {k.removeprefix("dp_"): v for k, v in self.spent(rounds_trained).items()}
+        return {"round": self.rnd, "client": self.client, **own}
+
+    def record(self, rounds_trained: int) -> dict:
+        """This client's accounting after ``rounds_trained`` rounds (what its upload reports, :meth:`spent`) and the
+        round's signal against noise (per step: the clipped sum's norm and the noise's; None without a step)."""
+        plan = self.dp_sgd.plan_in_use
+        norms = self.dp_sgd.signal_noise()
+        return {**self._account(rounds_trained), "sampling": plan.sampling, "accountant": plan.accounting,
+                "nonfinite": self.dp_sgd.round_nonfinite, "empty": self.dp_sgd.round_empty,
+                "clipped_sum": None if norms is None else float(norms[0]),
+                "noise": None if norms is None else float(norms[1])}  # fmt: skip
+
+
+def signal_noise_text(norms: tuple[float, float] | None) -> str:
+    """The round's signal against noise in the client's own log (it reads the client's records, so it is never
+    sent); the report reads the same figures from :data:`~fs_fedpa.record.CLIENT_PRIVACY_FILE`, never from here."""
+    if norms is None:
+        return ""
+    signal, noise = norms
+    ratio = f"{noise / signal:.3g}" if signal > 0 else "inf"
+    return (f"; this round, per step, clipped sum {signal:.4g} against noise {noise:.4g} (noise/signal {ratio}; "
+            "from its records: this log only, never sent)")
+
+
+class SampleLevelServer(GaussianServer):
+    """Accounts each client's DP-SGD steps: the rounds it was asked to train, at the n_i it reported first, against
+    the account it reports (:meth:`admit`); the ledger states per client what it spent, and the largest."""
+
+    level = "sample"
+    FIELDS = {"trained": dict, "sizes": dict, **GaussianServer.FIELDS}
+
+    def __init__(self, cfg, method, *, clients: int, rounds: int, per_round: int, shared_names, global_factors):
+        super().__init__(cfg, method, clients=clients, rounds=rounds, per_round=per_round, shared_names=shared_names,
+                         global_factors=global_factors)  # fmt: skip
+        self.trained: dict[int, int] = {}  # rounds each client was asked to train
+        self.sizes: dict[int, int] = {}  # n_i as the clients report it (public under replace-one)
+        self.spent: dict[int, dict] = {}  # each client's own account, as it last reported it
+
+    def _plan(self, n: int) -> SamplePlan:
+        return sample_plan(self.cfg, max(n, 1), routines(self.method))
+
+    def admit(self, rnd: int, stats: dict[int, dict]) -> dict[int, str]:
+        """Each uploading client's own account (:data:`SPENT_STATS`) against what this server's config plans for its
+        reported size: the same n_i, b, z, C and delta, a whole number of the plan's rounds of steps, no more than
+        the rounds it was asked to train (this one included; fewer when it missed one), and the epsilon of those
+        steps. Returns ``client -> reason`` for those whose account is missing or disagrees (their uploads are not
+        aggregated; the reason also goes to the private faults file); every account is kept for the ledger, which
+        states what each client spent."""
+        refused = {}
+        for c, st in stats.items():
+            mine = {k: st.get(k) for k in SPENT_STATS}
+            if any(v is None for v in mine.values()):
+                refused[c] = "its upload carries no account of its DP-SGD steps (dp_n, dp_steps, dp_epsilon, ...)"
+                continue
+            self.spent[c] = mine
+            size = st.get("num_train_data")
+            if c in self.sizes and int(mine["dp_n"]) != self.sizes[c]:
+                # the steps it took before were accounted at the earlier n_i (an earlier round's, or the resume
+                # point's): a client whose data changed is not the one whose epsilon the ledger states
+                refused[c] = (f"its training set has {int(mine['dp_n'])} records, but its DP-SGD steps so far were "
+                              f"accounted at n_i={self.sizes[c]} (an earlier round, or the resume point)")  # fmt: skip
+                self.fault(rnd, c, refused[c])
+                continue
+            plan = self._plan(int(mine["dp_n"]))
+            spr, most = plan.steps_per_round, (self.trained.get(c, 0) + 1) * plan.steps_per_round
+            steps = int(mine["dp_steps"])
+            if not (0 <= steps <= most and (steps % spr == 0 if spr else steps == 0)):
+                steps = most  # not a count this plan can give: compared against the most it allows
+            expected = {"dp_n": size, "dp_b": plan.b if spr else 0, "dp_steps": steps, "dp_z": plan.z,
+                        "dp_clip": float(self.C), "dp_delta": plan.delta if spr else 0.0,
+                        "dp_epsilon": plan.epsilon(steps)}  # fmt: skip
+            off = [k for k in SPENT_STATS if not _close(mine[k], expected[k])]
+            if off:
+                shown = ", ".join(f"{k} {mine[k]:.6g} (the server's plan: {expected[k]:.6g})" for k in off)
+                refused[c] = f"its DP-SGD account disagrees with the server's plan for n_i={size}: {shown}"
+                self.fault(rnd, c, refused[c])
+        return refused
+
+    def _own_entry(self, own: dict) -> dict:
+        """A client's ledger entry from its own account, when that is above the server's plan (its own config
+        trained more, or it reported another size): the epsilon of its steps on its n_i and b at the server's z for
+        that n_i, or the epsilon it reported if larger. Floats cross FS's wire as float32, so the reported figure
+        alone could state a little less than was spent; the integers are exact."""
+        from fs_fedpa.privacy.accountant import Sampled
+
+        n, b, steps = int(own["dp_n"]), int(own["dp_b"]), int(own["dp_steps"])
+        plan = self._plan(n)
+        ours = Sampled(max(n, 1), max(b, 1), plan.z, self.sampling, self.accounting).epsilon(steps, plan.delta)
+        return {"epsilon": max(ours, float(own["dp_epsilon"])), "delta": plan.delta, "noise_multiplier": plan.z,
+                "steps": steps, "n": n, "b": b, "source": "client"}  # fmt: skip
+
+    def account(self, rnd: int, receivers: list[int], stats: dict[int, dict]) -> dict:
+        for c in receivers:
+            self.trained[c] = self.trained.get(c, 0) + 1
+        for c, st in stats.items():
+            if c in self.sizes:  # its first size stays: the one its past steps were accounted at
+                continue
+            size = int(self.spent[c]["dp_n"]) if c in self.spent else st.get("num_train_data")
+            if isinstance(size, int) and size > 0:  # its own account's n_i, else what it reported
+                self.sizes[c] = size
+        per_client = {}
+        for c in sorted(self.trained):
+            if c not in self.sizes:  # never reported its size: its epsilon is unknown here (its own log has it)
+                per_client[str(c)] = None
+                continue
+            plan = self._plan(self.sizes[c])
+            steps = self.trained[c] * plan.steps_per_round
+            entry = {"epsilon": plan.epsilon(steps), "delta": plan.delta, "noise_multiplier": plan.z,
+                     "steps": steps, "n": plan.n, "b": plan.b}  # fmt: skip
+            own = self.spent.get(c)
+            if own is not None and own["dp_epsilon"] > entry["epsilon"]:
+                entry = self._own_entry(own)
+            per_client[str(c)] = entry
+        known = [v for v in per_client.values() if v]
+        return self.write({
+            "round": rnd,
+            "dp_mode": "sample",
+            "dp_epsilon": max((v["epsilon"] for v in known), default=0.0),
+            "dp_delta": max((v["delta"] for v in known), default=None),
+            "dp_sampling": self.sampling,
+            "dp_adjacency": self.adjacency,
+            "dp_sensitivity": (2 if self.sampling == "wor" else 1) * self.C,
+            "dp_clip": self.C,
+            "dp_clients": per_client,
+            "dp_accountant": self.accountant,
+        })  # fmt: skip
+
+    def summary(self) -> str:
+        if not self.last:
+            return "[fedpa] differential privacy: no round was released, epsilon 0"
+        delta = self.last["dp_delta"]
+        return (
+            f"[fedpa] differential privacy (sample level, per client): largest epsilon {self.last['dp_epsilon']:.4g} "
+            f"at delta {'?' if delta is None else format(delta, '.3g')} (per client in {self.path})"
+        )
+
+    def counts(self) -> dict:
+        return {"trained": dict(self.trained), "sizes": dict(self.sizes)}
+
+    def load_counts(self, saved: dict) -> None:
+        self.trained = {int(k): int(v) for k, v in saved["trained"].items()}
+        self.sizes = {int(k): int(v) for k, v in saved["sizes"].items()}
+
+    def continue_from(self, last: dict) -> None:
+        for c, entry in (last.get("dp_clients") or {}).items():
+            if entry:
+                spr = self._plan(int(entry["n"])).steps_per_round
+                if not spr:  # below fedpa.dp_min_records: no step, nothing spent
+                    continue
+                rounds = -(-int(entry["steps"]) // spr)
+                if rounds > self.trained.get(int(c), 0):
+                    self.trained[int(c)], self.sizes[int(c)], self.last = rounds, int(entry["n"]), last
+
+    def ledger_line_ok(self, entry: dict) -> bool:
+        clients = entry.get("dp_clients")
+        return super().ledger_line_ok(entry) and isinstance(clients, dict) and all(
+            v is None or isinstance(v, dict) and isinstance(v.get("n"), int) and isinstance(v.get("steps"), int)
+            for v in clients.values()
+        )
+
+
+def _close(a: float, b: float) -> bool:
+    """Equal up to FS's wire, which carries floats as float32 (a relative 6e-8); counts are ints and exact."""
+    return abs(float(a) - float(b)) <= 1e-6 * max(abs(float(a)), abs(float(b)), 1e-12)
+
+
+class SampleLevel(GaussianMechanism):
+    """``fedpa.dp_mode sample``."""
+
+    Server, Client = SampleLevelServer, SampleLevelClient
+
+    @classmethod
+    def check_run(cls, cfg, fedpa) -> None:
+        super().check_run(cfg, fedpa)
+        if cfg.llm.deepspeed.use:
+            raise ValueError("fedpa.dp_mode sample runs its own DP-SGD step; deepspeed's engine would bypass it")
+        seqcls = cfg.model.get("seqcls") if hasattr(cfg.model, "get") else None
+        if seqcls is not None and seqcls.get("train_chunk"):
+            raise ValueError(
+                "model.seqcls.train_chunk with fedpa.dp_mode sample: DP-SGD forwards its batches in chunks of its own "
+                "(fs_fedpa.plugin.dp_sgd); leave train_chunk at 0"
+            )
+        if cfg.grad.grad_clip > 0:
+            message = f"grad.grad_clip(={cfg.grad.grad_clip:g}) is not applied under fedpa.dp_mode sample: each "
+            message += f"example's gradient is clipped to fedpa.dp_clip(={fedpa.dp_clip:g}) instead"
+            warn_once(message)
+
+    @classmethod
+    def accounting_settings(cls, cfg) -> dict:
+        return {**common_settings(cfg), "dataloader.batch_size": int(cfg.dataloader.batch_size),
+                "dataloader.drop_last": bool(cfg.dataloader.drop_last),
+                "train.local_update_steps": int(cfg.train.local_update_steps),
+                "train.batch_or_epoch": str(cfg.train.batch_or_epoch),
+                # who takes steps at all, and what the clip and noise cover
+                "fedpa.dp_min_records": int(cfg.fedpa.dp_min_records),
+                "fedpa.dp_local_tensors": str(cfg.fedpa.dp_local_tensors)}  # fmt: skip
+
+    @classmethod
+    def export_info(cls, fedpa, outdir: Path) -> dict:
+        dp_files, not_dp_files = split_exports("sample")
+        return {**super().export_info(fedpa, outdir), "epsilon_is": "the largest over the clients (per client in the "
+                "ledger)", "local_tensors": fedpa.dp_local_tensors, "dp_files": dp_files,
+                "not_dp_files": not_dp_files}  # fmt: skip
+
+
+_WARNED: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning(message)
