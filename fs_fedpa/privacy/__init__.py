@@ -24,7 +24,7 @@ from pathlib import Path
 from fs_fedpa.privacy.registry import Entry, entry, modes, register
 
 __all__ = ["Entry", "entry", "modes", "register", "mechanism_of", "server_policy", "client_policy", "check_run",
-           "accounting_settings", "export_info", "trains_by_dp_sgd"]  # fmt: skip
+           "accounting_settings", "export_info", "trains_per_example"]  # fmt: skip
 
 
 def mechanism_of(fedpa):
@@ -55,11 +55,6 @@ def accounting_settings(cfg) -> dict:
 def export_info(fedpa, outdir: Path) -> dict:
     """What of an export in the run folder ``outdir`` the guarantee covers (the manifest's ``privacy``)."""
     return mechanism_of(fedpa).export_info(fedpa, Path(outdir))
-
-
-def trains_by_dp_sgd(opts: dict) -> bool:
-    """Whether a run's overrides (``key -> value``) train by DP-SGD on each client."""
-    return entry(str(opts.get("fedpa.dp_mode", "none"))).per_example
 
 
 def trains_per_example(fedpa) -> bool:

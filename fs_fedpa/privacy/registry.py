@@ -11,12 +11,6 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 
-# the DP keys every mechanism but "none" reads (fs_fedpa.privacy.settings); the others belong to the mechanisms that
-# declare them (Entry.own_keys) and are refused with any other
-COMMON_KEYS = ("dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_horizon", "dp_sampling",
-               "dp_accountant", "dp_secure_rng", "dp_seed")  # fmt: skip
-
-
 @dataclass(frozen=True)
 class Entry:
     """One mechanism. ``target``: ``"module:Class"`` of its :class:`~fs_fedpa.privacy.policy.Mechanism`;

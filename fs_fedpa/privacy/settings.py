@@ -180,8 +180,9 @@ class DPSettings:
                              ("dp_local_tensors", DP_LOCAL_TENSORS)):  # fmt: skip
             if getattr(self, key) not in choices:
                 raise ValueError(f"fedpa.{key}(={getattr(self, key)!r}) must be one of {choices}")
+        defaults = dp_defaults()
         if not kind.noised:
-            stray = [f"fedpa.{k}={shown(getattr(self, k))}" for k, off in dp_defaults().items()
+            stray = [f"fedpa.{k}={shown(getattr(self, k))}" for k, off in defaults.items()
                      if getattr(self, k) != off]  # fmt: skip
             if stray:
                 raise ValueError(
@@ -191,7 +192,7 @@ class DPSettings:
             return
         owners = {k: m for m in registry.modes() for k in registry.entry(m).own_keys}
         for key, owner in owners.items():
-            if key not in kind.own_keys and getattr(self, key) != dp_defaults()[key]:
+            if key not in kind.own_keys and getattr(self, key) != defaults[key]:
                 raise ValueError(
                     f"fedpa.{key} is a choice of {registry.entry(owner).title} (fedpa.dp_mode {owner}); fedpa.dp_mode "
                     f"{self.dp_mode} does not read it ({OWN_KEY_WHY.get(key, 'it is not part of its mechanism')}): "
@@ -223,11 +224,6 @@ class DPSettings:
         for key, why in kind.refuses.items():
             if getattr(self, key, None):
                 raise ValueError(f"fedpa.{key} with differential privacy (fedpa.dp_mode {self.dp_mode!r}): {why}")
-
-    @property
-    def private(self) -> bool:
-        """Whether the run releases through a DP mechanism (any fedpa.dp_mode but 'none')."""
-        return registry.entry(self.dp_mode).noised
 
     def dp_delta_for(self, population: int) -> float:
         """delta of a population of ``population`` (N clients, or n_i records under DP-SGD) (:func:`dp_delta_for`)."""

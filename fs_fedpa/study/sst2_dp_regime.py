@@ -91,7 +91,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fs_fedpa.privacy import trains_by_dp_sgd
 from fs_fedpa.study import sst2_dp_device
 from fs_fedpa.study import sst2_protocol as sp
 
@@ -340,7 +339,7 @@ def cpu_seconds(run: sp.Run) -> float:
         return sst2_dp_device.cpu_seconds(run)
     o = dict(zip(run.opts[::2], run.opts[1::2]))
     b, tau = int(o["dataloader.batch_size"]), int(o["train.local_update_steps"])
-    dp = trains_by_dp_sgd(o)
+    dp = sp.dp_sgd(run.opts)
     sizes = (sum(CLIENT_SIZES),) if o.get("federate.client_num") == "1" else CLIENT_SIZES
     records = sum(min(b, n) for n in sizes if not (dp and n < MIN_RECORDS)) * tau * run.rounds
     top_one = o["model.seqcls.layers_to_transform"].count(",") == 0

@@ -527,10 +527,10 @@ def on_gpu(run: dict) -> bool:
 
 def dp_sgd(opts) -> bool:
     """Whether a run's overrides (a Run's ``opts`` or a run file's) train by DP-SGD (``fedpa.dp_mode sample``)."""
-    from fs_fedpa.privacy import trains_by_dp_sgd
+    from fs_fedpa.privacy import entry
 
     opts = list(opts)
-    return trains_by_dp_sgd(dict(zip(opts[::2], opts[1::2])))
+    return entry(str(dict(zip(opts[::2], opts[1::2])).get("fedpa.dp_mode", "none"))).per_example
 
 
 def seconds_per_round(results: dict, sample_dp: bool = False) -> float:
