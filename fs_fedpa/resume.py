@@ -40,9 +40,11 @@ PREFIX = "fedpa_resume_"
 # the fields of a server resume point that a restore reads (``merges`` is optional); ``settings`` and ``privacy``
 # are what the accountant's past depends on: a point without them is refused, not trusted
 SERVER_FIELDS = (
-    "method", "round", "plan", "global", "generator", "totals", "down_bytes", "records", "history_results",
-    "best_results", "rng", "settings", "privacy",
+    "version", "method", "round", "plan", "global", "generator", "totals", "down_bytes", "records", "history_results",
+    "best_results", "rng", "settings", "privacy", "method_state",
 )  # fmt: skip
+# 2: the method's own state (``method_state``: HetLoRA's pruned ranks reset on resume before it) and this field
+VERSION = 2
 OWNER_FIELDS = ("client", "rank", "reference_rank", "run")  # whose a client file is
 _DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
@@ -221,6 +223,11 @@ def check_client_file(
 def check_server_fields(saved: dict, path) -> None:
     """ValueError naming ``path`` and the field if a field of a server resume point is missing or malformed."""
     at = f"federate.restore_from {path!r}"
+    if saved.get("version") != VERSION:
+        raise ValueError(
+            f"{at} is a resume point of version {saved.get('version', 1)!r}; this fs_fedpa reads version {VERSION} "
+            "only: continue that run with the fs_fedpa that wrote it, or start it again"
+        )
     for key in SERVER_FIELDS:
         if key not in saved:
             raise ValueError(f"{at} has no field {key!r}; it is not a whole FedPA resume point")
@@ -230,7 +237,7 @@ def check_server_fields(saved: dict, path) -> None:
             raise ValueError(f"{at}: field {key!r} is malformed ({saved[key]!r:.200})")
     if not all(isinstance(record, dict) for record in saved["records"]):
         raise ValueError(f"{at}: field 'records' holds something other than mappings")
-    for key in ("settings", "merges", "privacy"):
+    for key in ("settings", "merges", "privacy", "method_state"):
         if key in saved and not isinstance(saved[key], dict):
             raise ValueError(f"{at}: field {key!r} is not a mapping")
 

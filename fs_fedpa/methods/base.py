@@ -83,6 +83,18 @@ class FederatedMethod:
         else); raise ValueError if the method cannot adapt them."""
         self.shapes = dict(shapes)
 
+    def state_dict(self) -> dict:
+        """The server's state of the method that a resume point carries (default: none; the factors and the round
+        are the server's own). Plain numbers, lists and tensors only: resume points load with ``weights_only``."""
+        return {}
+
+    def load_state_dict(self, state: dict, path: str) -> None:
+        """Continue from :meth:`state_dict`'s ``state``, read from the resume point ``path``; ValueError naming the
+        file for a state this method did not write."""
+        if state:
+            raise ValueError(f"federate.restore_from {path!r} holds method state {sorted(state)} that "
+                             f"{self.name} does not keep")  # fmt: skip
+
     def expand(self, state: Factors) -> Factors:
         """Applied factors ``(B, A)`` whose product is the update a state of this method applies (the pairs
         :meth:`init_global`, :meth:`aggregate` and :meth:`complete_upload` return); the identity for methods whose

@@ -38,6 +38,18 @@ class HetLoRA(FederatedMethod):
         self._start_tails: dict[str, float] = {}  # client: the tails at the start of its round
 
     # ------------------------------------------------------------------ server
+    def state_dict(self) -> dict:
+        return {"current": list(self.current)}  # the pruned ranks, which size each client's downlink
+
+    def load_state_dict(self, state: dict, path: str) -> None:
+        ranks = state.get("current")
+        top = self.plan.client_ranks
+        if (not isinstance(ranks, list) or len(ranks) != len(top)
+                or not all(type(r) is int and 1 <= r <= t for r, t in zip(ranks, top))):  # fmt: skip
+            raise ValueError(f"federate.restore_from {path!r}: HetLoRA's field 'current' must be each client's rank, "
+                             f"from 1 to its r_i {list(top)}; got {ranks!r:.200}")  # fmt: skip
+        self.current = list(ranks)
+
     def upload_ranks(self, client: int) -> tuple[int, ...]:
         return tuple(range(1, self.plan.client_ranks[client] + 1))  # pruning only ever lowers a rank
 

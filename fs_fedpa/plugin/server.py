@@ -207,6 +207,8 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
             "best_results": resume.plain(self.best_results),
             "rng": resume.rng_state(),
             "privacy": self.privacy.state_dict(),
+            "method_state": self.method.state_dict(),
+            "version": resume.VERSION,
         }
         # client-level DP: the initial local tensors, not a client's (with_public_locals)
         return self.resume.write(self.state, globals_.with_public_locals(self.model.state_dict()), fields)
@@ -226,6 +228,7 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
         self.history_results, self.best_results = saved["history_results"], saved["best_results"]
         self._pending_rng = saved["rng"]
         self.privacy.load_state_dict(saved["privacy"], path)
+        self.method.load_state_dict(saved["method_state"], path)
         self.state = saved["round"]
         logger.info(f"[fedpa] resumed from {path} at round {self.state}")
         return self.state

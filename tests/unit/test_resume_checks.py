@@ -40,3 +40,33 @@ def test_well_formed_factors_pass_and_a_nan_is_still_named():
     bad[0, 0] = float("nan")
     with pytest.raises(ValueError, match="holds a NaN or an Inf"):
         resume.check_global({"layer": (torch.randn(8, 2), bad)}, "p", initial, 2)
+
+
+def test_a_resume_point_of_another_version_is_refused_naming_both():
+    with pytest.raises(ValueError, match=r"version 1; this fs_fedpa reads version 2"):
+        resume.check_server_fields({"method": "fedpa", "round": 2}, "old.pt")  # before version 2: no field
+
+
+def test_a_point_without_the_methods_state_is_refused_naming_the_field():
+    saved = {key: {} for key in resume.SERVER_FIELDS} | {"version": resume.VERSION}
+    del saved["method_state"]
+    with pytest.raises(ValueError, match="no field 'method_state'"):
+        resume.check_server_fields(saved, "p.pt")
+
+
+def test_hetlora_restores_its_pruned_ranks_and_refuses_others():
+    from fs_fedpa.config import FedPAConfig
+    from fs_fedpa.core.ranks import RankPlan
+    from fs_fedpa.methods import get_method
+
+    plan = RankPlan.build(3, 4, client_ranks=[1, 2, 4])
+    method = get_method("hetlora")(FedPAConfig(client_ranks=[1, 2, 4]), plan)
+    method.current = [1, 2, 3]
+    fresh = get_method("hetlora")(FedPAConfig(client_ranks=[1, 2, 4]), plan)
+    fresh.load_state_dict(method.state_dict(), "p.pt")
+    assert fresh.current == [1, 2, 3]
+    for bad in ({"current": [1, 3, 3]}, {"current": [1, 2]}, {}, {"current": "x"}):
+        with pytest.raises(ValueError, match=r"p\.pt.*'current'"):
+            fresh.load_state_dict(bad, "p.pt")
+    with pytest.raises(ValueError, match="method state"):
+        get_method("fedpa")(FedPAConfig(), plan).load_state_dict({"current": [1]}, "p.pt")
