@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 NUMBER = r"([+−-]?\d+\.\d+)"
 INTERVAL = re.compile(NUMBER + r" \[" + NUMBER + r", " + NUMBER + r"\]")
 MEAN_STD = re.compile(r"(\d\.\d+) ± (\d\.\d+)")
-STAGES = ("final", "beta", "hetero", "ablation", "adaptive", "head", "long", "partial", "privacy", "dpregime", "dpvalid")
+STAGES = (
+    "final", "beta", "hetero", "ablation", "adaptive", "head", "long", "partial", "privacy", "dpregime", "dpvalid",
+)  # fmt: skip
 
 
 def _section(path: Path, heading: str) -> str:
