@@ -54,7 +54,7 @@ class MergeLedger:
         """``client`` lost its stored state, merges included: its next message carries them all."""
         self.upto[client] = 0
 
-    def state(self) -> dict:
+    def state_dict(self) -> dict:
         """For a resume point, on the CPU. ``kept`` stands for ``upto``: evaluation messages are sent again after a
         resume."""
         return {
@@ -64,17 +64,12 @@ class MergeLedger:
             "kept": dict(self.kept),
         }
 
-    def restore(self, saved: dict, device) -> None:
-        """:meth:`state`'s dict (or an older fs_fedpa's, which kept every merge some client lacked) onto ``device``."""
-        self.merged = {n: t.to(device) for n, t in saved.get("merged", {}).items()}
-        if "pending" in saved:  # a resume point of an older fs_fedpa: every merge some client lacked, in order
-            pending = saved["pending"]
-            self.count = saved.get("dropped", 0) + len(pending)
-            self.last = _moved(pending[-1], device) if pending else None
-        else:
-            self.count = saved.get("count", 0)
-            self.last = _moved(saved["last"], device) if saved.get("last") else None
-        self.upto, self.kept = dict(saved.get("kept", {})), dict(saved.get("kept", {}))
+    def load_state_dict(self, saved: dict, device) -> None:
+        """:meth:`state_dict`'s dict onto ``device``."""
+        self.merged = {n: t.to(device) for n, t in saved["merged"].items()}
+        self.count = saved["count"]
+        self.last = _moved(saved["last"], device) if saved["last"] else None
+        self.upto, self.kept = dict(saved["kept"]), dict(saved["kept"])
 
 
 def _moved(merge: dict, device) -> dict:

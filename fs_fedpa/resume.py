@@ -4,9 +4,10 @@ FS's ``federate.restore_from`` reloads only the global model and restarts at rou
 set, the plugin writes a *resume point* whenever a round starts (after round ``t - 1`` was aggregated, before
 clients are sampled for round ``t``):
 
-- the server's file ``fedpa_resume_<save_to name>``: the round ``t``, the global factors, the server model's
-  state, the sketch generator, the bytes and diagnostics so far, FS's result history and the process's RNG
-  states (torch, CUDA, numpy, random) taken at that moment;
+- the server's file ``fedpa_resume_<save_to name>``: a head (the round ``t``, the method, its rank plan and
+  settings, the process's RNG states taken at that moment: torch, CUDA, numpy, random) and one ``state_dict()``
+  per collaborator of the server (:data:`PARTS`: the global model, the round log, the aggregator, FS's result
+  history, the DP policy and the method), the server model's state under FS's own ``model`` key;
 - each client's file ``<server file>.client<id>.r<round>``, written when it finishes a round: its own factors,
   local tensors, rounds trained and its process's RNG states (the last two rounds are kept, so a run killed
   half-way through a round still finds each client's state for the round the server file names).
@@ -37,14 +38,22 @@ from torch import Tensor
 from fs_fedpa.methods.base import FederatedMethod
 
 PREFIX = "fedpa_resume_"
-# the fields of a server resume point that a restore reads (``merges`` is optional); ``settings`` and ``privacy``
-# are what the accountant's past depends on: a point without them is refused, not trusted
-SERVER_FIELDS = (
-    "version", "method", "round", "plan", "global", "generator", "totals", "down_bytes", "records", "history_results",
-    "best_results", "rng", "settings", "privacy", "method_state",
-)  # fmt: skip
-# 2: the method's own state (``method_state``: HetLoRA's pruned ranks reset on resume before it) and this field
-VERSION = 2
+# a server resume point's ``fedpa_resume``: its head, checked first, and one ``state_dict()`` per collaborator of the
+# server, each with the keys its ``load_state_dict`` reads; ``settings`` and ``privacy`` are what the accountant's
+# past depends on: a point without them is refused, not trusted
+HEAD_FIELDS = ("version", "method", "round", "plan", "settings", "rng")
+PARTS = {
+    "global_model": ("factors", "down_bytes", "merges"),  # plugin.global_model.GlobalModel (its FS model: "model")
+    "round_log": ("records", "totals"),  # plugin.record_fs.RoundLog
+    "aggregator": ("generator", "failed_in_a_row"),  # plugin.aggregator.FedPAAggregator
+    "fs_results": ("history_results", "best_results"),  # FS's own result history (plugin.resume_fs.FSResults)
+    "privacy": (),  # the server's DP policy (fs_fedpa.privacy): its own checks
+    "method_state": (),  # the method's (methods.base.FederatedMethod.state_dict): its own checks
+}
+SERVER_FIELDS = (*HEAD_FIELDS, *PARTS)
+# 2: the method's own state (``method_state``: HetLoRA's pruned ranks reset on resume before it) and this field;
+# 3: one state dict per collaborator (PARTS) instead of fields picked out of them
+VERSION = 3
 OWNER_FIELDS = ("client", "rank", "reference_rank", "run")  # whose a client file is
 _DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
@@ -232,21 +241,32 @@ def check_server_fields(saved: dict, path) -> None:
         if key not in saved:
             raise ValueError(f"{at} has no field {key!r}; it is not a whole FedPA resume point")
     _check_int(saved, at, "round", 0)
-    for key, kind in (("method", str), ("plan", (list, tuple)), ("records", list), ("totals", dict)):
+    for key, kind in (("method", str), ("plan", (list, tuple)), ("settings", dict)):
         if not isinstance(saved[key], kind) or key == "plan" and len(saved[key]) != 3:
             raise ValueError(f"{at}: field {key!r} is malformed ({saved[key]!r:.200})")
-    if not all(isinstance(record, dict) for record in saved["records"]):
-        raise ValueError(f"{at}: field 'records' holds something other than mappings")
-    for key in ("settings", "merges", "privacy", "method_state"):
-        if key in saved and not isinstance(saved[key], dict):
+    for part, keys in PARTS.items():
+        if not isinstance(saved[part], dict):
+            raise ValueError(f"{at}: field {part!r} is not a mapping")
+        if missing := [k for k in keys if k not in saved[part]]:
+            raise ValueError(f"{at} has no field '{part}.{missing[0]}'; it is not a whole FedPA resume point")
+    log, aggregator = saved["round_log"], saved["aggregator"]
+    if not isinstance(log["records"], list) or not all(isinstance(record, dict) for record in log["records"]):
+        raise ValueError(f"{at}: field 'round_log.records' is not a list of mappings")
+    for key, value in (("round_log.totals", log["totals"]), ("global_model.down_bytes", saved["global_model"]
+                       ["down_bytes"]), ("global_model.merges", saved["global_model"]["merges"])):  # fmt: skip
+        if not isinstance(value, dict):
             raise ValueError(f"{at}: field {key!r} is not a mapping")
+    _check_int(aggregator, at, "failed_in_a_row", 0)
+    if not isinstance(aggregator["generator"], Tensor) or aggregator["generator"].dtype != torch.uint8:
+        raise ValueError(f"{at}: field 'aggregator.generator' is not a torch generator's state")
 
 
 def check_global(saved: dict, path, initial: dict, max_rank: int) -> None:
     """ValueError naming ``path`` unless the saved global factors have the modules of ``initial`` (the run's initial
     global factors), their shapes up to a rank from 1 to ``max_rank``, and finite floating-point values."""
     shapes = {n: (tuple(B.shape), tuple(A.shape)) for n, (B, A) in initial.items()}
-    _check_pairs(saved, f"federate.restore_from {path!r}", "global", shapes, max_rank=max_rank, lower_rank=True)
+    at = f"federate.restore_from {path!r}"
+    _check_pairs(saved, at, "global_model.factors", shapes, max_rank=max_rank, lower_rank=True)
 
 
 def _is_int(value) -> bool:

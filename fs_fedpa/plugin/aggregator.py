@@ -52,7 +52,8 @@ class FedPAAggregator(Aggregator):
     one that lets everything through), the sketches' generator, the
     shapes of the LoRA modules (d, k) and of the shared tensors, and per round a :class:`RoundInput`
     (:meth:`start`). It leaves :attr:`result`, which the server installs, and stops the run on a count of its own,
-    :attr:`failed_in_a_row`. ``save``/``load``: the server's checkpoint and restore, which FS calls through it."""
+    :attr:`failed_in_a_row`, which its :meth:`state_dict` carries with the generator's state. ``save``/``load``: the
+    server's checkpoint and restore, which FS calls through it."""
 
     def __init__(self, method, rounds: RoundLog, *, privacy=None, generator: torch.Generator | None = None,
                  shapes=({}, {}), distributed=False, ignore_weight=False, save=None, load=None):  # fmt: skip
@@ -65,6 +66,15 @@ class FedPAAggregator(Aggregator):
         self.round: RoundInput | None = None
         self.result: Aggregated | None = None
         self.failed_in_a_row = 0  # rounds whose every upload was dropped, since the last one that aggregated
+
+    def state_dict(self) -> dict:
+        """For a resume point: the sketches' generator and the count of rounds in a row without an aggregation."""
+        return {"generator": self.generator.get_state(), "failed_in_a_row": self.failed_in_a_row}
+
+    def load_state_dict(self, state: dict, path: str) -> None:
+        """:meth:`state_dict`'s dict from the file ``path`` (checked by :mod:`fs_fedpa.resume` before)."""
+        self.generator.set_state(state["generator"])
+        self.failed_in_a_row = state["failed_in_a_row"]
 
     def start(self, round_input: RoundInput) -> None:
         """The round :meth:`aggregate` aggregates next; clears the last round's :attr:`result`."""

@@ -65,16 +65,26 @@ class GlobalModel:
         params = dict(self.model.named_parameters())
         self.shared = {n: params[n].detach().cpu().clone() for n in self.shared_names}
 
-    def restore(self, factors: Factors, model_state: dict[str, Tensor], merges: dict,
-                down_bytes: dict[int, int]) -> None:
-        """A resume point's global factors, FS model state (the shared tensors, e.g. a shared head), merges and
-        downlink bytes."""
+    def state_dict(self) -> dict:
+        """For a resume point, on the CPU: the effective global factors, the downlink bytes, the merge ledger and
+        ``model``, the FS model's state (the shared tensors, e.g. a shared head; under client-level DP the initial
+        local tensors, :meth:`with_public_locals`)."""
+        return {
+            "factors": lora.copy_factors(self.factors, "cpu"),
+            "down_bytes": dict(self.down_bytes),
+            "merges": self.merges.state_dict(),
+            "model": self.with_public_locals(self.model.state_dict()),
+        }
+
+    def load_state_dict(self, state: dict, path: str) -> None:
+        """:meth:`state_dict`'s dict (``model``: FS's checkpoint model state, the LoRA factors aside), checked by
+        :mod:`fs_fedpa.resume` before; ``path`` is its file."""
         device = self.device
-        self.install({n: (B.to(device), A.to(device)) for n, (B, A) in factors.items()}, {})
-        self.model.load_state_dict(model_state, strict=False)
+        self.install({n: (B.to(device), A.to(device)) for n, (B, A) in state["factors"].items()}, {})
+        self.model.load_state_dict(state["model"], strict=False)
         self.keep_shared()
-        self.down_bytes = dict(down_bytes)
-        self.merges.restore(merges, device)
+        self.down_bytes = dict(state["down_bytes"])
+        self.merges.load_state_dict(state["merges"], device)
         if self.merges.merged:
             lora.set_base_offsets(self.model, self.merges.merged)
 

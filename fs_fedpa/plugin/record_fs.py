@@ -23,6 +23,7 @@ from fs_fedpa.core.diagnostics import (
 )
 from fs_fedpa.lora import Factors
 from fs_fedpa.record import DIAGNOSTICS_FILE, RoundRecord
+from fs_fedpa.resume import plain
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
@@ -129,20 +130,15 @@ class RoundLog:
             f"up {sum(record['bytes_up'].values())} B, down {sum(record['bytes_down'].values())} B"
         )
 
-    def restore(self, records: list[dict], totals: dict) -> None:
-        """A resumed run's history: kept, and written again to this run's file."""
-        self.records, self.totals = list(records), dict(totals)
-        self._write(self.records)
+    def state_dict(self) -> dict:
+        """For a resume point: the records so far (plain values) and the byte totals."""
+        return {"records": plain(self.records), "totals": dict(self.totals)}
 
-    def failed_in_a_row(self) -> int:
-        """The rounds at the end of the history whose every upload was dropped (``fedpa.max_failed_rounds`` counts
-        on from them after a resume)."""
-        count = 0
-        for past in reversed(self.records):
-            if past["clients"]:
-                break
-            count += 1
-        return count
+    def load_state_dict(self, state: dict, path: str) -> None:
+        """A resumed run's history (:meth:`state_dict`'s dict from the file ``path``): kept, and written again to
+        this run's file."""
+        self.records, self.totals = list(state["records"]), dict(state["totals"])
+        self._write(self.records)
 
     def _write(self, records: list[dict]) -> None:
         if self.diagnostics:

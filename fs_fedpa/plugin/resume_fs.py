@@ -67,10 +67,24 @@ class ClientResume:
         logger.info(f"[fedpa] client {client} resumed its state of round {saved['round']}")
 
 
+class FSResults:
+    """FS's own result history on the server (``history_results``, ``best_results``), as a resume point's part."""
+
+    def __init__(self, server):
+        self.server = server
+
+    def state_dict(self) -> dict:
+        return {"history_results": resume.plain(self.server.history_results),
+                "best_results": resume.plain(self.server.best_results)}  # fmt: skip
+
+    def load_state_dict(self, state: dict, path: str) -> None:
+        self.server.history_results, self.server.best_results = state["history_results"], state["best_results"]
+
+
 class ServerResume:
     """The server's resume points (a collaborator of the server): what it writes at the start of every round
-    (:meth:`write`, given the round, FS's model state and the fields of the server's collaborators) and what it
-    reads back in a resumed run (:meth:`read`), checked against this run's method, ranks, settings and every client's
+    (:meth:`write`, given the round and the server's collaborators) and what it reads back into them in a resumed
+    run (:meth:`restore`), checked against this run's method, ranks, settings and every client's
     file before any training."""
 
     def __init__(self, cfg, method):
@@ -81,18 +95,32 @@ class ServerResume:
         depends on (:func:`fs_fedpa.privacy.accounting_settings`), compared when it resumes."""
         return {**resume.result_settings(self.cfg, self.method), **accounting_settings(self.cfg)}
 
-    def write(self, rnd: int, model_state: dict, fields: dict) -> str:
-        """Everything the server needs to continue at round ``rnd`` (see :mod:`fs_fedpa.resume`): FS's checkpoint
-        keys (``cur_round``; ``model``, FS's state without the LoRA factors, which ``fields["global"]`` holds and
-        whose rank, R_g or Ravan's H r_h, FS's load into a fresh rank-r model would refuse) and ``fedpa_resume``."""
+    def write(self, rnd: int, parts: dict) -> str:
+        """Everything the server needs to continue at round ``rnd`` (see :mod:`fs_fedpa.resume`): ``parts``, the
+        server's collaborators by their names in :data:`fs_fedpa.resume.PARTS`, each saved by its ``state_dict()``.
+        FS's checkpoint keys beside: ``cur_round`` and ``model``, FS's state without the LoRA factors (which the
+        global model's part holds, and whose rank, R_g or Ravan's H r_h, FS's load into a fresh rank-r model would
+        refuse)."""
         path = resume.server_path(self.cfg.federate.save_to)
         plan = self.method.plan
-        model = {k: v for k, v in model_state.items() if not _LORA_KEY.search(k)}
-        head = {"method": self.method.name, "round": rnd, "settings": self.settings(),
-                "plan": (list(plan.client_ranks), list(plan.reference_ranks), plan.R_g)}  # fmt: skip
-        resume.save({"cur_round": rnd, "model": model, "fedpa_resume": {**head, **fields}}, path)
+        states = {name: parts[name].state_dict() for name in resume.PARTS}
+        model = {k: v for k, v in states["global_model"].pop("model").items() if not _LORA_KEY.search(k)}
+        head = {"version": resume.VERSION, "method": self.method.name, "round": rnd, "settings": self.settings(),
+                "plan": (list(plan.client_ranks), list(plan.reference_ranks), plan.R_g), "rng": resume.rng_state()}
+        resume.save({"cur_round": rnd, "model": model, "fedpa_resume": {**head, **states}}, path)
         logger.info(f"[fedpa] resume point for round {rnd} written to {path}")
         return path
+
+    def restore(self, path: str, parts: dict, *, global_factors, local: dict[str, Tensor], clients: int,
+                rounds: int) -> dict:
+        """The resume point ``path``, checked (:meth:`read`), loaded into ``parts`` (as for :meth:`write`) by their
+        ``load_state_dict``; returns its ``fedpa_resume`` head (``round``, ``rng``: the process's RNG states)."""
+        checkpoint, saved = self.read(path, global_factors=global_factors, local=local, clients=clients,
+                                      rounds=rounds)  # fmt: skip
+        saved["global_model"]["model"] = checkpoint["model"]
+        for name in resume.PARTS:
+            parts[name].load_state_dict(saved[name], path)
+        return {key: saved[key] for key in resume.HEAD_FIELDS}
 
     def read(self, path: str, *, global_factors, local: dict[str, Tensor], clients: int, rounds: int):
         """The resume point ``path``, checked: its method, ranks and settings are this run's, it leaves a round to
@@ -128,14 +156,15 @@ class ServerResume:
             diffs = ", ".join(f"{k}: saved {then.get(k, 'nothing')!r}, now {now_settings.get(k, 'nothing')!r}"
                               for k in changed)  # fmt: skip
             raise ValueError(f"federate.restore_from {path!r} was saved with other settings ({diffs})")
-        trained = sorted({c for record in saved["records"] for c in record.get("clients", [])})
+        records = saved["round_log"]["records"]
+        trained = sorted({c for record in records for c in record.get("clients", [])})
         if missing := [c for c in trained if not any(r < saved["round"] for r in resume.client_files(path, c))]:
             expected = resume.client_path(path, missing[0], saved["round"] - 1)
             raise ValueError(
                 f"federate.restore_from {path!r}: the files of clients {missing} are missing (e.g. {expected}); "
                 "without them those clients would restart from scratch"
             )
-        resume.check_global(saved["global"], path, global_factors, max(plan.r_g, plan.R_g))
+        resume.check_global(saved["global_model"]["factors"], path, global_factors, max(plan.r_g, plan.R_g))
         self._check_client_files(path, saved["round"], global_factors, local, clients)
         return checkpoint, saved
 

@@ -31,7 +31,7 @@ from fs_fedpa.plugin.global_model import GlobalModel
 from fs_fedpa.plugin.inbox import ServerInbox
 from fs_fedpa.plugin.liveness import ServerLiveness
 from fs_fedpa.plugin.record_fs import RoundLog
-from fs_fedpa.plugin.resume_fs import ServerResume, check_resume_file
+from fs_fedpa.plugin.resume_fs import FSResults, ServerResume, check_resume_file
 from fs_fedpa.plugin.run_folder_fs import identity, in_run_folder, warn_if_taken
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
@@ -192,43 +192,24 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
         torch.save(state, path)
 
     # ---------------------------------------------------------------------------------- resume points
+    def resume_parts(self) -> dict:
+        """The collaborators a resume point saves, by their names in :data:`fs_fedpa.resume.PARTS`."""
+        return {"global_model": self.globals, "round_log": self.rounds, "aggregator": self.aggregator,
+                "fs_results": FSResults(self), "privacy": self.privacy, "method_state": self.method}  # fmt: skip
+
     def write_resume_point(self) -> str:
-        """The resume point of round ``self.state`` (:class:`~fs_fedpa.plugin.resume_fs.ServerResume`): the global
-        factors and the state of every collaborator that a continued run needs."""
-        globals_ = self.globals
-        fields = {
-            "global": lora.copy_factors(globals_.factors, "cpu"),
-            "generator": self.generator.get_state(),
-            "totals": dict(self.rounds.totals),
-            "down_bytes": dict(globals_.down_bytes),
-            "merges": globals_.merges.state(),
-            "records": resume.plain(self.rounds.records),
-            "history_results": resume.plain(self.history_results),
-            "best_results": resume.plain(self.best_results),
-            "rng": resume.rng_state(),
-            "privacy": self.privacy.state_dict(),
-            "method_state": self.method.state_dict(),
-            "version": resume.VERSION,
-        }
-        # client-level DP: the initial local tensors, not a client's (with_public_locals)
-        return self.resume.write(self.state, globals_.with_public_locals(self.model.state_dict()), fields)
+        """The resume point of round ``self.state`` (:class:`~fs_fedpa.plugin.resume_fs.ServerResume`)."""
+        return self.resume.write(self.state, self.resume_parts())
 
     def restore(self, path: str) -> int:
-        """Continue the run saved in the resume point ``path``, checked by
-        :meth:`~fs_fedpa.plugin.resume_fs.ServerResume.read`; returns the round it continues at."""
+        """Continue the run saved in the resume point ``path``, checked and loaded by
+        :meth:`~fs_fedpa.plugin.resume_fs.ServerResume.restore`; returns the round it continues at."""
         local_names, _ = non_lora_trainables(self.model, self._cfg.personalization.local_param)
         params = dict(self.model.named_parameters())
-        checkpoint, saved = self.resume.read(path, global_factors=self.globals.factors, clients=self.client_num,
-                                             local={n: params[n] for n in local_names}, rounds=self.total_round_num)
-        # the model's state: its shared tensors, e.g. a shared head
-        self.globals.restore(saved["global"], checkpoint["model"], saved.get("merges", {}), saved["down_bytes"])
-        self.generator.set_state(saved["generator"])
-        self.rounds.restore(saved["records"], saved["totals"])
-        self.aggregator.failed_in_a_row = self.rounds.failed_in_a_row()
-        self.history_results, self.best_results = saved["history_results"], saved["best_results"]
-        self._pending_rng = saved["rng"]
-        self.privacy.load_state_dict(saved["privacy"], path)
-        self.method.load_state_dict(saved["method_state"], path)
-        self.state = saved["round"]
+        head = self.resume.restore(path, self.resume_parts(), global_factors=self.globals.factors,
+                                   clients=self.client_num, local={n: params[n] for n in local_names},
+                                   rounds=self.total_round_num)  # fmt: skip
+        self._pending_rng = head["rng"]  # set when the round starts, as it was taken
+        self.state = head["round"]
         logger.info(f"[fedpa] resumed from {path} at round {self.state}")
         return self.state

@@ -313,7 +313,7 @@ def test_resume_refuses_a_file_of_another_owner_or_with_a_malformed_field(tiny_l
         return apply
 
     def nan_global(files):
-        B = next(iter(files[point.name]["fedpa_resume"]["global"].values()))[0]
+        B = next(iter(files[point.name]["fedpa_resume"]["global_model"]["factors"].values()))[0]
         B[0, 0] = float("nan")
 
     def inf_factor(files):
@@ -328,7 +328,7 @@ def test_resume_refuses_a_file_of_another_owner_or_with_a_malformed_field(tiny_l
         ("rounds_trained", edit(c1, "rounds_trained", delete=True), ["has no field 'rounds_trained'"], c1),
         ("client_round", edit(c1, "round", "1"), ["field 'round' is '1'; it must be an int >= 0"], c1),
         ("inf_factor", inf_factor, ["field 'factors[", "A holds a NaN or an Inf"], c1),
-        ("nan_global", nan_global, ["field 'global[", "B holds a NaN or an Inf"], point.name),
+        ("nan_global", nan_global, ["field 'global_model.factors[", "B holds a NaN or an Inf"], point.name),
         ("round_string", edit(point.name, "round", "2"), ["field 'round' is '2'; it must be an int >= 0"], point.name),
         ("round_negative", edit(point.name, "round", -1), ["field 'round' is -1; it must be an int >= 0"], point.name),
     ):

@@ -1,5 +1,5 @@
-"""fedpa.max_failed_rounds counts on the aggregator's own state; after a resume it counts on from the saved history's
-trailing rounds without an aggregation (tests/integration/test_reliability_fs.py runs the stop itself)."""
+"""fedpa.max_failed_rounds counts on the aggregator's own state, which a resume point carries (its state_dict)
+(tests/integration/test_reliability_fs.py runs the stop itself)."""
 
 from __future__ import annotations
 
@@ -18,16 +18,28 @@ def _record(rnd: int, clients: list[int]) -> dict:
             "e_agg": None, "e_agg_rel": None, "alignment_loss_mean": None}  # fmt: skip
 
 
-def test_a_resume_counts_the_trailing_rounds_without_an_aggregation(tmp_path):
+def test_the_aggregators_count_and_generator_travel_in_its_state_dict_not_in_the_records(tmp_path):
+    import torch
+
+    from fs_fedpa.plugin.aggregator import FedPAAggregator
     from fs_fedpa.plugin.record_fs import RoundLog
 
     log = RoundLog(str(tmp_path), diagnostics=False)
-    log.restore([_record(0, [1, 2]), _record(1, []), _record(2, [3]), _record(3, []), _record(4, [])], {"up": 30})
-    assert log.failed_in_a_row() == 2
-    log.restore(log.records[:3], {})
-    assert log.failed_in_a_row() == 0
-    log.restore([_record(r, []) for r in range(4)], {})
-    assert log.failed_in_a_row() == 4
+    # the history ends in a round without clients that did aggregate (a client-level DP release of a Poisson draw
+    # of no client): a count recomputed from the records would call it failed
+    log.load_state_dict({"records": [_record(0, [1]), _record(1, [])], "totals": {"up": 10, "down": 5}}, "p.pt")
+    before = FedPAAggregator(method=None, rounds=log, generator=torch.Generator().manual_seed(3))
+    before.failed_in_a_row = 0
+    torch.rand(4, generator=before.generator)
+    state = before.state_dict()
+    after = FedPAAggregator(method=None, rounds=log, generator=torch.Generator().manual_seed(99))
+    after.failed_in_a_row = 7
+    after.load_state_dict(state, "p.pt")
+    assert after.failed_in_a_row == 0
+    assert torch.equal(torch.rand(4, generator=after.generator), torch.rand(4, generator=before.generator))
+    again = RoundLog(str(tmp_path / "again"), diagnostics=False)
+    again.load_state_dict(log.state_dict(), "p.pt")
+    assert again.records == log.records and again.totals == {"up": 10, "down": 5}
 
 
 def test_the_round_log_adds_the_byte_totals_and_writes_one_line_a_round_only_with_diagnostics(tmp_path):

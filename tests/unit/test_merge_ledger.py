@@ -59,7 +59,7 @@ def test_a_client_that_lost_its_state_is_sent_the_whole_sum_and_a_resume_keeps_t
     kind, total = ledger.pending(1)
     assert kind == "base_total" and total is ledger.merged
     again = MergeLedger()
-    again.restore(ledger.state(), "cpu")
+    again.load_state_dict(ledger.state_dict(), "cpu")
     assert again.count == 3 and again.upto == {1: 3} and again.kept == {1: 3}
     for n in SHAPES:
         torch.testing.assert_close(again.merged[n], ledger.merged[n])

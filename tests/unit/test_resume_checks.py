@@ -23,7 +23,8 @@ def test_a_planted_stride_0_view_is_refused_before_its_values_are_read():
     huge = _planted(10**6)  # 10^12 elements over 4 bytes: isfinite over it would need 1 TB
     assert huge.stride() == (0, 0)
     start = time.perf_counter()
-    with pytest.raises(ValueError, match=r"field 'global\['layer'\]' B is a view of shape \(1000000, 1000000\)"):
+    planted = r"field 'global_model\.factors\['layer'\]' B is a view of shape \(1000000, 1000000\)"
+    with pytest.raises(ValueError, match=planted):
         resume.check_global({"layer": (huge, torch.zeros(2, 8))}, "point.pt", {"layer": (torch.zeros(8, 2),
                             torch.zeros(2, 8))}, max_rank=2)  # fmt: skip
     assert time.perf_counter() - start < 5  # refused from its strides, not after reading it
@@ -43,14 +44,35 @@ def test_well_formed_factors_pass_and_a_nan_is_still_named():
 
 
 def test_a_resume_point_of_another_version_is_refused_naming_both():
-    with pytest.raises(ValueError, match=r"version 1; this fs_fedpa reads version 2"):
+    with pytest.raises(ValueError, match=r"version 1; this fs_fedpa reads version 3"):
         resume.check_server_fields({"method": "fedpa", "round": 2}, "old.pt")  # before version 2: no field
 
 
-def test_a_point_without_the_methods_state_is_refused_naming_the_field():
-    saved = {key: {} for key in resume.SERVER_FIELDS} | {"version": resume.VERSION}
-    del saved["method_state"]
-    with pytest.raises(ValueError, match="no field 'method_state'"):
+def _whole_point() -> dict:
+    import torch
+
+    parts = {part: dict.fromkeys(keys, {}) for part, keys in resume.PARTS.items()}
+    parts["round_log"]["records"] = []
+    parts["aggregator"] = {"generator": torch.Generator().get_state(), "failed_in_a_row": 0}
+    return {"version": resume.VERSION, "method": "fedpa", "round": 2, "plan": [[4], [4], 4], "settings": {},
+            "rng": {}, **parts}  # fmt: skip
+
+
+def test_a_whole_point_passes_and_each_missing_part_or_key_is_refused_naming_it():
+    resume.check_server_fields(_whole_point(), "p.pt")  # the refusals below are each for the one thing removed
+    for part, keys in resume.PARTS.items():
+        saved = _whole_point()
+        del saved[part]
+        with pytest.raises(ValueError, match=f"no field '{part}'"):
+            resume.check_server_fields(saved, "p.pt")
+        for key in keys:
+            saved = _whole_point()
+            del saved[part][key]
+            with pytest.raises(ValueError, match=rf"p\.pt.* no field '{part}\.{key}'"):
+                resume.check_server_fields(saved, "p.pt")
+    saved = _whole_point()
+    saved["aggregator"]["failed_in_a_row"] = -1
+    with pytest.raises(ValueError, match="'failed_in_a_row' is -1"):
         resume.check_server_fields(saved, "p.pt")
 
 
