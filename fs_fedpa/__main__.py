@@ -15,7 +15,7 @@ import sys
 COMMANDS = {
     "run": ("fs_fedpa.tools.run", "train with FederatedScope's own main and the plugin"),
     "export": ("fs_fedpa.tools.export", "a finished run's adapters as PEFT directories"),
-    "compare": ("fs_fedpa.compare", "several methods and seeds through one runner, with a table"),
+    "compare": ("fs_fedpa.harness.compare", "several methods and seeds through one runner, with a table"),
     "dp-table": ("fs_fedpa.tools.dp_table", "the noise a DP setting adds against the largest signal"),
     "gpu-check": ("fs_fedpa.tools.gpu_check", "what this host's accelerator does with the plugin"),
 }

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fs_fedpa import compare  # noqa: E402
+from fs_fedpa.harness import compare  # noqa: E402
 from fs_fedpa.study import sst2_protocol as sp  # noqa: E402
 
 CELLS = ("fedpa", "fedit", "fedsa_lora", "feddpa_t", "flora")

@@ -3,7 +3,7 @@
 Writes into the report folder: ``report.md`` (setting, pilot, the whole tuning table, the selected values, the final
 table with paired intervals against FedPA-LoRA under both evaluation protocols, the settings beyond the main cell,
 the CPU time spent and what is still to run), ``tuning.csv``, and per finished stage the tables and figures of
-:mod:`fs_fedpa.compare` (``final/results.md``, ``final/accuracy.png``, ``final/mechanism.png``, ...).
+:mod:`fs_fedpa.harness.compare` (``final/results.md``, ``final/accuracy.png``, ``final/mechanism.png``, ...).
 
 This module puts the sections in order; each is written by a module of its own: :mod:`.report_verdict` (verdict,
 deployment, head, client splits), :mod:`.report_tuning` (pilot, tuning, selection, stages, mechanism, λ),

@@ -281,7 +281,7 @@ def figure(results: dict, report: Path) -> list[str]:
     search = [r for k, r in results.items() if k.startswith(f"{dr.STAGE}/search_")]
     if not search:
         return []
-    from fs_fedpa.plots import pyplot, save
+    from fs_fedpa.harness.plots import pyplot, save
 
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1, 1.3]})

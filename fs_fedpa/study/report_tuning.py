@@ -8,7 +8,7 @@ import json
 import statistics
 from pathlib import Path
 
-from fs_fedpa import compare
+from fs_fedpa.harness import compare
 from fs_fedpa.study import sst2_protocol as sp
 from fs_fedpa.study import sst2_verdict as sv
 from fs_fedpa.study import stats
@@ -141,7 +141,7 @@ def stage_section(title: str, stage: str, results: dict, report: Path, pairs: di
     table_title = f"Stage `{stage}` of the SST-2 protocol (docs/study/sst2_protocol.md)."
     compare.write_table(summary, "val_acc", folder, table_title)
     try:
-        from fs_fedpa.plots import plot_all
+        from fs_fedpa.harness.plots import plot_all
 
         plot_all(runs, "val_acc", folder)
     except ImportError:  # matplotlib is an extra

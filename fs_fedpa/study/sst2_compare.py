@@ -26,7 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from fs_fedpa import compare
+from fs_fedpa.harness import compare
 from fs_fedpa.study import sst2_dp_regime, sst2_dp_valid
 from fs_fedpa.study import sst2_protocol as sp
 from fs_fedpa.study.sst2_protocol import (

@@ -49,7 +49,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from fs_fedpa import compare
+from fs_fedpa.harness import compare
 from fs_fedpa.study import stats
 from fs_fedpa.tasks.glue import FS_SPLIT_SEED
 

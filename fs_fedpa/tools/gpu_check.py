@@ -150,7 +150,7 @@ def child_env(repo: Path) -> dict:
 
 def fs_result(folder: Path, returncode: int | None) -> dict:
     """A finished FS run: exit status, its last evaluation (weighted over clients), time and device peak memory."""
-    from fs_fedpa.fs_results import weighted_avg_by_round
+    from fs_fedpa.harness.fs_results import weighted_avg_by_round
 
     text = (folder / "run.log").read_text(errors="replace")
     report = next((json.loads(x[10:]) for x in text.splitlines() if x.startswith("GPU_CHECK ")), None)
@@ -302,7 +302,7 @@ def step_distributed(check: Check) -> dict:
         env["GPUS"] = check.gpu_opts[3]
     start = time.perf_counter()
     code, stdout, stderr = run_group(["bash", str(script), *cfgs], env, check.work, check.timeout)
-    from fs_fedpa.fs_results import weighted_avg_by_round
+    from fs_fedpa.harness.fs_results import weighted_avg_by_round
 
     logs = sorted((folder / "server").rglob("eval_results.log"))
     rounds = weighted_avg_by_round(logs[-1]) if logs else {}

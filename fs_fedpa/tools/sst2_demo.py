@@ -16,8 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from fs_fedpa.fs_command import fs_overrides
-from fs_fedpa.fs_results import ROUND_START, last_weighted_avg
+from fs_fedpa.harness.fs_command import fs_overrides
+from fs_fedpa.harness.fs_results import ROUND_START, last_weighted_avg
 from fs_fedpa.tools.checkout import find_checkout
 
 CFG_NAME = Path("yaml_configs") / "fedpa_sst2_minilm_cpu.yaml"  # in the checkout (./run.sh runs from its root)
@@ -30,8 +30,8 @@ SHARD = re.compile(r"'val_(acc|total)': (?:np\.float64\()?([\d.]+)")  # 'local.v
 DIAGNOSTICS = re.compile(r"\[fedpa\] round (\d+): ([^\x1b]*)")
 METRIC = re.compile(r"'((?:local\.)?val_acc)': (?:np\.float64\()?([\d.]+)")
 # Wall minutes of the main job (the checkout's yaml, 2 free CPU cores) per CPU second of the host probe
-# (fs_fedpa.compare.host_record): one run took 484 s, export included, where the probe read 0.41 s (19.7 min/s); a
-# host whose probe read 1.14 s took about 22 minutes (README).
+# (fs_fedpa.harness.compare.host_record): one run took 484 s, export included, where the probe read 0.41 s
+# (19.7 min/s); a host whose probe read 1.14 s took about 22 minutes (README).
 MINUTES_PER_PROBE_SECOND = 20.0
 
 
@@ -73,7 +73,7 @@ class Clock:
 
 
 def expected_minutes(probe: float) -> str:
-    """The main job's expected wall time on a host whose probe (:func:`fs_fedpa.compare.host_record`) reads
+    """The main job's expected wall time on a host whose probe (:func:`fs_fedpa.harness.compare.host_record`) reads
     ``probe`` CPU seconds, from :data:`MINUTES_PER_PROBE_SECOND`."""
     minutes = MINUTES_PER_PROBE_SECOND * probe
     return (f"this host's probe reads {probe:.2f} CPU s, so expect about {minutes:.0f} minutes on 2 free cores "
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     print(f"[fs_fedpa] FedPA-LoRA on SST-2 from {root}\n[fs_fedpa] {' '.join(cmd)}", flush=True)
     if default_cfg and not args.opts:  # the time of another config or overrides is its own
-        from fs_fedpa.compare import host_record
+        from fs_fedpa.harness.compare import host_record
 
         if probe := host_record()["probe_cpu_seconds"]:
             print(f"[fs_fedpa] {expected_minutes(probe)}", flush=True)

@@ -244,7 +244,7 @@ def test_sample_level_records_each_clients_epsilon(tiny_llm, tmp_path):
         entry = last["dp_clients"][str(row["client"])]
         assert (row["epsilon"], row["steps"], row["n"]) == (entry["epsilon"], entry["steps"], entry["n"])
         assert row["clipped_sum"] > 0 and row["noise"] > 0
-    from fs_fedpa.fs_results import read_noise_signal
+    from fs_fedpa.harness.fs_results import read_noise_signal
 
     assert {c: len(v) for c, v in read_noise_signal(out).items()} == {"1": 2, "2": 2, "3": 2}
     records = _jsonl(out / "fedpa_diagnostics.jsonl")
@@ -669,7 +669,7 @@ def test_dp_mode_client_survives_fs_command_line_through_the_launchers_quoting()
     from federatedscope.core.cmd_args import parse_client_cfg
     from federatedscope.core.configs.config import global_cfg
 
-    from fs_fedpa.fs_command import fs_overrides
+    from fs_fedpa.harness.fs_command import fs_overrides
 
     opts = ["fedpa.dp_mode", "client", "fedpa.dp_epsilon", "8", "fedpa.dp_clip", "0.5"]
     raw, _ = parse_client_cfg(list(opts))

@@ -11,7 +11,7 @@ import json
 import pytest
 import yaml
 
-from fs_fedpa import compare
+from fs_fedpa.harness import compare
 from fs_fedpa.study import sst2_protocol as sp
 from tests.conftest import ROOT
 from tests.integration.tiny_assets import dump_yaml, fs_env, fs_glue_yaml

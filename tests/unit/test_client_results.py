@@ -3,7 +3,7 @@ report's per-client table of the dpregime finals (medians over seeds, noise/sign
 
 from __future__ import annotations
 
-from fs_fedpa.fs_results import clients_last_round
+from fs_fedpa.harness.fs_results import clients_last_round
 from fs_fedpa.study import report_dp_regime as rr
 
 

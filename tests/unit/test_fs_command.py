@@ -3,7 +3,7 @@
 import ast
 from pathlib import Path
 
-from fs_fedpa.fs_command import fs_overrides
+from fs_fedpa.harness.fs_command import fs_overrides
 
 
 def test_only_values_beginning_with_client_are_quoted_and_read_back_unchanged():
@@ -18,7 +18,7 @@ def test_only_values_beginning_with_client_are_quoted_and_read_back_unchanged():
 def test_the_protocol_runner_launches_fs_with_quoted_client_values(tmp_path, monkeypatch):
     import pytest
 
-    from fs_fedpa import compare
+    from fs_fedpa.harness import compare
 
     seen = []
 
@@ -38,7 +38,7 @@ def test_optimizer_keys_fs_defines_only_by_yaml_go_into_a_copy_of_the_config_tha
     import pytest
     import yaml
 
-    from fs_fedpa.fs_command import with_yaml_keys
+    from fs_fedpa.harness.fs_command import with_yaml_keys
 
     base = tmp_path / "base.yaml"
     base.write_text("train:\n  optimizer:\n    type: AdamW\n    lr: 0.002\nseed: 3\n")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from fs_fedpa.fs_results import read_noise_signal
+from fs_fedpa.harness.fs_results import read_noise_signal
 from fs_fedpa.privacy.sample_level import SampleLevelClient, SamplePlan
 from fs_fedpa.record import CLIENT_PRIVACY_FILE
 from fs_fedpa.study.report_dp_regime import noise_shares

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from fs_fedpa.plots import bytes_vs_metric, mean_curve, plot_all, style
+from fs_fedpa.harness.plots import bytes_vs_metric, mean_curve, plot_all, style
 from fs_fedpa.study.plots import plot_staleness, stale_drift
 
 

@@ -60,7 +60,7 @@ def test_missing_glue_folder_says_what_to_pass(tmp_path, monkeypatch):
 
 
 def test_eval_results_are_read_per_round_despite_numpy_reprs(tmp_path):
-    from fs_fedpa.fs_results import weighted_avg_by_round
+    from fs_fedpa.harness.fs_results import weighted_avg_by_round
 
     log = tmp_path / "eval_results.log"
     log.write_text(

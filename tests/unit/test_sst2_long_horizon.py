@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fs_fedpa import compare
+from fs_fedpa.harness import compare
 from fs_fedpa.study import sst2_protocol as sp
 from fs_fedpa.record import EVAL_SHARDS_FILE, OUTCOMES_FILE
 

@@ -137,7 +137,7 @@ def test_committed_final_runs_used_the_committed_selection():
 def fake_fs_runs(monkeypatch, failing: tuple[str, ...] = ()) -> list:
     """Replace FS runs by instant ones (6 s, held-out accuracy 0.8; the cells in ``failing`` fail); returns the list
     of ``(cell, opts)`` they are called with."""
-    from fs_fedpa import compare
+    from fs_fedpa.harness import compare
 
     calls = []
 
@@ -243,7 +243,7 @@ def test_a_run_records_the_cpu_time_its_process_reports_and_its_exit_status():
     import subprocess
     import sys
 
-    from fs_fedpa import compare
+    from fs_fedpa.harness import compare
 
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\ntime.sleep(0.3)\n"
     burn += "print(time.process_time())"
@@ -375,7 +375,7 @@ def test_selections_at_the_grids_top_are_checked_one_step_above_without_changing
 
 
 def test_each_stage_beyond_the_main_cell_has_its_last_rounds_mechanism_beside_its_accuracy(tmp_path, monkeypatch):
-    from fs_fedpa import plots
+    from fs_fedpa.harness import plots
     from fs_fedpa.study.report import write_report
 
     monkeypatch.setattr(plots, "plot_all", lambda *args: [])  # the figures are test_plots.py's
@@ -464,7 +464,7 @@ def test_recollect_refuses_outputs_of_another_run_than_the_committed_one(tmp_pat
 
 
 def test_the_adaptive_stage_shows_the_lambda_each_rule_chose_over_rounds(tmp_path, monkeypatch):
-    from fs_fedpa import plots
+    from fs_fedpa.harness import plots
     from fs_fedpa.study.report import write_report
 
     monkeypatch.setattr(plots, "plot_all", lambda *args: [])
@@ -630,7 +630,7 @@ def test_the_split_stage_runs_both_methods_at_both_betas_on_the_two_new_splits_a
 def test_a_run_file_records_its_split_seed_from_the_config_fs_saved_and_the_commit_it_ran(tmp_path):
     import subprocess
 
-    from fs_fedpa import compare
+    from fs_fedpa.harness import compare
 
     for value, expected in ((None, 12345), (-1, 12345), (7, 7)):
         folder = tmp_path / str(value)
@@ -746,7 +746,7 @@ def test_a_run_records_the_commit_of_the_code_it_started_with(tmp_path, monkeypa
     import subprocess
     import sys
 
-    from fs_fedpa import compare
+    from fs_fedpa.harness import compare
 
     commits = iter(["at-start", "at-end"])
     monkeypatch.setattr(compare, "code_commit", lambda: next(commits))

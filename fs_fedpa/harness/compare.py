@@ -1,6 +1,6 @@
 """Run a grid of federated methods x seeds x config overrides through FederatedScope; tabulate and plot it.
 
-    python -m fs_fedpa.compare --cfg yaml_configs/fedpa_sst2_minilm_cpu.yaml --methods fedpa fedit flexlora \\
+    python -m fs_fedpa.harness.compare --cfg yaml_configs/fedpa_sst2_minilm_cpu.yaml --methods fedpa fedit flexlora \\
         [--cell fedpa_lam0 fedpa fedpa.lam 0] --seeds 0 1 2 --out exp/compare_sst2 [--metric val_acc] \\
         [--earlier exp/an_earlier_grid/runs.json] [KEY VALUE ...]
 
@@ -14,7 +14,7 @@ always rebuilt from the runs' files: FS's ``eval_results.log`` and the plugin's 
 Written to ``--out``: ``results.md`` and ``results.csv`` (mean ± std over seeds of the final and the best round
 for the paper protocol ``<metric>`` and the clients' own factors ``local.<metric>``, with E_agg, E_init,
 communication and time), ``runs.json`` (every run's curves and diagnostics) and the figures of
-:mod:`fs_fedpa.plots`.
+:mod:`fs_fedpa.harness.plots`.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fs_fedpa.fs_command import fs_overrides, with_yaml_keys
-from fs_fedpa.fs_results import ROUND_START, clients_last_round, read_noise_signal, weighted_avg_by_round
+from fs_fedpa.harness.fs_command import fs_overrides, with_yaml_keys
+from fs_fedpa.harness.fs_results import ROUND_START, clients_last_round, read_noise_signal, weighted_avg_by_round
 from fs_fedpa.methods import names as method_names
 from fs_fedpa.record import CLIENT_STATS, DIAGNOSTICS_FILE, EVAL_SHARDS_FILE, OUTCOMES_FILE, PRIVACY_FILE, compact
 
@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "runs.json").write_text(json.dumps(runs))
     print(write_table(summarize(runs, args.metric, larger), args.metric, out, note))
     if not args.no_plots:
-        from fs_fedpa.plots import plot_all
+        from fs_fedpa.harness.plots import plot_all
 
         for path in plot_all(runs, args.metric, out):
             print(f"wrote {path}")
