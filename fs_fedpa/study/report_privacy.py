@@ -5,7 +5,7 @@ selection, and the final runs: each cell's accuracy and ε, each DP method again
 Holm over the three, per protocol) and each against itself without DP (a second table, Holm over its four). (b)
 Client-level DP in the partial setting: each method without and with DP on one seed, its clip and the noise per
 entry. The design is fixed in :mod:`fs_fedpa.study.sst2_protocol` above
-:func:`~fs_fedpa.study.sst2_protocol.privacy_runs`.
+:func:`~fs_fedpa.study.sst2_privacy.privacy_runs`.
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ from __future__ import annotations
 import statistics
 
 from fs_fedpa import privacy
+from fs_fedpa.study import sst2_privacy as spriv
 from fs_fedpa.study import sst2_protocol as sp
 from fs_fedpa.study import stats
 from fs_fedpa.study.report_text import pm as _pm
 from fs_fedpa.study.report_text import score as _score
 
 METRICS = {"val_acc": "paper protocol", "local.val_acc": "own factors"}
-DP_CELLS = tuple(f"{m}_dp" for m in sp.PRIVACY_METHODS)
+DP_CELLS = tuple(f"{m}_dp" for m in spriv.PRIVACY_METHODS)
 # each DP cell's counterpart without DP, (stage, cell): the final stage's runs, FedSVD's own (it has no final runs)
 NO_DP = {"fedpa_dp": ("final", "fedpa"), "fedit_dp": ("final", "fedit"), "ffa_lora_dp": ("final", "ffa_lora"),
          "fedsvd_dp": ("privacy", "fedsvd")}  # fmt: skip
@@ -123,7 +124,7 @@ def privacy_section(results: dict, stages: list[tuple[str, list[sp.Run]]]) -> li
         return [*lines, "Not planned.", ""]
     done = [r for r in tune if r.key in results]
     lines += [
-        f"**(a) Sample-level DP-SGD, the main cell.** Each client trains by DP-SGD at ε = {sp.PRIVACY_EPSILON:g} "
+        f"**(a) Sample-level DP-SGD, the main cell.** Each client trains by DP-SGD at ε = {spriv.PRIVACY_EPSILON:g} "
         "over the whole run (δ by the default rule, the noise calibrated for T rounds also in tuning, "
         "`fedpa.dp_horizon`); ε spent below is the ledger's (`fedpa_privacy.jsonl`) at the run's last round, the "
         "largest over the clients. Tuning: seed 0, ceil(T/2) rounds, scored on the held-out split (mean of the "
@@ -144,11 +145,11 @@ def privacy_section(results: dict, stages: list[tuple[str, list[sp.Run]]]) -> li
             f"{'–' if result is None else _score(macro_f1(result))} | {'–' if eps is None else f'{eps:.2f}'} |"
         )
     lines += ["", *_agreement_lines(results, tune), ""]
-    choice = sp.privacy_selection(results, tune)
+    choice = spriv.privacy_selection(results, tune)
     if not choice:
         lines += ["Each cell's selection and final runs follow when all of its tuning runs are in.", ""]
     else:
-        waiting = sorted({sp.privacy_cell(r) for r in tune} - set(choice))
+        waiting = sorted({spriv.privacy_cell(r) for r in tune} - set(choice))
         lines += [
             "Selected (best held-out score): "
             + "; ".join(f"{cell}: {_describe(c['opts'])} ({c['score']:.4f})" for cell, c in sorted(choice.items()))
@@ -233,8 +234,9 @@ def _client_level_lines(results: dict, parts: dict) -> list[str]:
     plain = parts.get("privacy: client level, no DP", [])
     lines = [
         f"**(b) Client-level DP, the partial setting** (N = {sp.PARTIAL_CLIENTS}, K = {sp.PARTIAL_SAMPLED}, "
-        f"{sp.CLIENT_DP_ROUNDS} rounds, seed {sp.CLIENT_DP_SEED}): each method without DP, then with DP at "
-        f"ε = {sp.PRIVACY_EPSILON:g}, C the median contribution norm of its no-DP run; one seed each: a measurement, "
+        f"{spriv.CLIENT_DP_ROUNDS} rounds, seed {spriv.CLIENT_DP_SEED}): each method without DP, then with DP at "
+        f"ε = {spriv.PRIVACY_EPSILON:g}, C the median contribution norm of its no-DP run; one seed each: a "
+        "measurement, "
         "not a test.",
         "",
         "| method | no DP | DP | DP − no DP | C | noise sd per entry (zC/K) | ε spent |",

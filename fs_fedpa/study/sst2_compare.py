@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from fs_fedpa.harness import compare
-from fs_fedpa.study import sst2_dp_regime, sst2_dp_valid
+from fs_fedpa.study import sst2_dp_regime, sst2_dp_valid, sst2_privacy
 from fs_fedpa.study import sst2_protocol as sp
 from fs_fedpa.study.sst2_protocol import (
     CFG,
@@ -226,11 +226,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def plan(results: dict, report: Path) -> list[tuple[str, list[Run]]]:
     """The protocol's stages as far as the committed results decide them (:func:`fs_fedpa.study.sst2_protocol.plan`),
-    then the ``dpregime`` stage's parts (:mod:`fs_fedpa.study.sst2_dp_regime`) once the main selection exists."""
+    then, once the main selection exists, the ``privacy`` stage's parts (:mod:`fs_fedpa.study.sst2_privacy`), the
+    ``dpregime`` stage's (:mod:`fs_fedpa.study.sst2_dp_regime`) and the ``dpvalid`` stage's."""
     stages = sp.plan(results, report)
     selected = report / "selected.json"
-    if any(part.startswith("privacy") for part, _ in stages) and selected.is_file():
+    if any(part == "client splits" for part, _ in stages) and selected.is_file():
         main = json.loads(selected.read_text())
+        stages += sst2_privacy.privacy_runs(main, results, main["T"])
         stages += sst2_dp_regime.runs(main, results)
         stages += sst2_dp_valid.runs(main, results)
     return stages

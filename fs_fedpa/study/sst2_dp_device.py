@@ -29,6 +29,7 @@ their three DP runs (about 110 CPU-min here) are dropped unrun.
 
 from __future__ import annotations
 
+from fs_fedpa.study import sst2_privacy as spriv
 from fs_fedpa.study import sst2_protocol as sp
 
 STAGE = "dpregime"
@@ -57,7 +58,7 @@ def learned(result: dict | None) -> bool:
 
 def plain_run(selected: dict, method: str) -> sp.Run:
     """A method's run of this part without DP."""
-    opts = (*sp.client_dp_method_opts(selected, method), *base_opts())
+    opts = (*spriv.client_dp_method_opts(selected, method), *base_opts())
     return sp.Run(STAGE, f"device_{method}", method, opts, SEED, ROUNDS)
 
 
@@ -67,9 +68,9 @@ def runs(selected: dict, results: dict) -> tuple[list[sp.Run], list[sp.Run]]:
     for method in METHODS:
         base = plain_run(selected, method)
         plain.append(base)
-        clip = sp.median_contribution(results.get(base.key), method)
+        clip = spriv.median_contribution(results.get(base.key), method)
         if clip is not None and learned(results.get(base.key)):
-            private.append(sp.Run(STAGE, f"device_{method}_dp", method, (*base.opts, *sp.client_dp(clip, EPSILON)),
+            private.append(sp.Run(STAGE, f"device_{method}_dp", method, (*base.opts, *spriv.client_dp(clip, EPSILON)),
                                   SEED, ROUNDS))  # fmt: skip
     return plain, private
 

@@ -66,6 +66,7 @@ from dataclasses import dataclass, replace
 
 from fs_fedpa.study import sst2_dp_device as dd
 from fs_fedpa.study import sst2_dp_regime as dr
+from fs_fedpa.study import sst2_privacy as spriv
 from fs_fedpa.study import sst2_protocol as sp
 
 STAGE = "dpvalid"
@@ -247,9 +248,9 @@ def device_runs(selected_main: dict, results: dict) -> list[sp.Run]:
     opts = dict(zip(part_e.opts[::2], part_e.opts[1::2])) | {"fedpa.eval_local": "True"}
     flat = tuple(x for kv in opts.items() for x in kv)
     runs = [sp.Run(STAGE, "device_fedpa_own", "fedpa", flat, dd.SEED, dd.ROUNDS)]
-    clip = sp.median_contribution(results.get(part_e.key), "fedpa")
+    clip = spriv.median_contribution(results.get(part_e.key), "fedpa")
     if clip is not None:
-        runs.append(sp.Run(STAGE, "device_fedpa_own_dp", "fedpa", (*flat, *sp.client_dp(clip, dd.EPSILON)), dd.SEED,
+        runs.append(sp.Run(STAGE, "device_fedpa_own_dp", "fedpa", (*flat, *spriv.client_dp(clip, dd.EPSILON)), dd.SEED,
                            dd.ROUNDS))  # fmt: skip
     return runs
 

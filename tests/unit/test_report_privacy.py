@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from scipy import stats
 
+from fs_fedpa.study import sst2_privacy as spriv
 from fs_fedpa.study import sst2_protocol as sp
 from fs_fedpa.study.report_privacy import final_comparisons, privacy_section
 
@@ -24,17 +25,17 @@ def _run(cell: str, seed: int, acc: float, own: float, eps: float | None = None)
 
 
 def _stages(results: dict) -> list:
-    tune = sp.privacy_tune_runs(SELECTED, SELECTED["T"])
-    plain, private = sp.client_dp_runs(SELECTED, results)
+    tune = spriv.privacy_tune_runs(SELECTED, SELECTED["T"])
+    plain, private = spriv.client_dp_runs(SELECTED, results)
     parts = [("privacy: sample-level tuning", tune)]
-    if choice := sp.privacy_selection(results, tune):
-        parts.append(("privacy: sample-level final", sp.privacy_final_runs(choice, SELECTED["T"])))
+    if choice := spriv.privacy_selection(results, tune):
+        parts.append(("privacy: sample-level final", spriv.privacy_final_runs(choice, SELECTED["T"])))
     return [*parts, ("privacy: client level, no DP", plain), ("privacy: client level, DP", private)]
 
 
 def test_nothing_run_yet_lists_every_tuning_run_as_pending():
     text = "\n".join(privacy_section({}, _stages({})))
-    tune = sp.privacy_tune_runs(SELECTED, SELECTED["T"])
+    tune = spriv.privacy_tune_runs(SELECTED, SELECTED["T"])
     assert f"0 of its {len(tune)} runs are in" in text
     assert text.count("not run yet") == len(tune)
     assert "follow when all of its tuning runs are in" in text
@@ -45,7 +46,7 @@ def test_nothing_run_yet_lists_every_tuning_run_as_pending():
 def full_results() -> dict:
     rng = random.Random(0)
     results = {}
-    for run in sp.privacy_tune_runs(SELECTED, SELECTED["T"]):
+    for run in spriv.privacy_tune_runs(SELECTED, SELECTED["T"]):
         results[run.key] = {"cell": run.name, "seed": 0, "rounds": {10: {"val_acc": rng.uniform(0.6, 0.9)}}}
     for seed in sp.SEEDS:
         for cell in ("fedpa_dp", "fedit_dp", "ffa_lora_dp", "fedsvd_dp", "fedsvd"):
@@ -93,7 +94,7 @@ def test_the_intervals_and_holm_are_scipys(full_results):
 
 def test_the_selection_and_the_final_table_appear_once_tuning_is_in(full_results):
     text = "\n".join(privacy_section(full_results, _stages(full_results)))
-    tune = sp.privacy_tune_runs(SELECTED, SELECTED["T"])
+    tune = spriv.privacy_tune_runs(SELECTED, SELECTED["T"])
     best = max((r for r in tune if r.method == "fedit"), key=lambda r: full_results[r.key]["rounds"][10]["val_acc"])
     chosen = dict(zip(best.opts[::2], best.opts[1::2]))
     assert f"fedit_dp: AdamW {chosen['train.optimizer.lr']}, C {chosen['fedpa.dp_clip']}" in text
@@ -131,7 +132,7 @@ def test_the_tuning_table_shows_macro_f1_and_fedpa_agreement_beside_its_no_dp_ru
     import numpy as np
 
     rng = np.random.default_rng(1)
-    tune = sp.privacy_tune_runs(SELECTED, SELECTED["T"])
+    tune = spriv.privacy_tune_runs(SELECTED, SELECTED["T"])
     fedpa = next(r for r in tune if r.method == "fedpa")
     opts = dict(zip(fedpa.opts[::2], fedpa.opts[1::2]))
     rounds = {2: {"val_acc": 0.75, "val_f1": 0.40}, 5: {"val_acc": 0.75, "val_f1": 0.42},
