@@ -21,6 +21,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fs_fedpa.study import protocol_results as pr  # noqa: E402
 from fs_fedpa.study import sst2_dp_regime as dr  # noqa: E402
 from fs_fedpa.study import sst2_dp_valid as dv  # noqa: E402
 from fs_fedpa.study import sst2_protocol as sp  # noqa: E402
@@ -86,7 +87,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
     args = parser.parse_args()
-    results = sp.load_results(sp.REPORT)
+    results = pr.load_results(sp.REPORT)
     _, _, top = dv.selected(results)
     if top is None or not dv.passes_gate(results, top):
         print("the dpvalid search has not selected a setting that passes its gate (python -m "

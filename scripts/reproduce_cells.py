@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fs_fedpa.harness import compare  # noqa: E402
+from fs_fedpa.study import protocol_results as pr  # noqa: E402
 from fs_fedpa.study import sst2_protocol as sp  # noqa: E402
 
 CELLS = ("fedpa", "fedit", "fedsa_lora", "feddpa_t", "flora")
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work)
     if args.against and Path(args.against).resolve() == work.resolve():
         parser.error("--against must not be --work: each call deletes and reruns its --work")
-    reference = reference_runs(args.against) if args.against else sp.load_results(ROOT / sp.REPORT)
+    reference = reference_runs(args.against) if args.against else pr.load_results(ROOT / sp.REPORT)
     what = f"the runs in {args.against}" if args.against else "the committed runs"
 
     def one(run: sp.Run) -> tuple[str, list]:

@@ -122,7 +122,7 @@ def plot_verdict(rows: Sequence[dict], path: Path) -> Path:
                 continue
             colour = VERDICT_COLOURS[r["verdict"]]
             ax.plot([100 * r["low"], 100 * r["high"]], [yi, yi], color=colour, lw=2)
-            filled = r["holm"] != "ties"  # every row carries its family's Holm label (sst2_protocol.with_holm)
+            filled = r["holm"] != "ties"  # every row carries its family's Holm label (protocol_results.with_holm)
             ax.plot(100 * r["mean"], yi, "o", color=colour, mfc=colour if filled else "white", ms=6)
         ax.axvline(0, color="black", lw=0.8)
         for edge in edges:

@@ -13,24 +13,35 @@ deployment, head, client splits), :mod:`.report_tuning` (pilot, tuning, selectio
 from __future__ import annotations
 
 import json
-
 from pathlib import Path
 
-from fs_fedpa.study import sst2_protocol as sp
+from fs_fedpa.study import protocol_results as pr
 from fs_fedpa.study import sst2_verdict as sv
 from fs_fedpa.study.report_dp_regime import dp_regime_section
 from fs_fedpa.study.report_dp_valid import dp_valid_section
 from fs_fedpa.study.report_long import long_section, partial_section
 from fs_fedpa.study.report_privacy import privacy_section
-from fs_fedpa.study.report_tuning import edge_section, lambda_section, mechanism_section, pilot_section
-from fs_fedpa.study.report_tuning import selected_section, stage_section, tuning_section
-from fs_fedpa.study.report_verdict import deployment_section, head_section, splits_section, verdict_figure
-from fs_fedpa.study.report_verdict import verdict_section
+from fs_fedpa.study.report_tuning import (
+    edge_section,
+    lambda_section,
+    mechanism_section,
+    pilot_section,
+    selected_section,
+    stage_section,
+    tuning_section,
+)
+from fs_fedpa.study.report_verdict import (
+    deployment_section,
+    head_section,
+    splits_section,
+    verdict_figure,
+    verdict_section,
+)
 
 
 def write_report(report: Path, results: dict, stages: list) -> Path:
     report.mkdir(parents=True, exist_ok=True)
-    spent = sp.time_spent(results)
+    spent = pr.time_spent(results)
     pending = [(stage, sum(r.key not in results for r in runs)) for stage, runs in stages]
     finals = {r["cell"] for k, r in results.items() if k.startswith("final/")}
     lines = [

@@ -11,6 +11,7 @@ import math
 import statistics
 from pathlib import Path
 
+from fs_fedpa.study import protocol_results as pr
 from fs_fedpa.study import sst2_dp_device as dd
 from fs_fedpa.study import sst2_dp_regime as dr
 from fs_fedpa.study import sst2_protocol as sp
@@ -108,7 +109,7 @@ def diagnostic_lines(results: dict, runs: list[sp.Run]) -> list[str]:
         o, result = _o(run.opts), results.get(run.key)
         dp = sp.dp_sgd(run.opts)
         twin = f"{dr.STAGE}/search_{run.name[len('diag_') :].rsplit('_', 1)[0]}_s{run.seed}"
-        last = result and sp.final_metric(result, "val_avg_loss")
+        last = result and pr.final_metric(result, "val_avg_loss")
         lines.append(
             f"| {run.name} | {'yes' if dp else 'no'} | {o.get('fedpa.dp_clip', '–')} | "
             f"{o.get('fedpa.dp_noise_multiplier', '–')} | "
@@ -151,7 +152,7 @@ def device_lines(results: dict, plain: list[sp.Run], private: list[sp.Run]) -> l
         bound = f"{dd.SAMPLED / (z * math.sqrt(D)):.3g}" if z else "–"
         eps = f"{privacy['dp_epsilon']:.2f}" if "dp_epsilon" in privacy else "–"
         times = ", ".join("–" if r is None else f"{r.get('cpu_seconds', r['seconds']) / 60:.0f} min" for r in (a, b))
-        acc = [_score(v) if r and (v := sp.final_metric(r, "val_acc")) is not None else "not run yet" for r in (a, b)]
+        acc = [_score(v) if r and (v := pr.final_metric(r, "val_acc")) is not None else "not run yet" for r in (a, b)]
         if a is not None and dp is None and not dd.learned(a):
             acc[1] = "not made: no DP run of a method that did not learn without DP"
         lines.append(
@@ -163,7 +164,7 @@ def device_lines(results: dict, plain: list[sp.Run], private: list[sp.Run]) -> l
 
 
 def final_values(results: dict) -> dict[str, dict[int, float]]:
-    return sp.cell_values(results, "val_acc", dr.STAGE)
+    return pr.cell_values(results, "val_acc", dr.STAGE)
 
 
 def family_comparisons(values: dict[str, dict[int, float]], families) -> dict[str, dict]:
@@ -172,7 +173,7 @@ def family_comparisons(values: dict[str, dict[int, float]], families) -> dict[st
     rows = {}
     for _, family in families:
         mine = {k: row for k, (a, b) in family.items() if (row := paired(values.get(a, {}), values.get(b, {})))}
-        rows.update(sp.with_holm(mine) if len(mine) == len(family) else mine)
+        rows.update(pr.with_holm(mine) if len(mine) == len(family) else mine)
     return rows
 
 

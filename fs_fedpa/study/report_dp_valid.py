@@ -4,6 +4,7 @@ FedPA-LoRA against each other method under DP (Holm over three), the diagnostics
 
 from __future__ import annotations
 
+from fs_fedpa.study import protocol_results as pr
 from fs_fedpa.study import sst2_dp_regime as dr
 from fs_fedpa.study import sst2_dp_valid as dv
 from fs_fedpa.study import sst2_protocol as sp
@@ -26,7 +27,7 @@ def families() -> tuple[tuple[str, dict[str, tuple[str, str]]], ...]:
 
 def comparisons(results: dict, metric: str) -> dict[str, dict]:
     """Every row of :func:`families` under ``metric`` (:func:`~fs_fedpa.study.report_dp_regime.family_comparisons`)."""
-    return family_comparisons(sp.cell_values(results, metric, dv.STAGE), families())
+    return family_comparisons(pr.cell_values(results, metric, dv.STAGE), families())
 
 
 def _interval(row: dict | None) -> str:
@@ -57,7 +58,7 @@ def search_lines(results: dict) -> list[str]:
 
 def final_lines(results: dict) -> list[str]:
     cells = [c for m in dr.METHODS for c in (f"{m}_dp", m)] + ["central_dp", "central"]
-    values = {metric: sp.cell_values(results, metric, dv.STAGE) for metric in METRICS}
+    values = {metric: pr.cell_values(results, metric, dv.STAGE) for metric in METRICS}
     lines = ["Finals (dev set, accuracy at the last round, mean ± sample sd over seeds (n)); the frozen head's cells "
              "without DP run DP-SGD's path with the clip and the noise off:", "",
              "| cell | paper protocol | own factors | ε (ledger: Poisson, add/remove, PLD; largest client) | "
@@ -88,7 +89,7 @@ def single_lines(results: dict, runs: list[sp.Run], title: str, refit: bool = Fa
     lines = [title, "", f"| run | {head} |", "|---" * (len(metrics) + 1) + "|"]
     for run in runs:
         result = results.get(run.key)
-        acc = {m: sp.final_metric(result, m) if result else None for m in metrics}
+        acc = {m: pr.final_metric(result, m) if result else None for m in metrics}
         lines.append(f"| {run.name} | " + " | ".join("–" if v is None else f"{v:.4f}" for v in acc.values()) + " |")
     return [*lines, ""]
 
@@ -105,7 +106,7 @@ def refit_check(results: dict, point: dv.Valid, lam: float) -> list[str]:
         mine, theirs = results.get(run.key), results.get(final)
         if mine is None or theirs is None:
             continue
-        pairs = [(sp.final_metric(mine, m), sp.final_metric(theirs, m)) for m in METRICS]
+        pairs = [(pr.final_metric(mine, m), pr.final_metric(theirs, m)) for m in METRICS]
         if "fedpa.dp_seed" in run.opts[::2]:
             verdict = "equal" if all(a == b for a, b in pairs) else "DIFFER from"
             lines.append(f"- {run.name}: its scores without the refit {verdict} its seed-0 DP final's.")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from fs_fedpa.study import protocol_results as pr
 from fs_fedpa.study import sst2_protocol as sp
 from fs_fedpa.study import sst2_verdict as sv
 from fs_fedpa.study import stats
@@ -68,7 +69,7 @@ def _long_endpoints(results: dict, runs: list[dict]) -> list[str]:
     for run in runs:
         arms.setdefault(run["cell"], {})[run["seed"]] = run
     reference = arms.get(sp.LONG_REFERENCE, {})
-    endpoints = {m: sp.cell_values(results, m, "long", sp.endpoint) for m in METRICS}
+    endpoints = {m: pr.cell_values(results, m, "long", sp.endpoint) for m in METRICS}
     intervals = {m: sv.long_intervals(results, m) for m in METRICS}
     lines = [
         f"| arm | endpoint, paper protocol | endpoint, own factors | arm − {sp.LONG_REFERENCE}, paper protocol: t; "
@@ -103,8 +104,8 @@ def _bootstrap(arm: dict[int, dict], reference: dict[int, dict], protocol_name: 
         return None
     x, y, strata = [], [], None
     for s in seeds:
-        xs, sx = sp.sentence_scores(arm[s], protocol_name)
-        ys, sy = sp.sentence_scores(reference[s], protocol_name)
+        xs, sx = pr.sentence_scores(arm[s], protocol_name)
+        ys, sy = pr.sentence_scores(reference[s], protocol_name)
         if sx != sy or (strata is not None and sx != strata):
             raise ValueError(f"seed {s}: the arms' dev shards differ; a paired bootstrap needs the same split")
         x.append(xs)
@@ -188,10 +189,10 @@ def partial_section(results: dict, report: Path) -> list[str]:
         "| arm | val_acc (paper protocol) | local.val_acc | clients evaluated |",
         "|---|---|---|---|",
     ]
-    values = {m: sp.cell_values(results, m, "partial") for m in METRICS}
+    values = {m: pr.cell_values(results, m, "partial") for m in METRICS}
     for cell in dict.fromkeys(r["cell"] for r in runs):
         counts = sorted({round(DEV_SENTENCES / v) for r in runs if r["cell"] == cell
-                         for v in [sp.final_metric(r, "val_total")] if v})  # fmt: skip
+                         for v in [pr.final_metric(r, "val_total")] if v})  # fmt: skip
         shown = [_pm(list(values[m].get(cell, {}).values())) for m in METRICS]
         lines.append(f"| {cell} | {shown[0]} | {shown[1]} | {', '.join(map(str, counts))} of {sp.PARTIAL_CLIENTS} |")
     lines += ["", "Clients evaluated: those with a non-empty dev shard (SST-2 dev size over FS's weighted val_total); "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import statistics
 
 from fs_fedpa import privacy
+from fs_fedpa.study import protocol_results as pr
 from fs_fedpa.study import sst2_privacy as spriv
 from fs_fedpa.study import sst2_protocol as sp
 from fs_fedpa.study import stats
@@ -88,11 +89,11 @@ def paired(a: dict[int, float], b: dict[int, float]) -> dict | None:
 def final_comparisons(results: dict) -> dict[str, dict[str, dict]]:
     """Per protocol: ``"<cell> − fedit_dp"`` for the three other DP cells and ``"<cell> − no DP"`` for all four,
     each with ``holm_p`` and ``holm``, its Holm-adjusted p and label over its family of :data:`FAMILIES`
-    (:func:`fs_fedpa.study.sst2_protocol.with_holm`), once the whole family is in."""
+    (:func:`fs_fedpa.study.protocol_results.with_holm`), once the whole family is in."""
     out: dict[str, dict[str, dict]] = {}
     for metric in METRICS:
         rows: dict[str, dict] = {}
-        cells = {stage: sp.cell_values(results, metric, stage) for stage in ("privacy", "final")}
+        cells = {stage: pr.cell_values(results, metric, stage) for stage in ("privacy", "final")}
         fedit = cells["privacy"].get("fedit_dp", {})
         for cell in DP_CELLS:
             ours = cells["privacy"].get(cell, {})
@@ -103,7 +104,7 @@ def final_comparisons(results: dict) -> dict[str, dict[str, dict]]:
                 rows[f"{cell} − no DP"] = row
         for _, keys in FAMILIES:  # adjusted once every row of the family is in
             if all(key in rows for key in keys):
-                rows.update(sp.with_holm({key: rows[key] for key in keys}))
+                rows.update(pr.with_holm({key: rows[key] for key in keys}))
         out[metric] = rows
     return out
 
@@ -202,7 +203,7 @@ def _final_lines(results: dict) -> list[str]:
         "| cell | paper protocol | own factors | ε spent (largest over seeds) | ε, literature's reading |",
         "|---|---|---|---|---|",
     ]
-    values = {m: sp.cell_values(results, m, "privacy") for m in METRICS}
+    values = {m: pr.cell_values(results, m, "privacy") for m in METRICS}
     for cell in cells:
         eps = [e for s in sp.SEEDS if (e := spent(results.get(f"privacy/{cell}_s{s}"))) is not None]
         read = sorted(e for s in sp.SEEDS for e in literature_epsilons(results.get(f"privacy/{cell}_s{s}")))
@@ -244,8 +245,8 @@ def _client_level_lines(results: dict, parts: dict) -> list[str]:
     ]
     for run in plain:
         base, dp = results.get(run.key), results.get(run.key.replace(f"_s{run.seed}", f"_dp_s{run.seed}"))
-        a = None if base is None else sp.final_metric(base, "val_acc")
-        b = None if dp is None else sp.final_metric(dp, "val_acc")
+        a = None if base is None else pr.final_metric(base, "val_acc")
+        b = None if dp is None else pr.final_metric(dp, "val_acc")
         privacy = (dp or {}).get("privacy", {})
         diff = f"{b - a:+.4f}" if a is not None and b is not None else "–"
         lines.append(

@@ -9,6 +9,7 @@ import statistics
 from pathlib import Path
 
 from fs_fedpa.harness import compare
+from fs_fedpa.study import protocol_results as pr
 from fs_fedpa.study import sst2_protocol as sp
 from fs_fedpa.study import sst2_verdict as sv
 from fs_fedpa.study import stats
@@ -146,7 +147,7 @@ def stage_section(title: str, stage: str, results: dict, report: Path, pairs: di
         plot_all(runs, "val_acc", folder)
     except ImportError:  # matplotlib is an extra
         pass
-    values = {m: sp.cell_values(results, m, stage) for m in METRICS}
+    values = {m: pr.cell_values(results, m, stage) for m in METRICS}
     lines = [
         f"## {title}",
         "",
@@ -240,7 +241,7 @@ def mechanism_table(runs: list[dict]) -> list[str]:
     rows = []
     for cell in dict.fromkeys(r["cell"] for r in runs):
         group = [r for r in runs if r["cell"] == cell]
-        accs = [a for r in group if (a := sp.final_metric(r, "val_acc")) is not None]
+        accs = [a for r in group if (a := pr.final_metric(r, "val_acc")) is not None]
         diags = [last_round_mechanism(r) for r in group]
         means = {k: [d[k] for d in diags if k in d] for k, _ in MECHANISM}
         means = {k: statistics.median(v) if k in MEDIAN_OVER_SEEDS else sum(v) / len(v) for k, v in means.items() if v}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fs_fedpa.study import protocol_results as pr
 from fs_fedpa.study import sst2_protocol as sp
 from fs_fedpa.study import sst2_verdict as sv
 from fs_fedpa.study import stats
@@ -15,7 +16,7 @@ from fs_fedpa.study.report_text import HOLM_NOTE, METRICS, interval
 def verdict_section(results: dict) -> list[str]:
     """The plain verdict of the main cell: per baseline, FedPA-LoRA wins, ties or loses under each protocol, raw and
     after Holm's correction; how many spurious exclusions the seed rule leaves to chance; the near-duplicates."""
-    rows = {m: sp.with_holm(sp.paired_rows(results, m)) for m in METRICS}
+    rows = {m: pr.with_holm(pr.paired_rows(results, m)) for m in METRICS}
     cells = sorted(set(rows[METRICS[0]]) | set(rows[METRICS[1]]))
     if not cells:
         return ["## Verdict", "", "Written when the final runs of FedPA-LoRA and a baseline share two seeds.", ""]
@@ -35,11 +36,11 @@ def verdict_section(results: dict) -> list[str]:
             "expected to exclude 0 spuriously.",
             "",
         ]
-    if groups := sp.near_duplicates(results):
+    if groups := pr.near_duplicates(results, sp.BASELINES):
         named = "; ".join(", ".join(g) for g in groups)
         lines += [
             f"**Near-duplicates:** {named}: their per-seed final accuracies (paper protocol) lie within "
-            f"{100 * sp.NEAR:.1f} point of each other in every seed, so their intervals against FedPA-LoRA are one "
+            f"{100 * pr.NEAR:.1f} point of each other in every seed, so their intervals against FedPA-LoRA are one "
             "finding, not several.",
             "",
         ]
@@ -51,7 +52,7 @@ SIMULATIONS = 200_000  # draws of the seed-rule simulation (fixed seed 0)
 
 def _paired_sds(results: dict, metric: str) -> dict[str, float]:
     """Per final-stage cell, the standard deviation of its paired differences with FedPA-LoRA at its final n."""
-    return {cell: row["sd"] for cell, row in sp.paired_rows(results, metric).items()}
+    return {cell: row["sd"] for cell, row in pr.paired_rows(results, metric).items()}
 
 
 def head_section(results: dict) -> list[str]:
@@ -62,7 +63,7 @@ def head_section(results: dict) -> list[str]:
     if not runs:
         return [title, "", "Not run yet.", ""]
     rows = {m: sv.head_intervals(results, m) for m in METRICS}
-    values = {m: list(sp.cell_values(results, m, "head").get(sp.HEAD_CELL, {}).values()) for m in METRICS}
+    values = {m: list(pr.cell_values(results, m, "head").get(sp.HEAD_CELL, {}).values()) for m in METRICS}
     lines = [
         title,
         "",

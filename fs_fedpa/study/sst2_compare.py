@@ -29,24 +29,21 @@ from pathlib import Path
 from fs_fedpa.harness import compare
 from fs_fedpa.study import sst2_dp_regime, sst2_dp_valid, sst2_privacy
 from fs_fedpa.study import sst2_protocol as sp
+from fs_fedpa.study.protocol_results import RUNNER_FIELDS, load_results, time_spent, write_run
+from fs_fedpa.study.report import write_report
 from fs_fedpa.study.sst2_protocol import (
     CFG,
     CFG_NAME,
     PILOT_ROUNDS,
     REPORT,
-    RUNNER_FIELDS,
     STAGES,
     WORK,
     Run,
-    load_results,
     pilot_run,
     pilot_T,
     seconds_per_round,
-    time_spent,
     whole_rounds,
-    write_run,
 )
-from fs_fedpa.study.report import write_report
 from fs_fedpa.tools import cli
 from fs_fedpa.tools.sst2_demo import find_glue_dir
 

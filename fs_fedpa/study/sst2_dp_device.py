@@ -29,6 +29,7 @@ their three DP runs (about 110 CPU-min here) are dropped unrun.
 
 from __future__ import annotations
 
+from fs_fedpa.study import protocol_results as pr
 from fs_fedpa.study import sst2_privacy as spriv
 from fs_fedpa.study import sst2_protocol as sp
 
@@ -52,7 +53,7 @@ def base_opts() -> tuple[str, ...]:
 
 def learned(result: dict | None) -> bool:
     """Whether a run without DP ended above :data:`LEARNED` on the dev set (the amendment's bar for its DP run)."""
-    accuracy = sp.final_metric(result, "val_acc") if result else None
+    accuracy = pr.final_metric(result, "val_acc") if result else None
     return accuracy is not None and accuracy > LEARNED
 
 

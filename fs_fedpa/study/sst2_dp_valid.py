@@ -64,6 +64,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from fs_fedpa.study import protocol_results as pr
 from fs_fedpa.study import sst2_dp_device as dd
 from fs_fedpa.study import sst2_dp_regime as dr
 from fs_fedpa.study import sst2_privacy as spriv
@@ -180,7 +181,7 @@ def comparator(name: str) -> str:
 
 
 def _score(result: dict | None, metrics: tuple[str, ...]) -> float | None:
-    values = [v for m in metrics if result and (v := sp.final_metric(result, m)) is not None]
+    values = [v for m in metrics if result and (v := pr.final_metric(result, m)) is not None]
     return max(values) if values else None
 
 
@@ -209,7 +210,7 @@ def refit_metric(results: dict, point: Valid, fedpa_lam: float) -> str:
     """FedPA-LoRA's protocol with the refitted head that scored higher at seed 0: fixed before seeds 1-2 run."""
     run = next(r for r in diagnostic_runs(point, fedpa_lam) if r.name == "fedpa_dp_refit")
     result = results.get(run.key)
-    scores = {m: v for m in REFIT_METRICS if result and (v := sp.final_metric(result, m)) is not None}
+    scores = {m: v for m in REFIT_METRICS if result and (v := pr.final_metric(result, m)) is not None}
     return max(scores, key=scores.get) if scores else REFIT_METRICS[0]
 
 

@@ -13,7 +13,7 @@
 
 Holm's correction is applied to one family per table and protocol: every comparison of that table made under that
 protocol; a table whose comparisons cross the protocols (the deployment table, the across-split comparisons) is one
-family. Every label, in every table and in the figure, comes from :func:`fs_fedpa.study.sst2_protocol.with_holm`.
+family. Every label, in every table and in the figure, comes from :func:`fs_fedpa.study.protocol_results.with_holm`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import statistics
 
 from fs_fedpa.study import stats
+from fs_fedpa.study import protocol_results as pr
 from fs_fedpa.study import sst2_protocol as sp
 
 METRICS = ("val_acc", "local.val_acc")  # the paper protocol (global factors + local head), the clients' own factors
@@ -35,7 +36,7 @@ def split_values(results: dict, method: str, beta: float, metric: str) -> dict[i
     for split in sp.split_seeds(beta):
         for seed in sp.split_training_seeds(split):
             run = results.get(sp.splits_key(method, beta, split, seed))
-            if run is not None and (value := sp.final_metric(run, metric)) is not None:
+            if run is not None and (value := pr.final_metric(run, metric)) is not None:
                 out.setdefault(split, {})[seed] = value
     return out
 
@@ -103,7 +104,7 @@ def across_split_rows(results: dict) -> dict[str, dict]:
         if "across" in found:
             family[label] = found["across"]
             fixed[label] = found["fixed"]
-    return {label: {**row, "fixed": fixed[label]} for label, row in sp.with_holm(family).items()}
+    return {label: {**row, "fixed": fixed[label]} for label, row in pr.with_holm(family).items()}
 
 
 # ------------------------------------------------------------------------------------------------ deployment
@@ -115,11 +116,11 @@ DEPLOYMENT = (  # label, (cell, metric) − (cell, metric); the cells are each s
     ("FedIT: own adapter − global adapter with the local head", ("fedit", "local.val_acc"), ("fedit", "val_acc")),
 )  # fmt: skip
 DEPLOYMENT_SETTINGS = (  # label, stage, FedPA-LoRA's cell, FedIT's cell, per-run value
-    ("main cell, 21 rounds", "final", "fedpa", "fedit", sp.final_metric),
-    ("β = 0.1, 21 rounds", "beta", "fedpa_beta0.1", "fedit_beta0.1", sp.final_metric),
-    ("β = 100, 21 rounds", "beta", "fedpa_beta100", "fedit_beta100", sp.final_metric),
+    ("main cell, 21 rounds", "final", "fedpa", "fedit", pr.final_metric),
+    ("β = 0.1, 21 rounds", "beta", "fedpa_beta0.1", "fedit_beta0.1", pr.final_metric),
+    ("β = 100, 21 rounds", "beta", "fedpa_beta100", "fedit_beta100", pr.final_metric),
     ("long horizon, 60 rounds (mean of the last 3 evaluations)", "long", "fedpa", "fedit", sp.endpoint),
-    ("partial participation, 100 clients, 60 rounds", "partial", "fedpa", "fedit", sp.final_metric),
+    ("partial participation, 100 clients, 60 rounds", "partial", "fedpa", "fedit", pr.final_metric),
 )
 
 
@@ -131,12 +132,12 @@ def deployment_rows(results: dict) -> list[tuple[str, str, dict]]:
     for setting, stage, fedpa, fedit, value in DEPLOYMENT_SETTINGS:
         cells = {"fedpa": fedpa, "fedit": fedit}
         for label, (a, metric_a), (b, metric_b) in DEPLOYMENT:
-            first = sp.cell_values(results, metric_a, stage, value).get(cells[a], {})
-            second = sp.cell_values(results, metric_b, stage, value).get(cells[b], {})
-            row = sp.paired_rows({}, "", ours="first", cells={"first": first, "second": second}).get("second")
+            first = pr.cell_values(results, metric_a, stage, value).get(cells[a], {})
+            second = pr.cell_values(results, metric_b, stage, value).get(cells[b], {})
+            row = pr.paired_rows({}, "", ours="first", cells={"first": first, "second": second}).get("second")
             if row is not None:
                 family[(setting, label)] = row
-    labelled = sp.with_holm(family)
+    labelled = pr.with_holm(family)
     return [(setting, label, labelled[(setting, label)]) for setting, label in family]
 
 
@@ -148,9 +149,9 @@ def family_rows(results: dict, values: dict, pairs: dict[str, str], metric: str)
     for cell, ours in pairs.items():
         if ours and ours != cell and ours in values and cell in values:
             cells = {ours: values[ours], cell: values[cell]}
-            if row := sp.paired_rows(results, metric, ours=ours, cells=cells).get(cell):
+            if row := pr.paired_rows(results, metric, ours=ours, cells=cells).get(cell):
                 family[cell] = row
-    return sp.with_holm(family)
+    return pr.with_holm(family)
 
 
 def beta_pairs(results: dict) -> dict[str, str]:
@@ -176,15 +177,15 @@ def verdict_rows(results: dict) -> list[dict]:
             entry.update({m: by_metric[m][cell] for m in METRICS if cell in by_metric.get(m, {})})
             rows.append(entry)
 
-    add("main cell (final runs)", {m: sp.with_holm(sp.paired_rows(results, m)) for m in METRICS})
+    add("main cell (final runs)", {m: pr.with_holm(pr.paired_rows(results, m)) for m in METRICS})
     table = beta_pairs(results)
-    labelled = {m: family_rows(results, sp.cell_values(results, m, "beta"), table, m) for m in METRICS}
+    labelled = {m: family_rows(results, pr.cell_values(results, m, "beta"), table, m) for m in METRICS}
     for beta in ("0.1", "100"):
         mine = {m: {c: row for c, row in labelled[m].items() if c.endswith(f"_beta{beta}")} for m in METRICS}
         add(f"β = {beta}", mine, {c: c.rsplit("_beta", 1)[0] for c in table})
     hetero = hetero_pairs(results)
     add("r_i ∈ {2, 4, 16}",
-        {m: family_rows(results, sp.cell_values(results, m, "hetero"), hetero, m) for m in METRICS},
+        {m: family_rows(results, pr.cell_values(results, m, "hetero"), hetero, m) for m in METRICS},
         {c: c.replace("_r2_4_16", "") for c in hetero})  # fmt: skip
     heads = {m: head_intervals(results, m) for m in METRICS}
     names = {label: label.split(" − ")[0] + " − FedIT" for label, *_ in HEAD_COMPARISONS[:2]}
@@ -235,23 +236,23 @@ def head_intervals(results: dict, metric: str) -> dict[str, dict]:
     """The head asymmetry's :data:`HEAD_COMPARISONS` under one protocol, Holm over the three."""
     family = {}
     for label, (stage_a, a), (stage_b, b) in HEAD_COMPARISONS:
-        first = sp.cell_values(results, metric, stage_a).get(a, {})
-        second = sp.cell_values(results, metric, stage_b).get(b, {})
-        if row := sp.paired_rows(results, metric, ours="first", cells={"first": first, b: second}).get(b):
+        first = pr.cell_values(results, metric, stage_a).get(a, {})
+        second = pr.cell_values(results, metric, stage_b).get(b, {})
+        if row := pr.paired_rows(results, metric, ours="first", cells={"first": first, b: second}).get(b):
             family[label] = row
-    return sp.with_holm(family)
+    return pr.with_holm(family)
 
 
 def long_intervals(results: dict, metric: str) -> dict[str, dict]:
     """Each FedPA-LoRA arm of the long horizon − FedIT, on the endpoint (:func:`sp.endpoint`), Holm over the arms of
     one protocol."""
-    ends = sp.cell_values(results, metric, "long", sp.endpoint)
+    ends = pr.cell_values(results, metric, "long", sp.endpoint)
     family = {}
     for cell in ends:
         pair = {cell: ends[cell], "reference": ends.get(sp.LONG_REFERENCE, {})}
-        if cell != sp.LONG_REFERENCE and (row := sp.paired_rows({}, metric, ours=cell, cells=pair).get("reference")):
+        if cell != sp.LONG_REFERENCE and (row := pr.paired_rows({}, metric, ours=cell, cells=pair).get("reference")):
             family[cell] = row
-    return sp.with_holm(family)
+    return pr.with_holm(family)
 
 
 def partial_intervals(results: dict) -> dict[str, dict]:
@@ -260,11 +261,11 @@ def partial_intervals(results: dict) -> dict[str, dict]:
     others = [name for name, method, _ in sp.PARTIAL_ARMS if method != "fedpa"]
     out = {}
     for m in METRICS:
-        values = sp.cell_values(results, m, "partial")
+        values = pr.cell_values(results, m, "partial")
         family = {}
         for arm in ours:
             cells = {c: values[c] for c in (arm, *others) if c in values}
-            for other, row in sp.paired_rows(results, m, ours=arm, cells=cells).items():
+            for other, row in pr.paired_rows(results, m, ours=arm, cells=cells).items():
                 family[(arm, other)] = row
-        out[m] = sp.with_holm(family)
+        out[m] = pr.with_holm(family)
     return out

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from fs_fedpa.study import protocol_results as pr
 from fs_fedpa.study import sst2_protocol as sp
 from fs_fedpa.tools import eval_generation, sst2_demo, tiny_llm
 from fs_fedpa.study import sst2_compare as sc
@@ -156,7 +157,7 @@ def test_plan_writes_no_selection_where_the_plan_would_freeze_one(tmp_path):
 
     # Assert: the plan went as far as the frozen selection lets it (its later stages), yet nothing was written
     assert _tree(report) == before
-    assert sc.plan_only(sp.load_results(report), report)[-1][0] != "final"
+    assert sc.plan_only(pr.load_results(report), report)[-1][0] != "final"
 
 
 def test_compare_outside_a_checkout_refuses_in_one_line_and_says_where_it_would_write(tmp_path, monkeypatch, capsys):

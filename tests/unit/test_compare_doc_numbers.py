@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from fs_fedpa.study import stats
+from fs_fedpa.study import protocol_results as pr
 from fs_fedpa.study import sst2_protocol as sp
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,10 +61,10 @@ def _report_values() -> tuple[list[tuple[float, float, float]], list[tuple[float
     """Every paired interval (both directions) between two cells of a stage, the final runs and the ablation joined
     to every stage (the later stages compare against them), under both protocols; every cell's final mean and
     sample standard deviation (n - 1), as the report prints them."""
-    results = sp.load_results(ROOT / sp.REPORT)
+    results = pr.load_results(ROOT / sp.REPORT)
     intervals, spreads = [], []
-    finals = {m: sp.cell_values(results, m, "final") for m in ("val_acc", "local.val_acc")}
-    ablation = {m: sp.cell_values(results, m, "ablation") for m in ("val_acc", "local.val_acc")}
+    finals = {m: pr.cell_values(results, m, "final") for m in ("val_acc", "local.val_acc")}
+    ablation = {m: pr.cell_values(results, m, "ablation") for m in ("val_acc", "local.val_acc")}
     for stage in STAGES:
         both = {}  # (metric, cell) -> seed -> value: the deployment table pairs cells across the protocols
         for metric in ("val_acc", "local.val_acc"):
@@ -73,7 +74,7 @@ def _report_values() -> tuple[list[tuple[float, float, float]], list[tuple[float
                     if key.startswith("long/") and (v := sp.endpoint(run, metric)) is not None:
                         cells.setdefault(run["cell"], {})[run["seed"]] = v
             else:
-                cells = sp.cell_values(results, metric, stage)
+                cells = pr.cell_values(results, metric, stage)
             joined = {**{f"final:{c}": v for c, v in finals[metric].items()}, **ablation[metric]}
             cells = {**joined, **cells}  # the head asymmetry pairs with the final runs and the ablation
             for values in cells.values():
@@ -103,7 +104,7 @@ def _split_differences(results: dict, beta: float, metric: str, theirs: str | No
         for seed in sp.split_training_seeds(split):
             runs = [results.get(sp.splits_key(m, beta, split, seed)) for m in ("fedpa", "fedit")]
             if all(runs):
-                a, b = sp.final_metric(runs[0], metric), sp.final_metric(runs[1], theirs or metric)
+                a, b = pr.final_metric(runs[0], metric), pr.final_metric(runs[1], theirs or metric)
                 differences.setdefault(split, []).append(a - b)
     return differences
 
@@ -132,7 +133,7 @@ def test_the_client_split_row_quotes_the_t_on_split_means_across_splits():
     interval."""
     if not (ROOT / sp.REPORT / "runs" / "splits").is_dir():
         pytest.skip("no committed client-split runs")
-    results = sp.load_results(ROOT / sp.REPORT)
+    results = pr.load_results(ROOT / sp.REPORT)
     row = next(line for line in _protocol_section().splitlines() if line.startswith("| client splits"))
     for metric, column in zip(("val_acc", "local.val_acc"), row.split(" | ")[1:3]):
         quoted = [m for m in INTERVAL.finditer(column) if "across" in column[max(0, m.start() - 30) : m.start()]]
@@ -174,7 +175,7 @@ def test_the_long_horizon_rows_quote_each_arms_own_interval():
     factors, rounded once."""
     if not (ROOT / sp.REPORT / "runs" / "long").is_dir():
         pytest.skip("no committed long-horizon runs")
-    results = sp.load_results(ROOT / sp.REPORT)
+    results = pr.load_results(ROOT / sp.REPORT)
     letters = {"b": "fedpa", "c": "fedpa_adamw5e-3_lam1", "d": "fedpa_adamw5e-3_lam0.1"}
     assert [cell for cell, _, _ in sp.LONG_ARMS[1:]] == list(letters.values())
     rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| long horizon, 60 rounds: \(([bcd])\).*$",
@@ -198,10 +199,10 @@ def test_the_one_model_per_client_numbers_quote_fedpas_own_adapter_against_fedit
     the local head (val_acc), paired by seed: main cell (final round), 60 rounds (endpoint), partial participation."""
     if not (ROOT / sp.REPORT / "runs" / "partial").is_dir():
         pytest.skip("no committed partial-participation runs")
-    results = sp.load_results(ROOT / sp.REPORT)
+    results = pr.load_results(ROOT / sp.REPORT)
 
     def per_seed(stage, cell, metric, endpoint=False):
-        return {r["seed"]: (sp.endpoint(r, metric) if endpoint else sp.final_metric(r, metric))
+        return {r["seed"]: (sp.endpoint(r, metric) if endpoint else pr.final_metric(r, metric))
                 for k, r in results.items() if k.startswith(f"{stage}/") and r["cell"] == cell}  # fmt: skip
 
     section = _protocol_section()
@@ -233,10 +234,10 @@ def test_the_privacy_row_quotes_each_methods_own_intervals():
     stage's)."""
     if not (ROOT / sp.REPORT / "runs" / "privacy" / "fedit_dp_s0.json").is_file():
         pytest.skip("no committed sample-level privacy finals")
-    results = sp.load_results(ROOT / sp.REPORT)
+    results = pr.load_results(ROOT / sp.REPORT)
     row = next(line for line in _protocol_section().splitlines() if line.startswith("| privacy, sample level"))
     for metric, column in zip(("val_acc", "local.val_acc"), row.split(" | ")[1:3]):
-        dp, final = sp.cell_values(results, metric, "privacy"), sp.cell_values(results, metric, "final")
+        dp, final = pr.cell_values(results, metric, "privacy"), pr.cell_values(results, metric, "final")
         no_dp = {**{m: final[m] for m in ("fedpa", "fedit", "ffa_lora")}, "fedsvd": dp["fedsvd"]}
 
         against_fedit, without = column.split("without DP", 1) if "without DP" in column else (column, "")

@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 
+from fs_fedpa.study import protocol_results as pr
 from fs_fedpa.study import sst2_dp_regime as dr
 from fs_fedpa.study import sst2_protocol as sp
 
@@ -163,7 +164,7 @@ def test_the_runners_plan_and_pricing_include_the_stage(tmp_path):
     runs = dr.search_a()
     assert sc.minutes_left(runs, {}) == pytest.approx(dr.minutes(runs, {}))
     # the committed protocol: its stages, then this one's parts once the selection exists
-    stages = sc.plan(sp.load_results(sp.REPORT), sp.REPORT)
+    stages = sc.plan(pr.load_results(sp.REPORT), sp.REPORT)
     names = [part for part, _ in stages]
     assert names[-1].startswith("dp valid") and "privacy: sample-level final" in dict(stages)  # then dpvalid's
     assert names[max(i for i, n in enumerate(names) if not n.startswith("dp valid"))].startswith("dp regime")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from fs_fedpa.harness import compare
+from fs_fedpa.study import protocol_results as pr
 from fs_fedpa.study import sst2_protocol as sp
 from fs_fedpa.record import EVAL_SHARDS_FILE, OUTCOMES_FILE
 
@@ -98,7 +99,7 @@ def _long_run(cell: str, seed: int, p: float, rounds=(53, 56, 59), rng=None) -> 
 def test_sentence_scores_average_to_the_endpoint():
     run = _long_run("fedpa", 0, 0.7)
     for protocol_name, metric in (("global", "val_acc"), ("local", "local.val_acc")):
-        scores, clients = sp.sentence_scores(run, protocol_name)
+        scores, clients = pr.sentence_scores(run, protocol_name)
         assert clients == [1, 2] * 6
         assert sum(scores) / len(scores) == pytest.approx(sp.endpoint(run, metric))
     assert sp.endpoint(run, "val_acc", k=4) is None or len(run["rounds"]) >= 4
@@ -183,7 +184,7 @@ def test_near_duplicates_and_holm_labels_per_family():
         + [_final("lora_fair", s, 0.893 - 0.001 * s) for s in range(3)]
         + [_final("flexlora", s, 0.880 + 0.01 * s) for s in range(3)]
     )
-    assert sp.near_duplicates(results) == [["fedit", "lora_fair"]]
-    rows = sp.with_holm(sp.paired_rows(results, "val_acc"))
+    assert pr.near_duplicates(results, sp.BASELINES) == [["fedit", "lora_fair"]]
+    rows = pr.with_holm(pr.paired_rows(results, "val_acc"))
     assert set(rows) == {"fedit", "lora_fair", "flexlora"} and all("holm" in r and "p" in r for r in rows.values())
     assert rows["flexlora"]["holm"] == "ties"

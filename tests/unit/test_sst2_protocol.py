@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from fs_fedpa.study import sst2_privacy as spriv
+from fs_fedpa.study import protocol_results as pr
 from fs_fedpa.study import sst2_protocol as sp
 from fs_fedpa.study import sst2_compare as sc
 
@@ -95,7 +96,7 @@ def test_later_stages_follow_the_final_paired_intervals(tmp_path):
     for run in sp.final_runs(selected, 4):
         acc = 0.85 - gaps.get(run.method, (0.1, 0.1, 0.11))[run.seed] if run.method != "fedpa" else 0.85
         results[run.key] = _result(run, {4: acc})
-    rows = sp.paired_rows(results, "val_acc")
+    rows = pr.paired_rows(results, "val_acc")
     assert rows["fedit"]["verdict"] == "wins" and rows["flexlora"]["verdict"] == "ties"
     assert rows["fedit"]["mean"] == pytest.approx(0.055)
     assert sp.strongest(results) == ["flexlora", "fedit", "ffa_lora"]
@@ -123,7 +124,7 @@ def test_later_stages_follow_the_final_paired_intervals(tmp_path):
 @pytest.mark.skipif(not (COMMITTED / "selected.json").is_file(), reason="no committed selection yet")
 def test_committed_final_runs_used_the_committed_selection():
     selected = json.loads((COMMITTED / "selected.json").read_text())
-    results = sp.load_results(COMMITTED)
+    results = pr.load_results(COMMITTED)
     finals = [r for k, r in results.items() if k.startswith("final/")]
     for run in finals:
         opts = dict(zip(run["opts"][::2], run["opts"][1::2]))
@@ -166,7 +167,7 @@ def test_runs_execute_in_parallel_commit_each_result_and_leave_failures_for_the_
     assert sorted(p.name for p in (tmp_path / "runs" / "tune").iterdir()) == ["fedpa_s0.json", "flexlora_s0.json"]
     assert all(opts[-2:] == ["use_gpu", "True"] for _, opts in calls)
     assert json.loads((tmp_path / "runs" / "tune" / "fedpa_s0.json").read_text())["fs_opts"] == ["use_gpu", "True"]
-    assert sp.load_results(tmp_path)["tune/fedpa_s0"]["rounds"] == {2: {"val_acc": 0.8}}  # committed, read back
+    assert pr.load_results(tmp_path)["tune/fedpa_s0"]["rounds"] == {2: {"val_acc": 0.8}}  # committed, read back
 
 
 @pytest.mark.parametrize("jobs", [1, 2])
@@ -260,10 +261,10 @@ def test_a_run_records_the_cpu_time_its_process_reports_and_its_exit_status():
 
 def test_time_spent_reports_wall_time_and_cpu_time_where_recorded():
     results = {"a": {"seconds": 3600.0, "cpu_seconds": 5400.0}, "b": {"seconds": 1800.0}}
-    assert sp.time_spent(results) == "1.50 h of wall time, 1.50 CPU-h on the 1 of 2 runs that record it"
-    assert sp.time_spent({"b": {"seconds": 1800.0}}) == "0.50 h of wall time"
+    assert pr.time_spent(results) == "1.50 h of wall time, 1.50 CPU-h on the 1 of 2 runs that record it"
+    assert pr.time_spent({"b": {"seconds": 1800.0}}) == "0.50 h of wall time"
     # two runs side by side (--jobs 2) share the machine: 1.5 h of wall time is 0.75 h of it
-    assert sp.time_spent({"a": {"seconds": 3600.0, "jobs": 2}, "b": {"seconds": 1800.0, "jobs": 2}}) == (
+    assert pr.time_spent({"a": {"seconds": 3600.0, "jobs": 2}, "b": {"seconds": 1800.0, "jobs": 2}}) == (
         "1.50 h of wall time (0.75 h of machine time: wall time / runs side by side)"
     )
 
@@ -443,13 +444,13 @@ def test_recollect_rewrites_committed_runs_from_their_fs_outputs_and_keeps_the_r
         (report / "runs" / stage).mkdir(parents=True, exist_ok=True)
         (report / "runs" / stage / f"{name}.json").write_text(json.dumps({**committed, "cell": name[:-3]}))
     _fs_outputs(work / "adaptive" / "fedpa_adaptive_grad_s0", {1: 0.8}, [0.5, 10.0])  # loss_s0: not on this machine
-    results = sp.load_results(report)
+    results = pr.load_results(report)
     assert sc.recollect(results, report, work, ["hetero"]) == []  # another stage: nothing read
     assert sc.recollect(results, report, work, ["adaptive"]) == ["adaptive/fedpa_adaptive_grad_s0"]
-    again = sp.load_results(report)
+    again = pr.load_results(report)
     grad, loss = again["adaptive/fedpa_adaptive_grad_s0"], again["adaptive/fedpa_adaptive_loss_s0"]
     assert grad["diagnostics"][0]["lam_max"] == 10.0 and grad["diagnostics"][0]["lam_mean"] == 5.25
-    assert {k: grad[k] for k in sp.RUNNER_FIELDS} == {k: committed[k] for k in sp.RUNNER_FIELDS}
+    assert {k: grad[k] for k in pr.RUNNER_FIELDS} == {k: committed[k] for k in pr.RUNNER_FIELDS}
     assert grad["rounds"] == {1: {"val_acc": 0.8}} and results["adaptive/fedpa_adaptive_grad_s0"] == grad
     assert "lam_mean" not in loss["diagnostics"][0]  # left as committed
 
@@ -461,7 +462,7 @@ def test_recollect_refuses_outputs_of_another_run_than_the_committed_one(tmp_pat
     (report / "runs" / "adaptive" / "fedpa_adaptive_grad_s0.json").write_text(json.dumps(run))
     _fs_outputs(work / "adaptive" / "fedpa_adaptive_grad_s0", {1: 0.7}, [0.5])  # a rerun with another curve
     with pytest.raises(ValueError, match="another run than the committed adaptive/fedpa_adaptive_grad_s0"):
-        sc.recollect(sp.load_results(report), report, work, ["adaptive"])
+        sc.recollect(pr.load_results(report), report, work, ["adaptive"])
     assert json.loads((report / "runs" / "adaptive" / "fedpa_adaptive_grad_s0.json").read_text()) == run
 
 
@@ -542,13 +543,13 @@ def test_stage_runs_only_the_named_stages_runs_and_refuses_an_unknown_stage(tmp_
     partial = sp.partial_runs(json.loads((report / "selected.json").read_text()))
     assert sorted(name for name, _ in calls) == sorted(r.name for r in partial)  # every partial run, nothing else
     assert all(opts[-6:] == ["use_gpu", "True", "device", "0", "fedpa.num_threads", "1"] for _, opts in calls)
-    assert not any(r.key in sp.load_results(report) for r in long_left)  # the long stage before it did not run
+    assert not any(r.key in pr.load_results(report) for r in long_left)  # the long stage before it did not run
     with pytest.raises(SystemExit, match=r"--stage: unknown \['longer'\]; the stages are pilot tune"):
         sc.main([*argv[:-1], "longer"])
 
 
 def test_every_run_of_the_plan_belongs_to_a_named_stage():
-    stages = sc.plan(sp.load_results(sp.REPORT), sp.REPORT)  # the runner's: the protocol's and the dpregime stage's
+    stages = sc.plan(pr.load_results(sp.REPORT), sp.REPORT)  # the runner's: the protocol's and the dpregime stage's
     assert {r.stage for _, runs in stages for r in runs} == set(sp.STAGES)
 
 
@@ -620,7 +621,7 @@ def test_the_split_stage_runs_both_methods_at_both_betas_on_the_two_new_splits_a
     assert combos[24:] == [(m, 0.1, s, seed) for s in (3, 4, 5, 6, 7) for seed in (0, 1) for m in methods]
     assert sp.split_seeds(0.1) == (12345, 1, 2, 3, 4, 5, 6, 7) and sp.split_seeds(0.5) == (12345, 1, 2)
     # the committed split's cells are the committed final and beta runs, which carry split_seed 12345
-    results = sp.load_results(sp.REPORT)
+    results = pr.load_results(sp.REPORT)
     for method in ("fedpa", "fedit"):
         for beta in (0.5, 0.1):
             for seed in (0, 1, 2):
@@ -724,7 +725,7 @@ def test_the_runner_fills_its_job_slots_from_every_decided_part_of_a_stage(tmp_p
         "diagnostics": [{"delta_norm_mean": 1.0, "change_norm_mean": 1.0}],
     }
     for method in spriv.CLIENT_DP_METHODS[1:]:
-        sp.write_run(
+        pr.write_run(
             report, f"privacy/partial30_{method}_s{spriv.CLIENT_DP_SEED}", {**done, "cell": f"partial30_{method}"}
         )
     batches = []

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from fs_fedpa.study import protocol_results as pr
 from fs_fedpa.study import sst2_protocol as sp
 from fs_fedpa.study import sst2_verdict as sv
 
@@ -36,7 +37,7 @@ def test_the_deployment_table_pairs_fedpas_own_adapter_with_fedits_global_adapte
     own = [_last(RUNS / "final" / f"fedpa_s{s}.json", "local.val_acc") for s in seeds]
     global_fedit = [_last(RUNS / "final" / f"fedit_s{s}.json", "val_acc") for s in seeds]
     want = _t_interval([a - b for a, b in zip(own, global_fedit)])
-    rows = sv.deployment_rows(sp.load_results(ROOT / sp.REPORT))
+    rows = sv.deployment_rows(pr.load_results(ROOT / sp.REPORT))
     (row,) = [
         r for setting, label, r in rows if setting.startswith("main cell") and label.startswith("FedPA-LoRA own")
     ]
@@ -167,7 +168,7 @@ def _holm_by_hand(p: dict) -> dict:
 def test_holm_takes_one_family_per_table_and_protocol_in_the_partial_and_beta_tables():
     from scipy import stats
 
-    results = sp.load_results(ROOT / sp.REPORT)
+    results = pr.load_results(ROOT / sp.REPORT)
     for metric in sv.METRICS:
         rows = sv.partial_intervals(results)[metric]
         assert len(rows) == 4  # 2 FedPA-LoRA arms x 2 baselines: one family
@@ -185,6 +186,6 @@ def test_holm_takes_one_family_per_table_and_protocol_in_the_partial_and_beta_ta
     beta = {
         r["cell"]: f"fedpa_beta{r['cell'].rsplit('_beta', 1)[1]}" for k, r in results.items() if k.startswith("beta/")
     }
-    rows = sv.family_rows(results, sp.cell_values(results, "val_acc", "beta"), beta, "val_acc")
+    rows = sv.family_rows(results, pr.cell_values(results, "val_acc", "beta"), beta, "val_acc")
     assert len(rows) == 6
     assert {c: r["holm"] != "ties" for c, r in rows.items()} == _holm_by_hand({c: r["p"] for c, r in rows.items()})

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fs_fedpa.study import sst2_protocol as sp
+from fs_fedpa.study import protocol_results as pr
 from fs_fedpa.study import sst2_verdict as sv
 
 REPORT = Path(__file__).resolve().parents[2] / "docs" / "reference" / "sst2_protocol"
 
 
 def test_the_headline_is_at_most_eight_plain_rows_each_the_verdicts_fedpa_minus_fedit():
-    results = sp.load_results(REPORT)
+    results = pr.load_results(REPORT)
     rows = sv.headline_rows(results)
     assert 1 <= len(rows) <= 8 and len({r["label"] for r in rows}) == len(rows)
     full = {(r["setting"], r["against"]): r["val_acc"] for r in sv.verdict_rows(results) if "val_acc" in r}
