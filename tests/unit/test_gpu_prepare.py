@@ -8,7 +8,7 @@ import os
 import re
 import subprocess
 
-from fs_fedpa.tools.gpu_check import gzip_large_files
+from fs_fedpa.tools.gpu_prepare import gzip_large_files
 from tests.conftest import ROOT
 
 
