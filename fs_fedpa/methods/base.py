@@ -58,6 +58,9 @@ class FederatedMethod:
     # its applied product s_i B_i A_i; "change": the change of the factors it uploads from those it received; "":
     # refused. Declared by each method itself, never inherited: a subclass changes what the server releases.
     dp_space: ClassVar[str] = ""
+    # what the method sends every client whole (Fed-PLoRA its modules, Ravan its heads), so that every reference rank
+    # R_i and R_g must be r_g = max r_i (check_plan refuses other plans); "": each client gets its rank-R_i reference
+    full_references: ClassVar[str] = ""
 
     def __init__(self, cfg: FedPAConfig, plan: RankPlan, seed: int | None = None):
         self.cfg = cfg
@@ -67,7 +70,10 @@ class FederatedMethod:
         self.check_plan()
 
     def check_plan(self) -> None:
-        """Raise ValueError if the rank plan does not suit the method (default: any plan)."""
+        """Raise ValueError if the rank plan does not suit the method (default: any plan, full references where
+        :attr:`full_references` declares them)."""
+        if self.full_references:
+            self.require_full_references(self.full_references)
 
     def require_full_references(self, what: str) -> None:
         """ValueError unless R_g and every R_i are r_g = max r_i: for a method that sends every client all ``what``."""

@@ -25,9 +25,7 @@ from fs_fedpa.methods.base import trainer_shares
 
 class FedPLoRA(FederatedMethod):
     name = "fed_plora"
-
-    def check_plan(self) -> None:
-        self.require_full_references(f"R = max r_i = {self.plan.r_g} modules")
+    full_references = "R = max r_i modules"
 
     def weights(self, round_samples: Sequence[float], data_sizes: Sequence[float | None]) -> list[float]:
         return [1.0] * len(round_samples)

@@ -34,6 +34,7 @@ from fs_fedpa.methods.base import trainer_shares
 
 class Ravan(FederatedMethod):
     name = "ravan"
+    full_references = "of its heads"
     state_is_factors = False
 
     def __init__(self, cfg, plan, seed=None):
@@ -44,9 +45,6 @@ class Ravan(FederatedMethod):
         self.H = max(self.heads)
         self.ranks: dict[str, int] = {}  # r_h per module, set by bind()
         self._bases: dict[str, tuple[Tensor, Tensor]] = {}
-
-    def check_plan(self) -> None:
-        self.require_full_references("of its heads")
 
     def bind(self, shapes: dict[str, tuple[int, int]]) -> None:
         super().bind(shapes)

@@ -42,8 +42,14 @@ def test_the_fs_registration_lists_every_method():
 
 @pytest.mark.parametrize("name", PLUGIN_METHODS)
 def test_contract_ranks_of_init_downlink_and_aggregate(name):
+    contract_ranks(name)
+
+
+def contract_ranks(name):
+    """The ranks of a method's initial state, downlink and aggregate, read from its declarations (never its name)."""
     # Prepare
-    full = name in ("fed_plora", "ravan")  # send every client everything
+    get_method("fedpa")  # registers every method
+    full = bool(METHODS[name].full_references)
     method = _method(name, [4, 4, 4], reference_ranks=None if full else [2, 3, 4])
     method.bind(SHAPES)
     gen = torch.Generator().manual_seed(0)
@@ -51,7 +57,7 @@ def test_contract_ranks_of_init_downlink_and_aggregate(name):
     # Execute
     client = method.client_init(init, 1)
     uploads = _uploads([4, 4, 4])
-    if name == "ffa_lora":  # its clients never change their shared, frozen A
+    if not any(method.trainable(rnd)[1] for rnd in range(2)):  # its clients never change their shared, frozen A
         uploads = [{n: (B, uploads[0][n][1]) for n, (B, _) in u.items()} for u in uploads]
     if not method.state_is_factors:  # its own state: what its clients would send, completed
         uploads = [_state_uploads(method, init, c) for c in range(3)]
@@ -67,11 +73,16 @@ def test_contract_ranks_of_init_downlink_and_aggregate(name):
 
 @pytest.mark.parametrize("name", PLUGIN_METHODS)
 def test_contract_payload_completion_and_model_round_trip(name):
+    contract_payload(name)
+
+
+def contract_payload(name):
+    """A method's state through a PEFT model and back, and its upload completed by the server."""
     # Prepare: a PEFT model whose LoRA modules have SHAPES' (d, k)
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(_TwoLinear(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q", "v"]))
     shapes = {n: (layer.out_features, layer.in_features) for n, layer in lora.lora_layers(model).items()}
-    full = name in ("fed_plora", "ravan")
+    full = bool(METHODS[name].full_references)
     method = _method(name, [4, 4, 4], reference_ranks=None if full else [4, 4, 4])
     method.bind(shapes)
     global_ = method.init_global(shapes, torch.Generator().manual_seed(0))
@@ -90,6 +101,37 @@ def test_contract_payload_completion_and_model_round_trip(name):
     for n, (B, A) in expanded.items():
         assert B.shape[0] == shapes[n][0] and A.shape[1] == shapes[n][1] and B.shape[1] == A.shape[0]
         torch.testing.assert_close(B @ A, (lambda f: f[0] @ f[1])(method.expand(sent)[n]))
+
+
+def test_a_new_method_is_one_class_and_passes_the_contract():
+    """A toy method defined here alone, one method (the mean of the products, truncated to rank R_g by their dense
+    SVD; everything else the defaults), registered by subclassing, runs through both contract checks; the registry is
+    left as it was."""
+    from fs_fedpa.methods.base import FederatedMethod
+
+    get_method("fedpa")
+    before = dict(METHODS)
+
+    class ToyProductMean(FederatedMethod):
+        name = "toy_product_mean"
+
+        def aggregate(self, uploads, weights, clients, generator, rnd=0):
+            total = sum(weights)
+            out, spectra = {}, {}
+            for n in uploads[0]:
+                product = sum(w / total * (u[n][0] @ u[n][1]) for u, w in zip(uploads, weights))
+                U, S, Vh = torch.linalg.svd(product, full_matrices=False)
+                R = self.plan.R_g
+                out[n], spectra[n] = (U[:, :R] * S[:R], Vh[:R]), S
+            return out, spectra
+
+    try:
+        assert METHODS["toy_product_mean"] is ToyProductMean
+        contract_ranks("toy_product_mean")
+        contract_payload("toy_product_mean")
+    finally:
+        METHODS.pop("toy_product_mean", None)
+    assert METHODS == before
 
 
 class _TwoLinear(torch.nn.Module):
