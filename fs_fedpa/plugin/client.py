@@ -66,7 +66,7 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
         self.models = ClientModel(self.model, self.trainer, self.method, self.kept)
         self._set_space()
         # Snapshot now: with share_local_model, other clients' training overwrites the model's copy.
-        self.kept.local = self.models.read_tensors(local_names)
+        self.kept.start(self.models.read_tensors(local_names))
         if store.initial_local is None:  # what a client whose state is lost starts from again
             store.initial_local = {n: t.detach().cpu().clone() for n, t in self.kept.local.items()}
         if self.models.moves_base:

@@ -56,7 +56,7 @@ class ClientModel:
         """Everything the client keeps across rounds (raw factors, local tensors), on the CPU, with round ``rnd``,
         its id and rank r_i."""
         rank = self.method.plan.client_ranks[self.index]
-        return {"round": rnd, "client": self.client_id, "rank": rank, **self.kept.snapshot()}
+        return {"round": rnd, "client": self.client_id, "rank": rank, **self.kept.state_dict()}
 
     # ------------------------------------------------------------------------------------ its factors
     def initial_factors(self) -> Factors:
@@ -66,15 +66,14 @@ class ClientModel:
         initial = self.method.client_init(self.space.download(global_init(self.model, self.method)), self.index)
         return {n: (B.to(device), A.to(device)) for n, (B, A) in initial.items()}
 
-    def restart_factors(self, rnd: int) -> Factors:
-        """Rank-r_i factors whose product is the reference received in round ``rnd``: its R_i columns/rows, then
+    def restart_factors(self, rnd: int, received: Factors) -> Factors:
+        """Rank-r_i factors whose product is the reference ``received`` in round ``rnd``: its R_i columns/rows, then
         zero columns of B with the rows of the client's initial A (so the extra rank can still learn)."""
-        kept = self.kept
         if self.method.folds or not self.method.state_is_factors:  # the round's start from what it received
-            return self.method.start_round(kept.received, kept.factors, self.index, rnd)
+            return self.method.start_round(received, self.kept.factors, self.index, rnd)
         r_i, initial = self.method.plan.client_ranks[self.index], self.initial_factors()
         out = {}
-        for name, (B, A) in kept.received.items():
+        for name, (B, A) in received.items():
             B_r, A_r = truncate_factors(B, A, r_i)
             R = min(B.shape[1], r_i)
             A_r[R:] = initial[name][1][R:].to(A_r)
@@ -88,11 +87,10 @@ class ClientModel:
         kept = self.kept
         lost = kept.lost
         if lost:
-            kept.factors = self.initial_factors()  # the modules and ranks the reference is completed to
+            kept.stand_in(self.initial_factors())
         received = self.receive(payload)
         if lost:
-            kept.received = received
-            kept.factors, kept.lost, kept.lost_unreported = self.restart_factors(rnd), False, True
+            kept.restart(received, self.restart_factors(rnd, received))
         return received
 
     def receive(self, payload: dict) -> Factors:
@@ -107,15 +105,13 @@ class ClientModel:
             if name not in received:
                 received[name] = (torch.zeros_like(B, device=device), torch.zeros_like(A, device=device))
         if "base_total" in payload:  # it lacked more than the newest merge: the sum of all, in place of its own
-            kept.base_offset = {n: t.to(device, torch.promote_types(t.dtype, torch.float32)) for n, t in
-                                decode_tensors(payload["base_total"]).items()}  # fmt: skip
+            kept.replace_merges({n: t.to(device, torch.promote_types(t.dtype, torch.float32)) for n, t in
+                                 decode_tensors(payload["base_total"]).items()})  # fmt: skip
         for merge in decode_merge(payload.get("base", {})):  # one by one, as they were merged
             for name, increment in merge.items():
                 if name not in kept.factors:
                     raise KeyError(f"the server merged into {name!r}, which is not a LoRA module of this model")
-                increment = increment.to(device, torch.promote_types(increment.dtype, torch.float32))
-                offsets = kept.base_offset
-                offsets[name] = offsets[name] + increment if name in offsets else increment
+                kept.merge(name, increment.to(device, torch.promote_types(increment.dtype, torch.float32)))
         return received
 
     # ------------------------------------------------------------------------------------ into the model

@@ -47,17 +47,14 @@ class ClientRound:
     def enter(self, payload: dict, rnd: int) -> None:
         """Round ``rnd`` from the server's ``payload``: the model holds the round's start, the term its reference."""
         models, kept, method = self.models, self.kept, self.method
-        if kept.factors is None and not kept.lost:
-            kept.factors = models.initial_factors()
+        kept.draw(models.initial_factors)
         received = models.own_and_received(payload, rnd)
-        kept.lost_this_round, kept.lost_unreported = kept.lost_unreported, False  # the server resends merges
         self.staleness = self.stats.staleness(models.space, kept, received, rnd)
         self.train_personal(received, payload, rnd)
         start = method.start_round(received, kept.factors, models.index, rnd)
         self.init_error = self.stats.init_error(start, kept.factors, kept.rounds_trained)
         self.start = lora.copy_factors(start) if method.cfg.diagnostics else None
-        kept.received = received
-        kept.fold = method.fold(received, models.index, rnd)
+        kept.open_round(received, method.fold(received, models.index, rnd))  # a lost state is reported now
         models.set_base(kept.fold)
         models.load(start, rnd, trainable=method.trainable(rnd))
         models.load_round_tensors(payload)
@@ -84,8 +81,8 @@ class ClientRound:
                 self.trainer.train()
         finally:
             lora.set_base_offsets(model, {})  # back to W_0
-        kept.personal = space.from_model(lora.copy_factors(lora.get_factors(model)))
-        kept.local = models.read_tensors(self.local_names)
+        kept.keep_personal(space.from_model(lora.copy_factors(lora.get_factors(model))),
+                           models.read_tensors(self.local_names))  # fmt: skip
 
     def leave(self, rnd: int) -> dict:
         """The end of round ``rnd``: the trained state kept (a client whose state became non-finite restarts from
@@ -102,13 +99,10 @@ class ClientRound:
                 "non-finite; it restarts from the global reference it received (and keeps its local tensors of the "
                 "last round)"
             )
-            trained, local = models.restart_factors(rnd), kept.local or local
-        kept.factors = method.end_round(trained, models.index, rnd)
-        kept.local = local
-        kept.rounds_trained += 1
-        kept.last_trained = rnd
+            trained, local = models.restart_factors(rnd, kept.received), kept.local or local
+        kept.keep(method.end_round(trained, models.index, rnd), local, rnd)
         if self.resume.out:  # federate.save_to
-            self.resume.write(kept, models.snapshot(rnd), models.client_id, rnd)
+            self.resume.write(models.snapshot(rnd), models.client_id, rnd)
         sent = models.space.upload(method.before_upload(kept.factors, kept.received, rnd))
         sent = self.privacy.upload(sent, rnd)  # what leaves, as the DP policy has it (without DP: as trained)
         upload = {

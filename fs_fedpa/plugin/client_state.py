@@ -32,7 +32,16 @@ class ClientState:
     - ``lost``: its parked state could not be read back, so it restarts from the next reference; ``lost_this_round``
       and ``lost_unreported`` carry that into the round's upload.
 
-    Between messages the tensors live in ``store`` (:meth:`park`) and none of them on the model's device."""
+    Its invariants, which only its own transitions change (the other modules call them and read the fields):
+
+    - **local factor preservation**: ``factors`` change only by :meth:`keep` (the end of a round it trained; where
+      the training diverged, factors restarted from the round's reference), by :meth:`restart` (its stored state was
+      lost) and by :meth:`draw` (a client that never trained; :meth:`forget_drawn` drops them again after an
+      evaluation). Nothing the server sends replaces them; ``local`` likewise, from :meth:`start` on;
+    - ``rounds_trained`` counts the calls of :meth:`keep`, ``last_trained`` is the round of the last one;
+    - a lost state is reported exactly once: :meth:`restart` marks it unreported, and :meth:`open_round` moves that
+      mark into ``lost_this_round``, the round's upload;
+    - between messages the tensors live in ``store`` (:meth:`park`) and none of them on the model's device."""
 
     def __init__(self, store: StateStore, keep_received: bool):
         self.store, self.keep_received = store, keep_received
@@ -46,6 +55,62 @@ class ClientState:
         self.rounds_trained, self.last_trained = 0, None
         self.parked = False
         self.lost = self.lost_this_round = self.lost_unreported = False
+
+    # ---------------------------------------------------------------------------------- transitions
+    def start(self, local: dict[str, Tensor]) -> None:
+        """At set-up: its local tensors as the model holds them before any round."""
+        self.local = local
+
+    def draw(self, initial) -> bool:
+        """Alg. 1 l.4 where it has no factors and its state was not lost: ``initial()``'s factors. True if drawn."""
+        if self.factors is None and not self.lost:
+            self.factors = initial()
+            return True
+        return False
+
+    def forget_drawn(self) -> None:
+        """Drop factors :meth:`draw` gave a client that never trained (any worker can draw them again)."""
+        self.factors = None
+
+    def stand_in(self, initial: Factors) -> None:
+        """Its stored state was lost (:attr:`lost`): until :meth:`restart`, ``initial`` stands for its factors (the
+        modules and ranks a reference is completed to)."""
+        self.factors = initial
+
+    def restart(self, received: Factors, factors: Factors) -> None:
+        """Its stored state was lost: it starts again from ``factors`` built on the reference ``received`` of this
+        round, and the loss is reported with its next upload (:meth:`open_round`)."""
+        self.received, self.factors = received, factors
+        self.lost, self.lost_unreported = False, True
+
+    def open_round(self, received: Factors, fold: Factors | None) -> None:
+        """A round it trains starts: its reference, the base part it trains with (Fed-PLoRA), and a loss not yet
+        reported is this round's (its upload says so, and the server sends it every merge again)."""
+        self.lost_this_round, self.lost_unreported = self.lost_unreported, False
+        self.received, self.fold = received, fold
+
+    def keep_personal(self, personal: Factors, local: dict[str, Tensor]) -> None:
+        """The end of a personal phase (FedDPA): its personal adapter and local tensors as trained."""
+        self.personal, self.local = personal, local
+
+    def keep(self, factors: Factors, local: dict[str, Tensor], rnd: int) -> None:
+        """The end of round ``rnd``, which it trained: its own factors and local tensors as trained (local factor
+        preservation)."""
+        self.factors, self.local = factors, local
+        self.rounds_trained, self.last_trained = self.rounds_trained + 1, rnd
+
+    def evaluated(self, received: Factors) -> None:
+        """An evaluation's reference, what an export at the end of the run evaluates."""
+        self.last_received = received
+
+    def merge(self, name: str, increment: Tensor) -> None:
+        """One merge the server added to the base weights of module ``name``, added to its base offset."""
+        offsets = self.base_offset
+        offsets[name] = offsets[name] + increment if name in offsets else increment
+
+    def replace_merges(self, total: dict[str, Tensor]) -> None:
+        """The sum of every merge so far (it lacked more than the newest), in place of its base offset."""
+        self.base_offset = dict(total)
 
     def park(self, client: int) -> None:
         """After each message: what client ``client`` keeps goes to the store, and nothing of it, nor of the round's
@@ -82,17 +147,20 @@ class ClientState:
         self.local = {n: t.to(device) for n, t in parts.get("local", {}).items()}
         self.base_offset = {n: t.to(device) for n, t in parts.get("base_offset", {}).items()}
 
-    def snapshot(self) -> dict:
-        """Everything kept across rounds (raw factors, local tensors, merges, personal adapter), on the CPU."""
+    def state_dict(self) -> dict:
+        """Everything kept across rounds (raw factors, local tensors, merges, personal adapter) on the CPU, and the
+        rounds it trained: what its resume files hold beside whose they are."""
         return {
             "factors": lora.copy_factors(self.factors, "cpu"),
             "local": {n: t.detach().cpu().clone() for n, t in self.local.items()},
             "base_offset": {n: t.cpu() for n, t in self.base_offset.items()},
             "personal": lora.copy_factors(self.personal, "cpu") if self.personal is not None else {},
+            "rounds_trained": self.rounds_trained,
         }
 
-    def load(self, saved: dict, device: torch.device) -> None:
-        """A resume file's state (:meth:`snapshot`'s keys, ``rounds_trained`` and ``round``) onto ``device``."""
+    def load_state_dict(self, saved: dict, device: torch.device) -> None:
+        """A resume file's state (:meth:`state_dict`'s keys and ``round``, checked by :mod:`fs_fedpa.resume`) onto
+        ``device``."""
         self.factors = _on(saved["factors"], device)
         self.local = {n: t.to(device) for n, t in saved["local"].items()}
         self.base_offset = {n: t.to(device) for n, t in saved.get("base_offset", {}).items()}

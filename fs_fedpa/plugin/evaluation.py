@@ -38,11 +38,9 @@ class ClientEvaluation:
         payload = message.content
         # a client that never trained evaluates its initial factors, which it need not keep: any worker can draw them
         # again from the run's seed, so N never-sampled clients store nothing
-        untrained = self.kept.factors is None and not self.kept.lost
-        if untrained:
-            self.kept.factors = models.initial_factors()
+        untrained = self.kept.draw(models.initial_factors)
         received = models.own_and_received(payload, self.state)
-        self.kept.last_received = received  # what an export at the end of the run evaluates
+        self.kept.evaluated(received)
         evaluated = self.method.evaluation_factors(received, self.kept.factors, models.index,
                                                    personal=self.kept.personal)  # fmt: skip
         models.set_base()
@@ -92,7 +90,7 @@ class ClientEvaluation:
             )
         self.history_results = merge_dict_of_results(self.history_results, formatted["Results_raw"])
         if untrained:
-            self.kept.factors = None
+            self.kept.forget_drawn()
         self._park()
         send(self, "metrics", message.sender, metrics, message.timestamp)
 

@@ -78,7 +78,7 @@ class Exporter:
         return received
 
     def client_entry(self, client: int, state: dict, received: dict, *, own_models: bool) -> dict:
-        """Client ``client``'s parts from its end state (``ClientState.snapshot()`` plus ``fold``) and the reference it
+        """Client ``client``'s parts from its end state (``ClientState.state_dict()`` plus ``fold``) and the reference it
         ``received`` last (its space): its head, and with ``own_models`` its own model and any client-specific
         paper-protocol model. Returns its manifest entry."""
         idx, method = client - 1, self.method

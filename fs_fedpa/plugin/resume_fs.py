@@ -28,14 +28,14 @@ class ClientResume:
         self.out = resume.server_path(save_to) if save_to else None
         self.pending = restore_from or None  # read at the first message, which names the round
 
-    def write(self, kept, snapshot: dict, client: int, rnd: int) -> None:
-        """Client ``client``'s state after round ``rnd`` (``snapshot``: what it keeps, with round, id and rank), when
-        the run has ``federate.save_to``."""
+    def write(self, snapshot: dict, client: int, rnd: int) -> None:
+        """Client ``client``'s state after round ``rnd`` (``snapshot``: what it keeps, its rounds trained, with round,
+        id and rank), when the run has ``federate.save_to``."""
         if self.out is None:
             return
         owner = resume.client_owner(self.cfg, self.method, client)  # whose it is: checked by every restore
         resume.save(
-            {**snapshot, **owner, "rounds_trained": kept.rounds_trained, "rng": resume.rng_state()},
+            {**snapshot, **owner, "rng": resume.rng_state()},
             resume.client_path(self.out, client, rnd),
         )
         for _, path in sorted(resume.client_files(self.out, client).items())[:-2]:
@@ -61,7 +61,7 @@ class ClientResume:
             initial=initial(),
             local=kept.local,
         )
-        kept.load(saved, device)
+        kept.load_state_dict(saved, device)
         if self.cfg.federate.mode == "distributed":  # its own process: its own random stream
             resume.set_rng_state(saved["rng"])
         logger.info(f"[fedpa] client {client} resumed its state of round {saved['round']}")
