@@ -112,7 +112,7 @@ class FedPAAggregator(Aggregator):
         self.privacy.account(rnd, sorted(self.round.expected), stats)
         method, cfg = self.method, self.method.cfg
         if cfg.norm_outlier and accepted:
-            norms = {c: update_norm(method.expand(a.factors)) for c, a in accepted.items()}
+            norms = {c: update_norm(a.applied) for c, a in accepted.items()}
             median = statistics.median(norms.values())
             for i in norm_outliers(list(norms.values()), cfg.norm_outlier):
                 client_id = list(norms)[i]
@@ -136,7 +136,8 @@ class FedPAAggregator(Aggregator):
                 del accepted[culprit]
                 continue
             whole = _with_merge(new_global, merge)
-            record = round_record(self._head(kept), uploads, weights, kept, whole, spectra, stats)
+            record = round_record(self._head(kept), [accepted[c].applied for c in kept], weights, kept, whole, spectra,
+                                  stats)  # fmt: skip
             record.dropped, record.bytes_up = dropped, bytes_up
             record.restarted = [c for c, st in zip(kept, stats) if st.get("restarted")]
             if bad := record.not_finite():  # a diagnostic problem: the aggregate itself is finite (checked above)

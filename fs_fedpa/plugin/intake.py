@@ -40,12 +40,15 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 @dataclass
 class Accepted:
     """An upload that can be aggregated: full factors at the client's rank, shared tensors, its FS sample size
-    and its numeric stats (None for a diagnostic that is not finite), all fresh tensors in the server's dtype."""
+    and its numeric stats (None for a diagnostic that is not finite), all fresh tensors in the server's dtype;
+    ``applied``: its factors as the method expands them (:meth:`FederatedMethod.expand`, the factors themselves for
+    most methods), expanded once, when it was checked."""
 
     factors: Factors
     shared: dict[str, Tensor]
     size: float
     stats: dict[str, float | int | None] = field(default_factory=dict)
+    applied: Factors = field(default_factory=dict)
 
 
 def _real(value: object, what: str, *, overflow: bool = False) -> float | str:
@@ -207,7 +210,7 @@ def _check_upload(size, content, expected_parts, complete, shapes, ranks, shared
     except (ValueError, RuntimeError) as err:
         return f"the completed upload does not expand to factors ({err})"
     problem = upload_problem(expanded, shapes, ranks, shared, shared_shapes, max_abs=MAX_ABS)
-    return problem if problem is not None else Accepted(factors, shared, n, stats)
+    return problem if problem is not None else Accepted(factors, shared, n, stats, expanded)
 
 
 def message_pair(content: object) -> tuple[object, object] | str:

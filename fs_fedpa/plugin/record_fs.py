@@ -35,6 +35,18 @@ class RoundStats:
 
     def __init__(self, method, alignment):
         self.method, self.alignment = method, alignment
+        self._reference: tuple[Factors, Factors] | None = None  # (the round's reference, as applied factors)
+
+    def applied_reference(self, space, received: Factors, last: bool = False) -> Factors:
+        """The round's reference ``received`` as applied factors, converted once a round: the start's staleness and
+        the end's statistics both read it. ``last``: the round's last reader, after which it is not held (it lives
+        on the client's device)."""
+        if self._reference is None or self._reference[0] is not received:
+            self._reference = (received, self.method.expand(space.upload(received)))
+        applied = self._reference[1]
+        if last:
+            self._reference = None
+        return applied
 
     def whole_update(self, sent: Factors, space, fold: Factors | None) -> Factors:
         """The client's whole update as applied factors: what it sends plus what it folded into its base weights
@@ -55,7 +67,7 @@ class RoundStats:
         if not self.method.cfg.diagnostics:
             return {}
         whole = self.method.expand(self.whole_update(sent, space, fold))
-        reference = self.method.expand(space.upload(received))
+        reference = self.applied_reference(space, received, last=True)
         delta_sq = drift_sq = ref_sq = 0.0
         for name, (B, A) in whole.items():
             B_ref, A_ref = reference[name]
@@ -90,7 +102,7 @@ class RoundStats:
         from the reference?). None without diagnostics."""
         if not self.method.cfg.diagnostics or kept.last_trained is None or kept.factors is None:
             return {}
-        own, reference = (self.method.expand(space.upload(f)) for f in (kept.factors, received))
+        own, reference = self.method.expand(space.upload(kept.factors)), self.applied_reference(space, received)
         sq = sum(float(product_distance(B, A, *reference[n])) ** 2 for n, (B, A) in own.items() if n in reference)
         return {"staleness": rnd - kept.last_trained, "drift_start": sq**0.5}
 
@@ -179,8 +191,7 @@ def round_record(head: RecordHead, uploads, weights, clients, new_global, spectr
     with a warning, and one that is not finite is written as null (:meth:`RoundRecord.to_dict`). With
     ``fedpa.diagnostics False`` the aggregate's diagnostics, which cost as much as a reconstruction, are not computed
     either: they are None."""
-    method = head.method
-    uploads = [method.expand(u) for u in uploads]  # each expanded once already, when it was checked
+    method = head.method  # ``uploads``: as applied factors (each expanded once, when it was checked)
     record = new_record(head)
     record.clients, record.weights = list(clients), list(weights)
     blank_aggregate(record)
