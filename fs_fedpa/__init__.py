@@ -26,7 +26,7 @@ _LAZY: dict[str, str] = {
     "aggregation_error": "fs_fedpa.core.diagnostics",
     "initialization_error": "fs_fedpa.core.diagnostics",
     "aggregate_spectrum": "fs_fedpa.core.diagnostics",
-    "factored_norm": "fs_fedpa.core.diagnostics",
+    "factored_norm": "fs_fedpa.core.norms",
 }
 
 __all__ = ["__version__", *_LAZY]

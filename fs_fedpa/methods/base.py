@@ -31,8 +31,8 @@ from torch import Generator, Tensor
 
 from fs_fedpa import lora
 from fs_fedpa.config import FedPAConfig
-from fs_fedpa.core.diagnostics import PART
 from fs_fedpa.core.factored_svd import pad_rank, svd_pairs
+from fs_fedpa.core.norms import PART
 from fs_fedpa.core.ranks import RankPlan, init_global_factors, truncate_factors
 from fs_fedpa.lora import Factors
 

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import torch
 from torch import Generator, Tensor
 
-from fs_fedpa.core.diagnostics import factored_norm
 from fs_fedpa.core.factorwise import average_factors
+from fs_fedpa.core.norms import factored_norm
 from fs_fedpa.core.ranks import truncate_factors
 from fs_fedpa.methods.base import Factors, FederatedMethod, Uploads
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from fs_fedpa.core.diagnostics import product_sq_norm
+from fs_fedpa.core.norms import product_sq_norm
 from fs_fedpa.core.uploads import upload_problem
 from fs_fedpa.lora import Factors
 from fs_fedpa.plugin.payload import decode_parts, decode_tensors, shown

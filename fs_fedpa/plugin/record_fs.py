@@ -12,15 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fs_fedpa.core.diagnostics import (
-    aggregate_norm,
-    aggregation_error,
-    change_sq_norm,
-    factored_norm,
-    initialization_error,
-    product_distance,
-    product_sq_norm,
-)
+from fs_fedpa.core.diagnostics import aggregate_norm, aggregation_error, initialization_error
+from fs_fedpa.core.norms import change_sq_norm, factored_norm, product_distance, product_sq_norm
 from fs_fedpa.lora import Factors
 from fs_fedpa.record import DIAGNOSTICS_FILE, RoundRecord
 from fs_fedpa.resume import plain

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Generator, Tensor
 
-from fs_fedpa.core.diagnostics import PART, change_sq_norm, product_sq_norm
+from fs_fedpa.core.norms import PART, change_sq_norm, product_sq_norm
 
 
 class SecureGenerator:
@@ -161,7 +161,7 @@ def release_products(uploads: Sequence[dict[str, tuple[Tensor, Tensor]]], shapes
                      ) -> tuple[dict[str, Tensor], list[float]]:  # fmt: skip
     """Client-level release of product-space methods: per module the (d, k) noisy mean
     ``(1/K) sum_i c_i B_i A_i + N(0, (z C / K)^2)``, each client's whole update ``{B_i A_i}`` over modules clipped to
-    Frobenius norm C (norms from the factors in float64, :func:`~fs_fedpa.core.diagnostics.product_sq_norm`); also
+    Frobenius norm C (norms from the factors in float64, :func:`~fs_fedpa.core.norms.product_sq_norm`); also
     the c_i. ``uploads``: applied factors, at most K of them (a missing client contributes zero); ``shapes[name] =
     (d, k)``. ``extra_sq[i]``: the squared norm of the rest of client i's contribution (its federated non-LoRA
     tensors' change, :func:`release_shared`), clipped with it."""

@@ -104,7 +104,7 @@ def test_diagnostics_validation(call, match):
 
 
 def test_product_distance_matches_the_dense_difference_at_two_ranks():
-    from fs_fedpa.core.diagnostics import product_distance
+    from fs_fedpa.core.norms import product_distance
 
     g = torch.Generator().manual_seed(11)
     B, A = torch.randn(13, 2, generator=g, dtype=torch.float64), torch.randn(2, 9, generator=g, dtype=torch.float64)
@@ -158,7 +158,7 @@ def test_the_whole_update_norms_equal_the_dense_computation():
     quantity client-level DP clips and the diagnostics call change_norm); both against dense float64 sums."""
     import pytest
 
-    from fs_fedpa.core.diagnostics import change_sq_norm, product_sq_norm
+    from fs_fedpa.core.norms import change_sq_norm, product_sq_norm
 
     g = torch.Generator().manual_seed(5)
     now = {m: (torch.randn(7, 3, generator=g), torch.randn(3, 5, generator=g)) for m in ("q", "v")}
