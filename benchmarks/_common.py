@@ -54,3 +54,25 @@ def client_factors(n: int, d: int, k: int, r: int, seed: int = 0, dtype=torch.fl
 
 def fmt(seconds: float) -> str:
     return f"{seconds * 1e3:10.3f} ms"
+
+
+def fs_runner(cfg_file: str):
+    """Stock FS's standalone runner for the yaml ``cfg_file``, built in this process as ``federatedscope.main``
+    builds it (logger, seed, data, workers), so a benchmark can patch the plugin's classes before ``runner.run()``."""
+    from federatedscope.core.auxiliaries.data_builder import get_data
+    from federatedscope.core.auxiliaries.logging import update_logger
+    from federatedscope.core.auxiliaries.runner_builder import get_runner
+    from federatedscope.core.auxiliaries.utils import setup_seed
+    from federatedscope.core.auxiliaries.worker_builder import get_client_cls, get_server_cls
+    from federatedscope.core.configs.config import global_cfg
+
+    cfg = global_cfg.clone()
+    cfg.merge_from_file(cfg_file)
+    update_logger(cfg, clear_before_add=True)
+    setup_seed(cfg.seed)
+    fs_data, modified = get_data(config=cfg.clone(), client_cfgs=None)
+    cfg.merge_from_other_cfg(modified)
+    cfg.freeze()
+    return get_runner(data=fs_data, server_class=get_server_cls(cfg), client_class=get_client_cls(cfg),
+                      config=cfg.clone(), client_configs=None)  # fmt: skip
+

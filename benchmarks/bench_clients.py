@@ -31,12 +31,8 @@ def child(
     hidden: int = 256, r: int = 64, records: int = 20_000,
 ) -> dict:  # fmt: skip
     sys.path.insert(0, str(ROOT))
-    from federatedscope.core.auxiliaries.data_builder import get_data
-    from federatedscope.core.auxiliaries.logging import update_logger
-    from federatedscope.core.auxiliaries.runner_builder import get_runner
-    from federatedscope.core.auxiliaries.utils import setup_seed
-    from federatedscope.core.auxiliaries.worker_builder import get_client_cls, get_server_cls
-    from federatedscope.core.configs.config import global_cfg
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _common import fs_runner
 
     from fs_fedpa.plugin import client_state
     from fs_fedpa.plugin import server as server_mod
@@ -60,16 +56,9 @@ def child(
         "train.local_update_steps": 2, "expname": f"{method}_{n}", "data.splitter": "iid",
         "data.splits": [0.98, 0.01, 0.01], "eval.split": ["val"],
     })  # fmt: skip
-    cfg = global_cfg.clone()
-    cfg.merge_from_file(dump_yaml(cfg_dict, work / "cfg.yaml"))
+    cfg_file = dump_yaml(cfg_dict, work / "cfg.yaml")
     start = time.perf_counter()
-    update_logger(cfg, clear_before_add=True)
-    setup_seed(cfg.seed)
-    fs_data, modified = get_data(config=cfg.clone(), client_cfgs=None)
-    cfg.merge_from_other_cfg(modified)
-    cfg.freeze()
-    runner = get_runner(data=fs_data, server_class=get_server_cls(cfg), client_class=get_client_cls(cfg),
-                        config=cfg.clone(), client_configs=None)  # fmt: skip
+    runner = fs_runner(cfg_file)
     setup = time.perf_counter() - start
     marks: list[tuple[str, float]] = []
     disk = [0]

@@ -34,12 +34,8 @@ def count(repo: Path, method: str, work: Path) -> dict:
 
     if Path(fs_fedpa.__file__).resolve().parent != (repo / "fs_fedpa").resolve():
         raise SystemExit(f"fs_fedpa imports from {fs_fedpa.__file__}, not from {repo}")
-    from federatedscope.core.auxiliaries.data_builder import get_data
-    from federatedscope.core.auxiliaries.logging import update_logger
-    from federatedscope.core.auxiliaries.runner_builder import get_runner
-    from federatedscope.core.auxiliaries.utils import setup_seed
-    from federatedscope.core.auxiliaries.worker_builder import get_client_cls, get_server_cls
-    from federatedscope.core.configs.config import global_cfg
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _common import fs_runner
 
     from fs_fedpa.plugin import client as client_mod
     from fs_fedpa.plugin import server as server_mod
@@ -52,15 +48,7 @@ def count(repo: Path, method: str, work: Path) -> dict:
         "federate.method": method, "federate.total_round_num": 3, "federate.share_local_model": True,
         "expname": "calls", "fedpa.lam": 1.0,
     })  # fmt: skip
-    cfg = global_cfg.clone()
-    cfg.merge_from_file(dump_yaml(cfg_dict, work / "cfg.yaml"))
-    update_logger(cfg, clear_before_add=True)
-    setup_seed(cfg.seed)
-    fs_data, modified = get_data(config=cfg.clone(), client_cfgs=None)
-    cfg.merge_from_other_cfg(modified)
-    cfg.freeze()
-    runner = get_runner(data=fs_data, server_class=get_server_cls(cfg), client_class=get_client_cls(cfg),
-                        config=cfg.clone(), client_configs=None)  # fmt: skip
+    runner = fs_runner(dump_yaml(cfg_dict, work / "cfg.yaml"))
 
     pairs: collections.Counter = collections.Counter()
     named: collections.Counter = collections.Counter()
