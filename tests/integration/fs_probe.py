@@ -28,6 +28,9 @@ turn (:func:`_damage`).
 ``FS_PROBE_NAN_LOCAL="client:round,..."`` puts a NaN into that client's live factors at the end of that round's
 training, as a diverging step would.
 
+``FS_PROBE_CRASH_AFTER_RESUME=t`` ends the process (``os._exit(137)``, no clean-up, as a kill would) once the
+server's resume point of round t is written.
+
 Deliberate faults, for the reliability and fault-table tests: ``FS_PROBE_CORRUPT="client:round:name,..."`` makes
 that client send, in that round, what the fault ``name`` of ``tests.integration.fault_cases.FAULTS`` makes of its
 message (a NaN, a wrong shape, a pickle that creates the file ``FS_PROBE_CANARY`` if anyone unpickles it, a bad
@@ -99,6 +102,19 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
                 _damage(self._path(client), kind)
 
         StateStore._write = damaging_write
+    if crash := os.environ.get("FS_PROBE_CRASH_AFTER_RESUME"):
+        from fs_fedpa.plugin.resume_fs import ServerResume
+
+        write_point = ServerResume.write
+
+        def write_then_crash(self, rnd, *args, **kwargs):
+            path = write_point(self, rnd, *args, **kwargs)
+            if rnd == int(crash):
+                sys.stdout.flush()
+                os._exit(137)
+            return path
+
+        ServerResume.write = write_then_crash
     faults = _faults()
     poison_local = {
         tuple(map(int, f.split(":"))) for f in os.environ.get("FS_PROBE_NAN_LOCAL", "").split(",") if f

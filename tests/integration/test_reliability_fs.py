@@ -166,6 +166,18 @@ def _kill_after_resume_point(cfg: dict, tmp_path: Path, rnd: int) -> Path:
 # FedDPA-T keeps a personal adapter; Fed-PLoRA draws its clients' modules per round (ranks 1, 2, 4) and folds the
 # others into the base weights; Ravan keeps cores and scales instead of factors and draws its clients' heads per
 # round; HetLoRA's server keeps each client's pruned rank, which sizes its downlink (the recorded bytes)
+def _crash_after_resume_point(cfg: dict, tmp_path: Path, rnd: int) -> Path:
+    """Run FS (forked from the tests' zygote) until the resume point of round ``rnd`` is written, then end the process
+    there without clean-up, as a kill would (``FS_PROBE_CRASH_AFTER_RESUME``)."""
+    cfg_file = dump_yaml(cfg, tmp_path / "killed.yaml")
+    proc = run_module("tests.integration.fs_probe", [cfg_file, tmp_path / "unused.pt"], ROOT,
+                      fs_env({"FS_PROBE_CRASH_AFTER_RESUME": str(rnd)}), 300)  # fmt: skip
+    assert proc.returncode == 137, proc.stdout[-2000:] + proc.stderr[-3000:]
+    point = Path(cfg["federate"]["save_to"]).parent / f"fedpa_resume_{Path(cfg['federate']['save_to']).name}"
+    assert torch.load(point, weights_only=True)["fedpa_resume"]["round"] == rnd
+    return point
+
+
 def _takes_mixed_ranks(method: str) -> bool:
     """Whether ``method`` accepts clients of ranks 1, 2 and 4 (its own check, not a list of names)."""
     from fs_fedpa.config import FedPAConfig
@@ -194,13 +206,14 @@ def test_a_run_killed_after_round_k_resumes_to_the_same_result(tiny_llm, tmp_pat
         return fedpa_cfg(tiny_llm, tmp_path / name, **changes, **more)
 
     full = probe(cfg("full"), tmp_path / "full")
-    # Execute: the same run killed once round 2 has started, then resumed from its resume point; both with a state
-    # budget of about one client, so the clients' states are spilled to disk and read back between their rounds
+    # Execute: the same run ended without clean-up once round 2's resume point is written (as a kill would; the tests
+    # below kill a live process), then resumed from it; both with a state budget of about one client, so the
+    # clients' states are spilled to disk and read back between their rounds
     tight = {"fedpa.state_budget_mb": 0.001}
     # HetLoRA: killed once round 3 has started, so that round 2's pruning must survive the resume (it sizes client
     # 3's round-3 downlink)
     kill = 3 if method.startswith("hetlora") else 2
-    point = _kill_after_resume_point(cfg("killed", **tight), tmp_path / "killed", rnd=kill)
+    point = _crash_after_resume_point(cfg("killed", **tight), tmp_path / "killed", rnd=kill)
     resumed = probe(cfg("resumed", **{"federate.restore_from": str(point)}, **tight), tmp_path / "resumed")
     # Assert: the same global adapter, client factors and metrics, bit for bit
     assert [a["round"] for a in resumed["aggregate"]] == list(range(kill, 4))
