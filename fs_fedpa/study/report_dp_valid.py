@@ -4,6 +4,8 @@ FedPA-LoRA against each other method under DP (Holm over three), the diagnostics
 
 from __future__ import annotations
 
+import statistics
+
 from fs_fedpa.study import protocol_results as pr
 from fs_fedpa.study import sst2_dp_regime as dr
 from fs_fedpa.study import sst2_dp_valid as dv
@@ -135,6 +137,26 @@ def closing_lines(results: dict, point: dv.Valid, lam: float) -> list[str]:
     return lines
 
 
+def plainly_lines(results: dict) -> list[str]:
+    """The finals in one sentence each, computed from the rows (paper protocol): what ε = 8 costs FedIT, and which
+    method to use under DP, with how sure; nothing before both families are complete."""
+    rows = comparisons(results, "val_acc")
+    cost, gap = rows.get("fedit_dp − fedit"), rows.get("fedpa_dp − fedit_dp")
+    if cost is None or gap is None or "holm" not in cost or "holm" not in gap:
+        return []
+
+    def points(row: dict) -> str:
+        return f"{100 * row['mean']:+.1f} [{100 * row['low']:+.1f}, {100 * row['high']:+.1f}]"
+
+    dp_cells = [f"{m}_dp" for m in dr.METHODS]
+    best = max(dp_cells, key=lambda c: statistics.fmean(pr.cell_values(results, "val_acc", dv.STAGE)[c].values()))
+    cost_word = "a cost these seeds cannot tell from none" if cost["holm"] == "ties" else "a cost"
+    return ["**In one sentence each.** ε = 8 per client (Poisson, add/remove, PLD) costs FedIT "
+            f"{points(cost)} points of dev accuracy against itself without DP (n={cost['seeds']}, Holm p "
+            f"{cost['holm_p']:.3f}), {cost_word}. Under DP the best method here is {best[: -len('_dp')]}; FedPA-LoRA "
+            f"against FedIT: {points(gap)} (n={gap['seeds']}, Holm p {gap['holm_p']:.3f}, {gap['holm']}).", ""]
+
+
 def dp_valid_section(results: dict, selected_main: dict | None) -> list[str]:
     """The section, as far as the committed runs go."""
     if not any(k.startswith(f"{dv.STAGE}/") for k in results):
@@ -147,7 +169,7 @@ def dp_valid_section(results: dict, selected_main: dict | None) -> list[str]:
     if top is None or not dv.passes_gate(results, top) or selected_main is None:
         return lines
     point, lam = dv.point_of(top), selected_main["methods"]["fedpa"]["lam"]
-    lines += final_lines(results)
+    lines += final_lines(results) + plainly_lines(results)
     lines += single_lines(results, dv.diagnostic_runs(point, lam), "Diagnostics (single seed, not selecting):", True)
     lines += refit_check(results, point, lam) + closing_lines(results, point, lam)
     lines += single_lines(results, dv.device_runs(selected_main, results),

@@ -50,3 +50,18 @@ def test_the_gate_line_names_the_best_search_run():
         results[run.key] = {"cell": run.name, "seed": 0, "rounds": {89: {"val_acc": 0.9}, 119: {"val_acc": 0.8}}}
     text = "\n".join(rv.search_lines(results))
     assert f"{second[0].name} (0.8500), passes the declared gate" in text
+
+
+def test_the_one_sentence_summary_quotes_scipys_intervals_and_names_the_best_dp_method():
+    shift = {"fedpa": -0.30, "fedit": -0.03, "ffa_lora": -0.05, "fedsvd": -0.04}
+    results = _finals(shift)
+    text = "\n".join(rv.plainly_lines(results))
+    d = [(0.80 + shift["fedit"] + 0.01 * s**2) - (0.80 + 0.003 * s) for s in (0, 1, 2)]
+    half = scipy_stats.t.ppf(0.975, 2) * statistics.stdev(d) / 3**0.5
+    mean = statistics.fmean(d)
+    assert f"costs FedIT {100 * mean:+.1f} [{100 * (mean - half):+.1f}, {100 * (mean + half):+.1f}] points" in text
+    assert "the best method here is fedit;" in text  # the highest mean under DP (FFA-LoRA and FedSVD lose more)
+    gap = 100 * (shift["fedpa"] - shift["fedit"])
+    assert f"FedPA-LoRA against FedIT: {gap:+.1f} [" in text
+    del results["dpvalid/fedsvd_dp_s0"], results["dpvalid/fedsvd_dp_s1"]  # a family not complete: no sentence yet
+    assert rv.plainly_lines(results) == []
