@@ -93,8 +93,7 @@ class GlobalModel:
         """(client id, payload) for each receiver: its rank-R_i reference, the shared tensors and the merges it
         lacks. ``training``: a round's model message (its bytes are the round's downlink, and the client holds the
         merges from now on); else an evaluation's. ``wire``: tensors as explicit encodings, never pickled."""
-        params = dict(self.model.named_parameters())
-        shared = encode_tensors({n: params[n] for n in self.shared_names}, wire)
+        shared = encode_tensors(self.shared, wire)  # the server's copy, as the release and the checkpoint read it
         # Standalone: the receivers of one reference rank share one read-only copy of it (the method's default
         # downlink), so a broadcast to N clients holds one copy per rank, not N (clients never change it in place).
         shared_downlink = not wire and type(self.method).downlink is FederatedMethod.downlink
