@@ -14,6 +14,8 @@ not depend on the scale. A method decides:
   local loss), ``end_round`` (what it keeps), ``before_upload`` (what it sends), ``evaluation_factors`` (what the
   paper protocol evaluates).
 
+A method declares the optional hooks it implements in ``uses`` (:data:`OPTIONAL_HOOKS`); the workers skip the others.
+
 A method whose state is not PEFT's factors (Ravan: per-head cores between frozen bases; ``state_is_factors``
 False) keeps the same pairs per module for its own tensors and says how to turn them into factors (``expand``,
 which every diagnostic and check reads), how to load and read them (``load``, ``read``) and what of them travels
@@ -31,12 +33,13 @@ from torch import Generator, Tensor
 
 from fs_fedpa import lora
 from fs_fedpa.config import FedPAConfig
-from fs_fedpa.core.factored_svd import pad_rank, svd_pairs
-from fs_fedpa.core.norms import PART
 from fs_fedpa.core.ranks import RankPlan, init_global_factors, truncate_factors
 from fs_fedpa.lora import Factors
+from fs_fedpa.privacy import post_processing
 
 PARTS = ("B", "A")
+# hooks with a do-nothing default, which a method declares in ``uses`` when it implements them
+OPTIONAL_HOOKS = ("merge", "fold", "personal_start", "alignment", "trainable", "end_round", "before_upload")
 Uploads = Sequence[Factors]  # one per client, as complete_upload returned them
 
 METHODS: dict[str, type[FederatedMethod]] = {}
@@ -61,6 +64,10 @@ class FederatedMethod:
     # what the method sends every client whole (Fed-PLoRA its modules, Ravan its heads), so that every reference rank
     # R_i and R_g must be r_g = max r_i (check_plan refuses other plans); "": each client gets its rank-R_i reference
     full_references: ClassVar[str] = ""
+    # the optional hooks (OPTIONAL_HOOKS) this method implements: declared, never inferred. A class that overrides one
+    # must declare it and one that declares it must implement it (checked when the class is defined); the workers
+    # skip every undeclared hook, whose default returns its input, None or a constant
+    uses: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, cfg: FedPAConfig, plan: RankPlan, seed: int | None = None):
         self.cfg = cfg
@@ -111,6 +118,12 @@ class FederatedMethod:
         super().__init_subclass__(**kwargs)
         if "dp_space" not in cls.__dict__:
             cls.dp_space = ""
+        unknown = sorted(set(cls.uses) - set(OPTIONAL_HOOKS))
+        implemented = {h for h in OPTIONAL_HOOKS if getattr(cls, h) is not getattr(FederatedMethod, h)}
+        if unknown or implemented != set(cls.uses):
+            not_hooks = f" ({unknown} are not hooks)" if unknown else ""
+            raise TypeError(f"{cls.__name__}.uses must name exactly the optional hooks it implements: it implements "
+                            f"{sorted(implemented)} and declares {sorted(cls.uses)}{not_hooks}")  # fmt: skip
         if cls.name:
             if cls.name in METHODS:
                 raise ValueError(f"federated method {cls.name!r} is registered twice")
@@ -139,22 +152,9 @@ class FederatedMethod:
 
     def dp_global(self, release: dict, global_: Factors, generator: Generator) -> tuple[Factors, dict[str, Tensor]]:
         """Client-level DP: the new global factors and spectra from the round's noisy release, by post-processing
-        only (:mod:`fs_fedpa.privacy.mechanism`). ``"product"``: ``release[name]`` is the (d, k) noisy mean product,
-        and the global is its rank-R_g truncated SVD (B = U S, A = V^T; ``fedpa.svd: randomized`` sketches it with width
-        R_g + p). ``"change"``: ``release[name][part]`` is the noisy mean change of that factor, added to the
-        global."""
-        if self.dp_space == "product":
-            out, spectra = {}, {}
-            for name, M in release.items():
-                out[name], spectra[name] = _top_factors(M, self.plan.R_g, self.cfg, generator)
-            return out, spectra
-        out = {}
-        for name, (B, A) in global_.items():
-            pair = [B, A]
-            for part, change in release[name].items():
-                pair[PART[part]] = pair[PART[part]] + change.to(pair[PART[part]])
-            out[name] = (pair[0], pair[1])
-        return out, {}
+        only (default: :func:`fs_fedpa.privacy.post_processing.global_from_release` for the method's ``dp_space``)."""
+        R_g = self.plan.R_g
+        return post_processing.global_from_release(self.dp_space, release, global_, R_g, self.cfg, generator)
 
     def merge(self, uploads: Sequence[Factors], weights: Sequence[float], global_: Factors) -> Factors | None:
         """Applied factors whose product every worker adds to its frozen base weights after this aggregation, so
@@ -164,8 +164,8 @@ class FederatedMethod:
 
     @property
     def merges(self) -> bool:
-        """Whether this method folds updates into the base weights (overrides :meth:`merge`)."""
-        return type(self).merge is not FederatedMethod.merge
+        """Whether this method folds updates into the base weights (declares :meth:`merge`)."""
+        return "merge" in self.uses
 
     def downlink(self, global_: Factors, client: int) -> Factors:
         """What the server sends client ``client`` (0-based index): the rank-R_i reference (Alg. 1 l.8); ``{}``
@@ -218,19 +218,19 @@ class FederatedMethod:
 
     @property
     def folds(self) -> bool:
-        """Whether clients fold part of what they receive into their base weights (overrides :meth:`fold`)."""
-        return type(self).fold is not FederatedMethod.fold
+        """Whether clients fold part of what they receive into their base weights (declares :meth:`fold`)."""
+        return "fold" in self.uses
 
     @classmethod
     def writes_base(cls) -> str:
         """How the method writes the frozen base weights W_0, or ``""`` if it never does: merges (FedEx-LoRA, FLoRA),
         folds (Fed-PLoRA), or a personal phase over the global adapter frozen in them (FedDPA). A quantized base
         (``fedpa.base_quantization``) cannot take such writes."""
-        if cls.merge is not FederatedMethod.merge:
+        if "merge" in cls.uses:
             return "merges into the base weights after every aggregation (FedEx-LoRA's residual, FLoRA's stack)"
-        if cls.fold is not FederatedMethod.fold:
+        if "fold" in cls.uses:
             return "folds the modules a client does not train into its base weights"
-        if cls.personal_weight is not None:
+        if "personal_start" in cls.uses:
             return "trains its personal adapter over the global adapter written into the base weights"
         return ""
 
@@ -272,24 +272,6 @@ class FederatedMethod:
         """What the paper protocol evaluates on client ``client`` (``personal``: its personal adapter, if the
         method keeps one): the received global reference by default."""
         return received
-
-
-def _top_factors(M: Tensor, rank: int, cfg: FedPAConfig, generator: Generator) -> tuple[tuple[Tensor, Tensor], Tensor]:
-    """Rank-``rank`` factors ``(U S, V^T)`` of the (d, k) matrix ``M`` (exact SVD in float64, or with
-    ``fedpa.svd: randomized`` a sketch of width rank + p, two power iterations), zero-padded to ``rank`` where ``M``
-    has fewer singular values, and its leading singular values."""
-    if cfg.svd == "randomized":
-        q = min(rank + cfg.oversample, *M.shape)
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-        with torch.random.fork_rng(devices=[M.device] if M.device.type == "cuda" else []):
-            torch.manual_seed(seed)  # svd_lowrank draws from torch's global stream
-            U, S, V = torch.svd_lowrank(M.float(), q=q, niter=2)
-        n = min(rank, S.shape[0])
-        B, A = U[:, :n] * S[:n], V.mT[:n]
-    else:
-        B, A, S = svd_pairs(M.double(), rank)
-    B, A = pad_rank(B.to(M.dtype), A.to(M.dtype), rank)
-    return (B, A), S[: min(rank, S.shape[0])].to(M.dtype)
 
 
 def seeded_subset(tag: str, seed: int, rnd: int, client: int, n: int, k: int) -> list[int]:

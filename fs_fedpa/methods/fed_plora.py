@@ -25,6 +25,7 @@ from fs_fedpa.methods.base import trainer_shares
 
 class FedPLoRA(FederatedMethod):
     name = "fed_plora"
+    uses = frozenset({"fold"})
     full_references = "R = max r_i modules"
 
     def weights(self, round_samples: Sequence[float], data_sizes: Sequence[float | None]) -> list[float]:

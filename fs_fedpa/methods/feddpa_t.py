@@ -26,6 +26,7 @@ from fs_fedpa.methods.fedit import FedIT
 
 class FedDPAT(FedIT):
     name = "feddpa_t"
+    uses = frozenset({"personal_start"})
     personal_weight = 0.5
     instance_mix = 0.5
 

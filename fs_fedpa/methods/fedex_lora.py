@@ -21,6 +21,7 @@ from fs_fedpa.methods.fedit import FedIT
 
 class FedExLoRA(FedIT):
     name = "fedex_lora"
+    uses = frozenset({"merge"})
     merge_encoding = "dense"
 
     def merge(self, uploads: Sequence[Factors], weights: Sequence[float], global_: Factors) -> Factors:

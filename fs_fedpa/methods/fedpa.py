@@ -19,6 +19,7 @@ from fs_fedpa.methods.base import Factors, FederatedMethod, Uploads
 
 class FedPA(FederatedMethod):
     name = "fedpa"
+    uses = frozenset({"alignment"})
     dp_space = "product"
 
     def start_round(self, received: Factors, own: Factors, client: int, rnd: int) -> Factors:

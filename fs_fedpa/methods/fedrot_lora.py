@@ -24,6 +24,7 @@ def aligned_factor(rnd: int) -> str | None:
 
 class FedRotLoRA(FedIT):
     name = "fedrot_lora"
+    uses = frozenset({"before_upload"})
 
     def before_upload(self, local: Factors, received: Factors, rnd: int) -> Factors:
         which = aligned_factor(rnd)

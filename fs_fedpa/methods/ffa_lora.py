@@ -11,6 +11,7 @@ from fs_fedpa.methods.fedit import FedIT
 
 class FFALoRA(FedIT):
     name = "ffa_lora"
+    uses = frozenset({"trainable"})
     dp_space = "change"
 
     def trainable(self, rnd: int) -> tuple[bool, bool]:

@@ -21,6 +21,7 @@ from fs_fedpa.methods.flexlora import FlexLoRA
 
 class FLoRA(FederatedMethod):
     name = "flora"
+    uses = frozenset({"merge"})
     weights = FlexLoRA.weights
 
     def aggregate(

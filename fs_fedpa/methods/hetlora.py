@@ -31,6 +31,7 @@ def tail_norm(B: Tensor, A: Tensor, gamma: float) -> Tensor:
 
 class HetLoRA(FederatedMethod):
     name = "hetlora"
+    uses = frozenset({"alignment", "end_round"})
 
     def __init__(self, cfg, plan, seed=None):
         super().__init__(cfg, plan, seed)

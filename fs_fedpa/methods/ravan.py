@@ -34,6 +34,7 @@ from fs_fedpa.methods.base import trainer_shares
 
 class Ravan(FederatedMethod):
     name = "ravan"
+    uses = frozenset({"before_upload"})
     full_references = "of its heads"
     state_is_factors = False
 

@@ -14,6 +14,7 @@ from fs_fedpa.methods.fedit import FedIT
 
 class RoLoRA(FedIT):
     name = "rolora"
+    uses = frozenset({"trainable"})
 
     def trainable(self, rnd: int) -> tuple[bool, bool]:
         return rnd % 2 == 0, rnd % 2 == 1

@@ -127,7 +127,7 @@ class FedPAAggregator(Aggregator):
             weights = self._weights([accepted[c] for c in kept])
             try:
                 new_global, spectra = method.aggregate(uploads, weights, [c - 1 for c in kept], self.generator, rnd=rnd)
-                merge = method.merge(uploads, weights, new_global)
+                merge = method.merge(uploads, weights, new_global) if method.merges else None
                 averaged = _weighted_mean([accepted[c].shared for c in kept], weights)
                 _check_finite({**new_global, **{f"{n} (merge)": f for n, f in (merge or {}).items()}}, averaged)
             except (RuntimeError, ValueError, ArithmeticError) as err:  # a contribution the checks let through

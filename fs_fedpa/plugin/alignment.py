@@ -75,6 +75,8 @@ class Alignment:
             self.lam_pending = False
             self.grads.discard()  # the probe's autograd.grad is not a training step
         live = self.grads.alias(self.live) if self.method.cfg.diagnostics else self.live
+        if "alignment" not in self.method.uses:
+            return None
         term = self.method.alignment(live, self.reference, self.lam * self.penalty_weight)
         if term is not None:
             value = term.detach()

@@ -10,6 +10,7 @@ and ask it what to do, never which mode runs. The package holds, with no Federat
   policy) and the mechanism without DP;
 - :mod:`~fs_fedpa.privacy.client_level`, :mod:`~fs_fedpa.privacy.sample_level`: the two Gaussian mechanisms, on
   :mod:`~fs_fedpa.privacy.private` (the ledger, the DP generator, resume);
+- :mod:`~fs_fedpa.privacy.post_processing`: client-level DP's new global factors from a release;
 - :mod:`~fs_fedpa.privacy.mechanism` (clipping, noise, sampling), :mod:`~fs_fedpa.privacy.accountant`
   (dp-accounting), :mod:`~fs_fedpa.privacy.per_example` (per-example gradients).
 

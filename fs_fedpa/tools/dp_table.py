@@ -156,7 +156,7 @@ def time_module(d: int = 4096, clients: int = 10, r: int = 16) -> str:
     import torch
 
     from fs_fedpa.config import FedPAConfig
-    from fs_fedpa.methods.base import _top_factors
+    from fs_fedpa.privacy.post_processing import top_factors
     from fs_fedpa.privacy.mechanism import dp_generator, release_products
 
     g = torch.Generator().manual_seed(0)
@@ -169,7 +169,7 @@ def time_module(d: int = 4096, clients: int = 10, r: int = 16) -> str:
            f"{t_release:.2f} s ({release['m'].numel() * 8 / 2**20:.0f} MiB in float64 while formed)"]  # fmt: skip
     for svd in ("randomized", "reduced"):
         start = time.perf_counter()
-        _top_factors(release["m"], r, FedPAConfig(svd=svd), dp_generator(0))
+        top_factors(release["m"], r, FedPAConfig(svd=svd), dp_generator(0))
         out.append(f"rank-{r} factors, fedpa.svd {svd}: {time.perf_counter() - start:.2f} s")
     return "; ".join(out)
 

@@ -134,6 +134,40 @@ def test_a_new_method_is_one_class_and_passes_the_contract():
     assert METHODS == before
 
 
+@pytest.mark.parametrize("name", PLUGIN_METHODS)
+def test_each_method_declares_exactly_the_optional_hooks_it_implements(name):
+    """``uses`` names the optional hooks a method's class (or a parent of it) defines, read here from the classes'
+    own dictionaries along the MRO, not from the check the class statement runs; the workers skip every other one."""
+    from fs_fedpa.methods.base import OPTIONAL_HOOKS, FederatedMethod
+
+    cls = get_method(name)
+    defined = {h for h in OPTIONAL_HOOKS for k in cls.__mro__ if k is not FederatedMethod and h in vars(k)}
+    assert set(cls.uses) == defined
+
+
+def test_an_undeclared_or_unimplemented_hook_is_refused_when_the_class_is_defined():
+    from fs_fedpa.methods.base import FederatedMethod
+
+    before = dict(METHODS)
+    with pytest.raises(TypeError, match=r"implements \['end_round'\] and declares \[\]"):
+
+        class Undeclared(FederatedMethod):
+            def end_round(self, local, client, rnd):
+                return {}
+
+    with pytest.raises(TypeError, match=r"implements \[\] and declares \['fold'\]"):
+
+        class Unimplemented(FederatedMethod):
+            uses = frozenset({"fold"})
+
+    with pytest.raises(TypeError, match="are not hooks"):
+
+        class NotAHook(FederatedMethod):
+            uses = frozenset({"aggregate"})
+
+    assert METHODS == before
+
+
 class _TwoLinear(torch.nn.Module):
     def __init__(self):
         super().__init__()
