@@ -63,21 +63,22 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
         local_names, shared_names = non_lora_trainables(self.model, self._cfg.personalization.local_param)
         store = state_store(self._cfg, self.method.cfg.state_budget_mb)
         self.kept = ClientState(store, keep_received=bool(self.method.cfg.export_dir))
-        self.models = ClientModel(self.model, self.trainer, self.method, self.kept)
+        self.client_model = ClientModel(self.model, self.trainer, self.method, self.kept)
         self._set_space()
         # Snapshot now: with share_local_model, other clients' training overwrites the model's copy.
-        self.kept.start(self.models.read_tensors(local_names))
+        self.kept.start(self.client_model.read_tensors(local_names))
         if store.initial_local is None:  # what a client whose state is lost starts from again
             store.initial_local = {n: t.detach().cpu().clone() for n, t in self.kept.local.items()}
-        if self.models.moves_base:
+        if self.client_model.moves_base:
             lora.keep_base(self.model)
         self.resume = ClientResume(self._cfg, self.method)
-        self.evaluation = Evaluation(self.trainer, self.model, self._cfg, self.method)
+        self.evaluation = Evaluation(self.trainer, self.client_model, self.kept, self._cfg)
         install_alignment_hook(self.trainer, self.alignment)
         self.privacy = policy(self._cfg, self.method, self.trainer, local_names, DPSGD)
         wire = self._cfg.federate.mode.lower() == "distributed"  # tensors as explicit encodings, never pickled
-        self.round = ClientRound(self.models, self.trainer, self.alignment, RoundStats(self.method, self.alignment),
-                                 self.privacy, self.resume, local_names, shared_names, wire)  # fmt: skip
+        stats = RoundStats(self.method, self.alignment)
+        self.round = ClientRound(self.client_model, self.trainer, self.alignment, stats, self.privacy, self.resume,
+                                 local_names, shared_names, wire)  # fmt: skip
         self.schedule = RunSchedule(self.trainer, self._cfg) if self.method.cfg.lr_schedule != "none" else None
         self._token = secrets.token_hex(16)  # marks the watchdog's own message
         self._heard = time.monotonic()  # the last time it heard from the server, or stopped waiting
@@ -96,7 +97,7 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
             space = lora.ClientSpace(scaling, self.method.plan.client_ranks[self.ID - 1])
         else:
             space = lora.UnitSpace()
-        self.models.bind(self.ID - 1, space)  # index: 0-based position in the rank plan (FS ids start at 1)
+        self.client_model.bind(self.ID - 1, space)  # index: 0-based position in the rank plan (FS ids start at 1)
         self.alignment.penalty_weight = space.penalty_weight(self.method.plan.lam_rank)  # one lambda for all
 
     def callback_funcs_for_assign_id(self, message: Message):
@@ -105,10 +106,7 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
 
     # ----------------------------------------------------------------------------------- training
     def callback_funcs_for_model_para(self, message: Message):
-        self._unpark()
-        self.resume.restore(self.kept, self.ID, message.state, self.models.initial_factors, self.models.device)
-        self.state = message.state
-        self.outbox.answering(message.state, message.timestamp)
+        self._open(message)
         self.privacy.new_round(self.ID, self.state)
         if self.schedule is not None:
             self.schedule.new_round(self.state)
@@ -132,9 +130,18 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
         self.kept.park(self.ID)
         self.alignment.clear()
 
+    def _open(self, message: Message) -> None:
+        """The start of a training or evaluation message: its state from the store (continued from its resume file
+        where the run resumed), and the round it answers. :meth:`_park` closes it."""
+        self._unpark()
+        initial, device = self.client_model.initial_factors, self.client_model.device
+        self.resume.restore(self.kept, self.ID, message.state, initial, device)
+        self.state = message.state
+        self.outbox.answering(message.state, message.timestamp)
+
     def _unpark(self) -> None:
         """Before each message: its state from the store onto the device it computes on."""
-        self.kept.unpark(self.ID, self.models.device)
+        self.kept.unpark(self.ID, self.client_model.device)
 
     # ------------------------------------------------------------------------------------ the end of the run
     def callback_funcs_for_finish(self, message: Message):
@@ -150,7 +157,7 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
             logger.info(f"[fedpa] client state store: {store.summary()}")
         if self.kept.factors is not None:
             # what its own-factor evaluation adds to the base weights (Fed-PLoRA's undrawn modules): for the export
-            state = {**self.models.snapshot(self.state), "fold": lora.copy_factors(self.kept.fold or {}, "cpu"),
+            state = {**self.client_model.snapshot(self.state), "fold": lora.copy_factors(self.kept.fold or {}, "cpu"),
                      "scaling": lora.Scaling.of(self.model).record(), "run": identity(self._cfg.outdir)}  # fmt: skip
             if self._cfg.federate.save_to:
                 torch.save(state, add_prefix_to_path(f"fedpa_client_{self.ID}_", self._cfg.federate.save_to))

@@ -28,16 +28,16 @@ logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its ow
 
 
 class ClientRound:
-    """One client's rounds on ``models`` (:class:`ClientModel`) and FS's ``trainer``; ``local_names`` and
+    """One client's rounds on ``client_model`` (:class:`ClientModel`) and FS's ``trainer``; ``local_names`` and
     ``shared_names`` are its trainable non-LoRA tensors that stay and that are sent; ``wire``: tensors are sent as
     explicit encodings (distributed mode), never pickled."""
 
-    def __init__(self, models: ClientModel, trainer, alignment: Alignment, stats: RoundStats,
+    def __init__(self, client_model: ClientModel, trainer, alignment: Alignment, stats: RoundStats,
                  privacy: ClientPolicy, resume: ClientResume, local_names: list[str], shared_names: list[str],
                  wire: bool):  # fmt: skip
-        self.models, self.trainer, self.alignment, self.stats = models, trainer, alignment, stats
+        self.client_model, self.trainer, self.alignment, self.stats = client_model, trainer, alignment, stats
         self.privacy, self.resume = privacy, resume
-        self.method, self.kept = models.method, models.kept
+        self.method, self.kept = client_model.method, client_model.kept
         self.local_names, self.shared_names, self.wire = local_names, shared_names, wire
         self.restarted = False  # its factors or local tensors became non-finite this round
         self.staleness: dict[str, float] = {}
@@ -46,67 +46,75 @@ class ClientRound:
 
     def enter(self, payload: dict, rnd: int) -> None:
         """Round ``rnd`` from the server's ``payload``: the model holds the round's start, the term its reference."""
-        models, kept, method = self.models, self.kept, self.method
-        kept.draw(models.initial_factors)
-        received = models.own_and_received(payload, rnd)
-        self.staleness = self.stats.staleness(models.space, kept, received, rnd)
+        client_model, kept, method = self.client_model, self.kept, self.method
+        kept.draw(client_model.initial_factors)
+        received = client_model.own_and_received(payload, rnd)
+        self.staleness = self.stats.staleness(client_model.space, kept, received, rnd)
         self.train_personal(received, payload, rnd)
-        start = method.start_round(received, kept.factors, models.index, rnd)
+        start = method.start_round(received, kept.factors, client_model.index, rnd)
         self.init_error = self.stats.init_error(start, kept.factors, kept.rounds_trained)
         self.start = lora.copy_factors(start) if method.cfg.diagnostics else None
-        kept.open_round(received, method.fold(received, models.index, rnd))  # a lost state is reported now
-        models.set_base(kept.fold)
-        models.load(start, rnd, trainable=method.trainable(rnd))
-        models.load_round_tensors(payload)
-        device = models.device
+        fold = method.fold(received, client_model.index, rnd) if "fold" in method.uses else None
+        kept.open_round(received, fold)  # a lost state is reported now
+        client_model.set_base(kept.fold)
+        client_model.load(start, rnd, trainable=method.trainable(rnd) if "trainable" in method.uses else (True, True))
+        client_model.load_round_tensors(payload)
+        device = client_model.device
         reference = {n: (B.to(device), A.to(device)) for n, (B, A) in received.items()}
-        self.alignment.start_round(method.read(models.model), reference)
+        self.alignment.start_round(method.read(client_model.model), reference)
 
     def train_personal(self, received: Factors, payload: dict, rnd: int) -> None:
         """The personal phase, if the method has one this round: the model applies ``a * personal + (1 - a) *
         reference`` with the reference frozen in the base weights (FedDPA's mixed forward), trains the personal
         factors and the local tensors, and keeps them; the personal factors never leave the client."""
-        models, kept = self.models, self.kept
-        start = self.method.personal_start(received, kept.personal, models.index, rnd)
+        client_model, kept = self.client_model, self.kept
+        if "personal_start" not in self.method.uses:
+            return
+        start = self.method.personal_start(received, kept.personal, client_model.index, rnd)
         if start is None or self.privacy.sits_out:
             return
-        a, model, space = self.method.personal_weight, models.model, models.space
+        a, model, space = self.method.personal_weight, client_model.model, client_model.space
         frozen = {n: (1 - a) * (B @ A) for n, (B, A) in space.upload(received).items()}
         lora.set_base_offsets(model, frozen)
         lora.set_factors(model, space.to_model(start))
         lora.scale_adapters(model, a)
-        models.load_round_tensors(payload)
+        client_model.load_round_tensors(payload)
         try:
             with self.alignment.paused():  # no alignment term in this phase
                 self.trainer.train()
         finally:
             lora.set_base_offsets(model, {})  # back to W_0
         kept.keep_personal(space.from_model(lora.copy_factors(lora.get_factors(model))),
-                           models.read_tensors(self.local_names))  # fmt: skip
+                           client_model.read_tensors(self.local_names))  # fmt: skip
 
     def leave(self, rnd: int) -> dict:
         """The end of round ``rnd``: the trained state kept (a client whose state became non-finite restarts from
         the reference), its resume file written where asked, and its upload (``lora``, ``stats``, ``shared``)."""
-        models, kept, method = self.models, self.kept, self.method
+        client_model, kept, method = self.client_model, self.kept, self.method
         self.alignment.grads.close()
-        trained = models.space.from_model(lora.copy_factors(method.read(models.model)))
-        local = models.read_tensors(self.local_names)
+        trained = client_model.space.from_model(lora.copy_factors(method.read(client_model.model)))
+        local = client_model.read_tensors(self.local_names)
         finite = all(bool(torch.isfinite(t).all()) for B, A in trained.values() for t in (B, A))
         self.restarted = not (finite and all(bool(torch.isfinite(t).all()) for t in local.values()))
         if self.restarted:  # one bad step must not exclude this client for the rest of the run
             logger.warning(
-                f"[fedpa] client #{models.client_id}, round {rnd}: its own factors or local tensors became "
+                f"[fedpa] client #{client_model.client_id}, round {rnd}: its own factors or local tensors became "
                 "non-finite; it restarts from the global reference it received (and keeps its local tensors of the "
                 "last round)"
             )
-            trained, local = models.restart_factors(rnd, kept.received), kept.local or local
-        kept.keep(method.end_round(trained, models.index, rnd), local, rnd)
+            trained, local = client_model.restart_factors(rnd, kept.received), kept.local or local
+        if "end_round" in method.uses:
+            trained = method.end_round(trained, client_model.index, rnd)
+        kept.keep(trained, local, rnd)
         if self.resume.out:  # federate.save_to
-            self.resume.write(models.snapshot(rnd), models.client_id, rnd)
-        sent = models.space.upload(method.before_upload(kept.factors, kept.received, rnd))
+            self.resume.write(client_model.snapshot(rnd), client_model.client_id, rnd)
+        sent = kept.factors
+        if "before_upload" in method.uses:
+            sent = method.before_upload(sent, kept.received, rnd)
+        sent = client_model.space.upload(sent)
         sent = self.privacy.upload(sent, rnd)  # what leaves, as the DP policy has it (without DP: as trained)
         upload = {
-            "lora": encode_parts(method.upload_payload(sent, models.index, rnd), wire=self.wire),
+            "lora": encode_parts(method.upload_payload(sent, client_model.index, rnd), wire=self.wire),
             "stats": self.privacy.stats(
                 {
                     "alignment_loss": self.alignment.mean(),
@@ -116,13 +124,13 @@ class ClientRound:
                     "state_lost": int(kept.lost_this_round),
                     **self.staleness,
                     **self.init_error,
-                    **self.stats.round_stats(sent, models.space, kept.received, kept.fold, self.start, rnd),
+                    **self.stats.round_stats(sent, client_model.space, kept.received, kept.fold, self.start, rnd),
                 },
                 kept.rounds_trained,
             ),
         }
         self.start = None  # only the round's statistics read it
         if self.shared_names:  # FS's gRPC encoder fails on empty dicts
-            params = dict(models.model.named_parameters())
+            params = dict(client_model.model.named_parameters())
             upload["shared"] = encode_tensors({n: params[n] for n in self.shared_names}, self.wire)
         return upload

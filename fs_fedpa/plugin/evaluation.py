@@ -30,56 +30,11 @@ class ClientEvaluation:
     def callback_funcs_for_evaluate(self, message: Message):
         """Paper protocol (global rank-R_i reference + own local tensors) and, with fedpa.eval_local, the
         client's own preserved factors, reported as ``local.<split>_<metric>``."""
-        self._unpark()
-        models = self.models
-        self.resume.restore(self.kept, self.ID, message.state, models.initial_factors, models.device)
-        self.state = message.state
-        self.outbox.answering(message.state, message.timestamp)
-        payload = message.content
-        # a client that never trained evaluates its initial factors, which it need not keep: any worker can draw them
-        # again from the run's seed, so N never-sampled clients store nothing
-        untrained = self.kept.draw(models.initial_factors)
-        received = models.own_and_received(payload, self.state)
-        self.kept.evaluated(received)
-        evaluated = self.method.evaluation_factors(received, self.kept.factors, models.index,
-                                                   personal=self.kept.personal)  # fmt: skip
-        models.set_base()
-        models.load(evaluated, self.state)
-        models.load_round_tensors(payload)
-        mixed = self.method.instance_mix is not None and self.kept.personal is not None
-        evaluation = self.evaluation
-        undo = lambda: None  # noqa: E731
-        if mixed:  # the global adapter's rank: the columns of B_g in the loaded ([B_g, B_l], [A_g; A_l])
-            rank = next(iter(received.values()))[0].shape[1]
-            undo = evaluation.instance_mix(rank, models.device, self.state, self.ID)
+        self._open(message)
         # after the client's last upload only (the evaluation closing the last round, numbered from 0): the refitted
         # head sees its training records exactly
-        refit = self.method.cfg.eval_refit_head and message.state >= self._cfg.federate.total_round_num - 1
-        try:
-            metrics = evaluation.splits()
-        finally:
-            undo()
-        outcomes = {"global": evaluation.take_outcomes()}
-        if refit:
-            metrics.update({f"refit.{key}": value for key, value in evaluation.refit_splits().items()})
-            outcomes["refit"] = evaluation.take_outcomes()
-        if self.method.cfg.eval_local:
-            # the model it trained: Fed-PLoRA's own modules sit on the undrawn ones it folded into the base
-            models.set_base(self.kept.fold)
-            models.load(self.kept.factors, self.state)
-            # FS derives the split from the text before the first "_" and the metric from the text after
-            # "<split>_", so the protocol goes in front: local.test_acc, local.test_total, ...
-            metrics.update({f"local.{key}": value for key, value in evaluation.splits().items()})
-            outcomes["local"] = evaluation.take_outcomes()
-            if refit:
-                metrics.update({f"local.refit.{key}": value for key, value in evaluation.refit_splits().items()})
-                outcomes["local.refit"] = evaluation.take_outcomes()
-        if self.method.cfg.save_outcomes:
-            evaluation.write_outcomes(outcomes, self.state, self.ID)
-        metrics, empty = without_empty_splits(metrics)
-        if empty:
-            logger.warning(f"[fedpa] client #{self.ID}: no example in {empty}; those metrics are missing, not 0")
-
+        last = message.state >= self._cfg.federate.total_round_num - 1
+        metrics = self.evaluation.evaluate(message.content, self.state, self.ID, last=last)
         formatted = self._monitor.format_eval_res(
             metrics, rnd=self.state, role=f"Client #{self.ID}", forms=["raw"], return_raw=True
         )
@@ -89,8 +44,6 @@ class ClientEvaluation:
                 self.best_results, formatted["Results_raw"], results_type=f"client #{self.ID}"
             )
         self.history_results = merge_dict_of_results(self.history_results, formatted["Results_raw"])
-        if untrained:
-            self.kept.forget_drawn()
         self._park()
         send(self, "metrics", message.sender, metrics, message.timestamp)
 
@@ -101,9 +54,60 @@ class Evaluation:
     leaves, and FedDPA's instance-wise weighting around them (:attr:`instance_weights`: the last evaluation's g per
     batch, for diagnostics and tests)."""
 
-    def __init__(self, trainer, model, cfg, method):
-        self.trainer, self.model, self.cfg, self.method = trainer, model, cfg, method
+    def __init__(self, trainer, client_model, kept, cfg):
+        self.trainer, self.client_model, self.kept, self.cfg = trainer, client_model, kept, cfg
+        self.model, self.method = client_model.model, client_model.method
         self.instance_weights: list[Tensor] = []
+
+    def evaluate(self, payload: dict, rnd: int, client: int, last: bool) -> dict:
+        """The metrics of one evaluation message ``payload`` of round ``rnd``: the paper protocol (what the method
+        evaluates, :meth:`~fs_fedpa.methods.base.FederatedMethod.evaluation_factors`, with FedDPA's instance-wise
+        mixing), with ``fedpa.eval_local`` the client's own factors (``local.*``), and with ``fedpa.eval_refit_head``
+        and ``last`` (after its last upload) both again with the head refitted (``refit.*``); splits without an
+        example are left out. The outcomes are written where ``fedpa.save_outcomes`` asks."""
+        client_model, kept, method = self.client_model, self.kept, self.method
+        # a client that never trained evaluates its initial factors, which it need not keep: any worker can draw them
+        # again from the run's seed, so N never-sampled clients store nothing
+        untrained = kept.draw(client_model.initial_factors)
+        received = client_model.own_and_received(payload, rnd)
+        kept.evaluated(received)
+        evaluated = method.evaluation_factors(received, kept.factors, client_model.index, personal=kept.personal)
+        client_model.set_base()
+        client_model.load(evaluated, rnd)
+        client_model.load_round_tensors(payload)
+        undo = lambda: None  # noqa: E731
+        if method.instance_mix is not None and kept.personal is not None:
+            # the global adapter's rank: the columns of B_g in the loaded ([B_g, B_l], [A_g; A_l])
+            rank = next(iter(received.values()))[0].shape[1]
+            undo = self.instance_mix(rank, client_model.device, rnd, client)
+        refit = method.cfg.eval_refit_head and last
+        try:
+            metrics = self.splits()
+        finally:
+            undo()
+        outcomes = {"global": self.take_outcomes()}
+        if refit:
+            metrics.update({f"refit.{key}": value for key, value in self.refit_splits().items()})
+            outcomes["refit"] = self.take_outcomes()
+        if method.cfg.eval_local:
+            # the model it trained: Fed-PLoRA's own modules sit on the undrawn ones it folded into the base
+            client_model.set_base(kept.fold)
+            client_model.load(kept.factors, rnd)
+            # FS derives the split from the text before the first "_" and the metric from the text after
+            # "<split>_", so the protocol goes in front: local.test_acc, local.test_total, ...
+            metrics.update({f"local.{key}": value for key, value in self.splits().items()})
+            outcomes["local"] = self.take_outcomes()
+            if refit:
+                metrics.update({f"local.refit.{key}": value for key, value in self.refit_splits().items()})
+                outcomes["local.refit"] = self.take_outcomes()
+        if method.cfg.save_outcomes:
+            self.write_outcomes(outcomes, rnd, client)
+        metrics, empty = without_empty_splits(metrics)
+        if empty:
+            logger.warning(f"[fedpa] client #{client}: no example in {empty}; those metrics are missing, not 0")
+        if untrained:
+            kept.forget_drawn()
+        return metrics
 
     def instance_mix(self, split: int, device: torch.device, rnd: int, client: int):
         """FedDPA's test time on the loaded ``([B_g, B_l], [A_g; A_l])`` (``B_g`` of rank ``split``): before every

@@ -160,11 +160,11 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
     def enter(self, payload, rnd):  # a ClientRound's
         orig_enter(self, payload, rnd)
         received = decode_factors(payload.get("lora", {}))
-        model = self.models.model
-        layers = lora.lora_layers(model) if self.models.moves_base else {}
+        model = self.client_model.model
+        layers = lora.lora_layers(model) if self.client_model.moves_base else {}
         record["enter"].append(
             {
-                "client": self.models.client_id,
+                "client": self.client_model.client_id,
                 "round": rnd,
                 "start": _copy(lora.get_factors(model)),
                 "received_ranks": sorted({B.shape[1] for B, _ in received.values()}),
@@ -180,8 +180,8 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         train = self.trainer.train
 
         def spy_train(*args, **kwargs):  # the model as the personal phase trains it
-            layers = lora.lora_layers(self.models.model)
-            seen["start"] = _copy(lora.get_factors(self.models.model))
+            layers = lora.lora_layers(self.client_model.model)
+            seen["start"] = _copy(lora.get_factors(self.client_model.model))
             seen["base"] = {n: layer.get_base_layer().weight.detach().cpu().clone() for n, layer in layers.items()}
             seen["scaling"] = {n: next(iter(layer.scaling.values())) for n, layer in layers.items()}
             return train(*args, **kwargs)
@@ -192,19 +192,19 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         finally:
             self.trainer.train = train
         if seen:
-            entry = {"client": self.models.client_id, "round": rnd, "before": before,
+            entry = {"client": self.client_model.client_id, "round": rnd, "before": before,
                      "after": _copy(self.kept.personal)}  # fmt: skip
             record["personal"].append({**entry, **seen, "received": _copy(received)})
 
     def leave(self, rnd):
-        if (self.models.client_id, rnd) in poison_local:  # a training step gone wrong: NaN in the live factors
+        if (self.client_model.client_id, rnd) in poison_local:  # a training step gone wrong: NaN in the live factors
             B = next(iter(self.alignment.live.values()))[0]
             with torch.no_grad():
                 B[0, 0] = float("nan")
         upload = orig_leave(self, rnd)
         record["leave"].append(
             {
-                "client": self.models.client_id,
+                "client": self.client_model.client_id,
                 "round": rnd,
                 "end": _copy(self.kept.factors),
                 "local": {n: t.detach().cpu().clone() for n, t in self.kept.local.items()},
@@ -256,7 +256,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
     record["evaluate"] = []
 
     def evaluate_splits(client):  # the model each evaluation sees: the paper protocol's first, then the own factors'
-        layers = lora.lora_layers(client.model) if client.models.moves_base else {}
+        layers = lora.lora_layers(client.model) if client.client_model.moves_base else {}
         record["evaluate"].append(
             {
                 "client": client.ID,

@@ -698,7 +698,7 @@ def test_client_level_messages_time_stamp_the_sample_count_they_carry():
     cfg = SimpleNamespace(llm=SimpleNamespace(deepspeed=SimpleNamespace(use=False)))
     fake = SimpleNamespace(ID=2, state=0, comp_speed=0.5, comm_bandwidth=4.0, model_size=8.0, schedule=None,
                            kept=SimpleNamespace(rounds_trained=1), _cfg=cfg,
-                           models=SimpleNamespace(initial_factors=None, device="cpu"),
+                           client_model=SimpleNamespace(initial_factors=None, device="cpu"),
                            round=SimpleNamespace(enter=lambda *a: None, leave=lambda rnd: {"lora": {}}),
                            outbox=SimpleNamespace(answering=lambda *a: None),
                            resume=SimpleNamespace(restore=lambda *a: None),
@@ -709,6 +709,7 @@ def test_client_level_messages_time_stamp_the_sample_count_they_carry():
                            comm_manager=SimpleNamespace(send=sent.append))  # fmt: skip
     for name in ("_unpark", "_park"):
         setattr(fake, name, lambda *a, **k: None)
+    fake._open = lambda message: FedPAClient._open(fake, message)
     fake._gen_timestamp = lambda **kw: Client._gen_timestamp(fake, **kw)
     fake.privacy = client_policy(cfg, fake.method, fake.trainer, [])
     FedPAClient.callback_funcs_for_model_para(fake, Message(msg_type="model_para", sender=0, receiver=[2], state=0,
