@@ -5,9 +5,7 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 
 import torch
 from federatedscope.core.auxiliaries.utils import merge_dict_of_results
@@ -17,8 +15,8 @@ from torch import Tensor
 from fs_fedpa import lora, resume
 from fs_fedpa.core import head_refit
 from fs_fedpa.core.instance import instance_weights, representation
+from fs_fedpa.outcomes import append_outcomes
 from fs_fedpa.plugin.common import send, without_empty_splits
-from fs_fedpa.record import OUTCOMES_FILE
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 INSTANCES = 5  # FedDPA's test time: training inputs compared with each test input (the authors' instance_num)
@@ -101,7 +99,7 @@ class Evaluation:
                 metrics.update({f"local.refit.{key}": value for key, value in self.refit_splits().items()})
                 outcomes["local.refit"] = self.take_outcomes()
         if method.cfg.save_outcomes:
-            self.write_outcomes(outcomes, rnd, client)
+            append_outcomes(self.cfg.outdir, outcomes, rnd, client)
         metrics, empty = without_empty_splits(metrics)
         if empty:
             logger.warning(f"[fedpa] client #{client}: no example in {empty}; those metrics are missing, not 0")
@@ -167,16 +165,6 @@ class Evaluation:
         taken = getattr(self.trainer, "outcomes", None) or {}
         self.trainer.outcomes = {}
         return {split: "".join("1" if c else "0" for c in correct.tolist()) for split, correct in taken.items()}
-
-    def write_outcomes(self, outcomes: dict[str, dict[str, str]], rnd: int, client: int) -> None:
-        """Append this evaluation's outcomes to ``<outdir>/fedpa_outcomes.jsonl`` (:data:`OUTCOMES_FILE`)."""
-        lines = [
-            {"round": rnd, "client": client, "protocol": protocol, "split": split, "correct": bits}
-            for protocol, splits in outcomes.items()
-            for split, bits in splits.items()
-        ]
-        with open(os.path.join(self.cfg.outdir, OUTCOMES_FILE), "a", encoding="utf-8") as f:
-            f.writelines(json.dumps(line) + "\n" for line in lines)
 
     def refit_splits(self) -> dict:
         """:meth:`splits` with the classifier head refitted on this client's whole training split under the loaded

@@ -14,12 +14,10 @@ Stock FS-LLM hosts causal LMs only. This module registers what a GLUE run needs:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-from pathlib import Path
 
-from fs_fedpa.record import EVAL_SHARDS_FILE
+from fs_fedpa import outcomes
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
@@ -161,27 +159,11 @@ def load_glue_data(config, client_cfgs=None):
         setup_seed(config.data.glue_split_seed)  # as FS seeds its own draw, so FS_SPLIT_SEED gives FS's split
     data = translator(config, client_cfgs)((encoded, evaluation, []))
     if config.fedpa.save_outcomes:
-        path = Path(config.outdir) / EVAL_SHARDS_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"size": len(evaluation), "splits": eval_shards(data, evaluation)}))
+        outcomes.write_eval_shards(config.outdir, data, evaluation)
     setup_seed(config.seed)  # FS restores the seed only for its built-in datasets
     # FS returns a registered loader's data as it is: in distributed mode each party keeps its own shard
     # (distribute.data_idx), which FS's own loaders get from convert_data_mode
     return convert_data_mode(data, config), config
-
-
-def eval_shards(data, evaluation: list) -> dict[str, dict[str, list[int]]]:
-    """split -> client id -> the indices into ``evaluation`` (the encoded GLUE evaluation file) of that client's
-    examples of the split, in order, for every split whose examples all come from ``evaluation``. FS's splitters
-    hand the example tuples themselves to the clients, so their identity says where each came from."""
-    index = {id(example): i for i, example in enumerate(evaluation)}
-    shards: dict[str, dict[str, list[int]]] = {}
-    for cid, client in data.items():
-        for split in ("train", "val", "test"):
-            examples = getattr(client, f"{split}_data", None) or []
-            if cid != 0 and examples and all(id(e) in index for e in examples):
-                shards.setdefault(split, {})[str(cid)] = [index[id(e)] for e in examples]
-    return shards
 
 
 def _holdout_translator():
