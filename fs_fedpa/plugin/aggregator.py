@@ -55,10 +55,10 @@ class FedPAAggregator(Aggregator):
     :attr:`failed_in_a_row`, which its :meth:`state_dict` carries with the generator's state. ``save``/``load``: the
     server's checkpoint and restore, which FS calls through it."""
 
-    def __init__(self, method, rounds: RoundLog, *, privacy=None, generator: torch.Generator | None = None,
+    def __init__(self, method, round_log: RoundLog, *, privacy=None, generator: torch.Generator | None = None,
                  shapes=({}, {}), distributed=False, ignore_weight=False, save=None, load=None):  # fmt: skip
         super().__init__()
-        self.method, self.rounds = method, rounds
+        self.method, self.round_log = method, round_log
         self.privacy = privacy if privacy is not None else ServerPolicy()  # without DP: everything through
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
         self.shapes, self.distributed, self.ignore_weight = shapes, distributed, ignore_weight
@@ -146,13 +146,13 @@ class FedPAAggregator(Aggregator):
             # a client whose stored state, merges included, is gone: the next message sends them all
             lost = tuple(c for c, st in zip(kept, stats) if st.get("state_lost"))
             self.result = Aggregated(new_global, averaged, merge, lost)
-            self.rounds.add(record.to_dict())
+            self.round_log.add(record.to_dict())
             self.failed_in_a_row = 0
             return {}  # the server installs the result; FS merges this empty dict into its model
         logger.warning(f"[fedpa] round {rnd}: every upload was dropped; the global adapter stays as it was")
         record = new_record(self._head(clients))
         record.dropped, record.bytes_up = dropped, bytes_up
-        self.rounds.add(record.to_dict())
+        self.round_log.add(record.to_dict())
         limit = cfg.max_failed_rounds
         self.failed_in_a_row += 1
         if limit and self.failed_in_a_row >= limit:
@@ -182,7 +182,7 @@ class FedPAAggregator(Aggregator):
         weight = self.privacy.release_weight
         record = private_record(self._head(receivers), receivers, weight, new_global, spectra, release)
         self.result = Aggregated(new_global, shared, None)
-        self.rounds.add(record)
+        self.round_log.add(record)
         self.privacy.account(rnd, receivers, {})
         self.failed_in_a_row = 0
         return {}

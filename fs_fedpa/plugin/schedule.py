@@ -23,12 +23,12 @@ class RunSchedule:
         fedpa = cfg.fedpa
         self.kind, self.warmup = fedpa.lr_schedule, int(fedpa.lr_warmup_steps)
         self.base = float(cfg.train.optimizer.lr)
-        self.rounds = int(fedpa.dp_horizon or cfg.federate.total_round_num)
+        self.horizon = int(fedpa.dp_horizon or cfg.federate.total_round_num)
         self.cfg, self.round, self.k = cfg, 0, 0
-        if (key := (self.kind, self.warmup, self.rounds, self.base)) not in _ANNOUNCED:
+        if (key := (self.kind, self.warmup, self.horizon, self.base)) not in _ANNOUNCED:
             _ANNOUNCED.add(key)
             logger.info(
-                f"[fedpa] learning rate: {self.kind} schedule over {self.rounds} rounds of tau steps (global step "
+                f"[fedpa] learning rate: {self.kind} schedule over {self.horizon} rounds of tau steps (global step "
                 f"t * tau + k), {self.warmup} steps of warm-up, peak {self.base:g}"
             )
         trainer.register_hook_in_train(new_hook=self._hook_on_fit_start_schedule, trigger="on_fit_start")
@@ -49,7 +49,7 @@ class RunSchedule:
         return int(cfg.train.local_update_steps) * max(per_epoch, 1)
 
     def lr(self, step: int, n: int) -> float:
-        return self.base * lr_factor(step, self.rounds * self.tau(n), self.warmup, self.kind)
+        return self.base * lr_factor(step, self.horizon * self.tau(n), self.warmup, self.kind)
 
     def _hook_on_fit_start_schedule(self, ctx):
         self.k = 0

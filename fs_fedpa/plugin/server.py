@@ -73,10 +73,10 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
             # a Poisson round draws any number of the N clients (K is the expected number, privacy.K), and FS
             # asserts that a round never waits for more than sample_client_num
             self.sample_client_num = self.client_num
-        self.rounds = RoundLog(self._cfg.outdir, self.method.cfg.diagnostics)  # the records, carried by resume points
+        self.round_log = RoundLog(self._cfg.outdir, self.method.cfg.diagnostics)  # the records, carried by resume points
         shapes = (layer_shapes(self.model), {n: tuple(params[n].shape) for n in self.shared_names})
         self.aggregator = FedPAAggregator(
-            self.method, self.rounds, privacy=self.privacy, generator=self.generator, shapes=shapes,
+            self.method, self.round_log, privacy=self.privacy, generator=self.generator, shapes=shapes,
             distributed=self._cfg.federate.mode.lower() == "distributed",
             ignore_weight=self._cfg.federate.ignore_weight, save=self.save_checkpoint, load=self.restore,
         )  # fmt: skip
@@ -194,7 +194,7 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
     # ---------------------------------------------------------------------------------- resume points
     def resume_parts(self) -> dict:
         """The collaborators a resume point saves, by their names in :data:`fs_fedpa.resume.PARTS`."""
-        return {"global_model": self.globals, "round_log": self.rounds, "aggregator": self.aggregator,
+        return {"global_model": self.globals, "round_log": self.round_log, "aggregator": self.aggregator,
                 "fs_results": FSResults(self), "privacy": self.privacy, "method_state": self.method}  # fmt: skip
 
     def write_resume_point(self) -> str:

@@ -52,7 +52,7 @@ class ClientLevelServer(GaussianServer):
 
         fedpa = method.cfg
         self.draws_any_number = self.sampling == "poisson"
-        self.rounds = 0  # rounds released
+        self.released = 0  # rounds released so far (the accountant's events)
         check_method(method, method.name)
         # federated non-LoRA tensors (e.g. a shared head): each client's change of them is clipped with its LoRA
         # update as one contribution, and their mean is released with the same noise (release)
@@ -123,14 +123,14 @@ class ClientLevelServer(GaussianServer):
                                               self.z, self.generator, extra)  # fmt: skip
         new_shared = release_shared(changes, scales, self.K, self.C, self.z, self.generator, start_shared)
         new_global, spectra = method.dp_global(release, global_factors, self.sketch_generator)
-        self.rounds += 1
+        self.released += 1
         return new_global, spectra, release, new_shared
 
     def account(self, rnd: int, receivers: list[int], stats: dict[int, dict]) -> dict:
         return self.write({
             "round": rnd,
             "dp_mode": "client",
-            "dp_epsilon": self.kind.epsilon(self.rounds, self.delta),
+            "dp_epsilon": self.kind.epsilon(self.released, self.delta),
             "dp_delta": self.delta,
             "dp_sampling": self.sampling,
             "dp_adjacency": self.adjacency,
@@ -141,7 +141,7 @@ class ClientLevelServer(GaussianServer):
             "dp_clip": self.C,
             "dp_clients_per_round": self.K,
             "dp_population": self.N,
-            "dp_events": self.rounds,
+            "dp_events": self.released,
             "dp_accountant": self.accountant,
         })  # fmt: skip
 
@@ -156,19 +156,19 @@ class ClientLevelServer(GaussianServer):
         )
 
     def counts(self) -> dict:
-        return {"rounds": self.rounds}
+        return {"rounds": self.released}
 
     def load_counts(self, saved: dict) -> None:
-        self.rounds = int(saved["rounds"])
+        self.released = int(saved["rounds"])
 
     def continue_from(self, last: dict) -> None:
         spent = int(last.get("dp_events", 0))
-        if spent > self.rounds:
+        if spent > self.released:
             logger.warning(
                 f"[fedpa] the ledger of the resumed run counts {spent} released rounds and its resume point "
-                f"{self.rounds}: a round was released after the resume point was written; epsilon counts it"
+                f"{self.released}: a round was released after the resume point was written; epsilon counts it"
             )
-            self.rounds, self.last = spent, last
+            self.released, self.last = spent, last
 
     def ledger_line_ok(self, entry: dict) -> bool:
         return super().ledger_line_ok(entry) and isinstance(entry.get("dp_events"), int)

@@ -28,11 +28,11 @@ def test_the_aggregators_count_and_generator_travel_in_its_state_dict_not_in_the
     # the history ends in a round without clients that did aggregate (a client-level DP release of a Poisson draw
     # of no client): a count recomputed from the records would call it failed
     log.load_state_dict({"records": [_record(0, [1]), _record(1, [])], "totals": {"up": 10, "down": 5}}, "p.pt")
-    before = FedPAAggregator(method=None, rounds=log, generator=torch.Generator().manual_seed(3))
+    before = FedPAAggregator(method=None, round_log=log, generator=torch.Generator().manual_seed(3))
     before.failed_in_a_row = 0
     torch.rand(4, generator=before.generator)
     state = before.state_dict()
-    after = FedPAAggregator(method=None, rounds=log, generator=torch.Generator().manual_seed(99))
+    after = FedPAAggregator(method=None, round_log=log, generator=torch.Generator().manual_seed(99))
     after.failed_in_a_row = 7
     after.load_state_dict(state, "p.pt")
     assert after.failed_in_a_row == 0
@@ -59,4 +59,4 @@ def test_the_round_log_adds_the_byte_totals_and_writes_one_line_a_round_only_wit
 def test_a_new_aggregator_has_no_failed_round():
     from fs_fedpa.plugin.aggregator import FedPAAggregator
 
-    assert FedPAAggregator(method=None, rounds=None).failed_in_a_row == 0
+    assert FedPAAggregator(method=None, round_log=None).failed_in_a_row == 0
