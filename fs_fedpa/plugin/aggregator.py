@@ -1,12 +1,13 @@
 """The aggregation step of the FedPA server: every upload decoded (copies) and checked, outliers and uploads that
 break aggregation dropped with a reason naming the client, the method's product-space aggregation and the round
-recorded; the server installs the result. FS has no aggregator registry: the server installs
-:class:`FedPAAggregator` itself."""
+recorded, the result installed and returned to FS as the model state it loads. FS has no aggregator registry: the
+server installs :class:`FedPAAggregator` itself."""
 
 from __future__ import annotations
 
 import logging
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +25,7 @@ logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its ow
 
 @dataclass(frozen=True)
 class RoundInput:
-    """What the server gives the aggregator for one round: the round, its receivers (the only valid senders), the
+    """The round being aggregated, as the server opened it: the round, its receivers (the only valid senders), the
     global factors it started from and the bytes each client was sent."""
 
     rnd: int
@@ -36,9 +37,8 @@ class RoundInput:
 
 @dataclass(frozen=True)
 class Aggregated:
-    """What a round that aggregated leaves for the server to install: the new global factors, the averaged shared
-    tensors, a method's merge into the base weights, and the clients whose stored state was lost (they are sent
-    every merge again)."""
+    """What a round that aggregated installs: the new global factors, the averaged shared tensors, a method's merge
+    into the base weights, and the clients whose stored state was lost (they are sent every merge again)."""
 
     global_factors: Factors
     shared: dict[str, Tensor]
@@ -47,24 +47,28 @@ class Aggregated:
 
 
 class FedPAAggregator(Aggregator):
-    """``aggregate(agg_info)`` for the FedPA server: decode (copies), check, reconstruct and record. It is given what
-    it needs: the method, the round log it adds to, the server's DP policy (:mod:`fs_fedpa.privacy`; without DP the
-    one that lets everything through), the sketches' generator, the
-    shapes of the LoRA modules (d, k) and of the shared tensors, and per round a :class:`RoundInput`
-    (:meth:`start`). It leaves :attr:`result`, which the server installs, and stops the run on a count of its own,
-    :attr:`failed_in_a_row`, which its :meth:`state_dict` carries with the generator's state. ``save``/``load``: the
-    server's checkpoint and restore, which FS calls through it."""
+    """FS's ``aggregate(agg_info)`` for the FedPA server: decode (copies), check, reconstruct, record and install.
+    It is given what it needs: the method, the round log it adds to, the server's DP policy (:mod:`fs_fedpa.privacy`;
+    without DP the one that lets everything through), the sketches' generator, the shapes of the LoRA modules (d, k)
+    and of the shared tensors, ``round_of`` (the :class:`RoundInput` of the round FS aggregates now) and ``install``
+    (puts an :class:`Aggregated` into the server's model and returns the model state it wrote, keyed as the model's
+    ``state_dict``). :meth:`aggregate` returns that state, which FS merges into its model as it does a FedAvg
+    average ({} when every upload was dropped), and stops the run on a count of its own, :attr:`failed_in_a_row`,
+    which its :meth:`state_dict` carries with the generator's state. ``save``/``load``: the server's checkpoint and
+    restore, which FS calls through its aggregator."""
 
     def __init__(self, method, round_log: RoundLog, *, privacy=None, generator: torch.Generator | None = None,
-                 shapes=({}, {}), distributed=False, ignore_weight=False, save=None, load=None):  # fmt: skip
+                 shapes=({}, {}), distributed=False, ignore_weight=False, save=None, load=None,
+                 round_of: Callable[[], RoundInput] | None = None,
+                 install: Callable[[Aggregated], dict] | None = None):  # fmt: skip
         super().__init__()
         self.method, self.round_log = method, round_log
         self.privacy = privacy if privacy is not None else ServerPolicy()  # without DP: everything through
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
         self.shapes, self.distributed, self.ignore_weight = shapes, distributed, ignore_weight
         self._save, self._load = save, load
-        self.round: RoundInput | None = None
-        self.result: Aggregated | None = None
+        self.round_of, self.install = round_of, install
+        self.round: RoundInput | None = None  # the round being aggregated (round_of's, when aggregate starts)
         self.failed_in_a_row = 0  # rounds whose every upload was dropped, since the last one that aggregated
 
     def state_dict(self) -> dict:
@@ -76,11 +80,10 @@ class FedPAAggregator(Aggregator):
         self.generator.set_state(state["generator"])
         self.failed_in_a_row = state["failed_in_a_row"]
 
-    def start(self, round_input: RoundInput) -> None:
-        """The round :meth:`aggregate` aggregates next; clears the last round's :attr:`result`."""
-        self.round, self.result = round_input, None
-
-    def aggregate(self, agg_info):
+    def aggregate(self, agg_info) -> dict:
+        """The round's uploads (FS's ``agg_info``) checked, aggregated, recorded and installed; returns the model state
+        ``install`` wrote, for FS to merge into its model."""
+        self.round = self.round_of()
         rnd = self.round.rnd
         clients = [client_id for client_id, _ in agg_info["staleness"]]
         feedback = list(zip(clients, agg_info["client_feedback"]))
@@ -145,10 +148,9 @@ class FedPAAggregator(Aggregator):
                                "null")  # fmt: skip
             # a client whose stored state, merges included, is gone: the next message sends them all
             lost = tuple(c for c, st in zip(kept, stats) if st.get("state_lost"))
-            self.result = Aggregated(new_global, averaged, merge, lost)
             self.round_log.add(record.to_dict())
             self.failed_in_a_row = 0
-            return {}  # the server installs the result; FS merges this empty dict into its model
+            return self.install(Aggregated(new_global, averaged, merge, lost))
         logger.warning(f"[fedpa] round {rnd}: every upload was dropped; the global adapter stays as it was")
         record = new_record(self._head(clients))
         record.dropped, record.bytes_up = dropped, bytes_up
@@ -181,11 +183,10 @@ class FedPAAggregator(Aggregator):
         receivers = sorted(self.round.expected)
         weight = self.privacy.release_weight
         record = private_record(self._head(receivers), receivers, weight, new_global, spectra, release)
-        self.result = Aggregated(new_global, shared, None)
         self.round_log.add(record)
         self.privacy.account(rnd, receivers, {})
         self.failed_in_a_row = 0
-        return {}
+        return self.install(Aggregated(new_global, shared, None))
 
     def _drop(self, dropped: dict, client_id, reason: str) -> None:
         dropped[str(client_id)] = reason

@@ -59,6 +59,20 @@ class GlobalModel:
                     params[name].copy_(value)
             self.keep_shared()
 
+    def adopt(self, done) -> dict[str, Tensor]:
+        """Install a round's aggregate (:class:`~fs_fedpa.plugin.aggregator.Aggregated`): a client whose stored state
+        was lost is sent every merge again, and the new global adapter goes into the model (:meth:`install`).
+        Returns the model state it wrote, keyed as the model's ``state_dict`` (the raw global factors at rank R_g
+        and the shared tensors): what the aggregator hands FS, which merges it into its model."""
+        for client in done.lost:
+            self.merges.forget(client)
+        self.install(done.global_factors, done.shared, done.merge)
+        key = self._state_keys(self.model.state_dict())
+        written = [w for layer in lora.lora_layers(self.model).values() for w in lora.adapter_weights(layer)]
+        params = dict(self.model.named_parameters())
+        written += [params[n] for n in self.shared_names]
+        return {key[id(p)]: p.detach() for p in written}
+
     def keep_shared(self) -> None:
         """The server's own CPU copy of the shared tensors as its model holds them now (after install or restore):
         the clients may share that model object and load theirs into it."""

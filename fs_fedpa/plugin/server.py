@@ -5,8 +5,9 @@ FS handlers (:mod:`~fs_fedpa.plugin.inbox`: what comes in, checked and authentic
 the round watchdog) or collaborators: :class:`~fs_fedpa.plugin.global_model.GlobalModel` (the global factors, shared
 tensors and merges in the server's model, FS's checkpoint of them, each client's downlink message),
 :class:`~fs_fedpa.plugin.aggregator.FedPAAggregator` (FS has no aggregator
-registry, so the server installs it itself, in ``self.aggregator`` and ``self.aggregators[0]``; it is given each
-round and leaves its result, which the global model installs), :class:`~fs_fedpa.plugin.record_fs.RoundLog`,
+registry, so the server installs it itself, in ``self.aggregator`` and ``self.aggregators[0]``; FS calls its
+``aggregate``, which reads the round from the server's ``_round_input``, installs the result through
+``GlobalModel.adopt`` and returns the model state written, which FS merges into its model), :class:`~fs_fedpa.plugin.record_fs.RoundLog`,
 :class:`~fs_fedpa.plugin.resume_fs.ServerResume` and the DP policy (:func:`fs_fedpa.privacy.server_policy`).
 """
 
@@ -79,6 +80,7 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
             self.method, self.round_log, privacy=self.privacy, generator=self.generator, shapes=shapes,
             distributed=self._cfg.federate.mode.lower() == "distributed",
             ignore_weight=self._cfg.federate.ignore_weight, save=self.save_checkpoint, load=self.restore,
+            round_of=self._round_input, install=self.globals.adopt,
         )  # fmt: skip
         self.aggregators[0] = self.aggregator
         self._install_inbox()  # before any client's message reaches FS
@@ -172,17 +174,10 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
         return super().check_and_move_on(check_eval_result=check_eval_result, min_received_num=min_received_num)
 
     # ---------------------------------------------------------------------------------- aggregation
-    def _perform_federated_aggregation(self):
-        """FS's aggregation, with the round given to the aggregator first and its result installed after."""
-        globals_ = self.globals
-        self.aggregator.start(RoundInput(self.state, tuple(sorted(self._expected)), globals_.factors,
-                                         dict(globals_.down_bytes), dict(globals_.shared)))  # fmt: skip
-        count = super()._perform_federated_aggregation()
-        if (done := self.aggregator.result) is not None:
-            for client in done.lost:  # its stored state, merges included, is gone: the next message sends them all
-                globals_.merges.forget(client)
-            globals_.install(done.global_factors, done.shared, done.merge)
-        return count
+    def _round_input(self) -> RoundInput:
+        """The round FS aggregates now, as this server opened it (the aggregator's ``round_of``)."""
+        g = self.globals
+        return RoundInput(self.state, tuple(sorted(self._expected)), g.factors, dict(g.down_bytes), dict(g.shared))
 
     def save_checkpoint(self, path: str, cur_round: int) -> None:
         """FS's checkpoint format (``cur_round``, trainable ``model`` state with the global adapter) plus

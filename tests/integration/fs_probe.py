@@ -221,7 +221,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         ]
         weights = [n if isinstance(n, (int, float)) else None for n, _ in pairs]
         clients = [c for c, _ in agg_info["staleness"]]
-        start = self.round  # uploads as the server completes them (a method may send one factor only)
+        start = self.round_of()  # uploads as the server completes them (a method may send one factor only)
         uploads = []
         for c, (_, content) in zip(clients, pairs):
             try:
@@ -236,18 +236,24 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
                                for k, v in content["shared"].items()})  # fmt: skip
             except Exception:
                 shared.append(None)
-        result = orig_aggregate(self, agg_info)
+        installed, install = [], self.install
+        self.install = lambda done: (installed.append(done), install(done))[1]
+        try:
+            result = orig_aggregate(self, agg_info)
+        finally:
+            self.install = install
+        done = installed[0] if installed else None
         record["aggregate"].append(
             {
                 "round": start.rnd,
                 "uploads": uploads,
                 "weights": weights,
                 "clients": clients,
-                "global": _copy(self.result.global_factors if self.result is not None else start.global_factors),
+                "global": _copy(done.global_factors if done is not None else start.global_factors),
                 "global_start": _copy(start.global_factors),
                 "shared_uploads": shared,
                 "shared_start": {k: v.clone() for k, v in start.shared.items()},
-                "shared": {k: v.clone() for k, v in self.result.shared.items()} if self.result is not None else {},
+                "shared": {k: v.clone() for k, v in done.shared.items()} if done is not None else {},
             }
         )
         return result

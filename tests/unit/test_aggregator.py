@@ -1,6 +1,7 @@
-"""The server's aggregator as a collaborator: built from the method, a round log and the shapes, given a round, it
-checks, aggregates and records without a server (issue 60); the result is compared with a dense SVD of the weighted
-sum of the uploads' products."""
+"""The server's aggregator as a collaborator: built from the method, a round log, the shapes, where it reads the
+round and what installs its result, it checks, aggregates, records and installs without a server (issue 60), and
+returns to FS what the install wrote; the result is compared with a dense SVD of the weighted sum of the uploads'
+products."""
 
 from __future__ import annotations
 
@@ -26,7 +27,16 @@ def _aggregator(tmp_path, **kw):
     get_method("fedpa")
     method = METHODS["fedpa"](FedPAConfig(), RankPlan.build(3, r, global_rank=R_g))
     rounds = RoundLog(str(tmp_path), diagnostics=True)
-    return FedPAAggregator(method, rounds, shapes=(SHAPES, {}), **kw), rounds
+    opened, installed = [], []
+
+    def install(done):
+        installed.append(done)
+        return {"written": len(installed)}  # what FS would merge into its model
+
+    aggregator = FedPAAggregator(method, rounds, shapes=(SHAPES, {}), round_of=lambda: opened[-1], install=install,
+                                 **kw)  # fmt: skip
+    aggregator.opened, aggregator.installed = opened, installed  # the test's view of both ends
+    return aggregator, rounds
 
 
 def _upload(seed: int, scale: float = 1.0):
@@ -38,7 +48,7 @@ def _start(aggregator, rnd=4):
     from fs_fedpa.plugin.aggregator import RoundInput
 
     zero = {n: (torch.zeros(d, R_g), torch.zeros(R_g, k)) for n, (d, k) in SHAPES.items()}
-    aggregator.start(RoundInput(rnd, (1, 2, 3), zero, {1: 11, 2: 12, 3: 13}))
+    aggregator.opened.append(RoundInput(rnd, (1, 2, 3), zero, {1: 11, 2: 12, 3: 13}))
 
 
 def _message(factors, size):
@@ -57,10 +67,11 @@ def test_the_aggregator_needs_no_server_and_gives_the_best_rank_R_g_approximatio
     assert not hasattr(aggregator, "server")
     _start(aggregator)
     uploads, sizes = [_upload(s) for s in (1, 2, 3)], [10, 30, 60]
-    aggregator.aggregate({"client_feedback": [_message(u, n) for u, n in zip(uploads, sizes)],
-                          "staleness": [(1, 0), (2, 0), (3, 0)]})  # fmt: skip
-    done = aggregator.result
-    assert done is not None and done.lost == () and done.merge is None
+    returned = aggregator.aggregate({"client_feedback": [_message(u, n) for u, n in zip(uploads, sizes)],
+                                     "staleness": [(1, 0), (2, 0), (3, 0)]})  # fmt: skip
+    assert returned == {"written": 1}  # FS merges what the install wrote into its model
+    (done,) = aggregator.installed
+    assert done.lost == () and done.merge is None
     for name in SHAPES:
         dense = sum(n / 100 * (u[name][0].double() @ u[name][1].double()) for u, n in zip(uploads, sizes))
         B, A = done.global_factors[name]
@@ -81,7 +92,7 @@ def test_a_bad_upload_is_dropped_with_its_reason_and_the_others_aggregate(tmp_pa
     (record,) = rounds.records
     assert record["clients"] == [1] and "2" in record["dropped"]
     for name in SHAPES:
-        B, A = aggregator.result.global_factors[name]
+        B, A = aggregator.installed[-1].global_factors[name]
         dense = good[name][0].double() @ good[name][1].double()
         torch.testing.assert_close(B.double() @ A.double(), dense, rtol=1e-4, atol=1e-5)
 
@@ -95,11 +106,11 @@ def test_a_round_without_an_upload_installs_nothing_and_the_limit_stops_the_run(
         _start(aggregator, rnd)
         feedback = {"client_feedback": [(5, {"lora": "not a dict"})], "staleness": [(1, 0)]}
         if rnd == 0:
-            aggregator.aggregate(feedback)
+            assert aggregator.aggregate(feedback) == {}  # FS merges nothing: the model stays as it was
         else:
             with pytest.raises(RuntimeError, match="2 rounds in a row"):
                 aggregator.aggregate(feedback)
-        assert aggregator.result is None
+        assert aggregator.installed == []
     assert [rec["clients"] for rec in rounds.records] == [[], []]
 
 
@@ -118,5 +129,5 @@ def test_a_client_that_took_no_dp_step_weighs_nothing(tmp_path, ignore_weight):
     weights = (0.5, 0.0, 0.5) if ignore_weight else (10 / 70, 0.0, 60 / 70)
     for name in SHAPES:
         dense = sum(w * (u[name][0].double() @ u[name][1].double()) for u, w in zip(uploads, weights))
-        B, A = aggregator.result.global_factors[name]
+        B, A = aggregator.installed[-1].global_factors[name]
         torch.testing.assert_close(B.double() @ A.double(), _best_rank(dense, R_g), rtol=1e-4, atol=1e-5)

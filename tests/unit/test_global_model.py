@@ -1,0 +1,73 @@
+"""What the server's aggregation hands FS: GlobalModel.adopt installs an aggregate whose rank R_g differs from the
+model's r and returns the model state it wrote; FS's own two lines after ``aggregate()`` (merge_param_dict, then
+load_state_dict) must accept it and leave the model applying the aggregate's product, read back through PEFT's
+forward rather than through the code under test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip(
+    "federatedscope", reason="FederatedScope is not installed: what the aggregator returns to FS is NOT checked "
+    "(pip install --no-deps ../shared/vendor/FederatedScope-llm-*.tar.gz)"
+)  # fmt: skip
+peft = pytest.importorskip("peft")
+
+
+class _Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.v, self.head = nn.Linear(12, 10), nn.Linear(12, 8), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return torch.cat([self.q(x), self.v(x)], -1)
+
+
+def test_fs_loads_what_adopt_returns_and_the_model_applies_the_rank_R_g_aggregate():
+    from federatedscope.core.auxiliaries.utils import merge_param_dict
+
+    from fs_fedpa.config import FedPAConfig
+    from fs_fedpa.core.ranks import RankPlan
+    from fs_fedpa.methods import METHODS, get_method
+    from fs_fedpa.plugin.aggregator import Aggregated
+    from fs_fedpa.plugin.global_model import GlobalModel
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(_Two(), peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q", "v"]))
+    model.base_model.model.head.weight.requires_grad_(True)  # a shared tensor, trained and averaged
+    get_method("fedpa")
+    R_g = 5
+    method = METHODS["fedpa"](FedPAConfig(), RankPlan.build(3, 2, global_rank=R_g))
+    method.bind({"q": (10, 12), "v": (8, 12)})
+    shared_name = "base_model.model.head.weight"
+    g = GlobalModel(model, method, [shared_name], {})
+    x = torch.randn(4, 12, dtype=torch.float32)
+    with torch.no_grad(), model.disable_adapter():
+        base = model(x)
+    factors = {}
+    for name in g.factors:
+        d, k = (10, 12) if name.endswith("q") else (8, 12)
+        factors[name] = (torch.randn(d, R_g), torch.randn(R_g, k))
+    head = torch.randn(2, 3)
+    written = g.adopt(Aggregated(factors, {shared_name: head}, None))
+
+    merged = merge_param_dict(model.state_dict().copy(), written)  # FS's Server._perform_federated_aggregation
+    model.load_state_dict(merged, strict=False)
+
+    with torch.no_grad():
+        delta = model(x) - base
+    q, v = sorted(factors)  # "...q", "...v": the model's output is [q(x), v(x)]
+    want = torch.cat([x @ (factors[n][0] @ factors[n][1]).T for n in (q, v)], -1)
+    torch.testing.assert_close(delta, want, rtol=1e-4, atol=1e-4)  # applied factors: the product is Delta W itself
+    torch.testing.assert_close(dict(model.named_parameters())[shared_name].detach(), head)
+    # what FS was handed is the whole update, not a no-op: per module raw (B, A) at rank R_g whose scaled product is
+    # the aggregate's, and the shared tensor, under the model's own state_dict keys
+    assert set(written) <= set(model.state_dict())
+    assert written[shared_name].equal(head)
+    for n in (q, v):
+        B, A = written[f"{n}.lora_B.default.weight"], written[f"{n}.lora_A.default.weight"]
+        assert B.shape[1] == A.shape[0] == R_g
+        s_g = 4 / R_g  # PEFT's alpha / r at the new rank
+        torch.testing.assert_close(s_g * B @ A, factors[n][0] @ factors[n][1], rtol=1e-5, atol=1e-5)
