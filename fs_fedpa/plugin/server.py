@@ -7,8 +7,8 @@ tensors and merges in the server's model, FS's checkpoint of them, each client's
 :class:`~fs_fedpa.plugin.aggregator.FedPAAggregator` (FS has no aggregator
 registry, so the server installs it itself, in ``self.aggregator`` and ``self.aggregators[0]``; FS calls its
 ``aggregate``, which reads the round from the server's ``_round_input``, installs the result through
-``GlobalModel.adopt`` and returns the model state written, which FS merges into its model), :class:`~fs_fedpa.plugin.record_fs.RoundLog`,
-:class:`~fs_fedpa.plugin.resume_fs.ServerResume` and the DP policy (:func:`fs_fedpa.privacy.server_policy`).
+``GlobalModel.adopt`` and returns the model state written, which FS merges into its model),
+:class:`~fs_fedpa.plugin.record_fs.RoundLog`, :class:`~fs_fedpa.plugin.resume_fs.ServerResume` and the DP policy (:func:`fs_fedpa.privacy.server_policy`).
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
             # a Poisson round draws any number of the N clients (K is the expected number, privacy.K), and FS
             # asserts that a round never waits for more than sample_client_num
             self.sample_client_num = self.client_num
-        self.round_log = RoundLog(self._cfg.outdir, self.method.cfg.diagnostics)  # the records, carried by resume points
+        # the records, carried by resume points
+        self.round_log = RoundLog(self._cfg.outdir, self.method.cfg.diagnostics)
         shapes = (layer_shapes(self.model), {n: tuple(params[n].shape) for n in self.shared_names})
         self.aggregator = FedPAAggregator(
             self.method, self.round_log, privacy=self.privacy, generator=self.generator, shapes=shapes,
