@@ -48,6 +48,10 @@ def extend_seqcls_cfg(cfg) -> None:
     # gradients summed into the batch's mean-loss gradient (the same step in less padded compute); 0, or an
     # accelerator: one forward. DP-SGD chunks its own batches (fedpa.dp_chunk)
     cfg.model.seqcls.train_chunk = 0
+    # > 0: on a CPU, an evaluation batch of more records is forwarded in length-sorted chunks of at most this many,
+    # its logits put back in the loader's order (the same predictions in less padded compute); 0, or an accelerator:
+    # one forward
+    cfg.model.seqcls.eval_chunk = 0
     cfg.data.glue_limit = 0  # > 0: keep only the first N train examples (quick runs)
     cfg.data.glue_eval_split = ""  # "": the task's dev split; e.g. validation_mismatched for MNLI-mm
     # > 0: hold out this fraction (< 1) or count (>= 1) of each client's train shard as its `val` split, for
@@ -82,8 +86,10 @@ def _check_seqcls_cfg(cfg) -> None:
                 f"model.seqcls.prefix_cache with federate.method {cfg.federate.method!r}, which {writes}: the frozen "
                 "prefix would change under the cache"
             )
-    if not (isinstance(s.train_chunk, int) and s.train_chunk >= 0):
-        raise ValueError(f"model.seqcls.train_chunk(={s.train_chunk!r}) must be 0 (one forward) or a chunk size > 0")
+    for key in ("train_chunk", "eval_chunk"):
+        value = s[key]
+        if isinstance(value, bool) or not (isinstance(value, int) and value >= 0):
+            raise ValueError(f"model.seqcls.{key}(={value!r}) must be 0 (one forward) or a chunk size > 0")
     from fs_fedpa.privacy import trains_per_example
 
     if s.train_chunk and trains_per_example(cfg.fedpa):
@@ -307,8 +313,11 @@ def _trainer_class():
             features, labels = ctx.data_batch
             chunk = ctx.cfg.model.seqcls.train_chunk
             on_cpu = torch.device(ctx.device).type == "cpu"  # an accelerator takes the whole batch
+            eval_chunk = ctx.cfg.model.seqcls.eval_chunk
             if ctx.cur_mode == "train" and on_cpu and 0 < chunk < len(labels) and _mean_loss(ctx.criterion):
                 logits, labels, loss = self._chunked_step(ctx, features, labels, chunk)
+            elif ctx.cur_mode != "train" and on_cpu and 0 < eval_chunk < len(labels) and _mean_loss(ctx.criterion):
+                logits, labels, loss = self._chunked_eval(ctx, features, labels, eval_chunk)
             else:
                 logits, labels, loss = self._forward_loss(ctx, features, labels)
             ctx.y_true = CtxVar(labels, LIFECYCLE.BATCH)
@@ -357,6 +366,23 @@ def _trainer_class():
                 ys.append(y)
             linear = sum((p * g).sum() for p, g in zip(params, grads))
             return torch.cat(outs), torch.cat(ys), total + linear - linear.detach()
+
+        def _chunked_eval(self, ctx, features: dict, labels, chunk: int):
+            """An evaluation batch's n records in length-sorted chunks c of at most ``chunk`` (FS evaluates without
+            autograd): ``(logits, labels, Σ_c (n_c/n) L_c)``, the logits and labels in the loader's order, so that the
+            per-example outcomes are those of one forward."""
+            from fs_fedpa.core.batches import length_chunks, select_records
+
+            n = len(labels)
+            index = length_chunks(features, n, chunk)
+            outs = [self._forward_loss(ctx, select_records(features, i, n), labels[i]) for i in index]
+            order = torch.cat(index).to(outs[0][0].device)
+            logits = torch.empty((n, *outs[0][0].shape[1:]), dtype=outs[0][0].dtype, device=order.device)
+            logits[order] = torch.cat([out[0] for out in outs])
+            ys = torch.empty((n, *outs[0][1].shape[1:]), dtype=outs[0][1].dtype, device=order.device)
+            ys[order] = torch.cat([out[1] for out in outs])
+            loss = sum(out[2] * (len(i) / n) for out, i in zip(outs, index))
+            return logits, ys, loss
 
     return SeqClsTrainer
 

@@ -1,11 +1,14 @@
 """``model.seqcls.train_chunk``: the plain training step forwarded in length-sorted chunks is the step of the whole
 batch's mean loss, against autograd on one padded forward of the batch computed here, with a later forward hook's
-term (as the alignment term's) still added; its reported loss is the batch's; DP-SGD refuses it."""
+term (as the alignment term's) still added; its reported loss is the batch's; DP-SGD refuses it.
+``model.seqcls.eval_chunk``: an evaluation in length-sorted chunks gives each record the logits of one padded forward
+of the whole batch, in the loader's order (so the per-example outcomes), and the same loss."""
 
 from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,22 +17,27 @@ from tests.integration.test_dp_sgd_fs import _seqcls
 pytestmark = pytest.mark.integration
 
 
+def _varied(loader):
+    """The loader's records, right-padded to 3 + j % 6 tokens (the tiny sentences are of one length), batches of 6."""
+    from torch.utils.data import DataLoader
+
+    records = []
+    for j, (features, label) in enumerate(loader.dataset):
+        features = {k: v.clone() for k, v in features.items()}
+        features["attention_mask"][3 + j % 6 :] = 0
+        features["input_ids"][3 + j % 6 :] = 0
+        records.append((features, label))
+    return DataLoader(records, batch_size=6)
+
+
 def _step(tiny_glue, chunk: int, penalty: bool):
     """One SGD step (lr 1) of the seqcls trainer from the same weights on the loader's first batch of 6 records."""
     from federatedscope.core.monitors.monitor import Monitor
     from federatedscope.core.trainers.context import CtxVar
     from federatedscope.core.trainers.enums import LIFECYCLE
 
-    from torch.utils.data import DataLoader
-
     cfg, trainer_class, model, loader = _seqcls(tiny_glue)
-    records = []  # the tiny sentences are of one length: right-pad record j to 3 + j % 6 tokens
-    for j, (features, label) in enumerate(loader.dataset):
-        features = {k: v.clone() for k, v in features.items()}
-        features["attention_mask"][3 + j % 6 :] = 0
-        features["input_ids"][3 + j % 6 :] = 0
-        records.append((features, label))
-    loader = DataLoader(records, batch_size=6)
+    loader = _varied(loader)
     cfg.merge_from_list(["train.optimizer.type", "SGD", "train.optimizer.lr", 1.0, "train.local_update_steps", 1,
                          "train.batch_or_epoch", "batch", "use_gpu", False,
                          "model.seqcls.train_chunk", chunk])  # fmt: skip
@@ -74,8 +82,36 @@ def test_a_chunked_run_reports_and_takes_what_one_forward_does(tiny_glue):
         torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6, msg=n)
 
 
+@pytest.mark.parametrize("chunk", [1, 4], ids=["records", "chunks_4_2"])
+def test_a_chunked_evaluation_gives_each_record_its_logits_in_order(tiny_glue, chunk):
+    from federatedscope.core.monitors.monitor import Monitor
+
+    cfg, trainer_class, model, loader = _seqcls(tiny_glue)
+    loader = _varied(loader)
+    cfg.merge_from_list(["use_gpu", False, "model.seqcls.eval_chunk", chunk, "eval.metrics", ["acc", "loss"],
+                         "dataloader.batch_size", 6])  # FS counts the batches from it
+    model.eval()
+    with torch.no_grad():  # independent: one padded forward of each whole batch
+        logits = torch.cat([model(**features).logits for features, _ in loader])
+    labels = torch.cat([y for _, y in loader])
+    assert len(set(torch.cat([f["attention_mask"].sum(1) for f, _ in loader]).tolist())) > 2
+
+    class Seen(trainer_class):  # the logits FS collected, in its order, before it clears them
+        def _hook_on_fit_end(self, ctx):
+            super()._hook_on_fit_end(ctx)
+            self.seen = torch.as_tensor(np.asarray(ctx.ys_prob))
+
+    trainer = Seen(model, {"val": loader}, "cpu", cfg, only_for_eval=True, monitor=Monitor(cfg))
+    metrics = trainer.evaluate("val")
+    torch.testing.assert_close(trainer.seen, logits, rtol=1e-4, atol=1e-5)
+    assert (trainer.outcomes["val"] == (logits.argmax(1) == labels).numpy()).all()
+    loss = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+    assert metrics["val_loss"] == pytest.approx(float(loss), rel=1e-5)
+
+
 @pytest.mark.parametrize("opts,why", [
     (["model.seqcls.train_chunk", -1], "must be 0"),
+    (["model.seqcls.eval_chunk", -3], "must be 0"),
     (["model.seqcls.train_chunk", 32, "fedpa.dp_mode", "sample", "fedpa.dp_clip", 1.0,
       "fedpa.dp_noise_multiplier", 1.0], "DP-SGD forwards its batches in chunks"),
 ])  # fmt: skip
