@@ -314,9 +314,10 @@ def _trainer_class():
             chunk = ctx.cfg.model.seqcls.train_chunk
             on_cpu = torch.device(ctx.device).type == "cpu"  # an accelerator takes the whole batch
             eval_chunk = ctx.cfg.model.seqcls.eval_chunk
+            evaluating = ctx.cur_mode in ("val", "test")  # FS's MODE.VAL, MODE.TEST: no autograd (finetune has it)
             if ctx.cur_mode == "train" and on_cpu and 0 < chunk < len(labels) and _mean_loss(ctx.criterion):
                 logits, labels, loss = self._chunked_step(ctx, features, labels, chunk)
-            elif ctx.cur_mode != "train" and on_cpu and 0 < eval_chunk < len(labels) and _mean_loss(ctx.criterion):
+            elif evaluating and on_cpu and 0 < eval_chunk < len(labels) and _mean_loss(ctx.criterion):
                 logits, labels, loss = self._chunked_eval(ctx, features, labels, eval_chunk)
             else:
                 logits, labels, loss = self._forward_loss(ctx, features, labels)
