@@ -311,16 +311,18 @@ def _trainer_class():
 
         def _hook_on_batch_forward(self, ctx):
             features, labels = ctx.data_batch
-            chunk = ctx.cfg.model.seqcls.train_chunk
+            seqcls = ctx.cfg.model.seqcls
+            # FS's MODE.VAL and MODE.TEST run without autograd; finetune trains with it and is not chunked
+            chunk = {"train": seqcls.train_chunk, "val": seqcls.eval_chunk, "test": seqcls.eval_chunk}.get(
+                ctx.cur_mode, 0
+            )
             on_cpu = torch.device(ctx.device).type == "cpu"  # an accelerator takes the whole batch
-            eval_chunk = ctx.cfg.model.seqcls.eval_chunk
-            evaluating = ctx.cur_mode in ("val", "test")  # FS's MODE.VAL, MODE.TEST: no autograd (finetune has it)
-            if ctx.cur_mode == "train" and on_cpu and 0 < chunk < len(labels) and _mean_loss(ctx.criterion):
-                logits, labels, loss = self._chunked_step(ctx, features, labels, chunk)
-            elif evaluating and on_cpu and 0 < eval_chunk < len(labels) and _mean_loss(ctx.criterion):
-                logits, labels, loss = self._chunked_eval(ctx, features, labels, eval_chunk)
-            else:
+            if not (on_cpu and 0 < chunk < len(labels) and _mean_loss(ctx.criterion)):
                 logits, labels, loss = self._forward_loss(ctx, features, labels)
+            elif ctx.cur_mode == "train":
+                logits, labels, loss = self._chunked_step(ctx, features, labels, chunk)
+            else:
+                logits, labels, loss = self._chunked_eval(ctx, features, labels, chunk)
             ctx.y_true = CtxVar(labels, LIFECYCLE.BATCH)
             ctx.y_prob = CtxVar(logits, LIFECYCLE.BATCH)
             ctx.loss_batch = CtxVar(loss, LIFECYCLE.BATCH)
@@ -376,14 +378,11 @@ def _trainer_class():
 
             n = len(labels)
             index = length_chunks(features, n, chunk)
-            outs = [self._forward_loss(ctx, select_records(features, i, n), labels[i]) for i in index]
-            order = torch.cat(index).to(outs[0][0].device)
-            logits = torch.empty((n, *outs[0][0].shape[1:]), dtype=outs[0][0].dtype, device=order.device)
-            logits[order] = torch.cat([out[0] for out in outs])
-            ys = torch.empty((n, *outs[0][1].shape[1:]), dtype=outs[0][1].dtype, device=order.device)
-            ys[order] = torch.cat([out[1] for out in outs])
-            loss = sum(out[2] * (len(i) / n) for out, i in zip(outs, index))
-            return logits, ys, loss
+            logits, ys, losses = zip(*(self._forward_loss(ctx, select_records(features, i, n), labels[i])
+                                       for i in index))  # fmt: skip
+            back = torch.argsort(torch.cat(index)).to(logits[0].device)  # chunk order -> the loader's order
+            loss = sum(value * (len(i) / n) for value, i in zip(losses, index))
+            return torch.cat(logits)[back], torch.cat(ys)[back], loss
 
     return SeqClsTrainer
 
