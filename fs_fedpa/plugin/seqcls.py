@@ -52,6 +52,9 @@ def extend_seqcls_cfg(cfg) -> None:
     # its logits put back in the loader's order (the same predictions in less padded compute); 0, or an accelerator:
     # one forward
     cfg.model.seqcls.eval_chunk = 0
+    # > 0: every forward packs the batch's records whole into rows of this many positions, attention block-diagonal
+    # (fs_fedpa.plugin.sequence_packing): the same logits on fewer padded positions, on any device; 0: padded rows
+    cfg.model.seqcls.pack_len = 0
     cfg.data.glue_limit = 0  # > 0: keep only the first N train examples (quick runs)
     cfg.data.glue_eval_split = ""  # "": the task's dev split; e.g. validation_mismatched for MNLI-mm
     # > 0: hold out this fraction (< 1) or count (>= 1) of each client's train shard as its `val` split, for
@@ -86,11 +89,21 @@ def _check_seqcls_cfg(cfg) -> None:
                 f"model.seqcls.prefix_cache with federate.method {cfg.federate.method!r}, which {writes}: the frozen "
                 "prefix would change under the cache"
             )
-    for key in ("train_chunk", "eval_chunk"):
+    for key in ("train_chunk", "eval_chunk", "pack_len"):
         value = s[key]
         if isinstance(value, bool) or not (isinstance(value, int) and value >= 0):
-            raise ValueError(f"model.seqcls.{key}(={value!r}) must be 0 (one forward) or a chunk size > 0")
+            raise ValueError(f"model.seqcls.{key}(={value!r}) must be 0 (off) or a size > 0")
     from fs_fedpa.privacy import trains_per_example
+
+    if s.pack_len:
+        for key in ("train_chunk", "eval_chunk", "prefix_cache"):
+            if s[key]:
+                raise ValueError(f"model.seqcls.pack_len with model.seqcls.{key}: use one of them, set the other to 0")
+        if trains_per_example(cfg.fedpa):
+            raise ValueError(
+                "model.seqcls.pack_len with fedpa.dp_mode sample: DP-SGD's per-example gradients need one record a "
+                "row; set pack_len 0"
+            )
 
     if s.train_chunk and trains_per_example(cfg.fedpa):
         raise ValueError(
@@ -259,6 +272,10 @@ def build_seqcls_model(model_config, input_shape=None):
         from fs_fedpa.plugin.prefix_cache import PrefixCache
 
         PrefixCache(adapted)
+    if s.pack_len:
+        from fs_fedpa.plugin.sequence_packing import SequencePacking
+
+        SequencePacking(adapted, s.pack_len)
     return AdapterModel(adapted, use_adapter=False)
 
 
