@@ -1,13 +1,15 @@
-"""The main job with one padded forward a batch (as it ran before) against the job with length-sorted chunked
-forwards (``model.seqcls.train_chunk`` and ``eval_chunk``, the yaml's values unless given), side by side in one run:
-the two configs alternate, each in a fresh FS process, and the table gives each one's wall and CPU time, its final
-dev accuracy under both protocols, and the ratio. A chunk's gradient is summed with weight n_c/n, so the step is the
-batch's mean-loss gradient, and an evaluation chunk's logits are those of one forward, to float summation order
-(tests/integration/test_seqcls_chunks_fs.py).
+"""The main job as it ran before sequence packing (one padded forward a batch) against the job as the yaml runs it
+now (``model.seqcls.pack_len``: each batch's records packed whole into rows), side by side in one run: the two
+configs alternate, each in a fresh FS process, and the table gives each one's wall and CPU time, its final dev
+accuracy under both protocols, and the ratio. A packed forward gives each record the padded forward's logits and
+gradients to float summation order (tests/unit/test_sequence_packing.py and its FS twin in tests/integration/);
+dropout draws its masks on the packed shape, so the two runs' trajectories differ as two seeds' would.
 
-    python benchmarks/bench_main_job.py --data <GLUE dir> [--rounds 8] [--repeats 1] [--chunk N] [--eval-chunk N]
+    python benchmarks/bench_main_job.py --data <GLUE dir> [--rounds 8] [--repeats 1] [--new KEY VALUE ...]
 
-``--rounds 8`` is the whole job (about 5 minutes each on an idle 2-core host); fewer rounds time the training alone.
+``--rounds 8`` is the whole job (about 9 and 4 minutes on an idle 2-core host whose probe reads 0.48 s); fewer
+rounds time the training alone. ``--new`` gives the new job other FS overrides (e.g. ``model.seqcls.pack_len 0
+model.seqcls.train_chunk 8`` for length-sorted chunks instead).
 """
 
 from __future__ import annotations
@@ -25,20 +27,20 @@ ROOT = Path(__file__).resolve().parents[1]
 CFG = ROOT / "yaml_configs" / "fedpa_sst2_minilm_cpu.yaml"
 
 
-def run(data: str, rounds: int, chunks: list[str], out: Path) -> dict:
-    """One FS run of the main job's config with the overrides ``chunks``; its wall and CPU seconds and final
+def run(data: str, rounds: int, opts: list[str], out: Path) -> dict:
+    """One FS run of the main job's config with the overrides ``opts``; its wall and CPU seconds and final
     metrics."""
     from fs_fedpa.tools.run import final_metrics
 
     cmd = [sys.executable, "-m", "federatedscope.main", "--cfg", str(CFG), "data.root", data, "outdir", str(out),
            "expname", "job", "federate.total_round_num", str(rounds), "eval.freq", str(min(4, rounds)),
-           "fedpa.checkpoint", "False", *chunks]  # fmt: skip
+           "fedpa.checkpoint", "False", *opts]  # fmt: skip
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
-        label = " ".join(chunks) or "the yaml's chunks"
+        label = " ".join(opts) or "the yaml as it is"
         sys.exit(f"the run with {label} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     return {"wall": time.time() - start, "cpu": cpu, **final_metrics(out / "job")}
@@ -49,24 +51,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", required=True, help="GLUE folder holding SST-2/")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=1, help="pairs of runs, alternating")
-    parser.add_argument("--chunk", type=int, default=None, help="training records a forward (default: the yaml's)")
-    parser.add_argument("--eval-chunk", type=int, default=None,
-                        help="evaluation records a forward (default: the yaml's)")  # fmt: skip
+    parser.add_argument("--new", nargs="*", default=[], metavar="KEY VALUE",
+                        help="FS overrides of the new job (default: none, the yaml as it is)")  # fmt: skip
     args = parser.parse_args(argv)
-    chunked = [*(["model.seqcls.train_chunk", str(args.chunk)] if args.chunk is not None else []),
-               *(["model.seqcls.eval_chunk", str(args.eval_chunk)] if args.eval_chunk is not None else [])]
-    one = ["model.seqcls.train_chunk", "0", "model.seqcls.eval_chunk", "0"]
-    rows: dict[str, list[dict]] = {"one forward": [], "chunked": []}
+    if args.rounds < 1 or args.repeats < 1 or len(args.new) % 2:
+        parser.error("--rounds and --repeats must be >= 1, and --new takes KEY VALUE pairs")
+    new = list(args.new)
+    before = ["model.seqcls.pack_len", "0", "model.seqcls.train_chunk", "0", "model.seqcls.eval_chunk", "0"]
+    rows: dict[str, list[dict]] = {"before": [], "now": []}
     from fs_fedpa.harness.compare import host_record
 
-    print(f"host probe {host_record()['probe_cpu_seconds']} CPU s; chunked: {' '.join(chunked) or 'the yaml'}",
-          flush=True)  # fmt: skip
+    print(f"host probe {host_record()['probe_cpu_seconds']} CPU s; before: {' '.join(before)}; now: "
+          f"{' '.join(new) or 'the yaml as it is'}", flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
-            for name, chunks in (("one forward", one), ("chunked", chunked)):
-                rows[name].append(run(args.data, args.rounds, chunks, Path(tmp) / f"{name.replace(' ', '_')}{i}"))
+            for name, opts in (("before", before), ("now", new)):
+                rows[name].append(run(args.data, args.rounds, opts, Path(tmp) / f"{name}{i}"))
                 r = rows[name][-1]
-                print(f"  {name:11s} repeat {i}: {r['wall']:.0f} s wall, {r['cpu']:.0f} CPU-s, dev acc "
+                print(f"  {name:6s} repeat {i}: {r['wall']:.0f} s wall, {r['cpu']:.0f} CPU-s, dev acc "
                       f"{r.get('val_acc', float('nan')):.4f} (own {r.get('local.val_acc', float('nan')):.4f})",
                       flush=True)  # fmt: skip
     mean = lambda name, key: sum(r[key] for r in rows[name]) / len(rows[name])  # noqa: E731
@@ -76,8 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in rows:
         print(f"| {name} | {mean(name, 'wall'):.0f} | {mean(name, 'cpu'):.0f} | "
               f"{mean(name, 'val_acc'):.4f} | {mean(name, 'local.val_acc'):.4f} |")  # fmt: skip
-    print(f"chunked / one forward: wall {mean('chunked', 'wall') / mean('one forward', 'wall'):.2f}x, "
-          f"CPU {mean('chunked', 'cpu') / mean('one forward', 'cpu'):.2f}x")
+    print(
+        f"now / before: wall {mean('now', 'wall') / mean('before', 'wall'):.2f}x, "
+        f"CPU {mean('now', 'cpu') / mean('before', 'cpu'):.2f}x"
+    )
     return 0
 
 

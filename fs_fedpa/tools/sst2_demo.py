@@ -30,9 +30,9 @@ SHARD = re.compile(r"'val_(acc|total)': (?:np\.float64\()?([\d.]+)")  # 'local.v
 DIAGNOSTICS = re.compile(r"\[fedpa\] round (\d+): ([^\x1b]*)")
 METRIC = re.compile(r"'((?:local\.)?val_acc)': (?:np\.float64\()?([\d.]+)")
 # Wall minutes of the main job (the checkout's yaml, 2 free CPU cores) per CPU second of the host probe
-# (fs_fedpa.harness.compare.host_record): one run took 484 s, export included, where the probe read 0.41 s
-# (19.7 min/s); a host whose probe read 1.14 s took about 22 minutes (README).
-MINUTES_PER_PROBE_SECOND = 20.0
+# (fs_fedpa.harness.compare.host_record): with packed rows the FS run took 266 s where the probe read 0.437 s
+# (10.1 min/s; benchmarks/bench_main_job.py); padded rows took 22.6 min/s.
+MINUTES_PER_PROBE_SECOND = 10.0
 
 
 def progress(line: str, rounds: int) -> str | None:

@@ -89,7 +89,7 @@ def test_the_main_job_estimates_the_time_left_after_the_first_round():
 
 def test_the_start_estimate_scales_the_measured_minutes_by_the_probe_and_the_readme_quotes_the_same_rate():
     """The README's "minutes per CPU second of the host probe" is the constant the job prints from; 1.14 s (the slow
-    host, 22 minutes measured) gives 23 minutes at 20 per probe second."""
+    host) gives 11 minutes at 10 per probe second."""
     from pathlib import Path
 
     from fs_fedpa.tools import sst2_demo
