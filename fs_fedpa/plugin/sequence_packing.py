@@ -27,7 +27,8 @@ class SequencePacking:
     """Installed on ``model``'s encoder (a module with ``embeddings`` and ``encoder.layer``) as a forward pre-hook
     that packs ``input_ids``/``token_type_ids`` and a forward hook that unpacks ``last_hidden_state`` and recomputes
     ``pooler_output`` (and ``hidden_states`` when asked for; ``attentions`` stay in the packed layout). A batch that
-    is not right-padded, or comes as embeddings, is forwarded as it is. ``packed``/``plain`` count the batches."""
+    is not right-padded, has an empty record, or comes as embeddings, is forwarded as it is. ``packed``/``plain``
+    count the batches."""
 
     def __init__(self, model: nn.Module, budget: int):
         encoder = encoder_of(model)
@@ -57,8 +58,10 @@ class SequencePacking:
         ids = args[0] if args else kwargs.get("input_ids")
         mask = kwargs.get("attention_mask")
         self.packing = None
-        if (ids is None or mask is None or mask.ndim != 2 or len(args) > 1 or kwargs.get("position_ids") is not None
-                or kwargs.get("inputs_embeds") is not None or not right_padded(mask)):  # fmt: skip
+        given = ids is not None and mask is not None and mask.ndim == 2 and len(args) <= 1
+        others = kwargs.get("position_ids") is not None or kwargs.get("inputs_embeds") is not None
+        # an empty record (no attended token) would get no row of its own
+        if not given or others or not right_padded(mask) or not mask.any(1).all():
             self.plain += 1
             return None
         packing = self.packing = Packing.of(mask, self.budget)

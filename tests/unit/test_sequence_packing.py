@@ -1,6 +1,7 @@
 """``model.seqcls.pack_len`` on tiny random BERT and RoBERTa LoRA classifiers (sdpa and eager attention): the packed
 forward's logits and its LoRA and head gradients equal those of the same model without packing (a deep copy, plain
-autograd on the padded batch); a batch that is not right-padded is forwarded as it is."""
+autograd on the padded batch); a batch that is not right-padded, or has an empty
+record, is forwarded as it is."""
 
 from __future__ import annotations
 
@@ -78,11 +79,14 @@ def test_a_packed_forward_gives_the_padded_logits_and_gradients(kind, attention,
         torch.testing.assert_close(grads["packed"][1][n], g, rtol=1e-4, atol=1e-6, msg=n)
 
 
-def test_a_left_padded_batch_is_forwarded_as_it_is():
+@pytest.mark.parametrize("case", ["left_padded", "empty_record"])
+def test_a_batch_packing_cannot_serve_is_forwarded_as_it_is(case):
     plain = _model("bert", "sdpa")
     packed = copy.deepcopy(plain)
     packing = SequencePacking(packed, 16)
-    features, _ = _batch(0, left=True)
+    features, _ = _batch(0, left=case == "left_padded")
+    if case == "empty_record":
+        features["attention_mask"][2] = 0
     plain.eval()
     packed.eval()
     with torch.no_grad():
