@@ -7,7 +7,7 @@ dropout draws its masks on the packed shape, so the two runs' trajectories diffe
 
     python benchmarks/bench_main_job.py --data <GLUE dir> [--rounds 8] [--repeats 1] [--new KEY VALUE ...]
 
-``--rounds 8`` is the whole job (about 9 and 4 minutes on an idle 2-core host whose probe reads 0.48 s); fewer
+``--rounds 8`` is the whole job (594 s and 266 s measured on an idle 2-core host whose probe read 0.44 s); fewer
 rounds time the training alone. ``--new`` gives the new job other FS overrides (e.g. ``model.seqcls.pack_len 0
 model.seqcls.train_chunk 8`` for length-sorted chunks instead).
 """
