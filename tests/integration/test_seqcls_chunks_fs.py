@@ -2,7 +2,8 @@
 batch's mean loss, against autograd on one padded forward of the batch computed here, with a later forward hook's
 term (as the alignment term's) still added; its reported loss is the batch's; DP-SGD refuses it.
 ``model.seqcls.eval_chunk``: an evaluation in length-sorted chunks gives each record the logits of one padded forward
-of the whole batch, in the loader's order (so the per-example outcomes), and the same loss."""
+of the whole batch, in the loader's order (so the per-example outcomes), and the same loss. Bad or conflicting
+values of these and of ``model.seqcls.pack_len`` are refused naming the key."""
 
 from __future__ import annotations
 
@@ -84,8 +85,6 @@ def test_a_chunked_run_reports_and_takes_what_one_forward_does(tiny_glue):
 
 @pytest.mark.parametrize("chunk", [1, 4], ids=["records", "chunks_4_2"])
 def test_a_chunked_evaluation_gives_each_record_its_logits_in_order(tiny_glue, chunk):
-    from federatedscope.core.monitors.monitor import Monitor
-
     cfg, trainer_class, model, loader = _seqcls(tiny_glue)
     loader = _varied(loader)
     cfg.merge_from_list(["use_gpu", False, "model.seqcls.eval_chunk", chunk, "eval.metrics", ["acc", "loss"],
@@ -95,6 +94,13 @@ def test_a_chunked_evaluation_gives_each_record_its_logits_in_order(tiny_glue, c
         logits = torch.cat([model(**features).logits for features, _ in loader])
     labels = torch.cat([y for _, y in loader])
     assert len(set(torch.cat([f["attention_mask"].sum(1) for f, _ in loader]).tolist())) > 2
+    assert_evaluates_to(trainer_class, model, loader, cfg, logits, labels)
+
+
+def assert_evaluates_to(trainer_class, model, loader, cfg, logits, labels) -> None:
+    """An FS evaluation of ``model`` on ``loader``'s ``val`` split collects ``logits`` in the loader's order, and its
+    per-example outcomes and summed loss are theirs."""
+    from federatedscope.core.monitors.monitor import Monitor
 
     class Seen(trainer_class):  # the logits FS collected, in its order, before it clears them
         def _hook_on_fit_end(self, ctx):
@@ -114,8 +120,13 @@ def test_a_chunked_evaluation_gives_each_record_its_logits_in_order(tiny_glue, c
     (["model.seqcls.eval_chunk", -3], "must be 0"),
     (["model.seqcls.train_chunk", 32, "fedpa.dp_mode", "sample", "fedpa.dp_clip", 1.0,
       "fedpa.dp_noise_multiplier", 1.0], "DP-SGD forwards its batches in chunks"),
+    (["model.seqcls.pack_len", -1], r"pack_len\(=-1\) must be 0"),
+    (["model.seqcls.pack_len", 64, "model.seqcls.train_chunk", 8], "pack_len with model.seqcls.train_chunk"),
+    (["model.seqcls.pack_len", 64, "model.seqcls.eval_chunk", 8], "pack_len with model.seqcls.eval_chunk"),
+    (["model.seqcls.pack_len", 64, "fedpa.dp_mode", "sample", "fedpa.dp_clip", 1.0,
+      "fedpa.dp_noise_multiplier", 1.0], "per-example gradients need one record a row"),
 ])  # fmt: skip
-def test_a_bad_train_chunk_is_refused_naming_it(opts, why):
+def test_a_bad_chunk_or_pack_value_is_refused_naming_it(opts, why):
     from federatedscope.core.configs.config import global_cfg
 
     cfg = global_cfg.clone()

@@ -1,17 +1,16 @@
 """``model.seqcls.pack_len`` through FS: the plugin's model builder installs the packing, one SGD step of the seqcls
 trainer on records of several lengths is autograd's step on one padded forward of an unpacked copy, an evaluation
-gives the unpacked model's logits, and a bad or conflicting value is refused naming it."""
+gives the unpacked model's logits (its bad or conflicting values are refused in test_seqcls_chunks_fs.py)."""
 
 from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pytest
 import torch
 
 from tests.integration.test_dp_sgd_fs import _no_dropout, _spread
-from tests.integration.test_seqcls_chunks_fs import _varied
+from tests.integration.test_seqcls_chunks_fs import _varied, assert_evaluates_to
 
 pytestmark = pytest.mark.integration
 
@@ -64,39 +63,10 @@ def test_a_packed_step_is_the_step_of_one_padded_forward(tiny_glue):
 
 
 def test_a_packed_evaluation_gives_the_unpacked_logits(tiny_glue):
-    from federatedscope.core.monitors.monitor import Monitor
-
     cfg, trainer_class, model, plain, loader = _models(tiny_glue, 10)
     cfg.merge_from_list(["eval.metrics", ["acc", "loss"], "dataloader.batch_size", 6])
     plain.eval()
     with torch.no_grad():
         logits = torch.cat([plain(**features).logits for features, _ in loader])
     labels = torch.cat([y for _, y in loader])
-
-    class Seen(trainer_class):
-        def _hook_on_fit_end(self, ctx):
-            super()._hook_on_fit_end(ctx)
-            self.seen = torch.as_tensor(np.asarray(ctx.ys_prob))
-
-    trainer = Seen(model, {"val": loader}, "cpu", cfg, only_for_eval=True, monitor=Monitor(cfg))
-    metrics = trainer.evaluate("val")
-    torch.testing.assert_close(trainer.seen, logits, rtol=1e-4, atol=1e-5)
-    assert (trainer.outcomes["val"] == (logits.argmax(1) == labels).numpy()).all()
-    loss = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
-    assert metrics["val_loss"] == pytest.approx(float(loss), rel=1e-5)
-
-
-@pytest.mark.parametrize("opts,why", [
-    (["model.seqcls.pack_len", -1], r"pack_len\(=-1\) must be 0"),
-    (["model.seqcls.pack_len", 64, "model.seqcls.train_chunk", 8], "pack_len with model.seqcls.train_chunk"),
-    (["model.seqcls.pack_len", 64, "model.seqcls.eval_chunk", 8], "pack_len with model.seqcls.eval_chunk"),
-    (["model.seqcls.pack_len", 64, "fedpa.dp_mode", "sample", "fedpa.dp_clip", 1.0,
-      "fedpa.dp_noise_multiplier", 1.0], "per-example gradients need one record a row"),
-])  # fmt: skip
-def test_a_bad_pack_len_is_refused_naming_it(opts, why):
-    from federatedscope.core.configs.config import global_cfg
-
-    cfg = global_cfg.clone()
-    with pytest.raises(ValueError, match=why):
-        cfg.merge_from_list(opts)
-        cfg.freeze()
+    assert_evaluates_to(trainer_class, model, loader, cfg, logits, labels)
