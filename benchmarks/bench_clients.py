@@ -1,7 +1,7 @@
 """Many clients, K sampled a round, adapters of several MB: time and memory of FedPA-LoRA and FedIT as N grows.
 
 Each (N, method) runs stock FS standalone in a fresh child process on the tiny Llama made wide enough that one
-client's adapter (r on every linear layer) is at least 5 MB, with ``fedpa.state_budget_mb`` bounding the clients'
+client's adapter (r on every linear layer) is at least 5 MB, with ``fedpa.store.state_budget_mb`` bounding the clients'
 states in host memory. The child times FS's setup, every training round (broadcast to the next broadcast) and the
 final evaluation round (all N clients), and reads its peak RSS and the state store's bytes. Goals (issue "many
 clients"): a training round at N = 1000 within 1.1x of N = 10; peak RSS at N = 1000 within the budget plus K
@@ -52,7 +52,7 @@ def child(
         "use_gpu": cuda, "device": index,
         "llm.adapter.args": [{"adapter_package": "peft", "adapter_method": "lora", "r": r, "lora_alpha": 2 * r,
                               "lora_dropout": 0.0, "target_modules": targets}],
-        "fedpa.state_budget_mb": budget_mb, "fedpa.lam": lam, "fedpa.diagnostics": False,
+        "fedpa.store.state_budget_mb": budget_mb, "fedpa.lam": lam, "fedpa.records.diagnostics": False,
         "train.local_update_steps": 2, "expname": f"{method}_{n}", "data.splitter": "iid",
         "data.splits": [0.98, 0.01, 0.01], "eval.split": ["val"],
     })  # fmt: skip

@@ -34,7 +34,7 @@ def run(data: str, rounds: int, opts: list[str], out: Path) -> dict:
 
     cmd = [sys.executable, "-m", "federatedscope.main", "--cfg", str(CFG), "data.root", data, "outdir", str(out),
            "expname", "job", "federate.total_round_num", str(rounds), "eval.freq", str(min(4, rounds)),
-           "fedpa.checkpoint", "False", *opts]  # fmt: skip
+           "fedpa.store.checkpoint", "False", *opts]  # fmt: skip
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)

@@ -3,7 +3,8 @@ the paper protocol, and print its SST-2 dev accuracy on the client's dev example
 
     python docs/load_export.py --export exp/export --run <the run's FS output folder> --data <GLUE dir> --client 1
 
-The run must have written ``fedpa_eval_shards.json`` and ``fedpa_outcomes.jsonl`` (``fedpa.save_outcomes True``; the
+The run must have written ``fedpa_eval_shards.json`` and ``fedpa_outcomes.jsonl``
+(``fedpa.records.save_outcomes True``; the
 main job ``./run.sh`` does), which say which dev sentences are the client's and what the run got right on each.
 """
 

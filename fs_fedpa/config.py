@@ -1,19 +1,30 @@
-"""The ``fedpa:`` config section: one validated dataclass, from which the FS node, its check and the docs derive.
+"""The ``fedpa:`` section: one validated dataclass, from which the FS node, its check and the docs derive.
 
 No FederatedScope and no torch here: ``fs_fedpa.plugin.config_fs`` turns :class:`FedPAConfig` into an FS
-``CN`` node, and ``docs/config.md`` is checked against :func:`describe` by the tests.
-
-Why one module over 450 lines: the section is one dataclass whose fields are the keys, with their defaults, their
-help (which docs/config.md must equal) and their checks next to each other; split, one key would be defined in two
-places.
+``CN`` node, and ``docs/config.md`` is checked against :func:`describe` by the tests. The keys of the method
+(lambda, ranks, reconstruction, schedule) sit at the top of the section; each other concern is a part of its own
+(``fedpa.net``, ``fedpa.store``, ``fedpa.export``, ``fedpa.eval``, ``fedpa.records``: :mod:`fs_fedpa.config_sections`),
+the DP keys are :class:`~fs_fedpa.privacy.settings.DPSettings`', and a method's own options are declared in its file.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from fs_fedpa.config_sections import (
+    EvalConfig,
+    ExportConfig,
+    NetConfig,
+    RecordsConfig,
+    StoreConfig,
+    build,
+    is_part,
+    part,
+)
+from fs_fedpa.config_sections import describe as _describe
 from fs_fedpa.core.schedule import SCHEDULES  # torch-free
 from fs_fedpa.privacy.settings import SEED_MAX, DPSettings
 from fs_fedpa.quantization import CHOICES as QUANTIZATION_CHOICES
@@ -113,59 +124,6 @@ class FedPAConfig(DPSettings):
             )
         },
     )
-    round_timeout_s: float = field(
-        default=3600.0,
-        metadata={
-            "help": (
-                "distributed mode: seconds the server waits for the updates (or evaluations) of a round; after it, "
-                "it goes on with what arrived if at least min_received updates did, else it stops the run with the "
-                "reason and tells the clients to finish; 0: wait forever (FS's behaviour)"
-            )
-        },
-    )
-    min_received: int = field(
-        default=1,
-        metadata={"help": "distributed mode: the fewest updates a round may aggregate after round_timeout_s (>= 1)"},
-    )
-    join_timeout_s: float = field(
-        default=3600.0,
-        metadata={
-            "help": (
-                "distributed mode: seconds the server waits for the next client to join; after it, it stops the run "
-                "non-zero naming the clients that never joined (a join it refused, e.g. with a wrong key, does not "
-                "count) and tells those that joined to finish; 0: wait forever (FS's behaviour)"
-            )
-        },
-    )
-    client_timeout_s: float = field(
-        default=9000.0,
-        metadata={
-            "help": (
-                "distributed mode: seconds a client waits for a message from the server before it exits non-zero "
-                "with the reason (0: wait forever); keep it above round_timeout_s plus the longest aggregation, since "
-                "an honest client may wait through a round that waits out a dead peer"
-            )
-        },
-    )
-    auth_keyring: str = field(
-        default="",
-        metadata={
-            "help": (
-                "distributed mode, server: file of '<client id> <hex key>' lines, one per client; every message from "
-                "a client must then be signed with its key (HMAC-SHA256), and a joining client gets the id of its "
-                "key; empty: no authentication (docs/distributed.md)"
-            )
-        },
-    )
-    auth_key: str = field(
-        default="",
-        metadata={
-            "help": (
-                "distributed mode, client: file holding this client's key (64+ hex digits, never sent); the client "
-                "signs its join and every message to the server with it"
-            )
-        },
-    )
     norm_outlier: float = field(
         default=0.0,
         metadata={
@@ -175,123 +133,14 @@ class FedPAConfig(DPSettings):
             )
         },
     )
-    rotation_strength: float = field(
-        default=1.0,
-        metadata={
-            "help": (
-                "FedRot-LoRA's alignment strength in [0, 1]: the rotation nearest (1 - strength) I + strength R "
-                "(1: hard Procrustes rotation)"
-            )
-        },
-    )
-    hetlora_gamma: float = field(
-        default=0.99,
-        metadata={
-            "help": (
-                "HetLoRA's rank decay gamma in (0, 1): the penalised tail is every rank index >= floor(gamma r), and "
-                "self-pruning cuts a module's rank to max(1, floor(gamma r))"
-            )
-        },
-    )
-    hetlora_lam: float = field(
-        default=0.01,
-        metadata={
-            "help": (
-                "HetLoRA's self-pruning weight: lam * ||B[:, floor(gamma r):]||_F ||A[floor(gamma r):, :]||_F is "
-                "added to the local loss (>= 0; 0 turns self-pruning off)"
-            )
-        },
-    )
-    ravan_heads: list[int] = field(
-        default_factory=list,
-        metadata={
-            "help": (
-                "Ravan: K_i, the heads client i trains each round (per client, or per group with group_sizes); the "
-                "adapter has H = max K_i heads; empty: K_i = r_i / min r_i (the paper's r_i 2, 4, 16 -> 1, 2, 8)"
-            )
-        },
-    )
-    ravan_head_rank: int = field(
-        default=0,
-        metadata={
-            "help": (
-                "Ravan: r_h, the rank of every head; 0: per module the largest r_h with K_i r_h^2 <= r_i (d + k) for "
-                "every client (the parameter budget of its rank-r_i LoRA)"
-            )
-        },
-    )
-    eval_local: bool = field(
-        default=True,
-        metadata={
-            "help": (
-                "also evaluate each client's own preserved factors, reported as local.<split>_<metric> "
-                "beside the paper protocol's <split>_<metric>"
-            )
-        },
-    )
-    eval_refit_head: bool = field(
-        default=False,
-        metadata={
-            "help": (
-                "a diagnostic (sequence classification): after the last upload also score both protocols with the "
-                "head refitted without DP on the client's training split, as refit.* and local.refit.*; those "
-                "scores are outside any DP guarantee"
-            )
-        },
-    )
-    diagnostics: bool = field(
-        default=True,
-        metadata={
-            "help": "compute and write per-round diagnostics (E_agg, spectrum, penalty, bytes) to "
-            "<outdir>/fedpa_diagnostics.jsonl; False computes none (E_agg costs a reconstruction's time)"
-        },
-    )
-    save_outcomes: bool = field(
-        default=False,
-        metadata={
-            "help": (
-                "sequence classification: write which evaluation examples each client got right, per evaluation and "
-                "protocol, to <outdir>/fedpa_outcomes.jsonl, and each client's examples as indices of the GLUE "
-                "evaluation file to <outdir>/fedpa_eval_shards.json (per-sentence analyses, paired bootstraps)"
-            )
-        },
-    )
-    state_budget_mb: float = field(
-        default=0.0,
-        metadata={
-            "help": (
-                "host memory (MiB) for what the clients keep between their rounds (own factors, local tensors, "
-                "merges, personal adapters), off the accelerator; beyond it the least recently used clients are "
-                "written to <outdir>/fedpa_state/ (safetensors) and read back when sampled. 0: no limit"
-            )
-        },
-    )
-    export_dir: str = field(
-        default="",
-        metadata={
-            "help": (
-                "at the end of the run, write the trained adapters as standard PEFT directories into this folder "
-                "(docs/export.md): the server the global adapter, each client its local tensors (heads/); '' writes "
-                "none. The folder must be empty or absent"
-            )
-        },
-    )
-    checkpoint: bool = field(
-        default=True,
-        metadata={
-            "help": (
-                "when federate.save_to is empty, save the run's checkpoint, resume points and client end states in "
-                "the run's own folder (<outdir>/checkpoint.pt, FS's final_checkpoint.pt at the end); False saves "
-                "none. An explicit federate.save_to is used as FS uses it"
-            )
-        },
-    )
-    export_clients: bool = field(
-        default=False,
-        metadata={
-            "help": "with fedpa.export_dir: each client also writes its own model (client_<id>/) as a PEFT directory"
-        },
-    )
+    net: NetConfig = part(NetConfig, "distributed mode: the server's and the clients' waits, and message signing")
+    store: StoreConfig = part(StoreConfig, "the clients' kept state in memory and the run's checkpoint")
+    export: ExportConfig = part(ExportConfig, "the trained adapters as PEFT directories")
+    eval: EvalConfig = part(EvalConfig, "what an evaluation scores besides the paper protocol")
+    records: RecordsConfig = part(RecordsConfig, "the study files a run writes into its folder")
+    # fedpa.<method>.*: each method's own options, declared in its file (FederatedMethod.options) and built by the
+    # plugin's config node; {} here, so this module stays torch-free
+    methods: dict[str, Any] = field(default_factory=dict)
     max_clients: int = field(
         default=10_000,
         metadata={"help": "federate.client_num above it is refused (FS sets clients up at about 0.6 s each); raise "
@@ -342,6 +191,9 @@ class FedPAConfig(DPSettings):
     )
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            if is_part(f) and isinstance(getattr(self, f.name), Mapping):  # a nested dict, as a yaml gives it
+                setattr(self, f.name, build(f.default_factory, getattr(self, f.name)))
         self.lam = _number(self.lam, "lam", minimum=0.0)
         if self.lam > LAM_MAX:
             raise ValueError(
@@ -369,41 +221,15 @@ class FedPAConfig(DPSettings):
         if 0 < self.max_weight_ratio < 1:
             raise ValueError(f"fedpa.max_weight_ratio(={self.max_weight_ratio}) must be 0 (off) or >= 1")
         self.max_failed_rounds = _integer(self.max_failed_rounds, "max_failed_rounds", minimum=0)
-        self.round_timeout_s = _number(self.round_timeout_s, "round_timeout_s", minimum=0.0)
-        self.min_received = _integer(self.min_received, "min_received", minimum=1)
-        self.join_timeout_s = _number(self.join_timeout_s, "join_timeout_s", minimum=0.0)
-        self.client_timeout_s = _number(self.client_timeout_s, "client_timeout_s", minimum=0.0)
-        if 0 < self.client_timeout_s <= self.round_timeout_s:
-            raise ValueError(
-                f"fedpa.client_timeout_s(={self.client_timeout_s:g}) must exceed fedpa.round_timeout_s"
-                f"(={self.round_timeout_s:g}): an honest client may wait through a round that waits out a dead peer"
-            )
-        for key in ("auth_keyring", "auth_key", "export_dir"):
-            if not isinstance(getattr(self, key), str):
-                raise ValueError(f"fedpa.{key} must be a file path (a string), got {getattr(self, key)!r}")
         self.norm_outlier = _number(self.norm_outlier, "norm_outlier", minimum=0.0)
         if 0 < self.norm_outlier <= 1:
             raise ValueError(f"fedpa.norm_outlier(={self.norm_outlier}) must be 0 (off) or > 1")
-        self.rotation_strength = _number(self.rotation_strength, "rotation_strength", minimum=0.0)
-        if self.rotation_strength > 1.0:
-            raise ValueError(f"fedpa.rotation_strength(={self.rotation_strength}) must be in [0, 1]")
-        self.hetlora_gamma = _number(self.hetlora_gamma, "hetlora_gamma", minimum=0.0)
-        if not 0.0 < self.hetlora_gamma < 1.0:
-            raise ValueError(f"fedpa.hetlora_gamma(={self.hetlora_gamma}) must be in (0, 1)")
-        self.hetlora_lam = _number(self.hetlora_lam, "hetlora_lam", minimum=0.0)
-        self.ravan_heads = _int_list(self.ravan_heads, "ravan_heads")
-        self.ravan_head_rank = _integer(self.ravan_head_rank, "ravan_head_rank", minimum=0)
-        flags = ("eval_local", "eval_refit_head", "diagnostics", "save_outcomes", "checkpoint", "export_clients")
-        for flag in flags:
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"fedpa.{flag} must be True or False, got {getattr(self, flag)!r}")
         self.num_threads = _integer(self.num_threads, "num_threads", minimum=0)
         self.max_clients = _integer(self.max_clients, "max_clients", minimum=1)
         if self.base_quantization not in QUANTIZATION_CHOICES:
             raise ValueError(
                 f"fedpa.base_quantization(={self.base_quantization!r}) must be one of {QUANTIZATION_CHOICES}"
             )
-        self.state_budget_mb = _number(self.state_budget_mb, "state_budget_mb", minimum=0.0)
         cpus = os.cpu_count() or 1
         if self.num_threads > cpus:
             raise ValueError(f"fedpa.num_threads(={self.num_threads}) > the {cpus} CPUs of this machine")
@@ -432,13 +258,12 @@ class FedPAConfig(DPSettings):
                 f"'product', got {self.reg!r}"
             )
 
-    def per_client(
-        self, which: Literal["client_ranks", "reference_ranks", "ravan_heads"], num_clients: int
-    ) -> list[int]:
-        """Expand ``client_ranks``/``reference_ranks``/``ravan_heads`` to one value per client ([] if unset)."""
+    def per_client(self, which: str, num_clients: int, values: list[int] | None = None) -> list[int]:
+        """Expand ``client_ranks``/``reference_ranks`` (or ``values``, the per-client list of the key ``which``, e.g.
+        a method's ``ravan.heads``) to one value per client, by ``group_sizes`` where set ([] if unset)."""
         from fs_fedpa.core.ranks import expand_groups  # torch-free caller paths never reach this
 
-        values = getattr(self, which)
+        values = getattr(self, which) if values is None else values
         if not values:
             return []
         if len(values) == num_clients and not self.group_sizes:
@@ -475,14 +300,7 @@ class FedPAConfig(DPSettings):
                 f"client_ranks {r} set reference_ranks equal to them"
             )
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 def describe() -> list[tuple[str, str, str]]:
-    """(key, default, help) for every option, in declaration order: the source of the docs table."""
-    out = []
-    for f in fields(FedPAConfig):
-        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
-        out.append((f.name, repr(default), f.metadata["help"]))
-    return out
+    """(dotted key, default, help) for every key of the section but the methods' own, in declaration order."""
+    return _describe(FedPAConfig)

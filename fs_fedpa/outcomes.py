@@ -1,4 +1,5 @@
-"""The per-example outcomes of ``fedpa.save_outcomes``, written into a run's folder for per-sentence analyses and
+"""The per-example outcomes of ``fedpa.records.save_outcomes``, written into a run's folder for per-sentence analyses
+and
 paired bootstraps (:mod:`fs_fedpa.harness.compare` reads them): which examples of the evaluation file each client
 holds (:data:`~fs_fedpa.record.EVAL_SHARDS_FILE`, once, when the data is built) and, per evaluation, whether each
 was predicted correctly (:data:`~fs_fedpa.record.OUTCOMES_FILE`, one JSON line per client, round and protocol).

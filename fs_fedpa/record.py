@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 DIAGNOSTICS_FILE = "fedpa_diagnostics.jsonl"
-# fedpa.save_outcomes: one JSON line per client, evaluation and protocol ({"round", "client", "protocol", "split",
-# "correct": "0110..."}, the examples of the client's split in the loader's order), and the clients' examples as
-# indices of the GLUE evaluation file ({"size": n, "splits": {split: {client id: [index, ...]}}}).
+# fedpa.records.save_outcomes: one JSON line per client, evaluation and protocol ({"round", "client", "protocol",
+# "split", "correct": "0110..."}, the examples of the client's split in the loader's order), and the clients'
+# examples as indices of the GLUE evaluation file ({"size": n, "splits": {split: {client id: [index, ...]}}}).
 OUTCOMES_FILE = "fedpa_outcomes.jsonl"
 EVAL_SHARDS_FILE = "fedpa_eval_shards.json"
 PRIVACY_FILE = "fedpa_privacy.jsonl"  # the DP ledger, one line a round (fs_fedpa.privacy.private)

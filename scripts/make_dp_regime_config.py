@@ -21,6 +21,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fs_fedpa.plugin.config_fs import flat_keys  # noqa: E402
 from fs_fedpa.study import protocol_results as pr  # noqa: E402
 from fs_fedpa.study import sst2_dp_regime as dr  # noqa: E402
 from fs_fedpa.study import sst2_dp_valid as dv  # noqa: E402
@@ -50,6 +51,8 @@ def config(point: dv.Valid) -> dict:
     for key, text in zip(opts[::2], opts[1::2]):
         if key in STUDY_ONLY:
             continue
+        if key.startswith("fedpa."):  # the study's runs name the keys as they were, flat; the yaml is written nested
+            key = "fedpa." + flat_keys().get(key[6:], key[6:])
         *path, leaf = key.split(".")
         node = cfg
         for part in path:

@@ -281,7 +281,7 @@ def configs() -> dict[str, dict]:
             name = f"{method}_{task}"
             changes = {"federate.method": method}
             if method == "fedrot_lora":
-                changes["fedpa.rotation_strength"] = FEDROT_STRENGTH[task]
+                changes["fedpa.fedrot_lora.strength"] = FEDROT_STRENGTH[task]
             cfg = glue(task, name, lr, GLUE_HOMOGENEOUS[task][1], **changes)[1]
             out[f"baselines/{name}.yaml"] = cfg
     for task, rates in BASELINE_LR_HETERO.items():
@@ -297,7 +297,7 @@ def configs() -> dict[str, dict]:
             GENERATION,
             expname=name,
             **{"federate.method": method, "train.optimizer.lr": lr},
-            **({"fedpa.rotation_strength": FEDROT_STRENGTH["gsm8k"]} if method == "fedrot_lora" else {}),
+            **({"fedpa.fedrot_lora.strength": FEDROT_STRENGTH["gsm8k"]} if method == "fedrot_lora" else {}),
         )
     return out
 

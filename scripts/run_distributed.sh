@@ -8,7 +8,7 @@
 # Arguments after -- are FS overrides for every party. Logs go to $LOGDIR (default exp/distributed_logs);
 # JOIN_WAIT seconds (default 8) separate the start of two parties. Exits with the first non-zero status.
 # AUTH=1 (the default) makes a fresh key per client for this run in $LOGDIR/keys (mode 600): the server gets the
-# keyring (fedpa.auth_keyring), client i its own key (fedpa.auth_key) and with it the id i, whatever the order in
+# keyring (fedpa.net.auth_keyring), client i its own key (fedpa.net.auth_key) and with it the id i, whatever the order in
 # which the clients join (docs/distributed.md). AUTH=0 runs without message authentication.
 # GPUS=0,1,... spreads the parties over this host's GPUs round-robin: party j (the server is party 0, then the
 # clients in order) gets the overrides `use_gpu True device GPUS[j mod n]`, after those above. Without GPUS each
@@ -60,7 +60,7 @@ party_cmd() {
   local i=$1
   cmd=("$PY" -m federatedscope.main --cfg "${cfgs[$i]}" ${opts[@]+"${opts[@]}"})
   if [ "$AUTH" = 1 ]; then
-    if [ "$i" -eq 0 ]; then cmd+=(fedpa.auth_keyring "$keys/keyring"); else cmd+=(fedpa.auth_key "$keys/client_$i.key"); fi
+    if [ "$i" -eq 0 ]; then cmd+=(fedpa.net.auth_keyring "$keys/keyring"); else cmd+=(fedpa.net.auth_key "$keys/client_$i.key"); fi
   fi
   if [ ${#gpus[@]} -gt 0 ]; then cmd+=(use_gpu True device "${gpus[i % ${#gpus[@]}]}"); fi
 }

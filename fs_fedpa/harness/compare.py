@@ -97,7 +97,7 @@ def run_one(cfg: str, cell: Cell, seed: int, out: Path, opts: list[str], total_r
     out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out / "run", ignore_errors=True)  # left by a killed run; FS would nest a sub_exp_* beside it
     fs_opts = ["federate.method", cell.method, "seed", str(seed), "outdir", str(out), "expname", "run"]
-    no_checkpoint = ["federate.save_to", "", "fedpa.checkpoint", "False"]  # the runner keeps results, not models
+    no_checkpoint = ["federate.save_to", "", "fedpa.store.checkpoint", "False"]  # the runner keeps results, not models
     cfg, given = with_yaml_keys(cfg, [*no_checkpoint, *opts, *cell.opts, *fs_opts], out)
     cmd = [sys.executable, "-m", "federatedscope.main", "--cfg", cfg, *fs_overrides(given)]
     commit = code_commit()  # the code the run imports now; the checkout may move on while it trains
@@ -242,7 +242,7 @@ OUTCOME_EVALS = 3  # a run file keeps the per-example outcomes of its last this 
 
 
 def read_outcomes(folder: Path, last: int = OUTCOME_EVALS) -> dict | None:
-    """The per-example outcomes of a run with ``fedpa.save_outcomes`` (None without them), for its ``last``
+    """The per-example outcomes of a run with ``fedpa.records.save_outcomes`` (None without them), for its ``last``
     evaluations: ``{"size": n, "split": s, "shards": {client: [index into the evaluation file, ...]},
     "rounds": {round: {protocol: {client: "0110..."}}}}``, the bits in the order of the client's shard."""
     shards_file, outcomes_file = folder / EVAL_SHARDS_FILE, folder / OUTCOMES_FILE
@@ -352,7 +352,7 @@ def protocol_note(metric: str, cfg: str, cells: list[Cell], seeds: list[int], op
             f"the global reference product plus the client's local tensors, the others with the model they hold "
             f"after the round; weighted by shard size.",
             f"- `local.{metric}`: each client's own factors as it last trained them (those it continues from, for "
-            f"methods that keep factors); – where `fedpa.eval_local` is off.",
+            f"methods that keep factors); – where `fedpa.eval.local` is off.",
             "- `e_agg_rel`: ||B_g A_g - sum_i w_i B_i A_i||_F / ||sum_i w_i B_i A_i||_F over all LoRA modules, "
             "mean over rounds; `e_init_B`, `e_init_A`: relative change of a client's factor between the end of a "
             "round and the start of the next (§3.3), first LoRA module, mean over clients and rounds.",

@@ -68,13 +68,23 @@ class FederatedMethod:
     # must declare it and one that declares it must implement it (checked when the class is defined); the workers
     # skip every undeclared hook, whose default returns its input, None or a constant
     uses: ClassVar[frozenset[str]] = frozenset()
+    # the method's own keys, fedpa.<its name>.*: a dataclass in its file whose fields are made by
+    # fs_fedpa.config_sections.key (help, and the flat key each replaces); a subclass reads its parent's section
+    options: ClassVar[type | None] = None
 
     def __init__(self, cfg: FedPAConfig, plan: RankPlan, seed: int | None = None):
         self.cfg = cfg
+        # this run's fedpa.<section>.* (the defaults where the config was built without them, as in unit tests)
+        self.opts = (cfg.methods.get(self.options_section()) or self.options()) if self.options else None
         self.plan = plan
         self.seed = cfg.seed if seed is None else seed  # the run's seed (fedpa.seed, else FS's top-level seed)
         self.shapes: dict[str, tuple[int, int]] = {}  # set by bind()
         self.check_plan()
+
+    @classmethod
+    def options_section(cls) -> str:
+        """``fedpa.<section>``: the name of the method that declared the :attr:`options` this class reads."""
+        return next((c.name for c in cls.__mro__ if "options" in c.__dict__), "")
 
     def check_plan(self) -> None:
         """Raise ValueError if the rank plan does not suit the method (default: any plan, full references where
@@ -301,6 +311,12 @@ def trainer_shares(selections: Sequence[Sequence[int]], weights: Sequence[float]
     total = trained.sum(0)
     first = (torch.arange(len(selections)) == 0).to(torch.float64)[:, None].expand_as(trained)
     return torch.where(total > 0, trained / total.clamp_min(1e-300), first)
+
+
+def option_parts() -> dict[str, type]:
+    """``{section: options dataclass}`` of every method that declares its own keys (``fedpa.<section>.*``)."""
+    get_method("fedpa")  # imports every method module
+    return {cls.name: cls.options for cls in METHODS.values() if cls.__dict__.get("options")}
 
 
 def get_method(name: str) -> type[FederatedMethod]:

@@ -2,8 +2,8 @@
 Paper: arxiv.org/abs/2401.06432
 
 - Distribution: client k receives the first r_k columns of B_g and rows of A_g (its current rank).
-- Local training adds ``lam ||B_k[:, g:]||_F ||A_k[g:, :]||_F`` with ``g = floor(gamma r_k)`` (``fedpa.hetlora_lam``,
-  ``fedpa.hetlora_gamma``); after the round a module whose tail shrank below its value at the round's start is
+- Local training adds ``lam ||B_k[:, g:]||_F ||A_k[g:, :]||_F`` with ``g = floor(gamma r_k)`` (``fedpa.hetlora.lam``,
+  ``fedpa.hetlora.gamma``); after the round a module whose tail shrank below its value at the round's start is
   pruned to rank ``max(1, g)``, for good (self-pruning).
 - Aggregation: uploads are zero-padded to r_max and averaged factor-wise with the sparsity weights
   ``p_k = ||B_k A_k||_F / sum_j ||B_j A_j||_F`` (per module, on the applied updates) instead of data sizes.
@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Generator, Tensor
 
+from fs_fedpa.config_sections import key
 from fs_fedpa.core.factorwise import average_factors
 from fs_fedpa.core.norms import factored_norm
 from fs_fedpa.core.ranks import truncate_factors
 from fs_fedpa.methods.base import Factors, FederatedMethod, Uploads
+from fs_fedpa.values import number
 
 
 def tail_norm(B: Tensor, A: Tensor, gamma: float) -> Tensor:
@@ -29,8 +32,33 @@ def tail_norm(B: Tensor, A: Tensor, gamma: float) -> Tensor:
     return torch.linalg.vector_norm(B[..., g:]) * torch.linalg.vector_norm(A[..., g:, :])
 
 
+@dataclass
+class HetLoRAOptions:
+    """``fedpa.hetlora``."""
+
+    gamma: float = key(
+        0.99,
+        "HetLoRA's rank decay gamma in (0, 1): the penalised tail is every rank index >= floor(gamma r), and "
+        "self-pruning cuts a module's rank to max(1, floor(gamma r))",
+        was="hetlora_gamma",
+    )
+    lam: float = key(
+        0.01,
+        "HetLoRA's self-pruning weight: lam * ||B[:, floor(gamma r):]||_F ||A[floor(gamma r):, :]||_F is added to "
+        "the local loss (>= 0; 0 turns self-pruning off)",
+        was="hetlora_lam",
+    )
+
+    def __post_init__(self) -> None:
+        self.gamma = number(self.gamma, "hetlora.gamma", minimum=0.0)
+        if not 0.0 < self.gamma < 1.0:
+            raise ValueError(f"fedpa.hetlora.gamma(={self.gamma}) must be in (0, 1)")
+        self.lam = number(self.lam, "hetlora.lam", minimum=0.0)
+
+
 class HetLoRA(FederatedMethod):
     name = "hetlora"
+    options = HetLoRAOptions
     uses = frozenset({"alignment", "end_round"})
 
     def __init__(self, cfg, plan, seed=None):
@@ -75,20 +103,20 @@ class HetLoRA(FederatedMethod):
     # ------------------------------------------------------------------ client
     def start_round(self, received: Factors, own: Factors, client: int, rnd: int) -> Factors:
         start = {n: truncate_factors(B, A, own[n][0].shape[1]) for n, (B, A) in received.items()}
-        gamma = self.cfg.hetlora_gamma
+        gamma = self.opts.gamma
         self._start_tails = {n: float(tail_norm(B, A, gamma)) for n, (B, A) in start.items()}
         return start
 
     def alignment(self, local: Factors, reference: Factors, lam: float) -> Tensor | None:
-        if self.cfg.hetlora_lam == 0:
+        if self.opts.lam == 0:
             return None
-        gamma = self.cfg.hetlora_gamma
-        return self.cfg.hetlora_lam * torch.stack([tail_norm(B, A, gamma) for B, A in local.values()]).sum()
+        gamma = self.opts.gamma
+        return self.opts.lam * torch.stack([tail_norm(B, A, gamma) for B, A in local.values()]).sum()
 
     def end_round(self, local: Factors, client: int, rnd: int) -> Factors:
-        if self.cfg.hetlora_lam == 0:
+        if self.opts.lam == 0:
             return local
-        gamma, out = self.cfg.hetlora_gamma, {}
+        gamma, out = self.opts.gamma, {}
         for n, (B, A) in local.items():
             keep = max(1, math.floor(gamma * B.shape[1]))
             shrank = float(tail_norm(B, A, gamma)) < self._start_tails.get(n, 0.0)

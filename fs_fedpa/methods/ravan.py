@@ -22,18 +22,43 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Generator, Tensor
 
 from fs_fedpa import lora
+from fs_fedpa.config_sections import key
 from fs_fedpa.core._checks import normalized_weights
-from fs_fedpa.methods.base import Factors, FederatedMethod, Uploads, complete_selected, seeded_subset
-from fs_fedpa.methods.base import trainer_shares
+from fs_fedpa.methods.base import Factors, FederatedMethod, Uploads, complete_selected, seeded_subset, trainer_shares
+from fs_fedpa.values import int_list, integer
+
+
+@dataclass
+class RavanOptions:
+    """``fedpa.ravan``."""
+
+    heads: list[int] = key(
+        [],
+        "Ravan: K_i, the heads client i trains each round (per client, or per group with fedpa.group_sizes); the "
+        "adapter has H = max K_i heads; empty: K_i = r_i / min r_i (the paper's r_i 2, 4, 16 -> 1, 2, 8)",
+        was="ravan_heads",
+    )
+    head_rank: int = key(
+        0,
+        "Ravan: r_h, the rank of every head; 0: per module the largest r_h with K_i r_h^2 <= r_i (d + k) for every "
+        "client (the parameter budget of its rank-r_i LoRA)",
+        was="ravan_head_rank",
+    )
+
+    def __post_init__(self) -> None:
+        self.heads = int_list(self.heads, "ravan.heads")
+        self.head_rank = integer(self.head_rank, "ravan.head_rank", minimum=0)
 
 
 class Ravan(FederatedMethod):
     name = "ravan"
+    options = RavanOptions
     uses = frozenset({"before_upload"})
     full_references = "of its heads"
     state_is_factors = False
@@ -42,7 +67,8 @@ class Ravan(FederatedMethod):
         super().__init__(cfg, plan, seed)
         n = len(plan.client_ranks)
         r_min = min(plan.client_ranks)
-        self.heads = cfg.per_client("ravan_heads", n) or [max(1, round(r / r_min)) for r in plan.client_ranks]  # K_i
+        default = [max(1, round(r / r_min)) for r in plan.client_ranks]
+        self.heads = cfg.per_client("ravan.heads", n, self.opts.heads) or default  # K_i
         self.H = max(self.heads)
         self.ranks: dict[str, int] = {}  # r_h per module, set by bind()
         self._bases: dict[str, tuple[Tensor, Tensor]] = {}
@@ -52,12 +78,12 @@ class Ravan(FederatedMethod):
         self.ranks = {name: self._head_rank(name, d, k) for name, (d, k) in shapes.items()}
 
     def _head_rank(self, name: str, d: int, k: int) -> int:
-        if self.cfg.ravan_head_rank:
-            return self.cfg.ravan_head_rank
+        if self.opts.head_rank:
+            return self.opts.head_rank
         budget = min(r * (d + k) // K for r, K in zip(self.plan.client_ranks, self.heads))
         r_h = math.isqrt(budget)
         if r_h < 1:
-            raise ValueError(f"{name}: no head rank r_h >= 1 has K_i r_h^2 <= r_i (d + k); set fedpa.ravan_head_rank")
+            raise ValueError(f"{name}: no head rank r_h >= 1 has K_i r_h^2 <= r_i (d + k); set fedpa.ravan.head_rank")
         return r_h
 
     def bases(self, name: str) -> tuple[Tensor, Tensor]:

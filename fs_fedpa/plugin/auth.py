@@ -29,14 +29,14 @@ def read_key(path: str) -> bytes:
     try:
         text = Path(path).read_text().strip()
     except OSError as err:
-        raise ValueError(f"fedpa.auth_key {path!r}: cannot read the key file ({err.strerror})") from err
-    return _key(text, f"fedpa.auth_key {path!r}")
+        raise ValueError(f"fedpa.net.auth_key {path!r}: cannot read the key file ({err.strerror})") from err
+    return _key(text, f"fedpa.net.auth_key {path!r}")
 
 
 def read_keyring(path: str, clients: int) -> dict[int, bytes]:
     """The server's keys: one line ``<client id> <hex key>`` per client 1..``clients`` (``#`` starts a comment).
     ValueError naming the file and the line for anything else: a missing or repeated id, or a key used twice."""
-    where = f"fedpa.auth_keyring {path!r}"
+    where = f"fedpa.net.auth_keyring {path!r}"
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as err:

@@ -59,10 +59,10 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
         self.method = build_method(self._cfg, self.model)
         # diagnostics off: none computed, not only not sent; under DP-SGD the task gradient is the noisy one
         policy = privacy.mechanism_of(self.method.cfg).Client
-        self.alignment = Alignment(self.method, self.method.cfg.diagnostics and policy.gradient_diagnostics)
+        self.alignment = Alignment(self.method, self.method.cfg.records.diagnostics and policy.gradient_diagnostics)
         local_names, shared_names = non_lora_trainables(self.model, self._cfg.personalization.local_param)
-        store = state_store(self._cfg, self.method.cfg.state_budget_mb)
-        self.kept = ClientState(store, keep_received=bool(self.method.cfg.export_dir))
+        store = state_store(self._cfg, self.method.cfg.store.state_budget_mb)
+        self.kept = ClientState(store, keep_received=bool(self.method.cfg.export.dir))
         self.client_model = ClientModel(self.model, self.trainer, self.method, self.kept)
         self._set_space()
         # Snapshot now: with share_local_model, other clients' training overwrites the model's copy.
@@ -83,7 +83,7 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
         self._token = secrets.token_hex(16)  # marks the watchdog's own message
         self._heard = time.monotonic()  # the last time it heard from the server, or stopped waiting
         self._waiting = False
-        key = auth.read_key(self.method.cfg.auth_key) if wire and self.method.cfg.auth_key else None
+        key = auth.read_key(self.method.cfg.net.auth_key) if wire and self.method.cfg.net.auth_key else None
         run_size = (self._cfg.federate.total_round_num, self._cfg.federate.client_num)
         self.outbox = ClientOutbox(self.comm_manager, lambda: (self.ID, self.server_id), run_size, key)
         if self.ID >= 1:  # from here on its state lives in the store between messages (distributed: once joined)
@@ -146,8 +146,8 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
     # ------------------------------------------------------------------------------------ the end of the run
     def callback_funcs_for_finish(self, message: Message):
         """Never load the server's model (its factors have rank R_g); save this client's own state where asked
-        (``federate.save_to``, ``fedpa.export_dir``), then let it go: the run is over, and every client's state in
-        memory at once would undo ``fedpa.state_budget_mb``."""
+        (``federate.save_to``, ``fedpa.export.dir``), then let it go: the run is over, and every client's state in
+        memory at once would undo ``fedpa.store.state_budget_mb``."""
         logger.info(f"================= client {self.ID} received finish message =================")
         self._unpark()
         store = self.kept.store
@@ -161,7 +161,7 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
                      "scaling": lora.Scaling.of(self.model).record(), "run": identity(self._cfg.outdir)}  # fmt: skip
             if self._cfg.federate.save_to:
                 torch.save(state, add_prefix_to_path(f"fedpa_client_{self.ID}_", self._cfg.federate.save_to))
-            if self.method.cfg.export_dir:
+            if self.method.cfg.export.dir:
                 export_client(self._cfg, self.model, self.method, self.ID, state,
                               self.kept.last_received, self.kept.factors)  # fmt: skip
         # saved where asked; N clients' states must not all come back into memory at the end

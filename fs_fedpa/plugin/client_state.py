@@ -1,6 +1,6 @@
 """What a client keeps across rounds (:class:`ClientState`, a collaborator of
 :class:`~fs_fedpa.plugin.client.FedPAClient`), parked in the run's :class:`~fs_fedpa.state_store.StateStore`
-(host memory, or disk beyond ``fedpa.state_budget_mb``) after each message and brought back before the next."""
+(host memory, or disk beyond ``fedpa.store.state_budget_mb``) after each message and brought back before the next."""
 
 from __future__ import annotations
 

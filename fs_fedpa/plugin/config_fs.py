@@ -11,6 +11,7 @@ import difflib
 import logging
 from dataclasses import fields
 
+from fs_fedpa import config_sections as sections
 from fs_fedpa.config import FedPAConfig
 from fs_fedpa.methods import names
 
@@ -48,20 +49,86 @@ _INSTEAD = {
 DEFAULTS = FedPAConfig()
 
 
+def _parts() -> dict[str, type]:
+    """``{name: dataclass}`` of the section's nested parts: the config's own (net, store, ...) and each method's
+    options (``fedpa.<method>``), which live in the methods' files."""
+    from fs_fedpa.methods.base import option_parts  # torch: FS has imported it before it registers configs
+
+    own = {f.name: f.default_factory for f in fields(FedPAConfig) if sections.is_part(f)}
+    return {**own, **option_parts()}
+
+
+def flat_keys() -> dict[str, str]:
+    """``{old flat key: its dotted key}``, e.g. ``round_timeout_s -> net.round_timeout_s``: the one mapping by which
+    yamls and command lines written before the section was nested keep working (read from the fields' ``was``)."""
+    return {old: f"{name}.{new}" for name, cls in _parts().items() for old, new in sections.flat_names(cls).items()}
+
+
 def extend_fedpa_cfg(cfg) -> None:
-    """Add ``cfg.fedpa`` with FedPAConfig's defaults and register its check (FS ``register_config`` hook)."""
+    """Add ``cfg.fedpa`` with FedPAConfig's defaults, one child node per part, each key's help in FS's --help,
+    and register its check (FS ``register_config`` hook). Each old flat key stays in the node at its default, so
+    that a yaml or a command line (FS's merge_from_list sets only keys the node has, of their type) can still set
+    it, and the check moves a value that differs to its place. A key the node lacks fails in FS's own merge
+    (``Non-existent key: fedpa.<key>``)."""
     from federatedscope.core.configs.config import CN
 
-    cfg.fedpa = CN()
-    defaults = FedPAConfig()
-    for f in fields(FedPAConfig):
-        setattr(cfg.fedpa, f.name, getattr(defaults, f.name))
+    cfg.fedpa = CN(default_node())
+    for key, _default, text in describe_all():
+        cfg.__help_info__[f"fedpa.{key}"] = text
     cfg.register_cfg_check_fun(check_fedpa_cfg)
 
 
+def default_node() -> dict:
+    """The section's defaults as FS's node holds them: the top keys, one dict per part, and each old flat key at
+    its new key's default."""
+    defaults = FedPAConfig()
+    node = {f.name: getattr(defaults, f.name) for f in fields(FedPAConfig) if "help" in f.metadata}
+    for name, cls in _parts().items():
+        node[name] = {f.name: getattr(cls(), f.name) for f in fields(cls)}
+    for old, new in flat_keys().items():
+        part, name = new.split(".")
+        node[old] = node[part][name]
+    return node
+
+
+def describe_all() -> list[tuple[str, str, str]]:
+    """``(dotted key, default, help)`` of every key of the section, the methods' own included (docs/config.md)."""
+    from fs_fedpa.methods.base import option_parts
+
+    return sections.describe(FedPAConfig) + [
+        row for name, cls in option_parts().items() for row in sections.describe(cls, f"{name}.")
+    ]
+
+
 def fedpa_config(cfg) -> FedPAConfig:
-    """The validated dataclass for an FS config (raises ValueError naming the bad key)."""
-    return FedPAConfig(**{f.name: _plain(cfg.fedpa[f.name]) for f in fields(FedPAConfig)})
+    """The validated dataclass for an FS config (raises ValueError naming the bad key), each method's options in
+    ``methods``."""
+    from fs_fedpa.methods.base import option_parts
+
+    fedpa = sections.build(FedPAConfig, cfg.fedpa)
+    fedpa.methods = {name: sections.build(cls, cfg.fedpa[name]) for name, cls in option_parts().items()}
+    return fedpa
+
+
+def map_flat_keys(cfg) -> None:
+    """Move every old flat key of ``cfg.fedpa`` set off its default (``fedpa.round_timeout_s``) to its place
+    (``fedpa.net.round_timeout_s``), warning once per key, and set it back; ValueError for an old key whose new one
+    is set to another value too."""
+    node, moved, parts = cfg.fedpa, flat_keys(), _parts()
+    for old, new in moved.items():
+        part, name = new.split(".")
+        default = getattr(parts[part](), name)
+        value = list(node[old]) if isinstance(node[old], tuple) else node[old]  # FedPAConfig checks its type
+        if value == default:
+            continue
+        if node[part][name] != default and node[part][name] != value:
+            raise ValueError(f"fedpa.{old} (the old name of fedpa.{new}) is {value!r} and fedpa.{new} is "
+                             f"{node[part][name]!r}: keep fedpa.{new} only")  # fmt: skip
+        node[part][name], node[old] = value, default
+        message = f"fedpa.{old} is deprecated and will be removed: write fedpa.{new} (docs/config.md)"
+        if message not in _WARNED:
+            _WARNED.add(message)
+            logger.warning(message)
 
 
 def fs_methods() -> set[str]:
@@ -74,20 +141,22 @@ def fs_methods() -> set[str]:
 
 
 def check_fedpa_cfg(cfg) -> None:
+    map_flat_keys(cfg)
     fedpa = fedpa_config(cfg)
     if cfg.federate.method.lower() not in PLUGIN_METHODS:
         _check_other_method(cfg, fedpa)
         return
-    if cfg.federate.mode.lower() == "distributed" and fedpa.client_timeout_s > 0 and (
-        fedpa.join_timeout_s == 0 or fedpa.client_timeout_s < fedpa.join_timeout_s
+    if cfg.federate.mode.lower() == "distributed" and fedpa.net.client_timeout_s > 0 and (
+        fedpa.net.join_timeout_s == 0 or fedpa.net.client_timeout_s < fedpa.net.join_timeout_s
     ):
-        bound = "waits forever" if fedpa.join_timeout_s == 0 else f"waits up to {fedpa.join_timeout_s:g} s"
+        bound = "waits forever" if fedpa.net.join_timeout_s == 0 else f"waits up to {fedpa.net.join_timeout_s:g} s"
         raise ValueError(
-            f"fedpa.client_timeout_s(={fedpa.client_timeout_s:g}) is shorter than the server's join bound "
-            f"(fedpa.join_timeout_s {bound} for a late client): while the server waits for one, the honest clients "
-            "that joined give up first and only hear that the server is gone; keep client_timeout_s above "
+            f"fedpa.net.client_timeout_s(={fedpa.net.client_timeout_s:g}) is shorter than the server's join bound "
+            f"(fedpa.net.join_timeout_s {bound} for a late client): while the server waits for one, the honest "
+            "clients that joined give up first and only hear that the server is gone; keep client_timeout_s above "
             "join_timeout_s (docs/distributed.md)"
         )
+    _warn_other_methods(cfg, fedpa)
     for key, bad, what in _UNSUPPORTED:
         if bad(cfg):
             raise ValueError(
@@ -103,22 +172,22 @@ def check_fedpa_cfg(cfg) -> None:
             "train.is_enable_half True on the CPU: half-precision training there turns every upload into NaN and "
             "the run would train nothing; unset it (model.seqcls.precision sets autocast for a GPU)"
         )
-    if (fedpa.auth_keyring or fedpa.auth_key) and cfg.federate.mode.lower() != "distributed":
-        message = "fedpa.auth_keyring and fedpa.auth_key sign messages in distributed mode only; this standalone run "
-        message += "ignores them (its clients are code in the server's own process)"
+    if (fedpa.net.auth_keyring or fedpa.net.auth_key) and cfg.federate.mode.lower() != "distributed":
+        message = "fedpa.net.auth_keyring and fedpa.net.auth_key sign messages in distributed mode only; this "
+        message += "standalone run ignores them (its clients are code in the server's own process)"
         if message not in _WARNED:
             _WARNED.add(message)
             logger.warning(message)
-    if fedpa.save_outcomes and cfg.trainer.type != "seqcls":
+    if fedpa.records.save_outcomes and cfg.trainer.type != "seqcls":
         raise ValueError(
-            f"fedpa.save_outcomes records per-example outcomes of sequence classification (trainer.type seqcls); "
-            f"this run's trainer.type is {cfg.trainer.type!r}: unset fedpa.save_outcomes"
+            "fedpa.records.save_outcomes records per-example outcomes of sequence classification (trainer.type "
+            f"seqcls); this run's trainer.type is {cfg.trainer.type!r}: unset fedpa.records.save_outcomes"
         )
-    if fedpa.eval_refit_head and (cfg.trainer.type != "seqcls" or not list(cfg.personalization.local_param)):
+    if fedpa.eval.refit_head and (cfg.trainer.type != "seqcls" or not list(cfg.personalization.local_param)):
         raise ValueError(
-            "fedpa.eval_refit_head refits a sequence classifier's local head: it needs trainer.type seqcls and the "
+            "fedpa.eval.refit_head refits a sequence classifier's local head: it needs trainer.type seqcls and the "
             f"head in personalization.local_param (this run: {cfg.trainer.type!r}, "
-            f"{list(cfg.personalization.local_param)}); unset fedpa.eval_refit_head"
+            f"{list(cfg.personalization.local_param)}); unset fedpa.eval.refit_head"
         )
     if cfg.federate.client_num > fedpa.max_clients:
         hours = cfg.federate.client_num * 0.6 / 3600
@@ -143,7 +212,7 @@ def _check_other_method(cfg, fedpa: FedPAConfig) -> None:
     """A method that is not this plugin's: refused when FS does not know it either and it looks like a misspelt
     plugin method or the run sets the fedpa section (FS would train FedAvg in its place and ignore the section);
     one warning when it is FS's own and the section is set."""
-    changed = sorted(f.name for f in fields(FedPAConfig) if getattr(fedpa, f.name) != getattr(DEFAULTS, f.name))
+    changed = sorted(_changed(fedpa))
     method, known = cfg.federate.method.lower(), fs_methods()
     near_plugin = difflib.get_close_matches(method, PLUGIN_METHODS, n=1, cutoff=0.8)
     if method not in known and (changed or near_plugin):
@@ -161,6 +230,25 @@ def _check_other_method(cfg, fedpa: FedPAConfig) -> None:
         if message not in _WARNED:
             _WARNED.add(message)
             logger.warning(message)
+
+
+def _changed(fedpa: FedPAConfig) -> list[str]:
+    """The dotted keys the run sets off their defaults, the methods' own included."""
+    own = [f"{name}.{key}" for name, options in fedpa.methods.items() for key in sections.changed(options)]
+    return sections.changed(fedpa) + own
+
+
+def _warn_other_methods(cfg, fedpa: FedPAConfig) -> None:
+    """One warning for a method's own keys set in a run of another method, which never reads them."""
+    from fs_fedpa.methods import get_method
+
+    reads = get_method(cfg.federate.method.lower()).options_section()
+    unread = [f"fedpa.{name}.{key}" for name, options in fedpa.methods.items() if name != reads
+              for key in sections.changed(options)]  # fmt: skip
+    message = f"{', '.join(unread)} set, but federate.method {cfg.federate.method!r} does not read them"
+    if unread and message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning(message)
 
 
 def _adapter_rank(cfg) -> int | None:

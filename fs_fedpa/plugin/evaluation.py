@@ -1,5 +1,5 @@
 """A client's evaluation under both protocols (the global reference with its own local tensors; with
-``fedpa.eval_local`` its own factors), FedDPA's instance-wise mixing, and the per-example outcomes.
+``fedpa.eval.local`` its own factors), FedDPA's instance-wise mixing, and the per-example outcomes.
 :class:`ClientEvaluation` holds FS's ``evaluate`` handler of :class:`~fs_fedpa.plugin.client.FedPAClient`;
 :class:`Evaluation`, its collaborator, runs the evaluations and owns what they leave (outcomes, FedDPA's weights)."""
 
@@ -26,7 +26,7 @@ class ClientEvaluation:
     """FS's ``evaluate`` handler (a mixin of the client; the evaluations themselves are :class:`Evaluation`'s)."""
 
     def callback_funcs_for_evaluate(self, message: Message):
-        """Paper protocol (global rank-R_i reference + own local tensors) and, with fedpa.eval_local, the
+        """Paper protocol (global rank-R_i reference + own local tensors) and, with fedpa.eval.local, the
         client's own preserved factors, reported as ``local.<split>_<metric>``."""
         self._open(message)
         # after the client's last upload only (the evaluation closing the last round, numbered from 0): the refitted
@@ -60,9 +60,9 @@ class Evaluation:
     def evaluate(self, payload: dict, rnd: int, client: int, last: bool) -> dict:
         """The metrics of one evaluation message ``payload`` of round ``rnd``: the paper protocol (what the method
         evaluates, :meth:`~fs_fedpa.methods.base.FederatedMethod.evaluation_factors`, with FedDPA's instance-wise
-        mixing), with ``fedpa.eval_local`` the client's own factors (``local.*``), and with ``fedpa.eval_refit_head``
+        mixing), with ``fedpa.eval.local`` the client's own factors (``local.*``), and with ``fedpa.eval.refit_head``
         and ``last`` (after its last upload) both again with the head refitted (``refit.*``); splits without an
-        example are left out. The outcomes are written where ``fedpa.save_outcomes`` asks."""
+        example are left out. The outcomes are written where ``fedpa.records.save_outcomes`` asks."""
         client_model, kept, method = self.client_model, self.kept, self.method
         # a client that never trained evaluates its initial factors, which it need not keep: any worker can draw them
         # again from the run's seed, so N never-sampled clients store nothing
@@ -78,7 +78,7 @@ class Evaluation:
             # the global adapter's rank: the columns of B_g in the loaded ([B_g, B_l], [A_g; A_l])
             rank = next(iter(received.values()))[0].shape[1]
             undo = self.instance_mix(rank, client_model.device, rnd, client)
-        refit = method.cfg.eval_refit_head and last
+        refit = method.cfg.eval.refit_head and last
         try:
             metrics = self.splits()
         finally:
@@ -87,7 +87,7 @@ class Evaluation:
         if refit:
             metrics.update({f"refit.{key}": value for key, value in self.refit_splits().items()})
             outcomes["refit"] = self.take_outcomes()
-        if method.cfg.eval_local:
+        if method.cfg.eval.local:
             # the model it trained: Fed-PLoRA's own modules sit on the undrawn ones it folded into the base
             client_model.set_base(kept.fold)
             client_model.load(kept.factors, rnd)
@@ -98,7 +98,7 @@ class Evaluation:
             if refit:
                 metrics.update({f"local.refit.{key}": value for key, value in self.refit_splits().items()})
                 outcomes["local.refit"] = self.take_outcomes()
-        if method.cfg.save_outcomes:
+        if method.cfg.records.save_outcomes:
             append_outcomes(self.cfg.outdir, outcomes, rnd, client)
         metrics, empty = without_empty_splits(metrics)
         if empty:

@@ -1,5 +1,5 @@
 """A run's adapters as PEFT directories (layout: :mod:`fs_fedpa.export`), from the live workers at the end of a run
-(``fedpa.export_dir``) or from a finished run's files (``python -m fs_fedpa.tools.export``).
+(``fedpa.export.dir``) or from a finished run's files (``python -m fs_fedpa.tools.export``).
 
 Each view is what the run evaluated: the global adapter as the server holds it; client i's paper-protocol model from
 ``method.evaluation_factors`` on the reference ``method.downlink`` sends it, plus its merges and local tensors; its own
@@ -364,7 +364,7 @@ def readme(info: dict) -> str:
 
 
 def check_export_dir(folder: str) -> None:
-    """``fedpa.export_dir`` must be absent or an empty folder, and a folder that can be made there: the nearest
+    """``fedpa.export.dir`` must be absent or an empty folder, and a folder that can be made there: the nearest
     existing ancestor of an absent one must be a writable folder (checked when the server starts, not after every
     round has trained)."""
     if not folder:
@@ -374,14 +374,14 @@ def check_export_dir(folder: str) -> None:
         while not os.path.lexists(ancestor):
             ancestor = os.path.dirname(ancestor)
         if not os.path.isdir(ancestor):
-            raise ValueError(f"fedpa.export_dir {folder!r} cannot be made: {ancestor!r} is not a folder")
+            raise ValueError(f"fedpa.export.dir {folder!r} cannot be made: {ancestor!r} is not a folder")
         if not os.access(ancestor, os.W_OK | os.X_OK):
-            raise ValueError(f"fedpa.export_dir {folder!r} cannot be made: {ancestor!r} is not writable")
+            raise ValueError(f"fedpa.export.dir {folder!r} cannot be made: {ancestor!r} is not writable")
         return
     if os.path.islink(folder) or not os.path.isdir(folder):
-        raise ValueError(f"fedpa.export_dir {folder!r} exists and is not a folder: name an empty or new folder")
+        raise ValueError(f"fedpa.export.dir {folder!r} exists and is not a folder: name an empty or new folder")
     if os.listdir(folder):
-        raise ValueError(f"fedpa.export_dir {folder!r} is not empty: the run would overwrite another export")
+        raise ValueError(f"fedpa.export.dir {folder!r} is not empty: the run would overwrite another export")
 
 
 def _unlink_links(folder: Path) -> None:
@@ -409,14 +409,14 @@ def run_info(cfg, outdir: Path, rounds: int, missing: list[int]) -> dict:
 
 
 def export_client(cfg, model, method, client: int, state: dict, received, factors) -> None:
-    """Client ``client``'s head (and with ``fedpa.export_clients`` its own models) into ``fedpa.export_dir``, with its
+    """Client ``client``'s head (and with ``fedpa.export.clients`` its own models) into ``fedpa.export.dir``, with its
     manifest entry ``export_client_<id>.json``. ``state``: what it keeps (:meth:`ClientModel.snapshot` with its fold
     and scaling); ``received``: the reference of its last evaluation (None: the global adapter, from ``factors``)."""
-    out = method.cfg.export_dir
+    out = method.cfg.export.dir
     exporter = Exporter(cfg, model, method, out, force=True)
     received = received or exporter.received(client, {}, factors)
     cpu = {n: (B.cpu(), A.cpu()) for n, (B, A) in received.items()}
-    entry = exporter.client_entry(client, state, cpu, own_models=method.cfg.export_clients)
+    entry = exporter.client_entry(client, state, cpu, own_models=method.cfg.export.clients)
     path = os.path.join(out, f"export_client_{client}.json")
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         json.dump({str(client): entry}, f)

@@ -44,8 +44,8 @@ def run_files(run, cfg_file=None) -> tuple[object, Path, Path]:
     if run.is_file():
         return cfg, run, Path(cfg.outdir)
     save_to = cfg.federate.save_to
-    if not save_to and not cfg.fedpa.checkpoint:
-        raise ValueError(f"{run}: the run saved no checkpoint (fedpa.checkpoint False, no federate.save_to)")
+    if not save_to and not cfg.fedpa.store.checkpoint:
+        raise ValueError(f"{run}: the run saved no checkpoint (fedpa.store.checkpoint False, no federate.save_to)")
     saved = Path(save_to or CHECKPOINT)
     # its own folder first: FS's config.yaml of a run saving into it names the path the run had when it ran
     candidates = [run / saved.name, saved, run.parent / saved] if save_to else [run / CHECKPOINT]

@@ -1,7 +1,7 @@
 """What comes in to the server, checked and authenticated, before FS's own code reads it.
 
 The path of a client's update: gRPC request -> :meth:`ServerInbox._receive_checked` (FS's fields parsed one by
-one, the signature checked with ``fedpa.auth_keyring``, every field checked by
+one, the signature checked with ``fedpa.net.auth_keyring``, every field checked by
 :func:`fs_fedpa.plugin.messages.message_problem`) -> :meth:`ServerInbox.callback_funcs_model_para` (only the
 round's receivers, once each) -> FS's message buffer -> :class:`fs_fedpa.plugin.aggregator.FedPAAggregator`
 (each upload checked by :func:`fs_fedpa.plugin.intake.check_upload`). In standalone mode the first hook is FS's
@@ -37,7 +37,7 @@ class ServerInbox:
 
     def _receive_checked(self) -> Message:
         """The next message from the network that passes every check of :mod:`fs_fedpa.plugin.messages` (and, with
-        ``fedpa.auth_keyring``, carries its sender's signature); every other one is dropped, naming its claimed
+        ``fedpa.net.auth_keyring``, carries its sender's signature); every other one is dropped, naming its claimed
         sender and the field that failed, before FS's own code reads it."""
         while True:
             raw = self.comm_manager.server_funcs.receive()
@@ -78,7 +78,7 @@ class ServerInbox:
             if reason is not None:
                 return f"{message.msg_type!s:.40} message: {reason}"
         elif isinstance(message.content, dict) and set(message.content) == {auth.SIGNED, auth.MAC}:
-            return "a signed message, but this server has no fedpa.auth_keyring to check it with"
+            return "a signed message, but this server has no fedpa.net.auth_keyring to check it with"
         problem = message_problem(
             message.msg_type, message.sender, message.state, message.timestamp, message.content, view
         )

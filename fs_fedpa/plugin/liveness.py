@@ -27,8 +27,8 @@ class ClientLiveness:
 
     def run(self):
         """FS's distributed loop, with a watchdog: a client that hears nothing from the server for
-        ``fedpa.client_timeout_s`` while it waits exits non-zero with the reason instead of waiting forever."""
-        timeout = self.method.cfg.client_timeout_s
+        ``fedpa.net.client_timeout_s`` while it waits exits non-zero with the reason instead of waiting forever."""
+        timeout = self.method.cfg.net.client_timeout_s
         if self._cfg.federate.mode.lower() == "distributed" and timeout > 0:
             self.register_handlers(CLIENT_TIMEOUT, self._on_client_timeout, [None])
 
@@ -62,8 +62,9 @@ class ClientLiveness:
             logger.warning(f"[fedpa] client #{self.ID}: ignored a {CLIENT_TIMEOUT} message it did not send itself")
             return
         raise RuntimeError(
-            f"[fedpa] client #{self.ID}: no message from the server for fedpa.client_timeout_s="
-            f"{self.method.cfg.client_timeout_s:g} s (round {self.state}); the server is gone or unreachable, exiting"
+            f"[fedpa] client #{self.ID}: no message from the server for fedpa.net.client_timeout_s="
+            f"{self.method.cfg.net.client_timeout_s:g} s (round {self.state}); the server is gone or unreachable, "
+            "exiting"
         )
 
 
@@ -72,9 +73,9 @@ class ServerLiveness:
     and a new update or evaluation of the current round, move ``_progress`` (:mod:`fs_fedpa.plugin.inbox`)."""
 
     def run(self):
-        """FS's distributed loop, with a watchdog: a round that gets no message for ``fedpa.round_timeout_s`` is
+        """FS's distributed loop, with a watchdog: a round that gets no message for ``fedpa.net.round_timeout_s`` is
         moved on with what arrived, or the run stops with the reason (FS would wait forever for a dead client)."""
-        cfg = self.method.cfg
+        cfg = self.method.cfg.net
         distributed = self._cfg.federate.mode.lower() == "distributed"
         if distributed and (cfg.round_timeout_s > 0 or cfg.join_timeout_s > 0):
             self.register_handlers(TIMEOUT, self._on_round_timeout, [None])
@@ -116,10 +117,10 @@ class ServerLiveness:
         )
 
     def _watchdog(self) -> None:
-        """Puts a timeout message into the server's own queue when no client joined for ``fedpa.join_timeout_s``
-        while clients are missing, or no update or evaluation of the round arrived for ``fedpa.round_timeout_s``
+        """Puts a timeout message into the server's own queue when no client joined for ``fedpa.net.join_timeout_s``
+        while clients are missing, or no update or evaluation of the round arrived for ``fedpa.net.round_timeout_s``
         (0: no limit). Only an accepted join, or a new message of the current round, moves ``_progress``."""
-        cfg = self.method.cfg
+        cfg = self.method.cfg.net
         while not self.is_finish:
             joining = self.join_in_client_num < self.client_num
             timeout = cfg.join_timeout_s if joining else cfg.round_timeout_s
@@ -134,7 +135,7 @@ class ServerLiveness:
     def _on_round_timeout(self, message: Message):
         if self.is_finish:
             return False
-        cfg = self.method.cfg
+        cfg = self.method.cfg.net
         if self.join_in_client_num < self.client_num:
             return self._stop_joining()
         train = self.msg_buffer["train"].get(self.state, {})
@@ -143,14 +144,14 @@ class ServerLiveness:
             if len(train) < cfg.min_received:
                 reason = (
                     f"round {self.state}: {len(train)} of {len(self._expected)} updates within "
-                    f"fedpa.round_timeout_s={cfg.round_timeout_s:g} s, fewer than "
-                    f"fedpa.min_received={cfg.min_received} (no update from clients {missing})"
+                    f"fedpa.net.round_timeout_s={cfg.round_timeout_s:g} s, fewer than "
+                    f"fedpa.net.min_received={cfg.min_received} (no update from clients {missing})"
                 )
                 logger.error(f"[fedpa] {reason}; stopping the run")
                 self.terminate(msg_type="finish")  # the clients that are alive exit too
                 raise RuntimeError(f"[fedpa] {reason}")
             logger.warning(
-                f"[fedpa] round {self.state}: no update from clients {missing} within fedpa.round_timeout_s="
+                f"[fedpa] round {self.state}: no update from clients {missing} within fedpa.net.round_timeout_s="
                 f"{cfg.round_timeout_s:g} s; aggregating the {len(train)} that arrived"
             )
             self.sampler.change_state(missing, "idle")  # FS samples idle clients only; they may come back
@@ -159,22 +160,22 @@ class ServerLiveness:
         arrived = len(evaluations[max(evaluations)]) if evaluations else 0
         if arrived:
             logger.warning(
-                f"[fedpa] round {self.state}: {arrived} evaluations within fedpa.round_timeout_s="
+                f"[fedpa] round {self.state}: {arrived} evaluations within fedpa.net.round_timeout_s="
                 f"{cfg.round_timeout_s:g} s; merging those"
             )
             return self.check_and_move_on(check_eval_result=True, min_received_num=arrived)
         return False
 
     def _stop_joining(self):
-        """No client joined for ``fedpa.join_timeout_s`` while some are missing: stop non-zero, naming them (with a
+        """No client joined for ``fedpa.net.join_timeout_s`` while some are missing: stop non-zero, naming them (with a
         keyring, the ids of the keys that never joined; without, FS numbers clients in the order they join)."""
         joined = set(self.comm_manager.neighbors)
         expected = set(self._keyring) if self._keyring else set(range(1, self.client_num + 1))
         missing = sorted(expected - joined) if self._keyring else sorted(expected)[len(joined) :]
         reason = (
-            f"{len(joined)} of {self.client_num} clients joined, then none for fedpa.join_timeout_s="
-            f"{self.method.cfg.join_timeout_s:g} s; clients {missing} never joined (joins the server refused, with "
-            "their reasons, are in the log above)"
+            f"{len(joined)} of {self.client_num} clients joined, then none for fedpa.net.join_timeout_s="
+            f"{self.method.cfg.net.join_timeout_s:g} s; clients {missing} never joined (joins the server refused, "
+            "with their reasons, are in the log above)"
         )
         logger.error(f"[fedpa] {reason}; stopping the run")
         self.terminate(msg_type="finish")  # the clients that joined exit too

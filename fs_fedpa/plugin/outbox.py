@@ -1,6 +1,6 @@
 """What leaves a client (:class:`ClientOutbox`, a collaborator of :class:`~fs_fedpa.plugin.client.FedPAClient`):
 every message FS's ``comm_manager.send`` is given is checked against the server's intake, then, in distributed mode
-with ``fedpa.auth_key``, signed (:mod:`fs_fedpa.plugin.auth`), then handed to FS's transport."""
+with ``fedpa.net.auth_key``, signed (:mod:`fs_fedpa.plugin.auth`), then handed to FS's transport."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 (``cfg.outdir`` after FS's logger set-up: ``<outdir>/<expname>``, or a new ``sub_exp_<time>`` beside an earlier run),
 but ``federate.save_to`` is a path of its own, relative to the working directory, so two runs that name one path
 overwrite each other's checkpoint, resume points and client files. Here a run without ``federate.save_to`` saves into
-its own folder (``fedpa.checkpoint``), and every checkpoint and end state records the run that wrote it
+its own folder (``fedpa.store.checkpoint``), and every checkpoint and end state records the run that wrote it
 (:func:`identity`), which the export compares with the run folder it is asked for.
 """
 
@@ -23,8 +23,8 @@ _LAST: list = []
 
 def in_run_folder(config):
     """``config``, or a frozen copy with ``federate.save_to`` = ``<outdir>/checkpoint.pt`` when it is empty and
-    ``fedpa.checkpoint`` is on. Called by the server and each client before FS's constructor reads the path."""
-    if config is None or config.federate.save_to or not config.fedpa.checkpoint:
+    ``fedpa.store.checkpoint`` is on. Called by the server and each client before FS's constructor reads the path."""
+    if config is None or config.federate.save_to or not config.fedpa.store.checkpoint:
         return config
     if _LAST and _LAST[0] == config:
         return _LAST[1]

@@ -177,7 +177,7 @@ def load_glue_data(config, client_cfgs=None):
     if config.data.glue_split_seed >= 0:
         setup_seed(config.data.glue_split_seed)  # as FS seeds its own draw, so FS_SPLIT_SEED gives FS's split
     data = translator(config, client_cfgs)((encoded, evaluation, []))
-    if config.fedpa.save_outcomes:
+    if config.fedpa.records.save_outcomes:
         outcomes.write_eval_shards(config.outdir, data, evaluation)
     setup_seed(config.seed)  # FS restores the seed only for its built-in datasets
     # FS returns a registered loader's data as it is: in distributed mode each party keeps its own shard

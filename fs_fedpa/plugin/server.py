@@ -75,7 +75,7 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
             # asserts that a round never waits for more than sample_client_num
             self.sample_client_num = self.client_num
         # the records, carried by resume points
-        self.round_log = RoundLog(self._cfg.outdir, self.method.cfg.diagnostics)
+        self.round_log = RoundLog(self._cfg.outdir, self.method.cfg.records.diagnostics)
         shapes = (layer_shapes(self.model), {n: tuple(params[n].shape) for n in self.shared_names})
         self.aggregator = FedPAAggregator(
             self.method, self.round_log, privacy=self.privacy, generator=self.generator, shapes=shapes,
@@ -97,19 +97,19 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
         self._progress = time.monotonic()  # when the last update or evaluation arrived (the watchdog's clock)
         self._token = secrets.token_hex(16)  # marks the watchdog's own messages, which no client can send
         self._keyring: dict[int, bytes] = {}
-        if self._cfg.federate.mode.lower() == "distributed" and self.method.cfg.auth_keyring:
-            self._keyring = auth.read_keyring(self.method.cfg.auth_keyring, self.client_num)
+        if self._cfg.federate.mode.lower() == "distributed" and self.method.cfg.net.auth_keyring:
+            self._keyring = auth.read_keyring(self.method.cfg.net.auth_keyring, self.client_num)
         if self._cfg.federate.mode.lower() == "standalone":
             self._watch_the_end()
         if self._cfg.federate.restore_from:
             self.restore(self._cfg.federate.restore_from)
-        check_export_dir(self.method.cfg.export_dir)  # now, not after every round has trained
+        check_export_dir(self.method.cfg.export.dir)  # now, not after every round has trained
 
     def terminate(self, msg_type="finish"):
-        """FS's end of the run; with ``fedpa.export_dir``, the global adapter is written first (the clients write
+        """FS's end of the run; with ``fedpa.export.dir``, the global adapter is written first (the clients write
         their own parts when they receive the finish message)."""
-        if self.method.cfg.export_dir and msg_type == "finish":
-            self.export(self.method.cfg.export_dir)
+        if self.method.cfg.export.dir and msg_type == "finish":
+            self.export(self.method.cfg.export.dir)
         super().terminate(msg_type=msg_type)
         summary = self.privacy.summary()
         if summary and self._cfg.federate.mode.lower() == "distributed":  # standalone: at the end

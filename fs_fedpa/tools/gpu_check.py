@@ -240,7 +240,7 @@ def step_cpu_match(check: Check) -> dict:
     for where, on_device in (("device", True), ("cpu", False)):
         name = f"match_{where}"
         argv = check.fs_opts(name, "fedpa", 1, on_device)
-        argv += ["model.type", f"{plain}@seqcls_llm", "fedpa.export_dir", str(check.work / name / "export")]
+        argv += ["model.type", f"{plain}@seqcls_llm", "fedpa.export.dir", str(check.work / name / "export")]
         runs[name] = argv
     out = check.run_children(runs)
     if not all(r["ok"] for r in out.values()):

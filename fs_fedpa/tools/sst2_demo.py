@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         args.outdir,
         "federate.save_to",
         save_to,
-        "fedpa.save_outcomes",  # each client's dev examples (fedpa_eval_shards.json): docs/load_export.py reads them
+        # each client's dev examples (fedpa_eval_shards.json): docs/load_export.py reads them
+        "fedpa.records.save_outcomes",
         "True",
         *fs_overrides(args.opts),
     ]

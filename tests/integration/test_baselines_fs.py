@@ -104,7 +104,7 @@ def test_fedrot_lora_rotation_preserves_each_clients_product(tiny_llm, tmp_path)
 @pytest.mark.parametrize("method", ["hetlora_pad", "hetlora"])
 def test_hetlora_pads_to_the_largest_rank_and_truncates_back(tiny_llm, tmp_path, method):
     # hetlora with its self-pruning off here: the padding and truncation are the same
-    options = {"federate.method": method, "fedpa.client_ranks": [2, 4, 8], "fedpa.hetlora_lam": 0.0}
+    options = {"federate.method": method, "fedpa.client_ranks": [2, 4, 8], "fedpa.hetlora.lam": 0.0}
     cfg = fedpa_cfg(tiny_llm, tmp_path, **options)
     run = probe(cfg, tmp_path)
     assert {r["client"]: r["upload_ranks"] for r in run["leave"]} == {1: [2], 2: [4], 3: [8]}
@@ -127,8 +127,8 @@ def test_fedpa_without_preservation_restarts_from_the_reference_and_still_aligns
 
 def test_hetlora_self_pruning_only_lowers_ranks_and_the_server_follows(tiny_llm, tmp_path):
     # gamma 0.7 prunes visibly: rank 8 -> 5 -> 3 ..., rank 2 -> 1, never below 1
-    options = {"federate.method": "hetlora", "fedpa.client_ranks": [2, 4, 8], "fedpa.hetlora_gamma": 0.7}
-    sgd = {"fedpa.hetlora_lam": 10.0, "train.optimizer.type": "SGD", "train.optimizer.lr": 0.05}  # the tail shrinks
+    options = {"federate.method": "hetlora", "fedpa.client_ranks": [2, 4, 8], "fedpa.hetlora.gamma": 0.7}
+    sgd = {"fedpa.hetlora.lam": 10.0, "train.optimizer.type": "SGD", "train.optimizer.lr": 0.05}  # the tail shrinks
     run = probe(fedpa_cfg(tiny_llm, tmp_path, **options, **sgd), tmp_path)
     ranks: dict[int, list[int]] = {}
     for leave in sorted(run["leave"], key=lambda r: r["round"]):
@@ -278,7 +278,7 @@ def test_fed_plora_trains_its_drawn_modules_on_the_folded_rest_and_the_server_av
 
 
 def test_fed_plora_is_evaluated_with_its_own_factors_on_the_base_it_trained_them_on(tiny_llm, tmp_path):
-    opts = {"federate.method": "fed_plora", "fedpa.client_ranks": "[1, 2, 4]", "fedpa.eval_local": True}
+    opts = {"federate.method": "fed_plora", "fedpa.client_ranks": "[1, 2, 4]", "fedpa.eval.local": True}
     run = probe(fedpa_cfg(tiny_llm, tmp_path, **opts), tmp_path)
     w0 = {n: t for e in run["enter"] if e["round"] == 0 for n, t in e["base"].items()}
     enter = {(e["client"], e["round"]): e for e in run["enter"]}
@@ -351,7 +351,7 @@ def test_ravan_keeps_its_bases_trains_only_its_heads_and_the_server_averages_eac
 
 
 def test_ravan_with_every_head_trained_by_every_client_aggregates_exactly(tiny_llm, tmp_path):
-    run = probe(fedpa_cfg(tiny_llm, tmp_path, **{"federate.method": "ravan", "fedpa.ravan_heads": "[2, 2, 2]"}),
+    run = probe(fedpa_cfg(tiny_llm, tmp_path, **{"federate.method": "ravan", "fedpa.ravan.heads": "[2, 2, 2]"}),
                 tmp_path)  # fmt: skip
     records = _records(run)
     assert all(r["e_agg_rel"] < 1e-6 and r["global_update_norm"] > 0 for r in records)  # Eq. 8: exact

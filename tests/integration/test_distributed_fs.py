@@ -110,12 +110,12 @@ def test_distributed_fedpa_matches_standalone(tiny_llm, tmp_path):
 @pytest.mark.parametrize("min_received", [1, 3])
 def test_a_killed_client_neither_hangs_the_server_nor_the_others(tiny_llm, tmp_path, min_received):
     """1 + 3 parties on loopback; client 3 is killed as soon as training starts, so its updates stop coming.
-    With fedpa.round_timeout_s 8, the server aggregates the two updates that do arrive (min_received 1), merges the
-    evaluations it gets and finishes; or, when that is fewer than fedpa.min_received (3), it stops with the reason.
+    With fedpa.net.round_timeout_s 8, the server aggregates the two updates that do arrive (min_received 1), merges the
+    evaluations it gets and finishes; or, when that is fewer than fedpa.net.min_received (3), it stops with the reason.
     Either way the live clients exit with it: nothing waits forever."""
     import time
 
-    changes = {"federate.save_to": "", "fedpa.round_timeout_s": 8.0, "fedpa.min_received": min_received}
+    changes = {"federate.save_to": "", "fedpa.net.round_timeout_s": 8.0, "fedpa.net.min_received": min_received}
     changes["federate.total_round_num"] = 4
     base = fedpa_cfg(tiny_llm, tmp_path, **changes)
     cfgs = distributed_cfgs(base, tmp_path / "dist")
@@ -141,10 +141,10 @@ def test_a_killed_client_neither_hangs_the_server_nor_the_others(tiny_llm, tmp_p
     server = logs[0].read_text()
     if min_received == 3:
         assert codes[0] != 0 and codes[1:] == [0, 0], server[-3000:]
-        assert "2 of 3 updates within fedpa.round_timeout_s=8 s, fewer than fedpa.min_received=3" in server
+        assert "2 of 3 updates within fedpa.net.round_timeout_s=8 s, fewer than fedpa.net.min_received=3" in server
         return
     assert codes == [0, 0, 0], server[-3000:]
-    assert "no update from clients [3] within fedpa.round_timeout_s=8 s; aggregating the 2 that arrived" in server
+    assert "no update from clients [3] within fedpa.net.round_timeout_s=8 s; aggregating the 2 that arrived" in server
     rounds = [line for line in server.splitlines() if "[fedpa] round" in line and "E_agg" in line]
     assert len(rounds) == 4  # every round aggregated
 

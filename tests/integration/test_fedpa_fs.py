@@ -162,9 +162,10 @@ def test_each_client_has_fs_own_model_size_from_one_pickle_of_the_shared_model(s
 
 
 def test_diagnostics_off_computes_none_and_changes_nothing_else(tiny_llm, tmp_path, shared_run):
-    """``fedpa.diagnostics False``: no E_agg on the server, no mechanism stats from the clients, no file; the run
-    itself (global factors, every client's factors and local tensors) is bit for bit the run with diagnostics."""
-    quiet = probe(fedpa_cfg(tiny_llm, tmp_path, **{"fedpa.diagnostics": False}), tmp_path)
+    """``fedpa.records.diagnostics False``: no E_agg on the server, no mechanism stats from the clients, no file; the
+    run itself (global factors, every client's factors and local tensors) is bit for bit the run with
+    diagnostics."""
+    quiet = probe(fedpa_cfg(tiny_llm, tmp_path, **{"fedpa.records.diagnostics": False}), tmp_path)
     assert shared_run["e_agg_calls"] > 0 and quiet["e_agg_calls"] == 0
     assert not (Path(quiet["final"]["outdir"]) / "fedpa_diagnostics.jsonl").exists()
     costly = {"delta_norm", "drift", "drift_rel", "e_init_B", "e_init_A", "drift_start", "grad_ratio_first"}
@@ -314,7 +315,7 @@ def test_baseline_configs_differ_from_fedpa_only_in_method_and_learning_rate():
         for section, key in (("federate", "method"), ("federate", "save_to"), ("train", "optimizer")):
             cfg[section].pop(key, None)  # save_to: no shipped yaml names one (a run saves into its own folder)
         cfg.pop("expname")
-        strength = cfg["fedpa"].pop("rotation_strength", None)
+        strength = cfg["fedpa"].pop("fedrot_lora", {}).get("strength")
         assert strength == (0.6 if path.name.startswith("fedrot_lora") else None), path.name  # SST-2's value
         if path.name.startswith(("fed_plora", "ravan")):  # every client receives all R modules / all heads
             assert cfg["fedpa"].pop("reference_ranks") == [16, 16, 16]

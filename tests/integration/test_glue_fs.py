@@ -176,7 +176,7 @@ def _dev_shards(cfg_dict: dict, tmp_path: Path, **overrides) -> dict[str, list[i
     cfg.merge_from_file(dump_yaml(cfg_dict, tmp_path / "cfg.yaml"))
     cfg.merge_from_list([x for kv in overrides.items() for x in (kv[0], str(kv[1]))])
     out = tmp_path / f"shards_{len(list(tmp_path.glob('shards_*')))}"
-    cfg.merge_from_list(["outdir", str(out), "fedpa.save_outcomes", "True"])
+    cfg.merge_from_list(["outdir", str(out), "fedpa.records.save_outcomes", "True"])
     get_data(cfg)
     return json.loads((out / EVAL_SHARDS_FILE).read_text())["splits"]["val"]
 

@@ -1,4 +1,4 @@
-"""``fedpa.eval_refit_head``: each protocol scored with the classifier head refitted on the client's training split,
+"""``fedpa.eval.refit_head``: each protocol scored with the classifier head refitted on the client's training split,
 checked against scikit-learn's logistic regression on features recomputed from the exported adapters, and shown
 to leave the run itself unchanged (tiny BERT on tiny SST-2)."""
 
@@ -50,7 +50,7 @@ def test_refitted_heads_score_what_sklearn_fits_and_change_nothing_else(tiny_glu
 
     # a rate at which the heads stay near their random start, so a refitted head predicts otherwise
     slow = {"train.optimizer.lr": 1e-6}
-    cfg, outdir = _run(tiny_glue, tmp_path / "refit", "fedpa", **slow, **{"fedpa.eval_refit_head": True})
+    cfg, outdir = _run(tiny_glue, tmp_path / "refit", "fedpa", **slow, **{"fedpa.eval.refit_head": True})
     plain, plain_dir = _run(tiny_glue, tmp_path / "plain", "fedpa", **slow)
     # the run's own scores, at every round, are those of the run without the refit
     rows, plain_rows = round_results(read_eval_results(outdir)), round_results(read_eval_results(plain_dir))

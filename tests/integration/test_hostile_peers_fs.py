@@ -174,9 +174,9 @@ def test_no_hostile_message_stops_or_changes_the_federation(tiny_llm, tmp_path):
 
 def test_a_client_whose_server_dies_exits_with_the_reason(tiny_llm, tmp_path):
     # the clients' timeout covers their wait for the others to join, which is slow on a loaded machine
-    changes = {"federate.save_to": "", "federate.total_round_num": 200, "fedpa.round_timeout_s": 20.0}
-    changes["fedpa.client_timeout_s"] = 40.0
-    changes["fedpa.join_timeout_s"] = 35.0  # at most the clients' timeout (a longer join bound is refused)
+    changes = {"federate.save_to": "", "federate.total_round_num": 200, "fedpa.net.round_timeout_s": 20.0}
+    changes["fedpa.net.client_timeout_s"] = 40.0
+    changes["fedpa.net.join_timeout_s"] = 35.0  # at most the clients' timeout (a longer join bound is refused)
     cfgs = distributed_cfgs(fedpa_cfg(tiny_llm, tmp_path, **changes), tmp_path / "dist")
     proc = _launch(cfgs, tmp_path)
     try:
@@ -197,7 +197,7 @@ def test_a_client_whose_server_dies_exits_with_the_reason(tiny_llm, tmp_path):
     logs = [(tmp_path / f"party{i}.log").read_text() for i in range(1, 4)]
     assert status != 0 and waited < 100
     for log in logs:
-        assert "no message from the server for fedpa.client_timeout_s=40 s" in log, log[-2000:]
+        assert "no message from the server for fedpa.net.client_timeout_s=40 s" in log, log[-2000:]
 
 
 def test_only_the_clients_own_watchdog_can_stop_it():
@@ -211,18 +211,19 @@ def test_only_the_clients_own_watchdog_can_stop_it():
 
     client = FedPAClient.__new__(FedPAClient)  # the handler needs only these fields
     client._token, client.ID, client.state = "right", 1, 3
-    client.method = SimpleNamespace(cfg=SimpleNamespace(client_timeout_s=5.0))
+    client.method = SimpleNamespace(cfg=SimpleNamespace(net=SimpleNamespace(client_timeout_s=5.0)))
     assert client._on_client_timeout(Message(CLIENT_TIMEOUT, 0, [1], state=0, content="wrong")) is None
-    with pytest.raises(RuntimeError, match="no message from the server for fedpa.client_timeout_s=5 s"):
+    with pytest.raises(RuntimeError, match="no message from the server for fedpa.net.client_timeout_s=5 s"):
         client._on_client_timeout(Message(CLIENT_TIMEOUT, 1, [1], state=0, content="right"))
 
 
 def test_a_join_the_server_refuses_does_not_keep_it_waiting(tiny_llm, tmp_path):
     """Client 3 holds a key that is not its own: the server refuses its join with the reason, waits at most
-    fedpa.join_timeout_s for another join, then stops non-zero naming client 3 and lets the two that joined finish."""
+    fedpa.net.join_timeout_s for another join, then stops non-zero naming client 3 and lets the two that
+    joined finish."""
     # a loaded machine takes tens of seconds to start a client: the bound is between two joins, so it must exceed that
-    changes = {"federate.save_to": "", "fedpa.join_timeout_s": 60.0, "fedpa.round_timeout_s": 20.0}
-    changes["fedpa.client_timeout_s"] = 150.0  # the honest clients wait from their join to the server's stop
+    changes = {"federate.save_to": "", "fedpa.net.join_timeout_s": 60.0, "fedpa.net.round_timeout_s": 20.0}
+    changes["fedpa.net.client_timeout_s"] = 150.0  # the honest clients wait from their join to the server's stop
     cfgs = distributed_cfgs(fedpa_cfg(tiny_llm, tmp_path, **changes), tmp_path / "dist")
     proc = _launch(cfgs, tmp_path)
     try:
@@ -241,4 +242,4 @@ def test_a_join_the_server_refuses_does_not_keep_it_waiting(tiny_llm, tmp_path):
         proc.wait(timeout=30)
     server = (tmp_path / "party0.log").read_text()
     assert "join_in message: wrong signature" in server, server[-3000:]
-    assert "2 of 3 clients joined, then none for fedpa.join_timeout_s=60 s; clients [3] never joined" in server
+    assert "2 of 3 clients joined, then none for fedpa.net.join_timeout_s=60 s; clients [3] never joined" in server

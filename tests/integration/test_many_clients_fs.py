@@ -30,7 +30,7 @@ def many(tmp_path_factory, tiny_glue):
 def _cfg(many, tmp_path, method, **more):
     return fs_glue_yaml(tmp_path, many["model"], many["glue"], **{
         "federate.method": method, "federate.client_num": 50, "federate.sample_client_num": 5,
-        "federate.total_round_num": 2, "data.splitter": "iid", "data.splitter_args": [], "fedpa.eval_local": True,
+        "federate.total_round_num": 2, "data.splitter": "iid", "data.splitter_args": [], "fedpa.eval.local": True,
         "train.local_update_steps": 2, "expname": method, **more,
     })  # fmt: skip
 
@@ -49,7 +49,7 @@ def _same(a: dict, b: dict, what: str) -> None:
 @pytest.mark.parametrize("method", STATEFUL)
 def test_a_budget_of_five_clients_ends_as_an_unlimited_one(many, tmp_path, method):
     unlimited = probe(_cfg(many, tmp_path / "a", method), tmp_path / "a")
-    tight = probe(_cfg(many, tmp_path / "b", method, **{"fedpa.state_budget_mb": STATE_MB}), tmp_path / "b")
+    tight = probe(_cfg(many, tmp_path / "b", method, **{"fedpa.store.state_budget_mb": STATE_MB}), tmp_path / "b")
     for part in ("global", "merged", "clients", "offsets", "personal", "local"):
         _same(unlimited["final"][part], tight["final"][part], part)
     assert len(unlimited["final"]["clients"]) >= 5  # several clients trained (5 of 50 a round)
@@ -59,7 +59,7 @@ def test_a_budget_of_five_clients_ends_as_an_unlimited_one(many, tmp_path, metho
 
 
 def test_a_damaged_spill_file_is_that_clients_loss_alone(many, tmp_path):
-    cfg = _cfg(many, tmp_path, "fedpa", **{"fedpa.state_budget_mb": STATE_MB, "federate.total_round_num": 3})
+    cfg = _cfg(many, tmp_path, "fedpa", **{"fedpa.store.state_budget_mb": STATE_MB, "federate.total_round_num": 3})
     run = probe(cfg, tmp_path, env={"FS_PROBE_DAMAGE_SPILL": "1"})
     log = (tmp_path / "exp" / "fedpa" / "exp_print.log").read_text()
     assert "its spilled state" in log and "restarts from the global reference" in log
@@ -73,8 +73,8 @@ def test_every_damage_to_a_spilled_file_is_that_clients_loss_alone(many, tmp_pat
     it receives (with diagnostics on, evaluating every round or never between rounds), and the federation goes on."""
     kinds = "truncate,zero_link,grow,pickle,swap,link_other"
     cfg = _cfg(many, tmp_path, "fedpa", **{
-        "federate.client_num": 6, "federate.sample_client_num": 6, "fedpa.state_budget_mb": 0.009,
-        "federate.total_round_num": 3, "eval.freq": eval_freq, "fedpa.diagnostics": True,
+        "federate.client_num": 6, "federate.sample_client_num": 6, "fedpa.store.state_budget_mb": 0.009,
+        "federate.total_round_num": 3, "eval.freq": eval_freq, "fedpa.records.diagnostics": True,
     })  # fmt: skip
     run = probe(cfg, tmp_path, env={"FS_PROBE_DAMAGE_SPILL": kinds})
     log = (tmp_path / "exp" / "fedpa" / "exp_print.log").read_text()

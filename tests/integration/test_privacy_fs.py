@@ -47,7 +47,7 @@ def test_client_level_ledger_equals_dp_accounting_for_the_run(tiny_llm, tmp_path
         "fedpa.dp_mode": "client",
         "fedpa.dp_clip": 0.05,
         "fedpa.dp_noise_multiplier": 1.2,
-        "fedpa.diagnostics": False,
+        "fedpa.records.diagnostics": False,
         "fedpa.dp_seed": 7,
     }
     cfg = fedpa_cfg(tiny_llm, tmp_path, **overrides)
@@ -266,7 +266,7 @@ def test_a_client_whose_own_config_trains_more_is_refused_and_its_spend_is_the_l
     the server refuses its upload naming it (private faults file) and the ledger states what the client spent."""
     from tests.integration.test_distributed_fs import distributed_cfgs, run_distributed
 
-    base = fedpa_cfg(tiny_llm, tmp_path, **SAMPLE, **{"federate.save_to": "", "fedpa.round_timeout_s": 60.0})
+    base = fedpa_cfg(tiny_llm, tmp_path, **SAMPLE, **{"federate.save_to": "", "fedpa.net.round_timeout_s": 60.0})
     cfgs = distributed_cfgs(base, tmp_path / "dist")
     steps = base["train"]["local_update_steps"]
     cfgs[1]["train"]["local_update_steps"] = 3 * steps

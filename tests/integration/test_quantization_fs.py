@@ -96,8 +96,8 @@ def runs(tiny_llm, tiny_glue, tmp_path_factory):
         if (kind, q) not in done:
             tmp = tmp_path_factory.mktemp(f"{kind}_{q}")
             cfg = _yaml(kind, tiny_llm if kind == "llm" else tiny_glue, tmp, **{
-                "fedpa.base_quantization": q, "fedpa.export_dir": str(tmp / "export"),
-                **({"fedpa.save_outcomes": True} if kind == "glue" else {}),
+                "fedpa.base_quantization": q, "fedpa.export.dir": str(tmp / "export"),
+                **({"fedpa.records.save_outcomes": True} if kind == "glue" else {}),
             })  # fmt: skip
             proc = run_fs(cfg, tmp)
             assert proc.returncode == 0, proc.stderr[-4000:]

@@ -201,7 +201,7 @@ def test_a_run_killed_after_round_k_resumes_to_the_same_result(tiny_llm, tmp_pat
         if _takes_mixed_ranks(method):  # heterogeneous ranks wherever the method accepts them
             changes["fedpa.client_ranks"] = "[1, 2, 4]"
         if method.startswith("hetlora"):  # a strong tail penalty prunes all of client 3's modules in round 2
-            changes["fedpa.hetlora_lam"] = 50.0
+            changes["fedpa.hetlora.lam"] = 50.0
         changes["federate.save_to"] = str(tmp_path / name / "ckpt" / "run.pt")
         return fedpa_cfg(tiny_llm, tmp_path / name, **changes, **more)
 
@@ -209,7 +209,7 @@ def test_a_run_killed_after_round_k_resumes_to_the_same_result(tiny_llm, tmp_pat
     # Execute: the same run ended without clean-up once round 2's resume point is written (as a kill would; the tests
     # below kill a live process), then resumed from it; both with a state budget of about one client, so the
     # clients' states are spilled to disk and read back between their rounds
-    tight = {"fedpa.state_budget_mb": 0.001}
+    tight = {"fedpa.store.state_budget_mb": 0.001}
     # HetLoRA: killed once round 3 has started, so that round 2's pruning must survive the resume (it sizes client
     # 3's round-3 downlink)
     kill = 3 if method.startswith("hetlora") else 2

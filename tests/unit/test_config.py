@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import re
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-from fs_fedpa.config import FedPAConfig, describe
+from fs_fedpa.config import FedPAConfig
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
@@ -28,9 +27,9 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "config.md"
         (dict(adaptive_lam="cos"), r"fedpa.adaptive_lam\(='cos'\) must be one of"),
         (dict(adaptive_lam="grad", reg="b"), r"adapts the product penalty; it needs fedpa.reg 'product'"),
         (dict(lam_min=2.0, lam_max=1.0), r"fedpa.lam_max\(=1.0\) must be > fedpa.lam_min\(=2.0\)"),
-        (dict(rotation_strength=1.5), r"fedpa.rotation_strength\(=1.5\) must be in \[0, 1\]"),
-        (dict(rotation_strength=-0.1), r"fedpa.rotation_strength\(=-0.1\) must be a finite number >= 0"),
-        (dict(eval_local="yes"), r"must be True or False"),
+        (dict(eval={"local": "yes"}), r"fedpa.eval.local must be True or False"),
+        (dict(net={"client_timeout_s": 10.0, "round_timeout_s": 20.0}), r"net.client_timeout_s\(=10\) must exceed"),
+        (dict(store={"state_budget_mb": -1}), r"fedpa.store.state_budget_mb\(=-1\) must be a finite number >= 0"),
         (dict(seed=-2), r"fedpa.seed\(=-2\) must be an int >= -1"),
         (dict(lam=1e300), r"fedpa.lam\(=1e\+300\) must be <= 1e\+06"),
         (dict(lam_max=1e7), r"fedpa.lam_max\(=1e\+07\) must be <= 1e\+06"),
@@ -85,13 +84,16 @@ def test_client_checks(kwargs, n, match):
         FedPAConfig(**kwargs).check_clients(n, adapter_rank=4)
 
 
-def test_docs_table_lists_every_key_with_its_default():
+def test_docs_tables_are_the_code_s_and_list_every_key_with_its_default():
+    from fs_fedpa.plugin.config_fs import describe_all
+    from fs_fedpa.tools import config_doc
+
     text = DOCS.read_text(encoding="utf-8")
-    rows = dict(re.findall(r"^\| `([a-z_]+)` \| `([^`]*)` \|", text, flags=re.M))
-    for key, default, _ in describe():
-        assert key in rows, f"docs/config.md misses fedpa.{key}"
-        assert rows[key] == default, f"docs/config.md gives fedpa.{key} default {rows[key]}, code has {default}"
-    assert set(rows) == {key for key, _, _ in describe()}
+    assert config_doc.rebuilt(text) == text, "docs/config.md is stale: run python -m fs_fedpa.tools.config_doc"
+    rows = dict(re.findall(r"^\| `([a-z_.]+)` \| `([^`]*)` \|", text, flags=re.M))
+    for key, default, _ in describe_all():  # independent of the generator: each key's row, from the fields
+        assert rows.get(key) == default, f"docs/config.md gives fedpa.{key} default {rows.get(key)}, code {default}"
+    assert {"net.round_timeout_s", "hetlora.gamma", "ravan.heads", "fedrot_lora.strength"} <= set(rows)
 
 
 def test_config_gaps_fail_with_their_message():
@@ -110,7 +112,7 @@ def test_a_fedpa_section_under_another_method_is_named_in_one_warning(monkeypatc
     warned = []
     monkeypatch.setattr(plugin_config, "_WARNED", set())  # fresh: other tests may have warned in this process
     monkeypatch.setattr(plugin_config.logger, "warning", warned.append)  # FS may have cut its logger from the root
-    fedpa = {f.name: getattr(FedPAConfig(), f.name) for f in fields(FedPAConfig)}
+    fedpa = plugin_config.default_node()
     cfg = SimpleNamespace(federate=SimpleNamespace(method="FedAvg"), fedpa={**fedpa, "lam": 0.3})
     plugin_config.check_fedpa_cfg(cfg)
     plugin_config.check_fedpa_cfg(cfg)  # FS checks at every merge: one warning
@@ -124,7 +126,7 @@ def test_a_misspelt_method_beside_a_fedpa_section_is_refused_with_the_nearest_na
 
     from fs_fedpa.plugin import config_fs as plugin_config
 
-    fedpa = {f.name: getattr(FedPAConfig(), f.name) for f in fields(FedPAConfig)}
+    fedpa = plugin_config.default_node()
     for method, nearest in (("fedpaa", "'fedpa'"), ("FedAvgg", "'fedavg'"), ("fed_svd", "'fedsvd'")):
         cfg = SimpleNamespace(federate=SimpleNamespace(method=method), fedpa={**fedpa, "lam": 0.3})
         with pytest.raises(ValueError, match=f"federate.method '{method}' is neither .* did you mean {nearest}"):
@@ -142,7 +144,7 @@ def test_multi_process_standalone_is_refused_with_the_distributed_recipe():
 
     from fs_fedpa.plugin import config_fs as plugin_config
 
-    fedpa = {f.name: getattr(FedPAConfig(), f.name) for f in fields(FedPAConfig)}
+    fedpa = plugin_config.default_node()
     federate = SimpleNamespace(method="fedpa", use_ss=False, online_aggr=False, process_num=2, mode="standalone")
     with pytest.raises(ValueError) as err:
         plugin_config.check_fedpa_cfg(SimpleNamespace(federate=federate, fedpa=fedpa))
@@ -162,8 +164,8 @@ def test_a_client_timeout_below_the_join_bound_is_refused(client, join, refused)
 
     from fs_fedpa.plugin import config_fs as plugin_config
 
-    fedpa = {f.name: getattr(FedPAConfig(), f.name) for f in fields(FedPAConfig)}
-    fedpa.update(client_timeout_s=client, join_timeout_s=join, round_timeout_s=30.0)
+    fedpa = plugin_config.default_node()
+    fedpa["net"].update(client_timeout_s=client, join_timeout_s=join, round_timeout_s=30.0)
     federate = SimpleNamespace(method="fedpa", use_ss=False, online_aggr=False, process_num=1, mode="distributed",
                                total_round_num=2, client_num=0)  # fmt: skip
     cfg = SimpleNamespace(federate=federate, fedpa=fedpa, train=SimpleNamespace(is_enable_half=False),

@@ -286,10 +286,11 @@ def test_fedrot_aligns_nothing_in_round_0_then_A_in_odd_and_B_in_even_rounds():
 
 def test_fedrot_soft_strength_interpolates_between_fedit_and_the_full_rotation():
     local, received = _uploads([3])[0], _uploads([3], seed=5)[0]
-    cfg = FedPAConfig(rotation_strength=0.0)
-    off = get_method("fedrot_lora")(cfg, RankPlan.build(2, 3)).before_upload(local, received, 1)
+    fedrot = get_method("fedrot_lora")
+    off = fedrot(FedPAConfig(methods={"fedrot_lora": fedrot.options(strength=0.0)}), RankPlan.build(2, 3))
+    off = off.before_upload(local, received, 1)
     assert all(torch.allclose(off[n][1], A) for n, (_, A) in local.items())
-    half = get_method("fedrot_lora")(FedPAConfig(rotation_strength=0.6), RankPlan.build(2, 3))
+    half = fedrot(FedPAConfig(methods={"fedrot_lora": fedrot.options(strength=0.6)}), RankPlan.build(2, 3))
     for n, (B, A) in half.before_upload(local, received, 1).items():
         R_full = _proper_procrustes(local[n][1] @ received[n][1].T)
         R_soft = _proper_procrustes(0.4 * torch.eye(3, dtype=torch.float64) + 0.6 * R_full)  # nearest rotation
@@ -316,8 +317,8 @@ def test_hetlora_weights_padded_factors_by_the_norm_of_each_update():
 
 def test_hetlora_prunes_a_module_whose_tail_shrank_and_keeps_the_others():
     # Prepare: gamma 0.7 on rank 4: the tail is index >= floor(2.8) = 2, a pruned module keeps rank 2
-    cfg = FedPAConfig(hetlora_gamma=0.7, hetlora_lam=0.1)
-    method = get_method("hetlora")(cfg, RankPlan.build(1, 4))
+    hetlora = get_method("hetlora")
+    method = hetlora(FedPAConfig(methods={"hetlora": hetlora.options(gamma=0.7, lam=0.1)}), RankPlan.build(1, 4))
     received = _uploads([4], seed=3)[0]
     start = method.start_round(received, {n: (B[:, :4], A[:4]) for n, (B, A) in received.items()}, 0, 1)
     trained = {n: (B.clone(), A.clone()) for n, (B, A) in start.items()}
@@ -462,10 +463,11 @@ def test_lora_fair_corrects_B_toward_the_average_product_and_keeps_A_bar():
         assert float((X - B @ A).norm()) < float((X - fedit[n][0] @ fedit[n][1]).norm())  # E_agg below FedIT's
 
 
-def _ravan(ranks, **cfg):
+def _ravan(ranks, seed=-1, **options):
     get_method("ravan")
     plan = RankPlan.build(len(ranks), max(ranks), client_ranks=ranks)
-    method = METHODS["ravan"](FedPAConfig(**cfg), plan)
+    cfg = FedPAConfig(seed=seed, methods={"ravan": METHODS["ravan"].options(**options)})
+    method = METHODS["ravan"](cfg, plan)
     method.bind(SHAPES)
     return method
 
@@ -478,8 +480,8 @@ def test_ravan_budgets_heads_and_head_rank_from_the_client_ranks():
         assert all(K * r_h**2 <= r * (d + k) < K * (r_h + 1) ** 2 or K * (r_h + 1) ** 2 > r * (d + k)
                    for r, K in zip([2, 4, 16], method.heads))  # fmt: skip
         assert any(K * (r_h + 1) ** 2 > r * (d + k) for r, K in zip([2, 4, 16], method.heads))  # the largest
-    assert _ravan([2, 4], ravan_heads=[3, 1], ravan_head_rank=2).heads == [3, 1]
-    assert _ravan([2, 4], ravan_head_rank=2).ranks == {"q": 2, "v": 2}
+    assert _ravan([2, 4], heads=[3, 1], head_rank=2).heads == [3, 1]
+    assert _ravan([2, 4], head_rank=2).ranks == {"q": 2, "v": 2}
     with pytest.raises(ValueError, match="ravan sends every client all of its heads"):
         METHODS["ravan"](FedPAConfig(), RankPlan.build(2, 4, client_ranks=[2, 4], reference_ranks=[2, 4]))
 

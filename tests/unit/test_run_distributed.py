@@ -49,8 +49,8 @@ def test_gpus_places_the_parties_round_robin_and_a_dry_run_starts_nothing(tmp_pa
     parties = _parties(proc.stdout)
     assert len(parties) == 4  # one line per party
     logs = tmp_path / "logs"
-    keys = [["fedpa.auth_keyring", f"{logs}/keys/keyring"]]  # AUTH=1: the key files it would make
-    keys += [["fedpa.auth_key", f"{logs}/keys/client_{i}.key"] for i in (1, 2, 3)]
+    keys = [["fedpa.net.auth_keyring", f"{logs}/keys/keyring"]]  # AUTH=1: the key files it would make
+    keys += [["fedpa.net.auth_key", f"{logs}/keys/client_{i}.key"] for i in (1, 2, 3)]
     for j, (argv, cfg, key, device) in enumerate(zip(parties, cfgs, keys, [0, 1, 0, 1])):
         assert argv[:5] == ["python3", "-m", "federatedscope.main", "--cfg", cfg]
         assert argv[5:7] == ["data.root", "../shared/my glue"]  # the common overrides first, quoted as given

@@ -1,0 +1,115 @@
+"""The ``fedpa:`` section nested by concern, through FS's own config: every old flat key lands where its new key
+does (with one warning naming it), an old and a new key that disagree are refused, and FS's --help prints a nested
+key's help from the field's metadata."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+
+import pytest
+
+pytest.importorskip("federatedscope", reason="the nested fedpa node is FS's config (FS not installed)")
+
+from fs_fedpa.plugin import config_fs  # noqa: E402
+
+
+def _fresh():
+    from federatedscope.core.configs.config import global_cfg
+
+    return global_cfg.clone()
+
+
+def _changed_value(default):
+    """A valid value other than ``default``, by its type (every moved key takes one of these)."""
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, int):
+        return default + 1
+    if isinstance(default, float):
+        return default / 2 if default else 0.5
+    if isinstance(default, list):
+        return [1, 2]
+    return "some/file"
+
+
+@pytest.fixture
+def warnings_seen(monkeypatch):
+    seen: list[str] = []
+    monkeypatch.setattr(config_fs, "_WARNED", set())
+    monkeypatch.setattr(config_fs.logger, "warning", seen.append)
+    return seen
+
+
+@pytest.mark.parametrize("old,new", sorted(config_fs.flat_keys().items()))
+def test_an_old_flat_key_lands_where_its_new_key_does_with_one_warning(old, new, warnings_seen):
+    part, name = new.split(".")
+    value = _changed_value(config_fs.default_node()[part][name])
+    by_old, by_new = _fresh(), _fresh()
+    by_old.merge_from_list([f"fedpa.{old}", value])
+    by_new.merge_from_list([f"fedpa.{new}", value])
+    assert by_old.fedpa[part][name] == by_new.fedpa[part][name] == value
+    assert config_fs.fedpa_config(by_old) == config_fs.fedpa_config(by_new)
+    assert by_old.fedpa[old] == config_fs.default_node()[old]  # moved, not kept twice
+    deprecations = [w for w in warnings_seen if "deprecated" in w]
+    assert deprecations == [f"fedpa.{old} is deprecated and will be removed: write fedpa.{new} (docs/config.md)"]
+    by_old.merge_from_list(["seed", 1])  # FS checks at every merge: the key already moved, no second warning
+    assert len([w for w in warnings_seen if "deprecated" in w]) == 1
+
+
+def test_a_yaml_with_old_keys_reads_as_its_nested_twin(tmp_path, warnings_seen):
+    flat, nested = tmp_path / "flat.yaml", tmp_path / "nested.yaml"
+    flat.write_text("fedpa:\n  round_timeout_s: 60.0\n  export_dir: out/adapter\n  hetlora_gamma: 0.5\n")
+    nested.write_text("fedpa:\n  net:\n    round_timeout_s: 60.0\n  export:\n    dir: out/adapter\n"
+                      "  hetlora:\n    gamma: 0.5\n")  # fmt: skip
+    a, b = _fresh(), _fresh()
+    a.merge_from_file(str(flat))
+    b.merge_from_file(str(nested))
+    assert config_fs.fedpa_config(a) == config_fs.fedpa_config(b)
+    assert config_fs.fedpa_config(a).methods["hetlora"].gamma == 0.5 and a.fedpa.export.dir == "out/adapter"
+
+
+def test_an_old_key_and_its_new_one_that_disagree_are_refused():
+    cfg = _fresh()
+    with pytest.raises(ValueError, match=r"fedpa.export_dir \(the old name of fedpa.export.dir\) is 'b' and "
+                                         r"fedpa.export.dir is 'a': keep fedpa.export.dir only"):  # fmt: skip
+        cfg.merge_from_list(["fedpa.export.dir", "a", "fedpa.export_dir", "b"])
+    agree = _fresh()
+    agree.merge_from_list(["fedpa.export.dir", "a", "fedpa.export_dir", "a"])  # the same value: nothing to choose
+    assert agree.fedpa.export.dir == "a"
+
+
+def test_a_bad_nested_value_is_refused_naming_its_dotted_key():
+    with pytest.raises(ValueError, match=r"fedpa.net.min_received\(=0\) must be an int >= 1"):
+        _fresh().merge_from_list(["fedpa.net.min_received", 0])
+    with pytest.raises(ValueError, match=r"fedpa.hetlora.gamma\(=1.5\) must be in \(0, 1\)"):
+        _fresh().merge_from_list(["fedpa.hetlora.gamma", 1.5])
+    with pytest.raises(AssertionError, match="Non-existent key: fedpa.net.round_timeout"):  # FS's own refusal
+        _fresh().merge_from_list(["fedpa.net.round_timeout", 1.0])
+
+
+def test_a_method_s_own_keys_set_for_another_method_give_one_warning(warnings_seen):
+    cfg = _fresh()
+    cfg.merge_from_list(["federate.method", "fedpa", "fedpa.ravan.head_rank", 2])
+    assert any("fedpa.ravan.head_rank set, but federate.method 'fedpa' does not read them" in w for w in warnings_seen)
+    warnings_seen.clear()
+    cfg.merge_from_list(["federate.method", "ravan"])
+    assert not [w for w in warnings_seen if "does not read" in w]
+
+
+def test_fs_help_prints_a_nested_key_s_help_from_its_field(monkeypatch):
+    from federatedscope.core.cmd_args import parse_args
+
+    from fs_fedpa.config_sections import NetConfig
+
+    out = io.StringIO()
+    monkeypatch.setattr("sys.argv", ["main.py", "--help", "fedpa.net.round_timeout_s"])
+    logging.disable(logging.WARNING)
+    try:
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+            parse_args()
+    finally:
+        logging.disable(logging.NOTSET)
+    expected = NetConfig.__dataclass_fields__["round_timeout_s"].metadata["help"]
+    assert out.getvalue().strip() == f"--fedpa.net.round_timeout_s \t {expected}"
