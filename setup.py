@@ -85,7 +85,7 @@ setup(
             # the package)
             "opacus>=1.5",
         ],
-        # differential privacy (fedpa.dp_mode): Google's accountant, imported only when DP is on
+        # differential privacy (fedpa.dp.mode): Google's accountant, imported only when DP is on
         "dp": ["dp-accounting>=0.4.4"],
         # a frozen base in int8 or NF4 (fedpa.base_quantization): bitsandbytes 0.46.1 (the floor of transformers 5) to
         # 0.50.2 train LoRA on both on the CPU, no CUDA needed; transformers loads bitsandbytes models with accelerate

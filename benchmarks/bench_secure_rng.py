@@ -1,4 +1,4 @@
-"""What the cryptographic DP generator costs (``fedpa.dp_secure_rng``): the noise and sampling of one round drawn
+"""What the cryptographic DP generator costs (``fedpa.dp.secure_rng``): the noise and sampling of one round drawn
 from the OS's CSPRNG (two Gaussians summed, :class:`fs_fedpa.privacy.mechanism.SecureGenerator`) against torch's MT19937.
 
 (a) sample level: one client's round of DP-SGD, 10 steps of b = 16 records out of 5,000, noise on every trainable

@@ -3,8 +3,9 @@
 No FederatedScope and no torch here: ``fs_fedpa.plugin.config_fs`` turns :class:`FedPAConfig` into an FS
 ``CN`` node, and ``docs/config.md`` is checked against :func:`describe` by the tests. The keys of the method
 (lambda, ranks, reconstruction, schedule) sit at the top of the section; each other concern is a part of its own
-(``fedpa.net``, ``fedpa.store``, ``fedpa.export``, ``fedpa.eval``, ``fedpa.records``: :mod:`fs_fedpa.config_sections`),
-the DP keys are :class:`~fs_fedpa.privacy.settings.DPSettings`', and a method's own options are declared in its file.
+(``fedpa.net``, ``fedpa.store``, ``fedpa.export``, ``fedpa.eval``, ``fedpa.records``:
+:mod:`fs_fedpa.config_sections`; ``fedpa.dp``: :class:`~fs_fedpa.privacy.settings.DPSettings`), and a method's own
+options are declared in its file.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ LAM_MAX = 1e6  # upper bound of fedpa.lam and fedpa.lam_max: far above any usefu
 
 
 @dataclass
-class FedPAConfig(DPSettings):
+class FedPAConfig:
     """FedPA-LoRA options (the ``fedpa:`` section of an FS yaml)."""
 
     lam: float = field(
@@ -133,6 +134,7 @@ class FedPAConfig(DPSettings):
             )
         },
     )
+    dp: DPSettings = part(DPSettings, "differential privacy (docs/privacy.md)")
     net: NetConfig = part(NetConfig, "distributed mode: the server's and the clients' waits, and message signing")
     store: StoreConfig = part(StoreConfig, "the clients' kept state in memory and the run's checkpoint")
     export: ExportConfig = part(ExportConfig, "the trained adapters as PEFT directories")
@@ -244,7 +246,7 @@ class FedPAConfig(DPSettings):
                 f"fedpa.seed(={self.seed}) must be <= 2**32 - 1 (= {SEED_MAX}), the range of FS's top-level seed "
                 "(torch's generators overflow beyond 2**64 - 1)"
             )
-        self.check_dp()  # fs_fedpa.privacy.settings: the DP keys, and what DP refuses of the others
+        self.dp.check_with(self)  # fs_fedpa.privacy.settings: what DP refuses of the section's other keys
         if self.lr_schedule not in SCHEDULES:
             raise ValueError(f"fedpa.lr_schedule(={self.lr_schedule!r}) must be one of {SCHEDULES}")
         self.lr_warmup_steps = _integer(self.lr_warmup_steps, "lr_warmup_steps", minimum=0)

@@ -8,8 +8,8 @@ OUT=${OUT:-/tmp/out}
 CARRY=${CARRY:-.gpu}
 common=(data.root "$CARRY/glue" use_gpu True device 0 federate.total_round_num 30 dataloader.batch_size 256
   train.local_update_steps 2 train.optimizer.lr 0.001 eval.freq 10 fedpa.num_threads 2)
-dp=(fedpa.dp_mode sample fedpa.dp_clip 1.0 fedpa.dp_epsilon 8 fedpa.dp_sampling poisson fedpa.dp_accountant pld
-  fedpa.dp_local_tensors frozen fedpa.dp_min_records 1000)
+dp=(fedpa.dp.mode sample fedpa.dp.clip 1.0 fedpa.dp.epsilon 8 fedpa.dp.sampling poisson fedpa.dp.accountant pld
+  fedpa.dp.local_tensors frozen fedpa.dp.min_records 1000)
 start=$(date +%s)
 launch() {
   local name=$1 method=$2; shift 2

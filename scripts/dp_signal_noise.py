@@ -7,7 +7,7 @@ possible signal, b·C, reached only when every record's clipped gradient points 
     python scripts/dp_signal_noise.py --data ../shared/data/glue [--n 8000] [--batch 256] [--steps 30]
         [--layers 2] [--lr 5e-4] [--heads frozen noised] [--clips 1 0.1 0.01]
 
-For each head (``frozen``: held at its initial value, not trained, as ``fedpa.dp_local_tensors frozen``; ``noised``:
+For each head (``frozen``: held at its initial value, not trained, as ``fedpa.dp.local_tensors frozen``; ``noised``:
 clipped and noised with the LoRA factors, as ``noised`` or a federated head; the search's first runs used a head
 trained plainly, which broke the guarantee and is refused now) and each clip C of ``--clips`` it runs ``--steps`` steps
 from the same start at the z that ε = 8 over the regime's 120 steps gives a client of ``--n`` records (Poisson, PLD,

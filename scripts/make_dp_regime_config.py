@@ -63,7 +63,7 @@ def config(point: dv.Valid) -> dict:
 
 def render(point: dv.Valid, held_out: float) -> str:
     regime = point.regime
-    head_is = {"frozen": "held at its initial value (fedpa.dp_local_tensors frozen)",
+    head_is = {"frozen": "held at its initial value (fedpa.dp.local_tensors frozen)",
                "noised": "clipped and noised with the factors"}[point.head]  # fmt: skip
     about = (
         f"The setting the dpvalid stage's search selected (`{point.name}`, FedIT; held-out score {held_out:.4f}, "

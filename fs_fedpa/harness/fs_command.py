@@ -1,8 +1,8 @@
 """KEY VALUE overrides for ``federatedscope.main``'s command line, safe from its client-config split.
 
 FS's ``parse_client_cfg`` (federatedscope/core/cmd_args.py) moves every word of the overrides that begins with
-``client``, and the word after it, into the client config: values as well as keys. So ``fedpa.dp_mode client``
-loses its value and pairs ``fedpa.dp_mode`` with the next key. A value written as a Python string literal
+``client``, and the word after it, into the client config: values as well as keys. So ``fedpa.dp.mode client``
+loses its value and pairs ``fedpa.dp.mode`` with the next key. A value written as a Python string literal
 (``'client'``) reads back as the same string (yacs decodes values with ``literal_eval``) and escapes the split.
 
 FS's ``train.optimizer`` node takes any key (``new_allowed``, passed on to ``torch.optim``), but yacs accepts a key

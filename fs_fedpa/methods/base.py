@@ -57,7 +57,7 @@ class FederatedMethod:
     # False: the pairs a method keeps per module are its own state, applied without PEFT's scaling (Ravan's cores
     # and scales); expand() turns them into factors
     state_is_factors: ClassVar[bool] = True
-    # client-level DP (fedpa.dp_mode client, docs/privacy.md): what a client's clipped contribution is. "product":
+    # client-level DP (fedpa.dp.mode client, docs/privacy.md): what a client's clipped contribution is. "product":
     # its applied product s_i B_i A_i; "change": the change of the factors it uploads from those it received; "":
     # refused. Declared by each method itself, never inherited: a subclass changes what the server releases.
     dp_space: ClassVar[str] = ""

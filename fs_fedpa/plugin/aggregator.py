@@ -222,7 +222,7 @@ class FedPAAggregator(Aggregator):
     def _weights(self, uploads: list[Accepted]) -> list[float]:
         """The aggregation weights of accepted uploads: the method's (FS's sample sizes; FlexLoRA's
         ``num_train_data``), capped by ``fedpa.max_weight_ratio``. A client of size 0 weighs 0, and so does one that
-        took no DP-SGD step (``fedpa.dp_min_records``: its account says 0 steps), whatever the method or
+        took no DP-SGD step (``fedpa.dp.min_records``: its account says 0 steps), whatever the method or
         ``federate.ignore_weight``; a round whose weights are all 0 weighs its uploads equally (docs/errors.md).
         Sizes were checked per client, so every weight is finite, >= 0 and at most 1e15."""
         if self.ignore_weight:

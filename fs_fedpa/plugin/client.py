@@ -111,7 +111,7 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
         if self.schedule is not None:
             self.schedule.new_round(self.state)
         self.round.enter(message.content, self.state)
-        if self.privacy.sits_out:  # fedpa.dp_min_records: no DP-SGD step; its upload weighs 0
+        if self.privacy.sits_out:  # fedpa.dp.min_records: no DP-SGD step; its upload weighs 0
             sample_size, results = 0, {}
         else:
             sample_size, _, results = self.trainer.train()

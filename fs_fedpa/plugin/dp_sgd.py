@@ -1,16 +1,16 @@
-"""Sample-level DP-SGD on a client (``fedpa.dp_mode: sample``) as FS train hooks, for any trainer built on
+"""Sample-level DP-SGD on a client (``fedpa.dp.mode: sample``) as FS train hooks, for any trainer built on
 ``GeneralTorchTrainer`` (FS-LLM's ``llmtrainer`` and the plugin's ``seqcls``).
 
 At every step, in place of the batch FS's shuffled, cycled loader gave (which matches no sampling an accountant
 knows): b of the client's n_i records drawn uniformly without replacement from the DP generator, or each record at
-rate b/n_i (``fedpa.dp_sampling poisson``, b then the expected size); the gradient of each
+rate b/n_i (``fedpa.dp.sampling poisson``, b then the expected size); the gradient of each
 record's task loss over every tensor that trains (LoRA factors and head; a head held at its initial value by
-``fedpa.dp_local_tensors frozen`` takes no step) clipped to C; the sum plus N(0, (z C)^2),
+``fedpa.dp.local_tensors frozen`` takes no step) clipped to C; the sum plus N(0, (z C)^2),
 divided by b, is the step's task gradient. What does not touch the data, FedPA-LoRA's alignment term at a fixed lambda
 and FS's parameter regularizer, is differentiated as usual and added after clipping and noise.
 
 The per-example gradients come from batched forwards and backwards with taps on the trainable ``nn.Linear`` modules
-(:mod:`fs_fedpa.privacy.per_example`; the whole batch on an accelerator, on a CPU chunks of ``fedpa.dp_chunk`` (default
+(:mod:`fs_fedpa.privacy.per_example`; the whole batch on an accelerator, on a CPU chunks of ``fedpa.dp.chunk`` (default
 CPU_CHUNK) length-sorted records, each chunk clipped and added to the step's sum as it comes, so a logical batch of
 any b needs the memory of one chunk's per-example gradients) when every trainable tensor is such a module's and the
 trainer's loss is a mean of per-record losses this module can rebuild from the logits; otherwise, and on any chunk
@@ -42,14 +42,14 @@ CPU_CHUNK = 4  # records a batched forward takes on the CPU (benchmarks/bench_dp
 class DPSGD:
     """The hooks of one client's trainer; ``plan(n)`` gives the client's
     :class:`~fs_fedpa.privacy.sample_level.SamplePlan` for its training set size, ``make_generator(k)`` its DP
-    generator for the k-th training routine of the current round (a fresh stream per routine: with ``fedpa.dp_seed`` a
+    generator for the k-th training routine of the current round (a fresh stream per routine: with ``fedpa.dp.seed`` a
     resumed run draws what the uninterrupted one drew, and in distributed mode the stream is named by the id the
     client learns when it joins)."""
 
     def __init__(self, trainer, plan, make_generator, clip: float, batched: bool = True, chunk: int | None = None,
                  frozen: frozenset[str] = frozenset()):  # fmt: skip
         # Every tensor that moves is clipped and noised; ``frozen`` names trainable tensors held at their value
-        # (fedpa.dp_local_tensors frozen). None may train on the exact gradient (the withdrawn 'plain'): through it
+        # (fedpa.dp.local_tensors frozen). None may train on the exact gradient (the withdrawn 'plain'): through it
         # one record would move every other record's clipped gradient, and a step's sensitivity would not be 2C
         self.plan, self.C = plan, clip
         self.frozen = frozenset(frozen)
@@ -73,7 +73,7 @@ class DPSGD:
             self._forward = fs_patches.train_hook(trainer, "on_batch_forward", "_hook_on_batch_forward")
             fs_patches.train_hook(trainer, "on_batch_backward", "_hook_on_batch_backward")
         except ValueError as err:
-            raise ValueError(f"fedpa.dp_mode sample needs FS's forward and backward train hooks: {err}") from None
+            raise ValueError(f"fedpa.dp.mode sample needs FS's forward and backward train hooks: {err}") from None
         trainer.register_hook_in_train(new_hook=self._hook_on_batch_start_dp_sample, trigger="on_batch_start")
         trainer.replace_hook_in_train(self._hook_on_batch_forward_dp, "on_batch_forward", "_hook_on_batch_forward")
         trainer.replace_hook_in_train(self._hook_on_batch_backward_dp, "on_batch_backward", "_hook_on_batch_backward")

@@ -12,6 +12,8 @@ import re
 from torch import Tensor
 
 from fs_fedpa import resume
+from fs_fedpa.config import FedPAConfig
+from fs_fedpa.config_sections import flat_names
 from fs_fedpa.privacy import accounting_settings
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
@@ -149,7 +151,7 @@ class ServerResume:
                 f"federate.restore_from {path!r} resumes at round {saved['round']}, but federate.total_round_num is "
                 f"{rounds}: nothing is left to train; raise total_round_num to continue the run"
             )
-        now_settings, then = self.settings(), saved["settings"]
+        now_settings, then = self.settings(), named_now(saved["settings"])
         missing = object()  # a key this run has and the point does not: compared against nothing would pass it
         if changed := sorted(k for k in then.keys() | now_settings.keys()
                              if then.get(k, missing) != now_settings.get(k, missing)):  # fmt: skip
@@ -197,3 +199,14 @@ def check_resume_file(path: str) -> None:
         what = "a folder" if os.path.isdir(path) else "no such file"
         raise ValueError(f"federate.restore_from {path!r}: {what}; give a resume file (fedpa_resume_<save_to name>)")
     resume.load(path)
+
+
+def named_now(settings: dict) -> dict:
+    """A resume point's ``settings`` under today's key names: one written before the section was nested names a key
+    by its old flat name (``fedpa.dp_clip``, ``fedpa.dp_horizon (or ...)``), which is the key ``fedpa.dp.clip``."""
+    renamed = {f"fedpa.{old}": f"fedpa.{new}" for old, new in flat_names(FedPAConfig).items()}
+    out = {}
+    for label, value in settings.items():
+        key, space, rest = label.partition(" ")
+        out[renamed.get(key, key) + space + rest] = value
+    return out

@@ -16,14 +16,14 @@ class RunSchedule:
     """Sets every parameter group's learning rate before each training step to ``train.optimizer.lr`` times
     :func:`~fs_fedpa.core.schedule.lr_factor` of the global step ``t * tau + k``: round t (the server's, so every
     client follows one schedule), the routine's k-th step, tau the steps a routine takes (``local_update_steps``
-    batches, or that many epochs of batches). The run spans ``fedpa.dp_horizon`` rounds when set, so that a shorter
+    batches, or that many epochs of batches). The run spans ``fedpa.dp.horizon`` rounds when set, so that a shorter
     tuning run follows the full run's schedule, else ``federate.total_round_num``."""
 
     def __init__(self, trainer, cfg):
         fedpa = cfg.fedpa
         self.kind, self.warmup = fedpa.lr_schedule, int(fedpa.lr_warmup_steps)
         self.base = float(cfg.train.optimizer.lr)
-        self.horizon = int(fedpa.dp_horizon or cfg.federate.total_round_num)
+        self.horizon = int(fedpa.dp.horizon or cfg.federate.total_round_num)
         self.cfg, self.round, self.k = cfg, 0, 0
         if (key := (self.kind, self.warmup, self.horizon, self.base)) not in _ANNOUNCED:
             _ANNOUNCED.add(key)

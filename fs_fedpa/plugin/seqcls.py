@@ -46,7 +46,7 @@ def extend_seqcls_cfg(cfg) -> None:
     cfg.model.seqcls.precision = "fp32"  # fp32 | fp16 | bf16 (autocast in the forward)
     # > 0: on a CPU, a training batch of more records is forwarded in length-sorted chunks of at most this many, their
     # gradients summed into the batch's mean-loss gradient (the same step in less padded compute); 0, or an
-    # accelerator: one forward. DP-SGD chunks its own batches (fedpa.dp_chunk)
+    # accelerator: one forward. DP-SGD chunks its own batches (fedpa.dp.chunk)
     cfg.model.seqcls.train_chunk = 0
     # > 0: on a CPU, an evaluation batch of more records is forwarded in length-sorted chunks of at most this many,
     # its logits put back in the loader's order (the same predictions in less padded compute); 0, or an accelerator:
@@ -101,13 +101,13 @@ def _check_seqcls_cfg(cfg) -> None:
                 raise ValueError(f"model.seqcls.pack_len with model.seqcls.{key}: use one of them, set the other to 0")
         if trains_per_example(cfg.fedpa):
             raise ValueError(
-                "model.seqcls.pack_len with fedpa.dp_mode sample: DP-SGD's per-example gradients need one record a "
+                "model.seqcls.pack_len with fedpa.dp.mode sample: DP-SGD's per-example gradients need one record a "
                 "row; set pack_len 0"
             )
 
     if s.train_chunk and trains_per_example(cfg.fedpa):
         raise ValueError(
-            "model.seqcls.train_chunk with fedpa.dp_mode sample: DP-SGD forwards its batches in chunks of its own "
+            "model.seqcls.train_chunk with fedpa.dp.mode sample: DP-SGD forwards its batches in chunks of its own "
             "(fs_fedpa.plugin.dp_sgd); leave train_chunk at 0"
         )
     if s.precision not in ("fp32", "fp16", "bf16"):

@@ -1,6 +1,6 @@
 """Differential privacy (docs/privacy.md): the mechanisms, their accounting and the policies the FS workers ask.
 
-``fedpa.dp_mode`` picks one mechanism from :mod:`~fs_fedpa.privacy.registry` once; the server and each client then
+``fedpa.dp.mode`` picks one mechanism from :mod:`~fs_fedpa.privacy.registry` once; the server and each client then
 hold its policy (:func:`server_policy`, :func:`client_policy`; never None: without DP they let everything through)
 and ask it what to do, never which mode runs. The package holds, with no FederatedScope import:
 
@@ -30,7 +30,7 @@ __all__ = ["Entry", "entry", "modes", "register", "mechanism_of", "server_policy
 
 def mechanism_of(fedpa):
     """The :class:`~fs_fedpa.privacy.policy.Mechanism` of a ``fedpa`` section (its ``dp_mode``)."""
-    return entry(fedpa.dp_mode).load()
+    return entry(fedpa.dp.mode).load()
 
 
 def server_policy(cfg, method, **kwargs):
@@ -60,4 +60,4 @@ def export_info(fedpa, outdir: Path) -> dict:
 
 def trains_per_example(fedpa) -> bool:
     """Whether the mechanism of a ``fedpa`` section trains by DP-SGD (its own chunked forward) on each client."""
-    return entry(fedpa.dp_mode).per_example
+    return entry(fedpa.dp.mode).per_example

@@ -2,7 +2,7 @@
 
 Both mechanisms of :mod:`fs_fedpa.privacy.mechanism` release a sum of members clipped to C plus N(0, (z C)^2) (divided by the
 fixed or expected sample size, which changes nothing here). Two samplings, each with the adjacency it supports
-(``fedpa.dp_sampling``):
+(``fedpa.dp.sampling``):
 
 - ``wor``: a fixed-size subset without replacement (K of N clients, b of n_i records), replace-one adjacency.
   Replacing one member moves the sum by up to 2C, so the Gaussian the accountant sees has sensitivity 2, i.e.
@@ -10,7 +10,7 @@ fixed or expected sample size, which changes nothing here). Two samplings, each 
 - ``poisson``: each member included independently at rate q = K/N or b/n_i, add/remove adjacency (the convention of
   Opacus, TF Privacy and the DP fine-tuning papers): sensitivity C, multiplier z.
 
-Two accountants (``fedpa.dp_accountant``), both valid upper bounds on the same mechanism:
+Two accountants (``fedpa.dp.accountant``), both valid upper bounds on the same mechanism:
 
 - ``rdp``: dp-accounting's RDP accountant with its event for the sampling (``SampledWithoutReplacement`` under
   REPLACE_ONE, or ``PoissonSampled`` under ADD_OR_REMOVE_ONE).
@@ -48,7 +48,7 @@ PLD_INTERVAL = 1e-3  # the PLD's loss grid: 1e-4 moved no epsilon of the protoco
 # the PLD accountant's memory is bounded before it is asked for: a grid point is 8 bytes (16 complex in the FFT);
 # a Gaussian's losses are kept out to about 10 standard deviations (dp-accounting's mass truncation bound, e^-50)
 PLD_MEMORY_CAP = 4 * 2**30
-MAX_EPSILON = 100.0  # the largest target epsilon calibrated to (fedpa.dp_epsilon)
+MAX_EPSILON = 100.0  # the largest target epsilon calibrated to (fedpa.dp.epsilon)
 _PLD_TAIL_SDS = 10.0
 _PLD_COPIES = 4  # live arrays of the grid's size while dp-accounting builds (or FFT-composes) it
 
@@ -59,7 +59,7 @@ def _dpa():
         from dp_accounting.rdp import rdp_privacy_accountant
     except ImportError as exc:  # the dp extra is missing
         raise ImportError(
-            "differential privacy (fedpa.dp_mode) needs Google's dp-accounting: pip install 'fs_fedpa[dp]' "
+            "differential privacy (fedpa.dp.mode) needs Google's dp-accounting: pip install 'fs_fedpa[dp]' "
             "(or pip install dp-accounting)"
         ) from exc
     return dp_accounting, rdp_privacy_accountant
@@ -158,7 +158,7 @@ def _refuse_pld(kind: Sampled, count: int | None, need: float) -> None:
     steps = "" if count is None else f" at rate q={kind.rate:g} over {count} events"
     raise ValueError(
         f"the PLD accountant would need about {need / 2**30:.3g} GiB for noise multiplier z={kind.z:g}{steps}, above "
-        f"its cap of {PLD_MEMORY_CAP / 2**30:g} GiB: use fedpa.dp_accountant rdp, or more noise"
+        f"its cap of {PLD_MEMORY_CAP / 2**30:g} GiB: use fedpa.dp.accountant rdp, or more noise"
     )
 
 

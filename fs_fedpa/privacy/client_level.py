@@ -1,4 +1,4 @@
-"""Client-level DP with a trusted server (``fedpa.dp_mode client``, docs/privacy.md): the server samples K of N
+"""Client-level DP with a trusted server (``fedpa.dp.mode client``, docs/privacy.md): the server samples K of N
 clients from its DP generator, clips each contribution to C, releases the noisy mean over K and accounts one event a
 round; a client sends only the faults of its storage and 1 as its sample count.
 """
@@ -32,9 +32,9 @@ def check_method(method, name: str) -> None:
     """ValueError, naming DP and the method, if ``method`` (its class or instance) cannot honour it."""
     if not method.dp_space:
         raise ValueError(
-            f"differential privacy at client level (fedpa.dp_mode client) is not supported by federate.method "
+            f"differential privacy at client level (fedpa.dp.mode client) is not supported by federate.method "
             f"{name!r}: only fedpa, fedit, ffa_lora, fedsa_lora and fedsvd clip and noise what their server "
-            "aggregates (fedpa.dp_mode sample works with every method)"
+            "aggregates (fedpa.dp.mode sample works with every method)"
         )
 
 
@@ -62,13 +62,13 @@ class ClientLevelServer(GaussianServer):
             set(plan.reference_ranks) != {plan.r_g} or set(plan.client_ranks) != {plan.r_g}
         ):
             raise ValueError(
-                f"fedpa.dp_mode client with federate.method {method.name}: a client's change is taken from "
+                f"fedpa.dp.mode client with federate.method {method.name}: a client's change is taken from "
                 f"the global factors it received, so every r_i and R_i must be {plan.r_g}"
             )
         self.K = per_round
-        self.delta = fedpa.dp_delta_for(self.N)
-        horizon = fedpa.dp_horizon or self.T
-        self.z = fedpa.dp_noise_multiplier or calibrate(self.N, self.K, horizon, fedpa.dp_epsilon, self.delta,
+        self.delta = fedpa.dp.dp_delta_for(self.N)
+        horizon = fedpa.dp.horizon or self.T
+        self.z = fedpa.dp.noise_multiplier or calibrate(self.N, self.K, horizon, fedpa.dp.epsilon, self.delta,
                                                         self.sampling, self.accounting)  # fmt: skip
         self.kind = Sampled(self.N, self.K, self.z, self.sampling, self.accounting)
         shapes = [(B.shape[0], A.shape[1]) for B, A in method.expand(global_factors).values()]
@@ -185,7 +185,7 @@ class ClientLevelClient(ClientPolicy):
 
 
 class ClientLevel(GaussianMechanism):
-    """``fedpa.dp_mode client``."""
+    """``fedpa.dp.mode client``."""
 
     Server, Client = ClientLevelServer, ClientLevelClient
 
@@ -199,11 +199,11 @@ class ClientLevel(GaussianMechanism):
         if cfg.federate.unseen_clients_rate > 0:
             raise ValueError(
                 f"federate.unseen_clients_rate(={cfg.federate.unseen_clients_rate:g}) with differential privacy at "
-                "client level (fedpa.dp_mode client): the accountant assumes K drawn from all N clients, and FS's "
+                "client level (fedpa.dp.mode client): the accountant assumes K drawn from all N clients, and FS's "
                 "unseen clients are never drawn; set it to 0"
             )
         if cfg.federate.client_num > 0:
-            fedpa.dp_delta_for(cfg.federate.client_num)  # raises above min(1e-5, 1/(10 N))
+            fedpa.dp.dp_delta_for(cfg.federate.client_num)  # raises above min(1e-5, 1/(10 N))
 
     @classmethod
     def accounting_settings(cls, cfg) -> dict:

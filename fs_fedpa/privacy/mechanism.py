@@ -1,6 +1,6 @@
 """The Gaussian mechanisms of differential privacy, in plain torch (docs/privacy.md).
 
-Client level (a trusted server): K of N clients are sampled without replacement (``fedpa.dp_sampling wor``; with
+Client level (a trusted server): K of N clients are sampled without replacement (``fedpa.dp.sampling wor``; with
 ``poisson`` each client is in at rate K/N and K below is the expected count); each contribution x_i is clipped
 to ``||x_i|| <= C`` (c_i = min(1, C / ||x_i||)); the release is ``(1/K) sum_i c_i x_i + N(0, (z C / K)^2 I)``, with
 the fixed K in the denominator whatever arrived. Replacing one client moves the mean by at most ``2C/K``, so the
@@ -14,7 +14,7 @@ and the step uses ``(sum_j c_j g_j + N(0, (z C)^2 I)) / b``.
 Every draw comes from the ``generator`` handed in (the DP generator, :func:`dp_generator`), on the host: noise is
 then moved to the tensor's device, so a run's randomness does not depend on where it computes. Without a seed that
 is a :class:`SecureGenerator` (the OS's cryptographic generator); torch's MT19937 is used only for seeded,
-reproducible experiments or where ``fedpa.dp_secure_rng`` turns the secure one off.
+reproducible experiments or where ``fedpa.dp.secure_rng`` turns the secure one off.
 """
 
 from __future__ import annotations

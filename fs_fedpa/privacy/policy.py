@@ -4,7 +4,7 @@ DP (:class:`NoPrivacy`), whose policies let everything through.
 A :class:`Mechanism` names its :class:`ServerPolicy` and :class:`ClientPolicy` and answers the run-level questions
 (what FS's config it refuses, what a resume must keep equal, what of an export it covers). The workers build the
 policies through :func:`fs_fedpa.privacy.server_policy` and :func:`fs_fedpa.privacy.client_policy`, never None, and
-ask them; no code outside this package reads ``fedpa.dp_mode``.
+ask them; no code outside this package reads ``fedpa.dp.mode``.
 """
 
 from __future__ import annotations
@@ -131,14 +131,14 @@ class Mechanism:
     def accounting_settings(cls, cfg) -> dict:
         """The settings the accounting of a run's past rounds reads, compared on resume; without DP only the mode
         (a run may not switch DP on or off across a resume)."""
-        return {"fedpa.dp_mode": cfg.fedpa.dp_mode}
+        return {"fedpa.dp.mode": cfg.fedpa.dp.mode}
 
     @classmethod
     def export_info(cls, fedpa, outdir: Path) -> dict:
         """What of an export the guarantee covers, at which (epsilon, delta) (the manifest's ``privacy``)."""
         shared, own = EVERY_EXPORT
-        return {"dp_mode": fedpa.dp_mode, "dp_files": [], "not_dp_files": [*shared, *own]}
+        return {"dp_mode": fedpa.dp.mode, "dp_files": [], "not_dp_files": [*shared, *own]}
 
 
 class NoPrivacy(Mechanism):
-    """``fedpa.dp_mode none``."""
+    """``fedpa.dp.mode none``."""

@@ -23,17 +23,17 @@ logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its ow
 
 def noise_source(fedpa) -> str:
     """Where the DP noise and sampling come from, in words."""
-    if fedpa.dp_seed >= 0:
-        return "fedpa.dp_seed"
-    return "the OS's cryptographic generator" if fedpa.dp_secure_rng else "MT19937 seeded from OS entropy"
+    if fedpa.dp.seed >= 0:
+        return "fedpa.dp.seed"
+    return "the OS's cryptographic generator" if fedpa.dp.secure_rng else "MT19937 seeded from OS entropy"
 
 
-def seed_warning(dp_seed: int) -> str | None:
-    """The warning a run with ``fedpa.dp_seed`` gets, in both modes (None without a seed)."""
-    if dp_seed < 0:
+def seed_warning(seed: int) -> str | None:
+    """The warning a run with ``fedpa.dp.seed`` gets, in both modes (None without a seed)."""
+    if seed < 0:
         return None
     return (
-        f"[fedpa] fedpa.dp_seed(={dp_seed}) is set: the DP noise and sampling are reproducible from it, and the "
+        f"[fedpa] fedpa.dp.seed(={seed}) is set: the DP noise and sampling are reproducible from it, and the "
         "(epsilon, delta) guarantee holds only while the seed stays secret; for a private release leave it at -1 (OS "
         "entropy)"
     )
@@ -41,14 +41,13 @@ def seed_warning(dp_seed: int) -> str | None:
 
 def common_settings(cfg) -> dict:
     """The settings every Gaussian mechanism's accounting reads (:meth:`Mechanism.accounting_settings`)."""
-    fedpa = cfg.fedpa
-    # dp_seed: a seeded run continues its noise stream, an unseeded one draws fresh entropy; neither can become the
+    dp = cfg.fedpa.dp
+    # seed: a seeded run continues its noise stream, an unseeded one draws fresh entropy; neither can become the
     # other across a resume
-    keys = ("dp_mode", "dp_clip", "dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_sampling", "dp_accountant",
-            "dp_seed")  # fmt: skip
-    out = {f"fedpa.{k}": getattr(fedpa, k) for k in keys}
-    if fedpa.dp_epsilon > 0:  # z calibrated over the horizon
-        out["fedpa.dp_horizon (or federate.total_round_num)"] = int(fedpa.dp_horizon or cfg.federate.total_round_num)
+    keys = ("mode", "clip", "noise_multiplier", "epsilon", "delta", "sampling", "accountant", "seed")
+    out = {f"fedpa.dp.{k}": getattr(dp, k) for k in keys}
+    if dp.epsilon > 0:  # z calibrated over the horizon
+        out["fedpa.dp.horizon (or federate.total_round_num)"] = int(dp.horizon or cfg.federate.total_round_num)
     out["federate.client_num"] = int(cfg.federate.client_num)
     return out
 
@@ -64,26 +63,26 @@ class GaussianMechanism(Mechanism):
             import dp_accounting  # noqa: F401
         except ImportError as exc:
             raise ValueError(
-                f"fedpa.dp_mode {fedpa.dp_mode!r} needs Google's dp-accounting: pip install 'fs_fedpa[dp]'"
+                f"fedpa.dp.mode {fedpa.dp.mode!r} needs Google's dp-accounting: pip install 'fs_fedpa[dp]'"
             ) from exc
-        if 0 < fedpa.dp_horizon < cfg.federate.total_round_num:
+        if 0 < fedpa.dp.horizon < cfg.federate.total_round_num:
             raise ValueError(
-                f"fedpa.dp_horizon(={fedpa.dp_horizon}) is below federate.total_round_num"
+                f"fedpa.dp.horizon(={fedpa.dp.horizon}) is below federate.total_round_num"
                 f"(={cfg.federate.total_round_num}): the noise calibrated for it would spend more than "
-                "fedpa.dp_epsilon"
+                "fedpa.dp.epsilon"
             )
-        if fedpa.dp_noise_multiplier > 0 and fedpa.dp_accountant == "pld":  # a calibrated z is checked as it is found
+        if fedpa.dp.noise_multiplier > 0 and fedpa.dp.accountant == "pld":  # a calibrated z is checked as it is found
             from fs_fedpa.privacy.accountant import Sampled, check_pld_cost
 
             # one event's grid at the given z, which the sampling rate does not change: the smallest population
-            check_pld_cost(Sampled(2, 1, fedpa.dp_noise_multiplier, fedpa.dp_sampling, "pld"), None)
+            check_pld_cost(Sampled(2, 1, fedpa.dp.noise_multiplier, fedpa.dp.sampling, "pld"), None)
 
     @classmethod
     def export_info(cls, fedpa, outdir: Path) -> dict:
         ledger = Path(outdir) / PRIVACY_FILE
         lines = ledger.read_text(encoding="utf-8").splitlines() if ledger.is_file() else []
         last = json.loads(lines[-1]) if lines else {}
-        return {"dp_mode": fedpa.dp_mode, "epsilon": last.get("dp_epsilon"), "delta": last.get("dp_delta"),
+        return {"dp_mode": fedpa.dp.mode, "epsilon": last.get("dp_epsilon"), "delta": last.get("dp_delta"),
                 "adjacency": last.get("dp_adjacency"), "sampling": last.get("dp_sampling"),
                 "accountant": last.get("dp_accountant")}  # fmt: skip
 
@@ -100,17 +99,17 @@ class GaussianServer(ServerPolicy):
         from fs_fedpa.privacy.accountant import ADJACENCY, describe
 
         fedpa = method.cfg
-        self.C, self.N, self.T = fedpa.dp_clip, clients, rounds
-        self.generator = dp_generator(fedpa.dp_seed, "server", fedpa.dp_secure_rng)
+        self.C, self.N, self.T = fedpa.dp.clip, clients, rounds
+        self.generator = dp_generator(fedpa.dp.seed, "server", fedpa.dp.secure_rng)
         # the method's post-processing draws (a randomized SVD's sketch) take a torch generator: the DP one when it
         # is one (seeded runs stay reproducible), else one seeded from the cryptographic generator
         self.sketch_generator = (self.generator if isinstance(self.generator, torch.Generator)
                                  else torch.Generator().manual_seed(secrets.randbits(63)))  # fmt: skip
-        self.sampling, self.accounting = fedpa.dp_sampling, fedpa.dp_accountant
+        self.sampling, self.accounting = fedpa.dp.sampling, fedpa.dp.accountant
         self.adjacency = ADJACENCY[self.sampling]
         self.accountant = describe(self.accounting)
         self.last: dict = {}
-        if (warning := seed_warning(fedpa.dp_seed)) is not None:
+        if (warning := seed_warning(fedpa.dp.seed)) is not None:
             logger.warning(warning)
 
     def write(self, line: dict) -> dict:
@@ -124,11 +123,11 @@ class GaussianServer(ServerPolicy):
     FIELDS: dict[str, type] = {"last": dict, "ledger": str}  # what a resume point must carry (subclasses add)
 
     def state_dict(self) -> dict:
-        """The accountant's counts, and the DP generator only with ``fedpa.dp_seed`` (reproducible runs). Without a
+        """The accountant's counts, and the DP generator only with ``fedpa.dp.seed`` (reproducible runs). Without a
         seed the generator's state would let anyone holding the file regenerate every noise draw and subtract it; a
         resumed run draws from fresh OS entropy instead."""
         out = {"last": dict(self.last), "ledger": os.path.abspath(self.path), **self.counts()}
-        if self.method.cfg.dp_seed >= 0:
+        if self.method.cfg.dp.seed >= 0:
             out["generator"] = self.generator.get_state()
         return out
 
@@ -145,7 +144,7 @@ class GaussianServer(ServerPolicy):
         states the whole run's epsilon. A field the accounting reads that is missing or malformed is refused, naming
         the file and the field: a point the ledger cannot vouch for is not trusted."""
         at = f"federate.restore_from {path!r}: field 'privacy"
-        seeded = self.method.cfg.dp_seed >= 0  # reproducible: continue the stream; else fresh OS entropy
+        seeded = self.method.cfg.dp.seed >= 0  # reproducible: continue the stream; else fresh OS entropy
         for key, kind in (*self.FIELDS.items(), *((("generator", Tensor),) if seeded else ())):
             if not isinstance(saved.get(key), kind) or kind is int and isinstance(saved[key], bool):
                 what = "missing" if key not in saved else f"a {type(saved[key]).__name__}, not a {kind.__name__}"
@@ -209,7 +208,7 @@ def read_ledger(path: str, line_ok) -> list[dict]:
 def split_exports(level: str) -> tuple[list[str], list[str]]:
     """(the exported paths the guarantee covers, those it does not) at ``level`` "client" or "sample". Client level:
     the global adapter only; the clients' heads and own factors are trained on their data without DP. Sample level
-    (DP-SGD): everything, the clients' heads included (clipped and noised, or with ``fedpa.dp_local_tensors frozen``
+    (DP-SGD): everything, the clients' heads included (clipped and noised, or with ``fedpa.dp.local_tensors frozen``
     held at their initial value, which no record touches)."""
     shared, own = EVERY_EXPORT
     if level == "client":

@@ -1,4 +1,4 @@
-"""The DP mechanisms a run can choose (``fedpa.dp_mode``), declared without importing them (no torch here: the config
+"""The DP mechanisms a run can choose (``fedpa.dp.mode``), declared without importing them (no torch here: the config
 check reads these declarations).
 
 An :class:`Entry` names the mechanism's class (``"module:Class"``, a :class:`~fs_fedpa.privacy.policy.Mechanism`,
@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 class Entry:
     """One mechanism. ``target``: ``"module:Class"`` of its :class:`~fs_fedpa.privacy.policy.Mechanism`;
     ``population``: whose delta it bounds, "N clients" or "n_i records" (min(1e-5, 1/(10 x population)));
-    ``own_keys``: the DP keys only it reads; ``refuses``: the fedpa keys it cannot run with, each with the reason;
+    ``own_keys``: the ``fedpa.dp`` keys only it reads; ``refuses``: the fedpa keys it cannot run with, each with the
+    reason;
     ``per_example``: it trains by DP-SGD on each client (the task gradient a client sees is the noisy one, and the
-    forward is the mechanism's); ``noised``: it clips and noises (needs dp_clip and one of z or epsilon); ``title``:
+    forward is the mechanism's); ``noised``: it clips and noises (needs dp.clip and one of z or epsilon); ``title``:
     its name in messages."""
 
     target: str
@@ -35,7 +36,7 @@ class Entry:
 
 _CLIENT_REFUSES = {
     "norm_outlier": "one client's update could drop another's, a release outside the mechanism; clipping to "
-    "fedpa.dp_clip bounds every client",
+    "fedpa.dp.clip bounds every client",
     "max_weight_ratio": "every sampled client weighs 1/K there; unset it",
 }
 
@@ -44,14 +45,14 @@ _ENTRIES: dict[str, Entry] = {
     "client": Entry("fs_fedpa.privacy.client_level:ClientLevel", refuses=_CLIENT_REFUSES,
                     title="differential privacy at client level"),
     "sample": Entry("fs_fedpa.privacy.sample_level:SampleLevel", population="n_i records",
-                    own_keys=("dp_min_records", "dp_chunk", "dp_local_tensors"), per_example=True, title="DP-SGD"),
+                    own_keys=("min_records", "chunk", "local_tensors"), per_example=True, title="DP-SGD"),
 }  # fmt: skip
 
 
 def register(mode: str, entry: Entry) -> None:
-    """Make ``fedpa.dp_mode <mode>`` run ``entry``'s mechanism; an existing mode is not replaced."""
+    """Make ``fedpa.dp.mode <mode>`` run ``entry``'s mechanism; an existing mode is not replaced."""
     if mode in _ENTRIES and _ENTRIES[mode] != entry:
-        raise ValueError(f"fedpa.dp_mode {mode!r} is already registered ({_ENTRIES[mode].target})")
+        raise ValueError(f"fedpa.dp.mode {mode!r} is already registered ({_ENTRIES[mode].target})")
     _ENTRIES[mode] = entry
 
 
@@ -62,5 +63,5 @@ def modes() -> tuple[str, ...]:
 def entry(mode: str) -> Entry:
     """The entry of ``mode``; ValueError naming the choices for one that is not registered."""
     if mode not in _ENTRIES:
-        raise ValueError(f"fedpa.dp_mode(={mode!r}) must be one of {modes()}")
+        raise ValueError(f"fedpa.dp.mode(={mode!r}) must be one of {modes()}")
     return _ENTRIES[mode]

@@ -1,4 +1,4 @@
-"""Sample-level DP (``fedpa.dp_mode sample``, docs/privacy.md): each client trains by DP-SGD over its own records
+"""Sample-level DP (``fedpa.dp.mode sample``, docs/privacy.md): each client trains by DP-SGD over its own records
 (:class:`SampleLevelClient`, on the plugin's DP-SGD hooks), accounts its own steps and reports that account with its
 upload; the server checks each account against the plan its own config gives that client and states in its ledger
 what each client spent (:class:`SampleLevelServer`).
@@ -55,7 +55,7 @@ def sample_plan(cfg, n: int, routines: int = 1) -> SamplePlan:
     """The plan of a client with ``n`` training records under FS config ``cfg``: b = min(batch size, n); steps a
     round as FS runs them (``local_update_steps`` batches, or that many epochs of ceil(n / b) batches, n // b with
     ``drop_last``), times the ``routines`` a round trains (2 with a personal phase); z as given, or calibrated so that
-    every step it could take over the run (T rounds, or ``fedpa.dp_horizon``) spends at most ``fedpa.dp_epsilon``
+    every step it could take over the run (T rounds, or ``fedpa.dp.horizon``) spends at most ``fedpa.dp.epsilon``
     at its delta."""
     fedpa = cfg.fedpa
     b = max(1, min(int(cfg.dataloader.batch_size), n))
@@ -65,11 +65,11 @@ def sample_plan(cfg, n: int, routines: int = 1) -> SamplePlan:
         per_epoch = n // b if cfg.dataloader.drop_last else math.ceil(n / b)
         tau = int(cfg.train.local_update_steps) * max(per_epoch, 1)
     tau *= routines
-    if n < fedpa.dp_min_records:  # left out of DP training: no step, epsilon 0, no noise to calibrate
-        delta = dp_delta_for(float(fedpa.dp_delta), n, "n_i records")
-        return SamplePlan(n, b, 0, 0.0, delta, fedpa.dp_sampling, fedpa.dp_accountant)
-    return _plan(n, b, tau, int(fedpa.dp_horizon or cfg.federate.total_round_num), float(fedpa.dp_noise_multiplier),
-                 float(fedpa.dp_epsilon), float(fedpa.dp_delta), fedpa.dp_sampling, fedpa.dp_accountant)  # fmt: skip
+    if n < fedpa.dp.min_records:  # left out of DP training: no step, epsilon 0, no noise to calibrate
+        delta = dp_delta_for(float(fedpa.dp.delta), n, "n_i records")
+        return SamplePlan(n, b, 0, 0.0, delta, fedpa.dp.sampling, fedpa.dp.accountant)
+    return _plan(n, b, tau, int(fedpa.dp.horizon or cfg.federate.total_round_num), float(fedpa.dp.noise_multiplier),
+                 float(fedpa.dp.epsilon), float(fedpa.dp.delta), fedpa.dp.sampling, fedpa.dp.accountant)  # fmt: skip
 
 
 @lru_cache(maxsize=1024)
@@ -91,14 +91,14 @@ def routines(method) -> int:
 
 
 def frozen_names(treatment: str, local_names: list[str]) -> frozenset[str]:
-    """The tensors DP-SGD holds still: with ``fedpa.dp_local_tensors frozen`` the client's local tensors (a head),
+    """The tensors DP-SGD holds still: with ``fedpa.dp.local_tensors frozen`` the client's local tensors (a head),
     which keep the value they were built with, a value no record touches; DP-SGD clips and noises every tensor that
     moves, so what the client releases is post-processing of the mechanism alone."""
     if treatment != "frozen":
         return frozenset()
     if not local_names:
         raise ValueError(
-            "fedpa.dp_local_tensors 'frozen' with no local tensor to freeze: personalization.local_param names none "
+            "fedpa.dp.local_tensors 'frozen' with no local tensor to freeze: personalization.local_param names none "
             "of the model's trainable non-LoRA tensors"
         )
     return frozenset(local_names)
@@ -107,7 +107,7 @@ def frozen_names(treatment: str, local_names: list[str]) -> frozenset[str]:
 class SampleLevelClient(ClientPolicy):
     """DP-SGD on FS's ``trainer`` (``dp_sgd``: the plugin's hooks, which replace its step; ``num_train_data`` is the
     client's n_i), what of its statistics leaves, and its own account: in its log, in its upload (:meth:`spent`) and
-    as a line a round of :data:`~fs_fedpa.record.CLIENT_PRIVACY_FILE` (:meth:`record`). ``fedpa.dp_local_tensors
+    as a line a round of :data:`~fs_fedpa.record.CLIENT_PRIVACY_FILE` (:meth:`record`). ``fedpa.dp.local_tensors
     frozen`` holds its local tensors at their initial value."""
 
     gradient_diagnostics = False  # its task gradient is the noisy one
@@ -117,17 +117,17 @@ class SampleLevelClient(ClientPolicy):
         fedpa = self.fedpa
         self.path = os.path.join(cfg.outdir, CLIENT_PRIVACY_FILE)
         if dp_sgd is None:
-            raise ValueError("fedpa.dp_mode sample needs the plugin's DP-SGD hooks (fs_fedpa.plugin.dp_sgd.DPSGD)")
+            raise ValueError("fedpa.dp.mode sample needs the plugin's DP-SGD hooks (fs_fedpa.plugin.dp_sgd.DPSGD)")
 
         def plan(n: int) -> SamplePlan:
             return sample_plan(cfg, n, routines(method))
 
         def make_generator(routine: int):  # a torch.Generator or a SecureGenerator (dp_generator)
             stream = f"client {self.client} round {self.rnd} routine {routine}"
-            return dp_generator(fedpa.dp_seed, stream, fedpa.dp_secure_rng)
+            return dp_generator(fedpa.dp.seed, stream, fedpa.dp.secure_rng)
 
-        frozen = frozen_names(fedpa.dp_local_tensors, local_names)
-        self.dp_sgd = dp_sgd(trainer, plan, make_generator, fedpa.dp_clip, chunk=fedpa.dp_chunk or None,
+        frozen = frozen_names(fedpa.dp.local_tensors, local_names)
+        self.dp_sgd = dp_sgd(trainer, plan, make_generator, fedpa.dp.clip, chunk=fedpa.dp.chunk or None,
                              frozen=frozen)  # fmt: skip
         n = trainer.ctx.get("num_train_data")
         if isinstance(n, int) and n > 0:
@@ -139,11 +139,11 @@ class SampleLevelClient(ClientPolicy):
 
     @property
     def sits_out(self) -> bool:
-        """``fedpa.dp_min_records``: this client has fewer records and takes no DP-SGD step."""
-        if not self.fedpa.dp_min_records:
+        """``fedpa.dp.min_records``: this client has fewer records and takes no DP-SGD step."""
+        if not self.fedpa.dp.min_records:
             return False
         n = self.trainer.ctx.get("num_train_data")
-        return isinstance(n, int) and n < self.fedpa.dp_min_records
+        return isinstance(n, int) and n < self.fedpa.dp.min_records
 
     def stats(self, stats: dict, rounds_trained: int = 0) -> dict:
         """Every statistic but the raw-gradient ones, with what it spent after ``rounds_trained`` rounds
@@ -156,10 +156,10 @@ class SampleLevelClient(ClientPolicy):
         n = self.trainer.ctx.get("num_train_data")
         plan = self.dp_sgd.plan_in_use
         if self.sits_out or plan is None:
-            return {"dp_n": int(n or 0), "dp_b": 0, "dp_steps": 0, "dp_z": 0.0, "dp_clip": float(self.fedpa.dp_clip),
+            return {"dp_n": int(n or 0), "dp_b": 0, "dp_steps": 0, "dp_z": 0.0, "dp_clip": float(self.fedpa.dp.clip),
                     "dp_delta": 0.0, "dp_epsilon": 0.0}  # fmt: skip
         steps = rounds_trained * plan.steps_per_round
-        clip = float(self.fedpa.dp_clip)
+        clip = float(self.fedpa.dp.clip)
         return {"dp_n": plan.n, "dp_b": plan.b, "dp_steps": steps, "dp_z": plan.z, "dp_clip": clip,
                 "dp_delta": plan.delta, "dp_epsilon": plan.epsilon(steps)}  # fmt: skip
 
@@ -179,8 +179,8 @@ class SampleLevelClient(ClientPolicy):
         if self.sits_out:
             n = self.trainer.ctx.get("num_train_data")
             logger.info(
-                f"[fedpa] client #{self.client}: {n} training records, fewer than fedpa.dp_min_records"
-                f"(={self.fedpa.dp_min_records}): it takes no DP-SGD step, sends the factors it started "
+                f"[fedpa] client #{self.client}: {n} training records, fewer than fedpa.dp.min_records"
+                f"(={self.fedpa.dp.min_records}): it takes no DP-SGD step, sends the factors it started "
                 "from with sample size 0 (no weight), and spends epsilon 0"
             )
             self._write({**self._account(rounds_trained), "sits_out": True, "clipped_sum": None, "noise": None})
@@ -193,7 +193,7 @@ class SampleLevelClient(ClientPolicy):
         logger.info(
             f"[fedpa] client #{self.client}: DP-SGD epsilon {line['epsilon']:.4g} at delta {plan.delta:.3g} after "
             f"{line['steps']} steps (n={plan.n}, b={plan.b}{' expected' if plan.sampling == 'poisson' else ''}, "
-            f"z={plan.z:.4g}, C={self.fedpa.dp_clip:g}; {plan.sampling} sampling, {plan.accounting})"
+            f"z={plan.z:.4g}, C={self.fedpa.dp.clip:g}; {plan.sampling} sampling, {plan.accounting})"
             + (f"; {line['nonfinite']} records of this round had a non-finite gradient and contributed "
                "zero" if line["nonfinite"] else "")
             + (f"; {line['empty']} steps drew no record (Poisson) and were noise alone" if line["empty"] else "")
@@ -354,7 +354,7 @@ class SampleLevelServer(GaussianServer):
         for c, entry in (last.get("dp_clients") or {}).items():
             if entry:
                 spr = self._plan(int(entry["n"])).steps_per_round
-                if not spr:  # below fedpa.dp_min_records: no step, nothing spent
+                if not spr:  # below fedpa.dp.min_records: no step, nothing spent
                     continue
                 rounds = -(-int(entry["steps"]) // spr)
                 if rounds > self.trained.get(int(c), 0):
@@ -374,7 +374,7 @@ def _close(a: float, b: float) -> bool:
 
 
 class SampleLevel(GaussianMechanism):
-    """``fedpa.dp_mode sample``."""
+    """``fedpa.dp.mode sample``."""
 
     Server, Client = SampleLevelServer, SampleLevelClient
 
@@ -382,16 +382,16 @@ class SampleLevel(GaussianMechanism):
     def check_run(cls, cfg, fedpa) -> None:
         super().check_run(cfg, fedpa)
         if cfg.llm.deepspeed.use:
-            raise ValueError("fedpa.dp_mode sample runs its own DP-SGD step; deepspeed's engine would bypass it")
+            raise ValueError("fedpa.dp.mode sample runs its own DP-SGD step; deepspeed's engine would bypass it")
         seqcls = cfg.model.get("seqcls") if hasattr(cfg.model, "get") else None
         if seqcls is not None and seqcls.get("train_chunk"):
             raise ValueError(
-                "model.seqcls.train_chunk with fedpa.dp_mode sample: DP-SGD forwards its batches in chunks of its own "
+                "model.seqcls.train_chunk with fedpa.dp.mode sample: DP-SGD forwards its batches in chunks of its own "
                 "(fs_fedpa.plugin.dp_sgd); leave train_chunk at 0"
             )
         if cfg.grad.grad_clip > 0:
-            message = f"grad.grad_clip(={cfg.grad.grad_clip:g}) is not applied under fedpa.dp_mode sample: each "
-            message += f"example's gradient is clipped to fedpa.dp_clip(={fedpa.dp_clip:g}) instead"
+            message = f"grad.grad_clip(={cfg.grad.grad_clip:g}) is not applied under fedpa.dp.mode sample: each "
+            message += f"example's gradient is clipped to fedpa.dp.clip(={fedpa.dp.clip:g}) instead"
             warn_once(message)
 
     @classmethod
@@ -401,14 +401,14 @@ class SampleLevel(GaussianMechanism):
                 "train.local_update_steps": int(cfg.train.local_update_steps),
                 "train.batch_or_epoch": str(cfg.train.batch_or_epoch),
                 # who takes steps at all, and what the clip and noise cover
-                "fedpa.dp_min_records": int(cfg.fedpa.dp_min_records),
-                "fedpa.dp_local_tensors": str(cfg.fedpa.dp_local_tensors)}  # fmt: skip
+                "fedpa.dp.min_records": int(cfg.fedpa.dp.min_records),
+                "fedpa.dp.local_tensors": str(cfg.fedpa.dp.local_tensors)}  # fmt: skip
 
     @classmethod
     def export_info(cls, fedpa, outdir: Path) -> dict:
         dp_files, not_dp_files = split_exports("sample")
         return {**super().export_info(fedpa, outdir), "epsilon_is": "the largest over the clients (per client in the "
-                "ledger)", "local_tensors": fedpa.dp_local_tensors, "dp_files": dp_files,
+                "ledger)", "local_tensors": fedpa.dp.local_tensors, "dp_files": dp_files,
                 "not_dp_files": not_dp_files}  # fmt: skip
 
 

@@ -1,6 +1,6 @@
 """An empirical lower bound on the epsilon of the plugin's DP-SGD, from a gradient canary (the white-box auditing of
 Nasr et al., IEEE S&P 2021, in the Monte-Carlo form of Jagielski et al., NeurIPS 2020), one bound per treatment of
-the client's local head (``fedpa.dp_local_tensors``), and for the withdrawn 'plain' head as an emulation.
+the client's local head (``fedpa.dp.local_tensors``), and for the withdrawn 'plain' head as an emulation.
 
 The audited mechanism is the plugin's own DP-SGD hooks (:class:`fs_fedpa.plugin.dp_sgd.DPSGD`) in FS's
 ``GeneralTorchTrainer`` on a two-layer model (a body, which DP-SGD trains and the client releases, and a local

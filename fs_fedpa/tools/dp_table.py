@@ -109,7 +109,7 @@ def trained(space: str, model: str = "MiniLM-L6 (this cell)", rank: int | None =
             head: bool = True) -> int:  # fmt: skip
     """D: the LoRA entries DP-SGD trains (at ``rank``, default the model's; on the top ``layers`` of the model's,
     default all: ``model.seqcls.layers_to_transform``) plus the classifier head (hidden size k, two labels) unless
-    ``head`` is False (``fedpa.dp_local_tensors frozen``: the local head takes no step, so it is not in D)."""
+    ``head`` is False (``fedpa.dp.local_tensors frozen``: the local head takes no step, so it is not in D)."""
     modules, r = MODELS[model]
     r = rank or r
     total_layers = LAYERS[model]
@@ -122,8 +122,8 @@ def sample_table(epsilon: float, steps: int, ns: list[int], batches: list[int], 
                  accounting: str = "rdp", rank: int | None = None, layers: int | None = None,
                  head: bool = True) -> str:  # fmt: skip
     """The sample-level table; ``sampling``, ``accounting``, ``rank``, ``layers`` and ``head`` are the regime's knobs
-    (``fedpa.dp_sampling``, ``fedpa.dp_accountant``, ``model.seqcls.r``, ``model.seqcls.layers_to_transform`` on the
-    top layers, ``fedpa.dp_local_tensors``)."""
+    (``fedpa.dp.sampling``, ``fedpa.dp.accountant``, ``model.seqcls.r``, ``model.seqcls.layers_to_transform`` on the
+    top layers, ``fedpa.dp.local_tensors``)."""
     from fs_fedpa.privacy.accountant import ADJACENCY, calibrate
     from fs_fedpa.privacy.settings import dp_delta_for
 
@@ -187,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="--sample: local steps a round; the steps are then --rounds x tau, not --steps")
     parser.add_argument("--n", type=count, nargs="+", default=[624, 6797, 13224], help="--sample: clients' records")
     parser.add_argument("--batch", type=count, nargs="+", default=[16, 64, 256], help="--sample: records a step")
-    parser.add_argument("--sampling", choices=("wor", "poisson"), default="wor", help="--sample: fedpa.dp_sampling")
-    parser.add_argument("--accountant", choices=("rdp", "pld"), default="rdp", help="--sample: fedpa.dp_accountant")
+    parser.add_argument("--sampling", choices=("wor", "poisson"), default="wor", help="--sample: fedpa.dp.sampling")
+    parser.add_argument("--accountant", choices=("rdp", "pld"), default="rdp", help="--sample: fedpa.dp.accountant")
     parser.add_argument("--rank", type=count, default=None, help="--sample: the LoRA rank (default 4)")
     parser.add_argument("--layers", type=count, default=None, help="LoRA on the top LAYERS layers only")
     parser.add_argument("--frozen-head", action="store_true",

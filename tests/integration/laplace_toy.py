@@ -1,6 +1,6 @@
 """A toy DP mechanism that plugs in through :mod:`fs_fedpa.privacy` alone (issue 73): Laplace noise on each client's
 uploaded factors, then FS's usual aggregation. Run as ``python -m tests.integration.laplace_toy --cfg <yaml>``: it
-registers ``fedpa.dp_mode laplace`` and runs stock ``federatedscope.main``.
+registers ``fedpa.dp.mode laplace`` and runs stock ``federatedscope.main``.
 
 The mechanism: a client clips its uploaded factors (all of B and A, one vector) to L1 norm C and adds Laplace noise of
 scale 2C/epsilon per coordinate, pure epsilon-DP of one round's upload under replace-one adjacency of the client's
@@ -24,7 +24,7 @@ MODE = "laplace"
 
 class LaplaceClient(ClientPolicy):
     def upload(self, factors: dict, rnd: int) -> dict:
-        C, epsilon = float(self.fedpa.dp_clip), float(self.fedpa.dp_epsilon)
+        C, epsilon = float(self.fedpa.dp.clip), float(self.fedpa.dp.epsilon)
         l1 = sum(float(t.abs().sum()) for B, A in factors.values() for t in (B, A))
         scale = min(1.0, C / max(l1, 1e-30))
         noise = torch.distributions.Laplace(0.0, 2 * C / epsilon)
@@ -45,7 +45,7 @@ class LaplaceServer(ServerPolicy):
 
     def account(self, rnd: int, receivers: list[int], stats: dict) -> dict:
         self.rounds += 1
-        line = {"round": rnd, "dp_mode": MODE, "dp_epsilon": self.rounds * float(self.method.cfg.dp_epsilon),
+        line = {"round": rnd, "dp_mode": MODE, "dp_epsilon": self.rounds * float(self.method.cfg.dp.epsilon),
                 "dp_delta": 0.0, "dp_adjacency": "replace_one", "dp_sampling": "all", "dp_accountant": "basic"}
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")
@@ -53,7 +53,7 @@ class LaplaceServer(ServerPolicy):
         return line
 
     def summary(self) -> str:
-        return f"[toy] Laplace on the client update: epsilon {self.rounds * float(self.method.cfg.dp_epsilon):g}"
+        return f"[toy] Laplace on the client update: epsilon {self.rounds * float(self.method.cfg.dp.epsilon):g}"
 
     def state_dict(self) -> dict:
         return {"rounds": self.rounds}

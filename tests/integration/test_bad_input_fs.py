@@ -54,7 +54,7 @@ CASES = [
         ["fedpa.reg", "b", "fedpa.reference_ranks", "[2, 2, 2]"],
         "fedpa.reg 'b' compares factors, so it needs reference_ranks == client_ranks",
     ),
-    ("`rotation_strength` outside [0, 1]", ["fedpa.fedrot_lora.strength", "2.0"], "must be in [0, 1]"),
+    ("`fedrot_lora.strength` outside [0, 1]", ["fedpa.fedrot_lora.strength", "2.0"], "must be in [0, 1]"),
     ("more threads than CPUs", ["fedpa.num_threads", "100000"], "fedpa.num_threads(=100000) > the"),
     (
         "`group_sizes` without ranks",
@@ -70,7 +70,7 @@ CASES = [
     ("half-precision training on the CPU", ["train.is_enable_half", "True"], "train.is_enable_half True on the CPU"),
     ("more clients than `max_clients`", ["federate.client_num", "1000000"], "is above fedpa.max_clients(=10000)"),
     (
-        "`eval_refit_head` without a local head",
+        "`eval.refit_head` without a local head",
         ["fedpa.eval.refit_head", "True", "personalization.local_param", "[]"],
         "fedpa.eval.refit_head refits a sequence classifier's local head",
     ),

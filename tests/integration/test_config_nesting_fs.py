@@ -42,13 +42,27 @@ def warnings_seen(monkeypatch):
     return seen
 
 
+# values the type's default rule would not give a valid one for; a DP key is set inside a DP setting (below)
+VALUES = {"dp.mode": "sample", "dp.delta": 1e-6, "dp.sampling": "poisson", "dp.accountant": "pld",
+          "dp.local_tensors": "frozen", "dp.epsilon": 8.0}  # fmt: skip
+DP_CONTEXT = {"mode": "sample", "clip": 1.0, "noise_multiplier": 1.0}
+
+
+def _context(name: str) -> list:
+    """The other DP keys a DP key needs beside it (by their new names), without the key itself; with a target
+    epsilon, no noise multiplier."""
+    keys = {k: v for k, v in DP_CONTEXT.items() if k != name and not (name == "epsilon" and k == "noise_multiplier")}
+    return [x for k, v in keys.items() for x in (f"fedpa.dp.{k}", v)]
+
+
 @pytest.mark.parametrize("old,new", sorted(config_fs.flat_keys().items()))
 def test_an_old_flat_key_lands_where_its_new_key_does_with_one_warning(old, new, warnings_seen):
     part, name = new.split(".")
-    value = _changed_value(config_fs.default_node()[part][name])
+    value = VALUES.get(new, _changed_value(config_fs.default_node()[part][name]))
+    context = _context(name) if part == "dp" else []
     by_old, by_new = _fresh(), _fresh()
-    by_old.merge_from_list([f"fedpa.{old}", value])
-    by_new.merge_from_list([f"fedpa.{new}", value])
+    by_old.merge_from_list([*context, f"fedpa.{old}", value])
+    by_new.merge_from_list([*context, f"fedpa.{new}", value])
     assert by_old.fedpa[part][name] == by_new.fedpa[part][name] == value
     assert config_fs.fedpa_config(by_old) == config_fs.fedpa_config(by_new)
     assert by_old.fedpa[old] == config_fs.default_node()[old]  # moved, not kept twice
@@ -113,3 +127,14 @@ def test_fs_help_prints_a_nested_key_s_help_from_its_field(monkeypatch):
         logging.disable(logging.NOTSET)
     expected = NetConfig.__dataclass_fields__["round_timeout_s"].metadata["help"]
     assert out.getvalue().strip() == f"--fedpa.net.round_timeout_s \t {expected}"
+
+
+def test_a_resume_point_written_with_the_old_names_compares_under_the_new_ones():
+    """A point written before the section was nested names its DP settings flat; read, they are the new keys, so
+    the resume compares them with this run's instead of refusing every one as missing."""
+    from fs_fedpa.plugin.resume_fs import named_now
+
+    old = {"fedpa.dp_clip": 0.1, "fedpa.dp_horizon (or federate.total_round_num)": 20, "fedpa.lam": 1.0,
+           "federate.client_num": 10}  # fmt: skip
+    assert named_now(old) == {"fedpa.dp.clip": 0.1, "fedpa.dp.horizon (or federate.total_round_num)": 20,
+                              "fedpa.lam": 1.0, "federate.client_num": 10}  # fmt: skip

@@ -284,7 +284,7 @@ def test_taps_and_loop_take_the_same_step_on_lora_models(kind, chunk, tiny_glue,
 
 
 def test_a_clients_delta_above_its_bound_is_refused_when_it_is_built_not_in_its_first_batch():
-    """n_i = 20,000 records: the per-client bound is min(1e-5, 1/(10 n_i)) = 5e-6, so fedpa.dp_delta 1e-5 must stop
+    """n_i = 20,000 records: the per-client bound is min(1e-5, 1/(10 n_i)) = 5e-6, so fedpa.dp.delta 1e-5 must stop
     the client as it is set up (before, the plan, and with it the check, was first made inside the first batch)."""
     from types import SimpleNamespace
 
@@ -298,12 +298,12 @@ def test_a_clients_delta_above_its_bound_is_refused_when_it_is_built_not_in_its_
 
     cfg = global_cfg.clone()
     cfg.merge_from_list(["train.local_update_steps", 1, "train.batch_or_epoch", "batch", "dataloader.batch_size", 4,
-                         "criterion.type", "MSELoss", "use_gpu", False, "fedpa.dp_mode", "sample", "fedpa.dp_clip", 1.0,
-                         "fedpa.dp_noise_multiplier", 1.0, "fedpa.dp_delta", 1e-5])  # fmt: skip
+                         "criterion.type", "MSELoss", "use_gpu", False, "fedpa.dp.mode", "sample",
+                         "fedpa.dp.clip", 1.0, "fedpa.dp.noise_multiplier", 1.0, "fedpa.dp.delta", 1e-5])  # fmt: skip
     data = {"train": DataLoader(TensorDataset(torch.zeros(20000, 3), torch.zeros(20000, 1)), batch_size=4)}
     trainer = GeneralTorchTrainer(torch.nn.Linear(3, 1), data, "cpu", cfg, only_for_eval=False, monitor=Monitor(cfg))
     assert trainer.ctx.num_train_data == 20000
-    fedpa = FedPAConfig(dp_mode="sample", dp_clip=1.0, dp_noise_multiplier=1.0, dp_delta=1e-5)
+    fedpa = FedPAConfig(dp={"mode": "sample", "clip": 1.0, "noise_multiplier": 1.0, "delta": 1e-5})
     method = SimpleNamespace(cfg=fedpa, personal_weight=None)
     with pytest.raises(ValueError, match=r"above min\(1e-5, 1/\(10 x 20000 n_i records\)\)"):
         client_policy(cfg, method, trainer, [], DPSGD)
@@ -311,7 +311,7 @@ def test_a_clients_delta_above_its_bound_is_refused_when_it_is_built_not_in_its_
 
 @pytest.mark.parametrize("dp_chunk,expected", [(0, None), (32, 32)])
 def test_fedpa_dp_chunk_sets_the_records_a_dp_sgd_forward_takes(dp_chunk, expected):
-    """fedpa.dp_chunk reaches the client's DP-SGD (0: its device's default); under no DP it is refused as stray."""
+    """fedpa.dp.chunk reaches the client's DP-SGD (0: its device's default); under no DP it is refused as stray."""
     from types import SimpleNamespace
 
     from federatedscope.core.configs.config import global_cfg
@@ -324,19 +324,19 @@ def test_fedpa_dp_chunk_sets_the_records_a_dp_sgd_forward_takes(dp_chunk, expect
 
     cfg = global_cfg.clone()
     cfg.merge_from_list(["train.local_update_steps", 1, "train.batch_or_epoch", "batch", "dataloader.batch_size", 4,
-                         "criterion.type", "MSELoss", "use_gpu", False, "fedpa.dp_mode", "sample", "fedpa.dp_clip",
-                         1.0, "fedpa.dp_noise_multiplier", 1.0])  # fmt: skip
+                         "criterion.type", "MSELoss", "use_gpu", False, "fedpa.dp.mode", "sample", "fedpa.dp.clip",
+                         1.0, "fedpa.dp.noise_multiplier", 1.0])  # fmt: skip
     data = {"train": DataLoader(TensorDataset(torch.zeros(64, 3), torch.zeros(64, 1)), batch_size=4)}
     trainer = GeneralTorchTrainer(torch.nn.Linear(3, 1), data, "cpu", cfg, only_for_eval=False, monitor=Monitor(cfg))
-    fedpa = FedPAConfig(dp_mode="sample", dp_clip=1.0, dp_noise_multiplier=1.0, dp_chunk=dp_chunk)
+    fedpa = FedPAConfig(dp={"mode": "sample", "clip": 1.0, "noise_multiplier": 1.0, "chunk": dp_chunk})
     privacy = client_policy(cfg, SimpleNamespace(cfg=fedpa, personal_weight=None), trainer, [], DPSGD)
     assert privacy.dp_sgd.chunk == expected
-    with pytest.raises(ValueError, match="dp_chunk"):
-        FedPAConfig(dp_chunk=32)  # no DP: a DP-only key set is refused
-    with pytest.raises(ValueError, match="fedpa.dp_chunk is a choice of DP-SGD"):
-        FedPAConfig(dp_mode="client", dp_clip=1.0, dp_noise_multiplier=1.0, dp_chunk=32)
-    with pytest.raises(ValueError, match=r"fedpa.dp_chunk\(=-1\)"):
-        FedPAConfig(dp_mode="sample", dp_clip=1.0, dp_noise_multiplier=1.0, dp_chunk=-1)
+    with pytest.raises(ValueError, match="fedpa.dp.chunk=32 set while fedpa.dp.mode is .none."):
+        FedPAConfig(dp={"chunk": 32})  # no DP: a DP-only key set is refused
+    with pytest.raises(ValueError, match="fedpa.dp.chunk is a choice of DP-SGD"):
+        FedPAConfig(dp={"mode": "client", "clip": 1.0, "noise_multiplier": 1.0, "chunk": 32})
+    with pytest.raises(ValueError, match=r"fedpa.dp.chunk\(=-1\)"):
+        FedPAConfig(dp={"mode": "sample", "clip": 1.0, "noise_multiplier": 1.0, "chunk": -1})
 
 
 @pytest.mark.parametrize("kind", ["cosine", "constant"])
@@ -412,8 +412,8 @@ def test_a_dp_sgd_run_through_fs_follows_the_run_schedule(tiny_llm, tmp_path):
     from tests.integration.conftest import fedpa_cfg
     from tests.integration.tiny_assets import outdir_of, run_fs
 
-    cfg = fedpa_cfg(tiny_llm, tmp_path, **{"federate.total_round_num": 2, "fedpa.dp_mode": "sample",
-                                           "fedpa.dp_clip": 1.0, "fedpa.dp_noise_multiplier": 1.0,
+    cfg = fedpa_cfg(tiny_llm, tmp_path, **{"federate.total_round_num": 2, "fedpa.dp.mode": "sample",
+                                           "fedpa.dp.clip": 1.0, "fedpa.dp.noise_multiplier": 1.0,
                                            "fedpa.lr_schedule": "cosine", "fedpa.lr_warmup_steps": 2})  # fmt: skip
     proc = run_fs(cfg, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -469,7 +469,7 @@ HEAD = frozenset({"1.weight", "1.bias"})
 @pytest.mark.parametrize("batched", [True, False], ids=["taps", "loop"])
 @pytest.mark.parametrize("frozen", [frozenset(), HEAD], ids=["head_noised", "head_frozen"])
 def test_the_head_is_clipped_and_noised_with_the_body_or_held_still(batched, frozen):
-    """fedpa.dp_local_tensors: a noised head is clipped jointly with the body; a frozen head takes no step, and the
+    """fedpa.dp.local_tensors: a noised head is clipped jointly with the body; a frozen head takes no step, and the
     body's records are clipped on the body's norm alone. Expected steps from torch.func's per-example gradients of
     the two-layer model."""
     from torch.func import functional_call, grad, vmap
@@ -659,9 +659,9 @@ def test_the_regimes_knobs_together_through_fs(tiny_glue, tmp_path):
     from tests.integration.test_export_fs import _run
 
     cfg, outdir = _run(tiny_glue, tmp_path, "fedpa", **{
-        "model.seqcls.layers_to_transform": [1], "model.seqcls.prefix_cache": True, "fedpa.dp_mode": "sample",
-        "fedpa.dp_clip": 1.0, "fedpa.dp_noise_multiplier": 1.0, "fedpa.dp_local_tensors": "frozen",
-        "fedpa.dp_sampling": "poisson", "fedpa.dp_accountant": "pld", "fedpa.lr_schedule": "cosine",
+        "model.seqcls.layers_to_transform": [1], "model.seqcls.prefix_cache": True, "fedpa.dp.mode": "sample",
+        "fedpa.dp.clip": 1.0, "fedpa.dp.noise_multiplier": 1.0, "fedpa.dp.local_tensors": "frozen",
+        "fedpa.dp.sampling": "poisson", "fedpa.dp.accountant": "pld", "fedpa.lr_schedule": "cosine",
         "fedpa.lr_warmup_steps": 1})  # fmt: skip
     log = (outdir / "exp_print.log").read_text()
     assert "prefix cache: embeddings and layers 0-0 computed once per record" in log
@@ -682,8 +682,8 @@ def test_the_dp_regime_config_passes_fs_and_the_plugins_checks():
     cfg = global_cfg.clone()
     cfg.merge_from_file(str(Path(__file__).resolve().parents[2] / "yaml_configs" / "dp_sst2_minilm_cpu.yaml"))
     cfg.freeze()
-    assert (cfg.fedpa.dp_mode, cfg.fedpa.dp_epsilon, cfg.fedpa.dp_clip, cfg.fedpa.dp_sampling) == (
+    assert (cfg.fedpa.dp.mode, cfg.fedpa.dp.epsilon, cfg.fedpa.dp.clip, cfg.fedpa.dp.sampling) == (
         "sample", 8.0, 0.01, "poisson")  # fmt: skip
     assert (cfg.dataloader.batch_size, cfg.train.local_update_steps, cfg.federate.total_round_num) == (256, 1, 120)
     assert cfg.model.seqcls.layers_to_transform == [4, 5] and cfg.personalization.local_param == ["classifier"]
-    assert cfg.fedpa.dp_local_tensors == "frozen"  # inside the guarantee
+    assert cfg.fedpa.dp.local_tensors == "frozen"  # inside the guarantee

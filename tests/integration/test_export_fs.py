@@ -416,11 +416,11 @@ def test_the_manifest_says_what_is_private_and_on_which_base(tiny_glue, tmp_path
     """export.json and its README record dp_mode, the ledger's (epsilon, delta), adjacency, sampling and accountant,
     which files are DP (client level: the global adapter only; DP-SGD: the clients' parts too) and the base's
     quantization; before, an exported client head trained without DP was indistinguishable from a private one."""
-    frozen = mode == "sample_frozen"  # the local head held at its initial value (fedpa.dp_local_tensors frozen)
+    frozen = mode == "sample_frozen"  # the local head held at its initial value (fedpa.dp.local_tensors frozen)
     mode = "sample" if frozen else mode
-    dp = {} if mode == "none" else {"fedpa.dp_mode": mode, "fedpa.dp_clip": 1.0, "fedpa.dp_noise_multiplier": 1.0}
+    dp = {} if mode == "none" else {"fedpa.dp.mode": mode, "fedpa.dp.clip": 1.0, "fedpa.dp.noise_multiplier": 1.0}
     if frozen:
-        dp["fedpa.dp_local_tensors"] = "frozen"
+        dp["fedpa.dp.local_tensors"] = "frozen"
     cfg, outdir = _run(tiny_glue, tmp_path, "fedpa", **dp)
     info = json.loads((tmp_path / "at_end" / "export.json").read_text())
     privacy = info["privacy"]

@@ -44,11 +44,11 @@ def test_client_level_ledger_equals_dp_accounting_for_the_run(tiny_llm, tmp_path
     overrides = {
         "federate.client_num": 4,
         "federate.sample_client_num": 2,
-        "fedpa.dp_mode": "client",
-        "fedpa.dp_clip": 0.05,
-        "fedpa.dp_noise_multiplier": 1.2,
+        "fedpa.dp.mode": "client",
+        "fedpa.dp.clip": 0.05,
+        "fedpa.dp.noise_multiplier": 1.2,
         "fedpa.records.diagnostics": False,
-        "fedpa.dp_seed": 7,
+        "fedpa.dp.seed": 7,
     }
     cfg = fedpa_cfg(tiny_llm, tmp_path, **overrides)
     # Execute
@@ -66,7 +66,7 @@ def test_client_level_ledger_equals_dp_accounting_for_the_run(tiny_llm, tmp_path
     log = (out / "exp_print.log").read_text().strip().splitlines()
     assert "differential privacy (client level): (epsilon, delta)" in log[-1]  # the run's last line
     assert not (out / "fedpa_diagnostics.jsonl").exists()
-    # fedpa.dp_seed 7: a warning, not an INFO line that also said "from OS entropy"
+    # fedpa.dp.seed 7: a warning, not an INFO line that also said "from OS entropy"
     text = "\n".join(log)
     assert "holds only while the seed stays secret" in text and "from OS entropy" not in text
 
@@ -74,9 +74,9 @@ def test_client_level_ledger_equals_dp_accounting_for_the_run(tiny_llm, tmp_path
 def test_client_level_records_only_what_the_release_gives(tiny_llm, tmp_path):
     overrides = {
         "federate.client_num": 3,
-        "fedpa.dp_mode": "client",
-        "fedpa.dp_clip": 0.05,
-        "fedpa.dp_epsilon": 50.0,
+        "fedpa.dp.mode": "client",
+        "fedpa.dp.clip": 0.05,
+        "fedpa.dp.epsilon": 50.0,
         "federate.total_round_num": 2,
     }
     cfg = fedpa_cfg(tiny_llm, tmp_path, **overrides)
@@ -86,7 +86,7 @@ def test_client_level_records_only_what_the_release_gives(tiny_llm, tmp_path):
     assert 40.0 < ledger[-1]["dp_epsilon"] <= 50.0
     z = ledger[-1]["dp_noise_multiplier"]
     assert ledger[-1]["dp_epsilon"] == pytest.approx(_expected_epsilon(3, 3, z, 2, 1e-5), rel=1e-9)
-    # no dp_seed: the noise and the sampling come from the OS's cryptographic generator (fedpa.dp_secure_rng)
+    # no dp_seed: the noise and the sampling come from the OS's cryptographic generator (fedpa.dp.secure_rng)
     assert "from the OS's cryptographic generator" in (out / "exp_print.log").read_text()
     records = _jsonl(out / "fedpa_diagnostics.jsonl")
     per_client = {"alignment_loss", "lam", "delta_norm", "drift", "num_train_data", "grad_ratio_first", "e_init_B"}
@@ -102,8 +102,8 @@ def test_client_level_keeps_a_dropped_upload_and_its_reason_out_of_the_logs_and_
     generator drew, the log says nothing of the drop, and the reason is in the server-private faults file."""
     from tests.integration.conftest import probe
 
-    overrides = {"federate.client_num": 3, "fedpa.dp_mode": "client", "fedpa.dp_clip": 0.05,
-                 "fedpa.dp_noise_multiplier": 1.0, "federate.total_round_num": 2}  # fmt: skip
+    overrides = {"federate.client_num": 3, "fedpa.dp.mode": "client", "fedpa.dp.clip": 0.05,
+                 "fedpa.dp.noise_multiplier": 1.0, "federate.total_round_num": 2}  # fmt: skip
     run = probe(fedpa_cfg(tiny_llm, tmp_path, **overrides), tmp_path, env={"FS_PROBE_CORRUPT": "2:1:nan"})
     out = Path(run["final"]["outdir"])
     records = {r["round"]: r for r in _jsonl(out / "fedpa_diagnostics.jsonl")}
@@ -125,7 +125,7 @@ def test_client_level_server_files_hold_the_initial_head_not_a_clients(tiny_glue
 
     save_to = tmp_path / "ckpt" / "run.pt"
     cfg = fs_glue_yaml(tmp_path, tiny_glue["model"], tiny_glue["glue"], **{
-        "fedpa.dp_mode": "client", "fedpa.dp_clip": 1.0, "fedpa.dp_noise_multiplier": 1.0,
+        "fedpa.dp.mode": "client", "fedpa.dp.clip": 1.0, "fedpa.dp.noise_multiplier": 1.0,
         "federate.total_round_num": 3, "federate.save_to": str(save_to)})  # fmt: skip
     assert cfg["federate"]["share_local_model"] and cfg["personalization"]["local_param"] == ["classifier"]
     _finished(cfg, tmp_path)
@@ -148,11 +148,11 @@ def test_client_level_server_files_hold_the_initial_head_not_a_clients(tiny_glue
 
 
 def test_an_unsupported_method_is_refused_through_fs_naming_dp(tiny_llm, tmp_path):
-    overrides = {"federate.method": "flexlora", "fedpa.dp_mode": "client", "fedpa.dp_clip": 1.0,
-                 "fedpa.dp_noise_multiplier": 1.0}  # fmt: skip
+    overrides = {"federate.method": "flexlora", "fedpa.dp.mode": "client", "fedpa.dp.clip": 1.0,
+                 "fedpa.dp.noise_multiplier": 1.0}  # fmt: skip
     proc = run_fs(fedpa_cfg(tiny_llm, tmp_path, **overrides), tmp_path)
     assert proc.returncode != 0
-    assert "differential privacy at client level (fedpa.dp_mode client) is not supported by federate.method " in (
+    assert "differential privacy at client level (fedpa.dp.mode client) is not supported by federate.method " in (
         proc.stderr
     )
 
@@ -160,48 +160,48 @@ def test_an_unsupported_method_is_refused_through_fs_naming_dp(tiny_llm, tmp_pat
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        (["federate.method", "ravan", "fedpa.dp_mode", "client"], r"differential privacy.*'ravan'"),
-        (["fedpa.dp_mode", "client", "fedpa.adaptive_lam", "loss"], "adaptive_lam.*differential privacy"),
-        (["fedpa.dp_mode", "sample", "fedpa.adaptive_lam", "grad"], "adaptive_lam.*differential privacy"),
-        (["fedpa.dp_mode", "client", "fedpa.norm_outlier", "3.0"], "norm_outlier with differential privacy"),
-        (["fedpa.dp_mode", "client", "fedpa.max_weight_ratio", "2.0"], "max_weight_ratio with differential privacy"),
-        (["fedpa.dp_mode", "client", "fedpa.dp_delta", "1e-3"], r"dp_delta\(=0.001\) must be <= 1e-05"),
+        (["federate.method", "ravan", "fedpa.dp.mode", "client"], r"differential privacy.*'ravan'"),
+        (["fedpa.dp.mode", "client", "fedpa.adaptive_lam", "loss"], "adaptive_lam.*differential privacy"),
+        (["fedpa.dp.mode", "sample", "fedpa.adaptive_lam", "grad"], "adaptive_lam.*differential privacy"),
+        (["fedpa.dp.mode", "client", "fedpa.norm_outlier", "3.0"], "norm_outlier with differential privacy"),
+        (["fedpa.dp.mode", "client", "fedpa.max_weight_ratio", "2.0"], "max_weight_ratio with differential privacy"),
+        (["fedpa.dp.mode", "client", "fedpa.dp.delta", "1e-3"], r"dp.delta\(=0.001\) must be <= 1e-05"),
         (
-            ["federate.client_num", "200000", "fedpa.max_clients", "200000", "fedpa.dp_mode", "client",
-             "fedpa.dp_delta", "1e-5"],
+            ["federate.client_num", "200000", "fedpa.max_clients", "200000", "fedpa.dp.mode", "client",
+             "fedpa.dp.delta", "1e-5"],
             r"above min\(1e-5, 1/\(10 x 200000 N clients\)\)",
         ),  # fmt: skip
-        (["fedpa.dp_mode", "client", "fedpa.dp_epsilon", "4.0"], "exactly one of"),
-        (["fedpa.dp_mode", "sample", "fedpa.dp_clip", "0.0"], "needs fedpa.dp_clip"),
-        (["fedpa.dp_mode", "client", "federate.unseen_clients_rate", "0.2"], r"unseen_clients_rate\(=0.2\) with"),
-        (["fedpa.dp_mode", "none", "fedpa.dp_noise_multiplier", "1.0"], "set while fedpa.dp_mode is 'none'"),
-        (["fedpa.dp_mode", "none", "fedpa.dp_noise_multiplier", "0.0", "fedpa.dp_sampling", "poisson"],
-         "fedpa.dp_sampling=poisson set while fedpa.dp_mode is 'none'"),
-        (["fedpa.dp_mode", "sample", "fedpa.dp_accountant", "prv"], r"fedpa.dp_accountant\(='prv'\) must be one of"),
-        (["fedpa.dp_mode", "sample", "fedpa.dp_sampling", "shuffle"], r"fedpa.dp_sampling\(='shuffle'\) must be one"),
-        (["fedpa.dp_mode", "client", "fedpa.dp_local_tensors", "frozen"], "is a choice of DP-SGD"),
+        (["fedpa.dp.mode", "client", "fedpa.dp.epsilon", "4.0"], "exactly one of"),
+        (["fedpa.dp.mode", "sample", "fedpa.dp.clip", "0.0"], "needs fedpa.dp.clip"),
+        (["fedpa.dp.mode", "client", "federate.unseen_clients_rate", "0.2"], r"unseen_clients_rate\(=0.2\) with"),
+        (["fedpa.dp.mode", "none", "fedpa.dp.noise_multiplier", "1.0"], "set while fedpa.dp.mode is 'none'"),
+        (["fedpa.dp.mode", "none", "fedpa.dp.noise_multiplier", "0.0", "fedpa.dp.sampling", "poisson"],
+         "fedpa.dp.sampling=poisson set while fedpa.dp.mode is 'none'"),
+        (["fedpa.dp.mode", "sample", "fedpa.dp.accountant", "prv"], r"fedpa.dp.accountant\(='prv'\) must be one of"),
+        (["fedpa.dp.mode", "sample", "fedpa.dp.sampling", "shuffle"], r"fedpa.dp.sampling\(='shuffle'\) must be one"),
+        (["fedpa.dp.mode", "client", "fedpa.dp.local_tensors", "frozen"], "is a choice of DP-SGD"),
         # issue 73: before, accepted; the first two then asked for 15-30 GiB, or stopped with an ArithmeticError
-        (["fedpa.dp_mode", "sample", "fedpa.dp_noise_multiplier", "0.001", "fedpa.dp_accountant", "pld"],
+        (["fedpa.dp.mode", "sample", "fedpa.dp.noise_multiplier", "0.001", "fedpa.dp.accountant", "pld"],
          r"the PLD accountant would need about .* GiB for noise multiplier z=0.001"),
-        (["fedpa.dp_mode", "sample", "fedpa.dp_noise_multiplier", "0.0", "fedpa.dp_epsilon", "1000",
-          "fedpa.dp_accountant", "pld"], r"fedpa.dp_epsilon\(=1000\) must be <= 100"),
-        (["fedpa.dp_mode", "client", "fedpa.dp_min_records", "5"], "dp_min_records is a choice of DP-SGD"),
-        (["fedpa.dp_mode", "none", "fedpa.dp_noise_multiplier", "0.0", "fedpa.dp_clip", "0.0",
-          "fedpa.dp_secure_rng", "False"], "fedpa.dp_secure_rng=False set while fedpa.dp_mode is 'none'"),
-        (["fedpa.dp_mode", "sample", "fedpa.dp_clip", "1.0", "fedpa.dp_noise_multiplier", "1.0",
-          "fedpa.dp_local_tensors", "plain"], "'plain' is withdrawn: .* sensitivity bound does not hold"),
+        (["fedpa.dp.mode", "sample", "fedpa.dp.noise_multiplier", "0.0", "fedpa.dp.epsilon", "1000",
+          "fedpa.dp.accountant", "pld"], r"fedpa.dp.epsilon\(=1000\) must be <= 100"),
+        (["fedpa.dp.mode", "client", "fedpa.dp.min_records", "5"], "dp.min_records is a choice of DP-SGD"),
+        (["fedpa.dp.mode", "none", "fedpa.dp.noise_multiplier", "0.0", "fedpa.dp.clip", "0.0",
+          "fedpa.dp.secure_rng", "False"], "fedpa.dp.secure_rng=False set while fedpa.dp.mode is 'none'"),
+        (["fedpa.dp.mode", "sample", "fedpa.dp.clip", "1.0", "fedpa.dp.noise_multiplier", "1.0",
+          "fedpa.dp.local_tensors", "plain"], "'plain' is withdrawn: .* sensitivity bound does not hold"),
         (
             [
-                "fedpa.dp_mode",
+                "fedpa.dp.mode",
                 "sample",
-                "fedpa.dp_epsilon",
+                "fedpa.dp.epsilon",
                 "4.0",
-                "fedpa.dp_noise_multiplier",
+                "fedpa.dp.noise_multiplier",
                 "0.0",
-                "fedpa.dp_horizon",
+                "fedpa.dp.horizon",
                 "1",
             ],
-            "dp_horizon.*below federate.total_round_num",
+            "dp.horizon.*below federate.total_round_num",
         ),  # fmt: skip
     ],
 )
@@ -211,7 +211,7 @@ def test_refusals_name_dp(overrides, match):
 
     cfg = global_cfg.clone()
     base = ["federate.method", "fedpa", "federate.client_num", "3", "federate.total_round_num", "3",
-            "fedpa.dp_clip", "1.0", "fedpa.dp_noise_multiplier", "1.0"]  # fmt: skip
+            "fedpa.dp.clip", "1.0", "fedpa.dp.noise_multiplier", "1.0"]  # fmt: skip
     with pytest.raises(ValueError, match=match):
         cfg.merge_from_list(base + overrides)
 
@@ -219,10 +219,10 @@ def test_refusals_name_dp(overrides, match):
 def test_sample_level_records_each_clients_epsilon(tiny_llm, tmp_path):
     # Prepare: 3 clients, 2 rounds of 2 DP-SGD steps of b = 2
     overrides = {
-        "fedpa.dp_mode": "sample",
-        "fedpa.dp_clip": 1.0,
-        "fedpa.dp_noise_multiplier": 1.5,
-        "fedpa.dp_delta": 1e-4 / 10,
+        "fedpa.dp.mode": "sample",
+        "fedpa.dp.clip": 1.0,
+        "fedpa.dp.noise_multiplier": 1.5,
+        "fedpa.dp.delta": 1e-4 / 10,
         "federate.total_round_num": 2,
     }
     cfg = fedpa_cfg(tiny_llm, tmp_path, **overrides)
@@ -256,7 +256,7 @@ def test_sample_level_records_each_clients_epsilon(tiny_llm, tmp_path):
     assert "per-example loop" not in log  # FS-LLM's trainer on a LoRA Llama: the batched taps served every step
 
 
-SAMPLE = {"fedpa.dp_mode": "sample", "fedpa.dp_clip": 1.0, "fedpa.dp_noise_multiplier": 1.5,
+SAMPLE = {"fedpa.dp.mode": "sample", "fedpa.dp.clip": 1.0, "fedpa.dp.noise_multiplier": 1.5,
           "federate.total_round_num": 2}  # fmt: skip
 
 
@@ -306,16 +306,16 @@ def test_a_client_that_misreports_its_size_is_refused_and_credited_what_it_spent
 
 
 def test_sample_level_poisson_sampling_with_the_pld_accountant(tiny_llm, tmp_path):
-    """fedpa.dp_sampling poisson, fedpa.dp_accountant pld, z calibrated for epsilon 8: the ledger names the sampling,
+    """fedpa.dp.sampling poisson, fedpa.dp.accountant pld, z calibrated for epsilon 8: the ledger names the sampling,
     the add/remove adjacency and the accountant, each client's epsilon is dp-accounting's PLD of the Poisson
     subsampled Gaussian composed over its steps, and its z is below what rdp with fixed-size sampling needs."""
     from dp_accounting.pld import privacy_loss_distribution as pld
 
     from fs_fedpa.privacy.accountant import calibrate
 
-    overrides = {"fedpa.dp_mode": "sample", "fedpa.dp_clip": 1.0, "fedpa.dp_epsilon": 8.0,
-                 "federate.total_round_num": 1, "fedpa.dp_sampling": "poisson", "fedpa.dp_accountant": "pld",
-                 "fedpa.dp_seed": 5}  # fmt: skip
+    overrides = {"fedpa.dp.mode": "sample", "fedpa.dp.clip": 1.0, "fedpa.dp.epsilon": 8.0,
+                 "federate.total_round_num": 1, "fedpa.dp.sampling": "poisson", "fedpa.dp.accountant": "pld",
+                 "fedpa.dp.seed": 5}  # fmt: skip
     out = _finished(fedpa_cfg(tiny_llm, tmp_path, **overrides), tmp_path)
     line = _jsonl(out / "fedpa_privacy.jsonl")[-1]
     assert line["dp_sampling"] == "poisson" and line["dp_adjacency"] == "add_remove"
@@ -336,8 +336,8 @@ def test_client_level_poisson_sampling_survives_a_round_that_draws_no_client(tin
     from dp_accounting.rdp import rdp_privacy_accountant as rdp
 
     overrides = {"federate.client_num": 3, "federate.sample_client_num": 1, "federate.total_round_num": 6,
-                 "fedpa.dp_mode": "client", "fedpa.dp_clip": 0.05, "fedpa.dp_noise_multiplier": 1.2,
-                 "fedpa.dp_sampling": "poisson", "fedpa.dp_seed": 1}  # fmt: skip
+                 "fedpa.dp.mode": "client", "fedpa.dp.clip": 0.05, "fedpa.dp.noise_multiplier": 1.2,
+                 "fedpa.dp.sampling": "poisson", "fedpa.dp.seed": 1}  # fmt: skip
     out = _finished(fedpa_cfg(tiny_llm, tmp_path, **overrides), tmp_path)
     ledger = _jsonl(out / "fedpa_privacy.jsonl")
     assert [line["dp_events"] for line in ledger] == [1, 2, 3, 4, 5, 6]
@@ -373,9 +373,9 @@ def test_each_supported_method_runs_its_server_step_on_the_unweighted_mean(tiny_
     overrides = {
         "federate.method": method,
         "federate.total_round_num": 2,
-        "fedpa.dp_mode": "client",
-        "fedpa.dp_clip": 1e6,
-        "fedpa.dp_noise_multiplier": 1e-12,
+        "fedpa.dp.mode": "client",
+        "fedpa.dp.clip": 1e6,
+        "fedpa.dp.noise_multiplier": 1e-12,
     }
     run = probe(fedpa_cfg(tiny_llm, tmp_path, **overrides), tmp_path)
     for agg in run["aggregate"]:
@@ -411,8 +411,8 @@ def test_client_level_clips_and_releases_a_federated_head_with_the_lora_update(t
 
     C = 0.05
     cfg = fs_glue_yaml(tmp_path, tiny_glue["model"], tiny_glue["glue"], **{
-        "federate.method": method, "personalization.local_param": [], "fedpa.dp_mode": "client", "fedpa.dp_clip": C,
-        "fedpa.dp_noise_multiplier": 1e-12, "federate.total_round_num": 2})  # fmt: skip
+        "federate.method": method, "personalization.local_param": [], "fedpa.dp.mode": "client", "fedpa.dp.clip": C,
+        "fedpa.dp.noise_multiplier": 1e-12, "federate.total_round_num": 2})  # fmt: skip
     run = probe(cfg, tmp_path)
     assert any("classifier" in k for k in run["aggregate"][0]["shared_start"])
     for agg in run["aggregate"]:
@@ -438,7 +438,7 @@ def test_client_level_clips_and_releases_a_federated_head_with_the_lora_update(t
 
 @pytest.mark.parametrize("mode", ["client", pytest.param("sample", marks=SLOW)])
 def test_resume_restores_the_accountant_and_the_seeded_noise(tiny_llm, tmp_path, mode):
-    """With fedpa.dp_seed, a run killed after round 2's resume point and resumed draws the noise and the samples
+    """With fedpa.dp.seed, a run killed after round 2's resume point and resumed draws the noise and the samples
     the uninterrupted run drew: the same global adapter bit for bit, and a ledger that goes on from its counts."""
     from tests.integration.conftest import probe
     from tests.integration.test_reliability_fs import _kill_after_resume_point
@@ -446,9 +446,9 @@ def test_resume_restores_the_accountant_and_the_seeded_noise(tiny_llm, tmp_path,
     def cfg(name, **more):
         (tmp_path / name).mkdir()
         changes = {"federate.total_round_num": 4, "federate.sample_client_num": 2, "expname": name,
-                   "federate.save_to": str(tmp_path / name / "ckpt" / "run.pt"), "fedpa.dp_mode": mode,
-                   "fedpa.dp_clip": 0.05 if mode == "client" else 1.0, "fedpa.dp_noise_multiplier": 1.0,
-                   "fedpa.dp_seed": 11}  # fmt: skip
+                   "federate.save_to": str(tmp_path / name / "ckpt" / "run.pt"), "fedpa.dp.mode": mode,
+                   "fedpa.dp.clip": 0.05 if mode == "client" else 1.0, "fedpa.dp.noise_multiplier": 1.0,
+                   "fedpa.dp.seed": 11}  # fmt: skip
         return fedpa_cfg(tiny_llm, tmp_path / name, **changes, **more)
 
     full = probe(cfg("full"), tmp_path / "full")
@@ -468,11 +468,11 @@ def test_resume_restores_the_accountant_and_the_seeded_noise(tiny_llm, tmp_path,
 
 @pytest.mark.parametrize(
     "key,value,named",
-    [("fedpa.dp_noise_multiplier", 2.0, "fedpa.dp_noise_multiplier: saved 1.0, now 2.0"),
+    [("fedpa.dp.noise_multiplier", 2.0, "fedpa.dp.noise_multiplier: saved 1.0, now 2.0"),
      ("federate.sample_client_num", 3, "federate.sample_client_num: saved 2, now 3"),
-     ("fedpa.dp_clip", 0.1, "fedpa.dp_clip: saved 0.05, now 0.1"),
+     ("fedpa.dp.clip", 0.1, "fedpa.dp.clip: saved 0.05, now 0.1"),
      # before: a bare KeyError 'generator' (an unseeded point holds no noise stream to continue)
-     ("fedpa.dp_seed", 5, "fedpa.dp_seed: saved -1, now 5")],
+     ("fedpa.dp.seed", 5, "fedpa.dp.seed: saved -1, now 5")],
 )  # fmt: skip
 def test_a_resume_with_other_privacy_settings_is_refused_naming_the_key(tiny_llm, tmp_path, key, value, named):
     """Killed after round 2 of 4 and resumed with z (or K, or C) changed: before, the accountant recomputed the
@@ -483,8 +483,8 @@ def test_a_resume_with_other_privacy_settings_is_refused_naming_the_key(tiny_llm
     def cfg(name, **more):
         (tmp_path / name).mkdir()
         changes = {"federate.total_round_num": 4, "federate.sample_client_num": 2, "expname": name,
-                   "federate.save_to": str(tmp_path / name / "ckpt" / "run.pt"), "fedpa.dp_mode": "client",
-                   "fedpa.dp_clip": 0.05, "fedpa.dp_noise_multiplier": 1.0}  # fmt: skip
+                   "federate.save_to": str(tmp_path / name / "ckpt" / "run.pt"), "fedpa.dp.mode": "client",
+                   "fedpa.dp.clip": 0.05, "fedpa.dp.noise_multiplier": 1.0}  # fmt: skip
         return fedpa_cfg(tiny_llm, tmp_path / name, **{**changes, **more})
 
     point = _kill_after_resume_point(cfg("killed"), tmp_path / "killed", rnd=2)
@@ -502,8 +502,8 @@ def _killed_at_round_2(tiny_llm, tmp_path: Path, mode: str = "client", **more):
     def cfg(name, **extra):
         (tmp_path / name).mkdir()
         changes = {"federate.total_round_num": 4, "federate.sample_client_num": 2, "expname": name,
-                   "federate.save_to": str(tmp_path / name / "ckpt" / "run.pt"), "fedpa.dp_mode": mode,
-                   "fedpa.dp_clip": 0.05, "fedpa.dp_noise_multiplier": 1.0, **more}  # fmt: skip
+                   "federate.save_to": str(tmp_path / name / "ckpt" / "run.pt"), "fedpa.dp.mode": mode,
+                   "fedpa.dp.clip": 0.05, "fedpa.dp.noise_multiplier": 1.0, **more}  # fmt: skip
         return fedpa_cfg(tiny_llm, tmp_path / name, **{**changes, **extra})
 
     return _kill_after_resume_point(cfg("killed"), tmp_path / "killed", rnd=2), cfg
@@ -513,17 +513,17 @@ def test_a_sample_level_resume_with_other_dp_min_records_is_refused(tiny_llm, tm
     """Before: the resume reached the ledger, whose clients now sat out (0 steps a round), and stopped with a bare
     ZeroDivisionError. dp_min_records decides who spends at all, so it is compared like every accounting input."""
     point, cfg = _killed_at_round_2(tiny_llm, tmp_path, "sample")
-    proc = run_fs(cfg("resumed", **{"federate.restore_from": str(point), "fedpa.dp_min_records": 10**6}),
+    proc = run_fs(cfg("resumed", **{"federate.restore_from": str(point), "fedpa.dp.min_records": 10**6}),
                   tmp_path / "resumed")  # fmt: skip
     assert proc.returncode != 0 and "ZeroDivisionError" not in proc.stderr
-    assert "fedpa.dp_min_records: saved 0, now 1000000" in proc.stderr, proc.stderr[-3000:]
+    assert "fedpa.dp.min_records: saved 0, now 1000000" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_a_resume_whose_clients_hold_other_data_refuses_their_uploads(tiny_llm, tmp_path):
     """The accounting of a client's past steps used its n_i then; resumed on a data file of 1.5x the records, each
     client's n_i changes. Before, the ledger recomputed every past step at the new n_i (its epsilon went down). Now
     the uploads of the clients whose n_i changed are refused, naming them, and the ledger keeps the saved n_i."""
-    point, cfg = _killed_at_round_2(tiny_llm, tmp_path, "sample", **{"fedpa.dp_clip": 1.0})
+    point, cfg = _killed_at_round_2(tiny_llm, tmp_path, "sample", **{"fedpa.dp.clip": 1.0})
     lines = Path(tiny_llm["data"]).read_text().splitlines()
     bigger = tmp_path / "bigger.jsonl"
     bigger.write_text("\n".join(lines + lines[: len(lines) // 2]) + "\n")
@@ -548,7 +548,7 @@ def _rewrite(point: Path, change) -> None:
     [("settings", "has no field 'settings'"),  # before: compared against nothing, and resumed
      ("privacy", "has no field 'privacy'"),  # before: trusted, the accountant restarting at 0 releases
      ("privacy.rounds", "field 'privacy.rounds' is missing"),
-     ("settings.fedpa.dp_clip", "fedpa.dp_clip: saved 'nothing', now 0.05")],
+     ("settings.fedpa.dp.clip", "fedpa.dp.clip: saved 'nothing', now 0.05")],
 )  # fmt: skip
 def test_a_resume_point_missing_what_the_accountant_reads_is_refused(tiny_llm, tmp_path, field, named):
     point, cfg = _killed_at_round_2(tiny_llm, tmp_path)
@@ -599,8 +599,8 @@ def test_a_release_after_the_last_resume_point_is_counted_when_the_run_resumes(t
     def cfg(name, **more):
         (tmp_path / name).mkdir()
         changes = {"federate.total_round_num": 4, "federate.sample_client_num": 2, "expname": name,
-                   "federate.save_to": str(tmp_path / "ckpt" / "run.pt"), "fedpa.dp_mode": "client",
-                   "fedpa.dp_clip": 0.05, "fedpa.dp_noise_multiplier": 1.0}  # fmt: skip
+                   "federate.save_to": str(tmp_path / "ckpt" / "run.pt"), "fedpa.dp.mode": "client",
+                   "fedpa.dp.clip": 0.05, "fedpa.dp.noise_multiplier": 1.0}  # fmt: skip
         return fedpa_cfg(tiny_llm, tmp_path / name, **{**changes, **more})
 
     killed = cfg("killed")
@@ -651,8 +651,8 @@ def test_sample_level_dp_sgd_trains_the_glue_classifier(tiny_glue, tmp_path):
     from tests.integration.tiny_assets import fs_glue_yaml
 
     cfg = fs_glue_yaml(tmp_path, tiny_glue["model"], tiny_glue["glue"], **{
-        "fedpa.dp_mode": "sample", "fedpa.dp_clip": 1.0, "fedpa.dp_epsilon": 8.0, "fedpa.dp_horizon": 5,
-        "fedpa.dp_seed": 5})  # fmt: skip
+        "fedpa.dp.mode": "sample", "fedpa.dp.clip": 1.0, "fedpa.dp.epsilon": 8.0, "fedpa.dp.horizon": 5,
+        "fedpa.dp.seed": 5})  # fmt: skip
     out = _finished(cfg, tmp_path)
     # with a seed, sample mode warns too (before, it said nothing): the guarantee assumes the seed is secret
     assert "holds only while the seed stays secret" in (out / "exp_print.log").read_text()
@@ -671,14 +671,14 @@ def test_dp_mode_client_survives_fs_command_line_through_the_launchers_quoting()
 
     from fs_fedpa.harness.fs_command import fs_overrides
 
-    opts = ["fedpa.dp_mode", "client", "fedpa.dp_epsilon", "8", "fedpa.dp_clip", "0.5"]
+    opts = ["fedpa.dp.mode", "client", "fedpa.dp.epsilon", "8", "fedpa.dp.clip", "0.5"]
     raw, _ = parse_client_cfg(list(opts))
-    assert raw == ["fedpa.dp_mode", "8", "fedpa.dp_clip", "0.5"]  # FS's own split loses the value unquoted
+    assert raw == ["fedpa.dp.mode", "8", "fedpa.dp.clip", "0.5"]  # FS's own split loses the value unquoted
     cfg_opts, client_opts = parse_client_cfg(fs_overrides(opts))
     assert client_opts == []
     cfg = global_cfg.clone()
     cfg.merge_from_list(cfg_opts)
-    assert (cfg.fedpa.dp_mode, cfg.fedpa.dp_epsilon, cfg.fedpa.dp_clip) == ("client", 8.0, 0.5)
+    assert (cfg.fedpa.dp.mode, cfg.fedpa.dp.epsilon, cfg.fedpa.dp.clip) == ("client", 8.0, 0.5)
 
 
 def test_client_level_messages_time_stamp_the_sample_count_they_carry():
@@ -702,8 +702,8 @@ def test_client_level_messages_time_stamp_the_sample_count_they_carry():
                            round=SimpleNamespace(enter=lambda *a: None, leave=lambda rnd: {"lora": {}}),
                            outbox=SimpleNamespace(answering=lambda *a: None),
                            resume=SimpleNamespace(restore=lambda *a: None),
-                           method=SimpleNamespace(cfg=FedPAConfig(dp_mode="client", dp_clip=1.0,
-                                                                  dp_noise_multiplier=1.0)),
+                           method=SimpleNamespace(cfg=FedPAConfig(dp={"mode": "client", "clip": 1.0,
+                                                                      "noise_multiplier": 1.0})),
                            trainer=SimpleNamespace(train=lambda: (57, None, {}), ctx=SimpleNamespace()),
                            _monitor=SimpleNamespace(format_eval_res=lambda *a, **k: ""),
                            comm_manager=SimpleNamespace(send=sent.append))  # fmt: skip
@@ -720,16 +720,16 @@ def test_client_level_messages_time_stamp_the_sample_count_they_carry():
 
 
 def test_clients_below_dp_min_records_take_no_step_and_spend_nothing(tiny_llm, tmp_path):
-    """fedpa.dp_min_records above every client's size: no client takes a DP-SGD step (the plan's 0 steps would
+    """fedpa.dp.min_records above every client's size: no client takes a DP-SGD step (the plan's 0 steps would
     stop one that did), each ledger entry is epsilon 0 after 0 steps, the run completes and the global adapter stays
     where it started (every upload weighs 0, so the round averages the unchanged starts)."""
-    overrides = {"fedpa.dp_mode": "sample", "fedpa.dp_clip": 1.0, "fedpa.dp_noise_multiplier": 1.0,
-                 "fedpa.dp_min_records": 10**6, "federate.total_round_num": 2}  # fmt: skip
+    overrides = {"fedpa.dp.mode": "sample", "fedpa.dp.clip": 1.0, "fedpa.dp.noise_multiplier": 1.0,
+                 "fedpa.dp.min_records": 10**6, "federate.total_round_num": 2}  # fmt: skip
     out = _finished(fedpa_cfg(tiny_llm, tmp_path, **overrides), tmp_path)
     last = _jsonl(out / "fedpa_privacy.jsonl")[-1]
     assert last["dp_epsilon"] == 0.0 and len(last["dp_clients"]) == 3
     assert all(e["steps"] == 0 and e["epsilon"] == 0.0 for e in last["dp_clients"].values())
-    assert "fewer than fedpa.dp_min_records(=1000000): it takes no DP-SGD step" in (out / "exp_print.log").read_text()
+    assert "fewer than fedpa.dp.min_records(=1000000): it takes no DP-SGD step" in (out / "exp_print.log").read_text()
     own = _jsonl(out / "fedpa_client_privacy.jsonl")  # each client's own account: nothing spent, every round
     assert len(own) == 6 and all(r["sits_out"] and r["steps"] == 0 and r["epsilon"] == 0.0 for r in own)
     records = _jsonl(out / "fedpa_diagnostics.jsonl")

@@ -28,9 +28,9 @@ def _records(out) -> list[dict]:
 
 def test_a_toy_laplace_mechanism_plugs_in_through_the_privacy_package_alone(tiny_llm, tmp_path):
     common = {"federate.client_num": 2, "federate.total_round_num": 2, "fedpa.records.diagnostics": True,
-              "fedpa.dp_seed": -1}  # fmt: skip
+              "fedpa.dp.seed": -1}  # fmt: skip
     toy = fedpa_cfg(tiny_llm, tmp_path / "toy", expname="toy", **common, **{
-        "fedpa.dp_mode": "laplace", "fedpa.dp_clip": 1e-3, "fedpa.dp_epsilon": 0.5})  # fmt: skip
+        "fedpa.dp.mode": "laplace", "fedpa.dp.clip": 1e-3, "fedpa.dp.epsilon": 0.5})  # fmt: skip
     out = _run(toy, tmp_path / "toy", "tests.integration.laplace_toy")
     ledger = [json.loads(line) for line in (out / "fedpa_privacy.jsonl").read_text().splitlines()]
     assert [(line["round"], line["dp_mode"], line["dp_epsilon"]) for line in ledger] == [(0, "laplace", 0.5),

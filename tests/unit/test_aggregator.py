@@ -116,7 +116,7 @@ def test_a_round_without_an_upload_installs_nothing_and_the_limit_stops_the_run(
 
 @pytest.mark.parametrize("ignore_weight", [False, True])
 def test_a_client_that_took_no_dp_step_weighs_nothing(tmp_path, ignore_weight):
-    """fedpa.dp_min_records: a client too small for DP-SGD sends its untrained factors with its account (0 steps).
+    """fedpa.dp.min_records: a client too small for DP-SGD sends its untrained factors with its account (0 steps).
     Before, a method that weighs by num_train_data (FlexLoRA) or federate.ignore_weight gave them full weight. The
     global is then the dense SVD of the others' products alone."""
     aggregator, rounds = _aggregator(tmp_path, ignore_weight=ignore_weight)

@@ -44,16 +44,16 @@ def test_invalid_values(kwargs, match):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(dp_clip=1.0), dict(dp_noise_multiplier=1.0), dict(dp_epsilon=8.0), dict(dp_delta=1e-6), dict(dp_horizon=21),
-     dict(dp_seed=3), dict(dp_clip=1.0, dp_epsilon=8.0)],
+    [dict(clip=1.0), dict(noise_multiplier=1.0), dict(epsilon=8.0), dict(delta=1e-6), dict(horizon=21), dict(seed=3),
+     dict(clip=1.0, epsilon=8.0)],
 )  # fmt: skip
 def test_dp_keys_without_dp_are_refused_naming_them(kwargs):
-    """Before, a DP key with dp_mode none trained without DP, with no warning and no ledger."""
-    with pytest.raises(ValueError, match=r"set while fedpa.dp_mode is 'none'") as err:
-        FedPAConfig(**kwargs)
-    assert all(f"fedpa.{k}=" in str(err.value) for k in kwargs)
-    target = {} if "dp_noise_multiplier" in kwargs else {"dp_epsilon": 8.0}
-    FedPAConfig(dp_mode="sample", **{"dp_clip": 1.0, **target, **kwargs})  # the same keys with DP: fine
+    """Before, a DP key with dp.mode none trained without DP, with no warning and no ledger."""
+    with pytest.raises(ValueError, match=r"set while fedpa.dp.mode is 'none'") as err:
+        FedPAConfig(dp=kwargs)
+    assert all(f"fedpa.dp.{k}=" in str(err.value) for k in kwargs)
+    target = {} if "noise_multiplier" in kwargs else {"epsilon": 8.0}
+    FedPAConfig(dp={"mode": "sample", "clip": 1.0, **target, **kwargs})  # the same keys with DP: fine
 
 
 def test_the_bounds_themselves_are_accepted():

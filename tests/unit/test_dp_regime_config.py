@@ -39,9 +39,9 @@ def test_it_differs_from_the_protocol_in_the_selected_regime_and_its_dp_only():
         "dataloader.batch_size": 256, "train.local_update_steps": 1, "eval.freq": 30,
         "model.seqcls.layers_to_transform": [4, 5], "model.seqcls.prefix_cache": True,
         "train.optimizer.lr": 0.01, "fedpa.lr_schedule": "constant", "fedpa.lr_warmup_steps": 12,
-        "fedpa.dp_mode": "sample", "fedpa.dp_epsilon": 8, "fedpa.dp_clip": 0.01, "fedpa.dp_sampling": "poisson",
-        "fedpa.dp_accountant": "pld", "fedpa.dp_horizon": 120, "fedpa.dp_min_records": 1000,
-        "fedpa.dp_local_tensors": "frozen", "fedpa.dp_chunk": 32,
+        "fedpa.dp.mode": "sample", "fedpa.dp.epsilon": 8, "fedpa.dp.clip": 0.01, "fedpa.dp.sampling": "poisson",
+        "fedpa.dp.accountant": "pld", "fedpa.dp.horizon": 120, "fedpa.dp.min_records": 1000,
+        "fedpa.dp.local_tensors": "frozen", "fedpa.dp.chunk": 32,
     }  # fmt: skip
     assert dp["personalization.local_param"] == ["classifier"] and dp["train.optimizer.type"] == "AdamW"
     assert dp["data.glue_holdout"] == 0  # the dev set, as the protocol's own file

@@ -7,7 +7,7 @@ from fs_fedpa.harness.fs_command import fs_overrides
 
 
 def test_only_values_beginning_with_client_are_quoted_and_read_back_unchanged():
-    opts = ["fedpa.dp_mode", "client", "client_cfg_key", "x", "a.b", "clients_x", "c", "sample", "d", ""]
+    opts = ["fedpa.dp.mode", "client", "client_cfg_key", "x", "a.b", "clients_x", "c", "sample", "d", ""]
     out = fs_overrides(opts)
     assert out[0::2] == opts[0::2]  # keys untouched, "client"-prefixed keys too
     assert out[1::2] == ["'client'", "x", "'clients_x'", "sample", ""]
@@ -27,11 +27,11 @@ def test_the_protocol_runner_launches_fs_with_quoted_client_values(tmp_path, mon
         raise OSError("not launched")
 
     monkeypatch.setattr(compare.subprocess, "Popen", popen)
-    cell = compare.Cell("c", "fedpa", ("fedpa.dp_mode", "client", "fedpa.dp_epsilon", "8"))
+    cell = compare.Cell("c", "fedpa", ("fedpa.dp.mode", "client", "fedpa.dp.epsilon", "8"))
     with pytest.raises(OSError):
         compare.run_one("cfg.yaml", cell, 1, tmp_path / "out", ["data.root", "/d"], "3")
     (cmd,) = [c for c in seen if "federatedscope.main" in c]  # the runner also asks git for the commit first
-    assert cmd[cmd.index("fedpa.dp_mode") + 1] == "'client'" and cmd[cmd.index("fedpa.dp_epsilon") + 1] == "8"
+    assert cmd[cmd.index("fedpa.dp.mode") + 1] == "'client'" and cmd[cmd.index("fedpa.dp.epsilon") + 1] == "8"
 
 
 def test_optimizer_keys_fs_defines_only_by_yaml_go_into_a_copy_of_the_config_that_fs_reads_back(tmp_path):

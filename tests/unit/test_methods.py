@@ -105,15 +105,25 @@ def contract_payload(name):
 
 def test_a_new_method_is_one_class_and_passes_the_contract():
     """A toy method defined here alone, one method (the mean of the products, truncated to rank R_g by their dense
-    SVD; everything else the defaults), registered by subclassing, runs through both contract checks; the registry is
-    left as it was."""
+    SVD; everything else the defaults) with one option of its own, registered by subclassing, runs through both
+    contract checks, and its option is a key of the fedpa section (``fedpa.toy_product_mean.scale``, its help, the
+    old flat name it declares); the registry is left as it was."""
+    from dataclasses import dataclass
+
+    from fs_fedpa.config_sections import key
     from fs_fedpa.methods.base import FederatedMethod
+    from fs_fedpa.plugin import config_fs
 
     get_method("fedpa")
     before = dict(METHODS)
 
+    @dataclass
+    class ToyOptions:
+        scale: float = key(1.0, "the toy's scale", was="toy_scale")
+
     class ToyProductMean(FederatedMethod):
         name = "toy_product_mean"
+        options = ToyOptions
 
         def aggregate(self, uploads, weights, clients, generator, rnd=0):
             total = sum(weights)
@@ -129,6 +139,12 @@ def test_a_new_method_is_one_class_and_passes_the_contract():
         assert METHODS["toy_product_mean"] is ToyProductMean
         contract_ranks("toy_product_mean")
         contract_payload("toy_product_mean")
+        assert config_fs.default_node()["toy_product_mean"] == {"scale": 1.0}
+        assert ("toy_product_mean.scale", "1.0", "the toy's scale") in config_fs.describe_all()
+        assert config_fs.flat_keys()["toy_scale"] == "toy_product_mean.scale"
+        toy = FedPAConfig(methods={"toy_product_mean": ToyOptions(scale=2.0)})
+        options = ToyProductMean(toy, RankPlan.build(1, 2))
+        assert options.opts.scale == 2.0 and ToyProductMean(FedPAConfig(), RankPlan.build(1, 2)).opts.scale == 1.0
     finally:
         METHODS.pop("toy_product_mean", None)
     assert METHODS == before

@@ -16,7 +16,7 @@ from fs_fedpa.study.report_dp_regime import noise_shares
 def _client(tmp_path, client: int, norms, empty: int = 0) -> SampleLevelClient:
     """A client policy whose DP-SGD left ``norms`` (clipped sum, noise) for the round: its ``log_round`` writes."""
     privacy = SampleLevelClient.__new__(SampleLevelClient)
-    privacy.fedpa = SimpleNamespace(dp_clip=0.1, dp_min_records=0)
+    privacy.fedpa = SimpleNamespace(dp=SimpleNamespace(clip=0.1, min_records=0))
     privacy.client, privacy.rnd = client, 3
     privacy.path = str(tmp_path / CLIENT_PRIVACY_FILE)
     privacy.trainer = SimpleNamespace(ctx={"num_train_data": 8214})

@@ -14,7 +14,7 @@ STATS = {"alignment_loss": 0.1, "lam": 1.0, "num_train_data": 600, "restarted": 
 
 
 def _fedpa(mode: str):
-    return SimpleNamespace(dp_mode=mode, dp_seed=-1, dp_clip=1.0, dp_min_records=0)
+    return SimpleNamespace(dp=SimpleNamespace(mode=mode, seed=-1, clip=1.0, min_records=0))
 
 
 @pytest.mark.parametrize(

@@ -21,20 +21,21 @@ def _listed() -> tuple[set[str], set[str], set[str]]:
     text = BULLET.search((ROOT / "docs" / "privacy.md").read_text(encoding="utf-8")).group(0)
     both, rest = text.split("`sample_client_num`", 1)
     client_part, sample_part = rest.split(" or\n", 1) if " or\n" in rest else rest.split(" or ", 1)
-    names = lambda part: set(re.findall(r"`([a-z_]+)`", part))  # noqa: E731
+    names = lambda part: set(re.findall(r"`([a-z_.]+)`", part))  # noqa: E731
     return names(both), names(client_part) | {"sample_client_num"}, names(sample_part)
 
 
 def _compared(mode: str) -> set[str]:
-    """The last component of each key the code compares on a resume in ``mode`` (with a target epsilon)."""
-    fedpa = FedPAConfig(dp_mode=mode, dp_clip=1.0, dp_epsilon=8.0)
+    """Each key the code compares on a resume in ``mode`` (with a target epsilon), without its section
+    (``dp.clip``, ``client_num``)."""
+    fedpa = FedPAConfig(dp={"mode": mode, "clip": 1.0, "epsilon": 8.0})
     cfg = SimpleNamespace(
         fedpa=fedpa,
         federate=SimpleNamespace(client_num=10, sample_client_num=5, total_round_num=3),
         dataloader=SimpleNamespace(batch_size=4, drop_last=False),
         train=SimpleNamespace(local_update_steps=2, batch_or_epoch="batch"),
     )
-    return {key.split(" ")[0].rsplit(".", 1)[-1] for key in privacy.accounting_settings(cfg)}
+    return {key.split(" ")[0].split(".", 1)[1] for key in privacy.accounting_settings(cfg)}
 
 
 @pytest.mark.parametrize("mode", ["client", "sample"])
@@ -45,4 +46,4 @@ def test_the_docs_list_of_resume_refusals_is_what_the_code_compares(mode):
 
 def test_the_list_reader_reads_the_three_parts():
     both, client, sample = _listed()
-    assert {"dp_mode", "client_num"} <= both and client == {"sample_client_num"} and "dp_local_tensors" in sample
+    assert {"dp.mode", "client_num"} <= both and client == {"sample_client_num"} and "dp.local_tensors" in sample
