@@ -46,7 +46,6 @@ _INSTEAD = {
 }
 
 
-DEFAULTS = FedPAConfig()
 
 
 def _parts() -> dict[str, type]:
