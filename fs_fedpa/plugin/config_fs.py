@@ -46,8 +46,6 @@ _INSTEAD = {
 }
 
 
-
-
 def _parts() -> dict[str, type]:
     """``{name: dataclass}`` of the section's nested parts: the config's own (net, store, ...) and each method's
     options (``fedpa.<method>``), which live in the methods' files."""
