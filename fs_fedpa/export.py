@@ -147,6 +147,20 @@ def read_tensors(path: Path) -> dict[str, Tensor]:
 
 
 # ------------------------------------------------------------------------------------------------------ loading
+def read_checkpoint(path) -> object:
+    """A checkpoint or end state, tensors and plain containers only (``weights_only``); anything else (a pickle that
+    needs code, a truncated or foreign file) is a ValueError naming the file."""
+    import pickle
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(f"{path}: holds objects other than tensors (a pickle that runs code); not read") from None
+    except (RuntimeError, EOFError, OSError, ValueError, AttributeError) as exc:
+        reason = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"{path}: not a tensor file fs_fedpa wrote ({type(exc).__name__}: {reason})") from None
+
+
 def manifest(export_dir) -> dict:
     """``export.json``, with the entries clients wrote on their own (``export_client_<id>.json``, written at the end
     of a run by each client) added under ``clients``."""

@@ -50,24 +50,23 @@ class FedPAAggregator(Aggregator):
     """FS's ``aggregate(agg_info)`` for the FedPA server: decode (copies), check, reconstruct, record and install.
     It is given what it needs: the method, the round log it adds to, the server's DP policy (:mod:`fs_fedpa.privacy`;
     without DP the one that lets everything through), the sketches' generator, the shapes of the LoRA modules (d, k)
-    and of the shared tensors, ``round_of`` (the :class:`RoundInput` of the round FS aggregates now) and ``install``
-    (puts an :class:`Aggregated` into the server's model and returns the model state it wrote, keyed as the model's
-    ``state_dict``). :meth:`aggregate` returns that state, which FS merges into its model as it does a FedAvg
-    average ({} when every upload was dropped), and stops the run on a count of its own, :attr:`failed_in_a_row`,
-    which its :meth:`state_dict` carries with the generator's state. ``save``/``load``: the server's checkpoint and
-    restore, which FS calls through its aggregator."""
+    and of the shared tensors, ``round_of`` (the :class:`RoundInput` of the round FS aggregates now) and
+    ``global_model`` (the server's :class:`~fs_fedpa.plugin.global_model.GlobalModel`: ``adopt`` puts an
+    :class:`Aggregated` into the server's model and returns the model state it wrote, keyed as the model's
+    ``state_dict``; ``save_checkpoint``/``load_checkpoint`` are FS's checkpoint, tagged with ``run``, the run's
+    identity). :meth:`aggregate` returns that state, which FS merges into its model as it does a FedAvg average ({}
+    when every upload was dropped), and stops the run on a count of its own, :attr:`failed_in_a_row`, which its
+    :meth:`state_dict` carries with the generator's state."""
 
-    def __init__(self, method, round_log: RoundLog, *, privacy=None, generator: torch.Generator | None = None,
-                 shapes=({}, {}), distributed=False, ignore_weight=False, save=None, load=None,
-                 round_of: Callable[[], RoundInput] | None = None,
-                 install: Callable[[Aggregated], dict] | None = None):  # fmt: skip
+    def __init__(self, method, round_log: RoundLog, *, global_model=None, run: dict | None = None, privacy=None,
+                 generator: torch.Generator | None = None, shapes=({}, {}), distributed=False, ignore_weight=False,
+                 round_of: Callable[[], RoundInput] | None = None):  # fmt: skip
         super().__init__()
         self.method, self.round_log = method, round_log
         self.privacy = privacy if privacy is not None else ServerPolicy()  # without DP: everything through
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
         self.shapes, self.distributed, self.ignore_weight = shapes, distributed, ignore_weight
-        self._save, self._load = save, load
-        self.round_of, self.install = round_of, install
+        self.global_model, self.run, self.round_of = global_model, dict(run or {}), round_of
         self.round: RoundInput | None = None  # the round being aggregated (round_of's, when aggregate starts)
         self.failed_in_a_row = 0  # rounds whose every upload was dropped, since the last one that aggregated
 
@@ -150,7 +149,7 @@ class FedPAAggregator(Aggregator):
             lost = tuple(c for c, st in zip(kept, stats) if st.get("state_lost"))
             self.round_log.add(record.to_dict())
             self.failed_in_a_row = 0
-            return self.install(Aggregated(new_global, averaged, merge, lost))
+            return self.global_model.adopt(Aggregated(new_global, averaged, merge, lost))
         logger.warning(f"[fedpa] round {rnd}: every upload was dropped; the global adapter stays as it was")
         record = new_record(self._head(clients))
         record.dropped, record.bytes_up = dropped, bytes_up
@@ -186,7 +185,7 @@ class FedPAAggregator(Aggregator):
         self.round_log.add(record)
         self.privacy.account(rnd, receivers, {})
         self.failed_in_a_row = 0
-        return self.install(Aggregated(new_global, shared, None))
+        return self.global_model.adopt(Aggregated(new_global, shared, None))
 
     def _drop(self, dropped: dict, client_id, reason: str) -> None:
         dropped[str(client_id)] = reason
@@ -254,12 +253,13 @@ class FedPAAggregator(Aggregator):
         )
 
     def save_model(self, path, cur_round=-1):
-        """FS's save at the end of the run: the server's checkpoint (``save``)."""
-        self._save(path, cur_round)
+        """FS's checkpoint (``federate.save_to``, ``save_freq``): the global model's, with the run's identity."""
+        self.global_model.save_checkpoint(path, cur_round, self.run)
 
-    def load_model(self, path):
-        """Resume from a FedPA resume point (``load``; the server does this itself for ``federate.restore_from``)."""
-        return self._load(path)
+    def load_model(self, path) -> int:
+        """FS's: a checkpoint :meth:`save_model` wrote, loaded into the global model; returns its round. (A run
+        continues from a resume point, ``federate.restore_from``, which the server loads itself.)"""
+        return self.global_model.load_checkpoint(path)
 
 
 def _check_finite(global_factors, averaged) -> None:

@@ -82,7 +82,7 @@ def export_run(run, out, *, clients: bool = False, force: bool = False, cfg_file
     from fs_fedpa.plugin.common import build_method
 
     cfg, checkpoint, outdir = run_files(run, cfg_file)
-    saved = _load(checkpoint)
+    saved = export.read_checkpoint(checkpoint)
     section = saved.get("fedpa") if isinstance(saved, dict) else None
     if not isinstance(section, dict) or "global" not in section:
         raise ValueError(f"{checkpoint} is not a checkpoint of an fs_fedpa run (no 'fedpa' section)")
@@ -96,7 +96,7 @@ def export_run(run, out, *, clients: bool = False, force: bool = False, cfg_file
     missing = [client for client, path in paths.items() if not path.is_file()]
     states = {}  # every input is read and checked before the model is built or anything written
     for client in (c for c in paths if c not in missing):
-        states[client] = _load(paths[client])
+        states[client] = export.read_checkpoint(paths[client])
         if isinstance(states[client], dict):
             require_finite(states[client], paths[client])
             written_by = states[client].get("run")
@@ -142,20 +142,6 @@ def export_run(run, out, *, clients: bool = False, force: bool = False, cfg_file
         logger.warning(f"[fedpa] export: clients {missing} have no end state (never trained); they are not exported")
     exporter.finish(global_entry, entries, run_info(cfg, outdir, int(saved["cur_round"]), missing))
     return exporter.out
-
-
-def _load(path: Path):
-    """A checkpoint or end state, tensors and plain containers only (``weights_only``); anything else (a pickle that
-    needs code, a truncated or foreign file) is a ValueError naming the file."""
-    import pickle
-
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        raise ValueError(f"{path}: holds objects other than tensors (a pickle that runs code); not read") from None
-    except (RuntimeError, EOFError, OSError, ValueError, AttributeError) as exc:
-        reason = (str(exc).strip().splitlines() or [""])[0][:200]
-        raise ValueError(f"{path}: not a tensor file fs_fedpa wrote ({type(exc).__name__}: {reason})") from None
 
 
 def _tensors(value, name: str = ""):

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from fs_fedpa import lora
+from fs_fedpa import export, lora
 from fs_fedpa.lora import Factors
 from fs_fedpa.merge_ledger import MergeLedger
 from fs_fedpa.methods.base import FederatedMethod
@@ -155,6 +155,36 @@ class GlobalModel:
         params = dict(self.model.named_parameters())
         state.update({key[id(params[n])]: t.detach().to("cpu", copy=True) for n, t in self.shared.items()})
         return self.with_public_locals(state)
+
+    def save_checkpoint(self, path: str, cur_round: int, run: dict) -> None:
+        """FS's checkpoint format (``cur_round``, ``model``: :meth:`checkpoint_state`) plus ``fedpa``:
+        :meth:`checkpoint_fields` and ``run``, the identity of the run that wrote it."""
+        fields = {**self.checkpoint_fields(), "run": dict(run)}
+        torch.save({"cur_round": cur_round, "model": self.checkpoint_state(), "fedpa": fields}, path)
+
+    def load_checkpoint(self, path: str) -> int:
+        """A checkpoint :meth:`save_checkpoint` wrote for this method and rank plan: its global factors and shared
+        tensors installed; returns its ``cur_round``. ValueError naming the file for anything else, and for one with
+        merges into the base weights (which clients hold them is in a resume point only: ``federate.restore_from``)."""
+        saved = export.read_checkpoint(path)
+        section = saved.get("fedpa") if isinstance(saved, dict) else None
+        if not isinstance(section, dict) or not isinstance(section.get("global"), dict):
+            raise ValueError(f"{path}: not a checkpoint of an fs_fedpa run (no 'fedpa' section)")
+        plan, want = self.method.plan, {n: (B.shape[0], A.shape[1]) for n, (B, A) in self.factors.items()}  # (d, k)
+        saved_plan = [section.get(k) for k in ("method", "client_ranks", "reference_ranks", "R_g")]
+        got = {n: (f[0].shape[0], f[1].shape[1]) for n, f in section["global"].items()}
+        ours = [self.method.name, list(plan.client_ranks), list(plan.reference_ranks), plan.R_g]
+        if saved_plan != ours or got != want:
+            raise ValueError(f"{path}: a checkpoint of {section.get('method')!r} with other ranks or modules than "
+                             f"this run's ({self.method.name!r}, client ranks {list(plan.client_ranks)})")  # fmt: skip
+        if section.get("merged"):
+            raise ValueError(f"{path}: holds merges into the base weights; continue such a run from its resume "
+                             "point (federate.restore_from)")  # fmt: skip
+        key, params, model = self._state_keys(saved["model"]), dict(self.model.named_parameters()), saved["model"]
+        shared = {n: model[key[id(params[n])]] for n in self.shared_names}
+        device = self.device
+        self.install({n: (B.to(device), A.to(device)) for n, (B, A) in section["global"].items()}, shared)
+        return int(saved["cur_round"])
 
     def checkpoint_fields(self) -> dict:
         """The ``fedpa`` entry of FS's checkpoint: the effective global factors, the merges and the rank plan."""

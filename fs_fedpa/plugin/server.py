@@ -7,7 +7,8 @@ tensors and merges in the server's model, FS's checkpoint of them, each client's
 :class:`~fs_fedpa.plugin.aggregator.FedPAAggregator` (FS has no aggregator
 registry, so the server installs it itself, in ``self.aggregator`` and ``self.aggregators[0]``; FS calls its
 ``aggregate``, which reads the round from the server's ``_round_input``, installs the result through
-``GlobalModel.adopt`` and returns the model state written, which FS merges into its model),
+``GlobalModel.adopt`` and returns the model state written, which FS merges into its model; FS's ``save_model`` and
+``load_model`` are the global model's checkpoint),
 :class:`~fs_fedpa.plugin.record_fs.RoundLog`, :class:`~fs_fedpa.plugin.resume_fs.ServerResume` and the DP policy (:func:`fs_fedpa.privacy.server_policy`).
 """
 
@@ -78,10 +79,9 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
         self.round_log = RoundLog(self._cfg.outdir, self.method.cfg.records.diagnostics)
         shapes = (layer_shapes(self.model), {n: tuple(params[n].shape) for n in self.shared_names})
         self.aggregator = FedPAAggregator(
-            self.method, self.round_log, privacy=self.privacy, generator=self.generator, shapes=shapes,
-            distributed=self._cfg.federate.mode.lower() == "distributed",
-            ignore_weight=self._cfg.federate.ignore_weight, save=self.save_checkpoint, load=self.restore,
-            round_of=self._round_input, install=self.globals.adopt,
+            self.method, self.round_log, global_model=self.globals, run=self.identity, privacy=self.privacy,
+            generator=self.generator, shapes=shapes, distributed=self._cfg.federate.mode.lower() == "distributed",
+            ignore_weight=self._cfg.federate.ignore_weight, round_of=self._round_input,
         )  # fmt: skip
         self.aggregators[0] = self.aggregator
         self._install_inbox()  # before any client's message reaches FS
@@ -179,13 +179,6 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
         """The round FS aggregates now, as this server opened it (the aggregator's ``round_of``)."""
         g = self.globals
         return RoundInput(self.state, tuple(sorted(self._expected)), g.factors, dict(g.down_bytes), dict(g.shared))
-
-    def save_checkpoint(self, path: str, cur_round: int) -> None:
-        """FS's checkpoint format (``cur_round``, trainable ``model`` state with the global adapter) plus
-        ``fedpa``: the effective global factors and the rank plan (:class:`GlobalModel`)."""
-        state = {"cur_round": cur_round, "model": self.globals.checkpoint_state(),
-                 "fedpa": {**self.globals.checkpoint_fields(), "run": dict(self.identity)}}  # fmt: skip
-        torch.save(state, path)
 
     # ---------------------------------------------------------------------------------- resume points
     def resume_parts(self) -> dict:

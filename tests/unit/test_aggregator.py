@@ -29,12 +29,13 @@ def _aggregator(tmp_path, **kw):
     rounds = RoundLog(str(tmp_path), diagnostics=True)
     opened, installed = [], []
 
-    def install(done):
-        installed.append(done)
-        return {"written": len(installed)}  # what FS would merge into its model
+    class Installed:  # the server's GlobalModel, as the aggregator sees it
+        def adopt(self, done):
+            installed.append(done)
+            return {"written": len(installed)}  # what FS would merge into its model
 
-    aggregator = FedPAAggregator(method, rounds, shapes=(SHAPES, {}), round_of=lambda: opened[-1], install=install,
-                                 **kw)  # fmt: skip
+    aggregator = FedPAAggregator(method, rounds, global_model=Installed(), shapes=(SHAPES, {}),
+                                 round_of=lambda: opened[-1], **kw)  # fmt: skip
     aggregator.opened, aggregator.installed = opened, installed  # the test's view of both ends
     return aggregator, rounds
 

@@ -71,3 +71,50 @@ def test_fs_loads_what_adopt_returns_and_the_model_applies_the_rank_R_g_aggregat
         assert B.shape[1] == A.shape[0] == R_g
         s_g = 4 / R_g  # PEFT's alpha / r at the new rank
         torch.testing.assert_close(s_g * B @ A, factors[n][0] @ factors[n][1], rtol=1e-5, atol=1e-5)
+
+
+def _server_side(R_g: int, client_rank: int = 2):
+    from fs_fedpa.config import FedPAConfig
+    from fs_fedpa.core.ranks import RankPlan
+    from fs_fedpa.methods import METHODS, get_method
+    from fs_fedpa.plugin.global_model import GlobalModel
+
+    model = peft.get_peft_model(_Two(), peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q", "v"]))
+    model.base_model.model.head.weight.requires_grad_(True)
+    get_method("fedpa")
+    method = METHODS["fedpa"](FedPAConfig(), RankPlan.build(3, client_rank, global_rank=R_g))
+    method.bind({"q": (10, 12), "v": (8, 12)})
+    return model, GlobalModel(model, method, ["base_model.model.head.weight"], {})
+
+
+def test_fs_save_model_writes_a_checkpoint_that_load_model_puts_back_into_another_servers_model(tmp_path):
+    """FS's save_model/load_model on the aggregator: the second server's model computes what the first's did (its
+    forward, not the factors the code under test wrote), and a checkpoint of other ranks or a pickle is refused."""
+    from fs_fedpa.plugin.aggregator import Aggregated, FedPAAggregator
+
+    torch.manual_seed(0)
+    model, g = _server_side(R_g=5)
+    factors = {n: (torch.randn(B.shape[0], 5), torch.randn(5, A.shape[1])) for n, (B, A) in g.factors.items()}
+    g.adopt(Aggregated(factors, {"base_model.model.head.weight": torch.randn(2, 3)}, None))
+    path = tmp_path / "final_model.pt"
+    FedPAAggregator(g.method, None, global_model=g, run={"outdir": "x"}).save_model(str(path), 7)
+
+    torch.manual_seed(0)  # the same base weights (a real server's pretrained model) ...
+    other, g2 = _server_side(R_g=5)
+    with torch.no_grad():  # ... and other adapter and head values: nothing but the file can make the two agree
+        for p in other.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn_like(p))
+    assert FedPAAggregator(g2.method, None, global_model=g2).load_model(str(path)) == 7
+    x = torch.randn(4, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(other(x), model(x))
+    torch.testing.assert_close(other.base_model.model.head.weight, model.base_model.model.head.weight)
+    assert torch.load(path, weights_only=True)["fedpa"]["run"] == {"outdir": "x"}
+
+    _, g3 = _server_side(R_g=5, client_rank=3)
+    with pytest.raises(ValueError, match="other ranks"):
+        g3.load_checkpoint(str(path))
+    torch.save({"fedpa": {"global": {}}, "x": nn.Linear(1, 1)}, tmp_path / "pickle.pt")  # needs code to unpickle
+    with pytest.raises(ValueError, match="not read"):
+        g2.load_checkpoint(str(tmp_path / "pickle.pt"))
