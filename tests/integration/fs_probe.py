@@ -236,12 +236,21 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
                                for k, v in content["shared"].items()})  # fmt: skip
             except Exception:
                 shared.append(None)
-        installed, install = [], self.install
-        self.install = lambda done: (installed.append(done), install(done))[1]
+        installed, model = [], self.global_model
+
+        class Watched:  # the server's GlobalModel, recording what the aggregator installs into it
+            def adopt(self, done):
+                installed.append(done)
+                return model.adopt(done)
+
+            def __getattr__(self, name):
+                return getattr(model, name)
+
+        self.global_model = Watched()
         try:
             result = orig_aggregate(self, agg_info)
         finally:
-            self.install = install
+            self.global_model = model
         done = installed[0] if installed else None
         record["aggregate"].append(
             {
