@@ -99,8 +99,9 @@ def count(repo: Path, method: str, work: Path) -> dict:
         "cross_module_calls_per_client_round": total["client"],
         "cross_module_calls_per_server_round": total["server"],
         "named_per_round": {k: n / per[k.split(":")[0]] for k, n in sorted(named.items())},
-        "top_pairs": sorted(((f"{s}: {a} -> {b}", n / per[s]) for (s, a, b), n in pairs.items()),
-                            key=lambda item: -item[1])[:12],  # fmt: skip
+        # every pair, most called first (the JSON's; the printout shows the first 12), to diff two commits by
+        "pairs": sorted(((f"{s}: {a} -> {b}", n / per[s]) for (s, a, b), n in pairs.items()),
+                        key=lambda item: (-item[1], item[0])),  # fmt: skip
     }
 
 
@@ -124,7 +125,7 @@ def main() -> None:
     print(f"  cross-module calls per aggregation:  {out['cross_module_calls_per_server_round']:.1f}")
     for name, n in out["named_per_round"].items():
         print(f"  {name}: {n:.1f} a round")
-    for name, n in out["top_pairs"]:
+    for name, n in out["pairs"][:12]:
         print(f"  {n:7.1f}  {name}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
