@@ -168,11 +168,17 @@ class GlobalModel:
         merges into the base weights (which clients hold them is in a resume point only: ``federate.restore_from``)."""
         saved = export.read_checkpoint(path)
         section = saved.get("fedpa") if isinstance(saved, dict) else None
-        if not isinstance(section, dict) or not isinstance(section.get("global"), dict):
-            raise ValueError(f"{path}: not a checkpoint of an fs_fedpa run (no 'fedpa' section)")
+        model = saved.get("model") if isinstance(saved, dict) else None
+        factors = section.get("global") if isinstance(section, dict) else None
+        pairs = isinstance(factors, dict) and all(
+            isinstance(f, (tuple, list)) and len(f) == 2 and all(isinstance(t, Tensor) and t.dim() == 2 for t in f)
+            for f in factors.values())  # fmt: skip
+        if not pairs or not isinstance(model, dict) or not isinstance(saved.get("cur_round"), int):
+            raise ValueError(f"{path}: not a checkpoint of an fs_fedpa run (no 'fedpa' section with the global "
+                             "factors, 'model' and 'cur_round')")  # fmt: skip
         plan, want = self.method.plan, {n: (B.shape[0], A.shape[1]) for n, (B, A) in self.factors.items()}  # (d, k)
         saved_plan = [section.get(k) for k in ("method", "client_ranks", "reference_ranks", "R_g")]
-        got = {n: (f[0].shape[0], f[1].shape[1]) for n, f in section["global"].items()}
+        got = {n: (B.shape[0], A.shape[1]) for n, (B, A) in factors.items()}
         ours = [self.method.name, list(plan.client_ranks), list(plan.reference_ranks), plan.R_g]
         if saved_plan != ours or got != want:
             raise ValueError(f"{path}: a checkpoint of {section.get('method')!r} with other ranks or modules than "
@@ -180,10 +186,12 @@ class GlobalModel:
         if section.get("merged"):
             raise ValueError(f"{path}: holds merges into the base weights; continue such a run from its resume "
                              "point (federate.restore_from)")  # fmt: skip
-        key, params, model = self._state_keys(saved["model"]), dict(self.model.named_parameters()), saved["model"]
-        shared = {n: model[key[id(params[n])]] for n in self.shared_names}
+        key, params = self._state_keys(model), dict(self.model.named_parameters())
+        shared = {n: model.get(key[id(params[n])]) for n in self.shared_names}
+        if bad := [n for n, t in shared.items() if not isinstance(t, Tensor) or t.shape != params[n].shape]:
+            raise ValueError(f"{path}: its model state lacks the shared tensors {bad} as this model shapes them")
         device = self.device
-        self.install({n: (B.to(device), A.to(device)) for n, (B, A) in section["global"].items()}, shared)
+        self.install({n: (B.to(device), A.to(device)) for n, (B, A) in factors.items()}, shared)
         return int(saved["cur_round"])
 
     def checkpoint_fields(self) -> dict:

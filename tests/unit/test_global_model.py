@@ -118,3 +118,10 @@ def test_fs_save_model_writes_a_checkpoint_that_load_model_puts_back_into_anothe
     torch.save({"fedpa": {"global": {}}, "x": nn.Linear(1, 1)}, tmp_path / "pickle.pt")  # needs code to unpickle
     with pytest.raises(ValueError, match="not read"):
         g2.load_checkpoint(str(tmp_path / "pickle.pt"))
+    saved = torch.load(path, weights_only=True)
+    for broken, match in [({k: v for k, v in saved.items() if k != "model"}, "not a checkpoint"),
+                          ({**saved, "fedpa": {**saved["fedpa"], "global": {"q": torch.ones(2)}}}, "not a checkpoint"),
+                          ({**saved, "model": {}}, "lacks the shared tensors")]:  # fmt: skip
+        torch.save(broken, tmp_path / "broken.pt")
+        with pytest.raises(ValueError, match=match):
+            g2.load_checkpoint(str(tmp_path / "broken.pt"))
