@@ -13,6 +13,7 @@ import torch
 from fs_fedpa import export, lora
 from fs_fedpa.methods import FederatedMethod
 from fs_fedpa.plugin.export_fs import Exporter, run_info
+from fs_fedpa.plugin.global_model import other_plan
 from fs_fedpa.plugin.run_folder_fs import CHECKPOINT, identity, same_run
 
 logger = logging.getLogger(f"federatedscope.{__name__}")
@@ -105,16 +106,8 @@ def export_run(run, out, *, clients: bool = False, force: bool = False, cfg_file
                 raise ValueError(_another_run(paths[client], written_by, outdir))
     model = get_model(cfg)
     method = build_method(cfg, model)
-    plan = method.plan
-    if section["method"] != method.name or (list(section["client_ranks"]), list(section["reference_ranks"])) != (
-        list(plan.client_ranks),
-        list(plan.reference_ranks),
-    ):
-        raise ValueError(
-            f"{checkpoint} was saved by method {section['method']!r} with ranks r_i {section['client_ranks']}, R_i "
-            f"{section['reference_ranks']}; its config says {method.name!r} with {list(plan.client_ranks)}, "
-            f"{list(plan.reference_ranks)}"
-        )
+    if why := other_plan(section, method):
+        raise ValueError(f"{checkpoint} {why}")
     if method.merges and "merged" not in section:
         raise ValueError(f"{checkpoint}: {method.name} merges into the base weights, and this checkpoint (an older "
                          "fs_fedpa's) does not hold the merged offsets")  # fmt: skip

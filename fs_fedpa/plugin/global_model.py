@@ -176,13 +176,13 @@ class GlobalModel:
         if not pairs or not isinstance(model, dict) or not isinstance(saved.get("cur_round"), int):
             raise ValueError(f"{path}: not a checkpoint of an fs_fedpa run (no 'fedpa' section with the global "
                              "factors, 'model' and 'cur_round')")  # fmt: skip
-        plan, want = self.method.plan, {n: (B.shape[0], A.shape[1]) for n, (B, A) in self.factors.items()}  # (d, k)
-        saved_plan = [section.get(k) for k in ("method", "client_ranks", "reference_ranks", "R_g")]
+        if why := other_plan(section, self.method):
+            raise ValueError(f"{path} {why}")
+        want = {n: (B.shape[0], A.shape[1]) for n, (B, A) in self.factors.items()}  # (d, k) per module
         got = {n: (B.shape[0], A.shape[1]) for n, (B, A) in factors.items()}
-        ours = [self.method.name, list(plan.client_ranks), list(plan.reference_ranks), plan.R_g]
-        if saved_plan != ours or got != want:
-            raise ValueError(f"{path}: a checkpoint of {section.get('method')!r} with other ranks or modules than "
-                             f"this run's ({self.method.name!r}, client ranks {list(plan.client_ranks)})")  # fmt: skip
+        if section.get("R_g") != self.method.plan.R_g or got != want:
+            raise ValueError(f"{path} holds R_g {section.get('R_g')} and modules (d, k) {got}; its config says R_g "
+                             f"{self.method.plan.R_g} and {want}")  # fmt: skip
         if section.get("merged"):
             raise ValueError(f"{path}: holds merges into the base weights; continue such a run from its resume "
                              "point (federate.restore_from)")  # fmt: skip
@@ -223,3 +223,14 @@ class GlobalModel:
         if not set(state) <= set(key.values()):
             key = {id(p): n for n, p in self.model.named_parameters()}
         return key
+
+
+def other_plan(section: dict, method: FederatedMethod) -> str | None:
+    """Why the ``fedpa`` section of a checkpoint (:meth:`GlobalModel.checkpoint_fields`) was not written by
+    ``method`` at its rank plan (method, r_i, R_i), or None."""
+    plan = method.plan
+    saved = section.get("method"), list(section.get("client_ranks") or ()), list(section.get("reference_ranks") or ())
+    if saved == (method.name, list(plan.client_ranks), list(plan.reference_ranks)):
+        return None
+    return (f"was saved by method {saved[0]!r} with ranks r_i {saved[1]}, R_i {saved[2]}; its config says "
+            f"{method.name!r} with {list(plan.client_ranks)}, {list(plan.reference_ranks)}")  # fmt: skip

@@ -25,24 +25,31 @@ class _Two(nn.Module):
         return torch.cat([self.q(x), self.v(x)], -1)
 
 
-def test_fs_loads_what_adopt_returns_and_the_model_applies_the_rank_R_g_aggregate():
-    from federatedscope.core.auxiliaries.utils import merge_param_dict
-
+def _server_side(R_g: int, client_rank: int = 2):
+    """A PEFT LoRA model (r 2 on q and v, its head shared) and the server's GlobalModel of FedPA-LoRA on it: 3
+    clients of rank ``client_rank``, global rank ``R_g``."""
     from fs_fedpa.config import FedPAConfig
     from fs_fedpa.core.ranks import RankPlan
     from fs_fedpa.methods import METHODS, get_method
-    from fs_fedpa.plugin.aggregator import Aggregated
     from fs_fedpa.plugin.global_model import GlobalModel
 
-    torch.manual_seed(0)
     model = peft.get_peft_model(_Two(), peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q", "v"]))
-    model.base_model.model.head.weight.requires_grad_(True)  # a shared tensor, trained and averaged
+    model.base_model.model.head.weight.requires_grad_(True)
     get_method("fedpa")
-    R_g = 5
-    method = METHODS["fedpa"](FedPAConfig(), RankPlan.build(3, 2, global_rank=R_g))
+    method = METHODS["fedpa"](FedPAConfig(), RankPlan.build(3, client_rank, global_rank=R_g))
     method.bind({"q": (10, 12), "v": (8, 12)})
-    shared_name = "base_model.model.head.weight"
-    g = GlobalModel(model, method, [shared_name], {})
+    return model, GlobalModel(model, method, ["base_model.model.head.weight"], {})
+
+
+def test_fs_loads_what_adopt_returns_and_the_model_applies_the_rank_R_g_aggregate():
+    from federatedscope.core.auxiliaries.utils import merge_param_dict
+
+    from fs_fedpa.plugin.aggregator import Aggregated
+
+    torch.manual_seed(0)
+    R_g = 5
+    model, g = _server_side(R_g)
+    shared_name = "base_model.model.head.weight"  # a shared tensor, trained and averaged
     x = torch.randn(4, 12, dtype=torch.float32)
     with torch.no_grad(), model.disable_adapter():
         base = model(x)
@@ -73,23 +80,10 @@ def test_fs_loads_what_adopt_returns_and_the_model_applies_the_rank_R_g_aggregat
         torch.testing.assert_close(s_g * B @ A, factors[n][0] @ factors[n][1], rtol=1e-5, atol=1e-5)
 
 
-def _server_side(R_g: int, client_rank: int = 2):
-    from fs_fedpa.config import FedPAConfig
-    from fs_fedpa.core.ranks import RankPlan
-    from fs_fedpa.methods import METHODS, get_method
-    from fs_fedpa.plugin.global_model import GlobalModel
-
-    model = peft.get_peft_model(_Two(), peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q", "v"]))
-    model.base_model.model.head.weight.requires_grad_(True)
-    get_method("fedpa")
-    method = METHODS["fedpa"](FedPAConfig(), RankPlan.build(3, client_rank, global_rank=R_g))
-    method.bind({"q": (10, 12), "v": (8, 12)})
-    return model, GlobalModel(model, method, ["base_model.model.head.weight"], {})
-
-
 def test_fs_save_model_writes_a_checkpoint_that_load_model_puts_back_into_another_servers_model(tmp_path):
     """FS's save_model/load_model on the aggregator: the second server's model computes what the first's did (its
-    forward, not the factors the code under test wrote), and a checkpoint of other ranks or a pickle is refused."""
+    forward, not the factors the code under test wrote), and a checkpoint of other ranks, a pickle or a malformed
+    file is refused."""
     from fs_fedpa.plugin.aggregator import Aggregated, FedPAAggregator
 
     torch.manual_seed(0)
@@ -113,8 +107,11 @@ def test_fs_save_model_writes_a_checkpoint_that_load_model_puts_back_into_anothe
     assert torch.load(path, weights_only=True)["fedpa"]["run"] == {"outdir": "x"}
 
     _, g3 = _server_side(R_g=5, client_rank=3)
-    with pytest.raises(ValueError, match="other ranks"):
+    with pytest.raises(ValueError, match="was saved by method"):
         g3.load_checkpoint(str(path))
+    _, g4 = _server_side(R_g=4)
+    with pytest.raises(ValueError, match=r"R_i \[5, 5, 5\]; its config says .* \[4, 4, 4\]"):  # R_i = R_g here
+        g4.load_checkpoint(str(path))
     torch.save({"fedpa": {"global": {}}, "x": nn.Linear(1, 1)}, tmp_path / "pickle.pt")  # needs code to unpickle
     with pytest.raises(ValueError, match="not read"):
         g2.load_checkpoint(str(tmp_path / "pickle.pt"))
