@@ -1,7 +1,9 @@
-"""Shared test setup: the opt-in slow switch, and a guard that the tested fs_fedpa is this checkout."""
+"""Shared test setup: the opt-in slow switch, a guard that the tested fs_fedpa is this checkout, and one that the
+tests write nothing into it."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +26,40 @@ def pytest_configure(config: pytest.Config) -> None:
             f"fs_fedpa imports from {installed}, not from this checkout ({ROOT}), and the tests' subprocesses would "
             "run that code: run ./run.sh test (it installs this checkout editable) or pip install -e ."
         )
+
+
+CACHES = {"__pycache__", ".hypothesis", ".pytest_cache"}
+
+
+def _written() -> set[str] | None:
+    """The checkout's untracked files, ignored ones included, less Python's and the test tools' caches; None outside
+    a git work tree."""
+    try:
+        out = subprocess.run(["git", "ls-files", "--others", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    paths = (p for p in out.decode(errors="replace").split("\0") if p)
+    return {p for p in paths if not CACHES & set(Path(p).parts) and ".egg-info" not in p and not p.endswith(".pyc")}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):  # the controller (or the only process) checks, after every worker
+        session.config.stash[_BEFORE] = _written()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A test that writes into the checkout (FS's default outdir 'exp', a relative save_to) fails the session by
+    name of the file, instead of racing a test that checks the checkout from another worker."""
+    before = session.config.stash.get(_BEFORE, None)
+    after = _written() if before is not None else None
+    if before is None or after is None or not (new := sorted(after - before)):
+        return
+    shown = "\n  ".join(new[:20]) + (f"\n  ... and {len(new) - 20} more" if len(new) > 20 else "")
+    sys.stderr.write(f"\n[tests] the tests wrote into the checkout {ROOT} (write under tmp_path instead):\n  {shown}\n")
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_BEFORE = pytest.StashKey[set]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

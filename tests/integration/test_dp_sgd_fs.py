@@ -681,7 +681,7 @@ def test_the_dp_regime_config_passes_fs_and_the_plugins_checks():
 
     cfg = global_cfg.clone()
     cfg.merge_from_file(str(Path(__file__).resolve().parents[2] / "yaml_configs" / "dp_sst2_minilm_cpu.yaml"))
-    cfg.freeze()
+    cfg.freeze(save=False)  # FS's save would write config.yaml under the yaml's outdir, in the checkout
     assert (cfg.fedpa.dp.mode, cfg.fedpa.dp.epsilon, cfg.fedpa.dp.clip, cfg.fedpa.dp.sampling) == (
         "sample", 8.0, 0.01, "poisson")  # fmt: skip
     assert (cfg.dataloader.batch_size, cfg.train.local_update_steps, cfg.federate.total_round_num) == (256, 1, 120)

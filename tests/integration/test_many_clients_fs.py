@@ -95,25 +95,25 @@ def test_share_equal_shares_only_equal_frozen_values():
     from fs_fedpa.plugin.common import share_equal
 
     first = global_cfg.clone()
-    first.freeze()
+    first.freeze(save=False)
     second = first.clone()
     assert second is not first and share_equal("test cfg", first) is first
     assert share_equal("test cfg", second) is first
     other = first.clone()
     other.defrost()
     other.seed = first.seed + 1
-    other.freeze()
+    other.freeze(save=False)
     assert share_equal("test cfg", other) is other  # unequal: its own, and now the one the next may share
     unfrozen = other.clone()
     unfrozen.defrost()
     assert share_equal("test cfg", unfrozen) is unfrozen
     other.defrost()  # a wrapper edits the shared one in place (FS's FedProx and NbAFL trainers do)
     other.seed = first.seed + 2
-    other.freeze()
+    other.freeze(save=False)
     fresh = first.clone()
     fresh.defrost()
     fresh.seed = first.seed + 1
-    fresh.freeze()
+    fresh.freeze(save=False)
     assert share_equal("test cfg", fresh) is fresh
     assert share_equal("test names", {"a", "b"}) == {"a", "b"}
     names = share_equal("test names", {"a", "b"})
