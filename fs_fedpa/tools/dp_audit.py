@@ -24,6 +24,7 @@ another test could do better); a bound above it shows that the stated epsilon is
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 
@@ -162,16 +163,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from fs_fedpa.privacy.accountant import calibrate
 
+    logging.getLogger("federatedscope").setLevel(logging.ERROR)  # FS's set-up warnings, four per trainer built
     n = 64
     z = calibrate(n, n, args.steps, args.epsilon, args.delta)  # the plugin's accountant: replace-one, b = n
     print(f"ledger: epsilon {args.epsilon:g} at delta {args.delta:g} (replace-one, b = n = {n}, {args.steps} steps, "
-          f"z = {z:.4g}, C = {args.clip:g}); {args.trials} trials per dataset")  # fmt: skip
+          f"z = {z:.4g}, C = {args.clip:g}); {args.trials} trials per dataset", flush=True)  # fmt: skip
     for treatment in args.treatment:
         found = Audit(treatment, z, args.steps, args.clip, n).bound(args.trials, args.delta)
         verdict = "ABOVE the ledger: not private" if found["epsilon_lb"] > args.epsilon else "below the ledger"
         label = treatment + (" (withdrawn; emulated)" if treatment == "plain" else "")
         print(f"{label:24s} epsilon_lb {found['epsilon_lb']:.3f} (95 %), gap {found['gap_over_noise']:.3g} x noise: "
-              f"{verdict}")  # fmt: skip
+              f"{verdict}", flush=True)  # fmt: skip
     return 0
 
 
