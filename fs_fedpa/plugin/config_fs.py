@@ -65,14 +65,25 @@ def extend_fedpa_cfg(cfg) -> None:
     """Add ``cfg.fedpa`` with FedPAConfig's defaults, one child node per part, each key's help in FS's --help,
     and register its check (FS ``register_config`` hook). Each old flat key stays in the node at its default, so
     that a yaml or a command line (FS's merge_from_list sets only keys the node has, of their type) can still set
-    it, and the check moves a value that differs to its place. A key the node lacks fails in FS's own merge
-    (``Non-existent key: fedpa.<key>``)."""
+    it, and the check moves a value that differs to its place; the run's ``config.yaml`` leaves them out. A key the
+    node lacks fails in FS's own merge (``Non-existent key: fedpa.<key>``)."""
     from federatedscope.core.configs.config import CN
 
+    from fs_fedpa.plugin.fs_patches import extend_clear_aux_info
+
     cfg.fedpa = CN(default_node())
+    extend_clear_aux_info(cfg.fedpa, _drop_flat_keys)
     for key, _default, text in describe_all():
         cfg.__help_info__[f"fedpa.{key}"] = text
     cfg.register_cfg_check_fun(check_fedpa_cfg)
+
+
+def _drop_flat_keys(node) -> None:
+    """Leave the old flat keys out of the copy of the node that FS dumps to a run's ``config.yaml``: they sit in the
+    node only so that a yaml or command line naming them still merges, and at their defaults beside the nested keys
+    they would read as contradicting them (``eval_local: true`` beside ``eval: {local: false}``)."""
+    for old in flat_keys():
+        node.pop(old, None)
 
 
 def default_node() -> dict:

@@ -74,6 +74,10 @@ SEAMS = (
          "federatedscope/core/trainers/context.py", 224, "def _calculate_batch_epoch_num(self, mode='train'):",
          "its 'cur_mode ... mismatch' warning, repeated at every evaluation of every client, is shown once per "
          "process of a plugin run (warn_once)"),
+    Seam("federatedscope.core.configs.config:CN.clear_aux_info", "federatedscope/core/configs/config.py", 60,
+         "def clear_aux_info(self):",
+         "extended on the fedpa node only (extend_clear_aux_info): FS calls it on the copy of the config it dumps "
+         "to a run's config.yaml (and to wandb), and the node's old flat keys are left out of that copy"),
 )  # fmt: skip
 
 _GUARD = "fedpa_guard"  # marks FS's Message.count_bytes once replaced
@@ -100,6 +104,20 @@ def wrap_send(comm_manager, make: Callable[[Callable], Callable]) -> Callable:
     transport = comm_manager.send
     comm_manager.send = make(transport)
     return transport
+
+
+def extend_clear_aux_info(node, after: Callable) -> None:
+    """On this config node only (and its clones: a deep copy binds the method to the copy), FS's
+    ``clear_aux_info`` is followed by ``after(node)``. A node's own method, in its instance ``__dict__``, since FS's
+    merges require every node to be exactly FS's CN (yacs compares the types); a pickled copy (FS's spawned
+    processes) unpickles with FS's method alone."""
+    import types
+
+    def clear_aux_info(self):
+        type(self).clear_aux_info(self)
+        after(self)
+
+    node.__dict__["clear_aux_info"] = types.MethodType(clear_aux_info, node)
 
 
 def wrap_finish(monitor, make: Callable[[Callable], Callable]) -> None:

@@ -84,6 +84,27 @@ def test_a_yaml_with_old_keys_reads_as_its_nested_twin(tmp_path, warnings_seen):
     assert config_fs.fedpa_config(a).methods["hetlora"].gamma == 0.5 and a.fedpa.export.dir == "out/adapter"
 
 
+def test_the_runs_config_yaml_holds_each_value_once_under_its_nested_key_and_reruns_as_the_run(tmp_path):
+    """FS's freeze writes config.yaml: the old flat keys are left out (at their defaults they would contradict the
+    nested values), every nested value is there, and the file merged into a fresh config gives the same section.
+    The part keys that share an old key's name (store.checkpoint, records.diagnostics) stay."""
+    import yaml
+
+    cfg = _fresh()
+    cfg.merge_from_list(["outdir", str(tmp_path), "fedpa.eval_local", False, "fedpa.net.round_timeout_s", 60.0,
+                         "fedpa.store.checkpoint", False, "fedpa.hetlora.gamma", 0.5])  # fmt: skip
+    cfg.freeze()
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())["fedpa"]
+    assert not set(saved) & set(config_fs.flat_keys()), "an old flat key is in config.yaml"
+    assert saved["eval"]["local"] is False and saved["net"]["round_timeout_s"] == 60.0
+    assert saved["store"]["checkpoint"] is False and saved["hetlora"]["gamma"] == 0.5
+    assert "eval_local" in cfg.fedpa  # the live node keeps the old keys, so a yaml that names them still merges
+    again = _fresh()
+    again.merge_from_file(str(tmp_path / "config.yaml"))
+    assert config_fs.fedpa_config(again) == config_fs.fedpa_config(cfg)
+    assert config_fs.fedpa_config(again).methods == config_fs.fedpa_config(cfg).methods
+
+
 def test_an_old_key_and_its_new_one_that_disagree_are_refused():
     cfg = _fresh()
     with pytest.raises(ValueError, match=r"fedpa.export_dir \(the old name of fedpa.export.dir\) is 'b' and "
