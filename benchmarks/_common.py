@@ -72,7 +72,7 @@ def fs_runner(cfg_file: str):
     setup_seed(cfg.seed)
     fs_data, modified = get_data(config=cfg.clone(), client_cfgs=None)
     cfg.merge_from_other_cfg(modified)
-    cfg.freeze()
+    cfg.freeze(inform=False)  # the config goes to the run's config.yaml, not ~470 lines of the benchmark's output
     return get_runner(data=fs_data, server_class=get_server_cls(cfg), client_class=get_client_cls(cfg),
                       config=cfg.clone(), client_configs=None)  # fmt: skip
 
