@@ -29,6 +29,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 CACHES = {"__pycache__", ".hypothesis", ".pytest_cache"}
+_BEFORE = pytest.StashKey[set]()  # the untracked files at the start of the session
 
 
 def _written() -> set[str] | None:
@@ -57,9 +58,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shown = "\n  ".join(new[:20]) + (f"\n  ... and {len(new) - 20} more" if len(new) > 20 else "")
     sys.stderr.write(f"\n[tests] the tests wrote into the checkout {ROOT} (write under tmp_path instead):\n  {shown}\n")
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
-_BEFORE = pytest.StashKey[set]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
