@@ -87,7 +87,7 @@ def test_a_yaml_with_old_keys_reads_as_its_nested_twin(tmp_path, warnings_seen):
 def test_the_runs_config_yaml_holds_each_value_once_under_its_nested_key_and_reruns_as_the_run(tmp_path):
     """FS's freeze writes config.yaml: the old flat keys are left out (at their defaults they would contradict the
     nested values), every nested value is there, and the file merged into a fresh config gives the same section.
-    The part keys that share an old key's name (store.checkpoint, records.diagnostics) stay."""
+    A part key named as an old key is (store.checkpoint: old name checkpoint) stays."""
     import yaml
 
     cfg = _fresh()
