@@ -52,8 +52,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """A test that writes into the checkout (FS's default outdir 'exp', a relative save_to) fails the session by
     name of the file, instead of racing a test that checks the checkout from another worker."""
     before = session.config.stash.get(_BEFORE, None)
-    after = _written() if before is not None else None
-    if before is None or after is None or not (new := sorted(after - before)):
+    if before is None or not (new := sorted((_written() or set()) - before)):
         return
     shown = "\n  ".join(new[:20]) + (f"\n  ... and {len(new) - 20} more" if len(new) > 20 else "")
     sys.stderr.write(f"\n[tests] the tests wrote into the checkout {ROOT} (write under tmp_path instead):\n  {shown}\n")
