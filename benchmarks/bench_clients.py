@@ -52,7 +52,7 @@ def child(
         "use_gpu": cuda, "device": index,
         "llm.adapter.args": [{"adapter_package": "peft", "adapter_method": "lora", "r": r, "lora_alpha": 2 * r,
                               "lora_dropout": 0.0, "target_modules": targets}],
-        "fedpa.store.state_budget_mb": budget_mb, "fedpa.lam": lam, "fedpa.records.diagnostics": False,
+        "fedpa.store.state_budget_mb": budget_mb, "fedpa.lam": lam, "fedpa.records.diagnostics": "off",
         "train.local_update_steps": 2, "expname": f"{method}_{n}", "data.splitter": "iid",
         "data.splits": [0.98, 0.01, 0.01], "eval.split": ["val"],
     })  # fmt: skip

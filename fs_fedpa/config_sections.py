@@ -221,14 +221,17 @@ class EvalConfig:
         _flag(self, "refit_head", "eval")
 
 
+DIAGNOSTICS = ("light", "full", "off")  # fedpa.records.diagnostics
+
+
 @dataclass
 class RecordsConfig:
     """``fedpa.records``: the study files a run writes into its folder."""
 
-    diagnostics: bool = key(
-        True,
-        "compute and write per-round diagnostics (E_agg, spectrum, penalty, bytes) to "
-        "<outdir>/fedpa_diagnostics.jsonl; False computes none (E_agg costs a reconstruction's time)",
+    diagnostics: str = key(
+        "light",
+        "light: bytes, weights, alignment, drops to <outdir>/fedpa_diagnostics.jsonl; full adds E_agg, spectra, "
+        "drift, gradient split (study); off: none; True/False: full/off",
         was="diagnostics",
     )
     save_outcomes: bool = key(
@@ -240,5 +243,19 @@ class RecordsConfig:
     )
 
     def __post_init__(self) -> None:
-        _flag(self, "diagnostics", "records")
+        if isinstance(self.diagnostics, bool):  # the flag this key was before it had a light level
+            self.diagnostics = "full" if self.diagnostics else "off"
+        if self.diagnostics not in DIAGNOSTICS:
+            raise ValueError(f"fedpa.records.diagnostics must be one of {', '.join(DIAGNOSTICS)}, got "
+                             f"{self.diagnostics!r}")  # fmt: skip
         _flag(self, "save_outcomes", "records")
+
+    @property
+    def full(self) -> bool:
+        """Whether the study's diagnostics are computed (``diagnostics: full``)."""
+        return self.diagnostics == "full"
+
+    @property
+    def written(self) -> bool:
+        """Whether the round records are written to ``fedpa_diagnostics.jsonl`` (not ``off``)."""
+        return self.diagnostics != "off"

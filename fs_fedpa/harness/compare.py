@@ -98,7 +98,8 @@ def run_one(cfg: str, cell: Cell, seed: int, out: Path, opts: list[str], total_r
     shutil.rmtree(out / "run", ignore_errors=True)  # left by a killed run; FS would nest a sub_exp_* beside it
     fs_opts = ["federate.method", cell.method, "seed", str(seed), "outdir", str(out), "expname", "run"]
     no_checkpoint = ["federate.save_to", "", "fedpa.store.checkpoint", "False"]  # the runner keeps results, not models
-    cfg, given = with_yaml_keys(cfg, [*no_checkpoint, *opts, *cell.opts, *fs_opts], out)
+    full = ["fedpa.records.diagnostics", "full"]  # the comparison's report reads E_agg, drift and the rest
+    cfg, given = with_yaml_keys(cfg, [*no_checkpoint, *full, *opts, *cell.opts, *fs_opts], out)
     cmd = [sys.executable, "-m", "federatedscope.main", "--cfg", cfg, *fs_overrides(given)]
     commit = code_commit()  # the code the run imports now; the checkout may move on while it trains
     start = time.time()

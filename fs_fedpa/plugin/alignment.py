@@ -74,7 +74,7 @@ class Alignment:
             self.lam = self._adaptive_lam(ctx.loss_batch)
             self.lam_pending = False
             self.grads.discard()  # the probe's autograd.grad is not a training step
-        live = self.grads.alias(self.live) if self.method.cfg.records.diagnostics else self.live
+        live = self.grads.alias(self.live) if self.method.cfg.records.full else self.live
         if "alignment" not in self.method.uses:
             return None
         term = self.method.alignment(live, self.reference, self.lam * self.penalty_weight)

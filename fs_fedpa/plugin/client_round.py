@@ -53,7 +53,7 @@ class ClientRound:
         self.train_personal(received, payload, rnd)
         start = method.start_round(received, kept.factors, client_model.index, rnd)
         self.init_error = self.stats.init_error(start, kept.factors, kept.rounds_trained)
-        self.start = lora.copy_factors(start) if method.cfg.records.diagnostics else None
+        self.start = lora.copy_factors(start) if method.cfg.records.full else None
         fold = method.fold(received, client_model.index, rnd) if "fold" in method.uses else None
         kept.open_round(received, fold)  # a lost state is reported now
         client_model.set_base(kept.fold)

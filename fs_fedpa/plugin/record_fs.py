@@ -1,6 +1,7 @@
 """Round records and diagnostics: what each client measures of its round (:class:`RoundStats`) and what
 the server records of each aggregation (:class:`RoundLog`, one JSON line a round in
-``<outdir>/fedpa_diagnostics.jsonl``). With ``fedpa.records.diagnostics False`` none of it is computed."""
+``<outdir>/fedpa_diagnostics.jsonl``). The study's diagnostics (E_agg, spectra, drift, change norms, staleness,
+E_init) are computed only under ``fedpa.records.diagnostics full``; the default ``light`` records what a user reads."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its ow
 
 class RoundStats:
     """The statistics a client adds to its upload (a collaborator of :class:`~fs_fedpa.plugin.client.FedPAClient`),
-    from what it is given: its space, its state and the round's factors. With ``fedpa.records.diagnostics False``
-    none is computed."""
+    from what it is given: its space, its state and the round's factors. Only under ``fedpa.records.diagnostics
+    full``."""
 
     def __init__(self, method, alignment):
         self.method, self.alignment = method, alignment
@@ -56,8 +57,8 @@ class RoundStats:
         ||Delta W_i||_F, the drift ||Delta W_i - X_g,i||_F from the reference X_g,i it ``received`` (and relative to
         ||X_g,i||_F, absent while the reference is 0), ``change_norm`` from the round's ``start``, and ||grad of the
         alignment term|| / ||grad of the task loss|| on its factors at the round's first and last step (absent for
-        methods without a term). None of it with ``fedpa.records.diagnostics False``."""
-        if not self.method.cfg.records.diagnostics:
+        methods without a term). Only under ``fedpa.records.diagnostics full``."""
+        if not self.method.cfg.records.full:
             return {}
         whole = self.method.expand(self.whole_update(sent, space, fold))
         reference = self.applied_reference(space, received, last=True)
@@ -93,7 +94,7 @@ class RoundStats:
         its preserved factors (``kept``, a :class:`~fs_fedpa.plugin.client_state.ClientState`) against the reference
         ``received`` at the start of round ``rnd`` (partial participation: does a preserved factor that sat out drift
         from the reference?). None without diagnostics."""
-        if not self.method.cfg.records.diagnostics or kept.last_trained is None or kept.factors is None:
+        if not self.method.cfg.records.full or kept.last_trained is None or kept.factors is None:
             return {}
         own, reference = self.method.expand(space.upload(kept.factors)), self.applied_reference(space, received)
         sq = sum(float(product_distance(B, A, *reference[n])) ** 2 for n, (B, A) in own.items() if n in reference)
@@ -102,7 +103,7 @@ class RoundStats:
     def init_error(self, start: Factors, previous: Factors, rounds_trained: int) -> dict[str, float]:
         """E_init(B), E_init(A) of this client for the first LoRA module (§3.3; the paper plots one module); none
         without diagnostics or before it first trained."""
-        if not self.method.cfg.records.diagnostics or rounds_trained == 0:
+        if not self.method.cfg.records.full or rounds_trained == 0:
             return {}
         name = next(iter(start))
         return {
@@ -113,11 +114,12 @@ class RoundStats:
 
 class RoundLog:
     """The server's round records (a collaborator of :class:`~fs_fedpa.plugin.server.FedPAServer`): every round's
-    record in memory, which resume points carry, the bytes sent both ways so far, and with ``diagnostics`` one JSON
-    line a round in ``<outdir>/fedpa_diagnostics.jsonl``."""
+    record in memory, which resume points carry, the bytes sent both ways so far, and unless ``records`` (the
+    ``fedpa.records`` section) says ``diagnostics: off`` one JSON line a round in ``<outdir>/fedpa_diagnostics.jsonl``
+    (E_agg in the log line only under ``full``, where it is computed)."""
 
-    def __init__(self, outdir: str, diagnostics: bool):
-        self.path, self.diagnostics = os.path.join(outdir, DIAGNOSTICS_FILE), diagnostics
+    def __init__(self, outdir: str, records):
+        self.path, self.written, self.full = os.path.join(outdir, DIAGNOSTICS_FILE), records.written, records.full
         self.records: list[dict] = []
         self.totals = {"up": 0, "down": 0}
 
@@ -128,8 +130,7 @@ class RoundLog:
         record.update(bytes_up_total=self.totals["up"], bytes_down_total=self.totals["down"])
         self.records.append(record)
         self._write([record])
-        e_agg = (f"E_agg={_g(record['e_agg'])} (rel {_g(record['e_agg_rel'], '.3g')}), " if self.diagnostics
-                 else "")  # fmt: skip
+        e_agg = f"E_agg={_g(record['e_agg'])} (rel {_g(record['e_agg_rel'], '.3g')}), " if self.full else ""
         logger.info(
             f"[fedpa] round {record['round']}: {e_agg}alignment={_g(record['alignment_loss_mean'])}, "
             f"up {sum(record['bytes_up'].values())} B, down {sum(record['bytes_down'].values())} B"
@@ -146,7 +147,7 @@ class RoundLog:
         self._write(self.records)
 
     def _write(self, records: list[dict]) -> None:
-        if self.diagnostics:
+        if self.written:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.writelines(json.dumps(record) + "\n" for record in records)
 
@@ -182,13 +183,13 @@ def round_record(head: RecordHead, uploads, weights, clients, new_global, spectr
     """Diagnostics of one aggregation, from factors only (no d x k matrix). A diagnostic is never a reason to drop
     an upload or stop a round: one that cannot be computed (e.g. an overflow after a legal but huge upload) is None,
     with a warning, and one that is not finite is written as null (:meth:`RoundRecord.to_dict`). With
-    ``fedpa.records.diagnostics False`` the aggregate's diagnostics, which cost as much as a reconstruction, are not
-    computed either: they are None."""
+    the aggregate's diagnostics, which cost as much as a reconstruction, computed only under ``fedpa.records.diagnostics
+    full``: else they are None."""
     method = head.method  # ``uploads``: as applied factors (each expanded once, when it was checked)
     record = new_record(head)
     record.clients, record.weights = list(clients), list(weights)
     blank_aggregate(record)
-    if method.cfg.records.diagnostics:
+    if method.cfg.records.full:
         try:
             _aggregate_diagnostics(record, method.expand(new_global), uploads, weights, spectra)
         except (RuntimeError, ValueError, ArithmeticError) as err:
@@ -233,7 +234,7 @@ def private_record(head: RecordHead, clients: list[int], weight: float, new_glob
     record.clients = list(clients)
     record.weights = [weight] * len(clients)
     blank_aggregate(record)
-    if method.cfg.records.diagnostics:
+    if method.cfg.records.full:
         expanded = method.expand(new_global)
         global_sq = product_sq_norm(expanded)
         record.global_norm = global_sq**0.5

@@ -76,7 +76,7 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
             # asserts that a round never waits for more than sample_client_num
             self.sample_client_num = self.client_num
         # the records, carried by resume points
-        self.round_log = RoundLog(self._cfg.outdir, self.method.cfg.records.diagnostics)
+        self.round_log = RoundLog(self._cfg.outdir, self.method.cfg.records)
         shapes = (layer_shapes(self.model), {n: tuple(params[n].shape) for n in self.shared_names})
         self.aggregator = FedPAAggregator(
             self.method, self.round_log, global_model=self.globals, run=self.identity, privacy=self.privacy,

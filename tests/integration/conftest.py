@@ -65,6 +65,7 @@ def fedpa_cfg(tiny_llm, tmp_path: Path, **overrides) -> dict:
         "federate.share_local_model": True,
         "expname": "fedpa_tiny",
         "fedpa.lam": 1.0,
+        "fedpa.records.diagnostics": "full",  # the tests read the mechanism's diagnostics
     }
     return fs_llm_yaml(tmp_path, tiny_llm["model"], tiny_llm["data"], **(defaults | overrides))
 

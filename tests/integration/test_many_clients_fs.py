@@ -74,7 +74,7 @@ def test_every_damage_to_a_spilled_file_is_that_clients_loss_alone(many, tmp_pat
     kinds = "truncate,zero_link,grow,pickle,swap,link_other"
     cfg = _cfg(many, tmp_path, "fedpa", **{
         "federate.client_num": 6, "federate.sample_client_num": 6, "fedpa.store.state_budget_mb": 0.009,
-        "federate.total_round_num": 3, "eval.freq": eval_freq, "fedpa.records.diagnostics": True,
+        "federate.total_round_num": 3, "eval.freq": eval_freq, "fedpa.records.diagnostics": "full",
     })  # fmt: skip
     run = probe(cfg, tmp_path, env={"FS_PROBE_DAMAGE_SPILL": kinds})
     log = (tmp_path / "exp" / "fedpa" / "exp_print.log").read_text()

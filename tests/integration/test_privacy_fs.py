@@ -47,7 +47,7 @@ def test_client_level_ledger_equals_dp_accounting_for_the_run(tiny_llm, tmp_path
         "fedpa.dp.mode": "client",
         "fedpa.dp.clip": 0.05,
         "fedpa.dp.noise_multiplier": 1.2,
-        "fedpa.records.diagnostics": False,
+        "fedpa.records.diagnostics": "off",
         "fedpa.dp.seed": 7,
     }
     cfg = fedpa_cfg(tiny_llm, tmp_path, **overrides)

@@ -27,7 +27,7 @@ def _records(out) -> list[dict]:
 
 
 def test_a_toy_laplace_mechanism_plugs_in_through_the_privacy_package_alone(tiny_llm, tmp_path):
-    common = {"federate.client_num": 2, "federate.total_round_num": 2, "fedpa.records.diagnostics": True,
+    common = {"federate.client_num": 2, "federate.total_round_num": 2, "fedpa.records.diagnostics": "full",
               "fedpa.dp.seed": -1}  # fmt: skip
     toy = fedpa_cfg(tiny_llm, tmp_path / "toy", expname="toy", **common, **{
         "fedpa.dp.mode": "laplace", "fedpa.dp.clip": 1e-3, "fedpa.dp.epsilon": 0.5})  # fmt: skip

@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fs_fedpa.config_sections import RecordsConfig
+
 pytest.importorskip(
     "federatedscope", reason="FederatedScope is not installed: the server's aggregator is NOT checked "
     "(pip install --no-deps ../shared/vendor/FederatedScope-llm-*.tar.gz)"
@@ -26,7 +28,7 @@ def _aggregator(tmp_path, **kw):
 
     get_method("fedpa")
     method = METHODS["fedpa"](FedPAConfig(), RankPlan.build(3, r, global_rank=R_g))
-    rounds = RoundLog(str(tmp_path), diagnostics=True)
+    rounds = RoundLog(str(tmp_path), RecordsConfig(diagnostics="full"))
     opened, installed = [], []
 
     class Installed:  # the server's GlobalModel, as the aggregator sees it

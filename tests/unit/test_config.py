@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from fs_fedpa.config import FedPAConfig
+from fs_fedpa.config_sections import RecordsConfig
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
@@ -177,3 +178,19 @@ def test_a_client_timeout_below_the_join_bound_is_refused(client, join, refused)
     except ValueError as err:
         message = str(err)
     assert ("shorter than the server's join bound" in message) == refused
+
+
+@pytest.mark.parametrize("given, level", [("light", "light"), ("full", "full"), ("off", "off"), (True, "full"),
+                                          (False, "off")])  # fmt: skip
+def test_diagnostics_levels_and_the_flag_they_were(given, level):
+    """``fedpa.records.diagnostics``: light (the default), full or off; the True/False it was before read as full
+    and off; anything else refused naming the key."""
+    records = RecordsConfig(diagnostics=given)
+    assert records.diagnostics == level
+    assert records.full == (level == "full") and records.written == (level != "off")
+    assert RecordsConfig().diagnostics == "light"
+
+
+def test_an_unknown_diagnostics_level_is_refused():
+    with pytest.raises(ValueError, match="fedpa.records.diagnostics must be one of light, full, off"):
+        RecordsConfig(diagnostics="some")

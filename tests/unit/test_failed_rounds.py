@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from fs_fedpa.config_sections import RecordsConfig
+
 pytest.importorskip(
     "federatedscope", reason="FederatedScope is not installed: the server's round log is NOT checked "
     "(pip install --no-deps ../shared/vendor/FederatedScope-llm-*.tar.gz)"
@@ -24,7 +26,7 @@ def test_the_aggregators_count_and_generator_travel_in_its_state_dict_not_in_the
     from fs_fedpa.plugin.aggregator import FedPAAggregator
     from fs_fedpa.plugin.record_fs import RoundLog
 
-    log = RoundLog(str(tmp_path), diagnostics=False)
+    log = RoundLog(str(tmp_path), RecordsConfig(diagnostics="off"))
     # the history ends in a round without clients that did aggregate (a client-level DP release of a Poisson draw
     # of no client): a count recomputed from the records would call it failed
     log.load_state_dict({"records": [_record(0, [1]), _record(1, [])], "totals": {"up": 10, "down": 5}}, "p.pt")
@@ -37,7 +39,7 @@ def test_the_aggregators_count_and_generator_travel_in_its_state_dict_not_in_the
     after.load_state_dict(state, "p.pt")
     assert after.failed_in_a_row == 0
     assert torch.equal(torch.rand(4, generator=after.generator), torch.rand(4, generator=before.generator))
-    again = RoundLog(str(tmp_path / "again"), diagnostics=False)
+    again = RoundLog(str(tmp_path / "again"), RecordsConfig(diagnostics="off"))
     again.load_state_dict(log.state_dict(), "p.pt")
     assert again.records == log.records and again.totals == {"up": 10, "down": 5}
 
@@ -46,14 +48,18 @@ def test_the_round_log_adds_the_byte_totals_and_writes_one_line_a_round_only_wit
     from fs_fedpa.plugin.record_fs import RoundLog
     from fs_fedpa.record import DIAGNOSTICS_FILE
 
-    log = RoundLog(str(tmp_path), diagnostics=True)
+    log = RoundLog(str(tmp_path), RecordsConfig(diagnostics="full"))
     log.add(_record(0, [1, 2]))
     log.add(_record(1, [1]))
     lines = [json.loads(x) for x in (tmp_path / DIAGNOSTICS_FILE).read_text().splitlines()]
     assert [(x["bytes_up_total"], x["bytes_down_total"]) for x in lines] == [(20, 5), (30, 10)]
-    quiet = RoundLog(str(tmp_path / "quiet"), diagnostics=False)
+    quiet = RoundLog(str(tmp_path / "quiet"), RecordsConfig(diagnostics="off"))
     quiet.add(_record(0, [1]))
     assert quiet.records[0]["bytes_up_total"] == 10 and not (tmp_path / "quiet").exists()
+    light = RoundLog(str(tmp_path / "light"), RecordsConfig(diagnostics="light"))
+    (tmp_path / "light").mkdir()
+    light.add(_record(0, [1]))
+    assert json.loads((tmp_path / "light" / DIAGNOSTICS_FILE).read_text())["bytes_up_total"] == 10
 
 
 def test_a_new_aggregator_has_no_failed_round():
