@@ -47,6 +47,7 @@ def config(point: dv.Valid) -> dict:
     cfg["expname"] = "sst2_dp"
     cfg["federate"]["method"] = dr.REFERENCE
     cfg["federate"]["total_round_num"] = regime.rounds
+    cfg["fedpa"].pop("records", None)  # the study's full diagnostics; a user's run records the light ones
     opts = (*point.opts(), *point.dp_opts(), *dr.chunk_opts(True), *sp.FINAL_EVAL)
     for key, text in zip(opts[::2], opts[1::2]):
         if key in STUDY_ONLY:

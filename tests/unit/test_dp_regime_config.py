@@ -42,6 +42,7 @@ def test_it_differs_from_the_protocol_in_the_selected_regime_and_its_dp_only():
         "fedpa.dp.mode": "sample", "fedpa.dp.epsilon": 8, "fedpa.dp.clip": 0.01, "fedpa.dp.sampling": "poisson",
         "fedpa.dp.accountant": "pld", "fedpa.dp.horizon": 120, "fedpa.dp.min_records": 1000,
         "fedpa.dp.local_tensors": "frozen", "fedpa.dp.chunk": 32,
+        "fedpa.records.diagnostics": None,  # the study's full diagnostics left out: a user's run records light ones
     }  # fmt: skip
     assert dp["personalization.local_param"] == ["classifier"] and dp["train.optimizer.type"] == "AdamW"
     assert dp["data.glue_holdout"] == 0  # the dev set, as the protocol's own file
