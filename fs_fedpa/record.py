@@ -68,7 +68,7 @@ class RoundRecord:
         "singular values of the probe module's aggregate (methods that compute them)", factory=list
     )
     alignment_loss: dict = _f(
-        "per client: mean lam/2 * penalty added to the loss over the round's steps", factory=dict
+        "per client: lam/2 * its alignment term at the end of its round's training", factory=dict
     )
     alignment_loss_mean: float = _f("mean of alignment_loss over clients", 0.0)
     lam: dict = _f(

@@ -135,6 +135,14 @@ class GradientSplit:
         """Views of ``factors`` to compute the alignment term from; their gradients are the term's part."""
         return {n: (self._view(B), self._view(A)) for n, (B, A) in factors.items()}
 
+    def add_alignment(self, sq: Tensor) -> None:
+        """The step's squared norm of the term's gradient where it is not seen by autograd (a term that adds its
+        gradient in closed form, :class:`~fs_fedpa.core.batched_penalty.ProductTerm`); the factors' hooks then see
+        the task's part alone."""
+        if self._step is None:
+            self._step = [sq.new_zeros(()), sq.new_zeros(())]
+        self._step[0] = self._step[0] + sq.detach().float()
+
     def end_step(self) -> None:
         """Close the step whose backward ran last (call before the next step's forward and at the round's end)."""
         if self._step is not None:

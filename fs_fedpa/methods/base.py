@@ -268,6 +268,12 @@ class FederatedMethod:
         """Extra local loss for factors ``local`` (live parameters) and a fixed ``reference``; None for none."""
         return None
 
+    def product_alignment(self) -> bool:
+        """Whether :meth:`alignment` is lam/2 * sum_m ||B_m A_m - B_r,m A_r,m||_F^2 (FedPA-LoRA's product penalty):
+        the client then trains with it batched by shape, its gradient in closed form
+        (:class:`~fs_fedpa.core.batched_penalty.ProductTerm`), and calls :meth:`alignment` for no step."""
+        return False
+
     def end_round(self, local: Factors, client: int, rnd: int) -> Factors:
         """What the client keeps of its trained factors (e.g. pruned ones); default: all of them."""
         return local

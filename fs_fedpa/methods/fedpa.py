@@ -38,6 +38,9 @@ class FedPA(FederatedMethod):
             return_spectrum=True,
         )
 
+    def product_alignment(self) -> bool:
+        return self.cfg.reg == "product"
+
     def alignment(self, local: Factors, reference: Factors, lam: float) -> Tensor | None:
         if self.cfg.reg == "none" or lam == 0:
             return None

@@ -30,3 +30,6 @@ class FlexLoRA(FedPA):
 
     def alignment(self, local: Factors, reference: Factors, lam: float) -> Tensor | None:
         return None
+
+    def product_alignment(self) -> bool:
+        return False

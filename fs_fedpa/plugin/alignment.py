@@ -1,7 +1,9 @@
 """The client's alignment term during training: lam/2 * ||Delta W_i - B_g,i A_g,i||_F^2 (the method's form of
 it) toward the round's reference, with the adaptive lam of Appendix F. :class:`Alignment` is a collaborator of
-:class:`~fs_fedpa.plugin.client.FedPAClient` that owns the round's reference, lam and the term's running sum; the
-trainer calls :meth:`Alignment.term` at every step (:func:`fs_fedpa.plugin.trainer.install_alignment_hook`)."""
+:class:`~fs_fedpa.plugin.client.FedPAClient` that owns the round's reference and lam; the trainer calls
+:meth:`Alignment.term` at every step (:func:`fs_fedpa.plugin.trainer.install_alignment_hook`). FedPA-LoRA's product
+penalty trains batched by shape with its gradient in closed form (:class:`~fs_fedpa.core.batched_penalty.ProductTerm`);
+other forms through the method's :meth:`~fs_fedpa.methods.base.FederatedMethod.alignment` and autograd."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 from torch import Tensor
 
 from fs_fedpa.core.adaptive import lam_direction, lam_grad, lam_loss, normalized_factor_grads
+from fs_fedpa.core.batched_penalty import ProductTerm
 from fs_fedpa.core.diagnostics import GradientSplit
 from fs_fedpa.core.penalty import product_penalty
 
@@ -33,23 +36,33 @@ class Alignment:
         self.penalty_weight = 1.0
         self.reference: Pairs = {}  # X_g,i: the received rank-R_i reference, client space, on the model's device
         self.live: Pairs = {}  # the model's trainable factors the term is computed on
+        self.batched: ProductTerm | None = None  # the product penalty of the round, batched by shape
         self.lam = method.cfg.lam
         self.lam_pending = False  # adaptive lam: set from the round's first mini-batch
-        self.penalty_sum: Tensor | None = None
-        self.penalty_steps = 0
+        self.penalty_steps = 0  # the round's steps that trained with the term
 
     def start_round(self, live: Pairs, reference: Pairs) -> None:
         """A new round toward ``reference`` on the factors ``live``: lam back to ``fedpa.lam`` (the adaptive rule
-        resets it at the first batch), the running sum to zero."""
+        resets it at the first batch), no step taken yet."""
+        self.release()
         self.live, self.reference = live, reference
         self.lam = self.method.cfg.lam
         self.lam_pending = self.method.cfg.adaptive_lam != "none"
-        self.penalty_sum, self.penalty_steps = None, 0
+        self.penalty_steps = 0
         if self.watched:
             self.grads.watch(live)
+        if reference and "alignment" in self.method.uses and self.method.product_alignment():
+            self.batched = ProductTerm(live, reference, self.grads.add_alignment if self.watched else None)
+
+    def release(self) -> None:
+        """The batched term's hold on the factors' storage let go."""
+        if self.batched is not None:
+            self.batched.release()
+            self.batched = None
 
     def clear(self) -> None:
         """Drop the round's tensors (the client's state is parked, or the run is over)."""
+        self.release()
         self.reference, self.live = {}, {}
 
     @contextmanager
@@ -61,9 +74,17 @@ class Alignment:
         finally:
             self.reference = reference
 
-    def mean(self) -> float:
-        """The round's mean of the term over the steps that computed it (0 without one)."""
-        return float(self.penalty_sum) / self.penalty_steps if self.penalty_steps else 0.0
+    def value(self) -> float:
+        """lam/2 * the method's alignment term now, on the factors as trained (the round's end); 0 where no step
+        trained with it. FedPA-LoRA's product penalty from QR factors in float64 (accurate near convergence)."""
+        if not self.penalty_steps:
+            return 0.0
+        weight = self.lam * self.penalty_weight
+        if self.batched is not None:
+            return self.batched.value(0.5 * weight)
+        with torch.no_grad():
+            term = self.method.alignment(self.live, self.reference, weight)
+        return 0.0 if term is None else float(term)
 
     def term(self, ctx) -> Tensor | None:
         """lam/2 * sum of the method's alignment term over LoRA modules, for the trainer hook (train only)."""
@@ -74,13 +95,15 @@ class Alignment:
             self.lam = self._adaptive_lam(ctx.loss_batch)
             self.lam_pending = False
             self.grads.discard()  # the probe's autograd.grad is not a training step
-        live = self.grads.alias(self.live) if self.method.cfg.records.full else self.live
         if "alignment" not in self.method.uses:
             return None
-        term = self.method.alignment(live, self.reference, self.lam * self.penalty_weight)
+        if self.batched is not None:
+            coef = 0.5 * self.lam * self.penalty_weight
+            term = self.batched(coef) if coef != 0 else None
+        else:
+            live = self.grads.alias(self.live) if self.watched else self.live
+            term = self.method.alignment(live, self.reference, self.lam * self.penalty_weight)
         if term is not None:
-            value = term.detach()
-            self.penalty_sum = value if self.penalty_sum is None else self.penalty_sum + value
             self.penalty_steps += 1
         return term
 

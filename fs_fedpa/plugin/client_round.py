@@ -117,7 +117,7 @@ class ClientRound:
             "lora": encode_parts(method.upload_payload(sent, client_model.index, rnd), wire=self.wire),
             "stats": self.privacy.stats(
                 {
-                    "alignment_loss": self.alignment.mean(),
+                    "alignment_loss": self.alignment.value(),
                     "lam": float(self.alignment.lam),
                     "num_train_data": int(getattr(self.trainer.ctx, "num_train_data", 0) or 0),
                     "restarted": int(self.restarted),
