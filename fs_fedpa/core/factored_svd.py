@@ -12,6 +12,7 @@ Shapes: ``B_cat (d, r_tot)``, ``A_cat (r_tot, k)``; every result is ``(B_g (d, R
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -70,7 +71,7 @@ def gram_route(Bt: Tensor, A: Tensor, ranks: Sequence[int], rank: int, w) -> tup
     P, to_Q = _row_space(alpha[..., :, None] * G_A * alpha[..., None, :])
     BP = beta[..., :, None] * P  # diag(beta) P: (*, m, m)
     K = BP.mT @ G_B @ BP
-    lam, Z = torch.linalg.eigh((K + K.mT) / 2)
+    lam, Z = small_eigh((K + K.mT) / 2)
     require_finite(lam)  # an entry near the float64 limit overflowed in a Gram
     lam, Z = lam.flip(-1), Z.flip(-1)  # descending
     m = A.shape[-2]
@@ -81,6 +82,25 @@ def gram_route(Bt: Tensor, A: Tensor, ranks: Sequence[int], rank: int, w) -> tup
     A_g = (Z_R.mT @ (to_Q * alpha[..., None, :])) @ A
     S = lam[..., :q].clamp_min(0).sqrt()
     return pad_rank(B_g, A_g, rank) + (S,)
+
+
+BATCHED_EIGH_MAX = 32  # torch's CUDA eigh batches cuSOLVER's Jacobi solver up to 32 x 32, then loops over the batch
+
+
+def on_host(shape: torch.Size, device: torch.device) -> bool:
+    """Whether :func:`small_eigh` solves a stack of ``shape`` on the host: a batch of CUDA matrices larger than
+    :data:`BATCHED_EIGH_MAX`, which torch would solve one dense solver call (about a millisecond) at a time."""
+    return device.type == "cuda" and shape[-1] > BATCHED_EIGH_MAX and math.prod(shape[:-2]) > 1
+
+
+def small_eigh(M: Tensor) -> tuple[Tensor, Tensor]:
+    """``torch.linalg.eigh`` of a stack of small symmetric matrices ``(*, m, m)`` (the modules of a shape group),
+    batched where the device batches it, else on the host (:func:`on_host`: one copy each way and a LAPACK loop
+    of microseconds a matrix, in place of a device solver call a matrix); the result on ``M``'s device."""
+    if not on_host(M.shape, M.device):
+        return torch.linalg.eigh(M)
+    lam, E = torch.linalg.eigh(M.cpu())
+    return lam.to(M.device), E.to(M.device)
 
 
 class NonFinite(ValueError):
@@ -111,7 +131,7 @@ def _row_space(G: Tensor) -> tuple[Tensor, Tensor]:
         P = L / inv_d[..., :, None]  # D^-1 L
         T = torch.linalg.solve_triangular(L, eye.expand_as(L), upper=False) * inv_d[..., None, :]  # L^-1 D
         return P, T
-    mu, E = torch.linalg.eigh(G)
+    mu, E = small_eigh(G)
     keep = mu > mu[..., -1:].clamp_min(0) * (m * eps)
     root = torch.where(keep, mu, 1).sqrt()
     P = E * torch.where(keep, root, 0)[..., None, :]
@@ -162,7 +182,7 @@ def gram_pairs(H: Tensor, rank: int) -> tuple[Tensor, Tensor, Tensor]:
     require_finite(H)
     p, q = H.shape[-2], H.shape[-1]
     n = min(rank, p, q)
-    lam, E = torch.linalg.eigh(H.mT @ H if q <= p else H @ H.mT)  # ascending
+    lam, E = small_eigh(H.mT @ H if q <= p else H @ H.mT)  # ascending
     require_finite(lam)  # an entry near the float64 limit overflowed in the Gram
     S = lam.flip(-1).clamp_min(0).sqrt()
     E_n = E[..., -n:].flip(-1)  # the leading n eigenvectors, descending

@@ -347,3 +347,25 @@ def test_an_option_either_function_does_not_know_is_refused_not_ignored():
         reconstruct_adapter([{"q": (B, A)}], 2, oversampling=4)
     dense = reconstruct([B], [A], 2, mode="dense")
     torch.testing.assert_close(dense[0] @ dense[1], B @ A)
+
+
+def test_small_solves_go_to_the_host_only_where_the_device_would_loop_over_them():
+    """torch's CUDA eigh batches up to 32 x 32 and loops over larger ones (RoBERTa-large's sum r_i = 40, Llama's 48):
+    those stacks are solved on the host; a CPU stack, a single matrix or a small one stays where it is."""
+    from fs_fedpa.core.factored_svd import on_host
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert on_host(torch.Size([48, 40, 40]), cuda) and on_host(torch.Size([2, 3, 48, 48]), cuda)
+    assert not on_host(torch.Size([48, 32, 32]), cuda)  # cuSOLVER's batched Jacobi solver
+    assert not on_host(torch.Size([1, 40, 40]), cuda) and not on_host(torch.Size([40, 40]), cuda)
+    assert not on_host(torch.Size([48, 40, 40]), cpu)
+
+
+def test_small_eigh_is_torch_s_where_it_stays():
+    from fs_fedpa.core.factored_svd import small_eigh
+
+    X = torch.randn(6, 40, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    M = X @ X.mT
+    lam, E = small_eigh(M)
+    want_lam, want_E = torch.linalg.eigh(M)
+    assert torch.equal(lam, want_lam) and torch.equal(E, want_E)
