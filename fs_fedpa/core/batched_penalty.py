@@ -90,18 +90,25 @@ class _Group:
         gradients were not reset since the last step), so that the calls do not grow with the modules."""
         B, A, AAt, AArt, BtB, BtBr = self.saved
         self.saved = ()
-        kinds = ((self.Bs, self.gB, self.gB_rows, torch.bmm(B, AAt), self.B_r, AArt.mT),
-                 (self.As, self.gA, self.gA_rows, torch.bmm(BtB, A), BtBr, self.A_r))  # fmt: skip
+        # grad_out scales the (r, r) and (r, R) Grams, not the (n, d, r) gradient: the gradient is X Y - L R
+        kinds = ((self.Bs, self.gB, self.gB_rows, B, AAt * grad_out, self.B_r, AArt.mT * grad_out),
+                 (self.As, self.gA, self.gA_rows, BtB * grad_out, A, BtBr * grad_out, self.A_r))  # fmt: skip
         sq = None
-        for params, buffer, rows, first, left, right in kinds:
-            g = torch.baddbmm(first, left, right, beta=2 * coef, alpha=-2 * coef).mul_(grad_out)
-            if on_alignment_sq is not None:
-                sq = g.square().sum() if sq is None else sq + g.square().sum()
+        for params, buffer, rows, X, Y, L, R in kinds:
             grads = [p.grad for p in params]
-            if all(p.requires_grad for p in params) and all(x is not None for x in grads):
+            usual = all(p.requires_grad for p in params) and all(x is not None for x in grads)
+            g = None
+            if on_alignment_sq is not None or not usual or buffer.dtype != X.dtype:
+                g = torch.baddbmm(torch.bmm(X, Y), L, R, beta=2 * coef, alpha=-2 * coef)
+                if on_alignment_sq is not None:
+                    sq = g.square().sum() if sq is None else sq + g.square().sum()
+            if usual:
                 if not all(x is row for x, row in zip(grads, rows)):
                     torch.stack(grads, out=buffer)
-                buffer.add_(g)
+                if g is None:  # added in place: no (n, d, r) temporary
+                    buffer.baddbmm_(X, Y, alpha=2 * coef).baddbmm_(L, R, alpha=-2 * coef)
+                else:
+                    buffer.add_(g)
                 for p, row in zip(params, rows):
                     if p.grad is not row:
                         p.grad = row
