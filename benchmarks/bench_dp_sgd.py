@@ -10,6 +10,7 @@ step and the ratios to the plain step.
     python benchmarks/bench_dp_sgd.py --data ../shared/data/glue [--routines 5] [--local-steps 10] [--batch 16]
         [--device cuda] [--model DIR] [--tok-len 128] [--limit 512] [--layers L]
         [--kinds plain taps loop cache cache_chunks plain_cache plain_chunks] [--train-chunk 32] [--dp-chunk 32]
+        [--count]
 
 ``--layers L`` puts LoRA on the top L of MiniLM's 6 layers (``model.seqcls.layers_to_transform``); the kind ``cache``
 is the taps' DP-SGD step with ``model.seqcls.prefix_cache`` (timed once every record of ``--limit`` is cached, the
@@ -17,6 +18,12 @@ steady state of every later epoch), ``plain_cache`` the plain step with it, ``pl
 length-sorted chunks of ``--train-chunk`` records (``model.seqcls.train_chunk``), ``cache_chunks`` the DP-SGD step
 with the cache in chunks of ``--dp-chunk`` records instead of the CPU's default; the routines that fill the cache are
 timed apart, and each kind's time is also given per record. At b = 256 or 1,024 leave out ``loop`` (b forwards a step).
+
+``--count`` also runs one more routine of each kind under torch's profiler and prints, per step, the torch operations
+it dispatched (``aten::`` calls: on an accelerator each computing one is a kernel launch, which is what a LoRA-sized
+step is bound by) and its host syncs: on a GPU those torch.cuda.set_sync_debug_mode reports (a read of a tensor's
+value, a blocking copy), on a CPU its reads of tensors' values to the host (``.item()``, ``float``, ``bool``,
+``.tolist()``, ``.cpu()``, ``.numpy()``; syncs on a GPU where the tensor is on it).
 
 On a GPU (``--device cuda``) the threads are not pinned; the GPU check runs it there (``gpu_check --only dp_sgd``).
 """
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -68,6 +76,43 @@ def trainer(args, dp: bool, batched: bool = True, cache: bool = False, chunk: in
     return t
 
 
+def counts(routine, steps: int, cuda: bool) -> tuple[float, float]:
+    """Per step of one call of ``routine``: aten calls, and host syncs (a GPU's, else reads of values to the host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    reads = [0]
+    methods = {name: getattr(torch.Tensor, name) for name in ("tolist", "cpu", "numpy")}
+
+    def counted(method):
+        def read(self, *args, **kwargs):
+            reads[0] += 1
+            return method(self, *args, **kwargs)
+
+        return read
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        else:
+            for name, method in methods.items():
+                setattr(torch.Tensor, name, counted(method))
+        try:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                routine()
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode(0)
+            for name, method in methods.items():
+                setattr(torch.Tensor, name, method)
+    names = [e.name for e in prof.events() if e.name.startswith("aten::")]
+    if cuda:
+        syncs = sum("synchroniz" in str(w.message) for w in caught)
+    else:
+        syncs = names.count("aten::_local_scalar_dense") + reads[0]
+    return len(names) / steps, syncs / steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=str(Path("..") / "shared" / "data" / "glue"))
@@ -84,6 +129,7 @@ def main() -> None:
                         help="the steps timed side by side")  # fmt: skip
     parser.add_argument("--train-chunk", type=int, default=32, help="plain_chunks: records a forward")
     parser.add_argument("--dp-chunk", type=int, default=32, help="cache_chunks: records a DP-SGD forward")
+    parser.add_argument("--count", action="store_true", help="also count torch operations and host syncs per step")
     args = parser.parse_args()
     if {"cache", "cache_chunks", "plain_cache", "plain_chunks"} & set(args.kinds) and not args.layers:
         parser.error("--kinds cache needs --layers (a frozen prefix to cache)")
@@ -133,6 +179,12 @@ def main() -> None:
     for a, b in pairs:
         if a in times and b in times:
             print(f"  ratio {a} / {b}: {times[a] / times[b]:.2f}x")
+    if args.count:
+        cuda = args.device.startswith("cuda")
+        what = "host syncs (torch.cuda sync debug mode)" if cuda else "reads of tensor values to the host"
+        for k in args.kinds:
+            ops, syncs = counts(routines[k], args.local_steps, cuda)
+            print(f"  per step: {k} {ops:.0f} aten calls, {syncs:.1f} {what}")
 
 
 if __name__ == "__main__":

@@ -32,8 +32,16 @@ from torch import Tensor
 
 from fs_fedpa.core.batches import length_chunks, select_records
 from fs_fedpa.plugin import fs_patches
-from fs_fedpa.privacy.mechanism import add_clipped, gaussian, sample_poisson, sample_without_replacement
-from fs_fedpa.privacy.per_example import LinearTaps, check_sum, clipped_sum, linear_owners, per_example_grads
+from fs_fedpa.privacy.mechanism import add_clipped, gaussian_flat, sample_poisson, sample_without_replacement
+from fs_fedpa.privacy.per_example import (
+    LinearTaps,
+    clipped_sum_flat,
+    describe_gaps,
+    linear_owners,
+    per_example_matrix,
+    sum_gaps,
+    sum_mismatch,
+)
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 CPU_CHUNK = 4  # records a batched forward takes on the CPU (benchmarks/bench_dp_sgd.py)
@@ -65,7 +73,9 @@ class DPSGD:
         # by signal_noise (no host sync in the step): how far the noise drowns the signal. Computed from the client's
         # records, so a local diagnostic for its own log, never sent
         self.round_norms: list[tuple[Tensor, Tensor]] = []
-        self._grad_sum: list[Tensor] = []
+        # the step's clipped sum, float64: every tensor DP-SGD trains, flattened one after the other (params' order)
+        self._grad_flat: Tensor | None = None
+        self._shapes: list[torch.Size] = []
         self._plan = None
         self._empty = False  # this step's Poisson draw was empty
         self._routine = 0
@@ -85,6 +95,17 @@ class DPSGD:
         """The :class:`~fs_fedpa.privacy.sample_level.SamplePlan` of the client's last DP-SGD step (None before its
         first)."""
         return self._plan
+
+    @property
+    def _grad_sum(self) -> list[Tensor]:
+        """The step's clipped sum, one float64 tensor a trained tensor (views of the flat sum)."""
+        if self._grad_flat is None:
+            return []
+        sizes = [s.numel() for s in self._shapes]
+        return [t.view(s) for t, s in zip(self._grad_flat.split(sizes), self._shapes)]
+
+    def _keep_sum(self, flat: Tensor | None, params) -> None:
+        self._grad_flat, self._shapes = flat, [p.shape for p in params]
 
     @property
     def generator(self) -> torch.Generator:
@@ -154,7 +175,8 @@ class DPSGD:
         the outputs' shapes and is dropped)."""
         with torch.no_grad():
             self._forward(ctx)
-        self._grad_sum = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+        self._keep_sum(torch.zeros(sum(p.numel() for p in params), dtype=torch.float64, device=_device(ctx.model)),
+                       params)  # fmt: skip
         ctx.loss_batch = CtxVar(torch.zeros((), device=_device(ctx.model)), LIFECYCLE.BATCH)
         ctx.y_true = CtxVar(ctx.y_true[:0], LIFECYCLE.BATCH)
         ctx.y_prob = CtxVar(ctx.y_prob[:0], LIFECYCLE.BATCH)
@@ -170,39 +192,52 @@ class DPSGD:
         if owners is None:
             return self._give_up(why)
         chunk = size if _device(ctx.model).type != "cpu" else (self.chunk or CPU_CHUNK)
+        sizes = [p.numel() for p in params]
         total, dropped, losses, y_true, y_prob = None, 0, [], [], []
         for index in length_chunks(batch, size, chunk):
             n = len(index)
             ctx.data_batch = CtxVar(select_records(batch, index, size), LIFECYCLE.BATCH)
             with LinearTaps([m for m, _ in owners]) as taps:
                 self._forward(ctx)
-            if isinstance(ctx.get("loss_batch"), Tensor) and not bool(torch.isfinite(ctx.loss_batch).all()):
-                return False  # e.g. a causal-LM chunk without a label token: the loop gives each record zero
-            part, why = record_losses(ctx, n)
+            loss = ctx.get("loss_batch")
+            part, mean, why = _record_losses(ctx, n)
             if part is None:
+                if isinstance(loss, Tensor) and not bool(torch.isfinite(loss).all()):
+                    return False  # as below: a non-finite loss takes the loop before anything else is asked
                 return self._give_up(why)
-            if not bool(torch.isfinite(part).all()):
-                return False  # the loop gives a non-finite record zero, within the clip bound
+            # what decides whether this chunk's sum is kept is computed on the device and read once, after the clip
+            # (one host sync a chunk): the loss's and the records' losses' finiteness, their agreement, the sum check
             grads = torch.autograd.grad(part.sum(), params + taps.outputs(), allow_unused=True)
-            found = per_example_grads(taps, owners, grads[len(params) :], n)
+            found = per_example_matrix(taps, owners, grads[len(params) :], n)
             if found is None:
                 return self._give_up("a tapped module's input is not split by record along its first dimension")
             low = any(x.dtype in (torch.float16, torch.bfloat16) for calls in taps.calls.values() for x, _ in calls)
-            why = check_sum(found, grads[: len(params)], rtol=5e-2 if low else 1e-3)
-            if why:
-                return self._give_up(
-                    f"the per-example gradients do not sum to the chunk's gradient ({why})", warn=True
-                )
+            rtol = 5e-2 if low else 1e-3
+            gaps = sum_gaps(found, grads[: len(params)], sizes)
             # clipped chunk by chunk: the clip is per record, so the sum is the same, and only one chunk's
             # per-example gradients are alive at a time (a logical batch of b records in bounded memory)
-            part_sum, scales = clipped_sum(found, self.C)
-            total = part_sum if total is None else [t.add_(x) for t, x in zip(total, part_sum)]
-            dropped += scales.count(0.0)  # c_j = 0 only for a non-finite norm (C > 0)
-            del found
+            part_sum, scales = clipped_sum_flat(found, self.C)
+            del found, grads
+            flags = torch.stack([~torch.isfinite(loss).all(), ~_agrees(mean, loss), ~torch.isfinite(part).all(),
+                                 sum_mismatch(gaps, rtol), (scales == 0).sum()])  # fmt: skip
+            loss_nonfinite, differs, part_nonfinite, mismatch, zeros = flags.tolist()
+            if loss_nonfinite:
+                return False  # e.g. a causal-LM chunk without a label token: the loop gives each record zero
+            if differs:
+                return self._give_up(_disagreement(mean, loss))
+            if part_nonfinite:
+                return False  # the loop gives a non-finite record zero, within the clip bound
+            if mismatch:
+                return self._give_up(
+                    f"the per-example gradients do not sum to the chunk's gradient ({describe_gaps(gaps, rtol)})",
+                    warn=True,
+                )
+            total = part_sum if total is None else total.add_(part_sum)
+            dropped += zeros  # c_j = 0 only for a non-finite norm (C > 0)
             losses.append(part.detach())
             y_true.append(ctx.y_true.detach())
             y_prob.append(ctx.y_prob.detach())
-        self._grad_sum = total or []
+        self._keep_sum(total, params)
         self.round_nonfinite += dropped
         ctx.loss_batch = CtxVar(torch.cat(losses).mean(), LIFECYCLE.BATCH)
         ctx.y_true = CtxVar(torch.cat(y_true), LIFECYCLE.BATCH)  # in chunk order: the client's own metrics
@@ -243,7 +278,7 @@ class DPSGD:
             losses.append(ctx.loss_batch.detach())
             y_true.append(ctx.y_true.detach())
             y_prob.append(ctx.y_prob.detach())
-        self._grad_sum = (total or []) if size else []
+        self._keep_sum(torch.cat([t.flatten() for t in total]) if size and total else None, params)
         ctx.loss_batch = CtxVar(torch.stack(losses).mean(), LIFECYCLE.BATCH)
         ctx.y_true = CtxVar(torch.cat([y.reshape(-1, *y.shape[1:]) if y.ndim else y.reshape(1) for y in y_true]),
                             LIFECYCLE.BATCH)  # fmt: skip
@@ -266,17 +301,23 @@ class DPSGD:
                 if n in self.frozen:
                     p.grad = None  # e.g. a regularizer's gradient: a frozen tensor takes no step at all
         params = self._params(ctx.model)
-        std = plan.z * self.C
-        signal = noise = 0.0  # 0-d tensors on the gradients' device once a tensor is seen
+        flat = self._grad_flat
         with torch.no_grad():
-            for p, g in zip(params, self._grad_sum):
-                drawn = gaussian(g.shape, std, self.generator, g)
-                signal = signal + g.double().pow(2).sum()
-                noise = noise + drawn.double().pow(2).sum()
-                step = (g + drawn) / plan.b
-                p.grad = step.to(p.dtype) if p.grad is None else p.grad + step.to(p.dtype)
+            if flat is None:  # no tensor trains
+                signal = noise = 0.0
+            else:
+                # the noise of every tensor in one flat buffer (the generator's numbers as one draw a tensor), one
+                # copy to the device; the norms and the step a few operations on the flat sum, not a few a tensor
+                drawn = gaussian_flat([p.numel() for p in params], plan.z * self.C, self.generator, flat)
+                signal, noise = flat.dot(flat), drawn.dot(drawn)
+                step = flat.add_(drawn).div_(plan.b)  # the sum is spent: (sum + noise) / b in its place
+                dtypes = {p.dtype for p in params}
+                step = step.to(dtypes.pop()) if len(dtypes) == 1 else step
+                for p, g in zip(params, step.split([p.numel() for p in params])):
+                    g = g.view(p.shape).to(p.dtype)
+                    p.grad = g if p.grad is None else p.grad + g
         self.round_norms.append((signal, noise))
-        self._grad_sum = []
+        self._grad_flat = None
         ctx.optimizer.step()
         if ctx.scheduler is not None:
             ctx.scheduler.step()
@@ -288,9 +329,30 @@ def record_losses(ctx, size: int) -> tuple[Tensor | None, str]:
     mean in one of the two forms known here: a causal LM's mean over label tokens (FS-LLM's ``llmtrainer``; a
     record's loss is the mean over its own label tokens, 0 with none), or ``ctx.criterion`` averaged over records
     (FS's general trainer, the plugin's ``seqcls``)."""
+    losses, mean, why = _record_losses(ctx, size)
+    if losses is None:
+        return None, why
+    loss = ctx.get("loss_batch")
+    if not bool(_agrees(mean, loss)):
+        return None, _disagreement(mean, loss)
+    return losses, ""
+
+
+def _agrees(mean: Tensor, loss: Tensor) -> Tensor:
+    """0-d bool, on the device: the records' mean loss is the trainer's batch loss."""
+    return torch.isclose(mean.detach(), loss.detach().float(), rtol=1e-4, atol=1e-6).all()
+
+
+def _disagreement(mean: Tensor, loss: Tensor) -> str:
+    return f"the batch loss {float(loss):.6g} is not the mean {float(mean):.6g} of the records' losses"
+
+
+def _record_losses(ctx, size: int) -> tuple[Tensor | None, Tensor | None, str]:
+    """:func:`record_losses` without its check, so without a host read: the records' losses and their mean (what
+    ``ctx.loss_batch`` must be, :func:`_agrees`), or None, None and why."""
     logits, labels, loss = ctx.get("y_prob"), ctx.get("y_true"), ctx.get("loss_batch")
     if not all(isinstance(t, Tensor) for t in (logits, labels, loss)):
-        return None, "the trainer's forward leaves no logits, labels and loss tensors"
+        return None, None, "the trainer's forward leaves no logits, labels and loss tensors"
     if logits.ndim == 3 and labels.ndim == 2 and logits.shape[:2] == labels.shape and labels.shape[0] == size:
         tokens = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100,
                                  reduction="none").view(size, -1)  # fmt: skip
@@ -299,17 +361,15 @@ def record_losses(ctx, size: int) -> tuple[Tensor | None, str]:
     else:
         criterion = ctx.get("criterion")
         if not isinstance(criterion, torch.nn.modules.loss._Loss):
-            return None, f"criterion {type(criterion).__name__} is not a torch loss with a reduction"
+            return None, None, f"criterion {type(criterion).__name__} is not a torch loss with a reduction"
         per_record = copy.copy(criterion)
         per_record.reduction = "none"
         losses = per_record(logits, labels)
         if losses.ndim == 0 or losses.shape[0] != size:
-            return None, f"the criterion's unreduced loss has shape {tuple(losses.shape)}, not ({size}, ...)"
+            return None, None, f"the criterion's unreduced loss has shape {tuple(losses.shape)}, not ({size}, ...)"
         losses = losses.reshape(size, -1).float().mean(1)
         mean = losses.mean()
-    if not torch.allclose(mean.detach(), loss.detach().float(), rtol=1e-4, atol=1e-6):
-        return None, f"the batch loss {float(loss):.6g} is not the mean {float(mean):.6g} of the records' losses"
-    return losses, ""
+    return losses, mean, ""
 
 
 def _batch_size(batch) -> int:

@@ -118,6 +118,22 @@ def gaussian(shape: Sequence[int], std: float, generator: Generator, like: Tenso
     return noise.to(device=like.device, dtype=like.dtype)
 
 
+def gaussian_flat(sizes: Sequence[int], std: float, generator: Generator | SecureGenerator, like: Tensor) -> Tensor:
+    """:func:`gaussian` for tensors of ``sizes`` entries, one after the other, as one flat tensor of ``like``'s dtype
+    and device: with torch's generator the very numbers that ``gaussian`` would draw for each in turn (one draw a
+    tensor into a host buffer: the stream, and so a seeded or resumed run, is unchanged); the secure generator, which
+    has no stream to follow, draws them at once. One copy to the device instead of one a tensor."""
+    if isinstance(generator, SecureGenerator):
+        noise = generator.normal((sum(sizes),))
+    else:
+        noise = torch.empty(sum(sizes), dtype=torch.float64)
+        offset = 0
+        for n in sizes:
+            noise[offset : offset + n].normal_(generator=generator)  # = torch.randn(n, generator=generator)
+            offset += n
+    return noise.mul_(std).to(device=like.device, dtype=like.dtype)
+
+
 def noisy_mean(tensors: Sequence[Tensor], scales: Sequence[float], K: int, std: float, generator: Generator,
                like: Tensor) -> Tensor:  # fmt: skip
     """``(1/K) sum_i c_i t_i + N(0, std^2)``, entrywise, for tensors of one shape (none: the noise alone, in

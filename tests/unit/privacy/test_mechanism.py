@@ -241,3 +241,32 @@ def test_calibrate_meets_the_target_tightly():
     z = calibrate(100, 10, 30, 8.0, 1e-5)
     assert Sampled(100, 10, z).epsilon(30, 1e-5) <= 8.0
     assert Sampled(100, 10, z * 0.99).epsilon(30, 1e-5) > 8.0
+
+
+# ---------------------------------------------------------------------------------------- DP-SGD's flat noise draw
+@SETTINGS
+@given(st.lists(st.integers(0, 40), min_size=0, max_size=8), st.integers(0, 2**31 - 1), st.floats(0.0, 5.0))
+def test_the_flat_noise_is_the_per_tensor_draws_of_the_same_stream(sizes, seed, std):
+    """gaussian_flat (DP-SGD's step: one buffer, one copy to the device) takes from a seeded generator the very
+    numbers that gaussian draws tensor by tensor, in order (sizes below, at and above the 16 of torch's vectorized
+    normal fill), so a seeded or resumed run draws what it drew before, and leaves the generator where they do."""
+    from fs_fedpa.privacy.mechanism import gaussian, gaussian_flat
+
+    like = torch.zeros((), dtype=torch.float64)
+    one, two = dp_generator(seed, "flat"), dp_generator(seed, "flat")
+    flat = gaussian_flat(sizes, std, one, like)
+    apart = [gaussian((n,), std, two, like) for n in sizes]
+    assert flat.shape == (sum(sizes),) and flat.dtype == torch.float64
+    assert torch.equal(flat, torch.cat(apart) if apart else torch.zeros(0, dtype=torch.float64))
+    assert torch.equal(torch.randn(3, generator=one), torch.randn(3, generator=two))  # the same state after
+    assert gaussian_flat(sizes, std, dp_generator(seed), torch.zeros((), dtype=torch.float16)).dtype == torch.float16
+
+
+def test_the_flat_noise_from_the_secure_generator_is_n_0_std():
+    from scipy import stats
+
+    from fs_fedpa.privacy.mechanism import SecureGenerator, gaussian_flat
+
+    x = gaussian_flat([3, 0, 20_000, 7], 2.0, SecureGenerator(), torch.zeros(()))
+    assert x.shape == (20_010,) and x.dtype == torch.float32
+    assert stats.kstest((x.double() / 2.0).numpy(), "norm").pvalue > 1e-3

@@ -1,6 +1,8 @@
 """Per-example gradients from batched taps (fs_fedpa.privacy.per_example) against autograd on each record alone, on
-LoRA-shaped stacks of nn.Linear; the clipped sum against fs_fedpa.privacy.mechanism.add_clipped record by record; and the
-refusals (a module that mixes records, a tensor outside a plain nn.Linear, a weight read outside its forward)."""
+LoRA-shaped stacks of nn.Linear; the clipped sum against fs_fedpa.privacy.mechanism.add_clipped record by record;
+the flat forms DP-SGD takes (one (b, P) matrix, a fixed number of operations) against the per-tensor computations;
+and the refusals (a module that mixes records, a tensor outside a plain nn.Linear, a weight read outside its
+forward)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,18 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fs_fedpa.privacy.mechanism import add_clipped
-from fs_fedpa.privacy.per_example import LinearTaps, check_sum, clipped_sum, linear_owners, per_example_grads
+from fs_fedpa.privacy.per_example import (
+    LinearTaps,
+    check_sum,
+    clipped_sum,
+    clipped_sum_flat,
+    describe_gaps,
+    linear_owners,
+    per_example_grads,
+    per_example_matrix,
+    sum_gaps,
+    sum_mismatch,
+)
 
 SETTINGS = settings(max_examples=30, deadline=None)
 
@@ -191,3 +204,103 @@ def test_the_sum_check_cannot_see_a_sequence_first_layer_so_it_is_refused():
     assert owners is None and "batch_first=False" in why
     model.layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=8, dropout=0.0, batch_first=True)
     assert linear_owners(model, [model.layer.linear1.weight])[0] is not None  # batch-first: accepted
+
+
+# ---------------------------------------------------------------------------------------- the flat forms DP-SGD takes
+def _flat_problem(b: int, shapes: list[tuple[int, ...]], seed: int, bad: int | None = None):
+    g = torch.Generator().manual_seed(seed)
+    per = [torch.randn(b, *s, generator=g) * float(torch.rand(1, generator=g) * 3) for s in shapes]
+    if bad is not None and b:
+        per[0].view(b, -1)[bad % b, 0] = float("nan") if bad % 2 else float("inf")
+    return per
+
+
+@SETTINGS
+@given(problems())
+def test_the_per_example_matrix_is_the_per_example_gradients_side_by_side(problem):
+    b, t, k, r, classes, seed, _ = problem
+    model = LoraStack(k, r, classes, seed)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((b, t, k) if t else (b, k), generator=g)
+    y = torch.randint(0, classes, (b,), generator=g)
+    params = [p for p in model.parameters() if p.requires_grad]
+    owners, _ = linear_owners(model, params)
+    with LinearTaps([m for m, _ in owners]) as taps:
+        losses = _losses(model, x, y)
+    grads = torch.autograd.grad(losses.sum(), params + taps.outputs(), allow_unused=True)
+    matrix = per_example_matrix(taps, owners, grads[len(params) :], b)
+    apart = per_example_grads(taps, owners, grads[len(params) :], b)
+    assert matrix.shape == (b, sum(p.numel() for p in params)) and matrix.dtype == torch.float32
+    assert torch.equal(matrix, torch.cat([pe.flatten(1) for pe in apart], 1))
+
+
+@SETTINGS
+@given(st.integers(1, 6), st.lists(st.lists(st.integers(1, 5), min_size=0, max_size=2), min_size=1, max_size=6),
+       st.integers(0, 2**31 - 1), st.floats(1e-3, 10.0), st.one_of(st.none(), st.integers(0, 11)))  # fmt: skip
+def test_the_flat_clip_is_the_per_record_clip(b, shapes, seed, C, bad):
+    """clipped_sum_flat on the (b, P) matrix against add_clipped record by record (an independent computation, one
+    record's tensors at a time): the same sum in float64, c_j = clip_scale of each record's joint norm, and a record
+    whose norm is not finite gets c_j = 0 and contributes nothing."""
+    from fs_fedpa.privacy.mechanism import clip_scale
+
+    per = _flat_problem(b, [tuple(s) for s in shapes], seed, bad)
+    total, c = clipped_sum_flat(torch.cat([pe.reshape(b, -1) for pe in per], 1), C)
+    running = None
+    for j in range(b):
+        sq = sum(float(pe[j].double().pow(2).sum()) for pe in per)
+        assert float(c[j]) == pytest.approx(clip_scale(sq, C), rel=1e-12, abs=0)
+        running, cj = add_clipped(running, [pe[j] for pe in per], C)
+        assert (cj == 0.0) == (float(c[j]) == 0.0) == (bad is not None and j == bad % b)
+    assert total.dtype == torch.float64 and bool(torch.isfinite(total).all())
+    torch.testing.assert_close(total, torch.cat([t.flatten() for t in running]), rtol=1e-12, atol=1e-12)
+    norm = float((total / max(1, b)).norm())
+    assert norm <= C * (1 + 1e-9)  # each record's contribution is within C: the mean is too
+
+
+@SETTINGS
+@given(st.integers(1, 5), st.lists(st.lists(st.integers(1, 4), min_size=0, max_size=2), min_size=1, max_size=6),
+       st.integers(0, 2**31 - 1), st.sets(st.integers(0, 5)), st.sets(st.integers(0, 5)))  # fmt: skip
+def test_the_flat_sum_check_is_the_per_tensor_check(b, shapes, seed, unreached, off):
+    """sum_gaps against the per-tensor norms in float64 (tensors autograd did not reach, None, count as 0), and
+    sum_mismatch against describe_gaps and the per-tensor rule |sum - gradient| <= rtol |gradient| + 1e-12."""
+    per = _flat_problem(b, [tuple(s) for s in shapes], seed)
+    grads = [None if i in unreached else pe.sum(0) * (1.1 if i in off else 1.0) for i, pe in enumerate(per)]
+    sizes = [pe[0].numel() for pe in per]
+    gaps = sum_gaps(torch.cat([pe.reshape(b, -1) for pe in per], 1), grads, sizes)
+    want = []
+    for pe, gr in zip(per, grads):
+        ref = torch.zeros(pe.shape[1:], dtype=torch.float64) if gr is None else gr.double()
+        want.append([float((pe.sum(0).double() - ref).norm()), float(ref.norm())])
+    # the float32 sums over the records are the same up to their order (a matrix's columns, a tensor alone)
+    torch.testing.assert_close(gaps.T, torch.tensor(want, dtype=torch.float64).reshape(-1, 2), rtol=1e-6, atol=1e-5)
+    for rtol in (1e-3, 0.5):
+        rule = [i for i, (gap, scale) in enumerate(gaps.T.tolist()) if not gap <= rtol * scale + 1e-12]
+        assert rule == [i for i, (gap, scale) in enumerate(want) if not gap <= rtol * scale + 1e-12]
+        message = describe_gaps(gaps, rtol)
+        assert bool(sum_mismatch(gaps, rtol)) == bool(rule) == bool(message)
+        assert check_sum(per, grads, rtol) == message
+        if rule:
+            assert message.startswith(f"tensor {rule[0]}:")
+
+
+def test_the_flat_check_and_clip_take_as_many_operations_for_3_tensors_as_for_30_and_read_nothing_back():
+    """What DP-SGD does per chunk after the per-example gradients is a fixed number of torch operations that compute
+    (each a kernel launch on an accelerator; views of the gradients aside), whatever the number of tensors, and no
+    host read (no device sync): the chunk's one read of its flags is the caller's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    views = {"aten::view", "aten::reshape", "aten::_reshape_alias", "aten::as_strided", "aten::select"}
+
+    def ops(n_tensors):
+        per = _flat_problem(4, [(3, 2)] * n_tensors, 0)
+        matrix = torch.cat([pe.reshape(4, -1) for pe in per], 1)
+        grads = [pe.sum(0) for pe in per]
+        sizes = [6] * n_tensors
+        sum_gaps(matrix, grads, sizes)  # the segment index, cached
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            sum_mismatch(sum_gaps(matrix, grads, sizes), 1e-3)
+            clipped_sum_flat(matrix, 1.0)
+        names = [e.name for e in prof.events() if e.name.startswith("aten::") and e.name not in views]
+        return len(names), names.count("aten::_local_scalar_dense") + names.count("aten::item")
+
+    assert ops(3) == ops(30) and ops(3)[1] == 0
