@@ -48,7 +48,8 @@ from fs_fedpa.tools.checkout import find_checkout
 from fs_fedpa.tools.gpu_prepare import MINILM, prepare
 
 NEEDS = ("yaml_configs", "scripts", "benchmarks")  # what the steps read from the checkout
-STEPS = ("env", "standalone", "cpu_match", "distributed", "reconstruct", "adapter", "penalty", "clients", "dp_sgd")
+STEPS = ("env", "standalone", "cpu_match", "distributed", "reconstruct", "adapter", "penalty", "clients", "dp_sgd",
+         "paper_shapes")
 # float32 on both sides, dropout off, the same weights and batches: only the kernels' summation order differs
 # (about 1e-6 relative per operation), which a round of AdamW steps and the server's SVD carry to about 1e-5 in
 # the global update; a placement or precision fault (a reference left on the host, a dropped client, an fp16
@@ -396,6 +397,18 @@ def step_dp_sgd(check: Check) -> dict:
     sizes = ["--routines", "2", "--local-steps", "2", "--batch", "8", "--tok-len", "16", "--limit", "100"]
     out = bench(check, "bench_dp_sgd.py", "--data", glue, "--model", model, *(sizes if check.tiny else []))
     out["summary"] = "; ".join([x for x in out["ratios"] if x.strip().startswith("ratio ")][:2])
+    return out
+
+
+def step_paper_shapes(check: Check) -> dict:
+    """benchmarks/bench_paper_shapes.py: the client step, the term and the server at RoBERTa-large's and Llama-3-8B's
+    shapes beside the paper's tables; its JSON kept under the step (toy widths with --tiny)."""
+    target = check.work / "paper_shapes.json"
+    out = bench(check, "bench_paper_shapes.py", *(["--tiny"] if check.tiny else []), "--json", str(target))
+    out["results"] = json.loads(target.read_text())
+    goals = [x.strip() for x in out["output"].splitlines() if "(goal <=" in x]
+    out["goals"] = goals
+    out["summary"] = f"goal lines wholly met: {sum('NOT met' not in x for x in goals)} of {len(goals)}"
     return out
 
 

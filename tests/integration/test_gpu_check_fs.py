@@ -23,7 +23,7 @@ def test_gpu_check_tiny_on_the_cpu(tmp_path):
     record = json.loads(out.read_text())
     steps = record["steps"]
     assert list(steps) == ["env", "standalone", "cpu_match", "distributed", "reconstruct", "adapter", "penalty",
-                           "clients", "dp_sgd"]  # fmt: skip
+                           "clients", "dp_sgd", "paper_shapes"]  # fmt: skip
     assert all(s["status"] == "ok" for s in steps.values()), {n: s["summary"] for n, s in steps.items()}
     runs = steps["standalone"]
     assert {n for n in runs if n.endswith("_fp32")} == {"fedpa_fp32", "fedit_fp32"}
@@ -33,6 +33,10 @@ def test_gpu_check_tiny_on_the_cpu(tmp_path):
     assert steps["distributed"]["last_round"] == 1 and steps["distributed"]["auth"]
     assert set(steps["adapter"]) >= {"float32", "float16"}
     assert "ratio taps / plain" in steps["dp_sgd"]["summary"] and "ratio loop / plain" in steps["dp_sgd"]["summary"]
+    shapes = steps["paper_shapes"]["results"]["shapes"]
+    assert set(shapes) == {"roberta-large", "llama-3-8b"}
+    assert all({"modules", "term_ops_per_step", "term_ms", "step_ms", "reconstruct_ms", "averaging_ms", "device"}
+               <= set(v) for v in shapes.values())  # fmt: skip
     # the printed table names every step, as the JSON does
     table = proc.stdout[proc.stdout.rindex("\nstep ") :]  # the header row of the closing table
     assert all(name in table for name in steps)
