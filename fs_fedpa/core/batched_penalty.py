@@ -7,8 +7,9 @@
 a module and step, each a kernel launch on a GPU. :class:`ProductTerm` stacks the modules of one shape (d, k, r, R,
 dtype, device) into a group whose factors share one ``(n, d, r)`` / ``(n, r, k)`` storage with the live parameters
 (no copy a step), computes the term's value from the four Grams of the group (a few batched products), and at the end
-of the backward pass adds the gradient above, in closed form, to the factors' ``.grad`` with one ``_foreach_add_``
-a factor kind: a fixed number of operator calls a group, whatever the number of modules. The value it returns to the
+of the backward pass adds the gradient above, in closed form, to the factors' task gradients stacked into one buffer
+a factor kind, whose rows become their ``.grad``: a fixed number of operator calls a group (about 60), whatever the
+number of modules. The value it returns to the
 loss is the Gram expansion (as :func:`product_penalty`'s); :meth:`ProductTerm.value` gives the accurate one, from
 QR factors, for the records.
 """
@@ -29,8 +30,8 @@ Pairs = Mapping[str, tuple[Tensor, Tensor]]
 class _Group:
     """The modules of one shape: their live factors re-pointed into the stacks ``B: (n, d, r)``, ``A: (n, r, k)``
     (each parameter a view of its row), the references ``B_r: (n, d, R)``, ``A_r: (n, R, k)`` in the compute dtype,
-    the constant ``<B_r^T B_r, A_r A_r^T>`` of each module, and the gradient buffers whose row views are the
-    parameters' gradients' addends."""
+    the constant ``<B_r^T B_r, A_r A_r^T>`` of each module, and a gradient buffer per factor kind whose rows become
+    the parameters' ``.grad``."""
 
     def __init__(self, Bs: list[Tensor], As: list[Tensor], refs: list[tuple[Tensor, Tensor]]):
         self.Bs, self.As = Bs, As
@@ -103,8 +104,13 @@ class _Group:
                 if on_alignment_sq is not None:
                     sq = g.square().sum() if sq is None else sq + g.square().sum()
             if usual:
-                if not all(x is row for x, row in zip(grads, rows)):
+                held = [x is row for x, row in zip(grads, rows)]  # rows left from the last step (not reset)
+                if not any(held):
                     torch.stack(grads, out=buffer)
+                elif not all(held):
+                    for x, row, kept in zip(grads, rows, held):
+                        if not kept:
+                            row.copy_(x)
                 if g is None:  # added in place: no (n, d, r) temporary
                     buffer.baddbmm_(X, Y, alpha=2 * coef).baddbmm_(L, R, alpha=-2 * coef)
                 else:

@@ -188,3 +188,21 @@ def test_a_step_adds_the_same_few_operator_calls_whatever_the_number_of_modules(
     few, many = _aten_calls(4), _aten_calls(32)
     assert few <= 64 and many <= 64, (few, many)
     assert few == many
+
+
+@pytest.mark.parametrize("one", ["kept", "dropped", "replaced"])
+def test_gradients_not_reset_between_steps_accumulate_in_place(one):
+    """An optimizer whose zero_grad keeps the tensors (set_to_none=False): the rows the term handed out as .grad are
+    zeroed and accumulated into; with one factor's gradient dropped or replaced by a tensor of its own, a mixed
+    step; each equals autograd."""
+    live, reference, weights = _modules(9)
+    term = ProductTerm(live, reference)
+    optimizer = torch.optim.SGD([p for pair in live.values() for p in pair], lr=0.0)
+    (term(1.0) + _task_loss(live, weights)).backward()
+    optimizer.zero_grad(set_to_none=False)
+    B = live["m1"][0]
+    if one != "kept":
+        B.grad = None if one == "dropped" else torch.zeros_like(B)
+    (term(1.0) + _task_loss(live, weights)).backward()
+    _, ref_grads = _dense(live, reference, weights, 1.0)
+    _assert_grads(live, ref_grads)
