@@ -369,3 +369,25 @@ def test_small_eigh_is_torch_s_where_it_stays():
     lam, E = small_eigh(M)
     want_lam, want_E = torch.linalg.eigh(M)
     assert torch.equal(lam, want_lam) and torch.equal(E, want_E)
+
+
+def test_the_host_route_of_the_small_solves_gives_todays_reconstruction(monkeypatch):
+    """reconstruct_adapter with every small eigenproblem sent through small_eigh's host route (forced here, where the
+    device is the host) equals today's reconstruction bit for bit: 12 modules of two shapes, N = 10 clients of
+    r = 4 (sum r_i = 40 > 32, the route a CUDA batch takes), float32 uploads (the Gram route)."""
+    from fs_fedpa.core import factored_svd
+
+    g = torch.Generator().manual_seed(3)
+    shapes = {f"q{i}": (96, 80) for i in range(6)} | {f"v{i}": (48, 80) for i in range(6)}
+    uploads = [{n: (torch.randn(d, 4, generator=g), torch.randn(4, k, generator=g)) for n, (d, k) in shapes.items()}
+               for _ in range(10)]  # fmt: skip
+    today, spectra = reconstruct_adapter(uploads, 4, return_spectrum=True)
+    calls = []
+    real = factored_svd.on_host
+    monkeypatch.setattr(factored_svd, "on_host", lambda shape, device: calls.append(shape) or True)
+    hosted, hosted_spectra = reconstruct_adapter(uploads, 4, return_spectrum=True)
+    assert calls and all(s[-1] == 40 for s in calls)  # the K eigenproblems of both groups took the route
+    assert not real(calls[0], torch.device("cpu"))
+    for n in shapes:
+        assert torch.equal(hosted[n][0], today[n][0]) and torch.equal(hosted[n][1], today[n][1])
+        assert torch.equal(hosted_spectra[n], spectra[n])
