@@ -98,8 +98,9 @@ class _Group:
         for params, buffer, rows, X, Y, L, R in kinds:
             grads = [p.grad for p in params]
             usual = all(p.requires_grad for p in params) and all(x is not None for x in grads)
+            in_place = usual and buffer.dtype == X.dtype  # whatever the diagnostics: they must not move a bit
             g = None
-            if on_alignment_sq is not None or not usual or buffer.dtype != X.dtype:
+            if on_alignment_sq is not None or not in_place:
                 g = torch.baddbmm(torch.bmm(X, Y), L, R, beta=2 * coef, alpha=-2 * coef)
                 if on_alignment_sq is not None:
                     sq = g.square().sum() if sq is None else sq + g.square().sum()
@@ -111,7 +112,7 @@ class _Group:
                     for x, row, kept in zip(grads, rows, held):
                         if not kept:
                             row.copy_(x)
-                if g is None:  # added in place: no (n, d, r) temporary
+                if in_place:  # no (n, d, r) temporary
                     buffer.baddbmm_(X, Y, alpha=2 * coef).baddbmm_(L, R, alpha=-2 * coef)
                 else:
                     buffer.add_(g)

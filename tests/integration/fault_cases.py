@@ -199,6 +199,8 @@ POISONING = {
     "sample size 0": _size(0),  # legal: a client that trained on nothing, weight 0
     # every entry of every factor at 9.9e5, just below the 1e6 bound: legal, and huge
     "every entry 9.9e5": lambda n, u: (n, {**u, "lora": {k: torch.full_like(t, 9.9e5) for k, t in u["lora"].items()}}),
+    # a diagnostic that overflowed on the client (a float32 norm past 3.4e38): legal, recorded as null
+    "gradient ratio overflowed": _stat("grad_ratio_first", float("inf")),
 }
 
 

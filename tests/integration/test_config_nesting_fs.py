@@ -31,6 +31,8 @@ def _changed_value(default):
         return default / 2 if default else 0.5
     if isinstance(default, list):
         return [1, 2]
+    if default == "light":  # fedpa.records.diagnostics: a level, not a path
+        return "full"
     return "some/file"
 
 

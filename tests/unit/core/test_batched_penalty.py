@@ -206,3 +206,14 @@ def test_gradients_not_reset_between_steps_accumulate_in_place(one):
     (term(1.0) + _task_loss(live, weights)).backward()
     _, ref_grads = _dense(live, reference, weights, 1.0)
     _assert_grads(live, ref_grads)
+
+
+def test_the_gradient_split_moves_no_bit_of_the_gradient():
+    """Full diagnostics read the term's gradient norm; the gradients the factors get are the same bits as without."""
+    grads = []
+    for watched in (False, True):
+        live, reference, weights = _modules(10)
+        term = ProductTerm(live, reference, on_alignment_sq=(lambda sq: None) if watched else None)
+        (term(0.3) + _task_loss(live, weights)).backward()
+        grads.append([p.grad.clone() for pair in live.values() for p in pair])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
