@@ -52,13 +52,20 @@ def _losses(model, x, y):
     return nn.functional.cross_entropy(model(x), y, reduction="none")
 
 
-def _taps_grads(model, x, y):
+def _tapped(model, x, y):
+    """The trainable tensors, the taps, their owners, and autograd's gradients of the summed loss: the tensors' and
+    then the taps' outputs'."""
     params = [p for p in model.parameters() if p.requires_grad]
     owners, why = linear_owners(model, params)
     assert owners is not None, why
     with LinearTaps([m for m, _ in owners]) as taps:
         losses = _losses(model, x, y)
     grads = torch.autograd.grad(losses.sum(), params + taps.outputs(), allow_unused=True)
+    return params, taps, owners, grads
+
+
+def _taps_grads(model, x, y):
+    params, taps, owners, grads = _tapped(model, x, y)
     return params, per_example_grads(taps, owners, grads[len(params) :], len(x)), grads[: len(params)]
 
 
@@ -223,11 +230,7 @@ def test_the_per_example_matrix_is_the_per_example_gradients_side_by_side(proble
     g = torch.Generator().manual_seed(seed)
     x = torch.randn((b, t, k) if t else (b, k), generator=g)
     y = torch.randint(0, classes, (b,), generator=g)
-    params = [p for p in model.parameters() if p.requires_grad]
-    owners, _ = linear_owners(model, params)
-    with LinearTaps([m for m, _ in owners]) as taps:
-        losses = _losses(model, x, y)
-    grads = torch.autograd.grad(losses.sum(), params + taps.outputs(), allow_unused=True)
+    params, taps, owners, grads = _tapped(model, x, y)
     matrix = per_example_matrix(taps, owners, grads[len(params) :], b)
     apart = per_example_grads(taps, owners, grads[len(params) :], b)
     assert matrix.shape == (b, sum(p.numel() for p in params)) and matrix.dtype == torch.float32
