@@ -57,6 +57,8 @@ class _Group:
         self.pointers = [p.data_ptr() for p in (*self.Bs, *self.As)]
         self.gB, self.gA = torch.empty_like(self.B), torch.empty_like(self.A)
         self.gB_rows, self.gA_rows = list(self.gB.unbind(0)), list(self.gA.unbind(0))
+        # the buffers as (n d, r) and (n r, k): the factors' gradients concatenate into them in one call
+        self.gB_cat, self.gA_cat = self.gB.view(-1, self.gB.shape[-1]), self.gA.view(-1, self.gA.shape[-1])
 
     def check(self) -> None:
         """Stack again where something replaced a parameter's storage since (e.g. a move to another device)."""
@@ -92,10 +94,10 @@ class _Group:
         B, A, AAt, AArt, BtB, BtBr = self.saved
         self.saved = ()
         # grad_out scales the (r, r) and (r, R) Grams, not the (n, d, r) gradient: the gradient is X Y - L R
-        kinds = ((self.Bs, self.gB, self.gB_rows, B, AAt * grad_out, self.B_r, AArt.mT * grad_out),
-                 (self.As, self.gA, self.gA_rows, BtB * grad_out, A, BtBr * grad_out, self.A_r))  # fmt: skip
+        kinds = ((self.Bs, self.gB, self.gB_cat, self.gB_rows, B, AAt * grad_out, self.B_r, AArt.mT * grad_out),
+                 (self.As, self.gA, self.gA_cat, self.gA_rows, BtB * grad_out, A, BtBr * grad_out, self.A_r))  # fmt: skip
         sq = None
-        for params, buffer, rows, X, Y, L, R in kinds:
+        for params, buffer, flat, rows, X, Y, L, R in kinds:
             grads = [p.grad for p in params]
             usual = all(p.requires_grad for p in params) and all(x is not None for x in grads)
             in_place = usual and buffer.dtype == X.dtype  # whatever the diagnostics: they must not move a bit
@@ -107,7 +109,7 @@ class _Group:
             if usual:
                 held = [x is row for x, row in zip(grads, rows)]  # rows left from the last step (not reset)
                 if not any(held):
-                    torch.stack(grads, out=buffer)
+                    torch.cat(grads, out=flat)
                 elif not all(held):
                     for x, row, kept in zip(grads, rows, held):
                         if not kept:
