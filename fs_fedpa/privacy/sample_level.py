@@ -263,6 +263,10 @@ class SampleLevelServer(GaussianServer):
                 continue
             self.spent[c] = mine
             size = st.get("num_train_data")
+            if not _number(size):  # checked before the plan is read for it: a missing size must not stop the run
+                refused[c] = f"its upload reports no training set size (num_train_data {size!r}) beside its DP account"
+                self.fault(rnd, c, refused[c])
+                continue
             if c in self.sizes and int(mine["dp_n"]) != self.sizes[c]:
                 # the steps it took before were accounted at the earlier n_i (an earlier round's, or the resume
                 # point's): a client whose data changed is not the one whose epsilon the ledger states
@@ -366,6 +370,11 @@ class SampleLevelServer(GaussianServer):
             v is None or isinstance(v, dict) and isinstance(v.get("n"), int) and isinstance(v.get("steps"), int)
             for v in clients.values()
         )
+
+
+def _number(x) -> bool:
+    """A finite int or float (not a bool): what a reported size must be before any plan is computed for it."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _close(a: float, b: float) -> bool:

@@ -1,8 +1,8 @@
 """FS's standalone run with one careless client, as a subclass of the plugin's client could behave (run as
 ``python -m tests.integration.careless_client CFG KIND CLIENT ROUND``): in round ROUND, client CLIENT sends nothing
 (``silent``), or sends its update labelled round -1 (``round -1``), with a string round (``string state``), with
-a timestamp before that of the server's message (``earlier timestamp``) or with 10^6 as its training set's size
-(``misreported size``). Every other message is the plugin's own."""
+a timestamp before that of the server's message (``earlier timestamp``), with 10^6 as its training set's size
+(``misreported size``) or with no size at all (``no size``). Every other message is the plugin's own."""
 
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ def main(cfg_file: str, kind: str, client: int, rnd: int) -> None:
                     out.timestamp = message.timestamp - 1.0
                 elif kind == "misreported size":  # DP-SGD on its n_i records, reporting 10^6
                     out.content[1]["stats"]["num_train_data"] = 10**6
+                elif kind == "no size":  # its DP account, and no num_train_data
+                    del out.content[1]["stats"]["num_train_data"]
             return send(out)
 
         self.comm_manager.send = mislabelled

@@ -305,6 +305,21 @@ def test_a_client_that_misreports_its_size_is_refused_and_credited_what_it_spent
     assert [(f["round"], f["client"]) for f in faults] == [(1, "2")] and "dp_n" in faults[0]["reason"]
 
 
+def test_an_upload_without_its_size_is_refused_naming_the_client_and_the_run_goes_on(tiny_llm, tmp_path):
+    """Issue 88: an upload that omits num_train_data killed the server in admit (a TypeError: it read the size before
+    checking it), and the honest clients waited out their timeout. Now that client's upload is refused with a reason
+    naming the key, the round aggregates the others, and the run ends normally."""
+    from tests.conftest import ROOT
+    from tests.integration.tiny_assets import dump_yaml, fs_env, run_module
+
+    cfg = fedpa_cfg(tiny_llm, tmp_path, **SAMPLE)
+    proc = run_module("tests.integration.careless_client",
+                      [dump_yaml(cfg, tmp_path / "careless.yaml"), "no size", "2", "1"], ROOT, fs_env(), 300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    faults = _jsonl(outdir_of(cfg) / "fedpa_dp_faults.jsonl")
+    assert [(f["round"], f["client"]) for f in faults] == [(1, "2")] and "num_train_data" in faults[0]["reason"]
+
+
 def test_sample_level_poisson_sampling_with_the_pld_accountant(tiny_llm, tmp_path):
     """fedpa.dp.sampling poisson, fedpa.dp.accountant pld, z calibrated for epsilon 8: the ledger names the sampling,
     the add/remove adjacency and the accountant, each client's epsilon is dp-accounting's PLD of the Poisson
