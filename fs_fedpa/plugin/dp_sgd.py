@@ -200,7 +200,7 @@ class DPSGD:
             with LinearTaps([m for m, _ in owners]) as taps:
                 self._forward(ctx)
             loss = ctx.get("loss_batch")
-            part, mean, why = _record_losses(ctx, n)
+            part, mean, why = record_losses(ctx, n)
             if part is None:
                 if isinstance(loss, Tensor) and not bool(torch.isfinite(loss).all()):
                     return False  # as below: a non-finite loss takes the loop before anything else is asked
@@ -323,21 +323,6 @@ class DPSGD:
             ctx.scheduler.step()
 
 
-def record_losses(ctx, size: int) -> tuple[Tensor | None, str]:
-    """``(b,)``: each record's task loss as its own forward would give it, from the batch forward's logits
-    (``ctx.y_prob``) and labels (``ctx.y_true``); or None and why, when the trainer's ``ctx.loss_batch`` is not their
-    mean in one of the two forms known here: a causal LM's mean over label tokens (FS-LLM's ``llmtrainer``; a
-    record's loss is the mean over its own label tokens, 0 with none), or ``ctx.criterion`` averaged over records
-    (FS's general trainer, the plugin's ``seqcls``)."""
-    losses, mean, why = _record_losses(ctx, size)
-    if losses is None:
-        return None, why
-    loss = ctx.get("loss_batch")
-    if not bool(_agrees(mean, loss)):
-        return None, _disagreement(mean, loss)
-    return losses, ""
-
-
 def _agrees(mean: Tensor, loss: Tensor) -> Tensor:
     """0-d bool, on the device: the records' mean loss is the trainer's batch loss."""
     return torch.isclose(mean.detach(), loss.detach().float(), rtol=1e-4, atol=1e-6).all()
@@ -347,9 +332,13 @@ def _disagreement(mean: Tensor, loss: Tensor) -> str:
     return f"the batch loss {float(loss):.6g} is not the mean {float(mean):.6g} of the records' losses"
 
 
-def _record_losses(ctx, size: int) -> tuple[Tensor | None, Tensor | None, str]:
-    """:func:`record_losses` without its check, so without a host read: the records' losses and their mean (what
-    ``ctx.loss_batch`` must be, :func:`_agrees`), or None, None and why."""
+def record_losses(ctx, size: int) -> tuple[Tensor | None, Tensor | None, str]:
+    """``(b,)``: each record's task loss as its own forward would give it, from the batch forward's logits
+    (``ctx.y_prob``) and labels (``ctx.y_true``), and their mean, which ``ctx.loss_batch`` must be (:func:`_agrees`,
+    checked by the caller with the chunk's other flags, no host read here); or None, None and why, when the logits,
+    labels and loss are not in one of the two forms known here: a causal LM's mean over label tokens (FS-LLM's
+    ``llmtrainer``; a record's loss is the mean over its own label tokens, 0 with none), or ``ctx.criterion``
+    averaged over records (FS's general trainer, the plugin's ``seqcls``)."""
     logits, labels, loss = ctx.get("y_prob"), ctx.get("y_true"), ctx.get("loss_batch")
     if not all(isinstance(t, Tensor) for t in (logits, labels, loss)):
         return None, None, "the trainer's forward leaves no logits, labels and loss tensors"
