@@ -69,6 +69,14 @@ def _taps_grads(model, x, y):
     return params, per_example_grads(taps, owners, grads[len(params) :], len(x)), grads[: len(params)]
 
 
+def _model_and_batch(b: int, t: int, k: int, r: int, classes: int, seed: int):
+    """A LoRA stack and a batch of b records (of t tokens, or single vectors at t = 0) with their labels."""
+    model = LoraStack(k, r, classes, seed)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((b, t, k) if t else (b, k), generator=g)
+    return model, x, torch.randint(0, classes, (b,), generator=g)
+
+
 @st.composite
 def problems(draw):
     b, t, k, r = draw(st.integers(1, 6)), draw(st.integers(0, 5)), draw(st.integers(2, 9)), draw(st.integers(1, 4))
@@ -79,10 +87,7 @@ def problems(draw):
 @given(problems())
 def test_per_example_gradients_equal_autograd_on_each_record_alone(problem):
     b, t, k, r, classes, seed, C = problem
-    model = LoraStack(k, r, classes, seed)
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn((b, t, k) if t else (b, k), generator=g)
-    y = torch.randint(0, classes, (b,), generator=g)
+    model, x, y = _model_and_batch(b, t, k, r, classes, seed)
     params, per_example, _ = _taps_grads(model, x, y)
     total = None
     for j in range(b):  # the independent computation: one record, one backward
@@ -226,10 +231,7 @@ def _flat_problem(b: int, shapes: list[tuple[int, ...]], seed: int, bad: int | N
 @given(problems())
 def test_the_per_example_matrix_is_the_per_example_gradients_side_by_side(problem):
     b, t, k, r, classes, seed, _ = problem
-    model = LoraStack(k, r, classes, seed)
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn((b, t, k) if t else (b, k), generator=g)
-    y = torch.randint(0, classes, (b,), generator=g)
+    model, x, y = _model_and_batch(b, t, k, r, classes, seed)
     params, taps, owners, grads = _tapped(model, x, y)
     matrix = per_example_matrix(taps, owners, grads[len(params) :], b)
     apart = per_example_grads(taps, owners, grads[len(params) :], b)
