@@ -35,9 +35,9 @@ the local steps of the repo's paper configs (yaml_configs/fedpa_sst2.yaml: 20, y
         [--micro-repeats N] [--shapes roberta-large llama-3-8b] [--llama-layers L] [--llama-vocab V]
         [--{roberta,llama}-{batch,seq,dense-layers} N]
 
-On a CPU, timings of the batched term move with other jobs on the machine (see --threads). The default run is sized
-for about 5 minutes on 2 cores (an estimate, not measured; Llama's dense SVD on one layer is its largest part);
---quick took 43 s to 4 minutes on 2 cores shared with other jobs.
+On a CPU, timings of the batched term move with other jobs on the machine (see --threads). The default run took 87 s
+on 2 idle cores (docs/reference/paper_shapes/cpu.txt); --quick took 43 s to 4 minutes on 2 cores shared with other
+jobs; --tiny about 5 s.
 """
 
 from __future__ import annotations
