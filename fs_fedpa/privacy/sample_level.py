@@ -18,7 +18,7 @@ from fs_fedpa.privacy.mechanism import dp_generator
 from fs_fedpa.privacy.policy import ClientPolicy
 from fs_fedpa.privacy.private import GaussianMechanism, GaussianServer, common_settings, split_exports
 from fs_fedpa.privacy.settings import dp_delta_for
-from fs_fedpa.record import CLIENT_PRIVACY_FILE
+from fs_fedpa.record import CLIENT_PRIVACY_FILE, PRIVATE_FAULTS_FILE
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
@@ -26,6 +26,7 @@ logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its ow
 # (raw data); with what it reports it spent (SampleLevelClient.spent; SampleLevelServer.admit)
 RAW_DATA_STATS = ("grad_ratio_",)
 SPENT_STATS = ("dp_n", "dp_b", "dp_steps", "dp_z", "dp_clip", "dp_delta", "dp_epsilon")
+MAX_RECORDS = 1e15  # more records than any client has (the intake's bound on a reported size)
 
 
 @dataclass(frozen=True)
@@ -243,7 +244,9 @@ class SampleLevelServer(GaussianServer):
                          global_factors=global_factors)  # fmt: skip
         self.trained: dict[int, int] = {}  # rounds each client was asked to train
         self.sizes: dict[int, int] = {}  # n_i as the clients report it (public under replace-one)
-        self.spent: dict[int, dict] = {}  # each client's own account, as it last reported it
+        self.spent: dict[int, dict] = {}  # each client's own account, as it last reported it (valid ones only)
+        self.no_guarantee: dict[int, str] = {}  # why no epsilon holds for a client: it sent without DP, or an
+        # account outside the bounds; once so, for the rest of the run (its ledger entry is epsilon inf)
 
     def _plan(self, n: int) -> SamplePlan:
         return sample_plan(self.cfg, max(n, 1), routines(self.method))
@@ -253,41 +256,103 @@ class SampleLevelServer(GaussianServer):
         reported size: the same n_i, b, z, C and delta, a whole number of the plan's rounds of steps, no more than
         the rounds it was asked to train (this one included; fewer when it missed one), and the epsilon of those
         steps. Returns ``client -> reason`` for those whose account is missing or disagrees (their uploads are not
-        aggregated; the reason also goes to the private faults file); every account is kept for the ledger, which
-        states what each client spent."""
+        aggregated; the reason also goes to the private faults file). An account is checked against
+        :meth:`account_problem`'s bounds before any plan is computed for it, and whatever the accountant still raises
+        for one client refuses that client: no account ends the run. A valid account is kept for the ledger, which
+        states what each client spent; a client with no account (it sent without DP) or one outside the bounds has
+        no guarantee the ledger could state (:attr:`no_guarantee`)."""
         refused = {}
+
+        def refuse(c, reason: str, guarantee: bool = True) -> None:
+            refused[c] = reason
+            self.fault(rnd, c, reason)
+            if not guarantee:
+                self.no_guarantee.setdefault(c, reason)
+
         for c, st in stats.items():
             mine = {k: st.get(k) for k in SPENT_STATS}
-            if any(v is None for v in mine.values()):
-                refused[c] = "its upload carries no account of its DP-SGD steps (dp_n, dp_steps, dp_epsilon, ...)"
+            if missing := [k for k in SPENT_STATS if mine[k] is None]:
+                refuse(c, f"its upload carries no account of DP-SGD steps ({', '.join(missing)} missing or not "
+                          "finite): it was sent without DP-SGD as far as the server can tell, so no guarantee holds "
+                          "for its records (its ledger entry is epsilon inf)", guarantee=False)  # fmt: skip
+                continue
+            if (problem := self.account_problem(mine)) is not None:
+                refuse(c, f"its DP-SGD account is not one the plugin's DP-SGD gives: {problem}; no guarantee can "
+                          "be stated for its records (its ledger entry is epsilon inf)", guarantee=False)  # fmt: skip
                 continue
             self.spent[c] = mine
             size = st.get("num_train_data")
             if not _number(size):  # checked before the plan is read for it: a missing size must not stop the run
-                refused[c] = f"its upload reports no training set size (num_train_data {size!r}) beside its DP account"
-                self.fault(rnd, c, refused[c])
+                refuse(c, f"its upload reports no training set size (num_train_data {size!r}) beside its DP account")
                 continue
             if c in self.sizes and int(mine["dp_n"]) != self.sizes[c]:
                 # the steps it took before were accounted at the earlier n_i (an earlier round's, or the resume
                 # point's): a client whose data changed is not the one whose epsilon the ledger states
-                refused[c] = (f"its training set has {int(mine['dp_n'])} records, but its DP-SGD steps so far were "
-                              f"accounted at n_i={self.sizes[c]} (an earlier round, or the resume point)")  # fmt: skip
-                self.fault(rnd, c, refused[c])
+                refuse(c, f"its training set has {int(mine['dp_n'])} records, but its DP-SGD steps so far were "
+                          f"accounted at n_i={self.sizes[c]} (an earlier round, or the resume point)")  # fmt: skip
                 continue
-            plan = self._plan(int(mine["dp_n"]))
-            spr, most = plan.steps_per_round, (self.trained.get(c, 0) + 1) * plan.steps_per_round
-            steps = int(mine["dp_steps"])
-            if not (0 <= steps <= most and (steps % spr == 0 if spr else steps == 0)):
-                steps = most  # not a count this plan can give: compared against the most it allows
-            expected = {"dp_n": size, "dp_b": plan.b if spr else 0, "dp_steps": steps, "dp_z": plan.z,
-                        "dp_clip": float(self.C), "dp_delta": plan.delta if spr else 0.0,
-                        "dp_epsilon": plan.epsilon(steps)}  # fmt: skip
+            try:
+                expected = self._expected(c, mine, size)
+            except Exception as err:  # one client's account, whatever the accountant raises for it
+                refuse(c, f"its DP-SGD account cannot be accounted ({type(err).__name__}: {str(err)[:200]})",
+                       guarantee=False)  # fmt: skip
+                continue
             off = [k for k in SPENT_STATS if not _close(mine[k], expected[k])]
             if off:
                 shown = ", ".join(f"{k} {mine[k]:.6g} (the server's plan: {expected[k]:.6g})" for k in off)
-                refused[c] = f"its DP-SGD account disagrees with the server's plan for n_i={size}: {shown}"
-                self.fault(rnd, c, refused[c])
+                refuse(c, f"its DP-SGD account disagrees with the server's plan for n_i={size}: {shown}")
         return refused
+
+    def _expected(self, c: int, mine: dict, size) -> dict:
+        """The account the server's plan gives client ``c`` for the steps ``mine`` reports (the most it allows where
+        that is not a count the plan can give), at its reported ``size``."""
+        plan = self._plan(int(mine["dp_n"]))
+        spr, most = plan.steps_per_round, (self.trained.get(c, 0) + 1) * plan.steps_per_round
+        steps = int(mine["dp_steps"])
+        if not (0 <= steps <= most and (steps % spr == 0 if spr else steps == 0)):
+            steps = most  # not a count this plan can give: compared against the most it allows
+        return {"dp_n": size, "dp_b": plan.b if spr else 0, "dp_steps": steps, "dp_z": plan.z,
+                "dp_clip": float(self.C), "dp_delta": plan.delta if spr else 0.0,
+                "dp_epsilon": plan.epsilon(steps)}  # fmt: skip
+
+    def account_problem(self, mine: dict) -> str | None:
+        """Why a client's account ``mine`` (:data:`SPENT_STATS`) cannot be one this run's DP-SGD gives, naming the
+        field, or None; checked before any plan or epsilon is computed for it, with bounds every honest client
+        meets: finite numbers, whole counts, 0 <= n_i <= 1e15, 0 <= b <= n_i, steps >= 0, z >= 0, 0 <= delta < 1,
+        epsilon >= 0; n_i for which the run's ``fedpa.dp.delta`` is allowed (a client refuses to start at a delta
+        above min(1e-5, 1/(10 n_i))); and steps the run's accountant can bound at the server's noise for n_i (the
+        PLD accountant's memory cap, checked before anything is allocated; the RDP accountant bounds any count)."""
+        from fs_fedpa.privacy.accountant import Sampled, check_pld_cost
+
+        for k in SPENT_STATS:
+            if not _number(mine[k]):
+                return f"{k} {mine[k]!r} is not a finite number"
+        for k in ("dp_n", "dp_b", "dp_steps"):
+            if not float(mine[k]).is_integer():
+                return f"{k} {mine[k]:g} is not a whole number"
+        n, b, steps = int(mine["dp_n"]), int(mine["dp_b"]), int(mine["dp_steps"])
+        if not 0 <= n <= MAX_RECORDS:
+            return f"dp_n {n} is not a number of records in [0, {MAX_RECORDS:g}]"
+        if not 0 <= b <= n:
+            return f"dp_b {b} is not a batch of its dp_n {n} records"
+        if steps < 0:
+            return f"dp_steps {steps} is negative"
+        for k, low, high in (("dp_z", 0.0, math.inf), ("dp_clip", 0.0, math.inf), ("dp_delta", 0.0, 1.0),
+                             ("dp_epsilon", 0.0, math.inf)):  # fmt: skip
+            if not low <= mine[k] < high:
+                return f"{k} {mine[k]:g} is outside [{low:g}, {high:g})"
+        try:
+            dp_delta_for(float(self.method.cfg.dp.delta), max(n, 1), "n_i records")
+        except ValueError as err:
+            return f"dp_n {n}: {err}"
+        if steps and self.accounting == "pld":
+            plan = self._plan(n)
+            try:
+                check_pld_cost(Sampled(max(n, 1), max(b, 1), plan.z or float(mine["dp_z"]), self.sampling, "pld"),
+                               steps)  # fmt: skip
+            except ValueError as err:
+                return f"dp_steps {steps}: {err}"
+        return None
 
     def _own_entry(self, own: dict) -> dict:
         """A client's ledger entry from its own account, when that is above the server's plan (its own config
@@ -303,60 +368,90 @@ class SampleLevelServer(GaussianServer):
                 "steps": steps, "n": n, "b": b, "source": "client"}  # fmt: skip
 
     def account(self, rnd: int, receivers: list[int], stats: dict[int, dict]) -> dict:
+        """Round ``rnd``'s ledger line: per client that was asked to train, the epsilon of the rounds it trained at
+        the n_i of its first valid account (the plan's, or its own account where that states more), epsilon inf for
+        a client with no guarantee (:attr:`no_guarantee`), None for one whose size is unknown; ``dp_epsilon``: the
+        largest."""
         for c in receivers:
             self.trained[c] = self.trained.get(c, 0) + 1
-        for c, st in stats.items():
-            if c in self.sizes:  # its first size stays: the one its past steps were accounted at
-                continue
-            size = int(self.spent[c]["dp_n"]) if c in self.spent else st.get("num_train_data")
-            if isinstance(size, int) and size > 0:  # its own account's n_i, else what it reported
-                self.sizes[c] = size
+        for c in stats:
+            if c not in self.sizes and c in self.spent:  # its first size stays: the one its past steps were at
+                size = int(self.spent[c]["dp_n"])
+                if size > 0:
+                    self.sizes[c] = size
         per_client = {}
         for c in sorted(self.trained):
-            if c not in self.sizes:  # never reported its size: its epsilon is unknown here (its own log has it)
+            if c not in self.no_guarantee and c not in self.sizes:  # its epsilon is unknown here (its log has it)
                 per_client[str(c)] = None
                 continue
-            plan = self._plan(self.sizes[c])
-            steps = self.trained[c] * plan.steps_per_round
-            entry = {"epsilon": plan.epsilon(steps), "delta": plan.delta, "noise_multiplier": plan.z,
-                     "steps": steps, "n": plan.n, "b": plan.b}  # fmt: skip
-            own = self.spent.get(c)
-            if own is not None and own["dp_epsilon"] > entry["epsilon"]:
-                entry = self._own_entry(own)
-            per_client[str(c)] = entry
+            if c not in self.no_guarantee:
+                try:
+                    per_client[str(c)] = self._entry(c)
+                    continue
+                except Exception as err:  # one client's account, whatever the accountant raises for it
+                    reason = f"its DP-SGD account cannot be accounted ({type(err).__name__}: {str(err)[:200]})"
+                    self.no_guarantee[c] = reason
+                    self.fault(rnd, c, reason)
+            per_client[str(c)] = {"epsilon": math.inf, "delta": None, "guarantee": "none",
+                                  "reason": self.no_guarantee[c], "n": self.sizes.get(c), "steps": None}  # fmt: skip
         known = [v for v in per_client.values() if v]
-        return self.write({
+        line = {
             "round": rnd,
             "dp_mode": "sample",
             "dp_epsilon": max((v["epsilon"] for v in known), default=0.0),
-            "dp_delta": max((v["delta"] for v in known), default=None),
+            "dp_delta": max((v["delta"] for v in known if v["delta"] is not None), default=None),
             "dp_sampling": self.sampling,
             "dp_adjacency": self.adjacency,
             "dp_sensitivity": (2 if self.sampling == "wor" else 1) * self.C,
             "dp_clip": self.C,
             "dp_clients": per_client,
             "dp_accountant": self.accountant,
-        })  # fmt: skip
+        }  # fmt: skip
+        if none := [c for c, v in per_client.items() if v and v.get("guarantee") == "none"]:
+            line["dp_no_guarantee"] = none
+        return self.write(line)
+
+    def _entry(self, c: int) -> dict:
+        """Client ``c``'s ledger entry: the plan's epsilon for the rounds it trained, or its own account's where that
+        states more (:meth:`_own_entry`)."""
+        plan = self._plan(self.sizes[c])
+        steps = self.trained[c] * plan.steps_per_round
+        entry = {"epsilon": plan.epsilon(steps), "delta": plan.delta, "noise_multiplier": plan.z,
+                 "steps": steps, "n": plan.n, "b": plan.b}  # fmt: skip
+        own = self.spent.get(c)
+        if own is not None and own["dp_epsilon"] > entry["epsilon"]:
+            entry = self._own_entry(own)
+        return entry
 
     def summary(self) -> str:
         if not self.last:
             return "[fedpa] differential privacy: no round was released, epsilon 0"
         delta = self.last["dp_delta"]
-        return (
-            f"[fedpa] differential privacy (sample level, per client): largest epsilon {self.last['dp_epsilon']:.4g} "
-            f"at delta {'?' if delta is None else format(delta, '.3g')} (per client in {self.path})"
-        )
+        at = f"at delta {'?' if delta is None else format(delta, '.3g')} (per client in {self.path})"
+        if none := self.last.get("dp_no_guarantee"):
+            guaranteed = [v["epsilon"] for v in self.last["dp_clients"].values() if v and v.get("guarantee") != "none"]
+            others = f"{max(guaranteed):.4g} {at}" if guaranteed else "none"
+            return (
+                f"[fedpa] differential privacy (sample level, per client): no guarantee for client "
+                f"{', '.join(none)} (sent without DP-SGD or with an account the server cannot check: epsilon inf; "
+                f"reasons in {PRIVATE_FAULTS_FILE}); largest epsilon of the other clients {others}"
+            )
+        largest = self.last["dp_epsilon"]
+        return f"[fedpa] differential privacy (sample level, per client): largest epsilon {largest:.4g} {at}"
 
     def counts(self) -> dict:
-        return {"trained": dict(self.trained), "sizes": dict(self.sizes)}
+        return {"trained": dict(self.trained), "sizes": dict(self.sizes), "no_guarantee": dict(self.no_guarantee)}
 
     def load_counts(self, saved: dict) -> None:
         self.trained = {int(k): int(v) for k, v in saved["trained"].items()}
         self.sizes = {int(k): int(v) for k, v in saved["sizes"].items()}
+        self.no_guarantee = {int(k): str(v) for k, v in dict(saved.get("no_guarantee") or {}).items()}
 
     def continue_from(self, last: dict) -> None:
         for c, entry in (last.get("dp_clients") or {}).items():
-            if entry:
+            if entry and entry.get("guarantee") == "none":  # once without a guarantee, for the rest of the run
+                self.no_guarantee.setdefault(int(c), str(entry.get("reason")))
+            elif entry:
                 spr = self._plan(int(entry["n"])).steps_per_round
                 if not spr:  # below fedpa.dp.min_records: no step, nothing spent
                     continue
@@ -367,7 +462,8 @@ class SampleLevelServer(GaussianServer):
     def ledger_line_ok(self, entry: dict) -> bool:
         clients = entry.get("dp_clients")
         return super().ledger_line_ok(entry) and isinstance(clients, dict) and all(
-            v is None or isinstance(v, dict) and isinstance(v.get("n"), int) and isinstance(v.get("steps"), int)
+            v is None or isinstance(v, dict) and (v.get("guarantee") == "none" or isinstance(v.get("n"), int)
+                                                  and isinstance(v.get("steps"), int))
             for v in clients.values()
         )
 

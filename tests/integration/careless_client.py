@@ -2,7 +2,9 @@
 ``python -m tests.integration.careless_client CFG KIND CLIENT ROUND``): in round ROUND, client CLIENT sends nothing
 (``silent``), or sends its update labelled round -1 (``round -1``), with a string round (``string state``), with
 a timestamp before that of the server's message (``earlier timestamp``), with 10^6 as its training set's size
-(``misreported size``) or with no size at all (``no size``). Every other message is the plugin's own."""
+(``misreported size``) or with no size at all (``no size``); with a DP account of 10^15 steps and epsilon 10^4
+(``absurd steps``) or of 10^6 records (``absurd n``); or without its DP account (``without dp``: what a client whose
+own config says ``fedpa.dp.mode none`` sends). Every other message is the plugin's own."""
 
 from __future__ import annotations
 
@@ -34,6 +36,14 @@ def main(cfg_file: str, kind: str, client: int, rnd: int) -> None:
                     out.content[1]["stats"]["num_train_data"] = 10**6
                 elif kind == "no size":  # its DP account, and no num_train_data
                     del out.content[1]["stats"]["num_train_data"]
+                elif kind == "absurd steps":
+                    out.content[1]["stats"].update(dp_steps=10**15, dp_epsilon=1e4)
+                elif kind == "absurd n":
+                    out.content[1]["stats"]["dp_n"] = 10**6
+                elif kind == "without dp":  # as NoPrivacy's policy sends: every stat but an account
+                    stats = out.content[1]["stats"]
+                    for key in [k for k in stats if k.startswith("dp_")]:
+                        del stats[key]
             return send(out)
 
         self.comm_manager.send = mislabelled

@@ -320,6 +320,37 @@ def test_an_upload_without_its_size_is_refused_naming_the_client_and_the_run_goe
     assert [(f["round"], f["client"]) for f in faults] == [(1, "2")] and "num_train_data" in faults[0]["reason"]
 
 
+@pytest.mark.parametrize(
+    ("kind", "rnd", "overrides", "field"),
+    [
+        ("absurd steps", 1, {"fedpa.dp.accountant": "pld"}, "dp_steps"),  # the PLD accountant asked for 5e8 GiB
+        ("absurd n", 0, {"fedpa.dp.delta": 1e-5}, "dp_n"),  # above 1/(10 n): the plan of 10^6 records raised
+        ("without dp", 1, {}, "without DP-SGD"),  # the ledger credited the plan's epsilon 6.52
+    ],
+)
+def test_an_account_no_dp_sgd_gives_is_refused_and_states_no_guarantee(tiny_llm, tmp_path, kind, rnd, overrides,
+                                                                       field):  # fmt: skip
+    """Issue 88: client 2's account of 10^15 steps (PLD) or of 10^6 records at delta 1e-5 raised in the
+    server and ended the run; an upload without an account (a client whose own config says fedpa.dp.mode none) was
+    dropped, but the ledger credited the client the plan's epsilon and the last line stated it. Now the upload is
+    refused naming the client and the field, the run ends normally, the ledger states epsilon inf for client 2 and
+    the last line states no finite epsilon for it."""
+    from tests.conftest import ROOT
+    from tests.integration.tiny_assets import dump_yaml, fs_env, run_module
+
+    cfg = fedpa_cfg(tiny_llm, tmp_path, **SAMPLE, **overrides)
+    proc = run_module("tests.integration.careless_client",
+                      [dump_yaml(cfg, tmp_path / "careless.yaml"), kind, "2", str(rnd)], ROOT, fs_env(), 300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = outdir_of(cfg)
+    faults = _jsonl(out / "fedpa_dp_faults.jsonl")
+    assert [(f["round"], f["client"]) for f in faults] == [(rnd, "2")] and field in faults[0]["reason"]
+    last = _jsonl(out / "fedpa_privacy.jsonl")[-1]
+    assert last["dp_clients"]["2"]["epsilon"] == float("inf") and last["dp_no_guarantee"] == ["2"]
+    assert all(last["dp_clients"][c]["epsilon"] < 100 for c in ("1", "3"))
+    assert "no guarantee for client 2" in (out / "exp_print.log").read_text()  # the run's last line on privacy
+
+
 def test_sample_level_poisson_sampling_with_the_pld_accountant(tiny_llm, tmp_path):
     """fedpa.dp.sampling poisson, fedpa.dp.accountant pld, z calibrated for epsilon 8: the ledger names the sampling,
     the add/remove adjacency and the accountant, each client's epsilon is dp-accounting's PLD of the Poisson
