@@ -22,6 +22,9 @@ from fs_fedpa.privacy.policy import ServerPolicy
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
+SAT_OUT = ("took no DP-SGD step (its account: 0 steps; fedpa.dp.min_records): its upload carries no training and is "
+           "not aggregated")  # fmt: skip
+
 
 @dataclass(frozen=True)
 class RoundInput:
@@ -112,6 +115,12 @@ class FedPAAggregator(Aggregator):
             self._drop(dropped, client_id, reason)
             del accepted[client_id]
         self.privacy.account(rnd, sorted(self.round.expected), stats)
+        # a client that took no DP-SGD step (fedpa.dp.min_records) sends no training: whatever its factors, they are
+        # not aggregated (a method that weighs uploads by their norm, or a round of only such uploads, would take them)
+        sat_out = {}
+        for client_id in [c for c, a in accepted.items() if a.stats.get("dp_steps") == 0]:
+            sat_out[str(client_id)] = SAT_OUT
+            del accepted[client_id]
         method, cfg = self.method, self.method.cfg
         if cfg.norm_outlier and accepted:
             norms = {c: update_norm(a.applied) for c, a in accepted.items()}
@@ -140,7 +149,7 @@ class FedPAAggregator(Aggregator):
             whole = _with_merge(new_global, merge)
             record = round_record(self._head(kept), [accepted[c].applied for c in kept], weights, kept, whole, spectra,
                                   stats)  # fmt: skip
-            record.dropped, record.bytes_up = dropped, bytes_up
+            record.dropped, record.bytes_up = {**dropped, **sat_out}, bytes_up
             record.restarted = [c for c, st in zip(kept, stats) if st.get("restarted")]
             if bad := record.not_finite():  # a diagnostic problem: the aggregate itself is finite (checked above)
                 logger.warning(f"[fedpa] round {rnd}: the diagnostics {', '.join(bad)} are not finite; recorded as "
@@ -150,10 +159,14 @@ class FedPAAggregator(Aggregator):
             self.round_log.add(record.to_dict())
             self.failed_in_a_row = 0
             return self.global_model.adopt(Aggregated(new_global, averaged, merge, lost))
-        logger.warning(f"[fedpa] round {rnd}: every upload was dropped; the global adapter stays as it was")
         record = new_record(self._head(clients))
-        record.dropped, record.bytes_up = dropped, bytes_up
+        record.dropped, record.bytes_up = {**dropped, **sat_out}, bytes_up
         self.round_log.add(record.to_dict())
+        if sat_out and not dropped:  # nothing failed: the round's clients had no step to send
+            logger.info(f"[fedpa] round {rnd}: every upload came from a client that took no DP-SGD step; the global "
+                        "adapter stays as it was")  # fmt: skip
+            return {}
+        logger.warning(f"[fedpa] round {rnd}: every upload was dropped; the global adapter stays as it was")
         limit = cfg.max_failed_rounds
         self.failed_in_a_row += 1
         if limit and self.failed_in_a_row >= limit:
@@ -220,16 +233,15 @@ class FedPAAggregator(Aggregator):
 
     def _weights(self, uploads: list[Accepted]) -> list[float]:
         """The aggregation weights of accepted uploads: the method's (FS's sample sizes; FlexLoRA's
-        ``num_train_data``), capped by ``fedpa.max_weight_ratio``. A client of size 0 weighs 0, and so does one that
-        took no DP-SGD step (``fedpa.dp.min_records``: its account says 0 steps), whatever the method or
-        ``federate.ignore_weight``; a round whose weights are all 0 weighs its uploads equally (docs/errors.md).
-        Sizes were checked per client, so every weight is finite, >= 0 and at most 1e15."""
+        ``num_train_data``), capped by ``fedpa.max_weight_ratio``. A client of size 0 weighs 0; a round whose weights
+        are all 0 weighs its uploads equally (docs/errors.md). (A client that took no DP-SGD step is not among them:
+        :meth:`aggregate` sets it aside.) Sizes were checked per client, so every weight is finite, >= 0 and at most
+        1e15."""
         if self.ignore_weight:
             weights = [1.0] * len(uploads)
         else:
             sizes, data_sizes = [a.size for a in uploads], [a.stats.get("num_train_data") for a in uploads]
             weights = cap_weights(self.method.weights(sizes, data_sizes), self.method.cfg.max_weight_ratio)
-        weights = [0.0 if a.stats.get("dp_steps") == 0 else w for a, w in zip(uploads, weights)]
         return weights if sum(weights) > 0 else [1.0] * len(uploads)
 
     def _check(self, client_id, size, content) -> Accepted | str:

@@ -768,7 +768,8 @@ def test_client_level_messages_time_stamp_the_sample_count_they_carry():
 def test_clients_below_dp_min_records_take_no_step_and_spend_nothing(tiny_llm, tmp_path):
     """fedpa.dp.min_records above every client's size: no client takes a DP-SGD step (the plan's 0 steps would
     stop one that did), each ledger entry is epsilon 0 after 0 steps, the run completes and the global adapter stays
-    where it started (every upload weighs 0, so the round averages the unchanged starts)."""
+    where it started: an upload without a step is not aggregated (issue 88: a round of only such uploads used to
+    weigh them equally, and installed their factors as the global), and such a round is not a failed one."""
     overrides = {"fedpa.dp.mode": "sample", "fedpa.dp.clip": 1.0, "fedpa.dp.noise_multiplier": 1.0,
                  "fedpa.dp.min_records": 10**6, "federate.total_round_num": 2}  # fmt: skip
     out = _finished(fedpa_cfg(tiny_llm, tmp_path, **overrides), tmp_path)
@@ -779,4 +780,6 @@ def test_clients_below_dp_min_records_take_no_step_and_spend_nothing(tiny_llm, t
     own = _jsonl(out / "fedpa_client_privacy.jsonl")  # each client's own account: nothing spent, every round
     assert len(own) == 6 and all(r["sits_out"] and r["steps"] == 0 and r["epsilon"] == 0.0 for r in own)
     records = _jsonl(out / "fedpa_diagnostics.jsonl")
-    assert [r["global_update_norm"] for r in records] == [0.0, 0.0]  # ||sum w_i B_i A_i|| with every B_i still 0
+    assert all(r["clients"] == [] and sorted(r["dropped"]) == ["1", "2", "3"] for r in records)
+    assert all("no DP-SGD step" in reason for r in records for reason in r["dropped"].values())
+    assert "every upload came from a client that took no DP-SGD step" in (out / "exp_print.log").read_text()

@@ -19,15 +19,15 @@ SHAPES = {"q": (7, 5), "v": (7, 5)}
 r, R_g = 2, 3
 
 
-def _aggregator(tmp_path, **kw):
+def _aggregator(tmp_path, name="fedpa", **kw):
     from fs_fedpa.config import FedPAConfig
     from fs_fedpa.core.ranks import RankPlan
     from fs_fedpa.methods import METHODS, get_method
     from fs_fedpa.plugin.aggregator import FedPAAggregator
     from fs_fedpa.plugin.record_fs import RoundLog
 
-    get_method("fedpa")
-    method = METHODS["fedpa"](FedPAConfig(), RankPlan.build(3, r, global_rank=R_g))
+    get_method(name)
+    method = METHODS[name](FedPAConfig(), RankPlan.build(3, r, global_rank=R_g))
     rounds = RoundLog(str(tmp_path), RecordsConfig(diagnostics="full"))
     opened, installed = [], []
 
@@ -134,3 +134,45 @@ def test_a_client_that_took_no_dp_step_weighs_nothing(tmp_path, ignore_weight):
         dense = sum(w * (u[name][0].double() @ u[name][1].double()) for u, w in zip(uploads, weights))
         B, A = aggregator.installed[-1].global_factors[name]
         torch.testing.assert_close(B.double() @ A.double(), _best_rank(dense, R_g), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["fedpa", "fedit"])
+def test_a_round_whose_only_upload_took_no_dp_step_keeps_the_global(tmp_path, name):
+    """Issue 88: a sit-out account (0 steps) with a x10^4 upload became the whole global when it was the round's only
+    upload (all weights 0 were weighed equally), and an honest sit-out alone in its round set FedPA's global to its
+    untrained factors (B = 0). Now such an upload is not aggregated: the round installs nothing, FS merges nothing
+    (the global stays), the record names the client, and the round does not count as a failed one."""
+    # Prepare
+    aggregator, rounds = _aggregator(tmp_path, name)
+    _start(aggregator)
+    size, content = _message(_upload(1, scale=1e4), 10)
+    content["stats"]["dp_steps"] = 0
+    # Execute
+    returned = aggregator.aggregate({"client_feedback": [(size, content)], "staleness": [(2, 0)]})
+    # Assert
+    assert returned == {} and aggregator.installed == [] and aggregator.failed_in_a_row == 0
+    (record,) = rounds.records
+    assert record["clients"] == [] and "no DP-SGD step" in record["dropped"]["2"]
+
+
+def test_an_upload_that_took_no_dp_step_has_no_influence_whatever_the_method_weighs(tmp_path):
+    """HetLoRA weighs uploads by their norms, not by the weights the server gives: a sit-out's x10^4 upload beside
+    honest ones took the global over. Now the global is the method's aggregate of the honest uploads alone."""
+    # Prepare
+    aggregator, _ = _aggregator(tmp_path, "hetlora")
+    _start(aggregator)
+    honest = [_upload(1), _upload(3)]
+    messages = [_message(honest[0], 10), _message(_upload(2, scale=1e4), 30), _message(honest[1], 60)]
+    for (_, content), steps in zip(messages, (4, 0, 4)):
+        content["stats"]["dp_steps"] = steps
+    # Execute
+    aggregator.aggregate({"client_feedback": messages, "staleness": [(1, 0), (2, 0), (3, 0)]})
+    # Assert: HetLoRA's rule on the honest uploads alone, computed here: (sum_i p_i B_i)(sum_i p_i A_i) with p_i
+    # proportional to ||B_i A_i||_F (zero padding to its rank changes no product)
+    for name in SHAPES:
+        norms = [float(torch.linalg.matrix_norm(u[name][0].double() @ u[name][1].double())) for u in honest]
+        p = [n / sum(norms) for n in norms]
+        B_mean = sum(w * u[name][0].double() for w, u in zip(p, honest))
+        A_mean = sum(w * u[name][1].double() for w, u in zip(p, honest))
+        B, A = aggregator.installed[-1].global_factors[name]
+        torch.testing.assert_close(B.double() @ A.double(), B_mean @ A_mean, rtol=1e-4, atol=1e-5)
