@@ -27,6 +27,7 @@ SEP = "|"
 WIRE_DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 WIRE_KEYS = frozenset({"dtype", "shape", "data"})
 MAX_DIMS = 8
+MAX_ELEMENT_SIZE = max(torch.empty((), dtype=t).element_size() for t in WIRE_DTYPES.values())  # float64's 8
 
 
 def to_wire(tensor: Tensor) -> dict:
@@ -39,11 +40,13 @@ def to_wire(tensor: Tensor) -> dict:
     return {"dtype": name, "shape": list(tensor.shape), "data": base64.b64encode(raw).decode("ascii")}
 
 
-def from_wire(value: object, max_numel: int | None = None, what: str = "") -> Tensor:
+def from_wire(value: object, max_numel: int | None = None, what: str = "", max_chars: int | None = None) -> Tensor:
     """The tensor of a :func:`to_wire` encoding; ``ValueError`` naming what is wrong with anything else. Reads
     nothing but the dtype name, the integers of the shape and the bytes: no object is ever reconstructed, and no
     method of the sender's objects is called (only a plain dict, str, bytes and ints are read). ``max_numel``: the
-    most values the tensor may have, checked against the shape before anything is decoded."""
+    most values the tensor may have, checked against the shape before anything is decoded; ``max_chars``: the longest
+    text its data may be, checked before anything else is read (refusing a long text costs its length, never its
+    decoding)."""
     if not isinstance(value, dict) or set(dict.keys(value)) != WIRE_KEYS:
         raise ValueError(f"expected a tensor or its encoding {{dtype, shape, data}}, got {_what(value)}")
     dtype, shape, data = (dict.__getitem__(value, key) for key in ("dtype", "shape", "data"))
@@ -53,11 +56,13 @@ def from_wire(value: object, max_numel: int | None = None, what: str = "") -> Te
         raise ValueError(f"encoded shape {shown(shape, 60)} is not a list of at most {MAX_DIMS} ints >= 0")
     if type(data) not in (str, bytes):
         raise ValueError(f"encoded data is {type(data).__name__}, not base64 text")
+    if max_chars is not None and len(data) > max_chars:
+        raise ValueError(f"encoded data of {len(data)} characters, more than {what or 'it'} can need ({max_chars})")
     if max_numel is not None and math.prod(shape) > max_numel:
         raise ValueError(_too_large(list(shape), math.prod(shape), max_numel, what))
     dtype = WIRE_DTYPES[dtype]
     expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if len(data) != 4 * math.ceil(expected / 3):  # checked before decoding: a huge claim costs nothing
+    if len(data) != encoded_length(expected):  # checked before decoding: a huge claim costs nothing
         raise ValueError(f"encoded data of {len(data)} characters does not hold shape {list(shape)} of {dtype}")
     try:
         raw = base64.b64decode(data, validate=True)
@@ -68,6 +73,11 @@ def from_wire(value: object, max_numel: int | None = None, what: str = "") -> Te
     if not raw:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape).clone()
+
+
+def encoded_length(nbytes: int) -> int:
+    """Characters of the base64 text of ``nbytes`` bytes (:func:`to_wire`)."""
+    return 4 * math.ceil(nbytes / 3)
 
 
 def _what(value: object) -> str:
@@ -114,13 +124,16 @@ def encode_tensors(tensors: Mapping[str, Tensor], wire: bool = False) -> dict:
 
 
 def decode_parts(
-    flat: Mapping[str, object], max_numel: Callable[[str], int] | None = None
+    flat: Mapping[str, object],
+    max_numel: Callable[[str], int] | None = None,
+    max_chars: Callable[[str, str], int] | None = None,
 ) -> dict[str, dict[str, Tensor]]:
     """``module -> {"B": B, "A": A}`` with whichever factors were sent (tensor objects or their encodings).
 
     ``flat`` must be a dict (read through dict's own methods: no method a sender's subclass defines is called).
     ``max_numel(module)``: the most values one factor of that module may have, checked before a tensor is copied
-    or decoded (a tensor expanded to 10^12 entries is refused, not cloned)."""
+    or decoded (a tensor expanded to 10^12 entries is refused, not cloned). ``max_chars(module, part)``: the longest
+    base64 text that factor's encoding may have, checked first, before its shape is read or anything decoded."""
     if not isinstance(flat, dict):
         raise ValueError(f"factors must be a mapping (a dict) of '<module>{SEP}B|A' to tensors, got {_what(flat)}")
     names: dict[str, dict[str, Tensor]] = {}
@@ -129,8 +142,9 @@ def decode_parts(
         if part not in ("A", "B") or not name:
             raise ValueError(f"malformed factor key {shown(key, 80)!r}: expected '<module>{SEP}A' or '<module>{SEP}B'")
         limit = None if max_numel is None else max_numel(name)
+        chars = None if max_chars is None else max_chars(name, part)
         try:
-            names.setdefault(name, {})[part] = _tensor(value, limit, "a factor of its module")
+            names.setdefault(name, {})[part] = _tensor(value, limit, "a factor of its module", chars)
         except ValueError as err:
             raise ValueError(f"{name}{SEP}{part}: {err}") from None
     return names
@@ -217,13 +231,13 @@ def _held_bytes(t: Tensor) -> int:
     return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
 
 
-def _tensor(value: object, max_numel: int | None = None, what: str = "") -> Tensor:
+def _tensor(value: object, max_numel: int | None = None, what: str = "", max_chars: int | None = None) -> Tensor:
     """A fresh tensor from a tensor object (standalone FS hands over the sender's objects, and nobody may alter what
     a client sent) or from :func:`to_wire`'s encoding; anything else is refused. A tensor object must be a plain
     ``torch.Tensor`` (a subclass could run its own code on every operation) with at most ``max_numel`` values that
     its storage holds (no view that repeats one value 10^12 times): both checked before it is copied."""
     if type(value) is not Tensor:
-        return from_wire(value, max_numel, what)
+        return from_wire(value, max_numel, what, max_chars)
     if max_numel is not None and value.numel() > max_numel:
         raise ValueError(_too_large(list(value.shape), value.numel(), max_numel, what))
     if (

@@ -339,8 +339,8 @@ def test_an_account_no_dp_sgd_gives_is_refused_and_states_no_guarantee(tiny_llm,
     from tests.integration.tiny_assets import dump_yaml, fs_env, run_module
 
     cfg = fedpa_cfg(tiny_llm, tmp_path, **SAMPLE, **overrides)
-    proc = run_module("tests.integration.careless_client",
-                      [dump_yaml(cfg, tmp_path / "careless.yaml"), kind, "2", str(rnd)], ROOT, fs_env(), 300)  # fmt: skip
+    argv = [dump_yaml(cfg, tmp_path / "careless.yaml"), kind, "2", str(rnd)]
+    proc = run_module("tests.integration.careless_client", argv, ROOT, fs_env(), 300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = outdir_of(cfg)
     faults = _jsonl(out / "fedpa_dp_faults.jsonl")

@@ -280,3 +280,26 @@ def test_message_content_that_no_code_may_walk_is_named():
     ):
         assert words in (check_message_content(content) or ""), (content, words)
     assert message_pair(_content()) == "message content of type dict is not a (sample size, payload) pair"
+
+
+def test_an_encoded_factor_longer_than_its_module_needs_is_refused_without_decoding(monkeypatch):
+    """Issue 88: one signed upload carrying 150 MB of base64 in B was decoded for 22 s, past the round timeout. The
+    bound on a factor was the module's d x k values at any rank, so a B claiming shape (d, k) in float64 was decoded
+    before its rank was checked. Now B may hold d x r values (A r x k) at the ranks the client uploads, and the text
+    is measured against that before its shape is read or anything is decoded: the decoder is never called."""
+    # Prepare: the base64 decoder fails if called; B claims (d, k) in float64 with text to match, and a B of 1.5 MB
+    import base64
+
+    from fs_fedpa.plugin import payload
+
+    def decoder(*args, **kwargs):
+        raise AssertionError("the base64 decoder was called")
+
+    monkeypatch.setattr(payload.base64, "b64decode", decoder)
+    d, k = SHAPES["q"]
+    full = {"dtype": "float64", "shape": [d, k], "data": base64.b64encode(bytes(8 * d * k)).decode()}
+    long = {"dtype": "float32", "shape": [d, R], "data": "A" * 1_500_000}
+    # Execute / Assert
+    for value in (full, long):
+        reason = _check(5, _with("q|B", value, wire=True))
+        assert isinstance(reason, str) and reason.startswith("undecodable payload (q|B:") and "more than" in reason
