@@ -246,7 +246,7 @@ class SampleLevelServer(GaussianServer):
         self.sizes: dict[int, int] = {}  # n_i as the clients report it (public under replace-one)
         self.spent: dict[int, dict] = {}  # each client's own account, as it last reported it (valid ones only)
         self.no_guarantee: dict[int, str] = {}  # why no epsilon holds for a client: it sent without DP, or an
-        # account outside the bounds; once so, for the rest of the run (its ledger entry is epsilon inf)
+        # account outside the bounds; once so, for the rest of the run (its ledger entry states none)
 
     def _plan(self, n: int) -> SamplePlan:
         return sample_plan(self.cfg, max(n, 1), routines(self.method))
@@ -274,11 +274,11 @@ class SampleLevelServer(GaussianServer):
             if missing := [k for k in SPENT_STATS if mine[k] is None]:
                 refuse(c, f"its upload carries no account of DP-SGD steps ({', '.join(missing)} missing or not "
                           "finite): it was sent without DP-SGD as far as the server can tell, so no guarantee holds "
-                          "for its records (its ledger entry is epsilon inf)", guarantee=False)  # fmt: skip
+                          "for its records (its ledger entry states none)", guarantee=False)  # fmt: skip
                 continue
             if (problem := self.account_problem(mine)) is not None:
                 refuse(c, f"its DP-SGD account is not one the plugin's DP-SGD gives: {problem}; no guarantee can "
-                          "be stated for its records (its ledger entry is epsilon inf)", guarantee=False)  # fmt: skip
+                          "be stated for its records (its ledger entry states none)", guarantee=False)  # fmt: skip
                 continue
             self.spent[c] = mine
             size = st.get("num_train_data")
@@ -369,9 +369,10 @@ class SampleLevelServer(GaussianServer):
 
     def account(self, rnd: int, receivers: list[int], stats: dict[int, dict]) -> dict:
         """Round ``rnd``'s ledger line: per client that was asked to train, the epsilon of the rounds it trained at
-        the n_i of its first valid account (the plan's, or its own account where that states more), epsilon inf for
-        a client with no guarantee (:attr:`no_guarantee`), None for one whose size is unknown; ``dp_epsilon``: the
-        largest."""
+        the n_i of its first valid account (the plan's, or its own account where that states more); for a client
+        with no guarantee (:attr:`no_guarantee`) epsilon null, ``guarantee`` "none" and the reason; None for one
+        whose size is unknown. ``dp_epsilon``: the largest, null where a client has no guarantee (listed in
+        ``dp_no_guarantee``)."""
         for c in receivers:
             self.trained[c] = self.trained.get(c, 0) + 1
         for c in stats:
@@ -392,13 +393,15 @@ class SampleLevelServer(GaussianServer):
                     reason = f"its DP-SGD account cannot be accounted ({type(err).__name__}: {str(err)[:200]})"
                     self.no_guarantee[c] = reason
                     self.fault(rnd, c, reason)
-            per_client[str(c)] = {"epsilon": math.inf, "delta": None, "guarantee": "none",
+            per_client[str(c)] = {"epsilon": None, "delta": None, "guarantee": "none",
                                   "reason": self.no_guarantee[c], "n": self.sizes.get(c), "steps": None}  # fmt: skip
-        known = [v for v in per_client.values() if v]
+        known = [v for v in per_client.values() if v and v.get("guarantee") != "none"]
+        none = [c for c, v in per_client.items() if v and v.get("guarantee") == "none"]
         line = {
             "round": rnd,
             "dp_mode": "sample",
-            "dp_epsilon": max((v["epsilon"] for v in known), default=0.0),
+            # no finite epsilon where a client has none: null (standard JSON has no Infinity), named below
+            "dp_epsilon": None if none else max((v["epsilon"] for v in known), default=0.0),
             "dp_delta": max((v["delta"] for v in known if v["delta"] is not None), default=None),
             "dp_sampling": self.sampling,
             "dp_adjacency": self.adjacency,
@@ -407,7 +410,7 @@ class SampleLevelServer(GaussianServer):
             "dp_clients": per_client,
             "dp_accountant": self.accountant,
         }  # fmt: skip
-        if none := [c for c, v in per_client.items() if v and v.get("guarantee") == "none"]:
+        if none:
             line["dp_no_guarantee"] = none
         return self.write(line)
 
@@ -433,7 +436,7 @@ class SampleLevelServer(GaussianServer):
             others = f"{max(guaranteed):.4g} {at}" if guaranteed else "none"
             return (
                 f"[fedpa] differential privacy (sample level, per client): no guarantee for client "
-                f"{', '.join(none)} (sent without DP-SGD or with an account the server cannot check: epsilon inf; "
+                f"{', '.join(none)} (sent without DP-SGD or with an account the server cannot check: epsilon unbounded; "
                 f"reasons in {PRIVATE_FAULTS_FILE}); largest epsilon of the other clients {others}"
             )
         largest = self.last["dp_epsilon"]

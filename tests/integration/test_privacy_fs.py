@@ -333,8 +333,8 @@ def test_an_account_no_dp_sgd_gives_is_refused_and_states_no_guarantee(tiny_llm,
     """Issue 88: client 2's account of 10^15 steps (PLD) or of 10^6 records at delta 1e-5 raised in the
     server and ended the run; an upload without an account (a client whose own config says fedpa.dp.mode none) was
     dropped, but the ledger credited the client the plan's epsilon and the last line stated it. Now the upload is
-    refused naming the client and the field, the run ends normally, the ledger states epsilon inf for client 2 and
-    the last line states no finite epsilon for it."""
+    refused naming the client and the field, the run ends normally, the ledger states no guarantee for client 2
+    (epsilon null) and the last line states no finite epsilon for it."""
     from tests.conftest import ROOT
     from tests.integration.tiny_assets import dump_yaml, fs_env, run_module
 
@@ -346,7 +346,8 @@ def test_an_account_no_dp_sgd_gives_is_refused_and_states_no_guarantee(tiny_llm,
     faults = _jsonl(out / "fedpa_dp_faults.jsonl")
     assert [(f["round"], f["client"]) for f in faults] == [(rnd, "2")] and field in faults[0]["reason"]
     last = _jsonl(out / "fedpa_privacy.jsonl")[-1]
-    assert last["dp_clients"]["2"]["epsilon"] == float("inf") and last["dp_no_guarantee"] == ["2"]
+    assert last["dp_clients"]["2"]["guarantee"] == "none" and last["dp_clients"]["2"]["epsilon"] is None
+    assert last["dp_epsilon"] is None and last["dp_no_guarantee"] == ["2"]
     assert all(last["dp_clients"][c]["epsilon"] < 100 for c in ("1", "3"))
     assert "no guarantee for client 2" in (out / "exp_print.log").read_text()  # the run's last line on privacy
 

@@ -1,6 +1,6 @@
 """The sample-level server's check of each client's DP account (issue 88): a client's account, however absurd, is
 refused naming the client and the field, before any accounting; the accounting of one client's account never ends
-the run; a client that sent without DP is stated with no guarantee (epsilon inf), never the plan's epsilon. The
+the run; a client that sent without DP is stated with no guarantee (epsilon null), never the plan's epsilon. The
 server is built without FS: its config is the few keys the plan reads."""
 
 from __future__ import annotations
@@ -118,13 +118,13 @@ def test_an_exception_in_one_clients_accounting_drops_that_client_not_the_run(tm
     line = server.account(0, [1, 2, 3], stats)
     # Assert
     assert list(refused) == [2] and "MemoryError" in refused[2]
-    assert line["dp_clients"]["2"]["epsilon"] == math.inf and line["dp_clients"]["1"]["epsilon"] < math.inf
+    assert line["dp_clients"]["2"]["guarantee"] == "none" and line["dp_clients"]["1"]["epsilon"] < math.inf
 
 
 def test_a_client_that_sent_without_dp_is_stated_with_no_guarantee(tmp_path):
     """Issue 88: a client whose own config says fedpa.dp.mode none sends raw factors and no account. Its upload was
     dropped, but the ledger credited it with the server's plan (epsilon 6.52) and the headline stated that. Now its
-    entry is epsilon inf with the reason, the faults file says so, and the headline states no finite epsilon."""
+    entry states no guarantee (epsilon null) with the reason, the faults file says so, and the headline states no finite epsilon."""
     # Prepare
     server = _server(tmp_path)
     stats = {c: _honest(server) for c in (1, 3)}
@@ -135,11 +135,12 @@ def test_a_client_that_sent_without_dp_is_stated_with_no_guarantee(tmp_path):
     # Assert
     assert list(refused) == [2]
     entry = line["dp_clients"]["2"]
-    assert entry["epsilon"] == math.inf and entry["guarantee"] == "none"
-    assert line["dp_epsilon"] == math.inf
+    assert entry["epsilon"] is None and entry["guarantee"] == "none" and "without DP" in entry["reason"]
+    assert line["dp_epsilon"] is None and line["dp_no_guarantee"] == ["2"]
+    json.dumps(line, allow_nan=False)  # the ledger stays standard JSON
     assert [f["client"] for f in _faults(tmp_path)] == ["2"] and "without DP" in _faults(tmp_path)[0]["reason"]
     assert "no guarantee" in server.summary() and "client 2" in server.summary()
     # and it stays without a guarantee when a later round's upload carries an account
     stats = {c: _honest(server, 2) for c in (1, 2, 3)}
     server.admit(1, stats)
-    assert server.account(1, [1, 2, 3], stats)["dp_clients"]["2"]["epsilon"] == math.inf
+    assert server.account(1, [1, 2, 3], stats)["dp_clients"]["2"]["guarantee"] == "none"
