@@ -64,7 +64,7 @@ def final_lines(results: dict) -> list[str]:
     lines = ["Finals (dev set, accuracy at the last round, mean ± sample sd over seeds (n)); the frozen head's cells "
              "without DP run DP-SGD's path with the clip and the noise off:", "",
              "| cell | paper protocol | own factors | ε (ledger: Poisson, add/remove, PLD; largest client) | "
-             "the same noise read as replace-one, fixed-size (PLD; largest client) |",
+             "the same noise read as replace-one, its Poisson sampling kept (PLD; smallest–largest client) |",
              "|---|---|---|---|---|"]  # fmt: skip
     for cell in cells:
         runs = [r for k, r in results.items() if k.startswith(f"{dv.STAGE}/{cell}_s")]
@@ -74,7 +74,7 @@ def final_lines(results: dict) -> list[str]:
         other = [e for r in runs for e in other_reading(r)] if private else []
         lines.append(f"| {cell} | {_pm(list(values['val_acc'].get(cell, {}).values()))} | "
                      f"{_pm(list(values['local.val_acc'].get(cell, {}).values()))} | {shown} | "
-                     f"{f'{max(other):.2f}' if other else '–'} |")  # fmt: skip
+                     f"{f'{min(other):.2f}–{max(other):.2f}' if other else '–'} |")  # fmt: skip
     for metric in METRICS:
         rows = comparisons(results, metric)
         for title, family in families():
