@@ -71,3 +71,12 @@ def test_the_one_sentence_summary_quotes_scipys_intervals_and_names_the_best_dp_
     assert f"FedPA-LoRA against FedIT: {gap:+.1f} [" in text
     del results["dpvalid/fedsvd_dp_s0"], results["dpvalid/fedsvd_dp_s1"]  # a family not complete: no sentence yet
     assert rv.plainly_lines(results) == []
+
+
+def test_the_refit_scores_are_labelled_outside_the_guarantee_wherever_shown():
+    """The refitted heads read the training data without DP: their columns and the comparison that scores them say
+    so."""
+    runs = [r for r in dv.diagnostic_runs(dv.Valid("frozen", 0.01, 0.01), 0.01) if r.name.endswith("_refit")]
+    head = rv.single_lines({}, runs, "Diagnostics", refit=True)[2]
+    assert head.count("head refitted, outside the guarantee") == 2, head
+    assert "outside the guarantee" not in rv.single_lines({}, runs, "Diagnostics")[2]
