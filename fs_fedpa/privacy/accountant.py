@@ -298,3 +298,43 @@ def poisson_add_remove_epsilon(rate: float, z: float, count: int, delta: float) 
     event = dpa.PoissonSampledDpEvent(rate, dpa.GaussianDpEvent(z)) if rate < 1 else dpa.GaussianDpEvent(z)
     accountant = rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
     return float(accountant.compose(dpa.SelfComposedDpEvent(event, int(count))).get_epsilon(delta))
+
+
+@lru_cache(maxsize=256)
+def poisson_replace_one_epsilon(rate: float, z: float, count: int, delta: float) -> float:
+    """epsilon at ``delta`` of ``count`` steps of a Poisson run (each member in at rate q) read under replace-one
+    adjacency, for comparison with published numbers only: the PLD (pessimistic, at :data:`PLD_INTERVAL`) of the pair
+    in which the replaced member's clipped contribution is +C and its replacement's -C, each in at rate q, in units of
+    C: P = (1 - q) N(0, z^2) + q N(1, z^2), Q = (1 - q) N(0, z^2) + q N(-1, z^2). Its loss log P(y)/Q(y) rises with y
+    and the pair is symmetric (Q(y) = P(-y)), so one pmf serves both orders. Reading the same noise with fixed-size
+    sampling instead (``Sampled(..., "wor", "pld")``) changes the sampling too, and states far more."""
+    if count <= 0:
+        return 0.0
+    _dpa()
+    import numpy as np
+    from dp_accounting.pld import pld_pmf
+    from dp_accounting.pld import privacy_loss_distribution as pld
+    from scipy.stats import norm
+
+    q, h = min(rate, 1.0), PLD_INTERVAL
+    mix = np.log1p(-q) if q < 1 else -np.inf
+
+    def loss(y):
+        up = np.logaddexp(mix + norm.logpdf(y, 0, z), np.log(q) + norm.logpdf(y, 1, z))
+        return up - np.logaddexp(mix + norm.logpdf(y, 0, z), np.log(q) + norm.logpdf(y, -1, z))
+
+    def below(y):  # P(Y <= y)
+        return (1 - q) * norm.cdf(y, 0, z) + q * norm.cdf(y, 1, z)
+
+    lo, hi = -1 - _PLD_TAIL_SDS * z, 1 + _PLD_TAIL_SDS * z  # P's mass outside: about e^-50 a side
+    ks = np.arange(int(np.ceil(loss(lo) / h)), int(np.ceil(loss(hi) / h)) + 1)
+    a, b = np.full(len(ks), lo), np.full(len(ks), hi)
+    for _ in range(100):  # y_k = the y where the loss reaches k h, by bisection (the loss rises with y)
+        mid = (a + b) / 2
+        up = loss(mid) >= ks * h
+        a, b = np.where(up, a, mid), np.where(up, mid, b)
+    # the mass of P with loss in ((k-1) h, k h] sits at k h (rounded up: pessimistic); below lo at the first point,
+    # above hi at infinity
+    mass = np.diff(np.concatenate([[0.0], below(b)]))
+    pmf = pld_pmf.DensePLDPmf(h, int(ks[0]), mass, float(1 - below(b[-1])), pessimistic_estimate=True)
+    return float(pld.PrivacyLossDistribution(pmf).self_compose(int(count)).get_epsilon_for_delta(delta))

@@ -8,7 +8,8 @@ r = 4, alpha = 8):
 - DP-SGD at ε = :data:`EPSILON` calibrated in the DP fine-tuning papers' convention: Poisson sampling at rate b/n_i,
   add/remove adjacency, the PLD accountant (``fedpa.dp_sampling poisson``, ``fedpa.dp_accountant pld``), δ =
   min(1e-5, 1/(10 n_i)), clip C = :data:`CLIP` (the central anchor's; not tuned). The ledgers give the same noise
-  read with fixed-size sampling and replace-one adjacency; the ``*_replace`` cells calibrate to ε = 8 there.
+  read as replace-one, its Poisson sampling kept; the ``*_replace`` cells calibrate to ε = 8 with
+  fixed-size sampling and replace-one.
 - :data:`STEPS` noisy steps a client over the run (τ·R = 120, R rounds of τ local steps), the horizon of the noise
   calibration; the learning rate warms up linearly over the first :data:`WARMUP` of them, then stays constant
   (``fedpa.lr_schedule``), the same for every client.

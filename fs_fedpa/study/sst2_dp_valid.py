@@ -11,7 +11,7 @@ sampled records a step, τ = 1, 120 rounds, LoRA on MiniLM's top two layers over
 linear warm-up over 12 steps, clients under 1,000 sentences taking no DP step, CPU chunks of 32), DP-SGD at ε = 8 per
 client with Poisson sampling, add/remove adjacency and the PLD accountant, δ = min(1e-5, 1/(10 n_i)); each client's
 head local (``personalization.local_param ['classifier']``). The ledgers also give every run's ε read as replace-one
-(PLD).
+(its Poisson sampling kept, PLD).
 
 Before the runs, ``scripts/dp_signal_noise.py --heads frozen noised --clips 0.1 --lr 5e-3`` (one client of 8,000
 training sentences, z = 0.62) measured the frozen head at C = 0.1: a record's gradient is about 0.01, inside C, and

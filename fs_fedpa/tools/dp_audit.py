@@ -17,7 +17,10 @@ bounds (95 % overall) on its false-positive and false-negative rates over the se
 'plain' is emulated as it ran: the head on the batch's exact mean-loss gradient (at :class:`Audit`'s ``head_lr``,
 1 from the command line), outside the mechanism. What a bound says: with 95 % confidence the mechanism's epsilon at that delta is at least epsilon_lb. A
 bound below the ledger's epsilon is consistent with the guarantee but does not prove it (another pair of datasets or
-another test could do better); a bound above it shows that the stated epsilon is no guarantee.
+another test could do better); a bound above it shows that the stated epsilon is no guarantee. What a trial count can
+show is printed first (:func:`detection_line`): the largest bound it can give (:func:`ceiling`; 6.3 at the default
+4,000 trials) and the smallest violation it can flag (:func:`detection_limit`; at the default ledger epsilon 1, a
+true epsilon of about 2.8, at best). A bound of 0.000 means no violation of that size, not that the ledger holds.
 
     python -m fs_fedpa.tools.dp_audit [--trials 4000] [--epsilon 1] [--steps 2]
 """
@@ -53,6 +56,80 @@ def epsilon_lower_bound(null, alt, threshold: float, delta: float, alpha: float 
         if 1 - delta - a > 0:
             best = max(best, math.log((1 - delta - a) / b))
     return best
+
+
+def ceiling(trials: int, delta: float, alpha: float = 0.05) -> float:
+    """The largest epsilon_lb that ``trials`` per dataset can give: no error on either side of the second halves
+    (m = trials - trials // 2 a side), so each rate's upper bound is 1 - (alpha/2)^(1/m)."""
+    m = trials - trials // 2
+    rate = clopper_pearson_upper(0, m, alpha / 2)
+    return max(0.0, math.log((1 - delta - rate) / rate))
+
+
+def _expected_bound(mu: float, trials: int, delta: float, alpha: float) -> float:
+    """epsilon_lb of the test at its best threshold t on a shift of ``mu`` noise standard deviations, the error
+    counts at their expectations m FPR(t), m FNR(t) (Clopper-Pearson through the beta quantile, which takes a
+    fractional count)."""
+    import numpy as np
+    from scipy.stats import beta, norm
+
+    m = trials - trials // 2
+    t = np.linspace(-4.0, mu + 8.0, 4001)
+    fpr, fnr = norm.sf(t), norm.cdf(t - mu)
+    a = alpha / 2
+
+    def upper(rate):
+        k = np.minimum(m * rate, m - 1e-9)
+        return beta.ppf(1 - a, k + 1, m - k)
+
+    fp, fn = upper(fpr), upper(fnr)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        both = np.maximum(np.log((1 - delta - fn) / fp), np.log((1 - delta - fp) / fn))
+    return float(max(0.0, np.nanmax(both)))
+
+
+def gaussian_epsilon(mu: float, delta: float) -> float:
+    """epsilon at ``delta`` of the pair N(mu, 1), N(0, 1): delta(eps) = Phi(mu/2 - eps/mu) - e^eps Phi(-mu/2 -
+    eps/mu) (Balle and Wang, ICML 2018)."""
+    from scipy.optimize import brentq
+    from scipy.stats import norm
+
+    def gap(eps):
+        return norm.cdf(mu / 2 - eps / mu) - math.exp(eps) * norm.cdf(-mu / 2 - eps / mu) - delta
+
+    return 0.0 if gap(0.0) <= 0 else brentq(gap, 0.0, mu * mu / 2 + 10 * mu + 10)
+
+
+def detection_limit(trials: int, target: float, delta: float, alpha: float = 0.05) -> dict | None:
+    """The smallest violation the audit can flag at ``trials`` per dataset: the smallest shift mu (in noise standard
+    deviations, along the test's direction) at which its expected epsilon_lb exceeds ``target``, and the epsilon at
+    ``delta`` of the Gaussian mechanism with that shift, the true epsilon of the game there. The best case for the
+    auditor (the best threshold, the error counts at their expectation): a smaller violation is missed. None where
+    ``target`` is at or above :func:`ceiling`: no outcome of the audit exceeds it."""
+    if target >= ceiling(trials, delta, alpha):
+        return None
+    lo, hi = 0.0, 1.0
+    while _expected_bound(hi, trials, delta, alpha) <= target:
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1e-4 * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _expected_bound(mid, trials, delta, alpha) <= target else (lo, mid)
+    return {"mu": hi, "epsilon": gaussian_epsilon(hi, delta)}
+
+
+def detection_line(trials: int, target: float, delta: float) -> str:
+    """What a result of the audit at ``trials`` per dataset can say about a ledger of ``target`` at ``delta``."""
+    top = ceiling(trials, delta)
+    head = (f"detection at {trials} trials per dataset (95 %): epsilon_lb is at most {top:.3f} (no error in "
+            f"{trials - trials // 2} trials a side)")  # fmt: skip
+    limit = detection_limit(trials, target, delta)
+    if limit is None:
+        return (f"{head}, not above the ledger's {target:g}: this audit cannot flag any violation; raise "
+                "--trials")  # fmt: skip
+    return (f"{head}; it exceeds the ledger's {target:g} only where the canary moves the releases by "
+            f"{limit['mu']:.3g} noise sd or more, a true epsilon of {limit['epsilon']:.3g} "
+            f"({limit['epsilon'] / target:.3g} x the ledger's) at best. A bound below the ledger, 0.000 included, "
+            "means no violation that large, not that the ledger holds.")  # fmt: skip
 
 
 class Audit:
@@ -168,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     z = calibrate(n, n, args.steps, args.epsilon, args.delta)  # the plugin's accountant: replace-one, b = n
     print(f"ledger: epsilon {args.epsilon:g} at delta {args.delta:g} (replace-one, b = n = {n}, {args.steps} steps, "
           f"z = {z:.4g}, C = {args.clip:g}); {args.trials} trials per dataset", flush=True)  # fmt: skip
+    print(detection_line(args.trials, args.epsilon, args.delta), flush=True)
     for treatment in args.treatment:
         found = Audit(treatment, z, args.steps, args.clip, n).bound(args.trials, args.delta)
         verdict = "ABOVE the ledger: not private" if found["epsilon_lb"] > args.epsilon else "below the ledger"

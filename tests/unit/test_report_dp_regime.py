@@ -70,13 +70,17 @@ def test_the_finals_wait_for_the_search_and_say_so(tmp_path):
     assert "not run yet" in text and "selected once the search's runs are in" in text
 
 
-def test_the_other_reading_of_a_poisson_ledger_is_weaker_and_of_a_fixed_size_one_is_the_poisson_target():
+def test_the_other_reading_of_a_poisson_ledger_keeps_its_sampling_and_of_a_fixed_size_one_is_the_poisson_target():
     pytest.importorskip("dp_accounting", reason="dp-accounting is not installed (the dp extra)")
+    from fs_fedpa.privacy.accountant import Sampled
+
     # a run's ledger: z = 0.84 calibrated by PLD to epsilon 7.99 with Poisson sampling (a real run's client)
     (poisson,) = rr.other_reading({"privacy": {"dp_sampling": "poisson", "dp_clients": LEDGER}})
     (fixed,) = rr.other_reading({"privacy": {"dp_sampling": "wor", "dp_clients": LEDGER}})
-    # replace-one moves the sum by 2C: a Gaussian at z/2, far more epsilon than the ledger's
-    assert poisson > 2 * 7.99
+    # the run sampled by Poisson: read as replace-one it keeps that sampling (the +C/-C pair), a little above the
+    # ledger, not the fixed-size reading of the same noise, which states several times more
+    fixed_size = Sampled(3544, 256, 0.84, "wor", "pld").epsilon(120, 1e-5)
+    assert 7.99 < poisson < 1.5 * 7.99 < fixed_size
     # the fixed-size ledger read with Poisson and add/remove is the Poisson calibration again, by RDP (>= the PLD's)
     assert 7.99 <= fixed <= 1.3 * 7.99
 

@@ -195,3 +195,33 @@ def test_the_composition_bound_covers_what_dp_accounting_composes(monkeypatch, s
     monkeypatch.setattr(da, "PLD_MEMORY_CAP", need - 1)
     with pytest.raises(ValueError, match="over 120 events"):
         da.check_pld_cost(kind, 120)
+
+
+def test_a_poisson_run_read_as_replace_one_is_the_antipodal_pairs_pld():
+    """One step: delta(eps) of the pair (1-q) N(0, z^2) + q N(+-1, z^2) by quadrature equals the PLD's to its
+    rounding (and never exceeds it); over T steps the reading lies between the ledger's add/remove epsilon and the
+    fixed-size replace-one reading of the same noise, which changes the sampling too."""
+    pytest.importorskip("dp_accounting")
+    import numpy as np
+    from scipy.integrate import quad
+    from scipy.stats import norm
+
+    from fs_fedpa.privacy.accountant import Sampled, poisson_replace_one_epsilon
+
+    q, z, delta = 256 / 6424, 0.6644, 1e-5
+
+    def true_delta(eps):
+        def gap(y):
+            p = (1 - q) * norm.pdf(y, 0, z) + q * norm.pdf(y, 1, z)
+            return max(0.0, p - np.exp(eps) * ((1 - q) * norm.pdf(y, 0, z) + q * norm.pdf(y, -1, z)))
+
+        return quad(gap, -1 - 12 * z, 1 + 12 * z, points=[0.0, 1.0], limit=400)[0]
+
+    one = poisson_replace_one_epsilon(q, z, 1, delta)
+    assert true_delta(one) <= delta * (1 + 1e-6)  # the PLD's epsilon is valid
+    assert true_delta(one - 0.01) > delta  # and tight to its grid
+    ledger = Sampled(6424, 256, z, "poisson", "pld").epsilon(120, delta)
+    read = poisson_replace_one_epsilon(q, z, 120, delta)
+    assert ledger == pytest.approx(7.95, abs=0.02)  # the real run's client the ledger states
+    assert ledger < read < Sampled(6424, 256, z, "wor", "pld").epsilon(120, delta)
+    assert read == pytest.approx(9.40, abs=0.02)  # a client of the dpvalid runs: 8.1 to 10.8 over all of them
