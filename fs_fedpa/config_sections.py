@@ -139,15 +139,11 @@ class NetConfig:
     )
     tls_cert: str = key(
         "",
-        "distributed mode: this party's certificate (PEM), signed by tls_ca and naming the party in a DNS "
-        "subjectAltName: fedpa-server for the server, fedpa-client-<id> for client <id>, whose id it fixes; with "
-        "tls_key and tls_ca, every connection of the run is mutual TLS (docs/distributed.md); empty: plaintext",
+        "distributed mode: this party's certificate (PEM), signed by tls_ca, naming fedpa-server or "
+        "fedpa-client-<id>; with tls_key and tls_ca, every connection is mutual TLS (docs/distributed.md)",
     )
-    tls_key: str = key("", "distributed mode: the private key (PEM) of tls_cert; never sent")
-    tls_ca: str = key(
-        "",
-        "distributed mode: the run's CA certificate (PEM); only a party with a certificate it signed can connect",
-    )
+    tls_key: str = key("", "distributed mode: the private key (PEM) of tls_cert")
+    tls_ca: str = key("", "distributed mode: the run's CA certificate (PEM)")
 
     def __post_init__(self) -> None:
         self.round_timeout_s = number(self.round_timeout_s, "net.round_timeout_s", minimum=0.0)

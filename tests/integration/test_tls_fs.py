@@ -47,8 +47,8 @@ def _manager(certs: Path, name: str, role: str = "client"):
     from fs_fedpa.plugin import tls
     from fs_fedpa.plugin.tls_fs import TLSCommManager
 
-    net = {"tls_cert": str(certs / f"{name}.pem"), "tls_key": str(certs / f"{name}.key"), "tls_ca": str(certs / "ca.pem")}
-    files = tls.read_files(FedPAConfig(net=net).net, role=role, clients=2)
+    net = {"tls_cert": str(certs / f"{name}.pem"), "tls_key": str(certs / f"{name}.key")}
+    files = tls.read_files(FedPAConfig(net=net | {"tls_ca": str(certs / "ca.pem")}).net, role=role, clients=2)
     return TLSCommManager(files, host="127.0.0.1", port=_free_ports(1)[0], client_num=2, cfg=GRPC)
 
 
@@ -160,7 +160,8 @@ def test_a_peer_without_a_certificate_of_the_run_cannot_deliver_a_message(certs,
 
 def test_a_message_goes_only_to_the_certificate_of_its_receiver_and_a_client_hears_only_the_server(certs):
     # Prepare: client 1 listens where the server believes client 2 is
-    server, client1, client2 = _manager(certs, "server", "server"), _manager(certs, "client_1"), _manager(certs, "client_2")
+    server = _manager(certs, "server", "server")
+    client1, client2 = _manager(certs, "client_1"), _manager(certs, "client_2")
     server.add_neighbors(2, f"127.0.0.1:{client1.port}")
     server.add_neighbors(1, f"127.0.0.1:{client1.port}")
     client2.add_neighbors(1, f"127.0.0.1:{client1.port}")
@@ -197,7 +198,8 @@ def test_a_federation_over_mutual_tls_trains_as_the_standalone_run_and_shuts_out
     try:
         _wait_for(tmp_path / "party0.log", "Server: Listen to", proc)
         with open(intruder_log, "w") as log:
-            cmd = [sys.executable, "-m", "federatedscope.main", "--cfg", dump_yaml(intruder, tmp_path / "intruder.yaml")]
+            path = dump_yaml(intruder, tmp_path / "intruder.yaml")
+            cmd = [sys.executable, "-m", "federatedscope.main", "--cfg", path]
             stranger = subprocess.Popen(cmd, cwd=tmp_path, env=fs_env({"PYTHONUNBUFFERED": "1"}), stdout=log,
                                         stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         _wait_for(tmp_path / "party0.log", "Starting training (Round #0)", proc)
