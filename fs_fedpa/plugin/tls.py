@@ -86,7 +86,7 @@ def _read(path: str, key: str, kind: str) -> bytes:
     try:
         info = Path(path).stat()
     except OSError as err:
-        raise ValueError(f"{where}: cannot read it ({err.strerror})") from err
+        raise ValueError(f"{where}: cannot read it ({err.strerror})") from None
     if not stat.S_ISREG(info.st_mode):  # a FIFO would block the read forever
         raise ValueError(f"{where}: not a regular file")
     if info.st_size > MAX_PEM_BYTES:
@@ -94,7 +94,7 @@ def _read(path: str, key: str, kind: str) -> bytes:
     try:
         data = Path(path).read_bytes()
     except OSError as err:
-        raise ValueError(f"{where}: cannot read it ({err.strerror})") from err
+        raise ValueError(f"{where}: cannot read it ({err.strerror})") from None
     if not re.search(rb"-----BEGIN ([A-Z]+ )?" + kind.encode() + rb"-----", data):
         what = "private key" if kind == "PRIVATE KEY" else "certificate"
         begin = "-----BEGIN ...PRIVATE KEY-----" if kind == "PRIVATE KEY" else "-----BEGIN CERTIFICATE-----"
@@ -114,19 +114,19 @@ def _verified_names(net) -> list[str]:
         try:
             context.load_cert_chain(net.tls_cert, net.tls_key)
         except ssl.SSLError as err:
-            raise ValueError(f"{key} is not the key of {cert} ({err.reason or err})") from err
+            raise ValueError(f"{key} is not the key of {cert} ({err.reason or err})") from None
         try:
             context.load_verify_locations(cafile=ca)
         except ssl.SSLError as err:
-            raise ValueError(f"fedpa.net.tls_ca {ca!r}: not a CA certificate OpenSSL reads ({err.reason})") from err
+            raise ValueError(f"fedpa.net.tls_ca {ca!r}: not a CA certificate OpenSSL reads ({err.reason})") from None
         contexts.append(context)
     try:
         peer = _handshake(*contexts)
     except ssl.SSLCertVerificationError as err:
         raise ValueError(f"{cert} is not signed by fedpa.net.tls_ca {ca!r} for TLS server and client use "
-                         f"({err.verify_message})") from err  # fmt: skip
+                         f"({err.verify_message})") from None  # fmt: skip
     except ssl.SSLError as err:
-        raise ValueError(f"{cert} with {key} and fedpa.net.tls_ca {ca!r}: no TLS connection ({err.reason})") from err
+        raise ValueError(f"{cert} with {key} and fedpa.net.tls_ca {ca!r}: no TLS connection ({err.reason})") from None
     names = [value for kind, value in peer.get("subjectAltName", ()) if kind == "DNS"]
     names += [value for rdn in peer.get("subject", ()) for kind, value in rdn if kind == "commonName"]
     return names

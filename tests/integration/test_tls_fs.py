@@ -232,6 +232,23 @@ def test_a_federation_over_mutual_tls_trains_as_the_standalone_run_and_shuts_out
         torch.testing.assert_close(final[name][0] @ final[name][1], B @ A, atol=1e-5, rtol=0)
 
 
+def test_a_bad_tls_file_stops_a_party_in_one_line_at_its_config_check(tiny_llm, tmp_path, certs):
+    """The server given client 1's certificate: refused naming the key and the file, before its data and model load
+    and before any port opens (the run's console shows the one line)."""
+    from tests.integration.tiny_assets import run_module
+
+    cfg = distributed_cfgs(fedpa_cfg(tiny_llm, tmp_path, **{"federate.save_to": ""}), tmp_path / "dist")[0]
+    files = ("tls_cert", "client_1.pem"), ("tls_key", "client_1.key"), ("tls_ca", "ca.pem")
+    cfg["fedpa"] = dict(cfg["fedpa"], net={k: str(certs / f) for k, f in files})
+    proc = run_module("fs_fedpa", ["run", "--cfg", dump_yaml(cfg, tmp_path / "server.yaml")], tmp_path, fs_env(), 300)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"fs-fedpa run: error: fedpa.net.tls_cert '{certs / 'client_1.pem'}' names fedpa-client-1; a server's "
+        "certificate must name fedpa-server"
+    ), proc.stderr[-2000:]
+    assert "Server: Listen to" not in proc.stdout + proc.stderr
+
+
 def _join_request():
     from federatedscope.core.message import Message
 
