@@ -128,7 +128,7 @@ def test_tls_gives_each_party_its_own_certificate_and_the_runs_ca(tmp_path):
     # Assert: party i gets client_i's files (the server its own), and each party the run's CA
     for folder, parties in (("/c", given), (f"{tmp_path}/logs/certs", fresh)):
         for argv, own in zip(parties, ["server", "client_1", "client_2"]):
+            keys = ["fedpa.net.tls_cert", "fedpa.net.tls_key", "fedpa.net.tls_ca"]
             files = [f"{folder}/{own}.pem", f"{folder}/{own}.key", f"{folder}/ca.pem"]
-            assert argv[5:] == [x for pair in zip(["fedpa.net.tls_cert", "fedpa.net.tls_key", "fedpa.net.tls_ca"], files)
-                                for x in pair]  # fmt: skip
+            assert argv[5:] == [x for pair in zip(keys, files) for x in pair]
     assert not (tmp_path / "logs").exists()
