@@ -96,7 +96,7 @@ def _path(obj: Any, name: str, where: str) -> None:
 
 @dataclass
 class NetConfig:
-    """``fedpa.net``: distributed mode's waits and the signing of its messages."""
+    """``fedpa.net``: distributed mode's waits, the signing of its messages and its mutual TLS."""
 
     round_timeout_s: float = key(
         3600.0,
@@ -137,6 +137,13 @@ class NetConfig:
         "join and every message to the server with it",
         was="auth_key",
     )
+    tls_cert: str = key(
+        "",
+        "distributed mode: this party's certificate (PEM), signed by tls_ca, naming fedpa-server or "
+        "fedpa-client-<id>; with tls_key and tls_ca, every connection is mutual TLS (docs/distributed.md)",
+    )
+    tls_key: str = key("", "distributed mode: the private key (PEM) of tls_cert")
+    tls_ca: str = key("", "distributed mode: the run's CA certificate (PEM)")
 
     def __post_init__(self) -> None:
         self.round_timeout_s = number(self.round_timeout_s, "net.round_timeout_s", minimum=0.0)
@@ -150,6 +157,14 @@ class NetConfig:
             )
         _path(self, "auth_keyring", "net")
         _path(self, "auth_key", "net")
+        for name in ("tls_cert", "tls_key", "tls_ca"):
+            _path(self, name, "net")
+        unset = [name for name in ("tls_cert", "tls_key", "tls_ca") if not getattr(self, name)]
+        if 0 < len(unset) < 3:
+            raise ValueError(
+                f"fedpa.net.tls_cert, tls_key and tls_ca go together; {', '.join(unset)} "
+                f"{'is' if len(unset) == 1 else 'are'} not set"
+            )
 
 
 @dataclass

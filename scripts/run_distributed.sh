@@ -10,6 +10,10 @@
 # AUTH=1 (the default) makes a fresh key per client for this run in $LOGDIR/keys (mode 600): the server gets the
 # keyring (fedpa.net.auth_keyring), client i its own key (fedpa.net.auth_key) and with it the id i, whatever the order in
 # which the clients join (docs/distributed.md). AUTH=0 runs without message authentication.
+# TLS=1 makes a CA and a certificate per party for this run in $LOGDIR/certs (python -m fs_fedpa.tools.make_certs);
+# TLS=FOLDER takes them from FOLDER (ca.pem, server.{pem,key}, client_<i>.{pem,key}): party i then gets
+# fedpa.net.tls_cert, tls_key and tls_ca, and every connection is mutual TLS, client i's id that of its certificate.
+# TLS=0 (the default): plaintext.
 # GPUS=0,1,... spreads the parties over this host's GPUs round-robin: party j (the server is party 0, then the
 # clients in order) gets the overrides `use_gpu True device GPUS[j mod n]`, after those above. Without GPUS each
 # party keeps the device of its yaml.
@@ -20,6 +24,7 @@ PY=${PYTHON:-python3}
 LOGDIR=${LOGDIR:-exp/distributed_logs}
 JOIN_WAIT=${JOIN_WAIT:-8}
 AUTH=${AUTH:-1}
+TLS=${TLS:-0}
 DRY_RUN=${DRY_RUN:-0}
 cfgs=()
 opts=()
@@ -55,12 +60,19 @@ if [ -n "${GPUS+set}" ]; then
   for k in "${!gpus[@]}"; do gpus[k]=$((10#${gpus[k]})); done  # 01 -> 1: FS reads the value as a Python literal
 fi
 keys="$LOGDIR/keys"
-# party i's command: the common overrides, then its key option (AUTH=1), then its device (GPUS)
+certs=$TLS
+[ "$TLS" = 1 ] && certs="$LOGDIR/certs"
+# party i's command: the common overrides, then its key option (AUTH=1), its TLS files (TLS), its device (GPUS)
 party_cmd() {
   local i=$1
   cmd=("$PY" -m federatedscope.main --cfg "${cfgs[$i]}" ${opts[@]+"${opts[@]}"})
   if [ "$AUTH" = 1 ]; then
     if [ "$i" -eq 0 ]; then cmd+=(fedpa.net.auth_keyring "$keys/keyring"); else cmd+=(fedpa.net.auth_key "$keys/client_$i.key"); fi
+  fi
+  if [ "$TLS" != 0 ]; then
+    local own=server
+    [ "$i" -eq 0 ] || own="client_$i"
+    cmd+=(fedpa.net.tls_cert "$certs/$own.pem" fedpa.net.tls_key "$certs/$own.key" fedpa.net.tls_ca "$certs/ca.pem")
   fi
   if [ ${#gpus[@]} -gt 0 ]; then cmd+=(use_gpu True device "${gpus[i % ${#gpus[@]}]}"); fi
 }
@@ -90,6 +102,10 @@ if [ "$AUTH" = 1 ]; then
     (umask 077 && echo "$key" >"$keys/client_$i.key")
     echo "$i $key" >>"$keys/keyring"
   done
+fi
+if [ "$TLS" = 1 ]; then
+  rm -rf "$certs"  # a fresh CA for each run, as the keys above
+  "$PY" -m fs_fedpa.tools.make_certs "$certs" --clients $((${#cfgs[@]} - 1))
 fi
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }

@@ -24,7 +24,7 @@ from federatedscope.core.message import Message
 from federatedscope.core.workers import Client
 
 from fs_fedpa import lora, privacy
-from fs_fedpa.plugin import auth
+from fs_fedpa.plugin import auth, tls_fs
 from fs_fedpa.plugin.alignment import Alignment
 from fs_fedpa.plugin.client_model import ClientModel
 from fs_fedpa.plugin.client_round import ClientRound
@@ -33,7 +33,7 @@ from fs_fedpa.plugin.common import build_method, non_lora_trainables, send, shar
 from fs_fedpa.plugin.dp_sgd import DPSGD
 from fs_fedpa.plugin.evaluation import ClientEvaluation, Evaluation
 from fs_fedpa.plugin.export_fs import export_client
-from fs_fedpa.plugin.fs_patches import sized_once, warn_once
+from fs_fedpa.plugin.fs_patches import grpc_comm_manager, sized_once, warn_once
 from fs_fedpa.plugin.liveness import ClientLiveness
 from fs_fedpa.plugin.outbox import ClientOutbox
 from fs_fedpa.plugin.record_fs import RoundStats
@@ -50,7 +50,8 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
         if kwargs.get("config") is not None:  # its files in the run's folder, before FS reads federate.save_to
             kwargs["config"] = share_equal("config", in_run_folder(kwargs["config"]))
         warn_once()  # FS's trainer context repeats one warning at every evaluation of every client
-        with sized_once(kwargs.get("model")):
+        make_comm = tls_fs.comm_manager(kwargs.get("config"), "client")  # checked before FS opens its port
+        with sized_once(kwargs.get("model")), grpc_comm_manager(make_comm):
             super().__init__(*args, **kwargs)
         if self._cfg is None:  # FS builds an unconfigured client to list message handlers
             return

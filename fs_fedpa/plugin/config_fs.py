@@ -180,9 +180,14 @@ def check_fedpa_cfg(cfg) -> None:
             "train.is_enable_half True on the CPU: half-precision training there turns every upload into NaN and "
             "the run would train nothing; unset it (model.seqcls.precision sets autocast for a GPU)"
         )
-    if (fedpa.net.auth_keyring or fedpa.net.auth_key) and cfg.federate.mode.lower() != "distributed":
-        message = "fedpa.net.auth_keyring and fedpa.net.auth_key sign messages in distributed mode only; this "
-        message += "standalone run ignores them (its clients are code in the server's own process)"
+    if fedpa.net.tls_cert and cfg.federate.mode.lower() == "distributed":  # before the data and the model load
+        from fs_fedpa.plugin import tls
+
+        tls.read_files(fedpa.net, "server" if cfg.distribute.role == "server" else "client", cfg.federate.client_num)
+    secured = fedpa.net.auth_keyring or fedpa.net.auth_key or fedpa.net.tls_cert
+    if secured and cfg.federate.mode.lower() != "distributed":
+        message = "fedpa.net.auth_keyring, auth_key and tls_* sign and encrypt messages in distributed mode only; "
+        message += "this standalone run ignores them (its clients are code in the server's own process)"
         if message not in _WARNED:
             _WARNED.add(message)
             logger.warning(message)

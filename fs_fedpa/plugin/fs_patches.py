@@ -44,6 +44,24 @@ SEAMS = (
     Seam("federatedscope.core.communication:gRPCCommManager.send", "federatedscope/core/communication.py", 194,
          "def send(self, message):",
          "as StandaloneCommManager.send, in distributed mode"),
+    Seam("federatedscope.core.workers.server:gRPCCommManager", "federatedscope/core/communication.py", 103,
+         "class gRPCCommManager(object):",
+         "the name FS's Server.__init__ builds its distributed comm manager by: bound to the plugin's "
+         "TLSCommManager while the plugin's server is built with fedpa.net.tls_cert (grpc_comm_manager)"),
+    Seam("federatedscope.core.workers.client:gRPCCommManager", "federatedscope/core/communication.py", 103,
+         "class gRPCCommManager(object):", "as for the server, in FS's Client.__init__"),
+    Seam("federatedscope.core.communication:gRPCCommManager.__init__", "federatedscope/core/communication.py", 108,
+         "def __init__(self, host='0.0.0.0', port='50050', client_num=2, cfg=None):",
+         "subclassed by TLSCommManager (fs_fedpa/plugin/tls_fs.py), which takes these arguments and the TLS files"),
+    Seam("federatedscope.core.communication:gRPCCommManager.serve", "federatedscope/core/communication.py", 133,
+         "def serve(self, max_workers, host, port, options):",
+         "overridden by TLSCommManager: a TLS port requiring a client certificate, and a servicer that records it"),
+    Seam("federatedscope.core.communication:gRPCCommManager._send", "federatedscope/core/communication.py", 172,
+         "def _send(self, receiver_address, message):",
+         "overridden by TLSCommManager (its send goes over TLS to each receiver's certificate instead)"),
+    Seam("federatedscope.core.gRPC_server:gRPCComServeFunc.sendMessage", "federatedscope/core/gRPC_server.py", 12,
+         "def sendMessage(self, request, context):",
+         "extended by TLSServeFunc: the sender's certificate name is written into the request it queues"),
     Seam("federatedscope.core.monitors.monitor:Monitor.finish_fed_runner", "federatedscope/core/monitors/monitor.py",
          294, "def finish_fed_runner(self, fl_mode=None):",
          "wrapped on the server in standalone mode, whose runner never calls Server.run: the end-of-run checks and "
@@ -104,6 +122,26 @@ def wrap_send(comm_manager, make: Callable[[Callable], Callable]) -> Callable:
     transport = comm_manager.send
     comm_manager.send = make(transport)
     return transport
+
+
+@contextmanager
+def grpc_comm_manager(make: Callable | None) -> Iterator[None]:
+    """Within: FS's ``Server.__init__`` and ``Client.__init__`` build their distributed comm manager with
+    ``make(host=, port=, client_num=, cfg=)`` in place of FS's ``gRPCCommManager`` (None: FS's own, untouched)."""
+    if make is None:
+        yield
+        return
+    from federatedscope.core.workers import client as fs_client
+    from federatedscope.core.workers import server as fs_server
+
+    originals = [(module, module.gRPCCommManager) for module in (fs_server, fs_client)]
+    for module, _ in originals:
+        module.gRPCCommManager = make
+    try:
+        yield
+    finally:
+        for module, original in originals:
+            module.gRPCCommManager = original
 
 
 def extend_clear_aux_info(node, after: Callable) -> None:

@@ -14,7 +14,7 @@ import time
 
 from federatedscope.core.message import Message
 
-from fs_fedpa.plugin import auth, fs_patches
+from fs_fedpa.plugin import auth, fs_patches, tls_fs
 from fs_fedpa.plugin.common import send
 from fs_fedpa.plugin.intake import check_message_content
 from fs_fedpa.plugin.liveness import TIMEOUT
@@ -44,15 +44,16 @@ class ServerInbox:
             message, problem = _parsed(raw)
             if problem is None and message.msg_type == TIMEOUT and message.content == self._token:
                 return message
-            problem = problem or self._message_problem(message)
+            problem = problem or self._message_problem(message, tls_fs.peer_of(raw))
             if problem is None:
                 return message
             sender = message.sender if isinstance(message.sender, int) else str(message.sender)[:40]
             logger.warning(f"[fedpa] round {self.state}: ignored a message from client {sender}: {problem}")
 
-    def _message_problem(self, message: Message) -> str | None:
+    def _message_problem(self, message: Message, peer: str | None = None) -> str | None:
         """Why ``message`` must be dropped, or None; with a keyring, also unwraps the signed content and, for a
-        join, sets the sender to the id its key is registered for."""
+        join, sets the sender to the id its key is registered for; over TLS, the sender must be the client of the
+        certificate ``peer`` it came over, which a join takes as its id."""
         joined = frozenset(self.comm_manager.neighbors)
         monitor = getattr(getattr(self, "_monitor", None), "metric_calculator", None)
         metrics = frozenset(getattr(monitor, "eval_metric", None) or ())
@@ -79,6 +80,8 @@ class ServerInbox:
                 return f"{message.msg_type!s:.40} message: {reason}"
         elif isinstance(message.content, dict) and set(message.content) == {auth.SIGNED, auth.MAC}:
             return "a signed message, but this server has no fedpa.net.auth_keyring to check it with"
+        if self._tls and (reason := tls_fs.sender_problem(message, peer, joined)) is not None:
+            return f"{message.msg_type!s:.40} message: {reason}"
         problem = message_problem(
             message.msg_type, message.sender, message.state, message.timestamp, message.content, view
         )
@@ -87,10 +90,11 @@ class ServerInbox:
         return problem
 
     def callback_funcs_for_join_in(self, message: Message):
-        """With a keyring, a client joins as the id of its key (set by :meth:`_message_problem`), and is told so;
+        """With a keyring or TLS, a client joins as the id of its key or certificate (set by
+        :meth:`_message_problem`), and is told so;
         FS's own handler numbers clients in the order they join, which anyone can race."""
         self._progress = time.monotonic()  # a join the checks let through: the join wait starts again
-        if not self._keyring or message.msg_type != "join_in":
+        if not (self._keyring or self._tls) or message.msg_type != "join_in":
             return super().callback_funcs_for_join_in(message)
         sender = message.sender
         self.join_in_client_num += 1

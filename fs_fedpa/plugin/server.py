@@ -24,11 +24,11 @@ import torch
 from federatedscope.core.workers import Server
 
 from fs_fedpa import lora, privacy, resume
-from fs_fedpa.plugin import auth
+from fs_fedpa.plugin import auth, tls_fs
 from fs_fedpa.plugin.aggregator import FedPAAggregator, RoundInput
 from fs_fedpa.plugin.common import build_method, layer_shapes, non_lora_trainables, send
 from fs_fedpa.plugin.export_fs import check_export_dir
-from fs_fedpa.plugin.fs_patches import no_aggregator_notice
+from fs_fedpa.plugin.fs_patches import grpc_comm_manager, no_aggregator_notice
 from fs_fedpa.plugin.global_model import GlobalModel
 from fs_fedpa.plugin.inbox import ServerInbox
 from fs_fedpa.plugin.liveness import ServerLiveness
@@ -51,7 +51,9 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
                 kwargs["config"] = config
             else:
                 args = (*args[:2], config, *args[3:])
-        with no_aggregator_notice():  # FS builds a FedAvg aggregator first, which this server replaces
+        make_comm = tls_fs.comm_manager(config, "server")  # its TLS files checked before FS opens its port
+        # FS builds a FedAvg aggregator first, which this server replaces
+        with no_aggregator_notice(), grpc_comm_manager(make_comm):
             super().__init__(*args, **kwargs)
         if self._cfg is None:
             return
@@ -97,6 +99,7 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
         self._progress = time.monotonic()  # when the last update or evaluation arrived (the watchdog's clock)
         self._token = secrets.token_hex(16)  # marks the watchdog's own messages, which no client can send
         self._keyring: dict[int, bytes] = {}
+        self._tls = isinstance(self.comm_manager, tls_fs.TLSCommManager)  # each message bound to its certificate
         if self._cfg.federate.mode.lower() == "distributed" and self.method.cfg.net.auth_keyring:
             self._keyring = auth.read_keyring(self.method.cfg.net.auth_keyring, self.client_num)
         if self._cfg.federate.mode.lower() == "standalone":

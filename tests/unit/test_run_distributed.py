@@ -119,3 +119,16 @@ def test_bad_settings_fail_with_one_line_before_anything(tmp_path, env):
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
     assert ("GPUS" if "GPUS" in env else "DRY_RUN") in proc.stderr
     assert not (tmp_path / "logs").exists()
+
+
+def test_tls_gives_each_party_its_own_certificate_and_the_runs_ca(tmp_path):
+    # Execute: a folder of certificates (TLS=FOLDER), and TLS=1 (a fresh CA in $LOGDIR/certs), as dry runs
+    given = _parties(_run(tmp_path, {"DRY_RUN": "1", "AUTH": "0", "TLS": "/c"}, _configs(tmp_path, clients=2)).stdout)
+    fresh = _parties(_run(tmp_path, {"DRY_RUN": "1", "AUTH": "0", "TLS": "1"}, _configs(tmp_path, clients=2)).stdout)
+    # Assert: party i gets client_i's files (the server its own), and each party the run's CA
+    for folder, parties in (("/c", given), (f"{tmp_path}/logs/certs", fresh)):
+        for argv, own in zip(parties, ["server", "client_1", "client_2"]):
+            keys = ["fedpa.net.tls_cert", "fedpa.net.tls_key", "fedpa.net.tls_ca"]
+            files = [f"{folder}/{own}.pem", f"{folder}/{own}.key", f"{folder}/ca.pem"]
+            assert argv[5:] == [x for pair in zip(keys, files) for x in pair]
+    assert not (tmp_path / "logs").exists()
