@@ -45,7 +45,7 @@ class DPSettings:
         metadata={
             "was": "dp_clip",
             "help": (
-                "C in (0, 1e6]: the clip norm of a client's contribution (client mode: ||s_i B_i A_i||_F for fedpa, the "
+                "C in (0,1e6]: the clip norm of a client's contribution (client mode: ||s_i B_i A_i||_F for fedpa, the "
                 "Frobenius norm of the round change of the uploaded factors for the others) or of a per-example "
                 "gradient (sample mode)"
             ),
@@ -56,7 +56,7 @@ class DPSettings:
         metadata={
             "was": "dp_noise_multiplier",
             "help": (
-                "z in (0, 1e6]: Gaussian noise of standard deviation z C / K on the mean (client mode) or z C on the sum of "
+                "z in (0,1e6]: Gaussian noise of standard deviation z C / K on the mean (client mode) or z C on the sum of "
                 "clipped gradients (sample mode); give it or dp.epsilon, not both"
             ),
         },
