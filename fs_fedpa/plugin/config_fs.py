@@ -76,15 +76,21 @@ def extend_fedpa_cfg(cfg) -> None:
     cfg.fedpa = CN(default_node())
     extend_clear_aux_info(cfg.fedpa, _drop_flat_keys)
     extend_merges(cfg, _before_merge)
+    cfg.__dict__[GIVEN] = set()  # marks the root and its clones (FS's main merges a whole clone back)
     for key, _default, text in describe_all():
         cfg.__help_info__[f"fedpa.{key}"] = text
     cfg.register_cfg_check_fun(check_fedpa_cfg)
 
 
-def _before_merge(root, pairs: list) -> None:
+def _before_merge(root, pairs: list, other) -> None:
     """Before FS merges ``pairs`` (dotted key, value as given) into the root config ``root``: refuse a float that is
-    not an integer for an int key (FS's coercion would truncate 2.9 to 2), then remember the keys as given."""
+    not an integer for an int key (FS's coercion would truncate 2.9 to 2), then remember the keys as given. A clone
+    of the root (``other``; FS's main merges its data-modified copy back) gives only the keys given to it."""
     from federatedscope.core.configs.yacs_config import Argument, CfgNode
+
+    if isinstance(getattr(other, "__dict__", {}).get(GIVEN), set):
+        root.__dict__.setdefault(GIVEN, set()).update(other.__dict__[GIVEN])
+        return
 
     for key, raw in pairs:
         current = _lookup(root, str(key))

@@ -129,17 +129,17 @@ def extend_clear_aux_info(node, after: Callable) -> None:
 
 def extend_merges(root, before: Callable) -> None:
     """On the root config ``root`` only (and its clones, as :func:`extend_clear_aux_info`), FS's ``merge_from_list``
-    and ``merge_from_other_cfg`` (which ``merge_from_file`` calls) first call ``before(root, pairs)``, ``pairs`` the
-    ``(dotted key, value as given)`` of every key and section about to be merged, before FS decodes and coerces
-    them."""
+    and ``merge_from_other_cfg`` (which ``merge_from_file`` calls) first call ``before(root, pairs, other)``, ``pairs``
+    the ``(dotted key, value as given)`` of every key and section about to be merged, before FS decodes and coerces
+    them, and ``other`` the config merged (None for a list)."""
     import types
 
     def merge_from_list(self, cfg_list, check_cfg=True):
-        before(self, list(zip(cfg_list[0::2], cfg_list[1::2])))
+        before(self, list(zip(cfg_list[0::2], cfg_list[1::2])), None)
         return type(self).merge_from_list(self, cfg_list, check_cfg)
 
     def merge_from_other_cfg(self, cfg_other, check_cfg=True):
-        before(self, list(_given(cfg_other, "")))
+        before(self, list(_given(cfg_other, "")), cfg_other)
         return type(self).merge_from_other_cfg(self, cfg_other, check_cfg)
 
     root.__dict__["merge_from_list"] = types.MethodType(merge_from_list, root)

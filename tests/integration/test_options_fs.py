@@ -126,3 +126,7 @@ def test_the_keys_given_are_kept_per_config_and_by_its_clones():
     cfg.merge_from_list(["fedpa.lam", 1.0])
     assert "fedpa.lam" in config_fs.given_keys(cfg) and "fedpa.lam" in config_fs.given_keys(cfg.clone())
     assert "fedpa.lam" not in config_fs.given_keys(_fresh())
+    dp = _fresh()
+    dp.merge_from_list(DP)
+    dp.merge_from_other_cfg(dp.clone())  # FS's main merges its data-modified clone back: old keys at default stay unset
+    assert dp.fedpa.dp.mode == "sample" and "fedpa.dp_mode" not in config_fs.given_keys(dp)
