@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
 from dataclasses import fields
 
 from fs_fedpa import config_sections as sections
@@ -16,6 +17,7 @@ from fs_fedpa.config import FedPAConfig
 from fs_fedpa.methods import names
 
 PLUGIN_METHODS = names()  # one module per method in fs_fedpa/methods; no torch import here
+GIVEN = "fedpa_given"  # in the root config's __dict__: the dotted keys and sections a yaml or command line gave
 logger = logging.getLogger(f"federatedscope.{__name__}")
 _WARNED: set[str] = set()  # the check runs at every merge: warn once
 
@@ -69,13 +71,50 @@ def extend_fedpa_cfg(cfg) -> None:
     node lacks fails in FS's own merge (``Non-existent key: fedpa.<key>``)."""
     from federatedscope.core.configs.config import CN
 
-    from fs_fedpa.plugin.fs_patches import extend_clear_aux_info
+    from fs_fedpa.plugin.fs_patches import extend_clear_aux_info, extend_merges
 
     cfg.fedpa = CN(default_node())
     extend_clear_aux_info(cfg.fedpa, _drop_flat_keys)
+    extend_merges(cfg, _before_merge)
+    cfg.__dict__[GIVEN] = set()  # marks the root and its clones (FS's main merges a whole clone back)
     for key, _default, text in describe_all():
         cfg.__help_info__[f"fedpa.{key}"] = text
     cfg.register_cfg_check_fun(check_fedpa_cfg)
+
+
+def _before_merge(root, pairs: list, other) -> None:
+    """Before FS merges ``pairs`` (dotted key, value as given) into the root config ``root``: refuse a float that is
+    not an integer for an int key (FS's coercion would truncate 2.9 to 2), then remember the keys as given. A clone
+    of the root (``other``; FS's main merges its data-modified copy back) gives only the keys given to it."""
+    from federatedscope.core.configs.yacs_config import Argument, CfgNode
+
+    if isinstance(getattr(other, "__dict__", {}).get(GIVEN), set):
+        root.__dict__.setdefault(GIVEN, set()).update(other.__dict__[GIVEN])
+        return
+
+    for key, raw in pairs:
+        current = _lookup(root, str(key))
+        current = current.value if isinstance(current, Argument) else current
+        value = CfgNode._decode_cfg_value(raw) if isinstance(raw, str) else raw
+        if type(current) is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError(f"{key}(={value!r}) must be an integer: FederatedScope would truncate it"
+                             f"{f' to {int(value)}' if math.isfinite(value) else ''}")  # fmt: skip
+    root.__dict__.setdefault(GIVEN, set()).update(str(key) for key, _ in pairs)
+
+
+def _lookup(node, key: str):
+    """The value at dotted ``key`` of a config, or None where it has none."""
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def given_keys(cfg) -> set[str]:
+    """The dotted keys (and sections) a yaml or command line set on FS's config ``cfg`` so far; empty for a config
+    not merged through FS (a test's namespace)."""
+    return getattr(cfg, "__dict__", {}).get(GIVEN, set())
 
 
 def _drop_flat_keys(node) -> None:
@@ -119,20 +158,23 @@ def fedpa_config(cfg) -> FedPAConfig:
 
 
 def map_flat_keys(cfg) -> None:
-    """Move every old flat key of ``cfg.fedpa`` set off its default (``fedpa.round_timeout_s``) to its place
-    (``fedpa.net.round_timeout_s``), warning once per key, and set it back; ValueError for an old key whose new one
-    is set to another value too."""
-    node, moved, parts = cfg.fedpa, flat_keys(), _parts()
+    """Move every old flat key of ``cfg.fedpa`` that a yaml or command line gave, or that is off its default
+    (``fedpa.round_timeout_s``), to its place (``fedpa.net.round_timeout_s``), warning once per key, and set it back;
+    ValueError for an old key whose new one is given or set to another value too (``fedpa.dp_mode none`` beside
+    ``dp: {mode: sample}`` is refused, not read as "unset")."""
+    node, moved, parts, given = cfg.fedpa, flat_keys(), _parts(), given_keys(cfg)
     for old, new in moved.items():
         part, name = new.split(".")
         default = getattr(parts[part](), name)
         value = list(node[old]) if isinstance(node[old], tuple) else node[old]  # FedPAConfig checks its type
-        if value == default:
+        if value == default and f"fedpa.{old}" not in given:
             continue
-        if node[part][name] != default and node[part][name] != value:
+        nested = list(node[part][name]) if isinstance(node[part][name], tuple) else node[part][name]
+        if nested != value and (nested != default or f"fedpa.{new}" in given):
             raise ValueError(f"fedpa.{old} (the old name of fedpa.{new}) is {value!r} and fedpa.{new} is "
-                             f"{node[part][name]!r}: keep fedpa.{new} only")  # fmt: skip
+                             f"{nested!r}: keep fedpa.{new} only")  # fmt: skip
         node[part][name], node[old] = value, default
+        given.discard(f"fedpa.{old}")  # moved: a later merge's check must not read its default as given
         message = f"fedpa.{old} is deprecated and will be removed: write fedpa.{new} (docs/config.md)"
         if message not in _WARNED:
             _WARNED.add(message)
@@ -211,9 +253,11 @@ def check_fedpa_cfg(cfg) -> None:
         )
     if cfg.federate.client_num > 0:
         fedpa.check_clients(cfg.federate.client_num, _adapter_rank(cfg))
-    from fs_fedpa.privacy import check_run
+    from fs_fedpa.methods import get_method
+    from fs_fedpa.privacy import check_run, run_checks
 
     check_run(cfg, fedpa)  # what the run's DP mechanism refuses
+    run_checks.check(cfg, fedpa, get_method(cfg.federate.method.lower()))  # and any DP run, of FS's own options
     if fedpa.lr_schedule != "none" and cfg.train.scheduler.type:
         raise ValueError(
             f"fedpa.lr_schedule {fedpa.lr_schedule!r} and train.scheduler.type {cfg.train.scheduler.type!r} both set "
@@ -228,11 +272,13 @@ def _check_other_method(cfg, fedpa: FedPAConfig) -> None:
     changed = sorted(_changed(fedpa))
     method, known = cfg.federate.method.lower(), fs_methods()
     near_plugin = difflib.get_close_matches(method, PLUGIN_METHODS, n=1, cutoff=0.8)
-    if method not in known and (changed or near_plugin):
+    given = sorted(k for k in given_keys(cfg) if k == "fedpa" or k.startswith("fedpa."))  # at defaults too
+    if method not in known and (changed or given or near_plugin):
         near = near_plugin or difflib.get_close_matches(method, [*PLUGIN_METHODS, *sorted(known)], n=1, cutoff=0.6)
-        hint = f"did you mean {near[0]!r}?" if near else f"this plugin's methods: {', '.join(PLUGIN_METHODS)}"
-        keys = ", ".join(f"fedpa.{k}" for k in changed)
-        section = f", and the run sets the fedpa section ({keys})" if changed else ""
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        hint += f"this plugin's methods: {', '.join(PLUGIN_METHODS)}"
+        keys = ", ".join(f"fedpa.{k}" for k in changed) or ", ".join([k for k in given if k != "fedpa"] or given)
+        section = f", and the run sets the fedpa section ({keys})" if changed or given else ""
         raise ValueError(f"federate.method {cfg.federate.method!r} is neither a method of fs_fedpa nor one "
                          f"FederatedScope knows (FS would train FedAvg in its place){section}: {hint}")  # fmt: skip
     if changed:

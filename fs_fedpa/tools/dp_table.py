@@ -200,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--tau needs --sample and a value >= 1")
     if args.sample:
         steps = args.rounds * args.tau if args.tau else args.steps
+        from fs_fedpa.privacy.accountant import PLD_MAX_EVENTS
+
+        if args.accountant == "pld" and steps > PLD_MAX_EVENTS:
+            parser.error(f"--accountant pld composes at most {PLD_MAX_EVENTS:,} steps (here {steps:,}): beyond it "
+                         "each cell takes minutes and more; use --accountant rdp")  # fmt: skip
         print(sample_table(args.epsilon, steps, args.n, args.batch, args.sampling, args.accountant, args.rank,
                            args.layers, not args.frozen_head))  # fmt: skip
         return 0

@@ -194,3 +194,12 @@ def test_diagnostics_levels_and_the_flag_they_were(given, level):
 def test_an_unknown_diagnostics_level_is_refused():
     with pytest.raises(ValueError, match="fedpa.records.diagnostics must be one of light, full, off"):
         RecordsConfig(diagnostics="some")
+
+
+@pytest.mark.parametrize("key,value", [("noise_multiplier", 1e308), ("clip", 1e300), ("noise_multiplier", 1.5e6)])
+def test_a_noise_multiplier_or_clip_beyond_1e6_is_refused(key, value):
+    """Issue 88: z 1e308 and dp.clip 1e300 were accepted and overflowed later, in the noise z C."""
+    dp = {"mode": "sample", "clip": 1.0, "noise_multiplier": 1.0, key: value}
+    with pytest.raises(ValueError, match=re.escape(f"fedpa.dp.{key}(={value:g}) must be <= 1e+06: the noise z C would")):
+        FedPAConfig(dp=dp)
+    FedPAConfig(dp={**dp, key: 1e6})  # the bound itself

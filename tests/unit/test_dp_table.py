@@ -89,3 +89,15 @@ def test_the_client_level_table_releases_what_peft_trains_on_the_top_two_layers_
     text = dp_table.table(8.0, 30, 0.2, layers=2, head=True)
     row = next(line for line in text.splitlines() if line.startswith(f"| {minilm} | fedit |"))
     assert f"| {sum(trained.values()):,} |" in row and "top 2 of each model's layers, with the head" in text
+
+
+def test_the_pld_table_over_more_steps_than_its_bound_is_refused_in_one_line(capsys):
+    """Issue 88: ``--accountant pld`` over 10^7 steps ran silently with no bound; now one line, before any work."""
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as exit_:
+        dp_table.main(["--sample", "--accountant", "pld", "--steps", "10000000", "--n", "6797", "--batch", "64"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and time.perf_counter() - start < 5
+    assert "--accountant pld composes at most 1,000,000 steps (here 10,000,000)" in err and "--accountant rdp" in err
