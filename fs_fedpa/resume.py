@@ -319,8 +319,8 @@ def check_data(saved, at: str, now: dict | None) -> None:
         raise ValueError(f"{at}: field 'data' is {saved!r:.100}, not a training set's size ({{'n': records}})")
     if now is not None and saved["n"] != now["n"]:
         raise ValueError(
-            f"{at}: field 'data.n' is {saved['n']}, but the client's training set now has {now['n']} records: its data "
-            "changed since the resume point, which the run's past (its DP accounting included) was counted on; "
+            f"{at}: field 'data.n' is {saved['n']}, but the client's training set now has {now['n']} records: its "
+            "data changed since the resume point, which the run's past (its DP accounting included) was counted on; "
             "resume with the data it had, or start the run again"
         )
 

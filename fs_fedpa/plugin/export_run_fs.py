@@ -91,8 +91,8 @@ def export_run(run, out, *, clients: bool = False, force: bool = False, cfg_file
     owner = section.get("run")
     if not _identity(owner):  # a run's checkpoint records it: without one it cannot be told from another run's
         raise ValueError(f"{checkpoint}: field 'fedpa.run' (the identity of the run that wrote it) is {owner!r:.100}; "
-                         "a checkpoint fs_fedpa writes records it, so this one cannot be told from another run's file; "
-                         "nothing is exported")  # fmt: skip
+                         "a checkpoint fs_fedpa writes records it, so this one cannot be told from another run's "
+                         "file; nothing is exported")  # fmt: skip
     if Path(run).is_dir() and not same_run(owner, identity(str(outdir))):  # a file with --cfg: the user's word
         raise ValueError(_another_run(checkpoint, owner, outdir))
     if not isinstance(saved.get("cur_round"), int) or saved["cur_round"] < 1:
@@ -110,7 +110,8 @@ def export_run(run, out, *, clients: bool = False, force: bool = False, cfg_file
             written_by = states[client].get("run")
             if not _identity(written_by):
                 raise ValueError(f"{paths[client]}: field 'run' (the identity of the run that wrote it) is "
-                                 f"{written_by!r:.100}; it cannot be told from another run's file; nothing is exported")
+                                 f"{written_by!r:.100}; it cannot be told from another run's file; nothing is "
+                                 "exported")  # fmt: skip
             standalone = cfg.federate.mode.lower() == "standalone"  # distributed parties keep folders of their own
             if standalone and not same_run(written_by, owner):
                 raise ValueError(_another_run(paths[client], written_by, outdir))
