@@ -55,8 +55,9 @@ PARTS = {
 }
 SERVER_FIELDS = (*HEAD_FIELDS, *PARTS)
 # 2: the method's own state (``method_state``: HetLoRA's pruned ranks reset on resume before it) and this field;
-# 3: one state dict per collaborator (PARTS) instead of fields picked out of them
-VERSION = 3
+# 3: one state dict per collaborator (PARTS) instead of fields picked out of them; 4: ``client_files`` (each client
+# file's ``file_id``), the ledger's size and SHA-256, and each client file's ``data`` (issue 88)
+VERSION = 4
 # whose a client file is; ``file_id``: a token of its own, which the server's resume point records for the file it
 # saw (another run's file, same settings or not, has another); ``data``: the client's training set (``n``: size)
 OWNER_FIELDS = ("client", "rank", "reference_rank", "run", "file_id", "data")
