@@ -147,13 +147,19 @@ def read_tensors(path: Path) -> dict[str, Tensor]:
 
 
 # ------------------------------------------------------------------------------------------------------ loading
-def read_checkpoint(path) -> object:
-    """A checkpoint or end state, tensors and plain containers only (``weights_only``); anything else (a pickle that
-    needs code, a truncated or foreign file) is a ValueError naming the file."""
+def read_checkpoint(path, limit: int | None = None) -> object:
+    """A checkpoint or end state, tensors and plain containers only (``weights_only``), read only if it is a regular
+    file of at most ``limit`` bytes (default half the machine's memory; never blocking on a FIFO:
+    :func:`fs_fedpa.resume.read_regular`); anything else (a pickle that needs code, a truncated or foreign file) is
+    a ValueError naming the file."""
+    import io
     import pickle
 
+    from fs_fedpa.resume import memory_bound, read_regular
+
+    data = read_regular(path, memory_bound() if limit is None else limit, f"{path}:")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         raise ValueError(f"{path}: holds objects other than tensors (a pickle that runs code); not read") from None
     except (RuntimeError, EOFError, OSError, ValueError, AttributeError) as exc:

@@ -26,9 +26,12 @@ and must match the client that reads it, and its numbers, factors and tensors mu
 from __future__ import annotations
 
 import errno
+import io
 import os
 import random
 import re
+import secrets
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +44,7 @@ PREFIX = "fedpa_resume_"
 # a server resume point's ``fedpa_resume``: its head, checked first, and one ``state_dict()`` per collaborator of the
 # server, each with the keys its ``load_state_dict`` reads; ``settings`` and ``privacy`` are what the accountant's
 # past depends on: a point without them is refused, not trusted
-HEAD_FIELDS = ("version", "method", "round", "plan", "settings", "rng")
+HEAD_FIELDS = ("version", "method", "round", "plan", "settings", "rng", "client_files")
 PARTS = {
     "global_model": ("factors", "down_bytes", "merges"),  # plugin.global_model.GlobalModel (its FS model: "model")
     "round_log": ("records", "totals"),  # plugin.record_fs.RoundLog
@@ -52,9 +55,12 @@ PARTS = {
 }
 SERVER_FIELDS = (*HEAD_FIELDS, *PARTS)
 # 2: the method's own state (``method_state``: HetLoRA's pruned ranks reset on resume before it) and this field;
-# 3: one state dict per collaborator (PARTS) instead of fields picked out of them
-VERSION = 3
-OWNER_FIELDS = ("client", "rank", "reference_rank", "run")  # whose a client file is
+# 3: one state dict per collaborator (PARTS) instead of fields picked out of them; 4: ``client_files`` (each client
+# file's ``file_id``), the ledger's size and SHA-256, and each client file's ``data`` (issue 88)
+VERSION = 4
+# whose a client file is; ``file_id``: a token of its own, which the server's resume point records for the file it
+# saw (another run's file, same settings or not, has another); ``data``: the client's training set (``n``: size)
+OWNER_FIELDS = ("client", "rank", "reference_rank", "run", "file_id", "data")
 _DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
@@ -145,11 +151,54 @@ def save(obj: dict, path: str) -> None:
     os.replace(tmp, path)
 
 
-def load(path: str | Path) -> dict:
-    """A resume file: tensors, numbers, strings and containers only (``weights_only=True``: no pickled object of a
-    planted file can run code). ``ValueError`` naming the file for anything else, a truncated file included."""
+def memory_bound() -> int:
+    """The most bytes a file is read whole when nothing tighter is known: half the machine's memory."""
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError):
+        return 2**34
+
+
+def file_bound(numel: int, records: int = 0) -> int:
+    """A size no resume file of a model with ``numel`` elements (its factors, local tensors, base offsets and
+    merges, at most 8 bytes an element, a few times over) and ``records`` round records can exceed."""
+    return 32 * int(numel) + 64 * 2**10 * int(records) + 64 * 2**20
+
+
+def read_regular(path, limit: int, what: str) -> bytes:
+    """The bytes of ``path``, read only if it is a regular file of at most ``limit`` bytes: opened without blocking
+    (a FIFO is refused, not waited on), its type and size checked before a byte is read (``/dev/zero`` or a sparse
+    20 GB file is refused, not read until memory runs out). ValueError beginning with ``what`` (which names the
+    file) otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as err:
+        raise ValueError(f"{what} cannot be read: it cannot be opened ({err.strerror})") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        mode = info.st_mode
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a folder" if stat.S_ISDIR(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket")  # fmt: skip
+        raise ValueError(f"{what} cannot be read: it is {kind}, not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        size = info.st_size
+        if size > limit:
+            raise ValueError(f"{what} cannot be read: it is {size} bytes, more than the {limit} it can be")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{what} cannot be read: it grew past {limit} bytes while it was read")
+    return data
+
+
+def load(path: str | Path, limit: int | None = None) -> dict:
+    """A resume file: tensors, numbers, strings and containers only (``weights_only=True``: no pickled object of a
+    planted file can run code), read only if it is a regular file of at most ``limit`` bytes (default
+    :func:`memory_bound`; :func:`read_regular`). ``ValueError`` naming the file for anything else, a truncated file
+    included."""
+    data = read_regular(path, memory_bound() if limit is None else limit, f"the resume file {path}")
+    try:
+        saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as err:  # UnpicklingError (a refused object), RuntimeError / EOFError (truncated), ...
         raise ValueError(
             f"{path} cannot be read as a resume file ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
@@ -158,6 +207,38 @@ def load(path: str | Path) -> dict:
     if not isinstance(saved, dict):
         raise ValueError(f"{path} is not a resume file (it holds a {type(saved).__name__}, not a dict)")
     return saved
+
+
+def peek(path: Path, key: str, limit: int):
+    """Field ``key`` of the resume file ``path``, read without its tensors' data (mapped, never touched); None for a
+    file that is not a regular one of at most ``limit`` bytes, cannot be read, or has no such field. For a look at a
+    file this run wrote (a client file's ``file_id``) or is about to restore: the restore reads the whole file."""
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
+            return None
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 (unreadable: seen as no field; the restore's full read names the error)
+        return None
+    return saved.get(key) if isinstance(saved, dict) else None
+
+
+def new_file_id() -> str:
+    """A client file's own token (:data:`OWNER_FIELDS`)."""
+    return secrets.token_hex(8)
+
+
+def newest_files(resume: str) -> dict[int, tuple[int, Path]]:
+    """``client -> (round, path)`` of each client's newest file beside ``resume``, in one scan of the folder."""
+    path = Path(resume)
+    pattern = re.compile(re.escape(f"{path.name}.client") + r"(\d+)\.r(\d+)$")
+    found: dict[int, tuple[int, Path]] = {}
+    for p in path.parent.iterdir() if path.parent.is_dir() else []:
+        if match := pattern.match(p.name):
+            client, rnd = int(match.group(1)), int(match.group(2))
+            if rnd >= found.get(client, (-1, None))[0]:
+                found[client] = (rnd, p)
+    return found
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -183,13 +264,15 @@ def client_owner(cfg, method, client: int) -> dict:
 
 
 def check_client_file(
-    saved: dict, path, rnd: int, *, cfg, method, client: int, initial: dict, local: dict[str, Tensor]
+    saved: dict, path, rnd: int, *, cfg, method, client: int, initial: dict, local: dict[str, Tensor],
+    data: dict | None = None,
 ) -> None:
     """ValueError naming ``path`` and the field unless ``saved`` is client ``client``'s state after round ``rnd``
     (the round of its name) in this run: the owner's fields equal :func:`client_owner`, ``round`` and
     ``rounds_trained`` are ints that fit, the factors have the shapes of ``initial`` (the client's initial factors;
     a method that prunes, as HetLoRA does, may keep a lower rank), the local tensors those of ``local``, the base
-    offsets (d, k) of known modules, and every tensor is floating point and finite."""
+    offsets (d, k) of known modules, and every tensor is floating point and finite; ``file_id`` is a string, and
+    ``data`` the client's training set (``n``), as it is now where the caller knows it (the client itself)."""
     at = f"resume file {path}"
     owner = client_owner(cfg, method, client)
     for key in OWNER_FIELDS:
@@ -213,6 +296,9 @@ def check_client_file(
     if changed := sorted(k for k in now.keys() | then.keys() if then.get(k) != now["settings"].get(k)):
         diffs = ", ".join(f"{k}: saved {then.get(k)!r}, now {now['settings'].get(k)!r}" for k in changed)
         raise ValueError(f"{at}: field 'run' names a run with other settings ({diffs})")
+    if not isinstance(saved["file_id"], str):
+        raise ValueError(f"{at}: field 'file_id' is {saved['file_id']!r:.100}, not a client file's token")
+    check_data(saved["data"], at, data)
     _check_int(saved, at, "round", 0)
     if saved["round"] != rnd:
         raise ValueError(f"{at}: field 'round' is {saved['round']}, but the file's name says round {rnd}")
@@ -224,9 +310,55 @@ def check_client_file(
         _check_pairs(saved["personal"], at, "personal", shapes, max_rank=None, lower_rank=False)
     _check_tensors(saved.get("local"), at, "local", {n: tuple(t.shape) for n, t in local.items()}, exact=True)
     _check_tensors(saved.get("base_offset", {}), at, "base_offset", method.shapes, exact=False)
-    rng = saved.get("rng")
+    check_rng(saved.get("rng"), at, "rng")
+
+
+def check_data(saved, at: str, now: dict | None) -> None:
+    """The ``data`` field of a client file: ``{"n": its training set size}``, equal to ``now`` where given. A client
+    whose data changed since its file was written is not the one whose past steps (and DP ledger) the run counts."""
+    if not isinstance(saved, dict) or not _is_int(saved.get("n")) or saved["n"] < 0:
+        raise ValueError(f"{at}: field 'data' is {saved!r:.100}, not a training set's size ({{'n': records}})")
+    if now is not None and saved["n"] != now["n"]:
+        raise ValueError(
+            f"{at}: field 'data.n' is {saved['n']}, but the client's training set now has {now['n']} records: its "
+            "data changed since the resume point, which the run's past (its DP accounting included) was counted on; "
+            "resume with the data it had, or start the run again"
+        )
+
+
+def check_rng(rng, at: str, field: str) -> None:
+    """ValueError naming ``field`` unless ``rng`` holds the torch, numpy and random states of a process (each set
+    on a scratch generator of its kind: what the resume would set on the process's own)."""
     if not isinstance(rng, dict) or not {"torch", "numpy", "random"} <= rng.keys():
-        raise ValueError(f"{at}: field 'rng' is not the RNG states (torch, numpy, random) of a process")
+        raise ValueError(f"{at}: field {field!r} is not the RNG states (torch, numpy, random) of a process")
+    for key in ("torch", "numpy", "random"):
+        try:
+            if key == "torch":
+                check_generator_state(rng[key], at, f"{field}.torch")
+            elif key == "numpy":
+                name, keys, pos, has_gauss, cached = rng[key]
+                np.random.RandomState().set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+            else:
+                state = rng[key]
+                random.Random().setstate((state[0], tuple(state[1]), state[2]))
+        except ValueError as err:
+            if str(err).startswith(at):
+                raise
+            raise ValueError(f"{at}: field '{field}.{key}' is not a {key} generator's state") from None
+        except Exception:  # noqa: BLE001 (TypeError, OverflowError, IndexError: a malformed state of any shape)
+            raise ValueError(f"{at}: field '{field}.{key}' is not a {key} generator's state") from None
+
+
+def check_generator_state(state, at: str, field: str) -> None:
+    """ValueError naming ``field`` unless ``state`` is a CPU torch generator's state (uint8, of its size)."""
+    size = torch.Generator().get_state().numel()
+    if not isinstance(state, Tensor) or state.dtype != torch.uint8 or tuple(state.shape) != (size,):
+        shown = f"a {state.dtype} tensor of shape {tuple(state.shape)}" if isinstance(state, Tensor) else repr(state)
+        raise ValueError(f"{at}: field {field!r} is {shown:.100}, not a torch generator's state (uint8, ({size},))")
+    try:
+        torch.Generator().set_state(state)
+    except RuntimeError:
+        raise ValueError(f"{at}: field {field!r} is not a torch generator's state") from None
 
 
 def check_server_fields(saved: dict, path) -> None:
@@ -257,16 +389,40 @@ def check_server_fields(saved: dict, path) -> None:
         if not isinstance(value, dict):
             raise ValueError(f"{at}: field {key!r} is not a mapping")
     _check_int(aggregator, at, "failed_in_a_row", 0)
-    if not isinstance(aggregator["generator"], Tensor) or aggregator["generator"].dtype != torch.uint8:
-        raise ValueError(f"{at}: field 'aggregator.generator' is not a torch generator's state")
+    check_generator_state(aggregator["generator"], at, "aggregator.generator")
+    check_rng(saved["rng"], at, "rng")
+    results = saved["fs_results"]
+    for key in PARTS["fs_results"]:
+        if not isinstance(results[key], dict):
+            raise ValueError(f"{at}: field 'fs_results.{key}' is a {type(results[key]).__name__}, not a mapping")
+    files = saved["client_files"]
+    if not isinstance(files, dict) or not all(
+        isinstance(c, int) and isinstance(v, (list, tuple)) and len(v) == 2 and _is_int(v[0]) and
+        isinstance(v[1], str) for c, v in files.items()):  # fmt: skip
+        raise ValueError(f"{at}: field 'client_files' is not a mapping of clients to (round, file_id)")
 
 
-def check_global(saved: dict, path, initial: dict, max_rank: int) -> None:
-    """ValueError naming ``path`` unless the saved global factors have the modules of ``initial`` (the run's initial
-    global factors), their shapes up to a rank from 1 to ``max_rank``, and finite floating-point values."""
-    shapes = {n: (tuple(B.shape), tuple(A.shape)) for n, (B, A) in initial.items()}
+def check_checkpoint(checkpoint: dict, path) -> None:
+    """FS's own keys of a resume point (``cur_round``, ``model``: a mapping of names to tensors), which FS's loader
+    reads before the plugin's: ValueError naming the file and the field."""
     at = f"federate.restore_from {path!r}"
-    _check_pairs(saved, at, "global_model.factors", shapes, max_rank=max_rank, lower_rank=True)
+    if not _is_int(checkpoint.get("cur_round")):
+        raise ValueError(f"{at}: field 'cur_round' is {checkpoint.get('cur_round', 'missing')!r:.100}, not an int")
+    model = checkpoint.get("model")
+    if not isinstance(model, dict) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in model.items()):
+        what = "missing" if "model" not in checkpoint else f"a {type(model).__name__}"
+        raise ValueError(f"{at}: field 'model' is {what}, not FS's model state (names to tensors)")
+
+
+def check_global(saved: dict, path, initial: dict, max_rank: int, *, at: str | None = None,
+                 field: str = "global_model.factors") -> None:  # fmt: skip
+    """ValueError naming ``path`` (or ``at``) and ``field`` unless the saved global factors have the modules of
+    ``initial`` (the run's initial global factors, whose shapes the base model gives), their shapes up to a rank from
+    1 to ``max_rank``, storage for every element (checked before a value is read) and finite floating-point values.
+    """
+    shapes = {n: (tuple(B.shape), tuple(A.shape)) for n, (B, A) in initial.items()}
+    at = f"federate.restore_from {path!r}" if at is None else at
+    _check_pairs(saved, at, field, shapes, max_rank=max_rank, lower_rank=True)
 
 
 def _is_int(value) -> bool:
@@ -331,6 +487,12 @@ def _fits(B: tuple, A: tuple, want_B: tuple, want_A: tuple, max_rank: int | None
         return B == want_B and A == want_A
     top = want_B[1] if max_rank is None else max_rank
     return B[0] == want_B[0] and A[1] == want_A[1] and 1 <= B[1] == A[0] <= top
+
+
+def check_tensors(tensors, path, field: str, shapes: dict) -> None:
+    """ValueError naming ``path`` and ``field`` unless ``tensors`` maps the names of ``shapes`` to dense, finite
+    floating-point tensors of those shapes (storage checked before a value is read)."""
+    _check_tensors(tensors, str(path), field, shapes, exact=True)
 
 
 def _check_tensors(tensors, at: str, field: str, shapes: dict, exact: bool) -> None:

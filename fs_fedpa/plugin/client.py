@@ -73,6 +73,9 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
         if self.client_model.moves_base:
             lora.keep_base(self.model)
         self.resume = ClientResume(self._cfg, self.method)
+        self.resume.data = {"n": int(getattr(self.trainer.ctx, "num_train_data", 0) or 0)}  # its files record it
+        if self.ID >= 1:  # a resumed run: its training set is the one its files were written with, checked now
+            self.resume.check_data(self.ID, self.kept.local)
         self.evaluation = Evaluation(self.trainer, self.client_model, self.kept, self._cfg)
         install_alignment_hook(self.trainer, self.alignment)
         self.privacy = policy(self._cfg, self.method, self.trainer, local_names, DPSGD)

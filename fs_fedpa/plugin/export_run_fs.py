@@ -80,7 +80,8 @@ def export_run(run, out, *, clients: bool = False, force: bool = False, cfg_file
     """Export a finished run (see :func:`run_files`) into ``out``; returns ``out``."""
     from federatedscope.core.auxiliaries.model_builder import get_model
 
-    from fs_fedpa.plugin.common import build_method
+    from fs_fedpa.plugin.common import build_method, global_init
+    from fs_fedpa.resume import check_global
 
     cfg, checkpoint, outdir = run_files(run, cfg_file)
     saved = export.read_checkpoint(checkpoint)
@@ -88,26 +89,40 @@ def export_run(run, out, *, clients: bool = False, force: bool = False, cfg_file
     if not isinstance(section, dict) or "global" not in section:
         raise ValueError(f"{checkpoint} is not a checkpoint of an fs_fedpa run (no 'fedpa' section)")
     owner = section.get("run")
+    if not _identity(owner):  # a run's checkpoint records it: without one it cannot be told from another run's
+        raise ValueError(f"{checkpoint}: field 'fedpa.run' (the identity of the run that wrote it) is {owner!r:.100}; "
+                         "a checkpoint fs_fedpa writes records it, so this one cannot be told from another run's "
+                         "file; nothing is exported")  # fmt: skip
     if Path(run).is_dir() and not same_run(owner, identity(str(outdir))):  # a file with --cfg: the user's word
         raise ValueError(_another_run(checkpoint, owner, outdir))
-    if int(saved.get("cur_round", 0)) < 1:
-        raise ValueError(f"{checkpoint}: the run has no finished round (cur_round {saved.get('cur_round')})")
-    require_finite({"global": section["global"], "merged": section.get("merged", {})}, checkpoint)
+    if not isinstance(saved.get("cur_round"), int) or saved["cur_round"] < 1:
+        raise ValueError(f"{checkpoint}: the run has no finished round (cur_round {saved.get('cur_round')!r:.40})")
+    check_views({"global": section["global"], "merged": section.get("merged", {}), "model": saved.get("model")},
+                checkpoint)  # fmt: skip
     paths = {client: client_file(checkpoint, client) for client in range(1, cfg.federate.client_num + 1)}
     missing = [client for client, path in paths.items() if not path.is_file()]
     states = {}  # every input is read and checked before the model is built or anything written
     for client in (c for c in paths if c not in missing):
         states[client] = export.read_checkpoint(paths[client])
         if isinstance(states[client], dict):
+            check_views(states[client], paths[client])
             require_finite(states[client], paths[client])
             written_by = states[client].get("run")
+            if not _identity(written_by):
+                raise ValueError(f"{paths[client]}: field 'run' (the identity of the run that wrote it) is "
+                                 f"{written_by!r:.100}; it cannot be told from another run's file; nothing is "
+                                 "exported")  # fmt: skip
             standalone = cfg.federate.mode.lower() == "standalone"  # distributed parties keep folders of their own
-            if standalone and isinstance(owner, dict) and not same_run(written_by, owner):
+            if standalone and not same_run(written_by, owner):
                 raise ValueError(_another_run(paths[client], written_by, outdir))
     model = get_model(cfg)
     method = build_method(cfg, model)
     if why := other_plan(section, method):
         raise ValueError(f"{checkpoint} {why}")
+    plan = method.plan  # the global factors' modules and shapes from the base model, before a value is read
+    check_global(section["global"], checkpoint, global_init(model, method), max(plan.r_g, plan.R_g),
+                 at=str(checkpoint), field="fedpa.global")  # fmt: skip
+    require_finite({"merged": section.get("merged", {})}, checkpoint)
     if method.merges and "merged" not in section:
         raise ValueError(f"{checkpoint}: {method.name} merges into the base weights, and this checkpoint (an older "
                          "fs_fedpa's) does not hold the merged offsets")  # fmt: skip
@@ -147,6 +162,22 @@ def _tensors(value, name: str = ""):
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
             yield from _tensors(item, f"{name}[{i}]")
+
+
+def _identity(recorded) -> bool:
+    """Whether ``recorded`` is a run identity as :func:`fs_fedpa.plugin.run_folder_fs.identity` writes it."""
+    return isinstance(recorded, dict) and isinstance(recorded.get("outdir"), str) and bool(recorded["outdir"])
+
+
+def check_views(value, path: Path) -> None:
+    """Refuse a tensor whose elements have no storage of their own (a planted stride-0 view of 10^12 elements): from
+    its strides and storage size, before any value of it is read."""
+    for name, tensor in _tensors(value):
+        if tensor.layout != torch.strided or any(
+            stride <= 0 for size, stride in zip(tensor.shape, tensor.stride()) if size > 1
+        ) or tensor.untyped_storage().nbytes() < tensor.numel() * tensor.element_size():  # fmt: skip
+            raise ValueError(f"{path}: tensor {name} is a view of shape {tuple(tensor.shape)} and strides "
+                             f"{tensor.stride()} over a smaller storage; refusing to export it")  # fmt: skip
 
 
 def require_finite(value, path: Path) -> None:

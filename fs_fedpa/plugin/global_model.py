@@ -17,6 +17,7 @@ from fs_fedpa.merge_ledger import MergeLedger
 from fs_fedpa.methods.base import FederatedMethod
 from fs_fedpa.plugin.common import global_init
 from fs_fedpa.plugin.payload import encode_factors, encode_merge, encode_tensors, nbytes
+from fs_fedpa.resume import check_global, check_tensors
 
 
 class GlobalModel:
@@ -186,10 +187,15 @@ class GlobalModel:
         if section.get("merged"):
             raise ValueError(f"{path}: holds merges into the base weights; continue such a run from its resume "
                              "point (federate.restore_from)")  # fmt: skip
+        # each module's (B, A): dense, of a rank from 1 to R_g, finite; refused naming the file and the module
+        # before anything is installed (a rank-0 pair would divide by zero in the scaling, a NaN train on)
+        plan = self.method.plan
+        check_global(factors, path, self.factors, max(plan.r_g, plan.R_g), at=str(path), field="fedpa.global")
         key, params = self._state_keys(model), dict(self.model.named_parameters())
         shared = {n: model.get(key[id(params[n])]) for n in self.shared_names}
         if bad := [n for n, t in shared.items() if not isinstance(t, Tensor) or t.shape != params[n].shape]:
             raise ValueError(f"{path}: its model state lacks the shared tensors {bad} as this model shapes them")
+        check_tensors(shared, path, "model", {n: tuple(t.shape) for n, t in shared.items()})
         device = self.device
         self.install({n: (B.to(device), A.to(device)) for n, (B, A) in factors.items()}, shared)
         return int(saved["cur_round"])

@@ -29,6 +29,23 @@ class ClientResume:
         self.cfg, self.method = cfg, method
         self.out = resume.server_path(save_to) if save_to else None
         self.pending = restore_from or None  # read at the first message, which names the round
+        self.data: dict | None = None  # the client's training set ({"n": size}), set by the client
+
+    def bound(self, local: dict[str, Tensor]) -> int:
+        """The most bytes one of this run's client files can be (:func:`fs_fedpa.resume.file_bound`)."""
+        R = max(self.method.plan.R_g, *self.method.plan.client_ranks, *self.method.plan.reference_ranks)
+        numel = sum(d * k + (d + k) * R for d, k in self.method.shapes.values())
+        return resume.file_bound(numel + sum(t.numel() for t in local.values()))
+
+    def check_data(self, client: int, local: dict[str, Tensor]) -> None:
+        """At the start of a resumed run: the training set of client ``client`` (:attr:`data`) is the one its
+        newest resume file records (a run's data does not change, so any of its files tells), else ValueError naming
+        the file; before any round is trained, not at the client's first message."""
+        files = resume.client_files(self.pending, client) if self.pending and self.data is not None else {}
+        if files:
+            path = files[max(files)]
+            saved = resume.peek(path, "data", self.bound(local))
+            resume.check_data(saved, f"resume file {path}", self.data)
 
     def write(self, snapshot: dict, client: int, rnd: int) -> None:
         """Client ``client``'s state after round ``rnd`` (``snapshot``: what it keeps, its rounds trained, with round,
@@ -36,8 +53,9 @@ class ClientResume:
         if self.out is None:
             return
         owner = resume.client_owner(self.cfg, self.method, client)  # whose it is: checked by every restore
+        mine = {"file_id": resume.new_file_id(), "data": dict(self.data or {"n": 0})}
         resume.save(
-            {**snapshot, **owner, "rng": resume.rng_state()},
+            {**snapshot, **owner, **mine, "rng": resume.rng_state()},
             resume.client_path(self.out, client, rnd),
         )
         for _, path in sorted(resume.client_files(self.out, client).items())[:-2]:
@@ -52,7 +70,7 @@ class ClientResume:
         older = {r: p for r, p in resume.client_files(path, client).items() if r < rnd}
         if not older:
             return  # never trained before the resume point: it starts as a new client would
-        saved = resume.load(older[max(older)])
+        saved = resume.load(older[max(older)], self.bound(kept.local))
         resume.check_client_file(  # the server checked it too; this client checks what it actually reads
             saved,
             older[max(older)],
@@ -62,6 +80,7 @@ class ClientResume:
             client=client,
             initial=initial(),
             local=kept.local,
+            data=self.data,
         )
         kept.load_state_dict(saved, device)
         if self.cfg.federate.mode == "distributed":  # its own process: its own random stream
@@ -91,6 +110,8 @@ class ServerResume:
 
     def __init__(self, cfg, method):
         self.cfg, self.method = cfg, method
+        self.seen: dict[int, tuple[int, str]] = {}  # client -> (round, file_id) of its newest file seen
+        self.model_numel = 0  # the server model's elements (its state), which bound its resume point's size
 
     def settings(self) -> dict:
         """The keys that change a run's result (recorded in every client file) and those its privacy accounting
@@ -108,17 +129,33 @@ class ServerResume:
         states = {name: parts[name].state_dict() for name in resume.PARTS}
         model = {k: v for k, v in states["global_model"].pop("model").items() if not _LORA_KEY.search(k)}
         head = {"version": resume.VERSION, "method": self.method.name, "round": rnd, "settings": self.settings(),
-                "plan": (list(plan.client_ranks), list(plan.reference_ranks), plan.R_g), "rng": resume.rng_state()}
+                "plan": (list(plan.client_ranks), list(plan.reference_ranks), plan.R_g), "rng": resume.rng_state(),
+                "client_files": self.client_files(path)}
         resume.save({"cur_round": rnd, "model": model, "fedpa_resume": {**head, **states}}, path)
         logger.info(f"[fedpa] resume point for round {rnd} written to {path}")
         return path
+
+    def client_files(self, path: str) -> dict[int, tuple[int, str]]:
+        """``client -> (round, file_id)`` of each client's newest file beside ``path``: the files a resume from this
+        point restores, which it records so that another run's files (same settings or not) are refused. A file is
+        read (its ``file_id`` only, :func:`fs_fedpa.resume.peek`) once, when it is new."""
+        limit = resume.memory_bound()
+        for client, (rnd, file) in resume.newest_files(path).items():
+            if self.seen.get(client, (None,))[0] != rnd:
+                token = resume.peek(file, "file_id", limit)
+                if isinstance(token, str):
+                    self.seen[client] = (rnd, token)
+        return dict(self.seen)
 
     def restore(self, path: str, parts: dict, *, global_factors, local: dict[str, Tensor], clients: int,
                 rounds: int) -> dict:
         """The resume point ``path``, checked (:meth:`read`), loaded into ``parts`` (as for :meth:`write`) by their
         ``load_state_dict``; returns its ``fedpa_resume`` head (``round``, ``rng``: the process's RNG states)."""
+        self.model_numel = sum(t.numel() for t in parts["global_model"].model.state_dict().values())
         checkpoint, saved = self.read(path, global_factors=global_factors, local=local, clients=clients,
                                       rounds=rounds)  # fmt: skip
+        if problem := parts["privacy"].counts_problem(saved["privacy"], saved["round"]):
+            raise ValueError(f"federate.restore_from {path!r}: field 'privacy.{problem}")
         saved["global_model"]["model"] = checkpoint["model"]
         for name in resume.PARTS:
             parts[name].load_state_dict(saved[name], path)
@@ -129,9 +166,10 @@ class ServerResume:
         train (``rounds``: ``federate.total_round_num``), its global factors fit ``global_factors``, and each of
         the ``clients`` clients that trained has a file of this run whose shapes fit (``local``: the local tensors'
         initial values). Returns FS's checkpoint and its ``fedpa_resume`` dict."""
-        if not os.path.isfile(path):
+        if not os.path.lexists(path):
             raise ValueError(f"federate.restore_from {path!r}: no such file")
-        checkpoint = resume.load(path)
+        checkpoint = resume.load(path, self.bound(global_factors, local))
+        resume.check_checkpoint(checkpoint, path)
         saved = checkpoint.get("fedpa_resume")
         if saved is None:
             raise ValueError(
@@ -167,18 +205,31 @@ class ServerResume:
                 "without them those clients would restart from scratch"
             )
         resume.check_global(saved["global_model"]["factors"], path, global_factors, max(plan.r_g, plan.R_g))
-        self._check_client_files(path, saved["round"], global_factors, local, clients)
+        self._check_client_files(path, saved, global_factors, local, clients)
         return checkpoint, saved
 
-    def _check_client_files(self, path: str, rnd: int, global_factors, local, clients: int) -> None:
-        """Before any training: each client's newest file from before round ``rnd`` (the one it will restore) must
-        be that client's, of this run, well formed and finite (:func:`fs_fedpa.resume.check_client_file`)."""
+    def bound(self, global_factors, local: dict[str, Tensor]) -> int:
+        """The most bytes this run's server resume point can be: its model (FS's state, the merges, the factors) and
+        its records (:func:`fs_fedpa.resume.file_bound`)."""
+        numel = sum(d * k for d, k in self.method.shapes.values()) * 3 + sum(t.numel() for t in local.values())
+        numel += sum(B.numel() + A.numel() for B, A in global_factors.values()) * 4
+        numel += self.model_numel
+        rounds, clients = self.cfg.federate.total_round_num, self.cfg.federate.client_num
+        return resume.file_bound(numel, records=(rounds + 1) * (clients + 1))
+
+    def _check_client_files(self, path: str, saved: dict, global_factors, local, clients: int) -> None:
+        """Before any training: each client's newest file from before the point's round (the one it will restore)
+        must be the file the point recorded for that client (its round and ``file_id``: not another run's), that
+        client's, of this run, well formed and finite (:func:`fs_fedpa.resume.check_client_file`)."""
+        rnd, recorded = saved["round"], saved["client_files"]
+        at = f"federate.restore_from {path!r}: field 'client_files"
         for client in range(1, clients + 1):
             older = {r: p for r, p in resume.client_files(path, client).items() if r < rnd}
             if older:
                 r = max(older)
+                content = resume.load(older[r], ClientResume(self.cfg, self.method).bound(local))
                 resume.check_client_file(
-                    resume.load(older[r]),
+                    content,
                     older[r],
                     r,
                     cfg=self.cfg,
@@ -187,6 +238,16 @@ class ServerResume:
                     initial=self.method.client_init(global_factors, client - 1),  # the run's initial global
                     local=local,
                 )
+                if client not in recorded:
+                    raise ValueError(f"{at}' records no file of client {client}, but {older[r]} is there: it is not "
+                                     "a file of the run this point saved; remove it, or resume from its own point")
+                want_round, want_id = recorded[client]
+                if (r, content.get("file_id")) != (want_round, want_id):
+                    raise ValueError(
+                        f"resume file {older[r]}: field 'file_id' is {content.get('file_id')!r:.40} (round {r}), "
+                        f"but {at}[{client}]' records client {client}'s file of round {want_round} as {want_id!r}: "
+                        "it is another run's file (or was replaced); resume each run from its own files"
+                    )
 
 
 _LORA_KEY = re.compile(r"\.lora_[AB]\.")  # PEFT's names of the LoRA factors in a state dict
@@ -195,10 +256,10 @@ _LORA_KEY = re.compile(r"\.lora_[AB]\.")  # PEFT's names of the LoRA factors in 
 def check_resume_file(path: str) -> None:
     """ValueError with the plugin's message if ``federate.restore_from`` is missing, a folder, truncated, or holds
     anything but tensors, numbers and strings."""
-    if not os.path.isfile(path):
+    if not os.path.lexists(path) or os.path.isdir(path):
         what = "a folder" if os.path.isdir(path) else "no such file"
         raise ValueError(f"federate.restore_from {path!r}: {what}; give a resume file (fedpa_resume_<save_to name>)")
-    resume.load(path)
+    resume.check_checkpoint(resume.load(path), path)
 
 
 def named_now(settings: dict) -> dict:

@@ -78,6 +78,11 @@ class ServerPolicy:
     def load_state_dict(self, saved: dict, path: str) -> None:
         """Continue from the resume point ``path``'s ``privacy`` field ``saved``."""
 
+    def counts_problem(self, saved: dict, rnd: int) -> str | None:
+        """What is wrong with the counts of a resume point's ``privacy`` field ``saved`` for a point of round ``rnd``
+        (``"<field>' is ...``), or None."""
+        return None
+
 
 class ClientPolicy:
     """A client's side. Without DP: it trains as FS does and sends every statistic. Built with FS's ``cfg``, the

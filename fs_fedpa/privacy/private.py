@@ -5,6 +5,7 @@ manifest's account of an export.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -109,24 +110,33 @@ class GaussianServer(ServerPolicy):
         self.adjacency = ADJACENCY[self.sampling]
         self.accountant = describe(self.accounting)
         self.last: dict = {}
+        self.ledger_digest = hashlib.sha256()  # of every byte this run's ledger holds: a resume point records it
+        self.ledger_size = 0
         if (warning := seed_warning(fedpa.dp.seed)) is not None:
             logger.warning(warning)
 
     def write(self, line: dict) -> dict:
         """Append ``line`` to the ledger; it is the last line from now on."""
         self.last = line
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(line) + "\n")
+        data = (json.dumps(line) + "\n").encode("utf-8")
+        with open(self.path, "ab") as f:
+            f.write(data)
+        self.ledger_digest.update(data)
+        self.ledger_size += len(data)
         return line
 
     # ------------------------------------------------------------------------------------------ resume
-    FIELDS: dict[str, type] = {"last": dict, "ledger": str}  # what a resume point must carry (subclasses add)
+    # what a resume point must carry (subclasses add); ``ledger_size``, ``ledger_sha256``: the ledger's bytes when the
+    # point was written, which the ledger a resume continues must begin with (this run's, not another's)
+    FIELDS: dict[str, type] = {"last": dict, "ledger": str, "ledger_size": int, "ledger_sha256": str}
+    ROUND_COUNTS = ("rounds", "trained")  # counts of rounds (per client: a mapping), at most the point's round
 
     def state_dict(self) -> dict:
         """The accountant's counts, and the DP generator only with ``fedpa.dp.seed`` (reproducible runs). Without a
         seed the generator's state would let anyone holding the file regenerate every noise draw and subtract it; a
         resumed run draws from fresh OS entropy instead."""
-        out = {"last": dict(self.last), "ledger": os.path.abspath(self.path), **self.counts()}
+        out = {"last": dict(self.last), "ledger": os.path.abspath(self.path), "ledger_size": self.ledger_size,
+               "ledger_sha256": self.ledger_digest.hexdigest(), **self.counts()}
         if self.method.cfg.dp.seed >= 0:
             out["generator"] = self.generator.get_state()
         return out
@@ -155,21 +165,56 @@ class GaussianServer(ServerPolicy):
             raise ValueError(f"{at}' holds counts that are not integers") from None
         self.last = dict(saved["last"])
         if seeded:
+            from fs_fedpa.resume import check_generator_state
+
+            check_generator_state(saved["generator"], f"federate.restore_from {path!r}", "privacy.generator")
             self.generator.set_state(saved["generator"])
         previous = saved["ledger"]
-        if not os.path.exists(previous):
+        if not os.path.lexists(previous):
             logger.warning(
                 f"[fedpa] the DP ledger of the run this resumes ({previous}) is not there: epsilon counts the "
                 "releases up to the resume point only, not a round released after it before the run stopped"
             )
             return
-        lines = read_ledger(previous, self.ledger_line_ok)
+        data, lines = read_ledger(previous, self.ledger_line_ok, self.ledger_bound())
+        size, digest = saved["ledger_size"], saved["ledger_sha256"]
+        if len(data) < size or hashlib.sha256(data[:size]).hexdigest() != digest:
+            raise ValueError(
+                f"the DP ledger {previous!r} of the run this resumes does not begin with the {size} bytes its resume "
+                f"point {path!r} recorded (field 'privacy.ledger_sha256'): it is another run's ledger, or was "
+                "changed; the accounting of this run's past cannot continue from it"
+            )
         if os.path.abspath(previous) != os.path.abspath(self.path):
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            with open(self.path, "w", encoding="utf-8") as f:
-                f.writelines(json.dumps(line) + "\n" for line in lines)
+            with open(self.path, "wb") as f:
+                f.write(data)
+        self.ledger_digest, self.ledger_size = hashlib.sha256(data), len(data)
         if lines:
             self.continue_from(lines[-1])
+
+    def ledger_bound(self) -> int:
+        """The most bytes the ledger of a run of this one's rounds and clients can hold (one line a round, an entry
+        per client in it, each far below these bytes)."""
+        return 16 * 2**20 + (self.T + 1) * (4096 + 1024 * self.N)
+
+    def counts_problem(self, saved: dict, rnd: int) -> str | None:
+        """Each count of rounds (:data:`ROUND_COUNTS`) a non-negative int of at most ``rnd`` (a round releases once),
+        per client where it is a mapping of client ids 1..N; every other count a non-negative int."""
+        for key in (k for k in self.FIELDS if k not in GaussianServer.FIELDS):
+            if key not in saved:
+                continue  # named by load_state_dict's own check of the fields
+            value = saved[key]
+            per_client = value.items() if isinstance(value, dict) else [(None, value)]
+            for client, count in per_client:
+                where = key if client is None else f"{key}[{client!r}]"
+                top = rnd if key in self.ROUND_COUNTS else None
+                if client is not None and not (_whole(client) and 1 <= int(client) <= self.N):
+                    return f"{key}' names {client!r}, not a client id from 1 to {self.N}"
+                whole = isinstance(count, int) and not isinstance(count, bool)
+                if not whole or count < 0 or (top is not None and count > top):
+                    bound = f"from 0 to the point's round {top}" if top is not None else ">= 0"
+                    return f"{where}' is {count!r:.60}; it must be an int {bound}"
+        return None
 
     def load_counts(self, saved: dict) -> None:
         """The counts of :meth:`counts` from the resume point's ``saved`` (TypeError/ValueError if not integers)."""
@@ -182,13 +227,23 @@ class GaussianServer(ServerPolicy):
         return isinstance(entry.get("round"), int) and entry.get("dp_mode") == self.level
 
 
-def read_ledger(path: str, line_ok) -> list[dict]:
-    """The lines of the DP ledger ``path``, each passing ``line_ok``; ValueError naming the file (and the line) for
-    anything that is not one."""
+def _whole(x) -> bool:
+    """An int (not a bool), or a string of one (a JSON key)."""
+    if isinstance(x, str):
+        return x.isdigit()
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def read_ledger(path: str, line_ok, limit: int) -> tuple[bytes, list[dict]]:
+    """The bytes and lines of the DP ledger ``path``, each line passing ``line_ok``, read only if it is a regular
+    file of at most ``limit`` bytes (:func:`fs_fedpa.resume.read_regular`: a FIFO or a device is refused, never
+    waited on or read); ValueError naming the file (and the line) for anything that is not one."""
+    from fs_fedpa.resume import read_regular
+
+    data = read_regular(path, limit, f"the DP ledger {path!r} of the run this resumes")
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as err:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
         what = type(err).__name__
         raise ValueError(f"the DP ledger {path!r} of the run this resumes cannot be read ({what})") from None
     lines = []
@@ -202,7 +257,7 @@ def read_ledger(path: str, line_ok) -> list[dict]:
         if not isinstance(entry, dict) or not line_ok(entry):
             raise ValueError(f"the DP ledger {path!r} of the run this resumes: line {number} is not a ledger line")
         lines.append(entry)
-    return lines
+    return data, lines
 
 
 def split_exports(level: str) -> tuple[list[str], list[str]]:

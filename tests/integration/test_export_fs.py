@@ -444,3 +444,59 @@ def test_the_manifest_says_what_is_private_and_on_which_base(tiny_glue, tmp_path
         assert privacy["not_dp_files"] == []
         assert privacy["local_tensors"] == ("frozen" if frozen else "noised")
     assert f"differential privacy: {mode} level, (epsilon, delta) = ({privacy['epsilon']:.4g}" in readme
+
+
+def test_export_refuses_a_planted_view_a_misshapen_factor_or_no_run_identity(tiny_glue, tmp_path):
+    """Issue 88: a checkpoint whose global B is a stride-0 (10^6, 10^6) view allocated 4 TB before any shape check;
+    one whose B has shape (d + 3, r) was exported as an adapter PEFT cannot load; one without the run's identity
+    was exported as it was. Each is now one line naming the file (and the module and the shapes the base model
+    gives), exit 2, nothing written; the same for a client end state without the identity."""
+    import time
+
+    cfg, outdir = _run(tiny_glue, tmp_path, "fedpa")
+    checkpoint = Path(cfg["federate"]["save_to"]).parent / "final_model.pt"
+    end_state = checkpoint.parent / "fedpa_client_2_model.pt"
+    good_checkpoint, good_state = checkpoint.read_bytes(), end_state.read_bytes()
+    saved = torch.load(checkpoint, weights_only=True)
+    name = next(iter(saved["fedpa"]["global"]))
+    B, A = saved["fedpa"]["global"][name]
+    d, r = B.shape
+
+    def export_with(change, out: str) -> subprocess.CompletedProcess:
+        edited = torch.load(io.BytesIO(good_checkpoint), weights_only=True)
+        change(edited)
+        torch.save(edited, checkpoint)
+        try:
+            return _export(outdir, tmp_path / out)
+        finally:
+            checkpoint.write_bytes(good_checkpoint)
+
+    def planted(saved):
+        saved["fedpa"]["global"][name] = (torch.zeros(1).expand(10**6, 10**6), A)
+
+    start = time.perf_counter()
+    proc = export_with(planted, "planted")
+    _one_line_refusal(proc, str(checkpoint), "(1000000, 1000000)", "over a smaller storage")
+    assert time.perf_counter() - start < 120 and not (tmp_path / "planted").exists()
+
+    def taller(saved):
+        saved["fedpa"]["global"][name] = (torch.randn(d + 3, r), A)
+
+    proc = export_with(taller, "taller")
+    _one_line_refusal(proc, str(checkpoint), f"fedpa.global[{name!r}]", f"B ({d + 3}, {r})", f"B ({d}, ")
+    assert not (tmp_path / "taller").exists()
+
+    def anonymous(saved):
+        del saved["fedpa"]["run"]
+
+    proc = export_with(anonymous, "anonymous")
+    _one_line_refusal(proc, str(checkpoint), "field 'fedpa.run'", "cannot be told from another run's")
+    assert not (tmp_path / "anonymous").exists()
+
+    state = torch.load(io.BytesIO(good_state), weights_only=True)
+    del state["run"]
+    torch.save(state, end_state)
+    proc = _export(outdir, tmp_path / "anonymous_client")
+    end_state.write_bytes(good_state)
+    _one_line_refusal(proc, str(end_state), "field 'run'", "cannot be told from another run's")
+    assert not (tmp_path / "anonymous_client").exists()

@@ -566,22 +566,25 @@ def test_a_sample_level_resume_with_other_dp_min_records_is_refused(tiny_llm, tm
     assert "fedpa.dp.min_records: saved 0, now 1000000" in proc.stderr, proc.stderr[-3000:]
 
 
-def test_a_resume_whose_clients_hold_other_data_refuses_their_uploads(tiny_llm, tmp_path):
+def test_a_resume_whose_clients_hold_other_data_is_refused_at_start(tiny_llm, tmp_path):
     """The accounting of a client's past steps used its n_i then; resumed on a data file of 1.5x the records, each
-    client's n_i changes. Before, the ledger recomputed every past step at the new n_i (its epsilon went down). Now
-    the uploads of the clients whose n_i changed are refused, naming them, and the ledger keeps the saved n_i."""
+    client's n_i changes. Before (issue 88): the resume was taken, every later upload was refused, the run trained
+    nothing and exited 0, and each client's own privacy file stated 6.89 where 14.18 was spent. Now the resume is
+    refused before any round, naming the client's file and both sizes (its files record its n_i)."""
+    from fs_fedpa.record import CLIENT_PRIVACY_FILE
+
     point, cfg = _killed_at_round_2(tiny_llm, tmp_path, "sample", **{"fedpa.dp.clip": 1.0})
     lines = Path(tiny_llm["data"]).read_text().splitlines()
     bigger = tmp_path / "bigger.jsonl"
     bigger.write_text("\n".join(lines + lines[: len(lines) // 2]) + "\n")
     resumed = cfg("resumed", **{"federate.restore_from": str(point)})
     resumed["data"]["type"] = f"{bigger}@llm"
-    out = _finished(resumed, tmp_path / "resumed")
-    saved = torch.load(point, weights_only=True, map_location="cpu")["fedpa_resume"]["privacy"]["sizes"]
-    faults = _jsonl(out / "fedpa_dp_faults.jsonl")
-    assert faults and all("were accounted at n_i=" in f["reason"] for f in faults)
-    last = _jsonl(out / "fedpa_privacy.jsonl")[-1]["dp_clients"]
-    assert {c: last[str(c)]["n"] for c in saved} == {int(c): n for c, n in saved.items()}
+    proc = run_fs(resumed, tmp_path / "resumed")
+    sizes = torch.load(point, weights_only=True, map_location="cpu")["fedpa_resume"]["privacy"]["sizes"]
+    assert proc.returncode != 0 and "Starting training" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert str(point) in proc.stderr and "but the client's training set now has" in proc.stderr, proc.stderr[-3000:]
+    assert any(f"field 'data.n' is {n}," in proc.stderr for n in sizes.values()), proc.stderr[-3000:]
+    assert not (outdir_of(resumed) / CLIENT_PRIVACY_FILE).exists()  # no client stated anything
 
 
 def _rewrite(point: Path, change) -> None:

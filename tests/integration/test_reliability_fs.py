@@ -409,3 +409,87 @@ def test_a_full_disk_while_writing_a_resume_point_names_the_file_and_keeps_the_e
         assert sorted(resume.client_files(str(point), client)) == [0, 1]
         assert resume.load(resume.client_path(str(point), client, 1))["rounds_trained"] == 2
     assert not list(save_to.parent.glob("*.tmp"))
+
+
+def test_resume_refuses_hostile_files_ledgers_and_fields_naming_each(tiny_llm, tmp_path):
+    """Issue 88, one seeded client-level DP run killed after round 2's resume point (and a second run of the same
+    settings), then each way a resume point's files and fields were taken, refused before training with one line
+    naming the file and the field. Before: a FIFO ledger hung the resume; /dev/zero or a 20 GB sparse ledger was read
+    whole; ``privacy.rounds -5`` (ledger gone) restarted the count at 0; another run's ledger was continued with a
+    warning (epsilon understated); malformed ``rng``, ``privacy.generator``, ``fs_results`` and a missing ``model``
+    ended in bare TypeError/RuntimeError/KeyError; the other run's client files were restored."""
+    import os
+
+    from fs_fedpa import resume
+    from tests.integration.test_privacy_fs import _killed_at_round_2
+
+    point, cfg = _killed_at_round_2(tiny_llm, tmp_path, **{"fedpa.dp.seed": 11})
+    ledger = Path(torch.load(point, weights_only=True)["fedpa_resume"]["privacy"]["ledger"])
+    other = _kill_after_resume_point(cfg("other"), tmp_path / "other", rnd=2)  # same settings, another run
+
+    fifo, sparse, tampered = tmp_path / "fifo.jsonl", tmp_path / "sparse.jsonl", tmp_path / "other_ledger.jsonl"
+    os.mkfifo(fifo)
+    with open(sparse, "wb") as f:
+        f.truncate(20 * 2**30)
+    lines = [json.loads(line) for line in ledger.read_text().splitlines()]
+    lines[0]["dp_epsilon"] /= 2  # well-formed lines, but not this run's
+    tampered.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+    def refused(name: str, edit, data_type: str | None = None) -> tuple[str, Path]:
+        """The resume point and its clients' files copied, ``edit``-ed (file name -> content), resumed from."""
+        folder = tmp_path / name / "ckpt"
+        resumed = cfg(name, **{"federate.restore_from": str(folder / point.name),
+                               "federate.save_to": str(tmp_path / name / "out" / "run.pt")})  # fmt: skip
+        folder.mkdir(parents=True)
+        files = {p.name: torch.load(p, weights_only=True) for p in point.parent.glob(f"{point.name}*")}
+        edit(files)
+        for file, content in files.items():
+            torch.save(content, folder / file)
+        if data_type:
+            resumed["data"]["type"] = data_type
+        proc = run_fs(resumed, tmp_path / name, timeout=180)
+        assert proc.returncode != 0, name
+        assert "Starting training" not in proc.stdout + proc.stderr, name
+        return proc.stderr, folder
+
+    def privacy(**fields):
+        return lambda files: files[point.name]["fedpa_resume"]["privacy"].update(fields)
+
+    def head(key, value):
+        return lambda files: files[point.name]["fedpa_resume"].update({key: value})
+
+    def drop_model(files):
+        del files[point.name]["model"]
+
+    def other_clients(files):  # the other run's client files, under this point's names
+        for p in other.parent.glob(f"{other.name}.client*"):
+            files[p.name] = torch.load(p, weights_only=True)
+
+    rng = resume.rng_state()
+    cases = [
+        ("ledger_fifo", privacy(ledger=str(fifo)), [f"the DP ledger {str(fifo)!r}", "it is a FIFO"]),
+        ("ledger_dev_zero", privacy(ledger="/dev/zero"), ["the DP ledger '/dev/zero'", "it is a device"]),
+        ("ledger_sparse", privacy(ledger=str(sparse)), [f"the DP ledger {str(sparse)!r}", "21474836480 bytes"]),
+        ("rounds_negative", privacy(rounds=-5, ledger=str(tmp_path / "gone.jsonl")),
+         ["field 'privacy.rounds' is -5; it must be an int from 0 to the point's round 2"]),
+        ("other_ledger", privacy(rounds=0, ledger=str(tampered)),
+         [f"the DP ledger {str(tampered)!r} of the run this resumes does not begin with the", "ledger_sha256"]),
+        ("generator", privacy(generator=torch.zeros(3, dtype=torch.uint8)),
+         ["field 'privacy.generator' is a torch.uint8 tensor of shape (3,)"]),
+        ("rng", head("rng", {**rng, "numpy": ["MT19937", [1, 2], 0, 0, 0.0]}), ["field 'rng.numpy' is not a numpy"]),
+        ("fs_results", head("fs_results", {"history_results": [1], "best_results": {}}),
+         ["field 'fs_results.history_results' is a list"]),
+        ("no_model", drop_model, ["field 'model' is missing"]),
+        ("other_run_clients", other_clients, ["field 'file_id' is", "'s file of round", "another run's file"]),
+    ]  # fmt: skip
+    for name, edit, messages in cases:
+        stderr, folder = refused(name, edit)
+        assert all(m in stderr for m in messages) and str(folder) in stderr, (name, stderr[-3000:])
+        assert "Traceback" not in stderr.split("ValueError")[-1], (name, stderr[-3000:])
+    # the clients' data changed: refused at start, naming the client's file and both sizes (before: every later
+    # upload was refused, the run trained nothing and exited 0, each client's own file stating a smaller epsilon)
+    lines = Path(tiny_llm["data"]).read_text().splitlines()
+    bigger = tmp_path / "bigger.jsonl"
+    bigger.write_text("\n".join(lines + lines[: len(lines) // 2]) + "\n")
+    stderr, folder = refused("other_data", lambda files: None, data_type=f"{bigger}@llm")
+    assert "field 'data.n' is" in stderr and "but the client's training set now has" in stderr, stderr[-3000:]

@@ -5,6 +5,8 @@ forward rather than through the code under test."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -122,3 +124,34 @@ def test_fs_save_model_writes_a_checkpoint_that_load_model_puts_back_into_anothe
         torch.save(broken, tmp_path / "broken.pt")
         with pytest.raises(ValueError, match=match):
             g2.load_checkpoint(str(tmp_path / "broken.pt"))
+
+
+def test_load_model_refuses_nan_inf_rank_0_and_planted_factors_naming_file_and_module(tmp_path):
+    """Issue 88: FS's load_model installed NaN/Inf factors and died on rank-0 factors with ZeroDivisionError. Each
+    is refused with one line naming the file and the module, and nothing is installed."""
+    from fs_fedpa.plugin.aggregator import FedPAAggregator
+
+    torch.manual_seed(0)
+    _, g = _server_side(R_g=5)
+    path = tmp_path / "final_model.pt"
+    FedPAAggregator(g.method, None, global_model=g, run={"outdir": "x"}).save_model(str(path), 3)
+    saved = torch.load(path, weights_only=True)
+    name = next(iter(saved["fedpa"]["global"]))
+    B, A = saved["fedpa"]["global"][name]
+
+    def variant(pair):
+        return {**saved, "fedpa": {**saved["fedpa"], "global": {**saved["fedpa"]["global"], name: pair}}}
+
+    nan, inf = B.clone(), A.clone()
+    nan[0, 0], inf[0, 0] = float("nan"), float("inf")
+    planted = torch.zeros(1).expand(*B.shape)  # every element over one float: a planted view
+    for pair, named in (((nan, A), "B holds a NaN or an Inf"), ((B, inf), "A holds a NaN or an Inf"),
+                        ((B[:, :0], A[:0]), "has shapes B (10, 0), A (0, 12)"),
+                        ((planted, A), f"B is a view of shape {tuple(B.shape)}")):  # fmt: skip
+        torch.save(variant(pair), tmp_path / "bad.pt")
+        _, fresh = _server_side(R_g=5)
+        before = {n: (b.clone(), a.clone()) for n, (b, a) in fresh.factors.items()}
+        with pytest.raises(ValueError, match=re.escape(named)) as caught:
+            fresh.load_checkpoint(str(tmp_path / "bad.pt"))
+        assert str(tmp_path / "bad.pt") in str(caught.value) and repr(name) in str(caught.value)
+        assert all(torch.equal(b, fresh.factors[n][0]) for n, (b, _) in before.items())  # nothing installed

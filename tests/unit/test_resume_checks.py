@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,7 +46,7 @@ def test_well_formed_factors_pass_and_a_nan_is_still_named():
 
 
 def test_a_resume_point_of_another_version_is_refused_naming_both():
-    with pytest.raises(ValueError, match=r"version 1; this fs_fedpa reads version 3"):
+    with pytest.raises(ValueError, match=r"version 1; this fs_fedpa reads version 4"):
         resume.check_server_fields({"method": "fedpa", "round": 2}, "old.pt")  # before version 2: no field
 
 
@@ -55,7 +57,7 @@ def _whole_point() -> dict:
     parts["round_log"]["records"] = []
     parts["aggregator"] = {"generator": torch.Generator().get_state(), "failed_in_a_row": 0}
     return {"version": resume.VERSION, "method": "fedpa", "round": 2, "plan": [[4], [4], 4], "settings": {},
-            "rng": {}, **parts}  # fmt: skip
+            "rng": resume.rng_state(), "client_files": {}, **parts}  # fmt: skip
 
 
 def test_a_whole_point_passes_and_each_missing_part_or_key_is_refused_naming_it():
@@ -92,3 +94,113 @@ def test_hetlora_restores_its_pruned_ranks_and_refuses_others():
             fresh.load_state_dict(bad, "p.pt")
     with pytest.raises(ValueError, match="method state"):
         get_method("fedpa")(FedPAConfig(), plan).load_state_dict({"current": [1]}, "p.pt")
+
+
+# ---------------------------------------------------------------------------------------------- issue 88: files
+def _fifo(tmp_path):
+    import os
+
+    path = tmp_path / "fifo"
+    os.mkfifo(path)
+    return path
+
+
+def _sparse(tmp_path, size=20 * 2**30):
+    path = tmp_path / "sparse"
+    with open(path, "wb") as f:
+        f.truncate(size)  # 20 GB of holes: no disk, but read whole it would take 20 GB of memory
+    return path
+
+
+def _within(seconds: float, call):
+    """``call()``'s exception (or None), failing the test if it has not returned after ``seconds``: a read that
+    blocks on a FIFO must fail the test, not hang it."""
+    import threading
+
+    outcome = {}
+
+    def run():
+        try:
+            call()
+        except BaseException as exc:  # noqa: BLE001
+            outcome["exc"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still reading after {seconds} s (it blocks)"
+    return outcome.get("exc")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "sparse_20GB", "folder"])
+def test_a_resume_file_that_is_no_regular_file_or_too_big_is_refused_unread(tmp_path, kind):
+    """Issue 88: a FIFO blocked the resume forever; /dev/zero or a 20 GB sparse file would be read whole. Now each is
+    refused, naming the file, from its type and size (never opened blocking, never read)."""
+    from fs_fedpa import export
+
+    path = {"fifo": _fifo, "dev_zero": lambda _: Path("/dev/zero"), "sparse_20GB": _sparse,
+            "folder": lambda p: p}[kind](tmp_path)  # fmt: skip
+    reason = {"fifo": "it is a FIFO, not a regular file", "dev_zero": "it is a device, not a regular file",
+              "sparse_20GB": "it is 21474836480 bytes, more than the", "folder": "it is a folder"}[kind]  # fmt: skip
+    for read in (lambda: resume.load(path, limit=2**30), lambda: export.read_checkpoint(path, limit=2**30)):
+        exc = _within(10, read)
+        assert isinstance(exc, ValueError) and str(path) in str(exc) and reason in str(exc), repr(exc)
+        assert "\n" not in str(exc)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "sparse_20GB"])
+def test_a_dp_ledger_that_is_no_regular_file_or_too_big_is_refused_unread(tmp_path, kind):
+    from fs_fedpa.privacy.private import read_ledger
+
+    path = {"fifo": _fifo, "dev_zero": lambda _: Path("/dev/zero"), "sparse_20GB": _sparse}[kind](tmp_path)
+    exc = _within(10, lambda: read_ledger(str(path), lambda line: True, 2**24))
+    assert isinstance(exc, ValueError) and f"the DP ledger {str(path)!r}" in str(exc), repr(exc)
+    assert "not a regular file" in str(exc) or "more than the 16777216" in str(exc)
+
+
+def _rng_cases():
+    good = resume.rng_state()
+    cases = {
+        "torch a list": {**good, "torch": [1, 2, 3]},
+        "torch too short": {**good, "torch": good["torch"][:10]},
+        "numpy a string": {**good, "numpy": "MT19937"},
+        "numpy keys short": {**good, "numpy": [good["numpy"][0], good["numpy"][1][:5], *good["numpy"][2:]]},
+        "random None": {**good, "random": None},
+        "random garbled": {**good, "random": (3, (1, 2), None)},
+    }
+    return good, cases
+
+
+def test_a_malformed_rng_is_refused_naming_the_file_and_the_field():
+    """Issue 88: a malformed ``rng`` ended in a bare TypeError/RuntimeError when the round started. Each is refused
+    by the point's check, naming the file and ``rng.<generator>``."""
+    good, cases = _rng_cases()
+    resume.check_rng(good, "point.pt", "rng")  # the process's own states pass
+    for name, rng in cases.items():
+        saved = _whole_point()
+        saved["rng"] = rng
+        with pytest.raises(ValueError, match=r"point\.pt'?: field 'rng\.(torch|numpy|random)' is "):
+            resume.check_server_fields(saved, "point.pt")
+
+
+def test_malformed_fs_results_generator_or_client_files_are_refused_naming_the_field():
+    for part, key, value, named in (
+        ("fs_results", "history_results", [1, 2], "field 'fs_results.history_results' is a list"),
+        ("fs_results", "best_results", None, "field 'fs_results.best_results' is a NoneType"),
+        ("aggregator", "generator", torch.zeros(5, dtype=torch.uint8), "field 'aggregator.generator' is a"),
+        (None, "client_files", {1: "x"}, "field 'client_files' is not a mapping"),
+    ):
+        saved = _whole_point()
+        (saved[part] if part else saved)[key] = value
+        with pytest.raises(ValueError, match=re.escape(named)):
+            resume.check_server_fields(saved, "p.pt")
+
+
+def test_a_resume_point_without_fs_model_or_round_is_refused_naming_the_field():
+    """Issue 88: a point without ``model`` died in FS's loader with a bare KeyError."""
+    for checkpoint, named in (({"cur_round": 2}, "field 'model' is missing"),
+                              ({"cur_round": 2, "model": [1]}, "field 'model' is a list"),
+                              ({"model": {}}, "field 'cur_round' is 'missing'")):  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(named)):
+            resume.check_checkpoint(checkpoint, "p.pt")
+    resume.check_checkpoint({"cur_round": 2, "model": {"w": torch.zeros(2)}}, "p.pt")
