@@ -58,8 +58,9 @@ SERVER_FIELDS = (*HEAD_FIELDS, *PARTS)
 # 3: one state dict per collaborator (PARTS) instead of fields picked out of them; 4: ``client_files`` (each client
 # file's ``file_id``), the ledger's size and SHA-256, and each client file's ``data`` (issue 88)
 VERSION = 4
-# whose a client file is; ``file_id``: a token of its own, which the server's resume point records for the file it
-# saw (another run's file, same settings or not, has another); ``data``: the client's training set (``n``: size)
+# whose a client file is; ``file_id``: the token of the client's files in this run (a resumed client keeps it),
+# which the server's resume point records (another run's files, same settings or not, have another); ``data``: the
+# client's training set (``n``: size)
 OWNER_FIELDS = ("client", "rank", "reference_rank", "run", "file_id", "data")
 _DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
@@ -224,7 +225,7 @@ def peek(path: Path, key: str, limit: int):
 
 
 def new_file_id() -> str:
-    """A client file's own token (:data:`OWNER_FIELDS`)."""
+    """The token of a client's files in one run (:data:`OWNER_FIELDS`)."""
     return secrets.token_hex(8)
 
 

@@ -30,6 +30,7 @@ class ClientResume:
         self.out = resume.server_path(save_to) if save_to else None
         self.pending = restore_from or None  # read at the first message, which names the round
         self.data: dict | None = None  # the client's training set ({"n": size}), set by the client
+        self.file_id = resume.new_file_id()  # its files' token: this run's (a restored client keeps its file's)
 
     def bound(self, local: dict[str, Tensor]) -> int:
         """The most bytes one of this run's client files can be (:func:`fs_fedpa.resume.file_bound`)."""
@@ -53,7 +54,7 @@ class ClientResume:
         if self.out is None:
             return
         owner = resume.client_owner(self.cfg, self.method, client)  # whose it is: checked by every restore
-        mine = {"file_id": resume.new_file_id(), "data": dict(self.data or {"n": 0})}
+        mine = {"file_id": self.file_id, "data": dict(self.data or {"n": 0})}
         resume.save(
             {**snapshot, **owner, **mine, "rng": resume.rng_state()},
             resume.client_path(self.out, client, rnd),
@@ -83,6 +84,7 @@ class ClientResume:
             data=self.data,
         )
         kept.load_state_dict(saved, device)
+        self.file_id = saved["file_id"]  # the run goes on: its later files carry the token the server recorded
         if self.cfg.federate.mode == "distributed":  # its own process: its own random stream
             resume.set_rng_state(saved["rng"])
         logger.info(f"[fedpa] client {client} resumed its state of round {saved['round']}")
@@ -219,7 +221,8 @@ class ServerResume:
 
     def _check_client_files(self, path: str, saved: dict, global_factors, local, clients: int) -> None:
         """Before any training: each client's newest file from before the point's round (the one it will restore)
-        must be the file the point recorded for that client (its round and ``file_id``: not another run's), that
+        must be of the run the point recorded for that client (its ``file_id``, from the recorded round on: not
+        another run's), that
         client's, of this run, well formed and finite (:func:`fs_fedpa.resume.check_client_file`)."""
         rnd, recorded = saved["round"], saved["client_files"]
         at = f"federate.restore_from {path!r}: field 'client_files"
@@ -242,11 +245,13 @@ class ServerResume:
                     raise ValueError(f"{at}' records no file of client {client}, but {older[r]} is there: it is not "
                                      "a file of the run this point saved; remove it, or resume from its own point")
                 want_round, want_id = recorded[client]
-                if (r, content.get("file_id")) != (want_round, want_id):
+                # a later file of the same run is the client's own newer state: a straggler of the round before the
+                # point (distributed) wrote it after the point, as the uninterrupted run's client had trained it
+                if content.get("file_id") != want_id or r < want_round:
                     raise ValueError(
                         f"resume file {older[r]}: field 'file_id' is {content.get('file_id')!r:.40} (round {r}), "
-                        f"but {at}[{client}]' records client {client}'s file of round {want_round} as {want_id!r}: "
-                        "it is another run's file (or was replaced); resume each run from its own files"
+                        f"but {at}[{client}]' records client {client}'s files as {want_id!r} from round "
+                        f"{want_round}: it is another run's file (or was replaced); resume each run from its own files"
                     )
 
 

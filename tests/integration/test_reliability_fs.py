@@ -435,7 +435,7 @@ def test_resume_refuses_hostile_files_ledgers_and_fields_naming_each(tiny_llm, t
     lines[0]["dp_epsilon"] /= 2  # well-formed lines, but not this run's
     tampered.write_text("".join(json.dumps(line) + "\n" for line in lines))
 
-    def refused(name: str, edit, data_type: str | None = None) -> tuple[str, Path]:
+    def resumed_from(name: str, edit, data_type: str | None = None):
         """The resume point and its clients' files copied, ``edit``-ed (file name -> content), resumed from."""
         folder = tmp_path / name / "ckpt"
         resumed = cfg(name, **{"federate.restore_from": str(folder / point.name),
@@ -447,7 +447,10 @@ def test_resume_refuses_hostile_files_ledgers_and_fields_naming_each(tiny_llm, t
             torch.save(content, folder / file)
         if data_type:
             resumed["data"]["type"] = data_type
-        proc = run_fs(resumed, tmp_path / name, timeout=180)
+        return run_fs(resumed, tmp_path / name, timeout=180), folder
+
+    def refused(name: str, edit, data_type: str | None = None) -> tuple[str, Path]:
+        proc, folder = resumed_from(name, edit, data_type)
         assert proc.returncode != 0, name
         assert "Starting training" not in proc.stdout + proc.stderr, name
         return proc.stderr, folder
@@ -480,12 +483,20 @@ def test_resume_refuses_hostile_files_ledgers_and_fields_naming_each(tiny_llm, t
         ("fs_results", head("fs_results", {"history_results": [1], "best_results": {}}),
          ["field 'fs_results.history_results' is a list"]),
         ("no_model", drop_model, ["field 'model' is missing"]),
-        ("other_run_clients", other_clients, ["field 'file_id' is", "'s file of round", "another run's file"]),
+        ("other_run_clients", other_clients, ["field 'file_id' is", "'s files as", "another run's file"]),
     ]  # fmt: skip
     for name, edit, messages in cases:
         stderr, folder = refused(name, edit)
         assert all(m in stderr for m in messages) and str(folder) in stderr, (name, stderr[-3000:])
         assert "Traceback" not in stderr.split("ValueError")[-1], (name, stderr[-3000:])
+    # but a file of this run newer than the one the point recorded is the client's own later state (distributed: a
+    # straggler of the round before the point wrote it after the point): resumed, not refused
+    def recorded_earlier(files):
+        head = files[point.name]["fedpa_resume"]
+        head["client_files"] = {c: (r - 1, token) for c, (r, token) in head["client_files"].items()}
+
+    proc, _ = resumed_from("straggler", recorded_earlier)
+    assert proc.returncode == 0 and "resumed its state of round" in proc.stdout + proc.stderr, proc.stderr[-3000:]
     # the clients' data changed: refused at start, naming the client's file and both sizes (before: every later
     # upload was refused, the run trained nothing and exited 0, each client's own file stating a smaller epsilon)
     lines = Path(tiny_llm["data"]).read_text().splitlines()
