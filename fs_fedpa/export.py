@@ -150,12 +150,12 @@ def read_tensors(path: Path) -> dict[str, Tensor]:
 def read_checkpoint(path, limit: int | None = None) -> object:
     """A checkpoint or end state, tensors and plain containers only (``weights_only``), read only if it is a regular
     file of at most ``limit`` bytes (default half the machine's memory; never blocking on a FIFO:
-    :func:`fs_fedpa.resume.read_regular`); anything else (a pickle that needs code, a truncated or foreign file) is
+    :func:`fs_fedpa.files.read_regular`); anything else (a pickle that needs code, a truncated or foreign file) is
     a ValueError naming the file."""
     import io
     import pickle
 
-    from fs_fedpa.resume import memory_bound, read_regular
+    from fs_fedpa.files import memory_bound, read_regular
 
     data = read_regular(path, memory_bound() if limit is None else limit, f"{path}:")
     try:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import errno
 import io
 import os
-import random
 import re
 import secrets
 import stat
@@ -38,7 +37,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fs_fedpa.files import memory_bound, read_regular
 from fs_fedpa.methods.base import FederatedMethod
+# the random states are their own module; resume points and their users reach them through this one
+from fs_fedpa.rng_states import check_generator_state, check_rng, fork_rng, rng_state, set_rng_state  # noqa: F401
 
 PREFIX = "fedpa_resume_"
 # a server resume point's ``fedpa_resume``: its head, checked first, and one ``state_dict()`` per collaborator of the
@@ -86,34 +88,6 @@ def client_files(resume: str, client: int) -> dict[int, Path]:
     return found
 
 
-def rng_state() -> dict:
-    """The process's generator states, in types ``torch.load(weights_only=True)`` accepts (FS loads our files)."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-        "random": random.getstate(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    random.setstate(state["random"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def fork_rng():
-    """A context in which random draws do not advance the process's generators (CPU and current CUDA device)."""
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    return torch.random.fork_rng(devices=devices)
-
-
 def plain(value):
     """``value`` with numpy scalars and arrays made Python numbers and lists (for weights-only loading)."""
     if isinstance(value, dict):
@@ -152,44 +126,10 @@ def save(obj: dict, path: str) -> None:
     os.replace(tmp, path)
 
 
-def memory_bound() -> int:
-    """The most bytes a file is read whole when nothing tighter is known: half the machine's memory."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
-    except (ValueError, OSError):
-        return 2**34
-
-
 def file_bound(numel: int, records: int = 0) -> int:
     """A size no resume file of a model with ``numel`` elements (its factors, local tensors, base offsets and
     merges, at most 8 bytes an element, a few times over) and ``records`` round records can exceed."""
     return 32 * int(numel) + 64 * 2**10 * int(records) + 64 * 2**20
-
-
-def read_regular(path, limit: int, what: str) -> bytes:
-    """The bytes of ``path``, read only if it is a regular file of at most ``limit`` bytes: opened without blocking
-    (a FIFO is refused, not waited on), its type and size checked before a byte is read (``/dev/zero`` or a sparse
-    20 GB file is refused, not read until memory runs out). ValueError beginning with ``what`` (which names the
-    file) otherwise."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as err:
-        raise ValueError(f"{what} cannot be read: it cannot be opened ({err.strerror})") from None
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):
-        os.close(fd)
-        mode = info.st_mode
-        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a folder" if stat.S_ISDIR(mode)
-                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket")  # fmt: skip
-        raise ValueError(f"{what} cannot be read: it is {kind}, not a regular file")
-    with os.fdopen(fd, "rb") as f:
-        size = info.st_size
-        if size > limit:
-            raise ValueError(f"{what} cannot be read: it is {size} bytes, more than the {limit} it can be")
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise ValueError(f"{what} cannot be read: it grew past {limit} bytes while it was read")
-    return data
 
 
 def load(path: str | Path, limit: int | None = None) -> dict:
@@ -325,41 +265,6 @@ def check_data(saved, at: str, now: dict | None) -> None:
             "data changed since the resume point, which the run's past (its DP accounting included) was counted on; "
             "resume with the data it had, or start the run again"
         )
-
-
-def check_rng(rng, at: str, field: str) -> None:
-    """ValueError naming ``field`` unless ``rng`` holds the torch, numpy and random states of a process (each set
-    on a scratch generator of its kind: what the resume would set on the process's own)."""
-    if not isinstance(rng, dict) or not {"torch", "numpy", "random"} <= rng.keys():
-        raise ValueError(f"{at}: field {field!r} is not the RNG states (torch, numpy, random) of a process")
-    for key in ("torch", "numpy", "random"):
-        try:
-            if key == "torch":
-                check_generator_state(rng[key], at, f"{field}.torch")
-            elif key == "numpy":
-                name, keys, pos, has_gauss, cached = rng[key]
-                np.random.RandomState().set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-            else:
-                state = rng[key]
-                random.Random().setstate((state[0], tuple(state[1]), state[2]))
-        except ValueError as err:
-            if str(err).startswith(at):
-                raise
-            raise ValueError(f"{at}: field '{field}.{key}' is not a {key} generator's state") from None
-        except Exception:  # noqa: BLE001 (TypeError, OverflowError, IndexError: a malformed state of any shape)
-            raise ValueError(f"{at}: field '{field}.{key}' is not a {key} generator's state") from None
-
-
-def check_generator_state(state, at: str, field: str) -> None:
-    """ValueError naming ``field`` unless ``state`` is a CPU torch generator's state (uint8, of its size)."""
-    size = torch.Generator().get_state().numel()
-    if not isinstance(state, Tensor) or state.dtype != torch.uint8 or tuple(state.shape) != (size,):
-        shown = f"a {state.dtype} tensor of shape {tuple(state.shape)}" if isinstance(state, Tensor) else repr(state)
-        raise ValueError(f"{at}: field {field!r} is {shown:.100}, not a torch generator's state (uint8, ({size},))")
-    try:
-        torch.Generator().set_state(state)
-    except RuntimeError:
-        raise ValueError(f"{at}: field {field!r} is not a torch generator's state") from None
 
 
 def check_server_fields(saved: dict, path) -> None:

@@ -165,7 +165,7 @@ class GaussianServer(ServerPolicy):
             raise ValueError(f"{at}' holds counts that are not integers") from None
         self.last = dict(saved["last"])
         if seeded:
-            from fs_fedpa.resume import check_generator_state
+            from fs_fedpa.rng_states import check_generator_state
 
             check_generator_state(saved["generator"], f"federate.restore_from {path!r}", "privacy.generator")
             self.generator.set_state(saved["generator"])
@@ -236,9 +236,9 @@ def _whole(x) -> bool:
 
 def read_ledger(path: str, line_ok, limit: int) -> tuple[bytes, list[dict]]:
     """The bytes and lines of the DP ledger ``path``, each line passing ``line_ok``, read only if it is a regular
-    file of at most ``limit`` bytes (:func:`fs_fedpa.resume.read_regular`: a FIFO or a device is refused, never
+    file of at most ``limit`` bytes (:func:`fs_fedpa.files.read_regular`: a FIFO or a device is refused, never
     waited on or read); ValueError naming the file (and the line) for anything that is not one."""
-    from fs_fedpa.resume import read_regular
+    from fs_fedpa.files import read_regular
 
     data = read_regular(path, limit, f"the DP ledger {path!r} of the run this resumes")
     try:
