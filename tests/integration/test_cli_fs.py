@@ -65,7 +65,8 @@ def test_the_dispatcher_names_its_commands(tmp_path):
 # (issue 88: "FS exited with 1", an internal error, or for compare a traceback after FS had started)
 BAD_CFGS = {
     "malformed": (b"federate:\n  method: fedpa\n total_round_num: 3\n", "not valid YAML at line 3, column 2: "),
-    "a list": (b"- federate\n- fedpa\n", "FS needs a mapping of keys (e.g. 'federate: ...') at the top; got a YAML list"),
+    "a list": (b"- federate\n- fedpa\n", "FS needs a mapping of keys (e.g. 'federate: ...') at the top; got a YAML "
+               "list"),
     "binary": (bytes(range(128, 256)), "not UTF-8 text (byte 0x80 at offset 0)"),
     "a control character": (b"federate:\n  method: fedpa\x00\n", "not valid YAML at line 2, column 16: character"),
     "missing": (None, "no such file"),
