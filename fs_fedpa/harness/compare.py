@@ -34,11 +34,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fs_fedpa.harness.fs_command import fs_overrides, with_yaml_keys
+from fs_fedpa.harness.fs_command import fs_overrides, read_config, with_yaml_keys
 from fs_fedpa.harness.fs_results import ROUND_START, clients_last_round, read_noise_signal, weighted_avg_by_round
 from fs_fedpa.methods import names as method_names
 from fs_fedpa.record import CLIENT_STATS, DIAGNOSTICS_FILE, EVAL_SHARDS_FILE, OUTCOMES_FILE, PRIVACY_FILE, compact
-from fs_fedpa.tools.cli import read_config
 
 
 @dataclass(frozen=True)

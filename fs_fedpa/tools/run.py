@@ -17,6 +17,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from fs_fedpa.harness.fs_command import read_config
 from fs_fedpa.harness.fs_results import ROUND_START, last_weighted_avg
 from fs_fedpa.tools import cli
 
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(args.opts) % 2:
         parser.error(f"FS overrides come in KEY VALUE pairs; got {len(args.opts)} words: {' '.join(args.opts)}")
     try:
-        cli.read_config(args.cfg)  # FS's own errors for an unreadable yaml name neither the file nor the cause
+        read_config(args.cfg)  # FS's own errors for an unreadable yaml name neither the file nor the cause
     except ValueError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
