@@ -45,6 +45,15 @@ def get_factors(model: nn.Module) -> Factors:
     return out
 
 
+def built_rank(layer: nn.Module) -> int:
+    """The rank PEFT built ``layer`` with, kept on the layer before :func:`set_factors` first changes it: a model
+    whose factors were since replaced at another rank still gives it (one model shared by the clients, into which
+    a resumed run's server loaded its global at rank R_g, or Ravan's H r_h, before the clients read their plan)."""
+    if getattr(layer, "_fedpa_r0", None) is None:
+        layer._fedpa_r0 = int(layer.r[_adapter(layer)])
+    return layer._fedpa_r0
+
+
 def scaling_for_rank(layer: nn.Module, r: int) -> float:
     """``lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA): what PEFT would use for rank r on this module."""
     adapter = _adapter(layer)
@@ -80,6 +89,7 @@ def set_factors(
                     f"{name}: factors B {tuple(B.shape)}, A {tuple(A.shape)} do not fit the layer "
                     f"({lin_B.weight.shape[0]} x {lin_A.weight.shape[1]})"
                 )
+            built_rank(layer)  # kept before the first change
             old = lin_A.weight
             lin_A.weight = nn.Parameter(A.detach().to(old.device, old.dtype, copy=True), requires_grad=train_A)
             lin_B.weight = nn.Parameter(

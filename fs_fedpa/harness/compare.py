@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fs_fedpa.harness.fs_command import fs_overrides, with_yaml_keys
+from fs_fedpa.harness.fs_command import fs_overrides, read_config, with_yaml_keys
 from fs_fedpa.harness.fs_results import ROUND_START, clients_last_round, read_noise_signal, weighted_avg_by_round
 from fs_fedpa.methods import names as method_names
 from fs_fedpa.record import CLIENT_STATS, DIAGNOSTICS_FILE, EVAL_SHARDS_FILE, OUTCOMES_FILE, PRIVACY_FILE, compact
@@ -391,8 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("opts", nargs="*", help="FS overrides for every run, KEY VALUE ...")
     args = parser.parse_args(argv)
-    if not Path(args.cfg).is_file():
-        raise SystemExit(f"--cfg {args.cfg}: no such file")
+    try:
+        read_config(args.cfg)  # before any run starts: FS would fail on it in every run, naming neither
+    except ValueError as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     if len(args.opts) % 2:
         raise SystemExit(f"overrides come in KEY VALUE pairs, got {args.opts}")
     cells = parse_cells(args.methods, args.cell)
@@ -408,7 +410,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         eta = f", about {statistics.mean(times) * (len(grid) - i + 1) / 60:.0f} min left" if times else ""
         print(f"[{i}/{len(grid)}] {cell.name}, seed {seed}{eta}", flush=True)
-        seconds = run_one(args.cfg, cell, seed, out / "runs" / f"{cell.name}_s{seed}", args.opts, rounds)
+        try:
+            seconds = run_one(args.cfg, cell, seed, out / "runs" / f"{cell.name}_s{seed}", args.opts, rounds)
+        except RuntimeError as exc:  # a run FS ended: its log holds the cause
+            parser.exit(1, f"{parser.prog}: error: {exc}\n")
         if seconds is None:
             print("    finished before; skipped", flush=True)
         else:

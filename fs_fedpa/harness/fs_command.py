@@ -8,10 +8,14 @@ loses its value and pairs ``fedpa.dp.mode`` with the next key. A value written a
 FS's ``train.optimizer`` node takes any key (``new_allowed``, passed on to ``torch.optim``), but yacs accepts a key
 it does not know only from a yaml file, never from the command line: ``train.optimizer.momentum 0.9`` there fails
 with ``KeyError``. :func:`with_yaml_keys` moves such keys into a copy of the config.
+
+FS's own errors for a yaml it cannot read name neither the file nor the cause: :func:`read_config` reads it first.
 """
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -50,3 +54,49 @@ def with_yaml_keys(cfg: str, opts: Sequence[str], folder: Path) -> tuple[str, li
     path = folder / "config_with_open_keys.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return str(path), keep
+
+
+CONFIG_LIMIT = 1 << 20  # bytes: an FS yaml is a few KiB; a larger file is not one
+
+
+def read_config(path: str, flag: str = "--cfg") -> dict:
+    """The mapping the FS yaml at ``path`` holds, read before FS starts. ValueError, one line naming ``flag``, the
+    file and the cause: no such file, not a regular file (a folder, a FIFO: never blocks), over
+    :data:`CONFIG_LIMIT`, not UTF-8, a YAML error (with its line and column), or no mapping at the top."""
+    import yaml  # an FS dependency; only here, so the tools' --help needs none
+
+    where = f"{flag} {path}"
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO's open would wait for a writer
+    except FileNotFoundError:
+        raise ValueError(f"{where}: no such file") from None
+    except OSError as exc:
+        raise ValueError(f"{where}: cannot be read ({exc.strerror})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise ValueError(f"{where}: {'a folder' if stat.S_ISDIR(mode) else 'not a regular file'}, not a yaml")
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(CONFIG_LIMIT + 1)
+    if len(raw) > CONFIG_LIMIT:
+        raise ValueError(f"{where}: larger than {CONFIG_LIMIT >> 20} MiB, not an FS yaml")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        if (mark := getattr(exc, "problem_mark", None)) is not None:  # a syntax error
+            line, column, cause = mark.line + 1, mark.column + 1, exc.problem
+        else:  # a character YAML does not allow (ReaderError): its position in the text
+            before = text[: getattr(exc, "position", 0)]
+            line, column = before.count("\n") + 1, len(before) - before.rfind("\n")
+            character = getattr(exc, "character", "")
+            character = chr(character) if isinstance(character, int) else character
+            cause = f"character {character!r}: {getattr(exc, 'reason', None) or 'not allowed'}"
+        raise ValueError(f"{where}: not valid YAML at line {line}, column {column}: {cause}") from None
+    if not isinstance(data, dict):
+        got = "an empty file" if data is None else f"a YAML {type(data).__name__}"
+        raise ValueError(f"{where}: FS needs a mapping of keys (e.g. 'federate: ...') at the top; got {got}")
+    return data

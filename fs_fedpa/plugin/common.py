@@ -7,7 +7,7 @@ from federatedscope.core.message import Message
 from torch import Tensor, nn
 
 from fs_fedpa.core.ranks import RankPlan
-from fs_fedpa.lora import lora_layers
+from fs_fedpa.lora import built_rank, lora_layers
 from fs_fedpa.methods import FederatedMethod, get_method
 from fs_fedpa.plugin.config_fs import fedpa_config
 
@@ -21,7 +21,7 @@ def build_method(cfg, model: nn.Module) -> FederatedMethod:
             f"federate.method {cfg.federate.method!r} needs a model with PEFT LoRA modules "
             "(e.g. llm.adapter.use: True with adapter_method: lora); this model has none"
         )
-    adapter_rank = max(int(layer.r[layer.active_adapters[0]]) for layer in layers.values())
+    adapter_rank = max(built_rank(layer) for layer in layers.values())  # not the live rank: see built_rank
     n = cfg.federate.client_num
     plan = RankPlan.build(
         n,

@@ -17,6 +17,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from fs_fedpa.harness.fs_command import read_config
 from fs_fedpa.harness.fs_results import ROUND_START, last_weighted_avg
 from fs_fedpa.tools import cli
 
@@ -122,10 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cfg", required=True, help="the FS yaml")
     parser.add_argument("opts", nargs="*", help="FS overrides, KEY VALUE ...")
     args = parser.parse_args(argv)
-    if not Path(args.cfg).is_file():
-        parser.error(f"--cfg {args.cfg}: no such file")
     if len(args.opts) % 2:
         parser.error(f"FS overrides come in KEY VALUE pairs; got {len(args.opts)} words: {' '.join(args.opts)}")
+    try:
+        read_config(args.cfg)  # FS's own errors for an unreadable yaml name neither the file nor the cause
+    except ValueError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
     cmd = [sys.executable, "-m", "federatedscope.main", "--cfg", args.cfg, *args.opts]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     console, start = Console(), time.time()

@@ -59,3 +59,38 @@ def test_the_dispatcher_names_its_commands(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "fs_fedpa", "dp-table", "--rounds", "0"], capture_output=True,
                           text=True, cwd=tmp_path, env=fs_env({"PYTHONPATH": str(ROOT)}))  # fmt: skip
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--rounds" in proc.stderr
+
+
+# A config FS cannot read: refused by the tool itself, before FS starts, in one line naming the file and the cause
+# (issue 88: "FS exited with 1", an internal error, or for compare a traceback after FS had started)
+BAD_CFGS = {
+    "malformed": (b"federate:\n  method: fedpa\n total_round_num: 3\n", "not valid YAML at line 3, column 2: "),
+    "a list": (b"- federate\n- fedpa\n", "FS needs a mapping of keys (e.g. 'federate: ...') at the top; got a YAML "
+               "list"),
+    "binary": (bytes(range(128, 256)), "not UTF-8 text (byte 0x80 at offset 0)"),
+    "a control character": (b"federate:\n  method: fedpa\x00\n", "not valid YAML at line 2, column 16: character"),
+    "missing": (None, "no such file"),
+    "a folder": ("folder", "a folder, not a yaml"),
+}
+
+
+@pytest.mark.parametrize("command", ["run", "compare"])
+@pytest.mark.parametrize("case", BAD_CFGS)
+def test_a_bad_cfg_ends_in_one_line_naming_the_file_and_the_cause_before_fs_starts(tmp_path, command, case):
+    import subprocess
+
+    content, cause = BAD_CFGS[case]
+    cfg = tmp_path / "bad.yaml"
+    if content == "folder":
+        cfg.mkdir()
+    elif content is not None:
+        cfg.write_bytes(content)
+    argv = ["run", "--cfg", str(cfg)] if command == "run" else [
+        "compare", "--cfg", str(cfg), "--methods", "fedpa", "--out", str(tmp_path / "out")]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "fs_fedpa", *argv], capture_output=True, text=True, cwd=tmp_path,
+                          env=fs_env({"PYTHONPATH": str(ROOT)}), timeout=300)  # fmt: skip
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith(f"fs-fedpa {command}: error: --cfg {cfg}: "), proc.stderr[-3000:]
+    assert cause in lines[0]
+    assert not (tmp_path / "exp").exists() and not (tmp_path / "out").exists()  # FS never started

@@ -191,14 +191,26 @@ def _takes_mixed_ranks(method: str) -> bool:
     return True
 
 
-@pytest.mark.parametrize("method", names())
-def test_a_run_killed_after_round_k_resumes_to_the_same_result(tiny_llm, tmp_path, method):
-    # Prepare: 4 rounds, 2 of 3 clients sampled per round (the sampler's state matters), resume points on
+def _resume_cases():
+    """Every method under heterogeneous ranks wherever it accepts them, and under the adapter's own rank for every
+    client (FS's plain LoRA config): a global whose rank is not the adapter's (Ravan's H r_h, FedPA's R_g) is then
+    loaded into the model the clients share (issue 88: Ravan could not resume so)."""
+    for method in names():
+        if mixed := _takes_mixed_ranks(method):
+            yield pytest.param(method, True, id=method)
+        yield pytest.param(method, False, id=f"{method}-equal_ranks" if mixed else method)
+
+
+@pytest.mark.parametrize(("method", "mixed_ranks"), _resume_cases())
+def test_a_run_killed_after_round_k_resumes_to_the_same_result(tiny_llm, tmp_path, method, mixed_ranks):
+    # Prepare: 4 rounds, 2 of 3 clients sampled per round (the sampler's state matters), one model shared by the
+    # clients (FS's default for LLMs), resume points on
     def cfg(name, **more):
         (tmp_path / name).mkdir()
-        changes = {"federate.total_round_num": 4, "federate.sample_client_num": 2, "expname": name}
+        changes = {"federate.total_round_num": 4, "federate.sample_client_num": 2, "expname": name,
+                   "federate.share_local_model": True}  # fmt: skip
         changes["federate.method"] = method
-        if _takes_mixed_ranks(method):  # heterogeneous ranks wherever the method accepts them
+        if mixed_ranks:
             changes["fedpa.client_ranks"] = "[1, 2, 4]"
         if method.startswith("hetlora"):  # a strong tail penalty prunes all of client 3's modules in round 2
             changes["fedpa.hetlora.lam"] = 50.0

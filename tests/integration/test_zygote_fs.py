@@ -3,6 +3,7 @@ bit, and the same cwd, argv, environment, stdin, exit status, traceback and time
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -91,3 +92,41 @@ def test_what_would_import_differently_runs_in_a_fresh_interpreter(tmp_path):
     assert not zygote._zygote.takes(fs_env({"PYTHONPATH": str(ROOT)}))
     proc = run_module("echo_mod", ["ok"], tmp_path, fs_env(), 60, python_args=["-S"])  # no site: a fresh one
     assert proc.returncode == 0 and Path(str(tmp_path)).name in proc.stdout
+
+
+WHOSE = "import os, sys\nprint(os.getppid(), *sys.argv[1:])\n"  # who started it: the zygote, or this process
+
+
+def test_a_zygote_slower_than_its_limit_never_fails_a_run(tmp_path, monkeypatch):
+    # Prepare: a zygote whose imports (a sleep) outlast the limit, as on a busy host (issue 88: "the test zygote did
+    # not fork" failed every FS test)
+    (tmp_path / "whose_mod.py").write_text(WHOSE)
+    monkeypatch.setenv(zygote.FORK_LIMIT, "2")
+    slow = zygote.Zygote({**zygote._import_env(fs_env()), zygote.SLOW: "1000"}, str(ROOT))
+    try:
+        # Execute, Assert: the run goes to a fresh interpreter, a child of this process, and succeeds
+        proc = slow.run("whose_mod", ["a"], tmp_path, fs_env(), 60)
+        assert proc.returncode == 0 and proc.stdout.split() == [str(os.getpid()), "a"], proc.stderr[-2000:]
+    finally:
+        slow.proc.kill()
+        slow.proc.wait()
+
+
+def test_a_zygote_that_becomes_ready_takes_the_next_runs(tmp_path, monkeypatch):
+    (tmp_path / "whose_mod.py").write_text(WHOSE)
+    import time
+
+    monkeypatch.setenv(zygote.FORK_LIMIT, "1")
+    late = zygote.Zygote({**zygote._import_env(fs_env()), zygote.SLOW: "3"}, str(ROOT))
+    try:
+        first = late.run("whose_mod", ["a"], tmp_path, fs_env(), 60)  # not ready within 1 s: a fresh interpreter
+        assert first.returncode == 0 and first.stdout.split() == [str(os.getpid()), "a"], first.stderr[-2000:]
+        # the runs after it no longer wait: fresh interpreters until the zygote is ready, then its children
+        deadline = time.monotonic() + 120
+        while (later := late.run("whose_mod", ["b"], tmp_path, fs_env(), 60)).stdout.split()[0] == str(os.getpid()):
+            assert time.monotonic() < deadline, "the zygote never became ready"
+            time.sleep(0.2)
+        assert later.returncode == 0 and later.stdout.split() == [str(late.proc.pid), "b"], later.stderr[-2000:]
+    finally:
+        late.proc.kill()
+        late.proc.wait()

@@ -9,8 +9,13 @@ What differs: what the preloaded modules print while importing goes to the zygot
 (tests that assert a command's whole output run it in a fresh interpreter), and the children share one hash seed.
 A run whose interpreter options or import-time environment differ runs in a fresh interpreter (``run_module``).
 
-Protocol, one JSON request a line on stdin: ``{"module", "args", "cwd", "env", "stdout", "stderr"}``; the zygote
-answers the child's pid on a line, then its exit status on another (negative: killed by that signal).
+Protocol: the zygote says ``ready`` on a line once it has imported; then one JSON request a line on stdin:
+``{"module", "args", "cwd", "env", "stdout", "stderr"}``, which it answers with the child's pid on a line, then its
+exit status on another (negative: killed by that signal).
+
+A slow host never fails a run: until the zygote is ready a run waits for it up to ``FS_FEDPA_ZYGOTE_FORK_TIMEOUT``
+seconds (300 by default; its imports take about 10 s on a quiet host), then runs in a fresh interpreter, as do
+the runs after it until the zygote is ready (they no longer wait).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import importlib
 import json
 import os
 import sys
+
+SLOW = "FS_FEDPA_TEST_ZYGOTE_SLOW"  # seconds: the zygote sleeps that long instead of importing (its tests)
 
 # What every FS run imports before it reads its config (FS's main, its builders, the plugin's workers).
 PRELOAD = (
@@ -83,11 +90,16 @@ def serve() -> None:
     reply = os.fdopen(os.dup(1), "w", buffering=1)
     requests = os.fdopen(os.dup(0), "r", buffering=1)
     os.dup2(2, 1)  # whatever an import prints goes to the zygote's stderr, never into the replies
-    for name in PRELOAD:
+    if slow := os.environ.get(SLOW):  # the tests of a slow host: a sleep in place of the imports
+        import time
+
+        time.sleep(float(slow))
+    for name in PRELOAD if not slow else ():
         try:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001  (a child imports it itself, and fails as a fresh interpreter would)
             print(f"zygote: could not preload {name}: {exc}", file=sys.stderr)
+    reply.write("ready\n")
     for line in requests:
         request = json.loads(line)
         sys.stdout.flush()
@@ -104,6 +116,14 @@ def serve() -> None:
 # the tests' side
 # ------------------------------------------------------------------------------------------------------------------ #
 FRESH = "FS_FEDPA_TEST_FRESH_INTERPRETERS"  # =1: every run in a fresh interpreter, as before the zygote
+FORK_LIMIT = "FS_FEDPA_ZYGOTE_FORK_TIMEOUT"  # seconds a run waits for the zygote's imports (or its fork), or 300
+
+
+def _fork_limit() -> float:
+    try:
+        return max(0.0, float(os.environ.get(FORK_LIMIT) or 300))
+    except ValueError:
+        return 300.0
 _RUNTIME_KEYS = ("FS_PROBE_", "PYTEST_", "FS_FEDPA_TEST_")  # read while a run runs (or not at all), never on import
 
 
@@ -124,6 +144,7 @@ class Zygote:
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.integration.zygote"], cwd=root, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log)  # fmt: skip
         self._buffer = b""
+        self.ready, self.late = False, False  # late: it missed the limit once, and no run waits for it again
 
     def takes(self, env: dict) -> bool:
         """Whether a run under ``env`` would import exactly what it imports under the zygote's environment."""
@@ -146,22 +167,45 @@ class Zygote:
         line, self._buffer = self._buffer.split(b"\n", 1)
         return line.decode()
 
+    def _is_ready(self) -> bool:
+        """Whether the zygote has imported: waits up to the limit, or only looks once it has missed it."""
+        import time
+
+        if not self.ready:
+            try:
+                line = self._line(time.monotonic() + (0.0 if self.late else _fork_limit()))
+            except RuntimeError:  # it exited while importing
+                return False
+            self.ready, self.late = line == "ready", line is None
+            if line is not None and not self.ready:
+                raise RuntimeError(f"the test zygote said {line!r} instead of 'ready'; its log: {self._log.name}")
+        return self.ready
+
     def run(self, module: str, args: list[str], cwd: str, env: dict, timeout: float | None):
-        """``subprocess.run([python, -m, module, *args], cwd, env, capture_output=True, text=True, timeout)``."""
+        """``subprocess.run([python, -m, module, *args], cwd, env, capture_output=True, text=True, timeout)``; in a
+        fresh interpreter while the zygote is not ready (a slow host: ``FS_FEDPA_ZYGOTE_FORK_TIMEOUT``)."""
         import signal
         import subprocess
         import tempfile
         import time
 
         cmd = [sys.executable, "-m", module, *args]
+        if not self._is_ready():
+            print(f"[zygote] not ready within {_fork_limit():g} s ({FORK_LIMIT}): {module} runs in a fresh "
+                  "interpreter", file=sys.stderr)  # fmt: skip
+            return _fresh(cmd, cwd, env, timeout)
         with tempfile.TemporaryDirectory(prefix="fs_fedpa_run_") as tmp:
             out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
             request = {"module": module, "args": list(args), "cwd": str(cwd), "env": env, "stdout": out, "stderr": err}
             self.proc.stdin.write((json.dumps(request) + "\n").encode())
             self.proc.stdin.flush()
-            pid = int(self._line(time.monotonic() + 60) or "0")
-            if not pid:
-                raise RuntimeError(f"the test zygote did not fork; its log: {self._log.name}")
+            pid = int(self._line(time.monotonic() + _fork_limit()) or "0")
+            if not pid:  # ready, yet no fork: stuck; the next run starts another
+                self.proc.kill()
+                self.proc.wait()
+                print(f"[zygote] did not fork within {_fork_limit():g} s; its log: {self._log.name}; {module} runs "
+                      "in a fresh interpreter", file=sys.stderr)  # fmt: skip
+                return _fresh(cmd, cwd, env, timeout)
             code = self._line(None if timeout is None else time.monotonic() + timeout)
 
             def read(path: str) -> str:
@@ -175,6 +219,12 @@ class Zygote:
             return subprocess.CompletedProcess(cmd, int(code), read(out), read(err))
 
 
+def _fresh(cmd: list[str], cwd, env: dict, timeout: float | None):
+    import subprocess
+
+    return subprocess.run(cmd, cwd=str(cwd), env=env, capture_output=True, text=True, timeout=timeout)
+
+
 _zygote: Zygote | None = None
 
 
@@ -182,8 +232,6 @@ def run_module(module: str, args, cwd, env: dict, timeout: float | None, *, base
     """Run ``python <python_args> -m module args`` like ``subprocess.run(..., capture_output=True, text=True)``: in a
     child of the zygote (started under ``base`` in ``root``) where that is the same run (no interpreter options, an
     environment equal to ``base`` but for what runs read while running), else in a fresh interpreter."""
-    import subprocess
-
     global _zygote
     args = [str(a) for a in args]
     if not python_args and os.environ.get(FRESH) != "1":
@@ -191,8 +239,7 @@ def run_module(module: str, args, cwd, env: dict, timeout: float | None, *, base
             _zygote = Zygote(_import_env(base), str(root))
         if _zygote.takes(env):
             return _zygote.run(module, args, cwd, env, timeout)
-    cmd = [sys.executable, *python_args, "-m", module, *args]
-    return subprocess.run(cmd, cwd=str(cwd), env=env, capture_output=True, text=True, timeout=timeout)
+    return _fresh([sys.executable, *python_args, "-m", module, *args], cwd, env, timeout)
 
 
 if __name__ == "__main__":

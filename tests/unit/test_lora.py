@@ -243,3 +243,12 @@ def test_heads_apply_the_scaled_head_products_on_frozen_bases_and_train_only_the
     assert all(torch.equal(read[n][0], heads[n][0]) and torch.equal(read[n][1], heads[n][1]) for n in heads)
     with pytest.raises(ValueError, match="do not fit bases of rank 6"):
         lora.set_heads(model, bases, {n: (torch.zeros(2, 2, 2), torch.ones(2)) for n in shapes})
+
+
+def test_built_rank_is_the_rank_peft_built_after_the_factors_change_rank():
+    # a resumed server loads its global into the model the clients share, at another rank (issue 88)
+    model = _peft_model(r=4)
+    lora.set_factors(model, _random_factors(model, 16, torch.Generator().manual_seed(0)))
+    layers = lora.lora_layers(model)
+    assert {int(layer.r["default"]) for layer in layers.values()} == {16}
+    assert {lora.built_rank(layer) for layer in layers.values()} == {4}
