@@ -23,6 +23,8 @@ def read_regular(path, limit: int, what: str) -> bytes:
     file) otherwise."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise ValueError(f"{what} cannot be read: no such file") from None
     except OSError as err:
         raise ValueError(f"{what} cannot be read: it cannot be opened ({err.strerror})") from None
     info = os.fstat(fd)

@@ -14,10 +14,10 @@ FS's own errors for a yaml it cannot read name neither the file nor the cause: :
 
 from __future__ import annotations
 
-import os
-import stat
 from collections.abc import Sequence
 from pathlib import Path
+
+from fs_fedpa.files import read_regular
 
 # FS's config nodes that take keys they do not define (federatedscope/core/configs/cfg_training.py), and the keys
 # FS defines in them, which the command line may set
@@ -66,20 +66,7 @@ def read_config(path: str, flag: str = "--cfg") -> dict:
     import yaml  # an FS dependency; only here, so the tools' --help needs none
 
     where = f"{flag} {path}"
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO's open would wait for a writer
-    except FileNotFoundError:
-        raise ValueError(f"{where}: no such file") from None
-    except OSError as exc:
-        raise ValueError(f"{where}: cannot be read ({exc.strerror})") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise ValueError(f"{where}: {'a folder' if stat.S_ISDIR(mode) else 'not a regular file'}, not a yaml")
-    with os.fdopen(fd, "rb") as f:
-        raw = f.read(CONFIG_LIMIT + 1)
-    if len(raw) > CONFIG_LIMIT:
-        raise ValueError(f"{where}: larger than {CONFIG_LIMIT >> 20} MiB, not an FS yaml")
+    raw = read_regular(path, CONFIG_LIMIT, f"{where}:")  # a FIFO is refused, never waited on
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

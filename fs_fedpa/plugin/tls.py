@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import re
 import ssl
-import stat
 from dataclasses import dataclass
-from pathlib import Path
+
+from fs_fedpa.files import read_regular
 
 SERVER_NAME = "fedpa-server"
 _CLIENT = re.compile(r"fedpa-client-([1-9][0-9]{0,8})")
@@ -83,18 +83,7 @@ def read_files(net, role: str, clients: int) -> TLSFiles | None:
 
 def _read(path: str, key: str, kind: str) -> bytes:
     where = f"fedpa.net.{key} {path!r}"
-    try:
-        info = Path(path).stat()
-    except OSError as err:
-        raise ValueError(f"{where}: cannot read it ({err.strerror})") from None
-    if not stat.S_ISREG(info.st_mode):  # a FIFO would block the read forever
-        raise ValueError(f"{where}: not a regular file")
-    if info.st_size > MAX_PEM_BYTES:
-        raise ValueError(f"{where}: {info.st_size} bytes, more than a PEM file of 1 MiB")
-    try:
-        data = Path(path).read_bytes()
-    except OSError as err:
-        raise ValueError(f"{where}: cannot read it ({err.strerror})") from None
+    data = read_regular(path, MAX_PEM_BYTES, where)  # a FIFO is refused, never waited on; /dev/zero never read
     if not re.search(rb"-----BEGIN ([A-Z]+ )?" + kind.encode() + rb"-----", data):
         what = "private key" if kind == "PRIVATE KEY" else "certificate"
         begin = "-----BEGIN ...PRIVATE KEY-----" if kind == "PRIVATE KEY" else "-----BEGIN CERTIFICATE-----"

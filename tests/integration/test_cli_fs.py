@@ -70,7 +70,7 @@ BAD_CFGS = {
     "binary": (bytes(range(128, 256)), "not UTF-8 text (byte 0x80 at offset 0)"),
     "a control character": (b"federate:\n  method: fedpa\x00\n", "not valid YAML at line 2, column 16: character"),
     "missing": (None, "no such file"),
-    "a folder": ("folder", "a folder, not a yaml"),
+    "a folder": ("folder", "it is a folder, not a regular file"),
 }
 
 

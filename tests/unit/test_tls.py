@@ -81,7 +81,7 @@ def test_good_files_give_the_partys_name(certs):
 @pytest.mark.parametrize(
     "case, match",
     [
-        ("missing", r"^fedpa.net.tls_cert '.*nowhere.pem': cannot read it \(No such file or directory\)$"),
+        ("missing", r"^fedpa.net.tls_cert '.*nowhere.pem' cannot be read: no such file$"),
         ("not_pem", r"^fedpa.net.tls_key '.*junk': not a PEM private key \(no '-----BEGIN .*PRIVATE KEY-----'"),
         ("ca_not_pem", r"^fedpa.net.tls_ca '.*junk': not a PEM certificate"),
         ("mismatch", r"^fedpa.net.tls_key '.*client_1.key' is not the key of fedpa.net.tls_cert '.*client_2.pem'"),
@@ -89,8 +89,8 @@ def test_good_files_give_the_partys_name(certs):
         ("role", r"^fedpa.net.tls_cert '.*client_1.pem' names fedpa-client-1; a server's certificate must name "
                  r"fedpa-server"),
         ("id", r"^fedpa.net.tls_cert '.*client_2.pem' names fedpa-client-2, not a client of this run \(1..1\)"),
-        ("fifo", r"^fedpa.net.tls_ca '.*fifo': not a regular file"),
-        ("huge", r"^fedpa.net.tls_cert '.*huge.pem': \d+ bytes, more than a PEM file of 1 MiB"),
+        ("fifo", r"^fedpa.net.tls_ca '.*fifo' cannot be read: it is a FIFO, not a regular file"),
+        ("huge", r"^fedpa.net.tls_cert '.*huge.pem' cannot be read: it is \d+ bytes, more than the 1048576 it can be"),
     ],
 )
 def test_a_bad_file_is_refused_in_one_line_naming_the_key_and_the_file(certs, other_ca, tmp_path, case, match):
