@@ -70,3 +70,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> Path:
+    """A CA and the certificates of a server and two clients (``fs_fedpa.tools.make_certs``; the openssl CLI)."""
+    from tests.unit.test_tls import make_certs
+
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture(scope="module")
+def other_ca(tmp_path_factory) -> Path:
+    """As :func:`certs`, under another CA."""
+    from tests.unit.test_tls import make_certs
+
+    return make_certs(tmp_path_factory.mktemp("other"))

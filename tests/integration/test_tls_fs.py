@@ -23,22 +23,12 @@ from tests.integration.conftest import fedpa_cfg, probe
 from tests.integration.test_distributed_fs import _free_ports, distributed_cfgs
 from tests.integration.test_hostile_peers_fs import _finish, _launch, _wait_for
 from tests.integration.tiny_assets import dump_yaml, fs_env
-from tests.unit.test_tls import make_certs, needs_openssl
+from tests.unit.test_tls import needs_openssl
 
 pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("distributed"), needs_openssl]
 
 GRPC = SimpleNamespace(grpc_max_send_message_length=2**27, grpc_max_receive_message_length=2**27,
                        grpc_enable_http_proxy=False, grpc_compression="no")  # FS's cfg.distribute, its defaults
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory) -> Path:
-    return make_certs(tmp_path_factory.mktemp("certs"))
-
-
-@pytest.fixture(scope="module")
-def other_ca(tmp_path_factory) -> Path:
-    return make_certs(tmp_path_factory.mktemp("other"))
 
 
 def _manager(certs: Path, name: str, role: str = "client"):

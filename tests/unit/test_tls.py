@@ -26,16 +26,6 @@ def make_certs(folder: Path, clients: int = 2) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory) -> Path:
-    return make_certs(tmp_path_factory.mktemp("certs"))
-
-
-@pytest.fixture(scope="module")
-def other_ca(tmp_path_factory) -> Path:
-    return make_certs(tmp_path_factory.mktemp("other"))
-
-
 @needs_openssl
 def test_the_maker_writes_a_ca_and_one_certificate_per_party_that_openssl_verifies(certs):
     # Assert: each party's certificate chains to the CA and names its party (checked by the openssl CLI, not the
