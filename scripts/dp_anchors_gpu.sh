@@ -11,7 +11,7 @@ common=(data.root "$CARRY/glue" use_gpu True device 0 federate.method fedit fede
   federate.sample_client_num 1 federate.total_round_num 18 federate.save_to "''" data.splitter iid
   dataloader.batch_size 1024 train.local_update_steps 10 train.optimizer.lr 0.001 eval.freq 6 fedpa.num_threads 4
   fedpa.records.diagnostics full)
-dp=(model.seqcls.pack_len 0 fedpa.dp.mode sample fedpa.dp.clip 1.0 fedpa.dp.epsilon 8 fedpa.dp.sampling poisson fedpa.dp.accountant pld)
+dp=(model.seqcls.pack_len 0 early_stop.patience 0 fedpa.dp.mode sample fedpa.dp.clip 1.0 fedpa.dp.epsilon 8 fedpa.dp.sampling poisson fedpa.dp.accountant pld)
 start=$(date +%s)
 launch() {
   local name=$1; shift
