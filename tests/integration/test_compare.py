@@ -81,7 +81,7 @@ def test_bad_cells_are_refused_before_any_run(tmp_path, capsys):
             main(["--cfg", str(cfg), "--out", str(tmp_path / "o"), *argv])
     with pytest.raises(SystemExit) as refusal:  # argparse's exit: code 2, the one line on stderr
         main(["--cfg", str(tmp_path / "missing.yaml"), "--out", str(tmp_path / "o"), "--methods", "fedpa"])
-    assert refusal.value.code == 2 and "missing.yaml: no such file" in capsys.readouterr().err
+    assert refusal.value.code == 2 and "missing.yaml: cannot be read: no such file" in capsys.readouterr().err
 
 
 def test_every_method_runs_through_the_runner_and_gets_its_row(tiny_llm, tmp_path):

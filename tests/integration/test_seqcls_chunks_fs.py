@@ -115,16 +115,20 @@ def assert_evaluates_to(trainer_class, model, loader, cfg, logits, labels) -> No
     assert metrics["val_loss"] == pytest.approx(float(loss), rel=1e-5)
 
 
+SEQCLS = ["model.type", "tiny@seqcls_llm"]  # packing is the encoder's: refused on any other model
+
+
 @pytest.mark.parametrize("opts,why", [
     (["model.seqcls.train_chunk", -1], "must be 0"),
     (["model.seqcls.eval_chunk", -3], "must be 0"),
     (["model.seqcls.train_chunk", 32, "fedpa.dp.mode", "sample", "fedpa.dp.clip", 1.0,
       "fedpa.dp.noise_multiplier", 1.0], "DP-SGD forwards its batches in chunks"),
     (["model.seqcls.pack_len", -1], r"pack_len\(=-1\) must be 0"),
-    (["model.seqcls.pack_len", 64, "model.seqcls.train_chunk", 8], "pack_len with model.seqcls.train_chunk"),
-    (["model.seqcls.pack_len", 64, "model.seqcls.eval_chunk", 8], "pack_len with model.seqcls.eval_chunk"),
-    (["model.seqcls.pack_len", 64, "fedpa.dp.mode", "sample", "fedpa.dp.clip", 1.0,
+    ([*SEQCLS, "model.seqcls.pack_len", 64, "model.seqcls.train_chunk", 8], "pack_len with model.seqcls.train_chunk"),
+    ([*SEQCLS, "model.seqcls.pack_len", 64, "model.seqcls.eval_chunk", 8], "pack_len with model.seqcls.eval_chunk"),
+    ([*SEQCLS, "model.seqcls.pack_len", 64, "fedpa.dp.mode", "sample", "fedpa.dp.clip", 1.0,
       "fedpa.dp.noise_multiplier", 1.0], "per-example gradients need one record a row"),
+    (["model.seqcls.pack_len", 64], "packs the records of a '@seqcls_llm' encoder only"),  # FS's default model: lr
 ])  # fmt: skip
 def test_a_bad_chunk_or_pack_value_is_refused_naming_it(opts, why):
     from federatedscope.core.configs.config import global_cfg
