@@ -313,6 +313,9 @@ def readme(info: dict) -> str:
         ]
         if "mix" in entry:
             lines += ["FedDPA mixes two adapters per input; `fs_fedpa.export.load` rebuilds the mixing:"]
+            if (info.get("privacy") or {}).get("dp_mode") == "sample":  # the mix reads raw training inputs
+                lines += ["", "Under DP-SGD the mix weighs each input by its similarity to the client's training "
+                          "inputs: predictions made with it are outside the privacy guarantee.", ""]  # fmt: skip
         elif entry.get("global") and "adapter" in info["global"]:
             head = entry.get("head")
             R_i = clients[first].get("reference_rank", info["R_g"])

@@ -500,3 +500,18 @@ def test_export_refuses_a_planted_view_a_misshapen_factor_or_no_run_identity(tin
     end_state.write_bytes(good_state)
     _one_line_refusal(proc, str(end_state), "field 'run'", "cannot be told from another run's")
     assert not (tmp_path / "anonymous_client").exists()
+
+
+@pytest.mark.parametrize("dp_mode,said", [("sample", True), ("client", False), (None, False)])
+def test_feddpas_mix_under_dp_sgd_is_marked_outside_the_guarantee_in_the_readme(dp_mode, said):
+    """The mix weighs each input by its similarity to the client's raw training inputs: under DP-SGD the export's
+    README says predictions made with it are outside the guarantee (issue 88; before, nothing said so)."""
+    from fs_fedpa.plugin import export_fs
+
+    mix = {"mix": {"global": "g", "personal": "p", "w": 0.5}, "head": None}
+    privacy = {"dp_mode": dp_mode, "dp_files": ["global"], "not_dp_files": []} if dp_mode else {}
+    info = {"task_type": "SEQ_CLS", "num_labels": 2, "final_metrics": {}, "method": "feddpa_t", "R_g": 4,
+            "base_model": "base", "lora_alpha": 8.0, "use_rslora": False, "client_ranks": [4], "reference_ranks": [4],
+            "global": {}, "privacy": privacy,
+            "clients": {"1": {"paper": mix, "rank": 4, "reference_rank": 4}}}  # fmt: skip
+    assert ("outside the privacy guarantee" in export_fs.readme(info)) == said
