@@ -313,7 +313,7 @@ def readme(info: dict) -> str:
         ]
         if "mix" in entry:
             lines += ["FedDPA mixes two adapters per input; `fs_fedpa.export.load` rebuilds the mixing:"]
-            if (info.get("privacy") or {}).get("dp_mode") == "sample":  # the mix reads raw training inputs
+            if per_example((info.get("privacy") or {}).get("dp_mode") or "none"):  # the mix reads raw training inputs
                 lines += ["", "Under DP-SGD the mix weighs each input by its similarity to the client's training "
                           "inputs: predictions made with it are outside the privacy guarantee.", ""]  # fmt: skip
         elif entry.get("global") and "adapter" in info["global"]:
@@ -424,3 +424,10 @@ def export_client(cfg, model, method, client: int, state: dict, received, factor
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         json.dump({str(client): entry}, f)
     os.replace(path + ".tmp", path)
+
+
+def per_example(mode: str) -> bool:
+    """Whether a run of DP mode ``mode`` (an export's manifest) trained by DP-SGD on each client's records."""
+    from fs_fedpa.privacy.registry import entry
+
+    return entry(mode).per_example
