@@ -118,15 +118,13 @@ def per_example_grads(taps: LinearTaps, owners: Sequence[tuple[nn.Linear, str]],
                       b: int) -> list[Tensor] | None:  # fmt: skip
     """``(b, *p.shape)`` float32 for each owned tensor p: ``g_j^T x_j`` for a weight, ``sum_t g_jt`` for a bias,
     summed over a module's calls; ``output_grads`` are dL/dy for :meth:`LinearTaps.outputs`, in that order. None when
-    a call's leading dimension is not the batch's (a module fed flattened records cannot be split by record)."""
-    grads_of = _module_grads(taps, owners, output_grads, b)
-    if grads_of is None:
+    a call's leading dimension is not the batch's (a module fed flattened records cannot be split by record).
+    (:func:`per_example_matrix`, split back into the tensors' shapes.)"""
+    matrix = per_example_matrix(taps, owners, output_grads, b)
+    if matrix is None:
         return None
-    out = []
-    for m, role in owners:
-        t = grads_of.get(m, {}).get(role)
-        out.append(t if t is not None else torch.zeros(b, *getattr(m, role).shape, device=getattr(m, role).device))
-    return out
+    shapes = [getattr(m, role).shape for m, role in owners]
+    return [t.view(b, *s) for t, s in zip(matrix.split([s.numel() for s in shapes], 1), shapes)]
 
 
 def per_example_matrix(taps: LinearTaps, owners: Sequence[tuple[nn.Linear, str]],
