@@ -353,11 +353,17 @@ def _check_tensor(t, where: str) -> None:
         raise ValueError(f"{where} is a {type(t).__name__}, not a tensor")
     if t.layout != torch.strided or not t.is_floating_point():
         raise ValueError(f"{where} is a {t.dtype} tensor of layout {t.layout}, not a dense floating-point one")
-    if any(stride <= 0 for size, stride in zip(t.shape, t.stride()) if size > 1) or (
-        t.untyped_storage().nbytes() < t.numel() * t.element_size()
-    ):
+    if not owns_storage(t):
         shape = tuple(t.shape)
         raise ValueError(f"{where} is a view of shape {shape} and strides {t.stride()} over a smaller storage")
+
+
+def owns_storage(t: Tensor) -> bool:
+    """Whether every element of the dense tensor ``t`` has storage of its own (not a planted stride-0 view of 10^12
+    elements over a few bytes): from its strides and storage size, no value read."""
+    return all(stride > 0 for size, stride in zip(t.shape, t.stride()) if size > 1) and (
+        t.untyped_storage().nbytes() >= t.numel() * t.element_size()
+    )
 
 
 def _check_finite(t: Tensor, where: str) -> None:

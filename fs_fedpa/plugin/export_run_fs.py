@@ -15,6 +15,7 @@ from fs_fedpa.methods import FederatedMethod
 from fs_fedpa.plugin.export_fs import Exporter, run_info
 from fs_fedpa.plugin.global_model import other_plan
 from fs_fedpa.plugin.run_folder_fs import CHECKPOINT, identity, same_run
+from fs_fedpa.resume import owns_storage
 
 logger = logging.getLogger(f"federatedscope.{__name__}")
 
@@ -173,9 +174,7 @@ def check_views(value, path: Path) -> None:
     """Refuse a tensor whose elements have no storage of their own (a planted stride-0 view of 10^12 elements): from
     its strides and storage size, before any value of it is read."""
     for name, tensor in _tensors(value):
-        if tensor.layout != torch.strided or any(
-            stride <= 0 for size, stride in zip(tensor.shape, tensor.stride()) if size > 1
-        ) or tensor.untyped_storage().nbytes() < tensor.numel() * tensor.element_size():  # fmt: skip
+        if tensor.layout != torch.strided or not owns_storage(tensor):
             raise ValueError(f"{path}: tensor {name} is a view of shape {tuple(tensor.shape)} and strides "
                              f"{tensor.stride()} over a smaller storage; refusing to export it")  # fmt: skip
 
