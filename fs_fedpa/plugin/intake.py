@@ -27,7 +27,7 @@ from torch import Tensor
 from fs_fedpa.core.norms import product_sq_norm
 from fs_fedpa.core.uploads import upload_problem
 from fs_fedpa.lora import Factors
-from fs_fedpa.plugin.payload import MAX_ELEMENT_SIZE, decode_parts, decode_tensors, encoded_length, shown
+from fs_fedpa.plugin.payload import decode_parts, decode_tensors, shown
 
 MAX_ABS = 1e6  # far above any trained LoRA factor or head, far below what overflows the float32 Gram of a stack
 MAX_SAMPLES = 1e15  # more examples than any client has; beyond it a weight is an attack or a bug
@@ -180,19 +180,14 @@ def _check_upload(size, content, expected_parts, complete, shapes, ranks, shared
     # <= min(d, k) has at most d * k (a name the run does not have: the largest, so that its own check names it)
     limits = {name: d * k for name, (d, k) in shapes.items()}
     limits.update({name: math.prod(shape) for name, shape in shared_shapes.items()})
-    largest = max(limits.values(), default=0)
-    # and the longest text an encoded factor may be: B of a (d, k) module at the ranks the client uploads holds
-    # d x r values, A r x k (a method's own parts hold fewer: Ravan's (heads, r_h, r_h) cores), float64 at most;
-    # a B claiming (d, k) is refused by its length, before it is decoded and its rank checked
+    # and the most an encoded factor may hold, which bounds its text: B of a (d, k) module at the ranks the client
+    # uploads holds d x r values, A r x k (a method's own parts hold fewer: Ravan's (heads, r_h, r_h) cores); a B
+    # claiming (d, k) is refused by its length, before it is decoded and its rank checked
     r = max(ranks, default=0)
-    chars = {name: {"B": d * r, "A": r * k} for name, (d, k) in shapes.items()}
-
-    def max_chars(name: str, part: str) -> int:
-        return encoded_length(MAX_ELEMENT_SIZE * chars.get(name, {}).get(part, largest))
-
+    sent = {name: {"B": d * r, "A": r * k} for name, (d, k) in shapes.items()}
     try:
-        parts = decode_parts(lora, lambda name: limits.get(name, largest), max_chars)
-        shared = decode_tensors(dict.get(content, "shared", {}), lambda name: limits.get(name, largest))
+        parts = decode_parts(lora, limits, sent)
+        shared = decode_tensors(dict.get(content, "shared", {}), limits)
     except ValueError as err:
         return f"undecodable payload ({err})"
     for name, sent in parts.items():

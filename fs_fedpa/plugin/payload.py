@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import base64
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
@@ -125,24 +125,29 @@ def encode_tensors(tensors: Mapping[str, Tensor], wire: bool = False) -> dict:
 
 def decode_parts(
     flat: Mapping[str, object],
-    max_numel: Callable[[str], int] | None = None,
-    max_chars: Callable[[str, str], int] | None = None,
+    max_numel: Mapping[str, int] | None = None,
+    max_sent: Mapping[str, Mapping[str, int]] | None = None,
 ) -> dict[str, dict[str, Tensor]]:
     """``module -> {"B": B, "A": A}`` with whichever factors were sent (tensor objects or their encodings).
 
     ``flat`` must be a dict (read through dict's own methods: no method a sender's subclass defines is called).
-    ``max_numel(module)``: the most values one factor of that module may have, checked before a tensor is copied
-    or decoded (a tensor expanded to 10^12 entries is refused, not cloned). ``max_chars(module, part)``: the longest
-    base64 text that factor's encoding may have, checked first, before its shape is read or anything decoded."""
+    ``max_numel[module]``: the most values one factor of that module may have (a module it does not name: the
+    largest it names), checked before a tensor is copied or decoded (a tensor expanded to 10^12 entries is refused,
+    not cloned). ``max_sent[module][part]``: the most values that factor's encoding may hold (else the largest of
+    ``max_numel``), which bounds its base64 text at float64's size, checked first, before its shape is read or
+    anything decoded."""
     if not isinstance(flat, dict):
         raise ValueError(f"factors must be a mapping (a dict) of '<module>{SEP}B|A' to tensors, got {_what(flat)}")
+    largest = max(max_numel.values(), default=0) if max_numel is not None else None
     names: dict[str, dict[str, Tensor]] = {}
     for key, value in list(dict.items(flat)):
         name, _, part = str.rpartition(key, SEP) if isinstance(key, str) else ("", "", "")
         if part not in ("A", "B") or not name:
             raise ValueError(f"malformed factor key {shown(key, 80)!r}: expected '<module>{SEP}A' or '<module>{SEP}B'")
-        limit = None if max_numel is None else max_numel(name)
-        chars = None if max_chars is None else max_chars(name, part)
+        limit = None if max_numel is None else max_numel.get(name, largest)
+        chars = None
+        if max_sent is not None:
+            chars = encoded_length(MAX_ELEMENT_SIZE * max_sent.get(name, {}).get(part, largest or 0))
         try:
             names.setdefault(name, {})[part] = _tensor(value, limit, "a factor of its module", chars)
         except ValueError as err:
@@ -159,15 +164,16 @@ def decode_factors(flat: Mapping[str, object]) -> Factors:
     return {n: (parts["B"], parts["A"]) for n, parts in names.items()}
 
 
-def decode_tensors(flat: Mapping[str, object], max_numel: Callable[[str], int] | None = None) -> dict[str, Tensor]:
+def decode_tensors(flat: Mapping[str, object], max_numel: Mapping[str, int] | None = None) -> dict[str, Tensor]:
     """Shared tensors by name from tensor objects or their encodings; ``flat`` and ``max_numel`` as in
-    :func:`decode_parts` (``max_numel(name)``: the values of the shared tensor ``name``)."""
+    :func:`decode_parts` (``max_numel[name]``: the values of the shared tensor ``name``)."""
     if not isinstance(flat, dict):
         raise ValueError(f"shared tensors must be a mapping (a dict) of names to tensors, got {_what(flat)}")
+    largest = max(max_numel.values(), default=0) if max_numel is not None else None
     out = {}
     for key, value in list(dict.items(flat)):
         name = str.__str__(key) if isinstance(key, str) else shown(key, 80)
-        limit = None if max_numel is None else max_numel(name)
+        limit = None if max_numel is None else max_numel.get(name, largest)
         try:
             out[name] = _tensor(value, limit, "the shared tensor")
         except ValueError as err:

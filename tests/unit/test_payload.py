@@ -178,20 +178,20 @@ def test_a_tensor_expanded_to_10_to_the_12_is_refused_before_it_is_copied_or_cou
     with pytest.raises(
         ValueError, match=r"q\|B: a tensor of shape \(1000000, 1000000\) \(1000000000000 values\), more"
     ):
-        decode_parts({"q|B": huge}, lambda name: 12 * 10)
+        decode_parts({"q|B": huge}, {"q": 12 * 10})
     with pytest.raises(ValueError, match="repeats the 4 bytes it holds"):
         decode_parts({"q|B": huge})
     with pytest.raises(ValueError, match="more than the shared tensor can hold"):
-        decode_tensors({"head": huge}, lambda name: 4)
+        decode_tensors({"head": huge}, {"head": 4})
     with pytest.raises(ValueError, match="more than"):  # an encoding's claimed shape, before its data is read
-        decode_parts({"q|B": {**GOOD, "shape": [1000, 1000]}}, lambda name: 12 * 10)
+        decode_parts({"q|B": {**GOOD, "shape": [1000, 1000]}}, {"q": 12 * 10})
     assert nbytes({"lora": {"q|B": huge}}) == 4  # what the tensor holds, not the 4 TB its shape claims
 
 
 def test_a_tensor_within_its_modules_size_is_decoded_as_before():
     B = torch.randn(12, 5)
-    assert torch.equal(decode_parts({"q|B": B}, lambda name: 12 * 10)["q"]["B"], B)
-    assert torch.equal(decode_parts({"q|B": to_wire(B)}, lambda name: 60)["q"]["B"], B)  # exactly the limit
+    assert torch.equal(decode_parts({"q|B": B}, {"q": 12 * 10})["q"]["B"], B)
+    assert torch.equal(decode_parts({"q|B": to_wire(B)}, {"q": 60})["q"]["B"], B)  # exactly the limit
 
 
 def test_hostile_python_objects_are_refused_by_type_without_calling_them():
