@@ -60,7 +60,7 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
         self.method = build_method(self._cfg, self.model)
         # diagnostics off: none computed, not only not sent; under DP-SGD the task gradient is the noisy one
         policy = privacy.mechanism_of(self.method.cfg).Client
-        self.alignment = Alignment(self.method, self.method.cfg.records.full and policy.gradient_diagnostics)
+        self.alignment = Alignment(self.method, policy.task_gradient_diagnostics(self.method.cfg.records.full))
         local_names, shared_names = non_lora_trainables(self.model, self._cfg.personalization.local_param)
         store = state_store(self._cfg, self.method.cfg.store.state_budget_mb)
         self.kept = ClientState(store, keep_received=bool(self.method.cfg.export.dir))

@@ -1,8 +1,8 @@
 """The global adapter as the server holds, checkpoints and sends it (:class:`GlobalModel`, a collaborator of
 :class:`~fs_fedpa.plugin.server.FedPAServer`): the global factors (effective, rank R_g), written into the server's
-FS model after every aggregation so that FS's server-side evaluation and checkpoints see them; the shared tensors;
-the merges into the base weights (:class:`~fs_fedpa.merge_ledger.MergeLedger`); and each client's downlink message,
-with its byte count."""
+FS model once after every aggregation so that FS's server-side evaluation and checkpoints see them; the shared
+tensors; the merges into the base weights (:class:`~fs_fedpa.merge_ledger.MergeLedger`); each client's downlink
+message, with its byte count; and the round it sent, which the aggregation reads (:meth:`GlobalModel.round_input`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from fs_fedpa import export, lora
+from fs_fedpa.aggregation import RoundInput
 from fs_fedpa.lora import Factors
 from fs_fedpa.merge_ledger import MergeLedger
 from fs_fedpa.methods.base import FederatedMethod
@@ -39,6 +40,7 @@ class GlobalModel:
         self.merges = MergeLedger()  # exact-aggregation methods: merges into the base weights, and who holds them
         self.down_bytes: dict[int, int] = {}
         self.late_down: dict[int, int] = {}  # merge bytes that rode on evaluation messages: next round's downlink
+        self.rnd, self.receivers = 0, ()  # the round sent last (open_round)
 
     @property
     def device(self) -> torch.device:
@@ -60,19 +62,22 @@ class GlobalModel:
                     params[name].copy_(value)
             self.keep_shared()
 
-    def adopt(self, done) -> dict[str, Tensor]:
-        """Install a round's aggregate (:class:`~fs_fedpa.plugin.aggregator.Aggregated`): a client whose stored state
-        was lost is sent every merge again, and the new global adapter goes into the model (:meth:`install`).
-        Returns the model state it wrote, keyed as the model's ``state_dict`` (the raw global factors at rank R_g
-        and the shared tensors): what the aggregator hands FS, which merges it into its model."""
+    def adopt(self, done) -> None:
+        """Install a round's aggregate (:class:`~fs_fedpa.aggregation.Aggregated`): a client whose stored state was
+        lost is sent every merge again, and the new global adapter goes into the model (:meth:`install`), the one
+        write of it a round (FS then merges nothing: the aggregator returns it {})."""
         for client in done.lost:
             self.merges.forget(client)
         self.install(done.global_factors, done.shared, done.merge)
-        key = self._state_keys(self.model.state_dict())
-        written = [w for layer in lora.lora_layers(self.model).values() for w in lora.adapter_weights(layer)]
-        params = dict(self.model.named_parameters())
-        written += [params[n] for n in self.shared_names]
-        return {key[id(p)]: p.detach() for p in written}
+
+    def open_round(self, rnd: int, receivers) -> None:
+        """The server sends round ``rnd``'s model to ``receivers``: the round :meth:`round_input` gives."""
+        self.rnd, self.receivers = rnd, tuple(sorted(receivers))
+
+    def round_input(self) -> RoundInput:
+        """The round being aggregated, as :meth:`open_round` opened it: its receivers, the global factors and shared
+        tensors it started from and the bytes each client was sent."""
+        return RoundInput(self.rnd, self.receivers, self.factors, dict(self.down_bytes), dict(self.shared))
 
     def keep_shared(self) -> None:
         """The server's own CPU copy of the shared tensors as its model holds them now (after install or restore):

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import math
 import numbers
-import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from fs_fedpa.core.norms import product_sq_norm
 from fs_fedpa.core.uploads import upload_problem
 from fs_fedpa.lora import Factors
 from fs_fedpa.plugin.payload import decode_parts, decode_tensors, shown
@@ -264,29 +262,3 @@ def _numpy_scalar(value: object) -> bool:
     """A numpy number (``np.float64(2.0)``; not an array), by its type alone."""
     kind = type(value)
     return kind.__module__ == "numpy" and issubclass(kind, numbers.Number)
-
-
-def cap_weights(weights: list[float], ratio: float) -> list[float]:
-    """``w_i <- min(w_i, ratio * median of the positive w)`` (``fedpa.max_weight_ratio``; 0: unchanged): no single
-    client's declared sample size can outweigh the others by more than ``ratio``. A zero weight (a client that
-    trained on no example) stays 0 and takes no part in the median, so zero-size clients cannot pull the ceiling
-    to 0 and cap the honest weights away; with no positive weight the weights are returned unchanged."""
-    positive = [w for w in weights if w > 0]
-    if not ratio or not positive:
-        return list(weights)
-    ceiling = ratio * statistics.median(positive)
-    return [min(w, ceiling) for w in weights]
-
-
-def norm_outliers(norms: list[float], factor: float) -> list[int]:
-    """Positions whose update norm exceeds ``factor`` times the median of the round (``fedpa.norm_outlier``; 0 or
-    fewer than 3 uploads: none). A median is what a minority of poisoned uploads cannot move far."""
-    if not factor or len(norms) < 3:
-        return []
-    ceiling = factor * statistics.median(norms)
-    return [i for i, n in enumerate(norms) if n > ceiling]
-
-
-def update_norm(factors: Factors) -> float:
-    """``||Delta W_i||_F`` over all LoRA modules, ``sqrt(sum ||B A||_F^2)``, without forming a product."""
-    return math.sqrt(product_sq_norm(factors))

@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
-from dataclasses import dataclass
 
 import torch
 
-from fs_fedpa.core.diagnostics import aggregate_norm, aggregation_error, initialization_error
-from fs_fedpa.core.norms import change_sq_norm, factored_norm, product_distance, product_sq_norm
+from fs_fedpa.core.diagnostics import initialization_error
+from fs_fedpa.core.norms import change_sq_norm, factored_norm, product_distance
 from fs_fedpa.lora import Factors
-from fs_fedpa.record import DIAGNOSTICS_FILE, RoundRecord
+from fs_fedpa.record import DIAGNOSTICS_FILE
 from fs_fedpa.resume import plain
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
@@ -155,96 +153,3 @@ class RoundLog:
 def _g(value, spec: str = ".4g") -> str:
     """A diagnostic for the log: formatted, or ``null`` where the record holds None (it was not finite)."""
     return "null" if value is None else format(value, spec)
-
-
-@dataclass(frozen=True)
-class RecordHead:
-    """The fields of a round's record that the round gives, not the uploads: its number, the method, the module
-    whose spectrum is probed and the bytes each client was sent (by id, as a string)."""
-
-    rnd: int
-    method: object
-    probe_module: str
-    bytes_down: dict[str, int]
-
-
-def new_record(head: RecordHead) -> RoundRecord:
-    return RoundRecord(
-        round=head.rnd,
-        method=head.method.name,
-        svd=head.method.cfg.svd,
-        R_g=head.method.plan.R_g,
-        probe_module=head.probe_module,
-        bytes_down=dict(head.bytes_down),
-    )
-
-
-def round_record(head: RecordHead, uploads, weights, clients, new_global, spectra, stats) -> RoundRecord:
-    """Diagnostics of one aggregation, from factors only (no d x k matrix). A diagnostic is never a reason to drop
-    an upload or stop a round: one that cannot be computed (e.g. an overflow after a legal but huge upload) is None,
-    with a warning, and one that is not finite is written as null (:meth:`RoundRecord.to_dict`). With
-    the aggregate's diagnostics, which cost as much as a reconstruction, computed only under ``fedpa.records.diagnostics
-    full``: else they are None."""
-    method = head.method  # ``uploads``: as applied factors (each expanded once, when it was checked)
-    record = new_record(head)
-    record.clients, record.weights = list(clients), list(weights)
-    blank_aggregate(record)
-    if method.cfg.records.full:
-        try:
-            _aggregate_diagnostics(record, method.expand(new_global), uploads, weights, spectra)
-        except (RuntimeError, ValueError, ArithmeticError) as err:
-            logger.warning(
-                f"[fedpa] round {head.rnd}: the aggregate's diagnostics cannot be computed ({type(err).__name__}: "
-                f"{err}); recorded as null, and the aggregate is installed"
-            )
-            blank_aggregate(record)
-    record.add_client_stats(list(clients), stats)
-    record.upload_ranks = {str(c): sorted({B.shape[1] for B, _ in u.values()}) for c, u in zip(clients, uploads)}
-    return record
-
-
-def blank_aggregate(record: RoundRecord) -> None:
-    record.e_agg = record.e_agg_rel = record.global_update_norm = record.global_norm = record.e_agg_probe = None
-
-
-def _aggregate_diagnostics(record: RoundRecord, new_global, uploads, weights, spectra) -> None:
-    """E_agg (absolute, relative, of the probe module), ||sum_i w_i Delta W_i||_F, ||B_g A_g||_F, the probe's
-    spectrum: summed over modules, into ``record``."""
-    errors, norms, global_sq = {}, {}, 0.0
-    for name, (B_g, A_g) in new_global.items():
-        Bs = [u[name][0] for u in uploads]
-        As = [u[name][1] for u in uploads]
-        errors[name] = float(aggregation_error(Bs, As, B_g, A_g, weights=weights))
-        norms[name] = float(aggregate_norm(Bs, As, weights=weights))
-        global_sq += float(factored_norm(B_g, A_g)) ** 2
-    e_agg = math.sqrt(sum(e**2 for e in errors.values()))
-    ideal = math.sqrt(sum(n**2 for n in norms.values()))
-    record.e_agg, record.e_agg_rel = e_agg, (e_agg / ideal if ideal > 0 else 0.0)
-    record.global_update_norm, record.global_norm = ideal, math.sqrt(global_sq)
-    record.e_agg_probe = errors[record.probe_module]
-    record.spectrum_probe = [float(s) for s in spectra.get(record.probe_module, torch.zeros(0))]
-
-
-def private_record(head: RecordHead, clients: list[int], weight: float, new_global, spectra, release) -> dict:
-    """The round record under client-level DP: post-processing of the release only (each of the K receivers
-    ``weight`` 1/K). E_agg, the spectrum and the norms describe the noisy mean; nothing is read from a client's
-    upload or statistics."""
-    method = head.method
-    record = new_record(head)
-    record.clients = list(clients)
-    record.weights = [weight] * len(clients)
-    blank_aggregate(record)
-    if method.cfg.records.full:
-        expanded = method.expand(new_global)
-        global_sq = product_sq_norm(expanded)
-        record.global_norm = global_sq**0.5
-        if method.dp_space == "product":
-            errors = {n: float(torch.linalg.matrix_norm(M.double() - B.double() @ A.double()))
-                      for n, (B, A), M in ((n, expanded[n], release[n]) for n in release)}  # fmt: skip
-            ideal = sum(float(M.double().pow(2).sum()) for M in release.values()) ** 0.5
-            record.e_agg = sum(e**2 for e in errors.values()) ** 0.5
-            record.e_agg_rel = record.e_agg / ideal if ideal > 0 else 0.0
-            record.global_update_norm = ideal
-            record.e_agg_probe = errors[record.probe_module]
-        record.spectrum_probe = [float(s) for s in spectra.get(record.probe_module, torch.zeros(0))]
-    return record.to_dict()

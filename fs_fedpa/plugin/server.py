@@ -6,9 +6,9 @@ the round watchdog) or collaborators: :class:`~fs_fedpa.plugin.global_model.Glob
 tensors and merges in the server's model, FS's checkpoint of them, each client's downlink message),
 :class:`~fs_fedpa.plugin.aggregator.FedPAAggregator` (FS has no aggregator
 registry, so the server installs it itself, in ``self.aggregator`` and ``self.aggregators[0]``; FS calls its
-``aggregate``, which reads the round from the server's ``_round_input``, installs the result through
-``GlobalModel.adopt`` and returns the model state written, which FS merges into its model; FS's ``save_model`` and
-``load_model`` are the global model's checkpoint),
+``aggregate``, which reads the round from ``GlobalModel.round_input``, aggregates it without FS
+(:func:`fs_fedpa.aggregation.aggregate_round`), writes the result into the model through ``GlobalModel.adopt`` and
+returns {}, the state FS merges; FS's ``save_model`` and ``load_model`` are the global model's checkpoint),
 :class:`~fs_fedpa.plugin.record_fs.RoundLog`, :class:`~fs_fedpa.plugin.resume_fs.ServerResume` and the DP policy (:func:`fs_fedpa.privacy.server_policy`).
 """
 
@@ -25,7 +25,7 @@ from federatedscope.core.workers import Server
 
 from fs_fedpa import lora, privacy, resume
 from fs_fedpa.plugin import auth, tls_fs
-from fs_fedpa.plugin.aggregator import FedPAAggregator, RoundInput
+from fs_fedpa.plugin.aggregator import FedPAAggregator
 from fs_fedpa.plugin.common import build_method, layer_shapes, non_lora_trainables, send
 from fs_fedpa.plugin.export_fs import check_export_dir
 from fs_fedpa.plugin.fs_patches import grpc_comm_manager, no_aggregator_notice
@@ -66,24 +66,20 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
         local_names, self.shared_names = non_lora_trainables(self.model, self._cfg.personalization.local_param)
         params = dict(self.model.named_parameters())
         policy = privacy.mechanism_of(self.method.cfg).Server
-        # client-level DP: the server's files hold the initial values of the clients' local tensors (a head)
-        public_locals = {n: params[n].detach().cpu().clone() for n in local_names} if policy.locals_public else {}
+        public_locals = policy.checkpoint_locals({n: params[n] for n in local_names})  # what its files keep of them
         self.globals = GlobalModel(self.model, self.method, self.shared_names, public_locals)
         self.generator = torch.Generator().manual_seed(self.method.seed + 1)  # sketches
         self.privacy = policy(self._cfg, self.method, clients=self.client_num, rounds=self.total_round_num,
                               per_round=self.sample_client_num, shared_names=self.shared_names,
                               global_factors=self.globals.factors)  # fmt: skip
-        if self.privacy.draws_any_number:
-            # a Poisson round draws any number of the N clients (K is the expected number, privacy.K), and FS
-            # asserts that a round never waits for more than sample_client_num
-            self.sample_client_num = self.client_num
+        self.sample_client_num = self.privacy.most_replies(self.sample_client_num)  # FS: no round waits for more
         # the records, carried by resume points
         self.round_log = RoundLog(self._cfg.outdir, self.method.cfg.records)
         shapes = (layer_shapes(self.model), {n: tuple(params[n].shape) for n in self.shared_names})
         self.aggregator = FedPAAggregator(
             self.method, self.round_log, global_model=self.globals, run=self.identity, privacy=self.privacy,
             generator=self.generator, shapes=shapes, distributed=self._cfg.federate.mode.lower() == "distributed",
-            ignore_weight=self._cfg.federate.ignore_weight, round_of=self._round_input,
+            ignore_weight=self._cfg.federate.ignore_weight,
         )  # fmt: skip
         self.aggregators[0] = self.aggregator
         self._install_inbox()  # before any client's message reaches FS
@@ -143,17 +139,17 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
                 self.write_resume_point()
         if filter_unseen_clients:
             self.sampler.change_state(self.unseen_clients_id, "unseen")
-        if msg_type == "model_para" and self.privacy.draws_receivers:
-            receivers = self.privacy.receivers()  # client-level DP: the DP generator draws K, not FS's sampler
-            self.sampler.change_state(receivers, "working")
-        elif sample_client_num > 0:
-            receivers = self.sampler.sample(size=sample_client_num)
-        else:
-            receivers = list(self.comm_manager.neighbors.keys())
-            if msg_type == "model_para":
-                self.sampler.change_state(receivers, "working")
+
+        def draw() -> list[int]:  # FS's receivers
+            if sample_client_num > 0:
+                return self.sampler.sample(size=sample_client_num)
+            return list(self.comm_manager.neighbors.keys())
+
+        receivers = self.privacy.receivers(draw) if msg_type == "model_para" else draw()
         if msg_type == "model_para":
+            self.sampler.change_state(receivers, "working")
             self._expected = set(receivers)
+            self.globals.open_round(self.state, receivers)
         rnd = self.state - 1 if msg_type == "evaluate" else self.state  # FS: evaluation closes a round
         if msg_type == "evaluate":  # the only evaluations the server accepts next (ServerInbox)
             self._eval_round, self._eval_expected = min(rnd, self.total_round_num), set(receivers)
@@ -163,25 +159,20 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
         if filter_unseen_clients:
             self.sampler.change_state(self.unseen_clients_id, "seen")
         self._progress = time.monotonic()  # the round's wait starts now: sending to every receiver can take a while
-        if msg_type == "model_para" and not receivers and self.privacy.draws_any_number:
-            # a Poisson draw of no client: no message will arrive, so the round releases its noise alone now
-            logger.info(f"[fedpa] round {self.state}: the Poisson draw sampled no client; the release is noise alone")
+        if msg_type == "model_para" and self.privacy.replies(receivers) == 0:
+            # no message will arrive: the round aggregates (a DP release: noise alone) now
+            logger.info(f"[fedpa] round {self.state}: the draw sampled no client; the round aggregates without "
+                        "uploads")  # fmt: skip
             self.check_and_move_on()
 
     def check_and_move_on(self, check_eval_result=False, min_received_num=None):
-        """FS's; under Poisson client sampling a round waits for the clients it drew (FS's default is
-        ``federate.sample_client_num``), possibly none."""
-        if self.privacy.draws_any_number and not check_eval_result:
+        """FS's; a round waits for the replies the DP policy says (FS's default: ``federate.sample_client_num``), e.g.
+        under Poisson client sampling for the clients it drew, possibly none."""
+        if not check_eval_result and (replies := self.privacy.replies(self._expected)) is not None:
             if min_received_num is None:
-                min_received_num = len(self._expected)
+                min_received_num = replies
             self.msg_buffer["train"].setdefault(self.state, {})  # FS reads it even when nothing arrived
         return super().check_and_move_on(check_eval_result=check_eval_result, min_received_num=min_received_num)
-
-    # ---------------------------------------------------------------------------------- aggregation
-    def _round_input(self) -> RoundInput:
-        """The round FS aggregates now, as this server opened it (the aggregator's ``round_of``)."""
-        g = self.globals
-        return RoundInput(self.state, tuple(sorted(self._expected)), g.factors, dict(g.down_bytes), dict(g.shared))
 
     # ---------------------------------------------------------------------------------- resume points
     def resume_parts(self) -> dict:

@@ -8,8 +8,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
 from torch import Tensor
 
+from fs_fedpa.core.norms import product_sq_norm
 from fs_fedpa.core.ranks import truncate_factors
 from fs_fedpa.privacy.mechanism import (
     release_changes,
@@ -42,7 +44,6 @@ class ClientLevelServer(GaussianServer):
     """Samples K of N, releases the noisy mean and accounts one event a round (the module docstring)."""
 
     level = "client"
-    draws_receivers = releases = private_faults = locals_public = True
     FIELDS = {"rounds": int, **GaussianServer.FIELDS}
 
     def __init__(self, cfg, method, *, clients: int, rounds: int, per_round: int, shared_names, global_factors):
@@ -51,7 +52,6 @@ class ClientLevelServer(GaussianServer):
         from fs_fedpa.privacy.accountant import Sampled, calibrate
 
         fedpa = method.cfg
-        self.draws_any_number = self.sampling == "poisson"
         self.released = 0  # rounds released so far (the accountant's events)
         check_method(method, method.name)
         # federated non-LoRA tensors (e.g. a shared head): each client's change of them is clipped with its LoRA
@@ -89,15 +89,46 @@ class ClientLevelServer(GaussianServer):
             + f"epsilon after {self.T} rounds: {self.kind.epsilon(self.T, self.delta):.4g}"
         )
 
-    def receivers(self) -> list[int]:
-        """Client ids of 1..N from the DP generator: K without replacement, or each at rate K/N (Poisson)."""
+    @classmethod
+    def checkpoint_locals(cls, initial: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The clients' initial local tensors (a head), which are public: the server's model may hold a client's
+        trained ones (``federate.share_local_model``), trained without DP."""
+        return {n: t.detach().cpu().clone() for n, t in initial.items()}
+
+    def receivers(self, draw) -> list[int]:
+        """Client ids of 1..N from the DP generator, not FS's sampler (``draw``): K without replacement, or each at
+        rate K/N (Poisson)."""
         if self.sampling == "poisson":
             return [i + 1 for i in sample_poisson(self.N, self.K / self.N, self.generator)]
         return [i + 1 for i in sample_without_replacement(self.N, self.K, self.generator)]
 
-    @property
-    def release_weight(self) -> float:
-        return 1.0 / self.K
+    def most_replies(self, per_round: int) -> int:
+        """A Poisson round draws any number of the N clients (K is the expected number)."""
+        return self.N if self.sampling == "poisson" else per_round
+
+    def replies(self, receivers) -> int | None:
+        """A Poisson round waits for the clients it drew, possibly none (it then releases its noise alone)."""
+        return len(receivers) if self.sampling == "poisson" else None
+
+    def drop(self, rnd: int, client, reason: str) -> None:
+        """Which receiver's upload was dropped, and why, can depend on its data: the private faults file only."""
+        self.fault(rnd, client, reason)
+
+    def aggregate(self, round_) -> tuple:
+        """Every round releases, whatever arrived: the noisy mean of the clipped contributions over the fixed K
+        (:meth:`release`), the method's server step on it, a record of the release only and one event accounted.
+        The record names the K receivers, each of weight 1/K, which the DP generator drew: which of them arrived or
+        were dropped (and each upload's bytes) can depend on their data, and stays in the private faults file."""
+        rnd, kept, uploads = round_.rnd, list(round_.uploads), round_.uploads
+        new_global, spectra, release, shared = self.release(
+            [uploads[c].factors for c in kept], kept, round_.global_factors, rnd, [uploads[c].shared for c in kept],
+            round_.shared)  # fmt: skip
+        result = round_.released(new_global, shared)
+        record = round_.record(round_.receivers, [1.0 / self.K] * len(round_.receivers))
+        if self.method.cfg.records.full:
+            release_diagnostics(record, self.method, new_global, spectra, release)
+        self.account(rnd, round_.receivers, {})
+        return result, record.to_dict()
 
     def release(self, uploads: list, clients: list[int], global_factors: dict, rnd: int,
                 shared: list[dict[str, Tensor]] | None = None, shared_start: dict[str, Tensor] | None = None,
@@ -172,6 +203,23 @@ class ClientLevelServer(GaussianServer):
 
     def ledger_line_ok(self, entry: dict) -> bool:
         return super().ledger_line_ok(entry) and isinstance(entry.get("dp_events"), int)
+
+
+def release_diagnostics(record, method, new_global, spectra, release) -> None:
+    """The record's diagnostics of a release (post-processing of it only): ||B_g A_g||_F, the probe's spectrum and,
+    for a method that releases products, E_agg and ||release||_F of the noisy mean; nothing is read from a client's
+    upload or statistics."""
+    expanded = method.expand(new_global)
+    record.global_norm = product_sq_norm(expanded) ** 0.5
+    if method.dp_space == "product":
+        errors = {n: float(torch.linalg.matrix_norm(M.double() - B.double() @ A.double()))
+                  for n, (B, A), M in ((n, expanded[n], release[n]) for n in release)}  # fmt: skip
+        ideal = sum(float(M.double().pow(2).sum()) for M in release.values()) ** 0.5
+        record.e_agg = sum(e**2 for e in errors.values()) ** 0.5
+        record.e_agg_rel = record.e_agg / ideal if ideal > 0 else 0.0
+        record.global_update_norm = ideal
+        record.e_agg_probe = errors[record.probe_module]
+    record.spectrum_probe = [float(s) for s in spectra.get(record.probe_module, torch.zeros(0))]
 
 
 class ClientLevelClient(ClientPolicy):

@@ -1,10 +1,11 @@
-"""The interface of a DP mechanism: what the FS workers ask of it, one policy per side, and the mechanism without
-DP (:class:`NoPrivacy`), whose policies let everything through.
+"""The interface of a DP mechanism: what the FS workers and the aggregation call on it, one policy per side, and the
+mechanism without DP (:class:`NoPrivacy`), whose policies let everything through.
 
 A :class:`Mechanism` names its :class:`ServerPolicy` and :class:`ClientPolicy` and answers the run-level questions
 (what FS's config it refuses, what a resume must keep equal, what of an export it covers). The workers build the
 policies through :func:`fs_fedpa.privacy.server_policy` and :func:`fs_fedpa.privacy.client_policy`, never None, and
-ask them; no code outside this package reads ``fedpa.dp.mode``.
+call them, never asking what kind they are (as Flower's DP strategy wrappers delegate); no code outside this package
+reads ``fedpa.dp.mode``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from fs_fedpa.record import PRIVACY_FILE, PRIVATE_FAULTS_FILE
@@ -22,38 +24,55 @@ EVERY_EXPORT = (["global", "global_r<R>"], ["client_<id>", "heads/client_<id>.sa
 
 
 class ServerPolicy:
-    """The server's side. Without DP: FS's sampler draws the round's clients, the method aggregates what arrived,
-    nothing is accounted. Built with FS's ``cfg``, the server's ``method``, N ``clients``, T ``rounds``, K clients
-    ``per_round``, the federated non-LoRA tensors' ``shared_names`` and the initial ``global_factors``."""
-
-    draws_receivers = False  # receivers() draws each round's clients (else FS's sampler does)
-    draws_any_number = False  # a round's receivers can be any number of the N, none included (Poisson)
-    releases = False  # release() makes the round's global state (else the method aggregates what admit() let in)
-    private_faults = False  # a dropped upload's reason goes to the private faults file, not the log
-    locals_public = False  # the server's files hold the clients' initial local tensors (a head), which are public
+    """The server's side; the server and the aggregation call every method, whatever the mechanism. Without DP: FS's
+    sampler draws the round's clients, the method aggregates what arrived, a dropped upload is logged, nothing is
+    accounted. Built with FS's ``cfg``, the server's ``method``, N ``clients``, T ``rounds``, K clients ``per_round``,
+    the federated non-LoRA tensors' ``shared_names`` and the initial ``global_factors``."""
 
     def __init__(self, cfg=None, method=None, *, clients: int = 0, rounds: int = 0, per_round: int = 0,
                  shared_names=(), global_factors=None):  # fmt: skip
         self.cfg, self.method = cfg, method
         self.path = os.path.join(cfg.outdir, PRIVACY_FILE) if cfg is not None else PRIVACY_FILE
 
-    def receivers(self) -> list[int]:
-        """The round's receivers, FS ids 1..N (only where :attr:`draws_receivers`)."""
-        raise NotImplementedError(f"{type(self).__name__} leaves the sampling to FS")
+    @classmethod
+    def checkpoint_locals(cls, initial: dict) -> dict:
+        """What the server's files (checkpoint, resume point) hold of the clients' local tensors (a head), from their
+        ``initial`` values, in place of what the server's model holds: without DP nothing ({}: the model's own)."""
+        return {}
 
-    def release(self, uploads: list, clients: list[int], global_factors: dict, rnd: int, shared=None,
-                shared_start=None) -> tuple[dict, dict, dict, dict]:  # fmt: skip
-        """New global factors, spectra, the release's record fields and the new shared tensors of round ``rnd``
-        (only where :attr:`releases`)."""
-        raise NotImplementedError(f"{type(self).__name__} leaves the aggregation to the method")
+    def receivers(self, draw: Callable[[], list[int]]) -> list[int]:
+        """A training round's receivers, FS ids 1..N: without DP those FS's sampler draws (``draw()``)."""
+        return draw()
 
-    @property
-    def release_weight(self) -> float:
-        """The weight each receiver has in a release (only where :attr:`releases`)."""
-        raise NotImplementedError
+    def most_replies(self, per_round: int) -> int:
+        """The most replies a round can wait for, where FS's config asks ``per_round`` (FS's ``sample_client_num``,
+        beyond which FS asserts no round waits)."""
+        return per_round
+
+    def replies(self, receivers) -> int | None:
+        """How many replies a round sent to ``receivers`` waits for; None: FS's count (``sample_client_num``)."""
+        return None
+
+    def aggregate(self, round_) -> tuple:
+        """The round's new global state and record from a :class:`fs_fedpa.aggregation.Round`: without DP the
+        method's aggregation (:meth:`~fs_fedpa.aggregation.Round.aggregate`) of the uploads :meth:`admit` lets in,
+        less those :meth:`set_aside`, once the round is accounted (:meth:`account`, with every upload's stats)."""
+        refused = self.admit(round_.rnd, round_.stats)
+        self.account(round_.rnd, round_.receivers, round_.stats)
+        return round_.aggregate(refused, self.set_aside(round_.stats))
+
+    def drop(self, rnd: int, client, reason: str) -> None:
+        """Round ``rnd`` dropped ``client``'s upload for ``reason``: in the log (a mechanism whose reasons may depend
+        on a client's data keeps them in its private file, :meth:`fault`)."""
+        logger.warning(f"[fedpa] round {rnd}: dropped the upload of client #{client}: {reason}")
 
     def admit(self, rnd: int, stats: dict[int, dict]) -> dict[int, str]:
         """``client -> reason`` for the uploads of round ``rnd`` (their ``stats``) that may not be aggregated."""
+        return {}
+
+    def set_aside(self, stats: dict[int, dict]) -> dict[int, str]:
+        """``client -> reason`` for the uploads (their ``stats``) that carry no training: not aggregated, and not a
+        fault (a round of only such uploads has not failed)."""
         return {}
 
     def account(self, rnd: int, receivers: list[int], stats: dict[int, dict]) -> dict | None:
@@ -89,7 +108,11 @@ class ClientPolicy:
     client's ``method``, FS's ``trainer``, the names of its local tensors, and ``dp_sgd``: the plugin's DP-SGD
     hooks (:class:`fs_fedpa.plugin.dp_sgd.DPSGD`), for a mechanism that trains by it."""
 
-    gradient_diagnostics = True  # the task gradient it trains on is the exact one, which diagnostics may read
+    @classmethod
+    def task_gradient_diagnostics(cls, wanted: bool) -> bool:
+        """Whether the diagnostics of the task gradient are computed where ``wanted``: without DP they are (the
+        gradient a client trains on is the task's)."""
+        return wanted
 
     def __init__(self, cfg, method, trainer, local_names: list[str], dp_sgd=None):
         self.fedpa, self.trainer = method.cfg, trainer

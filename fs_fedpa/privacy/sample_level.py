@@ -23,6 +23,8 @@ logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its ow
 # what a client sends of its statistics: everything computed from its DP factors, but not the task-gradient ratios
 # (raw data); with what it reports it spent (SampleLevelClient.spent; SampleLevelServer.admit)
 RAW_DATA_STATS = ("grad_ratio_",)
+SAT_OUT = ("took no DP-SGD step (its account: 0 steps; fedpa.dp.min_records): its upload carries no training and is "
+           "not aggregated")  # fmt: skip
 
 
 def frozen_names(treatment: str, local_names: list[str]) -> frozenset[str]:
@@ -45,7 +47,10 @@ class SampleLevelClient(ClientPolicy):
     as a line a round of :data:`~fs_fedpa.record.CLIENT_PRIVACY_FILE` (:meth:`record`). ``fedpa.dp.local_tensors
     frozen`` holds its local tensors at their initial value."""
 
-    gradient_diagnostics = False  # its task gradient is the noisy one
+    @classmethod
+    def task_gradient_diagnostics(cls, wanted: bool) -> bool:
+        """None: the gradient it trains on is DP-SGD's noisy one, not the task's."""
+        return False
 
     def __init__(self, cfg, method, trainer, local_names: list[str], dp_sgd=None):
         super().__init__(cfg, method, trainer, local_names, dp_sgd)
@@ -236,6 +241,12 @@ class SampleLevelServer(GaussianServer):
                 shown = ", ".join(f"{k} {mine[k]:.6g} (the server's plan: {expected[k]:.6g})" for k in off)
                 refuse(c, f"its DP-SGD account disagrees with the server's plan for n_i={size}: {shown}")
         return refused
+
+    def set_aside(self, stats: dict[int, dict]) -> dict[int, str]:
+        """A client that took no DP-SGD step (``fedpa.dp.min_records``; its account says 0 steps) sends no training:
+        whatever its factors, they are not aggregated (a method that weighs uploads by their norm, or a round of only
+        such uploads, would take them)."""
+        return {c: SAT_OUT for c, st in stats.items() if st.get("dp_steps") == 0}
 
     def _expected(self, c: int, mine: dict, size) -> dict:
         """The account the server's plan gives client ``c`` for the steps ``mine`` reports (the most it allows where

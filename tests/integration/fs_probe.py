@@ -80,12 +80,12 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
     from federatedscope.core.auxiliaries.worker_builder import get_client_cls, get_server_cls
     from federatedscope.core.configs.config import global_cfg
 
+    from fs_fedpa import aggregation as records_mod
     from fs_fedpa import lora
     from fs_fedpa.plugin import aggregator as aggregator_mod
     from fs_fedpa.plugin import client as client_mod
     from fs_fedpa.plugin import client_round as round_mod
     from fs_fedpa.plugin import evaluation as evaluation_mod
-    from fs_fedpa.plugin import record_fs as records_mod
     from fs_fedpa.plugin.payload import decode_factors, decode_parts, from_wire
     from tests.integration.fault_cases import corrupt
 
@@ -221,7 +221,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         ]
         weights = [n if isinstance(n, (int, float)) else None for n, _ in pairs]
         clients = [c for c, _ in agg_info["staleness"]]
-        start = self.round_of()  # uploads as the server completes them (a method may send one factor only)
+        start = self.global_model.round_input()  # uploads as the server completes them (a method may send one only)
         uploads = []
         for c, (_, content) in zip(clients, pairs):
             try:

@@ -1,7 +1,7 @@
-"""The server's aggregator as a collaborator: built from the method, a round log, the shapes, where it reads the
-round and what installs its result, it checks, aggregates, records and installs without a server (issue 60), and
-returns to FS what the install wrote; the result is compared with a dense SVD of the weighted sum of the uploads'
-products."""
+"""The server's aggregator as a collaborator: built from the method, a round log, the shapes and the global model it
+reads the round from and installs the result into, it checks, aggregates, records and installs without a server
+(issue 60), and returns {} to FS (the install wrote the model); the result is compared with a dense SVD of the
+weighted sum of the uploads' products."""
 
 from __future__ import annotations
 
@@ -32,14 +32,27 @@ def _aggregator(tmp_path, name="fedpa", **kw):
     opened, installed = [], []
 
     class Installed:  # the server's GlobalModel, as the aggregator sees it
+        def round_input(self):
+            return opened[-1]
+
         def adopt(self, done):
             installed.append(done)
-            return {"written": len(installed)}  # what FS would merge into its model
 
-    aggregator = FedPAAggregator(method, rounds, global_model=Installed(), shapes=(SHAPES, {}),
-                                 round_of=lambda: opened[-1], **kw)  # fmt: skip
+    aggregator = FedPAAggregator(method, rounds, global_model=Installed(), shapes=(SHAPES, {}), **kw)
     aggregator.opened, aggregator.installed = opened, installed  # the test's view of both ends
     return aggregator, rounds
+
+
+def _sit_out_policy():
+    """The sample-level DP policy's rule for an upload whose account took no DP-SGD step, alone (its checks of each
+    account are tests/unit/privacy/test_sample_level_server.py's)."""
+    from fs_fedpa.privacy.policy import ServerPolicy
+    from fs_fedpa.privacy.sample_level import SampleLevelServer
+
+    class SitOut(ServerPolicy):
+        set_aside = SampleLevelServer.set_aside
+
+    return SitOut()
 
 
 def _upload(seed: int, scale: float = 1.0):
@@ -48,7 +61,7 @@ def _upload(seed: int, scale: float = 1.0):
 
 
 def _start(aggregator, rnd=4):
-    from fs_fedpa.plugin.aggregator import RoundInput
+    from fs_fedpa.aggregation import RoundInput
 
     zero = {n: (torch.zeros(d, R_g), torch.zeros(R_g, k)) for n, (d, k) in SHAPES.items()}
     aggregator.opened.append(RoundInput(rnd, (1, 2, 3), zero, {1: 11, 2: 12, 3: 13}))
@@ -72,7 +85,7 @@ def test_the_aggregator_needs_no_server_and_gives_the_best_rank_R_g_approximatio
     uploads, sizes = [_upload(s) for s in (1, 2, 3)], [10, 30, 60]
     returned = aggregator.aggregate({"client_feedback": [_message(u, n) for u, n in zip(uploads, sizes)],
                                      "staleness": [(1, 0), (2, 0), (3, 0)]})  # fmt: skip
-    assert returned == {"written": 1}  # FS merges what the install wrote into its model
+    assert returned == {}  # the install wrote the model: FS merges nothing more into it
     (done,) = aggregator.installed
     assert done.lost == () and done.merge is None
     for name in SHAPES:
@@ -122,7 +135,7 @@ def test_a_client_that_took_no_dp_step_weighs_nothing(tmp_path, ignore_weight):
     """fedpa.dp.min_records: a client too small for DP-SGD sends its untrained factors with its account (0 steps).
     Before, a method that weighs by num_train_data (FlexLoRA) or federate.ignore_weight gave them full weight. The
     global is then the dense SVD of the others' products alone."""
-    aggregator, rounds = _aggregator(tmp_path, ignore_weight=ignore_weight)
+    aggregator, rounds = _aggregator(tmp_path, ignore_weight=ignore_weight, privacy=_sit_out_policy())
     _start(aggregator)
     uploads = [_upload(s) for s in (1, 2, 3)]
     messages = [_message(u, n) for u, n in zip(uploads, (10, 30, 60))]
@@ -143,7 +156,7 @@ def test_a_round_whose_only_upload_took_no_dp_step_keeps_the_global(tmp_path, na
     untrained factors (B = 0). Now such an upload is not aggregated: the round installs nothing, FS merges nothing
     (the global stays), the record names the client, and the round does not count as a failed one."""
     # Prepare
-    aggregator, rounds = _aggregator(tmp_path, name)
+    aggregator, rounds = _aggregator(tmp_path, name, privacy=_sit_out_policy())
     _start(aggregator)
     size, content = _message(_upload(1, scale=1e4), 10)
     content["stats"]["dp_steps"] = 0
@@ -159,7 +172,7 @@ def test_an_upload_that_took_no_dp_step_has_no_influence_whatever_the_method_wei
     """HetLoRA weighs uploads by their norms, not by the weights the server gives: a sit-out's x10^4 upload beside
     honest ones took the global over. Now the global is the method's aggregate of the honest uploads alone."""
     # Prepare
-    aggregator, _ = _aggregator(tmp_path, "hetlora")
+    aggregator, _ = _aggregator(tmp_path, "hetlora", privacy=_sit_out_policy())
     _start(aggregator)
     honest = [_upload(1), _upload(3)]
     messages = [_message(honest[0], 10), _message(_upload(2, scale=1e4), 30), _message(honest[1], 60)]
@@ -176,3 +189,22 @@ def test_an_upload_that_took_no_dp_step_has_no_influence_whatever_the_method_wei
         A_mean = sum(w * u[name][1].double() for w, u in zip(p, honest))
         B, A = aggregator.installed[-1].global_factors[name]
         torch.testing.assert_close(B.double() @ A.double(), B_mean @ A_mean, rtol=1e-4, atol=1e-5)
+
+
+def test_without_dp_the_aggregation_reads_no_dp_sgd_statistic(tmp_path):
+    """Issue 89: setting aside an upload whose account says 0 DP-SGD steps is the sample-level policy's business, not
+    the aggregator's: without DP such a stat is a diagnostic like any other, and the upload weighs its sample size."""
+    # Prepare
+    aggregator, rounds = _aggregator(tmp_path)
+    _start(aggregator)
+    uploads = [_upload(s) for s in (1, 2)]
+    messages = [_message(u, n) for u, n in zip(uploads, (10, 30))]
+    messages[1][1]["stats"]["dp_steps"] = 0
+    # Execute
+    aggregator.aggregate({"client_feedback": messages, "staleness": [(1, 0), (2, 0)]})
+    # Assert
+    assert rounds.records[0]["clients"] == [1, 2] and rounds.records[0]["dropped"] == {}
+    for name in SHAPES:
+        dense = sum(w * (u[name][0].double() @ u[name][1].double()) for u, w in zip(uploads, (0.25, 0.75)))
+        B, A = aggregator.installed[-1].global_factors[name]
+        torch.testing.assert_close(B.double() @ A.double(), _best_rank(dense, R_g), rtol=1e-4, atol=1e-5)

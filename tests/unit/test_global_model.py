@@ -1,7 +1,7 @@
-"""What the server's aggregation hands FS: GlobalModel.adopt installs an aggregate whose rank R_g differs from the
-model's r and returns the model state it wrote; FS's own two lines after ``aggregate()`` (merge_param_dict, then
-load_state_dict) must accept it and leave the model applying the aggregate's product, read back through PEFT's
-forward rather than through the code under test."""
+"""What the server's aggregation leaves in FS's model: GlobalModel.adopt writes an aggregate whose rank R_g differs
+from the model's r, once, and ``aggregate()`` hands FS nothing; after FS's own two lines (merge_param_dict, then
+load_state_dict) the model applies the aggregate's product, read back through PEFT's forward rather than through the
+code under test. FS's checkpoint of the global model round-trips."""
 
 from __future__ import annotations
 
@@ -43,50 +43,58 @@ def _server_side(R_g: int, client_rank: int = 2):
     return model, GlobalModel(model, method, ["base_model.model.head.weight"], {})
 
 
-def test_fs_loads_what_adopt_returns_and_the_model_applies_the_rank_R_g_aggregate():
+def test_an_aggregation_writes_the_model_once_and_hands_fs_nothing_to_merge(tmp_path, monkeypatch):
+    """Issue 89: adopt wrote the aggregate into the model and returned it, and FS's merge wrote it again. Now the
+    aggregator reads the round from the GlobalModel (as open_round opened it), adopt writes the rank-R_g aggregate
+    once (one set_factors) and aggregate returns {}: after FS's own two lines the model applies the weighted mean of
+    the uploads' products (rank 4 <= R_g: exact) and of their heads, read back through PEFT's forward."""
     from federatedscope.core.auxiliaries.utils import merge_param_dict
 
-    from fs_fedpa.plugin.aggregator import Aggregated
+    from fs_fedpa import lora
+    from fs_fedpa.config_sections import RecordsConfig
+    from fs_fedpa.plugin.aggregator import FedPAAggregator
+    from fs_fedpa.plugin.payload import encode_factors, encode_tensors
+    from fs_fedpa.plugin.record_fs import RoundLog
 
+    # Prepare
     torch.manual_seed(0)
-    R_g = 5
-    model, g = _server_side(R_g)
-    shared_name = "base_model.model.head.weight"  # a shared tensor, trained and averaged
-    x = torch.randn(4, 12, dtype=torch.float32)
+    model, g = _server_side(R_g=5)
+    head_name = "base_model.model.head.weight"  # a shared tensor, trained and averaged
+    shapes = {n: (B.shape[0], A.shape[1]) for n, (B, A) in g.factors.items()}
+    log = RoundLog(str(tmp_path), RecordsConfig(diagnostics="off"))
+    aggregator = FedPAAggregator(g.method, log, global_model=g, shapes=(shapes, {head_name: (2, 3)}))
+    uploads = {c: {n: (torch.randn(d, 2), torch.randn(2, k)) for n, (d, k) in shapes.items()} for c in (1, 2)}
+    heads = {c: torch.randn(2, 3) for c in (1, 2)}
+    feedback = [(5, {"lora": encode_factors(uploads[c]), "shared": encode_tensors({head_name: heads[c]})})
+                for c in (1, 2)]  # fmt: skip
+    x = torch.randn(4, 12)
     with torch.no_grad(), model.disable_adapter():
         base = model(x)
-    factors = {}
-    for name in g.factors:
-        d, k = (10, 12) if name.endswith("q") else (8, 12)
-        factors[name] = (torch.randn(d, R_g), torch.randn(R_g, k))
-    head = torch.randn(2, 3)
-    written = g.adopt(Aggregated(factors, {shared_name: head}, None))
-
-    merged = merge_param_dict(model.state_dict().copy(), written)  # FS's Server._perform_federated_aggregation
+    writes, set_factors = [], lora.set_factors
+    monkeypatch.setattr(lora, "set_factors", lambda *a, **k: (writes.append(a[1]), set_factors(*a, **k))[1])
+    # Execute
+    g.open_round(3, [2, 1])
+    returned = aggregator.aggregate({"client_feedback": feedback, "staleness": [(1, 0), (2, 0)]})
+    merged = merge_param_dict(model.state_dict().copy(), returned)  # FS's Server._perform_federated_aggregation
     model.load_state_dict(merged, strict=False)
-
+    # Assert
+    assert returned == {} and len(writes) == 1
+    assert log.records[0]["round"] == 3 and log.records[0]["clients"] == [1, 2]
     with torch.no_grad():
         delta = model(x) - base
-    q, v = sorted(factors)  # "...q", "...v": the model's output is [q(x), v(x)]
-    want = torch.cat([x @ (factors[n][0] @ factors[n][1]).T for n in (q, v)], -1)
-    torch.testing.assert_close(delta, want, rtol=1e-4, atol=1e-4)  # applied factors: the product is Delta W itself
-    torch.testing.assert_close(dict(model.named_parameters())[shared_name].detach(), head)
-    # what FS was handed is the whole update, not a no-op: per module raw (B, A) at rank R_g whose scaled product is
-    # the aggregate's, and the shared tensor, under the model's own state_dict keys
-    assert set(written) <= set(model.state_dict())
-    assert written[shared_name].equal(head)
-    for n in (q, v):
-        B, A = written[f"{n}.lora_B.default.weight"], written[f"{n}.lora_A.default.weight"]
-        assert B.shape[1] == A.shape[0] == R_g
-        s_g = 4 / R_g  # PEFT's alpha / r at the new rank
-        torch.testing.assert_close(s_g * B @ A, factors[n][0] @ factors[n][1], rtol=1e-5, atol=1e-5)
+    q, v = sorted(shapes)  # "...q", "...v": the model's output is [q(x), v(x)]
+    mean = {n: sum(0.5 * uploads[c][n][0] @ uploads[c][n][1] for c in (1, 2)) for n in (q, v)}
+    torch.testing.assert_close(delta, torch.cat([x @ mean[n].T for n in (q, v)], -1), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(model.base_model.model.head.weight.detach(), (heads[1] + heads[2]) / 2)
+    assert all(B.shape[1] == 5 for B, _ in writes[0].values())  # the rank-R_g raw factors, written at rank R_g
 
 
 def test_fs_save_model_writes_a_checkpoint_that_load_model_puts_back_into_another_servers_model(tmp_path):
     """FS's save_model/load_model on the aggregator: the second server's model computes what the first's did (its
     forward, not the factors the code under test wrote), and a checkpoint of other ranks, a pickle or a malformed
     file is refused."""
-    from fs_fedpa.plugin.aggregator import Aggregated, FedPAAggregator
+    from fs_fedpa.aggregation import Aggregated
+    from fs_fedpa.plugin.aggregator import FedPAAggregator
 
     torch.manual_seed(0)
     model, g = _server_side(R_g=5)

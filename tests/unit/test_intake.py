@@ -178,7 +178,7 @@ def test_sample_sizes_by_hand():
 
 
 def test_weight_cap_and_norm_outliers_by_hand():
-    from fs_fedpa.plugin.intake import cap_weights, norm_outliers
+    from fs_fedpa.aggregation import cap_weights, norm_outliers
 
     assert cap_weights([10, 12, 1e14], 2.0) == [10, 12, 24.0]  # median 12
     assert cap_weights([10, 12, 1e14], 0.0) == [10, 12, 1e14]  # off: the paper's weights
@@ -189,7 +189,7 @@ def test_weight_cap_and_norm_outliers_by_hand():
 
 @given(st.integers(0, 2**31), st.integers(1, 3))
 def test_update_norm_is_the_norm_of_the_dense_products(seed, r):
-    from fs_fedpa.plugin.intake import update_norm
+    from fs_fedpa.aggregation import update_norm
 
     g = torch.Generator().manual_seed(seed)
     factors = {n: (torch.randn(7, r, generator=g), torch.randn(r, 4, generator=g)) for n in ("q", "v")}
@@ -254,7 +254,7 @@ def test_dict_subclasses_are_read_through_dicts_own_methods_and_give_their_true_
 
 
 def test_zero_weights_take_no_part_in_the_cap():
-    from fs_fedpa.plugin.intake import cap_weights
+    from fs_fedpa.aggregation import cap_weights
 
     assert cap_weights([0.0, 0.0, 16.0], 2.0) == [0.0, 0.0, 16.0]  # the median of all three (0) capped 16 to 0
     assert cap_weights([0.0, 10.0, 12.0, 1e14], 2.0) == [0.0, 10.0, 12.0, 24.0]  # median of the positive: 12
