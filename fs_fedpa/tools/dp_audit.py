@@ -133,7 +133,7 @@ def detection_line(trials: int, target: float, delta: float) -> str:
 
 
 class Audit:
-    """One treatment's auditing game on the plugin's DP-SGD; :meth:`releases` runs ``trials`` of it."""
+    """One treatment's auditing game on the plugin's DP-SGD; :meth:`trial_releases` runs ``trials`` of it."""
 
     def __init__(self, treatment: str, z: float, steps: int, clip: float, n: int = 64, head_lr: float = 1.0):
         if treatment not in TREATMENTS:
@@ -160,7 +160,7 @@ class Audit:
         data = {"train": DataLoader(TensorDataset(X, y), batch_size=self.n)}
         return GeneralTorchTrainer(model, data, "cpu", cfg, only_for_eval=False, monitor=Monitor(cfg)), model
 
-    def releases(self, canary: bool, trials: int, z: float | None = None, seed: int = 0):
+    def trial_releases(self, canary: bool, trials: int, z: float | None = None, seed: int = 0):
         """(trials, steps x 8): the body's noised gradient of every step, one row a trial (``z``: this noise
         instead, 0 for the noise-free values)."""
         import torch
@@ -205,12 +205,12 @@ class Audit:
 
     def bound(self, trials: int, delta: float, seed: int = 0) -> dict:
         """epsilon_lb of this treatment, with the pair's noise-free gap in units of the noise."""
-        mean0, mean1 = self.releases(False, 1, z=0.0)[0], self.releases(True, 1, z=0.0)[0]
+        mean0, mean1 = self.trial_releases(False, 1, z=0.0)[0], self.trial_releases(True, 1, z=0.0)[0]
         gap = mean1 - mean0
         u = gap / gap.norm()
         sigma = self.z * self.C / self.n  # the per-coordinate noise of a release
-        null = (self.releases(False, trials, seed=seed) - mean0) @ u
-        alt = (self.releases(True, trials, seed=seed + 1) - mean0) @ u
+        null = (self.trial_releases(False, trials, seed=seed) - mean0) @ u
+        alt = (self.trial_releases(True, trials, seed=seed + 1) - mean0) @ u
         half = trials // 2
         # the threshold from the first halves (its best value over a grid), the rates from the second halves
         grid = [float(t) for t in torch_quantiles(null[:half], alt[:half])]
