@@ -255,8 +255,12 @@ def model_card_data(info: dict):
         license="other",  # the base model's license governs an adapter of it
         pipeline_tag="text-classification" if info["task_type"] == "SEQ_CLS" else "text-generation",
         tags=["fs_fedpa", "federated-learning", "lora", info["method"]],
-        fs_fedpa={"method": info["method"], "rounds": info.get("rounds"), "R_g": info["R_g"],
-                  "privacy": dp or {"dp_mode": "none"}},  # fmt: skip
+        fs_fedpa={
+            "method": info["method"],
+            "rounds": info.get("rounds"),
+            "R_g": info["R_g"],
+            "privacy": dp or {"dp_mode": "none"},
+        },
     )
 
 

@@ -64,8 +64,10 @@ def from_wire(value: object, max_numel: int | None = None, what: str = "", max_c
         raise ValueError(f"encoded tensor is not base64 ({err})") from None
     header = int.from_bytes(raw[:8], "little")
     if len(raw) < 8 or header > MAX_HEADER:  # a hostile header is refused before safetensors parses it
-        raise ValueError(f"encoded tensor's safetensors header ({len(raw)} bytes, header {header}) is longer than "
-                         f"{MAX_HEADER} bytes or cut short")
+        raise ValueError(
+            f"encoded tensor's safetensors header ({len(raw)} bytes, header {header}) is longer than "
+            f"{MAX_HEADER} bytes or cut short"
+        )
     try:
         loaded = safetensors_load(raw)
     except SafetensorError as err:

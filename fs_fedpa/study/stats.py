@@ -15,6 +15,7 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 
+
 def t_quantile_975(df: int) -> float:
     """t_{0.975, df}: the half-width factor of a two-sided 95% interval with ``df`` degrees of freedom."""
     from scipy import stats

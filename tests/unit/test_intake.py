@@ -4,6 +4,7 @@ refused with its reason, before anything else reads the upload; tolerable variat
 from __future__ import annotations
 
 import base64
+
 import numpy as np
 import pytest
 import torch
@@ -72,6 +73,7 @@ def _int64_encoding() -> str:
 
     return base64.b64encode(save({"t": torch.ones(6, R, dtype=torch.int64)})).decode()
 
+
 # (case, sample size, content, the reason's words); every one must be dropped
 FAULTS = [
     ("sample size a string", "12", _content(), "is not a number"),
@@ -98,7 +100,7 @@ FAULTS = [
     ("factor None", 10, _with("q|B", None), "got NoneType"),
     ("encoding with a wrong byte count", 10, _with("q|B", to_wire(F["q"][0])[:-8]), "not safetensors"),
     ("encoding of int64", 10, _with("q|B", _int64_encoding()), "encoded dtype 'int64'"),
-    ("encoding of the old format", 10, _with("q|B", {"dtype": "float32", "shape": [6, 2], "data": ""}), "got a mapping"),
+    ("encoding of the old format", 10, _with("q|B", {"dtype": "float32", "shape": [6, 2]}), "got a mapping"),
     ("int tensor", 10, _with("q|B", torch.ones(6, R, dtype=torch.int64)), "dtype torch.int64"),
     ("bool tensor", 10, _with("q|B", torch.ones(6, R, dtype=torch.bool)), "dtype torch.bool"),
     ("complex tensor", 10, _with("q|B", torch.ones(6, R, dtype=torch.complex64)), "dtype torch.complex64"),

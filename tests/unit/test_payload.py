@@ -100,7 +100,7 @@ def _one(dtype="F32", shape=(2, 3), offsets=(0, 24), data=bytes(24), **more) -> 
         (None, "got NoneType"),
         (3.5, "got float"),
         (b"AAAA", "got bytes"),
-        ({"dtype": "float32", "shape": [2, 3], "data": "AAAA"}, "a mapping with keys"),  # the format before safetensors
+        ({"dtype": "float32", "shape": [2, 3], "data": "AAAA"}, "a mapping with keys"),  # the format of 07b6cca
         (_one(), None),  # the hand-made bytes are right: each case below changes one thing
         (_one("I64", offsets=(0, 48), data=bytes(48)), "encoded dtype 'int64'"),
         (_one("BOOL", offsets=(0, 6), data=bytes(6)), "encoded dtype 'bool'"),
