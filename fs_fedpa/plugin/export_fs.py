@@ -241,28 +241,32 @@ def _privacy_line(privacy: dict) -> str:
             f"not DP: {', '.join(privacy['not_dp_files']) or 'nothing'}")
 
 
-def model_card_metadata(info: dict) -> list[str]:
-    """The README's YAML header, the Hugging Face model card metadata (``huggingface_hub.ModelCardData``'s keys:
-    base model, library, license, tags) plus what fs_fedpa trained: the method, rounds and the privacy."""
-    import yaml
+def model_card_data(info: dict):
+    """The README's metadata as ``huggingface_hub.ModelCardData`` (base model, library, license, tags) plus what
+    fs_fedpa trained: the method, rounds and the privacy."""
+    from huggingface_hub import ModelCardData
 
     privacy = info.get("privacy") or {}
     dp = {k: privacy.get(k) for k in ("dp_mode", "epsilon", "delta", "adjacency", "sampling", "accountant")
           if privacy.get(k) is not None}  # fmt: skip
-    card = {
-        "base_model": info["base_model"],
-        "library_name": "peft",
-        "license": "other",  # the base model's license governs an adapter of it
-        "pipeline_tag": "text-classification" if info["task_type"] == "SEQ_CLS" else "text-generation",
-        "tags": ["fs_fedpa", "federated-learning", "lora", info["method"]],
-        "fs_fedpa": {"method": info["method"], "rounds": info.get("rounds"), "R_g": info["R_g"],
-                     "privacy": dp or {"dp_mode": "none"}},  # fmt: skip
-    }
-    return ["---", *yaml.safe_dump(card, sort_keys=False).splitlines(), "---", ""]
+    return ModelCardData(
+        base_model=info["base_model"],
+        library_name="peft",
+        license="other",  # the base model's license governs an adapter of it
+        pipeline_tag="text-classification" if info["task_type"] == "SEQ_CLS" else "text-generation",
+        tags=["fs_fedpa", "federated-learning", "lora", info["method"]],
+        fs_fedpa={
+            "method": info["method"],
+            "rounds": info.get("rounds"),
+            "R_g": info["R_g"],
+            "privacy": dp or {"dp_mode": "none"},
+        },
+    )
 
 
 def readme(info: dict) -> str:
-    """The export's README: what was trained and how to load each part."""
+    """The export's README, a Hugging Face model card: :func:`model_card_data`'s metadata, then what was trained and
+    how to load each part."""
     task = info["task_type"]
     auto = "AutoModelForSequenceClassification" if task == "SEQ_CLS" else "AutoModelForCausalLM"
     labels = f", num_labels={info['num_labels']}" if info.get("num_labels") else ""
@@ -271,7 +275,7 @@ def readme(info: dict) -> str:
     clients = info["clients"]
     first = next(iter(clients), None)
     lines = [
-        *model_card_metadata(info),
+        "",
         f"# {info['method']} adapters, exported by fs_fedpa",
         "",
         f"- method: `{info['method']}`; rounds: {info.get('rounds', '?')}; "
@@ -363,7 +367,9 @@ def readme(info: dict) -> str:
         ),  # fmt: skip
         "",
     ]
-    return "\n".join(lines)
+    from huggingface_hub import ModelCard
+
+    return str(ModelCard(f"---\n{model_card_data(info).to_yaml()}\n---\n" + "\n".join(lines)))
 
 
 def check_export_dir(folder: str) -> None:

@@ -31,7 +31,7 @@ MAX_ABS = 1e6  # far above any trained LoRA factor or head, far below what overf
 MAX_SAMPLES = 1e15  # more examples than any client has; beyond it a weight is an attack or a bug
 WEIGHT_STATS = ("num_train_data",)  # stats that weigh an upload (FlexLoRA's); every other stat is a diagnostic
 MAX_OBJECTS = 100_000  # objects in one message: far more than the tensors and stats of any model's upload
-MAX_DEPTH = 8  # nesting of one message: the ints of (size, {"lora": {key: {"shape": [d, r], ...}}}) are 5 deep
+MAX_DEPTH = 8  # nesting of one message: (size, {"lora": {key: "<safetensors text>"}, "stats": ...}) is 3 deep
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -178,9 +178,10 @@ def _check_upload(size, content, expected_parts, complete, shapes, ranks, shared
     # <= min(d, k) has at most d * k (a name the run does not have: the largest, so that its own check names it)
     limits = {name: d * k for name, (d, k) in shapes.items()}
     limits.update({name: math.prod(shape) for name, shape in shared_shapes.items()})
-    # and the most an encoded factor may hold, which bounds its text: B of a (d, k) module at the ranks the client
-    # uploads holds d x r values, A r x k (a method's own parts hold fewer: Ravan's (heads, r_h, r_h) cores); a B
-    # claiming (d, k) is refused by its length, before it is decoded and its rank checked
+    # and the longest text an encoded factor may be: B of a (d, k) module at the ranks the client uploads holds
+    # d x r values, A r x k (a method's own parts hold fewer: Ravan's (heads, r_h, r_h) cores), float64 at most,
+    # with safetensors' header; a B of (d, k) is refused by its length (where d (k - r) values outweigh the header),
+    # before it is decoded and its rank checked
     r = max(ranks, default=0)
     sent = {name: {"B": d * r, "A": r * k} for name, (d, k) in shapes.items()}
     try:

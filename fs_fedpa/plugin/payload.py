@@ -4,19 +4,23 @@ Factors travel as ``{"<module>|B": B, "<module>|A": A}``. A payload is ``{"lora"
 LoRA factors, non-LoRA tensors that are averaged (e.g. a non-local head), and floats.
 
 Nothing a peer sends is ever unpickled. In standalone mode the tensors are handed over as objects. Over a network
-(``wire=True``) each tensor is sent as :func:`to_wire`'s explicit encoding ``{"dtype", "shape", "data"}`` (base64
-of its raw bytes), which FS's gRPC transport carries as plain strings and ints. FS's own tensor decoder would
-turn any string it is given into an arbitrary object, so it is never called: the decoder here accepts a tensor
-object or that encoding, and refuses everything else with a reason.
+(``wire=True``) each tensor is sent as :func:`to_wire`'s text: base64 of the safetensors bytes of ``{"t": tensor}``,
+which FS's gRPC transport carries as a plain string. FS's own tensor decoder would turn any string it is given into
+an arbitrary object, so it is never called: the decoder here accepts a tensor object or that text, bounds its length
+and its safetensors header before safetensors reads it, and refuses everything else with a reason.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import math
 from collections.abc import Mapping
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
 from torch import Tensor
 
 from fs_fedpa.lora import Factors
@@ -25,59 +29,65 @@ SEP = "|"
 
 
 WIRE_DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
-WIRE_KEYS = frozenset({"dtype", "shape", "data"})
+WIRE_KEY = "t"  # the one tensor's name inside its safetensors bytes
 MAX_DIMS = 8
 MAX_ELEMENT_SIZE = max(torch.empty((), dtype=t).element_size() for t in WIRE_DTYPES.values())  # float64's 8
+# safetensors' 8-byte header length, then its JSON: {"t":{"dtype":..,"shape":[<= 8 ints],"data_offsets":[0,n]}}
+# is under 300 bytes for any shape of at most MAX_DIMS dims; a longer header is refused before it is parsed
+MAX_HEADER = 320
 
 
-def to_wire(tensor: Tensor) -> dict:
-    """``{"dtype": "float32", "shape": [d, k], "data": base64 of the raw bytes}``: a tensor as strings and ints."""
+def to_wire(tensor: Tensor) -> str:
+    """Base64 text of the safetensors bytes of ``{"t": tensor}``: a tensor as one string FS's gRPC carries."""
     tensor = tensor.detach().cpu().contiguous()
-    name = str(tensor.dtype).removeprefix("torch.")
-    if name not in WIRE_DTYPES:
+    if tensor.dtype not in WIRE_DTYPES.values():
         raise ValueError(f"dtype {tensor.dtype} cannot be sent; use one of {sorted(WIRE_DTYPES)}")
-    raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
-    return {"dtype": name, "shape": list(tensor.shape), "data": base64.b64encode(raw).decode("ascii")}
+    return base64.b64encode(safetensors_save({WIRE_KEY: tensor})).decode("ascii")
 
 
 def from_wire(value: object, max_numel: int | None = None, what: str = "", max_chars: int | None = None) -> Tensor:
-    """The tensor of a :func:`to_wire` encoding; ``ValueError`` naming what is wrong with anything else. Reads
-    nothing but the dtype name, the integers of the shape and the bytes: no object is ever reconstructed, and no
-    method of the sender's objects is called (only a plain dict, str, bytes and ints are read). ``max_numel``: the
-    most values the tensor may have, checked against the shape before anything is decoded; ``max_chars``: the longest
-    text its data may be, checked before anything else is read (refusing a long text costs its length, never its
-    decoding)."""
-    if not isinstance(value, dict) or set(dict.keys(value)) != WIRE_KEYS:
-        raise ValueError(f"expected a tensor or its encoding {{dtype, shape, data}}, got {_what(value)}")
-    dtype, shape, data = (dict.__getitem__(value, key) for key in ("dtype", "shape", "data"))
-    if type(dtype) is not str or dtype not in WIRE_DTYPES:
-        raise ValueError(f"encoded dtype {shown(dtype)!r} is not one of {sorted(WIRE_DTYPES)}")
-    if type(shape) not in (list, tuple) or len(shape) > MAX_DIMS or not all(type(n) is int and n >= 0 for n in shape):
-        raise ValueError(f"encoded shape {shown(shape, 60)} is not a list of at most {MAX_DIMS} ints >= 0")
-    if type(data) not in (str, bytes):
-        raise ValueError(f"encoded data is {type(data).__name__}, not base64 text")
-    if max_chars is not None and len(data) > max_chars:
-        raise ValueError(f"encoded data of {len(data)} characters, more than {what or 'it'} can need ({max_chars})")
-    if max_numel is not None and math.prod(shape) > max_numel:
-        raise ValueError(_too_large(list(shape), math.prod(shape), max_numel, what))
-    dtype = WIRE_DTYPES[dtype]
-    expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if len(data) != encoded_length(expected):  # checked before decoding: a huge claim costs nothing
-        raise ValueError(f"encoded data of {len(data)} characters does not hold shape {list(shape)} of {dtype}")
+    """The tensor of a :func:`to_wire` text; ``ValueError`` naming what is wrong with anything else. Only a plain
+    ``str`` is read (no method of a sender's object is called), and only safetensors parses it: no object is ever
+    reconstructed. ``max_chars``: the longest the text may be; ``max_numel``: the most values the tensor may have,
+    which bounds the text's length too. Both are checked before anything is decoded (refusing a long text costs its
+    length, never its decoding), then the header's length before safetensors reads it, then the tensor's dtype,
+    dimensions and values."""
+    if type(value) is not str:
+        raise ValueError(f"expected a tensor or its encoding (base64 safetensors text), got {_what(value)}")
+    if max_numel is not None:
+        max_chars = min(encoded_length(MAX_ELEMENT_SIZE * max_numel), max_chars or math.inf)
+    if max_chars is not None and len(value) > max_chars:
+        raise ValueError(f"encoded tensor of {len(value)} characters, more than {what or 'it'} can need ({max_chars})")
     try:
-        raw = base64.b64decode(data, validate=True)
-    except ValueError as err:
-        raise ValueError(f"encoded data is not base64 ({err})") from None
-    if len(raw) != expected:
-        raise ValueError(f"encoded data has {len(raw)} bytes, shape {list(shape)} of {dtype} needs {expected}")
-    if not raw:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape).clone()
+        raw = base64.b64decode(value, validate=True)
+    except (ValueError, binascii.Error) as err:
+        raise ValueError(f"encoded tensor is not base64 ({err})") from None
+    header = int.from_bytes(raw[:8], "little")
+    if len(raw) < 8 or header > MAX_HEADER:  # a hostile header is refused before safetensors parses it
+        raise ValueError(
+            f"encoded tensor's safetensors header ({len(raw)} bytes, header {header}) is longer than "
+            f"{MAX_HEADER} bytes or cut short"
+        )
+    try:
+        loaded = safetensors_load(raw)
+    except SafetensorError as err:
+        raise ValueError(f"encoded tensor is not safetensors ({err})") from None
+    if list(loaded) != [WIRE_KEY]:
+        raise ValueError(f"encoded tensors {sorted(loaded)[:3]}, expected one named {WIRE_KEY!r}")
+    tensor = loaded[WIRE_KEY]
+    if tensor.dtype not in WIRE_DTYPES.values():
+        name = str(tensor.dtype).removeprefix("torch.")
+        raise ValueError(f"encoded dtype {name!r} is not one of {sorted(WIRE_DTYPES)}")
+    if tensor.dim() > MAX_DIMS:
+        raise ValueError(f"encoded shape {list(tensor.shape)[:10]} has more than {MAX_DIMS} dims")
+    if max_numel is not None and tensor.numel() > max_numel:
+        raise ValueError(_too_large(list(tensor.shape), tensor.numel(), max_numel, what))
+    return tensor.clone()  # safetensors' tensor reads a buffer of bytes the decoder does not own
 
 
 def encoded_length(nbytes: int) -> int:
-    """Characters of the base64 text of ``nbytes`` bytes (:func:`to_wire`)."""
-    return 4 * math.ceil(nbytes / 3)
+    """The most characters of :func:`to_wire`'s text of a tensor of ``nbytes`` bytes (its header at the longest)."""
+    return 4 * math.ceil((8 + MAX_HEADER + nbytes) / 3)
 
 
 def _what(value: object) -> str:
@@ -225,9 +235,18 @@ def nbytes(payload: object) -> int:
         for value in list(dict.values(values)) if isinstance(values, dict) else []:
             if type(value) is Tensor:
                 total += _held_bytes(value)
-            elif isinstance(value, dict) and type(data := dict.get(value, "data")) is str:
-                total += len(data) * 3 // 4 - data[-2:].count("=")
+            elif type(value) is str:
+                total += _encoded_bytes(value)
     return total
+
+
+def _encoded_bytes(text: str) -> int:
+    """The tensor bytes of a :func:`to_wire` text: its bytes less safetensors' header (0 for a malformed one)."""
+    try:
+        header = int.from_bytes(base64.b64decode(text[:12], validate=True)[:8], "little")
+    except (ValueError, binascii.Error):
+        return 0
+    return max(0, len(text) * 3 // 4 - text[-2:].count("=") - 8 - header)
 
 
 def _held_bytes(t: Tensor) -> int:

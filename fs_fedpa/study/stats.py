@@ -3,8 +3,10 @@ hyper-parameters on held-out validation data, paired confidence intervals betwee
 a family of them, a paired bootstrap over seeds and sentences, the false-positive rate of the seed rule, and the
 across-split intervals (t on the split means; the fixed-split interval) with the split's variance component.
 
-Used by :mod:`fs_fedpa.study.sst2_protocol` (docs/study/sst2_protocol.md). The rules are plain Python, so that
-they can be checked by hand; the t distribution's tail comes from scipy, the resampling from numpy.
+Used by :mod:`fs_fedpa.study.sst2_protocol` (docs/study/sst2_protocol.md). The t tests, t and F quantiles come
+from scipy and Holm's correction from statsmodels. Kept by hand: the protocol's own rules (plateau, selection, seed
+rule), the crossed bootstrap (scipy's resamples one axis, not seeds x sentences within clients) and the ANOVA
+moments with the fixed-split interval (scipy's ``f_oneway`` returns neither the mean squares nor the components).
 """
 
 from __future__ import annotations
@@ -13,20 +15,14 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 
-# Two-sided 95% quantiles t_{0.975, df} of Student's t, df = 1..30 (beyond: the normal quantile 1.96 is within 2%).
-_T975 = (
-    12.706204736, 4.302652730, 3.182446305, 2.776445105, 2.570581836, 2.446911851, 2.364624252, 2.306004135,
-    2.262157163, 2.228138852, 2.200985160, 2.178812830, 2.160368656, 2.144786688, 2.131449546, 2.119905299,
-    2.109815578, 2.100922040, 2.093024054, 2.085963447, 2.079613845, 2.073873068, 2.068657610, 2.063898562,
-    2.059538553, 2.055529439, 2.051830516, 2.048407142, 2.045229642, 2.042272456,
-)  # fmt: skip
-
 
 def t_quantile_975(df: int) -> float:
     """t_{0.975, df}: the half-width factor of a two-sided 95% interval with ``df`` degrees of freedom."""
+    from scipy import stats
+
     if df < 1:
         raise ValueError(f"a t interval needs df >= 1, got {df}")
-    return _T975[df - 1] if df <= len(_T975) else 1.959963985
+    return float(stats.t.ppf(0.975, df))
 
 
 def plateau_round(curve: Mapping[int, float], gain: float = 0.005, window: float = 0.25, min_rounds: int = 8) -> int:
@@ -76,9 +72,7 @@ def paired_interval(differences: Sequence[float]) -> tuple[float, float, float]:
     n = len(differences)
     if n < 2:
         raise ValueError(f"a paired interval needs at least 2 paired runs, got {n}")
-    mean = statistics.fmean(differences)
-    half = t_quantile_975(n - 1) * statistics.stdev(differences) / math.sqrt(n)
-    return mean, mean - half, mean + half
+    return _one_sample_t(differences)[:3]
 
 
 def verdict(low: float, high: float) -> str:
@@ -113,19 +107,32 @@ def paired_t_p(differences: Sequence[float]) -> float:
     n = len(differences)
     if n < 2:
         raise ValueError(f"a paired t test needs at least 2 paired runs, got {n}")
-    return _t_p(statistics.fmean(differences), statistics.stdev(differences) / math.sqrt(n), n - 1)
+    return _one_sample_t(differences)[3]
+
+
+def _one_sample_t(values: Sequence[float]) -> tuple[float, float, float, float]:
+    """``(mean, low, high, p)``: scipy's one-sample t test of mean 0 and its 95% interval. Equal values are answered
+    exactly (an interval of width 0; p 1 at 0, else 0): scipy's moments lose all precision on them."""
+    from scipy import stats
+
+    mean = statistics.fmean(values)
+    if len(set(values)) == 1:
+        return mean, mean, mean, 1.0 if mean == 0 else 0.0
+    result = stats.ttest_1samp(values, 0.0)
+    interval = result.confidence_interval(0.95)
+    return mean, float(interval.low), float(interval.high), float(result.pvalue)
 
 
 def holm(pvalues: Mapping[str, float]) -> dict[str, float]:
     """Holm's step-down adjusted p-values of one family of ``m`` tests: the i-th smallest p becomes
     max_{j <= i} min(1, (m - j + 1) p_(j)). Rejecting where the adjusted p < α keeps the chance of any false
     rejection in the family at most α, whatever the dependence between the tests."""
-    order = sorted(pvalues, key=pvalues.get)
-    adjusted, running, m = {}, 0.0, len(order)
-    for j, key in enumerate(order):
-        running = max(running, min(1.0, (m - j) * pvalues[key]))
-        adjusted[key] = running
-    return adjusted
+    from statsmodels.stats.multitest import multipletests
+
+    if not pvalues:
+        return {}
+    adjusted = multipletests(list(pvalues.values()), method="holm")[1]
+    return {key: float(p) for key, p in zip(pvalues, adjusted)}
 
 
 def holm_verdicts(rows: Mapping[str, Mapping], alpha: float = 0.05) -> dict[str, str]:
@@ -231,11 +238,8 @@ def split_means_interval(differences: Mapping[object, Sequence[float]]) -> dict[
     design it equals REML with Kenward–Roger degrees of freedom where the split component is positive). Returns
     ``{"mean", "low", "high", "p", "df", "splits"}``."""
     means = [statistics.fmean(g) for g in _groups(differences)]
-    k = len(means)
-    mean, se = statistics.fmean(means), statistics.stdev(means) / math.sqrt(k)
-    half = t_quantile_975(k - 1) * se
-    return {"mean": mean, "low": mean - half, "high": mean + half, "p": _t_p(mean, se, k - 1), "df": k - 1,
-            "splits": k}  # fmt: skip
+    mean, low, high, p = _one_sample_t(means)
+    return {"mean": mean, "low": low, "high": high, "p": p, "df": len(means) - 1, "splits": len(means)}
 
 
 def fixed_split_interval(differences: Mapping[object, Sequence[float]]) -> dict[str, float]:

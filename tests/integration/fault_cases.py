@@ -96,6 +96,13 @@ class Canary:
         return open, (self.path, "w")
 
 
+def _encoded(t: torch.Tensor) -> str:
+    """A tensor's wire text of any dtype (the plugin's to_wire refuses int64)."""
+    from safetensors.torch import save
+
+    return base64.b64encode(save({"t": t.contiguous()})).decode()
+
+
 def _pickled(_t):
     return base64.b64encode(pickle.dumps(Canary(os.environ.get("FS_PROBE_CANARY", os.devnull)))).decode()
 
@@ -136,7 +143,7 @@ FAULTS = {
     "stats a list": (_stats([1.0]), "not a mapping"),
     "stat a string": (_stats({"lam": "1"}), "is not a number"),
     "stat 10**400": (_stats({"num_train_data": 10**400}), "overflows"),
-    "pickle": (_on_b(_pickled), "got str"),
+    "pickle": (_on_b(_pickled), "safetensors header"),
     "factor a list": (_on_b(lambda t: t.tolist()), "got list"),
     "factor None": (_on_b(lambda t: None), "got NoneType"),
     "int tensor": (_on_b(lambda t: t.to(torch.int64)), "dtype torch.int64"),
@@ -154,15 +161,9 @@ FAULTS = {
     "finite but 1e20": (_on_b(lambda t: torch.full_like(t, 1e20)), "> 1e+06"),
     "B scaled by 1e7": (_on_b(lambda t: t * 1e7 + 1e7), "> 1e+06"),
     "malformed key": (lambda n, u: (n, {**u, "lora": {"noseparator": u["lora"][_b_key(u)]}}), "malformed factor key"),
-    "encoding of int64": (_on_b(lambda t: {"dtype": "int64", "shape": list(t.shape), "data": ""}), "encoded dtype"),
-    "encoding with a wrong byte count": (
-        _on_b(lambda t: {"dtype": "float32", "shape": [t.shape[0], t.shape[1] + 1], "data": "AAAA"}),
-        "does not hold",
-    ),
-    "encoding not base64": (
-        _on_b(lambda t: {"dtype": "float32", "shape": [1], "data": "!!!!!!!!"}),
-        "not base64",
-    ),
+    "encoding of int64": (_on_b(lambda t: _encoded(t.to(torch.int64))), "encoded dtype"),
+    "encoding with a wrong byte count": (_on_b(lambda t: _encoded(t)[:-8]), "not safetensors"),
+    "encoding not base64": (_on_b(lambda t: "!!!!!!!!"), "not base64"),
     "shared tensor that the run does not have": (
         lambda n, u: (n, {**u, "shared": {"lm_head.weight": torch.ones(2)}}),
         "differ from the expected",

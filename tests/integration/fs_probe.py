@@ -232,7 +232,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         shared = []  # each upload's shared (non-LoRA) tensors, as sent
         for _, content in pairs:
             try:
-                shared.append({k: from_wire(v) if isinstance(v, dict) else v.detach().clone()
+                shared.append({k: from_wire(v) if isinstance(v, str) else v.detach().clone()
                                for k, v in content["shared"].items()})  # fmt: skip
             except Exception:
                 shared.append(None)

@@ -3,6 +3,8 @@ refused with its reason, before anything else reads the upload; tolerable variat
 
 from __future__ import annotations
 
+import base64
+
 import numpy as np
 import pytest
 import torch
@@ -63,6 +65,15 @@ def _without(key):
 
 
 F = _factors()
+
+
+def _int64_encoding() -> str:
+    """safetensors bytes of an int64 B, which :func:`to_wire` refuses to make."""
+    from safetensors.torch import save
+
+    return base64.b64encode(save({"t": torch.ones(6, R, dtype=torch.int64)})).decode()
+
+
 # (case, sample size, content, the reason's words); every one must be dropped
 FAULTS = [
     ("sample size a string", "12", _content(), "is not a number"),
@@ -84,11 +95,12 @@ FAULTS = [
     ("stat a string", 10, {**_content(), "stats": {"lam": "1"}}, "is not a number"),
     ("stat 10**400", 10, {**_content(), "stats": {"num_train_data": 10**400}}, "overflows"),
     ("stat with a non-string key", 10, {**_content(), "stats": {3: 1.0}}, "is not a string"),
-    ("factor a pickle string", 10, _with("q|B", "gASVAAAAAAAAAACMBXBvc2l4lIwGc3lzdGVtlJOULg=="), "got str"),
+    ("factor a pickle string", 10, _with("q|B", "gASVAAAAAAAAAACMBXBvc2l4lIwGc3lzdGVtlJOULg=="), "header"),
     ("factor a list", 10, _with("q|B", F["q"][0].tolist()), "got list"),
     ("factor None", 10, _with("q|B", None), "got NoneType"),
-    ("encoding with a wrong byte count", 10, _with("q|B", {**to_wire(F["q"][0]), "shape": [6, 3]}), "does not hold"),
-    ("encoding of int64", 10, _with("q|B", {**to_wire(F["q"][0]), "dtype": "int64"}), "encoded dtype"),
+    ("encoding with a wrong byte count", 10, _with("q|B", to_wire(F["q"][0])[:-8]), "not safetensors"),
+    ("encoding of int64", 10, _with("q|B", _int64_encoding()), "encoded dtype 'int64'"),
+    ("encoding of the old format", 10, _with("q|B", {"dtype": "float32", "shape": [6, 2]}), "got a mapping"),
     ("int tensor", 10, _with("q|B", torch.ones(6, R, dtype=torch.int64)), "dtype torch.int64"),
     ("bool tensor", 10, _with("q|B", torch.ones(6, R, dtype=torch.bool)), "dtype torch.bool"),
     ("complex tensor", 10, _with("q|B", torch.ones(6, R, dtype=torch.complex64)), "dtype torch.complex64"),
@@ -108,7 +120,7 @@ FAULTS = [
     ("finite but 1e20", 10, _with("q|B", torch.full((6, R), 1e20)), f"> {MAX_ABS:g}"),
     ("B scaled by 1e7", 10, _content(_factors(1e7)), f"> {MAX_ABS:g}"),
     ("shared tensor unexpected", 10, {**_content(), "shared": {"head": torch.ones(2)}}, "differ from the expected"),
-    ("shared tensor a string", 10, {**_content(), "shared": {"head": "x"}}, "head: expected a tensor"),
+    ("shared tensor a string", 10, {**_content(), "shared": {"head": "x"}}, "head: encoded tensor is not base64"),
     # a weight (FlexLoRA's num_train_data) is bounded like the sample size, naming the field
     ("num_train_data 10**30", 10, _stats(num_train_data=10**30),
      "num_train_data(=1e+30) must be an integer in [0, 1e+15]"),
@@ -287,19 +299,17 @@ def test_an_encoded_factor_longer_than_its_module_needs_is_refused_without_decod
     bound on a factor was the module's d x k values at any rank, so a B claiming shape (d, k) in float64 was decoded
     before its rank was checked. Now B may hold d x r values (A r x k) at the ranks the client uploads, and the text
     is measured against that before its shape is read or anything is decoded: the decoder is never called."""
-    # Prepare: the base64 decoder fails if called; B claims (d, k) in float64 with text to match, and a B of 1.5 MB
-    import base64
-
+    # Prepare: the base64 decoder fails if called; B holds (d, k) in float64, and a B of 1.5 MB
     from fs_fedpa.plugin import payload
 
     def decoder(*args, **kwargs):
         raise AssertionError("the base64 decoder was called")
 
+    shapes = {**SHAPES, "q": (64, 48)}  # d (k - r) float64 values beyond the header's bound of 320 bytes
+    full = to_wire(torch.zeros(shapes["q"], dtype=torch.float64))
+    long = "A" * 1_500_000
     monkeypatch.setattr(payload.base64, "b64decode", decoder)
-    d, k = SHAPES["q"]
-    full = {"dtype": "float64", "shape": [d, k], "data": base64.b64encode(bytes(8 * d * k)).decode()}
-    long = {"dtype": "float32", "shape": [d, R], "data": "A" * 1_500_000}
     # Execute / Assert
     for value in (full, long):
-        reason = _check(5, _with("q|B", value, wire=True))
+        reason = _check(5, _with("q|B", value, wire=True), shapes=shapes)
         assert isinstance(reason, str) and reason.startswith("undecodable payload (q|B:") and "more than" in reason

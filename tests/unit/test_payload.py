@@ -83,33 +83,67 @@ def test_a_pickled_upload_is_refused_without_being_unpickled(tmp_path):
 GOOD = to_wire(torch.ones(2, 3))
 
 
+def _st(header: dict, data: bytes = b"", length: int | None = None) -> str:
+    """Base64 of hand-made safetensors bytes: an 8-byte little-endian header length, the JSON header, the data."""
+    text = json.dumps(header).encode()
+    return base64.b64encode((length or len(text)).to_bytes(8, "little") + text + data).decode()
+
+
+def _one(dtype="F32", shape=(2, 3), offsets=(0, 24), data=bytes(24), **more) -> str:
+    return _st({"t": {"dtype": dtype, "shape": list(shape), "data_offsets": list(offsets)}, **more}, data)
+
+
 @pytest.mark.parametrize(
     "value, reason",
     [
-        ("gASVAAAA", "got str"),
         ([[1.0, 2.0]], "got list"),
         (None, "got NoneType"),
         (3.5, "got float"),
-        ({"dtype": "float32", "shape": [2, 3]}, "keys"),
-        ({**GOOD, "extra": 1}, "keys"),
-        ({**GOOD, "dtype": "int64"}, "encoded dtype 'int64'"),
-        ({**GOOD, "dtype": "object"}, "encoded dtype 'object'"),
-        ({**GOOD, "dtype": ["float32"]}, "encoded dtype"),
-        ({**GOOD, "shape": [2, -3]}, "encoded shape"),
-        ({**GOOD, "shape": [True, 3]}, "encoded shape"),
-        ({**GOOD, "shape": [2.0, 3]}, "encoded shape"),
-        ({**GOOD, "shape": [1] * 9}, "encoded shape"),
-        ({**GOOD, "shape": "2,3"}, "encoded shape"),
-        ({**GOOD, "shape": [2, 4]}, "does not hold shape"),
-        ({**GOOD, "shape": [10**12, 10**6]}, "does not hold shape"),  # refused before anything is allocated
-        ({**GOOD, "data": GOOD["data"][:-4]}, "does not hold shape"),
-        ({**GOOD, "data": "!" * len(GOOD["data"])}, "not base64"),
-        ({**GOOD, "data": 12}, "not base64 text"),
+        (b"AAAA", "got bytes"),
+        ({"dtype": "float32", "shape": [2, 3], "data": "AAAA"}, "a mapping with keys"),  # the format of 07b6cca
+        (_one(), None),  # the hand-made bytes are right: each case below changes one thing
+        (_one("I64", offsets=(0, 48), data=bytes(48)), "encoded dtype 'int64'"),
+        (_one("BOOL", offsets=(0, 6), data=bytes(6)), "encoded dtype 'bool'"),
+        (_one("F8_E4M3", offsets=(0, 6), data=bytes(6)), "encoded dtype 'float8_e4m3fn'"),
+        (_one(shape=[1] * 9, offsets=(0, 4), data=bytes(4)), "more than 8 dims"),
+        (_one(shape=(2, -3)), "not safetensors"),
+        (_one(shape=(2, 4)), "not safetensors"),  # the shape needs 32 bytes, 24 are sent
+        (_one(shape=(10**12, 10**6)), "not safetensors"),  # refused before anything is allocated
+        (_one(data=bytes(28)), "not safetensors"),  # bytes beyond the tensor
+        (_one(data=bytes(20)), "not safetensors"),
+        (_one(u={"dtype": "F32", "shape": [0], "data_offsets": [24, 24]}), "expected one named 't'"),
+        (_st({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, bytes(4)), "expected one named 't'"),
+        (_one(__metadata__={"pad": "x" * 400}), "longer than 320 bytes"),  # a hostile header, before it is parsed
+        (_st({}, length=2**62), "longer than 320 bytes"),
+        (_st({}, length=8), "not safetensors"),  # a header length beyond the bytes sent
+        (base64.b64encode(b"1234").decode(), "cut short"),
+        ("AAAA" * 10 + "!!!!", "not base64"),
+        ("gASVAAAA", "cut short"),  # a pickle's first bytes
     ],
 )
 def test_malformed_encodings_are_refused_with_a_reason(value, reason):
+    if reason is None:
+        assert torch.equal(from_wire(value), torch.zeros(2, 3))
+        return
     with pytest.raises(ValueError, match=reason.replace("[", r"\[")):
         from_wire(value)
+
+
+def test_the_longest_honest_header_fits_and_the_text_is_bounded_before_decoding():
+    # Prepare: the widest header a peer can claim, 8 dims of 19 digits (safetensors then refuses the size)
+    widest = _one("BF16", [10**18] * 8, (0, 10**19), b"")
+    honest = to_wire(torch.empty([2**63 - 1] + [0] * 7, dtype=torch.bfloat16))
+    # Execute / Assert: both headers are within the bound, so safetensors reads them
+    assert all(int.from_bytes(base64.b64decode(text)[:8], "little") <= 320 for text in (widest, honest))
+    with pytest.raises(ValueError, match="not safetensors"):
+        from_wire(widest)
+    assert from_wire(honest).shape == (2**63 - 1,) + (0,) * 7
+    # a text longer than max_chars, or than max_numel values can need, is refused by its length alone
+    with pytest.raises(ValueError, match="encoded tensor of 40 characters, more than a factor can need [(]36[)]"):
+        from_wire("!" * 40, what="a factor", max_chars=36)
+    with pytest.raises(ValueError, match="more than it can need"):
+        from_wire(to_wire(torch.ones(100)), max_numel=10)
+    assert torch.equal(from_wire(to_wire(torch.ones(100)), max_numel=100), torch.ones(100))
 
 
 def test_malformed_payload_structure_is_refused():
@@ -183,8 +217,8 @@ def test_a_tensor_expanded_to_10_to_the_12_is_refused_before_it_is_copied_or_cou
         decode_parts({"q|B": huge})
     with pytest.raises(ValueError, match="more than the shared tensor can hold"):
         decode_tensors({"head": huge}, {"head": 4})
-    with pytest.raises(ValueError, match="more than"):  # an encoding's claimed shape, before its data is read
-        decode_parts({"q|B": {**GOOD, "shape": [1000, 1000]}}, {"q": 12 * 10})
+    with pytest.raises(ValueError, match="more than"):  # an encoding's length, before its data is read
+        decode_parts({"q|B": to_wire(torch.ones(1000, 1000))}, {"q": 12 * 10})
     assert nbytes({"lora": {"q|B": huge}}) == 4  # what the tensor holds, not the 4 TB its shape claims
 
 
