@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from fs_fedpa.files import memory_bound, read_regular
+
 # the random states are their own module; resume points and their users reach them through this one
 from fs_fedpa.rng_states import check_generator_state, check_rng, fork_rng, rng_state, set_rng_state  # noqa: F401
 from fs_fedpa.state_checks import check_int, check_mapping, is_int

@@ -203,7 +203,7 @@ class ServerResume:
 
     def bound(self, global_factors, local: dict[str, Tensor]) -> int:
         """The most bytes this run's server resume point can be: its model (FS's state, the merges, the factors) and
-        its records (:func:`fs_fedpa.resume.file_bound`)."""
+        FS's result history (:func:`fs_fedpa.resume.file_bound`)."""
         numel = sum(d * k for d, k in self.method.shapes.values()) * 3 + sum(t.numel() for t in local.values())
         numel += sum(B.numel() + A.numel() for B, A in global_factors.values()) * 4
         numel += self.model_numel
@@ -229,8 +229,9 @@ class ServerResume:
             if older:
                 r = max(older)
                 content = resume.load(older[r], ClientResume(self.cfg, self.method).bound(local))
+                initial = self.method.client_init(global_factors, client - 1)  # from the run's initial global
                 check_client_file(content, older[r], r, cfg=self.cfg, method=self.method, client=client,
-                                  initial=self.method.client_init(global_factors, client - 1), local=local)  # fmt: skip
+                                  initial=initial, local=local)  # fmt: skip
                 if client not in recorded:
                     raise ValueError(f"{at}' records no file of client {client}, but {older[r]} is there: it is not "
                                      "a file of the run this point saved; remove it, or resume from its own point")

@@ -20,10 +20,10 @@ from fs_fedpa.config_sections import RecordsConfig  # noqa: E402
 from fs_fedpa.record import DIAGNOSTICS_FILE  # noqa: E402
 
 
-def _refused(check, *named: str) -> str:
-    """The one-line message ``check()`` refuses with, which names each of ``named``."""
+def _refused(check, *named: str, args=()) -> str:
+    """The one-line message ``check(*args)`` refuses with, which names each of ``named``."""
     with pytest.raises(ValueError) as caught:
-        check()
+        check(*args)
     message = str(caught.value)
     assert "\n" not in message and all(n in message for n in named), message
     return message
@@ -103,8 +103,8 @@ def test_a_changed_or_other_diagnostics_file_is_refused_and_a_gone_one_is_warned
 def test_the_round_log_refuses_each_malformed_field_naming_it(tmp_path):
     good = _log(tmp_path / "run").state_dict()
     for key in good:
-        _refused(lambda: _log(tmp_path / "x").check_state({k: v for k, v in good.items() if k != key}, "p.pt", 2),
-                 "'p.pt'", f"no field 'round_log.{key}'")  # fmt: skip
+        _refused(_log(tmp_path / "x").check_state, "'p.pt'", f"no field 'round_log.{key}'",
+                 args=({k: v for k, v in good.items() if k != key}, "p.pt", 2))  # fmt: skip
     for key, value, named in (("clients", [0], "field 'round_log.clients' is [0]"),
                               ("clients", "1", "field 'round_log.clients' is '1'"),
                               ("totals", {"up": -1, "down": 0}, "field 'round_log.totals.up' is -1"),
@@ -112,7 +112,7 @@ def test_the_round_log_refuses_each_malformed_field_naming_it(tmp_path):
                               ("file", 3, "field 'round_log.file' is 3"),
                               ("file_size", -2, "field 'round_log.file_size' is -2"),
                               ("file_sha256", "ab", "field 'round_log.file_sha256' is 'ab'")):  # fmt: skip
-        _refused(lambda: _log(tmp_path / "x").check_state({**good, key: value}, "p.pt", 2), "'p.pt'", named)
+        _refused(_log(tmp_path / "x").check_state, "'p.pt'", named, args=({**good, key: value}, "p.pt", 2))
 
 
 # ---------------------------------------------------------------------------------------------- the other owners
@@ -128,13 +128,15 @@ def test_the_aggregator_and_fs_results_refuse_their_malformed_fields_naming_each
     for state, named in (({**good, "failed_in_a_row": -1}, "field 'aggregator.failed_in_a_row' is -1"),
                          ({**good, "generator": torch.zeros(5, dtype=torch.uint8)}, "field 'aggregator.generator' is"),
                          ({"generator": good["generator"]}, "no field 'aggregator.failed_in_a_row'")):  # fmt: skip
-        _refused(lambda: aggregator.check_state(state, "p.pt", 2), "'p.pt'", named)
+        _refused(aggregator.check_state, "'p.pt'", named, args=(state, "p.pt", 2))
     results = FSResults(SimpleNamespace(history_results={}, best_results={}))
     results.check_state(results.state_dict(), "p.pt", 2)
-    for state, named in (({"history_results": [1, 2], "best_results": {}}, "field 'fs_results.history_results' is a "
-                          "list"), ({"history_results": {}, "best_results": None}, "field 'fs_results.best_results' is "
-                          "a NoneType"), ({"history_results": {}}, "no field 'fs_results.best_results'")):  # fmt: skip
-        _refused(lambda: results.check_state(state, "p.pt", 2), "'p.pt'", named)
+    for state, named in (
+        ({"history_results": [1, 2], "best_results": {}}, "field 'fs_results.history_results' is a list"),
+        ({"history_results": {}, "best_results": None}, "field 'fs_results.best_results' is a NoneType"),
+        ({"history_results": {}}, "no field 'fs_results.best_results'"),
+    ):  # fmt: skip
+        _refused(results.check_state, "'p.pt'", named, args=(state, "p.pt", 2))
 
 
 def test_the_global_model_refuses_its_malformed_factors_bytes_and_merges_naming_each():
@@ -157,7 +159,7 @@ def test_the_global_model_refuses_its_malformed_factors_bytes_and_merges_naming_
         ("merges", {**merges, "kept": {1: 4}}, "field 'global_model.merges.kept' is {1: 4}"),
         ("merges", {k: v for k, v in merges.items() if k != "last"}, "no field 'global_model.merges.last'"),
     ):  # fmt: skip
-        _refused(lambda: g.check_state({**good, key: value}, "p.pt", 2), "'p.pt'", named)
+        _refused(g.check_state, "'p.pt'", named, args=({**good, key: value}, "p.pt", 2))
     _refused(lambda: g.check_state({k: v for k, v in good.items() if k != "down_bytes"}, "p.pt", 2),
              "no field 'global_model.down_bytes'")  # fmt: skip
 
@@ -201,7 +203,7 @@ def test_the_dp_policy_refuses_its_counts_fields_and_another_ledger_naming_each(
                          ({**good, "ledger_size": "9"}, "field 'privacy.ledger_size' is a str, not a int"),
                          ({**good, "generator": torch.zeros(3, dtype=torch.uint8)}, "field 'privacy.generator' is"),
                          ({**good, "ledger_sha256": "0" * 64}, f"the DP ledger {good['ledger']!r}")):  # fmt: skip
-        _refused(lambda: server.check_state(state, "p.pt", 2), "p.pt", named)
+        _refused(server.check_state, "p.pt", named, args=(state, "p.pt", 2))
 
 
 def test_the_server_loads_no_part_before_every_part_passed_its_owners_check(monkeypatch):
