@@ -134,7 +134,7 @@ class RoundLog:
         self.totals["up"] += sum(record["bytes_up"].values())
         self.totals["down"] += sum(record["bytes_down"].values())
         record.update(bytes_up_total=self.totals["up"], bytes_down_total=self.totals["down"])
-        self.clients.update(c for c in record.get("clients") or () if is_int(c))
+        self.clients.update(c for c in record.get("clients") or () if isinstance(c, int))
         if self.written:
             data = (json.dumps(record) + "\n").encode("utf-8")
             with open(self.path, "ab") as f:
