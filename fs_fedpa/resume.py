@@ -265,8 +265,8 @@ def check_server_fields(saved: dict, path) -> None:
     fields are its owner's to check (their ``check_state``)."""
     at = f"federate.restore_from {path!r}"
     if saved.get("version") != VERSION:
-        why = " (it carries the whole round history; the diagnostics file is the history now)" * (
-            saved.get("version") == 4)
+        old = saved.get("version") == 4  # the last that carried the round history, which the diagnostics file is now
+        why = " (it carries the whole round history; the diagnostics file is the history now)" if old else ""
         raise ValueError(
             f"{at} is a resume point of version {saved.get('version', 1)!r}{why}; this fs_fedpa reads version "
             f"{VERSION} only: continue that run with the fs_fedpa that wrote it, or start it again"
