@@ -132,7 +132,7 @@ def save(obj: dict, path: str) -> None:
 
 def file_bound(numel: int, records: int = 0) -> int:
     """A size no resume file of a model with ``numel`` elements (its factors, local tensors, base offsets and
-    merges, at most 8 bytes an element, a few times over) and ``records`` round records can exceed."""
+    merges, at most 8 bytes an element, a few times over) and ``records`` entries of FS's result history can exceed."""
     return 32 * int(numel) + 64 * 2**10 * int(records) + 64 * 2**20
 
 
