@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from fs_fedpa.state_checks import check_fields, check_finite, check_int, check_tensor, check_tensors, is_int
+
 
 class MergeLedger:
     """``merged``: per module the (d, k) sum of every merge so far; ``last``: the newest merge as it travels (per
@@ -63,6 +65,25 @@ class MergeLedger:
             "count": self.count,
             "kept": dict(self.kept),
         }
+
+    def check_state(self, saved, at: str, field: str, shapes: dict[str, tuple[int, int]]) -> None:
+        """ValueError naming ``at`` and ``field.<key>`` unless ``saved`` is :meth:`state_dict`'s dict for modules of
+        ``shapes`` (d, k): dense finite sums and increments (or factor pairs) of known modules, ``count`` an int >= 0
+        and ``kept`` at most ``count`` merges per client id."""
+        check_fields(saved, at, field, ("merged", "last", "count", "kept"))
+        check_tensors(saved["merged"], at, f"{field}.merged", shapes, exact=False)
+        check_int(saved, at, "count", 0, field=f"{field}.count")
+        last = saved["last"]
+        if not isinstance(last, dict) or not set(last) <= set(shapes):
+            raise ValueError(f"{at}: field '{field}.last' is not a merge of this run's modules")
+        for name, value in last.items():
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                check_tensor(t, f"{at}: field '{field}.last[{name!r}]'")
+                check_finite(t, f"{at}: field '{field}.last[{name!r}]'")
+        kept = saved["kept"]
+        if not isinstance(kept, dict) or not all(is_int(c) and is_int(n) and 0 <= n <= saved["count"]
+                                                 for c, n in kept.items()):  # fmt: skip
+            raise ValueError(f"{at}: field '{field}.kept' is {kept!r:.100}, not merges held per client id")
 
     def load_state_dict(self, saved: dict, device) -> None:
         """:meth:`state_dict`'s dict onto ``device``."""

@@ -16,11 +16,13 @@ clients are sampled for round ``t``):
 client restores the newest of its files older than the first round it is sent. Evaluation runs under
 ``torch.random.fork_rng``, so the random stream of training does not depend on when evaluations happened.
 
-Every file is checked before it is used, and refused with a ``ValueError`` naming the file and the field: a client
-file records whose it is (:func:`client_owner`: client id, ranks r_i and R_i, the run's method and result settings)
-and must match the client that reads it, and its numbers, factors and tensors must be well formed and finite
-(:func:`check_client_file`); the server file's fields and global factors likewise (:func:`check_server_fields`,
-:func:`check_global`).
+Every file is checked before it is used, and refused with a ``ValueError`` naming the file and the field. This
+module checks the envelope: a server point's version, head and which parts it has (:func:`check_server_fields`), a
+client file's owner (:func:`client_owner`: client id, ranks r_i and R_i, the run's method and result settings), which
+must match the client that reads it (:func:`check_client_file`). Each part is checked by its owner (its
+``check_state``, with the helpers of :mod:`fs_fedpa.state_checks`), every part before any is loaded. The round
+history is not in a point: it is the run's diagnostics file, which the round log's part names by its size and
+SHA-256.
 """
 
 from __future__ import annotations
@@ -38,28 +40,30 @@ import torch
 from torch import Tensor
 
 from fs_fedpa.files import memory_bound, read_regular
-from fs_fedpa.methods.base import FederatedMethod
+
 # the random states are their own module; resume points and their users reach them through this one
 from fs_fedpa.rng_states import check_generator_state, check_rng, fork_rng, rng_state, set_rng_state  # noqa: F401
+from fs_fedpa.state_checks import check_int, check_mapping, is_int
 
 PREFIX = "fedpa_resume_"
 # a server resume point's ``fedpa_resume``: its head, checked first, and one ``state_dict()`` per collaborator of the
-# server, each with the keys its ``load_state_dict`` reads; ``settings`` and ``privacy`` are what the accountant's
-# past depends on: a point without them is refused, not trusted
+# server, each checked by its own ``check_state`` (every part before any ``load_state_dict``); ``settings`` and
+# ``privacy`` are what the accountant's past depends on: a point without them is refused, not trusted
 HEAD_FIELDS = ("version", "method", "round", "plan", "settings", "rng", "client_files")
-PARTS = {
-    "global_model": ("factors", "down_bytes", "merges"),  # plugin.global_model.GlobalModel (its FS model: "model")
-    "round_log": ("records", "totals"),  # plugin.record_fs.RoundLog
-    "aggregator": ("generator", "failed_in_a_row"),  # plugin.aggregator.FedPAAggregator
-    "fs_results": ("history_results", "best_results"),  # FS's own result history (plugin.resume_fs.FSResults)
-    "privacy": (),  # the server's DP policy (fs_fedpa.privacy): its own checks
-    "method_state": (),  # the method's (methods.base.FederatedMethod.state_dict): its own checks
-}
+PARTS = (
+    "global_model",  # plugin.global_model.GlobalModel (its FS model: "model")
+    "round_log",  # plugin.record_fs.RoundLog: the byte totals, the clients so far, the diagnostics file's digest
+    "aggregator",  # plugin.aggregator.FedPAAggregator
+    "fs_results",  # FS's own result history (plugin.resume_fs.FSResults)
+    "privacy",  # the server's DP policy (fs_fedpa.privacy)
+    "method_state",  # the method's (methods.base.FederatedMethod.state_dict)
+)
 SERVER_FIELDS = (*HEAD_FIELDS, *PARTS)
 # 2: the method's own state (``method_state``: HetLoRA's pruned ranks reset on resume before it) and this field;
 # 3: one state dict per collaborator (PARTS) instead of fields picked out of them; 4: ``client_files`` (each client
-# file's ``file_id``), the ledger's size and SHA-256, and each client file's ``data`` (issue 88)
-VERSION = 4
+# file's ``file_id``), the ledger's size and SHA-256, and each client file's ``data`` (issue 88); 5: no round history
+# (the round log's part names the diagnostics file by its size and SHA-256; issue 89)
+VERSION = 5
 # whose a client file is; ``file_id``: the token of the client's files in this run (a resumed client keeps it),
 # which the server's resume point records (another run's files, same settings or not, have another); ``data``: the
 # client's training set (``n``: size)
@@ -128,7 +132,7 @@ def save(obj: dict, path: str) -> None:
 
 def file_bound(numel: int, records: int = 0) -> int:
     """A size no resume file of a model with ``numel`` elements (its factors, local tensors, base offsets and
-    merges, at most 8 bytes an element, a few times over) and ``records`` round records can exceed."""
+    merges, at most 8 bytes an element, a few times over) and ``records`` entries of FS's result history can exceed."""
     return 32 * int(numel) + 64 * 2**10 * int(records) + 64 * 2**20
 
 
@@ -204,16 +208,12 @@ def client_owner(cfg, method, client: int) -> dict:
     }
 
 
-def check_client_file(
-    saved: dict, path, rnd: int, *, cfg, method, client: int, initial: dict, local: dict[str, Tensor],
-    data: dict | None = None,
-) -> None:
-    """ValueError naming ``path`` and the field unless ``saved`` is client ``client``'s state after round ``rnd``
-    (the round of its name) in this run: the owner's fields equal :func:`client_owner`, ``round`` and
-    ``rounds_trained`` are ints that fit, the factors have the shapes of ``initial`` (the client's initial factors;
-    a method that prunes, as HetLoRA does, may keep a lower rank), the local tensors those of ``local``, the base
-    offsets (d, k) of known modules, and every tensor is floating point and finite; ``file_id`` is a string, and
-    ``data`` the client's training set (``n``), as it is now where the caller knows it (the client itself)."""
+def check_client_file(saved: dict, path, rnd: int, *, cfg, method, client: int, data: dict | None = None) -> None:
+    """ValueError naming ``path`` and the field unless the envelope of ``saved`` is client ``client``'s after round
+    ``rnd`` (the round of its name) in this run: the owner's fields equal :func:`client_owner`, ``file_id`` is a
+    string, ``data`` the client's training set (``n``), as it is now where the caller knows it (the client itself),
+    ``round`` is ``rnd`` and ``rng`` a process's RNG states. The client's state in it is its owner's to check
+    (:meth:`fs_fedpa.plugin.client_state.ClientState.check_state`)."""
     at = f"resume file {path}"
     owner = client_owner(cfg, method, client)
     for key in OWNER_FIELDS:
@@ -222,10 +222,10 @@ def check_client_file(
                 f"{at} has no field {key!r}: it predates the check of whose a resume file is (client id, ranks, run), "
                 "so it cannot be told from another client's or another run's file; start the run again"
             )
-    if not _is_int(saved["client"]) or saved["client"] != client:
+    if not is_int(saved["client"]) or saved["client"] != client:
         raise ValueError(f"{at}: field 'client' is {saved['client']!r}, but the file is client {client}'s (its name)")
     for key, what in (("rank", "r_i"), ("reference_rank", "R_i")):
-        if not _is_int(saved[key]) or saved[key] != owner[key]:
+        if not is_int(saved[key]) or saved[key] != owner[key]:
             raise ValueError(
                 f"{at}: field {key!r} is {saved[key]!r}, but this run's rank plan gives client {client} "
                 f"{what}={owner[key]}"
@@ -240,24 +240,16 @@ def check_client_file(
     if not isinstance(saved["file_id"], str):
         raise ValueError(f"{at}: field 'file_id' is {saved['file_id']!r:.100}, not a client file's token")
     check_data(saved["data"], at, data)
-    _check_int(saved, at, "round", 0)
+    check_int(saved, at, "round", 0)
     if saved["round"] != rnd:
         raise ValueError(f"{at}: field 'round' is {saved['round']}, but the file's name says round {rnd}")
-    _check_int(saved, at, "rounds_trained", 1, rnd + 1)
-    prunes = type(method).end_round is not FederatedMethod.end_round  # it may keep fewer ranks than it started with
-    shapes = {n: (tuple(B.shape), tuple(A.shape)) for n, (B, A) in initial.items()}
-    _check_pairs(saved.get("factors"), at, "factors", shapes, max_rank=None, lower_rank=prunes)
-    if saved.get("personal"):  # a personal adapter (FedDPA) has the client's rank
-        _check_pairs(saved["personal"], at, "personal", shapes, max_rank=None, lower_rank=False)
-    _check_tensors(saved.get("local"), at, "local", {n: tuple(t.shape) for n, t in local.items()}, exact=True)
-    _check_tensors(saved.get("base_offset", {}), at, "base_offset", method.shapes, exact=False)
     check_rng(saved.get("rng"), at, "rng")
 
 
 def check_data(saved, at: str, now: dict | None) -> None:
     """The ``data`` field of a client file: ``{"n": its training set size}``, equal to ``now`` where given. A client
     whose data changed since its file was written is not the one whose past steps (and DP ledger) the run counts."""
-    if not isinstance(saved, dict) or not _is_int(saved.get("n")) or saved["n"] < 0:
+    if not isinstance(saved, dict) or not is_int(saved.get("n")) or saved["n"] < 0:
         raise ValueError(f"{at}: field 'data' is {saved!r:.100}, not a training set's size ({{'n': records}})")
     if now is not None and saved["n"] != now["n"]:
         raise ValueError(
@@ -268,42 +260,30 @@ def check_data(saved, at: str, now: dict | None) -> None:
 
 
 def check_server_fields(saved: dict, path) -> None:
-    """ValueError naming ``path`` and the field if a field of a server resume point is missing or malformed."""
+    """ValueError naming ``path`` and the field if the envelope of a server resume point is not this version's: its
+    head (:data:`HEAD_FIELDS`) missing or malformed, or a part (:data:`PARTS`) missing or not a mapping. Each part's
+    fields are its owner's to check (their ``check_state``)."""
     at = f"federate.restore_from {path!r}"
     if saved.get("version") != VERSION:
+        old = saved.get("version") == 4  # the last that carried the round history, which the diagnostics file is now
+        why = " (it carries the whole round history; the diagnostics file is the history now)" if old else ""
         raise ValueError(
-            f"{at} is a resume point of version {saved.get('version', 1)!r}; this fs_fedpa reads version {VERSION} "
-            "only: continue that run with the fs_fedpa that wrote it, or start it again"
+            f"{at} is a resume point of version {saved.get('version', 1)!r}{why}; this fs_fedpa reads version "
+            f"{VERSION} only: continue that run with the fs_fedpa that wrote it, or start it again"
         )
     for key in SERVER_FIELDS:
         if key not in saved:
             raise ValueError(f"{at} has no field {key!r}; it is not a whole FedPA resume point")
-    _check_int(saved, at, "round", 0)
+    check_int(saved, at, "round", 0)
     for key, kind in (("method", str), ("plan", (list, tuple)), ("settings", dict)):
         if not isinstance(saved[key], kind) or key == "plan" and len(saved[key]) != 3:
             raise ValueError(f"{at}: field {key!r} is malformed ({saved[key]!r:.200})")
-    for part, keys in PARTS.items():
-        if not isinstance(saved[part], dict):
-            raise ValueError(f"{at}: field {part!r} is not a mapping")
-        if missing := [k for k in keys if k not in saved[part]]:
-            raise ValueError(f"{at} has no field '{part}.{missing[0]}'; it is not a whole FedPA resume point")
-    log, aggregator = saved["round_log"], saved["aggregator"]
-    if not isinstance(log["records"], list) or not all(isinstance(record, dict) for record in log["records"]):
-        raise ValueError(f"{at}: field 'round_log.records' is not a list of mappings")
-    for key, value in (("round_log.totals", log["totals"]), ("global_model.down_bytes", saved["global_model"]
-                       ["down_bytes"]), ("global_model.merges", saved["global_model"]["merges"])):  # fmt: skip
-        if not isinstance(value, dict):
-            raise ValueError(f"{at}: field {key!r} is not a mapping")
-    _check_int(aggregator, at, "failed_in_a_row", 0)
-    check_generator_state(aggregator["generator"], at, "aggregator.generator")
+    for part in PARTS:
+        check_mapping(saved[part], at, part)
     check_rng(saved["rng"], at, "rng")
-    results = saved["fs_results"]
-    for key in PARTS["fs_results"]:
-        if not isinstance(results[key], dict):
-            raise ValueError(f"{at}: field 'fs_results.{key}' is a {type(results[key]).__name__}, not a mapping")
     files = saved["client_files"]
     if not isinstance(files, dict) or not all(
-        isinstance(c, int) and isinstance(v, (list, tuple)) and len(v) == 2 and _is_int(v[0]) and
+        isinstance(c, int) and isinstance(v, (list, tuple)) and len(v) == 2 and is_int(v[0]) and
         isinstance(v[1], str) for c, v in files.items()):  # fmt: skip
         raise ValueError(f"{at}: field 'client_files' is not a mapping of clients to (round, file_id)")
 
@@ -312,112 +292,9 @@ def check_checkpoint(checkpoint: dict, path) -> None:
     """FS's own keys of a resume point (``cur_round``, ``model``: a mapping of names to tensors), which FS's loader
     reads before the plugin's: ValueError naming the file and the field."""
     at = f"federate.restore_from {path!r}"
-    if not _is_int(checkpoint.get("cur_round")):
+    if not is_int(checkpoint.get("cur_round")):
         raise ValueError(f"{at}: field 'cur_round' is {checkpoint.get('cur_round', 'missing')!r:.100}, not an int")
     model = checkpoint.get("model")
     if not isinstance(model, dict) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in model.items()):
         what = "missing" if "model" not in checkpoint else f"a {type(model).__name__}"
         raise ValueError(f"{at}: field 'model' is {what}, not FS's model state (names to tensors)")
-
-
-def check_global(saved: dict, path, initial: dict, max_rank: int, *, at: str | None = None,
-                 field: str = "global_model.factors") -> None:  # fmt: skip
-    """ValueError naming ``path`` (or ``at``) and ``field`` unless the saved global factors have the modules of
-    ``initial`` (the run's initial global factors, whose shapes the base model gives), their shapes up to a rank from
-    1 to ``max_rank``, storage for every element (checked before a value is read) and finite floating-point values.
-    """
-    shapes = {n: (tuple(B.shape), tuple(A.shape)) for n, (B, A) in initial.items()}
-    at = f"federate.restore_from {path!r}" if at is None else at
-    _check_pairs(saved, at, field, shapes, max_rank=max_rank, lower_rank=True)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_int(saved: dict, at: str, key: str, minimum: int, maximum: int | None = None) -> None:
-    """ValueError unless ``saved[key]`` is an int from ``minimum`` to ``maximum``."""
-    if key not in saved:
-        raise ValueError(f"{at} has no field {key!r}")
-    value = saved[key]
-    if not _is_int(value) or value < minimum or (maximum is not None and value > maximum):
-        bound = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
-        raise ValueError(f"{at}: field {key!r} is {value!r}; it must be an int {bound}")
-
-
-def _check_tensor(t, where: str) -> None:
-    """A dense floating-point tensor whose every element has storage of its own; its values are not read (a planted
-    view can stand for far more elements than its file holds, so :func:`_check_finite` runs after the shape's
-    check)."""
-    if not isinstance(t, Tensor):
-        raise ValueError(f"{where} is a {type(t).__name__}, not a tensor")
-    if t.layout != torch.strided or not t.is_floating_point():
-        raise ValueError(f"{where} is a {t.dtype} tensor of layout {t.layout}, not a dense floating-point one")
-    if not owns_storage(t):
-        shape = tuple(t.shape)
-        raise ValueError(f"{where} is a view of shape {shape} and strides {t.stride()} over a smaller storage")
-
-
-def owns_storage(t: Tensor) -> bool:
-    """Whether every element of the dense tensor ``t`` has storage of its own (not a planted stride-0 view of 10^12
-    elements over a few bytes): from its strides and storage size, no value read."""
-    return all(stride > 0 for size, stride in zip(t.shape, t.stride()) if size > 1) and (
-        t.untyped_storage().nbytes() >= t.numel() * t.element_size()
-    )
-
-
-def _check_finite(t: Tensor, where: str) -> None:
-    if not bool(torch.isfinite(t).all()):
-        raise ValueError(f"{where} holds a NaN or an Inf")
-
-
-def _check_pairs(pairs, at: str, field: str, shapes: dict, max_rank: int | None, lower_rank: bool) -> None:
-    """``pairs`` maps exactly the modules of ``shapes`` to finite floating-point ``(B, A)`` of those shapes; with
-    ``lower_rank``, 2-D factors may have any rank from 1 to ``max_rank`` (default the expected rank)."""
-    if not isinstance(pairs, dict):
-        raise ValueError(f"{at}: field {field!r} is a {type(pairs).__name__}, not a mapping of modules to (B, A)")
-    if set(pairs) != set(shapes):
-        odd = sorted(set(pairs) ^ set(shapes))[:3]
-        raise ValueError(f"{at}: field {field!r} does not have the modules of this run's adapter (e.g. {odd})")
-    for name, pair in pairs.items():
-        where = f"{at}: field '{field}[{name!r}]'"
-        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-            raise ValueError(f"{where} is not a pair (B, A)")
-        for part, t in zip("BA", pair):
-            _check_tensor(t, f"{where} {part}")
-        (B, A), (want_B, want_A) = [tuple(t.shape) for t in pair], shapes[name]
-        if not _fits(B, A, want_B, want_A, max_rank if lower_rank else None, lower_rank):
-            raise ValueError(f"{where} has shapes B {B}, A {A}; this run's adapter has B {want_B}, A {want_A}")
-        for part, t in zip("BA", pair):
-            _check_finite(t, f"{where} {part}")
-
-
-def _fits(B: tuple, A: tuple, want_B: tuple, want_A: tuple, max_rank: int | None, lower_rank: bool) -> bool:
-    """Whether factors of shapes ``B, A`` fit ``want_B, want_A``; with ``lower_rank``, 2-D factors may have any rank
-    from 1 to ``max_rank`` (default the expected one)."""
-    if not (lower_rank and len(B) == len(A) == len(want_B) == len(want_A) == 2):
-        return B == want_B and A == want_A
-    top = want_B[1] if max_rank is None else max_rank
-    return B[0] == want_B[0] and A[1] == want_A[1] and 1 <= B[1] == A[0] <= top
-
-
-def check_tensors(tensors, path, field: str, shapes: dict) -> None:
-    """ValueError naming ``path`` and ``field`` unless ``tensors`` maps the names of ``shapes`` to dense, finite
-    floating-point tensors of those shapes (storage checked before a value is read)."""
-    _check_tensors(tensors, str(path), field, shapes, exact=True)
-
-
-def _check_tensors(tensors, at: str, field: str, shapes: dict, exact: bool) -> None:
-    """``tensors`` maps the names of ``shapes`` (``exact``; else some of them) to finite floating-point tensors of
-    those shapes."""
-    if not isinstance(tensors, dict):
-        raise ValueError(f"{at}: field {field!r} is a {type(tensors).__name__}, not a mapping of names to tensors")
-    if (set(tensors) != set(shapes)) if exact else not set(tensors) <= set(shapes):
-        odd = sorted(set(tensors) ^ set(shapes) if exact else set(tensors) - set(shapes))[:3]
-        raise ValueError(f"{at}: field {field!r} does not have this client's tensors (e.g. {odd})")
-    for name, t in tensors.items():
-        where = f"{at}: field '{field}[{name!r}]'"
-        _check_tensor(t, where)
-        if tuple(t.shape) != tuple(shapes[name]):
-            raise ValueError(f"{where} has shape {tuple(t.shape)}; this client's is {tuple(shapes[name])}")
-        _check_finite(t, where)

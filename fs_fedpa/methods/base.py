@@ -111,12 +111,16 @@ class FederatedMethod:
         are the server's own). Plain numbers, lists and tensors only: resume points load with ``weights_only``."""
         return {}
 
-    def load_state_dict(self, state: dict, path: str) -> None:
-        """Continue from :meth:`state_dict`'s ``state``, read from the resume point ``path``; ValueError naming the
-        file for a state this method did not write."""
+    def check_state(self, state: dict, path: str, rnd: int) -> None:
+        """ValueError naming the resume point ``path`` (of round ``rnd``) and the field ``method_state.<key>`` for a
+        ``state`` this method did not write (:meth:`state_dict`); before any part of the point is loaded."""
         if state:
-            raise ValueError(f"federate.restore_from {path!r} holds method state {sorted(state)} that "
+            raise ValueError(f"federate.restore_from {path!r}: field 'method_state' holds {sorted(state)}, which "
                              f"{self.name} does not keep")  # fmt: skip
+
+    def load_state_dict(self, state: dict, path: str) -> None:
+        """Continue from :meth:`state_dict`'s ``state``, read from the resume point ``path`` (checked by
+        :meth:`check_state`)."""
 
     def expand(self, state: Factors) -> Factors:
         """Applied factors ``(B, A)`` whose product is the update a state of this method applies (the pairs

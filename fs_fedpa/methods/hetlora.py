@@ -70,14 +70,16 @@ class HetLoRA(FederatedMethod):
     def state_dict(self) -> dict:
         return {"current": list(self.current)}  # the pruned ranks, which size each client's downlink
 
-    def load_state_dict(self, state: dict, path: str) -> None:
+    def check_state(self, state: dict, path: str, rnd: int) -> None:
         ranks = state.get("current")
         top = self.plan.client_ranks
-        if (not isinstance(ranks, list) or len(ranks) != len(top)
+        if (set(state) != {"current"} or not isinstance(ranks, list) or len(ranks) != len(top)
                 or not all(type(r) is int and 1 <= r <= t for r, t in zip(ranks, top))):  # fmt: skip
-            raise ValueError(f"federate.restore_from {path!r}: HetLoRA's field 'current' must be each client's rank, "
-                             f"from 1 to its r_i {list(top)}; got {ranks!r:.200}")  # fmt: skip
-        self.current = list(ranks)
+            raise ValueError(f"federate.restore_from {path!r}: field 'method_state.current' must be each client's "
+                             f"rank under HetLoRA, from 1 to its r_i {list(top)}; got {ranks!r:.200}")  # fmt: skip
+
+    def load_state_dict(self, state: dict, path: str) -> None:
+        self.current = list(state["current"])
 
     def upload_ranks(self, client: int) -> tuple[int, ...]:
         return tuple(range(1, self.plan.client_ranks[client] + 1))  # pruning only ever lowers a rank

@@ -15,6 +15,8 @@ from fs_fedpa.plugin.intake import check_upload, message_pair
 from fs_fedpa.plugin.payload import nbytes
 from fs_fedpa.plugin.record_fs import RoundLog
 from fs_fedpa.privacy.policy import ServerPolicy
+from fs_fedpa.rng_states import check_generator_state
+from fs_fedpa.state_checks import check_fields, check_int
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
@@ -46,8 +48,16 @@ class FedPAAggregator(Aggregator):
         """For a resume point: the sketches' generator and the count of rounds in a row without an aggregation."""
         return {"generator": self.generator.get_state(), "failed_in_a_row": self.failed_in_a_row}
 
+    def check_state(self, state: dict, path: str, rnd: int) -> None:
+        """ValueError naming ``path`` and the field ``aggregator.<key>`` unless ``state`` is :meth:`state_dict`'s
+        dict of a resume point (of round ``rnd``): a CPU generator's state and a count of failed rounds >= 0."""
+        at = f"federate.restore_from {path!r}"
+        check_fields(state, at, "aggregator", ("generator", "failed_in_a_row"))
+        check_int(state, at, "failed_in_a_row", 0, field="aggregator.failed_in_a_row")
+        check_generator_state(state["generator"], at, "aggregator.generator")
+
     def load_state_dict(self, state: dict, path: str) -> None:
-        """:meth:`state_dict`'s dict from the file ``path`` (checked by :mod:`fs_fedpa.resume` before)."""
+        """:meth:`state_dict`'s dict from the file ``path`` (checked by :meth:`check_state` before)."""
         self.generator.set_state(state["generator"])
         self.failed_in_a_row = state["failed_in_a_row"]
 

@@ -12,6 +12,8 @@ from torch import Tensor
 
 from fs_fedpa import lora
 from fs_fedpa.lora import Factors
+from fs_fedpa.methods.base import FederatedMethod
+from fs_fedpa.state_checks import check_int, check_pairs, check_tensors
 from fs_fedpa.state_store import SpillError, StateStore, flatten, unflatten
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
@@ -158,8 +160,24 @@ class ClientState:
             "rounds_trained": self.rounds_trained,
         }
 
+    @staticmethod
+    def check_state(saved: dict, path, rnd: int, *, method, initial: Factors, local: dict[str, Tensor]) -> None:
+        """ValueError naming ``path`` and the field unless ``saved`` holds a state of this client after round ``rnd``:
+        ``rounds_trained`` an int that fits, the factors of the shapes of ``initial`` (its initial factors; a method
+        that prunes, as HetLoRA does, may keep a lower rank), the local tensors those of ``local``, the base offsets
+        (d, k) of known modules, and every tensor dense, floating point and finite."""
+        at = f"resume file {path}"
+        check_int(saved, at, "rounds_trained", 1, rnd + 1)
+        prunes = type(method).end_round is not FederatedMethod.end_round  # it may keep fewer ranks than it started
+        shapes = {n: (tuple(B.shape), tuple(A.shape)) for n, (B, A) in initial.items()}
+        check_pairs(saved.get("factors"), at, "factors", shapes, max_rank=None, lower_rank=prunes)
+        if saved.get("personal"):  # a personal adapter (FedDPA) has the client's rank
+            check_pairs(saved["personal"], at, "personal", shapes, max_rank=None, lower_rank=False)
+        check_tensors(saved.get("local"), at, "local", {n: tuple(t.shape) for n, t in local.items()})
+        check_tensors(saved.get("base_offset", {}), at, "base_offset", method.shapes, exact=False)
+
     def load_state_dict(self, saved: dict, device: torch.device) -> None:
-        """A resume file's state (:meth:`state_dict`'s keys and ``round``, checked by :mod:`fs_fedpa.resume`) onto
+        """A resume file's state (:meth:`state_dict`'s keys and ``round``, checked by :meth:`check_state`) onto
         ``device``."""
         self.factors = _on(saved["factors"], device)
         self.local = {n: t.to(device) for n, t in saved["local"].items()}

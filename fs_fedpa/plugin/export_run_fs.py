@@ -15,7 +15,7 @@ from fs_fedpa.methods import FederatedMethod
 from fs_fedpa.plugin.export_fs import Exporter, run_info
 from fs_fedpa.plugin.global_model import other_plan
 from fs_fedpa.plugin.run_folder_fs import CHECKPOINT, identity, same_run
-from fs_fedpa.resume import owns_storage
+from fs_fedpa.state_checks import owns_storage
 
 logger = logging.getLogger(f"federatedscope.{__name__}")
 
@@ -82,7 +82,7 @@ def export_run(run, out, *, clients: bool = False, force: bool = False, cfg_file
     from federatedscope.core.auxiliaries.model_builder import get_model
 
     from fs_fedpa.plugin.common import build_method, global_init
-    from fs_fedpa.resume import check_global
+    from fs_fedpa.state_checks import check_global
 
     cfg, checkpoint, outdir = run_files(run, cfg_file)
     saved = export.read_checkpoint(checkpoint)

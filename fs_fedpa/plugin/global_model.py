@@ -18,7 +18,7 @@ from fs_fedpa.merge_ledger import MergeLedger
 from fs_fedpa.methods.base import FederatedMethod
 from fs_fedpa.plugin.common import global_init
 from fs_fedpa.plugin.payload import encode_factors, encode_merge, encode_tensors, nbytes
-from fs_fedpa.resume import check_global, check_tensors
+from fs_fedpa.state_checks import check_fields, check_global, check_tensors, is_int
 
 
 class GlobalModel:
@@ -96,9 +96,25 @@ class GlobalModel:
             "model": self.with_public_locals(self.model.state_dict()),
         }
 
+    FIELDS = ("factors", "down_bytes", "merges")  # its part of a resume point (``model``: FS's own key beside)
+
+    def check_state(self, state: dict, path: str, rnd: int) -> None:
+        """ValueError naming ``path`` and the field ``global_model.<key>`` unless ``state`` (:meth:`state_dict`'s
+        dict in the resume point ``path`` of round ``rnd``) fits this run: the global factors the modules of the
+        initial ones at a rank from 1 to max(r_g, R_g), dense and finite (:func:`~fs_fedpa.state_checks.check_global`),
+        the downlink bytes per client ids, the merges of known modules (:meth:`MergeLedger.check_state`)."""
+        at = f"federate.restore_from {path!r}"
+        check_fields(state, at, "global_model", self.FIELDS)
+        plan = self.method.plan
+        check_global(state["factors"], path, self.factors, max(plan.r_g, plan.R_g))
+        down = state["down_bytes"]
+        if not isinstance(down, dict) or not all(is_int(c) and is_int(b) and b >= 0 for c, b in down.items()):
+            raise ValueError(f"{at}: field 'global_model.down_bytes' is {down!r:.100}, not bytes per client id")
+        self.merges.check_state(state["merges"], at, "global_model.merges", self.method.shapes)
+
     def load_state_dict(self, state: dict, path: str) -> None:
         """:meth:`state_dict`'s dict (``model``: FS's checkpoint model state, the LoRA factors aside), checked by
-        :mod:`fs_fedpa.resume` before; ``path`` is its file."""
+        :meth:`check_state` before; ``path`` is its file."""
         device = self.device
         self.install({n: (B.to(device), A.to(device)) for n, (B, A) in state["factors"].items()}, {})
         self.model.load_state_dict(state["model"], strict=False)

@@ -5,6 +5,7 @@ E_init) are computed only under ``fedpa.records.diagnostics full``; the default 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -13,9 +14,10 @@ import torch
 
 from fs_fedpa.core.diagnostics import initialization_error
 from fs_fedpa.core.norms import change_sq_norm, factored_norm, product_distance
+from fs_fedpa.files import read_regular
 from fs_fedpa.lora import Factors
 from fs_fedpa.record import DIAGNOSTICS_FILE
-from fs_fedpa.resume import plain
+from fs_fedpa.state_checks import check_fields, check_int, is_int
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
@@ -111,23 +113,32 @@ class RoundStats:
 
 
 class RoundLog:
-    """The server's round records (a collaborator of :class:`~fs_fedpa.plugin.server.FedPAServer`): every round's
-    record in memory, which resume points carry, the bytes sent both ways so far, and unless ``records`` (the
-    ``fedpa.records`` section) says ``diagnostics: off`` one JSON line a round in ``<outdir>/fedpa_diagnostics.jsonl``
-    (E_agg in the log line only under ``full``, where it is computed)."""
+    """The server's round records (a collaborator of :class:`~fs_fedpa.plugin.server.FedPAServer`): unless
+    ``records`` (the ``fedpa.records`` section) says ``diagnostics: off``, one JSON line a round in
+    ``<outdir>/fedpa_diagnostics.jsonl``, which is the run's history (E_agg in the log line only under ``full``,
+    where it is computed); in memory only what a run continues from: the bytes sent both ways so far, the clients
+    aggregated so far, and the file's size and SHA-256, which resume points carry (not the records)."""
+
+    FIELDS = ("clients", "totals", "file", "file_size", "file_sha256")  # its part of a resume point
 
     def __init__(self, outdir: str, records):
         self.path, self.written, self.full = os.path.join(outdir, DIAGNOSTICS_FILE), records.written, records.full
-        self.records: list[dict] = []
+        self.clients: set[int] = set()
         self.totals = {"up": 0, "down": 0}
+        self.digest, self.size = hashlib.sha256(), 0  # of every byte this run's file holds
 
     def add(self, record: dict) -> None:
-        """One round's record: its byte totals so far added, kept, written and logged."""
+        """One round's record: its byte totals so far added, written and logged."""
         self.totals["up"] += sum(record["bytes_up"].values())
         self.totals["down"] += sum(record["bytes_down"].values())
         record.update(bytes_up_total=self.totals["up"], bytes_down_total=self.totals["down"])
-        self.records.append(record)
-        self._write([record])
+        self.clients.update(c for c in record.get("clients") or () if isinstance(c, int))
+        if self.written:
+            data = (json.dumps(record) + "\n").encode("utf-8")
+            with open(self.path, "ab") as f:
+                f.write(data)
+            self.digest.update(data)
+            self.size += len(data)
         e_agg = f"E_agg={_g(record['e_agg'])} (rel {_g(record['e_agg_rel'], '.3g')}), " if self.full else ""
         logger.info(
             f"[fedpa] round {record['round']}: {e_agg}alignment={_g(record['alignment_loss_mean'])}, "
@@ -135,19 +146,65 @@ class RoundLog:
         )
 
     def state_dict(self) -> dict:
-        """For a resume point: the records so far (plain values) and the byte totals."""
-        return {"records": plain(self.records), "totals": dict(self.totals)}
+        """For a resume point: the byte totals, the clients aggregated so far, and the diagnostics file (its path,
+        or "" when none is written) by the size and SHA-256 of what it holds, which a resume checks it begins with."""
+        return {"clients": sorted(self.clients), "totals": dict(self.totals),
+                "file": os.path.abspath(self.path) if self.written else "", "file_size": self.size,
+                "file_sha256": self.digest.hexdigest()}  # fmt: skip
+
+    def check_state(self, state: dict, path: str, rnd: int) -> None:
+        """ValueError naming ``path`` (or the diagnostics file) and the field ``round_log.<key>`` unless ``state``
+        is :meth:`state_dict`'s dict of a resume point of round ``rnd`` and its diagnostics file, where it is there
+        and this run writes one, begins with the bytes it recorded (:meth:`history`)."""
+        at = f"federate.restore_from {path!r}"
+        check_fields(state, at, "round_log", self.FIELDS)
+        clients, totals = state["clients"], state["totals"]
+        if not isinstance(clients, list) or not all(is_int(c) and c >= 1 for c in clients):
+            raise ValueError(f"{at}: field 'round_log.clients' is {clients!r:.100}, not a list of client ids")
+        check_fields(totals, at, "round_log.totals", ("up", "down"))
+        for key in ("up", "down"):
+            check_int(totals, at, key, 0, field=f"round_log.totals.{key}")
+        if not isinstance(state["file"], str):
+            raise ValueError(f"{at}: field 'round_log.file' is {state['file']!r:.100}, not a path")
+        check_int(state, at, "file_size", 0, field="round_log.file_size")
+        if not isinstance(state["file_sha256"], str) or len(state["file_sha256"]) != 64:
+            raise ValueError(f"{at}: field 'round_log.file_sha256' is {state['file_sha256']!r:.100}, not a SHA-256")
+        self.history(state, path)
+
+    def history(self, state: dict, path: str) -> bytes | None:
+        """The bytes of the resumed run's diagnostics file that its resume point ``path`` recorded (``state``: its
+        ``round_log``), checked to be what they were (lines after them are of rounds the resumed run trains again);
+        None where there is nothing to continue (no file written, or this run writes none) or the file is gone.
+        ValueError naming the file for one that does not begin with them: another run's, or changed."""
+        previous, size = state["file"], state["file_size"]
+        if not previous or not size or not self.written or not os.path.lexists(previous):
+            return None
+        what = f"the diagnostics file {previous!r} of the run this resumes"
+        data = read_regular(previous, size + 2**26, what)[:size]  # its later lines: a few rounds, each a few KB
+        if len(data) < size or hashlib.sha256(data).hexdigest() != state["file_sha256"]:
+            raise ValueError(
+                f"{what} does not begin with the {size} bytes its resume point {path!r} recorded (field "
+                "'round_log.file_sha256'): it is another run's, or was changed; move it aside to resume without "
+                "the history"
+            )
+        return data
 
     def load_state_dict(self, state: dict, path: str) -> None:
-        """A resumed run's history (:meth:`state_dict`'s dict from the file ``path``): kept, and written again to
-        this run's file."""
-        self.records, self.totals = list(state["records"]), dict(state["totals"])
-        self._write(self.records)
-
-    def _write(self, records: list[dict]) -> None:
-        if self.written:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.writelines(json.dumps(record) + "\n" for record in records)
+        """Continue the run of the resume point ``path`` (``state``: :meth:`state_dict`'s dict, checked by
+        :meth:`check_state`): its totals and clients, and its diagnostics file up to the point, which this run's
+        file begins with (one file holds the whole run). A file that is gone is warned of: the history starts at
+        the resumed round."""
+        self.totals, self.clients = dict(state["totals"]), set(state["clients"])
+        data = self.history(state, path)
+        if data is None:
+            if self.written and state["file"] and state["file_size"]:
+                logger.warning(f"[fedpa] the diagnostics file of the run this resumes ({state['file']}) is not "
+                               "there: this run's file holds the rounds from the resumed one on")  # fmt: skip
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        with open(self.path, "wb") as f:
+            f.write(data)
+        self.digest, self.size = hashlib.sha256(data), len(data)
 
 
 def _g(value, spec: str = ".4g") -> str:

@@ -14,7 +14,9 @@ from torch import Tensor
 from fs_fedpa import resume
 from fs_fedpa.config import FedPAConfig
 from fs_fedpa.config_sections import flat_names
+from fs_fedpa.plugin.client_state import ClientState
 from fs_fedpa.privacy import accounting_settings
+from fs_fedpa.state_checks import check_fields, check_mapping
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
@@ -72,17 +74,9 @@ class ClientResume:
         if not older:
             return  # never trained before the resume point: it starts as a new client would
         saved = resume.load(older[max(older)], self.bound(kept.local))
-        resume.check_client_file(  # the server checked it too; this client checks what it actually reads
-            saved,
-            older[max(older)],
-            max(older),
-            cfg=self.cfg,
-            method=self.method,
-            client=client,
-            initial=initial(),
-            local=kept.local,
-            data=self.data,
-        )
+        # the server checked it too; this client checks what it actually reads
+        check_client_file(saved, older[max(older)], max(older), cfg=self.cfg, method=self.method, client=client,
+                          initial=initial(), local=kept.local, data=self.data)  # fmt: skip
         kept.load_state_dict(saved, device)
         self.file_id = saved["file_id"]  # the run goes on: its later files carry the token the server recorded
         if self.cfg.federate.mode == "distributed":  # its own process: its own random stream
@@ -99,6 +93,13 @@ class FSResults:
     def state_dict(self) -> dict:
         return {"history_results": resume.plain(self.server.history_results),
                 "best_results": resume.plain(self.server.best_results)}  # fmt: skip
+
+    def check_state(self, state: dict, path: str, rnd: int) -> None:
+        """ValueError naming ``path`` and the field ``fs_results.<key>`` unless both histories are mappings."""
+        at = f"federate.restore_from {path!r}"
+        check_fields(state, at, "fs_results", ("history_results", "best_results"))
+        for key in ("history_results", "best_results"):
+            check_mapping(state[key], at, f"fs_results.{key}")
 
     def load_state_dict(self, state: dict, path: str) -> None:
         self.server.history_results, self.server.best_results = state["history_results"], state["best_results"]
@@ -156,18 +157,18 @@ class ServerResume:
         self.model_numel = sum(t.numel() for t in parts["global_model"].model.state_dict().values())
         checkpoint, saved = self.read(path, global_factors=global_factors, local=local, clients=clients,
                                       rounds=rounds)  # fmt: skip
-        if problem := parts["privacy"].counts_problem(saved["privacy"], saved["round"]):
-            raise ValueError(f"federate.restore_from {path!r}: field 'privacy.{problem}")
+        for name in resume.PARTS:  # every part checked by its owner before any is loaded: no half-loaded server
+            parts[name].check_state(saved[name], path, saved["round"])
+        self._check_clients(path, saved, global_factors, local, clients)
         saved["global_model"]["model"] = checkpoint["model"]
         for name in resume.PARTS:
             parts[name].load_state_dict(saved[name], path)
         return {key: saved[key] for key in resume.HEAD_FIELDS}
 
     def read(self, path: str, *, global_factors, local: dict[str, Tensor], clients: int, rounds: int):
-        """The resume point ``path``, checked: its method, ranks and settings are this run's, it leaves a round to
-        train (``rounds``: ``federate.total_round_num``), its global factors fit ``global_factors``, and each of
-        the ``clients`` clients that trained has a file of this run whose shapes fit (``local``: the local tensors'
-        initial values). Returns FS's checkpoint and its ``fedpa_resume`` dict."""
+        """The resume point ``path``, its envelope checked: its method, ranks and settings are this run's and it
+        leaves a round to train (``rounds``: ``federate.total_round_num``). Returns FS's checkpoint and its
+        ``fedpa_resume`` dict, whose parts their owners check."""
         if not os.path.lexists(path):
             raise ValueError(f"federate.restore_from {path!r}: no such file")
         checkpoint = resume.load(path, self.bound(global_factors, local))
@@ -198,49 +199,39 @@ class ServerResume:
             diffs = ", ".join(f"{k}: saved {then.get(k, 'nothing')!r}, now {now_settings.get(k, 'nothing')!r}"
                               for k in changed)  # fmt: skip
             raise ValueError(f"federate.restore_from {path!r} was saved with other settings ({diffs})")
-        records = saved["round_log"]["records"]
-        trained = sorted({c for record in records for c in record.get("clients", [])})
-        if missing := [c for c in trained if not any(r < saved["round"] for r in resume.client_files(path, c))]:
-            expected = resume.client_path(path, missing[0], saved["round"] - 1)
-            raise ValueError(
-                f"federate.restore_from {path!r}: the files of clients {missing} are missing (e.g. {expected}); "
-                "without them those clients would restart from scratch"
-            )
-        resume.check_global(saved["global_model"]["factors"], path, global_factors, max(plan.r_g, plan.R_g))
-        self._check_client_files(path, saved, global_factors, local, clients)
         return checkpoint, saved
 
     def bound(self, global_factors, local: dict[str, Tensor]) -> int:
         """The most bytes this run's server resume point can be: its model (FS's state, the merges, the factors) and
-        its records (:func:`fs_fedpa.resume.file_bound`)."""
+        FS's result history (:func:`fs_fedpa.resume.file_bound`)."""
         numel = sum(d * k for d, k in self.method.shapes.values()) * 3 + sum(t.numel() for t in local.values())
         numel += sum(B.numel() + A.numel() for B, A in global_factors.values()) * 4
         numel += self.model_numel
         rounds, clients = self.cfg.federate.total_round_num, self.cfg.federate.client_num
         return resume.file_bound(numel, records=(rounds + 1) * (clients + 1))
 
-    def _check_client_files(self, path: str, saved: dict, global_factors, local, clients: int) -> None:
-        """Before any training: each client's newest file from before the point's round (the one it will restore)
-        must be of the run the point recorded for that client (its ``file_id``, from the recorded round on: not
-        another run's), that
-        client's, of this run, well formed and finite (:func:`fs_fedpa.resume.check_client_file`)."""
+    def _check_clients(self, path: str, saved: dict, global_factors, local, clients: int) -> None:
+        """Before any training: each client the run aggregated (its round log's ``clients``) has a file from before
+        the point's round, and each client's newest such file (the one it will restore) is of the run the point
+        recorded for that client (its ``file_id``, from the recorded round on: not another run's), that client's, of
+        this run, well formed and finite (:func:`check_client_file`)."""
         rnd, recorded = saved["round"], saved["client_files"]
+        trained = saved["round_log"]["clients"]
+        if missing := [c for c in trained if not any(r < rnd for r in resume.client_files(path, c))]:
+            expected = resume.client_path(path, missing[0], rnd - 1)
+            raise ValueError(
+                f"federate.restore_from {path!r}: the files of clients {missing} are missing (e.g. {expected}); "
+                "without them those clients would restart from scratch"
+            )
         at = f"federate.restore_from {path!r}: field 'client_files"
         for client in range(1, clients + 1):
             older = {r: p for r, p in resume.client_files(path, client).items() if r < rnd}
             if older:
                 r = max(older)
                 content = resume.load(older[r], ClientResume(self.cfg, self.method).bound(local))
-                resume.check_client_file(
-                    content,
-                    older[r],
-                    r,
-                    cfg=self.cfg,
-                    method=self.method,
-                    client=client,
-                    initial=self.method.client_init(global_factors, client - 1),  # the run's initial global
-                    local=local,
-                )
+                initial = self.method.client_init(global_factors, client - 1)  # from the run's initial global
+                check_client_file(content, older[r], r, cfg=self.cfg, method=self.method, client=client,
+                                  initial=initial, local=local)  # fmt: skip
                 if client not in recorded:
                     raise ValueError(f"{at}' records no file of client {client}, but {older[r]} is there: it is not "
                                      "a file of the run this point saved; remove it, or resume from its own point")
@@ -253,6 +244,15 @@ class ServerResume:
                         f"but {at}[{client}]' records client {client}'s files as {want_id!r} from round "
                         f"{want_round}: it is another run's file (or was replaced); resume each run from its own files"
                     )
+
+
+def check_client_file(saved: dict, path, rnd: int, *, cfg, method, client: int, initial, local, data=None) -> None:
+    """A client file checked, naming it and the field: its envelope (whose it is, its round and RNG states:
+    :func:`fs_fedpa.resume.check_client_file`) and the client's state in it, by its owner
+    (:meth:`~fs_fedpa.plugin.client_state.ClientState.check_state`; ``initial``: the client's initial factors,
+    ``local``: its local tensors' initial values)."""
+    resume.check_client_file(saved, path, rnd, cfg=cfg, method=method, client=client, data=data)
+    ClientState.check_state(saved, path, rnd, method=method, initial=initial, local=local)
 
 
 _LORA_KEY = re.compile(r"\.lora_[AB]\.")  # PEFT's names of the LoRA factors in a state dict

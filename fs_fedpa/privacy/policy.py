@@ -94,8 +94,15 @@ class ServerPolicy:
         """What a resume point carries of the accounting."""
         return {}
 
+    def check_state(self, saved: dict, path: str, rnd: int) -> None:
+        """ValueError naming the resume point ``path`` (of round ``rnd``) and the field ``privacy.<key>`` unless its
+        ``privacy`` field ``saved`` is one this policy continues from (:meth:`counts_problem`); before any part of
+        the point is loaded."""
+        if problem := self.counts_problem(saved, rnd):
+            raise ValueError(f"federate.restore_from {path!r}: field 'privacy.{problem}")
+
     def load_state_dict(self, saved: dict, path: str) -> None:
-        """Continue from the resume point ``path``'s ``privacy`` field ``saved``."""
+        """Continue from the resume point ``path``'s ``privacy`` field ``saved`` (checked by :meth:`check_state`)."""
 
     def counts_problem(self, saved: dict, rnd: int) -> str | None:
         """What is wrong with the counts of a resume point's ``privacy`` field ``saved`` for a point of round ``rnd``

@@ -5,6 +5,7 @@ manifest's account of an export.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -145,14 +146,12 @@ class GaussianServer(ServerPolicy):
         """The accountant's counts, as the resume point carries them."""
         return {}
 
-    def load_state_dict(self, saved: dict, path: str) -> None:
-        """Continue the accounting of the resume point ``path`` (its ``privacy`` field ``saved``). The ledger of the
-        run it continues is the source of truth: a round released after the resume point was written (a crash
-        between the release, which leaves with FS's evaluation broadcast, and the next round's resume point) is in
-        the ledger but not in the point, and the resumed run releases that round again with fresh noise. So the
-        counts are the larger of the two, and this run's ledger begins with the continued run's lines: one file
-        states the whole run's epsilon. A field the accounting reads that is missing or malformed is refused, naming
-        the file and the field: a point the ledger cannot vouch for is not trusted."""
+    def check_state(self, saved: dict, path: str, rnd: int) -> None:
+        """ValueError naming the file and the field ``privacy.<key>`` unless the resume point ``path``'s ``privacy``
+        field ``saved`` is one the accounting continues from: its counts (:meth:`counts_problem`), every field the
+        accounting reads, the DP generator where seeded, and the ledger it names, which must begin with the bytes the
+        point recorded (:meth:`continued_ledger`). A point the ledger cannot vouch for is not trusted."""
+        super().check_state(saved, path, rnd)
         at = f"federate.restore_from {path!r}: field 'privacy"
         seeded = self.method.cfg.dp.seed >= 0  # reproducible: continue the stream; else fresh OS entropy
         for key, kind in (*self.FIELDS.items(), *((("generator", Tensor),) if seeded else ())):
@@ -160,22 +159,49 @@ class GaussianServer(ServerPolicy):
                 what = "missing" if key not in saved else f"a {type(saved[key]).__name__}, not a {kind.__name__}"
                 raise ValueError(f"{at}.{key}' is {what}; the accounting of this run's past cannot continue from it")
         try:
-            self.load_counts(saved)
+            copy.copy(self).load_counts(saved)  # on a copy: nothing is loaded before every part is checked
         except (TypeError, ValueError):
             raise ValueError(f"{at}' holds counts that are not integers") from None
-        self.last = dict(saved["last"])
         if seeded:
             from fs_fedpa.rng_states import check_generator_state
 
             check_generator_state(saved["generator"], f"federate.restore_from {path!r}", "privacy.generator")
+        self.continued_ledger(saved, path)
+
+    def load_state_dict(self, saved: dict, path: str) -> None:
+        """Continue the accounting of the resume point ``path`` (its ``privacy`` field ``saved``, checked by
+        :meth:`check_state`). The ledger of the run it continues is the source of truth: a round released after the
+        resume point was written (a crash between the release, which leaves with FS's evaluation broadcast, and the
+        next round's resume point) is in the ledger but not in the point, and the resumed run releases that round
+        again with fresh noise. So the counts are the larger of the two, and this run's ledger begins with the
+        continued run's lines: one file states the whole run's epsilon."""
+        self.load_counts(saved)
+        self.last = dict(saved["last"])
+        if self.method.cfg.dp.seed >= 0:
             self.generator.set_state(saved["generator"])
-        previous = saved["ledger"]
-        if not os.path.lexists(previous):
+        continued = self.continued_ledger(saved, path)
+        if continued is None:
             logger.warning(
-                f"[fedpa] the DP ledger of the run this resumes ({previous}) is not there: epsilon counts the "
+                f"[fedpa] the DP ledger of the run this resumes ({saved['ledger']}) is not there: epsilon counts the "
                 "releases up to the resume point only, not a round released after it before the run stopped"
             )
             return
+        data, lines = continued
+        if os.path.abspath(saved["ledger"]) != os.path.abspath(self.path):
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            with open(self.path, "wb") as f:
+                f.write(data)
+        self.ledger_digest, self.ledger_size = hashlib.sha256(data), len(data)
+        if lines:
+            self.continue_from(lines[-1])
+
+    def continued_ledger(self, saved: dict, path: str) -> tuple[bytes, list[dict]] | None:
+        """The bytes and lines of the ledger the resume point ``path`` names (``saved``: its ``privacy`` field), None
+        if it is gone; ValueError naming it unless it begins with the bytes the point recorded (another run's ledger,
+        or a changed one)."""
+        previous = saved["ledger"]
+        if not os.path.lexists(previous):
+            return None
         data, lines = read_ledger(previous, self.ledger_line_ok, self.ledger_bound())
         size, digest = saved["ledger_size"], saved["ledger_sha256"]
         if len(data) < size or hashlib.sha256(data[:size]).hexdigest() != digest:
@@ -184,13 +210,7 @@ class GaussianServer(ServerPolicy):
                 f"point {path!r} recorded (field 'privacy.ledger_sha256'): it is another run's ledger, or was "
                 "changed; the accounting of this run's past cannot continue from it"
             )
-        if os.path.abspath(previous) != os.path.abspath(self.path):
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            with open(self.path, "wb") as f:
-                f.write(data)
-        self.ledger_digest, self.ledger_size = hashlib.sha256(data), len(data)
-        if lines:
-            self.continue_from(lines[-1])
+        return data, lines
 
     def ledger_bound(self) -> int:
         """The most bytes the ledger of a run of this one's rounds and clients can hold (one line a round, an entry
@@ -202,7 +222,7 @@ class GaussianServer(ServerPolicy):
         per client where it is a mapping of client ids 1..N; every other count a non-negative int."""
         for key in (k for k in self.FIELDS if k not in GaussianServer.FIELDS):
             if key not in saved:
-                continue  # named by load_state_dict's own check of the fields
+                continue  # named by check_state's own check of the fields
             value = saved[key]
             per_client = value.items() if isinstance(value, dict) else [(None, value)]
             for client, count in per_client:

@@ -5,7 +5,9 @@ code under test. FS's checkpoint of the global model round-trips."""
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,7 +63,7 @@ def test_an_aggregation_writes_the_model_once_and_hands_fs_nothing_to_merge(tmp_
     model, g = _server_side(R_g=5)
     head_name = "base_model.model.head.weight"  # a shared tensor, trained and averaged
     shapes = {n: (B.shape[0], A.shape[1]) for n, (B, A) in g.factors.items()}
-    log = RoundLog(str(tmp_path), RecordsConfig(diagnostics="off"))
+    log = RoundLog(str(tmp_path), RecordsConfig(diagnostics="light"))
     aggregator = FedPAAggregator(g.method, log, global_model=g, shapes=(shapes, {head_name: (2, 3)}))
     uploads = {c: {n: (torch.randn(d, 2), torch.randn(2, k)) for n, (d, k) in shapes.items()} for c in (1, 2)}
     heads = {c: torch.randn(2, 3) for c in (1, 2)}
@@ -79,7 +81,8 @@ def test_an_aggregation_writes_the_model_once_and_hands_fs_nothing_to_merge(tmp_
     model.load_state_dict(merged, strict=False)
     # Assert
     assert returned == {} and len(writes) == 1
-    assert log.records[0]["round"] == 3 and log.records[0]["clients"] == [1, 2]
+    (record,) = [json.loads(line) for line in Path(log.path).read_text().splitlines()]  # the diagnostics file
+    assert record["round"] == 3 and record["clients"] == [1, 2]
     with torch.no_grad():
         delta = model(x) - base
     q, v = sorted(shapes)  # "...q", "...v": the model's output is [q(x), v(x)]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fs_fedpa import resume
+from fs_fedpa import resume, state_checks
 
 
 def _planted(size: int) -> torch.Tensor:
@@ -27,55 +27,57 @@ def test_a_planted_stride_0_view_is_refused_before_its_values_are_read():
     start = time.perf_counter()
     planted = r"field 'global_model\.factors\['layer'\]' B is a view of shape \(1000000, 1000000\)"
     with pytest.raises(ValueError, match=planted):
-        resume.check_global({"layer": (huge, torch.zeros(2, 8))}, "point.pt", {"layer": (torch.zeros(8, 2),
+        state_checks.check_global({"layer": (huge, torch.zeros(2, 8))}, "point.pt", {"layer": (torch.zeros(8, 2),
                             torch.zeros(2, 8))}, max_rank=2)  # fmt: skip
     assert time.perf_counter() - start < 5  # refused from its strides, not after reading it
     # the same view at the expected shape is refused too: its storage holds one value for 16
     with pytest.raises(ValueError, match="over a smaller storage"):
-        resume.check_global({"layer": (_planted(8)[:, :2], torch.zeros(2, 8))}, "point.pt",
+        state_checks.check_global({"layer": (_planted(8)[:, :2], torch.zeros(2, 8))}, "point.pt",
                             {"layer": (torch.zeros(8, 2), torch.zeros(2, 8))}, max_rank=2)  # fmt: skip
 
 
 def test_well_formed_factors_pass_and_a_nan_is_still_named():
     initial = {"layer": (torch.zeros(8, 2), torch.zeros(2, 8))}
-    resume.check_global({"layer": (torch.randn(8, 2), torch.randn(2, 8).T.contiguous().T)}, "p", initial, 2)
+    state_checks.check_global({"layer": (torch.randn(8, 2), torch.randn(2, 8).T.contiguous().T)}, "p", initial, 2)
     bad = torch.randn(2, 8)
     bad[0, 0] = float("nan")
     with pytest.raises(ValueError, match="holds a NaN or an Inf"):
-        resume.check_global({"layer": (torch.randn(8, 2), bad)}, "p", initial, 2)
+        state_checks.check_global({"layer": (torch.randn(8, 2), bad)}, "p", initial, 2)
 
 
 def test_a_resume_point_of_another_version_is_refused_naming_both():
-    with pytest.raises(ValueError, match=r"version 1; this fs_fedpa reads version 4"):
+    with pytest.raises(ValueError, match=r"version 1; this fs_fedpa reads version 5"):
         resume.check_server_fields({"method": "fedpa", "round": 2}, "old.pt")  # before version 2: no field
 
 
-def _whole_point() -> dict:
-    import torch
+def test_a_version_4_point_is_refused_saying_it_carries_the_history():
+    with pytest.raises(ValueError, match=r"old\.pt' is a resume point of version 4 \(it carries the whole round "
+                       r"history; the diagnostics file is the history now\); this fs_fedpa reads version 5 only"):
+        resume.check_server_fields({**_whole_point(), "version": 4}, "old.pt")
 
-    parts = {part: dict.fromkeys(keys, {}) for part, keys in resume.PARTS.items()}
-    parts["round_log"]["records"] = []
-    parts["aggregator"] = {"generator": torch.Generator().get_state(), "failed_in_a_row": 0}
+
+def _whole_point() -> dict:
+    parts = {part: {} for part in resume.PARTS}  # each part's own fields are its owner's (test_owner_state_checks)
     return {"version": resume.VERSION, "method": "fedpa", "round": 2, "plan": [[4], [4], 4], "settings": {},
             "rng": resume.rng_state(), "client_files": {}, **parts}  # fmt: skip
 
 
-def test_a_whole_point_passes_and_each_missing_part_or_key_is_refused_naming_it():
+def test_a_whole_envelope_passes_and_each_missing_or_malformed_part_is_refused_naming_it():
     resume.check_server_fields(_whole_point(), "p.pt")  # the refusals below are each for the one thing removed
-    for part, keys in resume.PARTS.items():
+    for part in resume.PARTS:
         saved = _whole_point()
         del saved[part]
-        with pytest.raises(ValueError, match=f"no field '{part}'"):
+        with pytest.raises(ValueError, match=rf"p\.pt.* no field '{part}'"):
             resume.check_server_fields(saved, "p.pt")
-        for key in keys:
-            saved = _whole_point()
-            del saved[part][key]
-            with pytest.raises(ValueError, match=rf"p\.pt.* no field '{part}\.{key}'"):
-                resume.check_server_fields(saved, "p.pt")
-    saved = _whole_point()
-    saved["aggregator"]["failed_in_a_row"] = -1
-    with pytest.raises(ValueError, match="'failed_in_a_row' is -1"):
-        resume.check_server_fields(saved, "p.pt")
+        saved = _whole_point()
+        saved[part] = [1]
+        with pytest.raises(ValueError, match=rf"p\.pt.*: field '{part}' is a list, not a mapping"):
+            resume.check_server_fields(saved, "p.pt")
+    for key in resume.HEAD_FIELDS[1:]:
+        saved = _whole_point()
+        del saved[key]
+        with pytest.raises(ValueError, match=rf"p\.pt.* no field '{key}'"):
+            resume.check_server_fields(saved, "p.pt")
 
 
 def test_hetlora_restores_its_pruned_ranks_and_refuses_others():
@@ -87,13 +89,14 @@ def test_hetlora_restores_its_pruned_ranks_and_refuses_others():
     method = get_method("hetlora")(FedPAConfig(client_ranks=[1, 2, 4]), plan)
     method.current = [1, 2, 3]
     fresh = get_method("hetlora")(FedPAConfig(client_ranks=[1, 2, 4]), plan)
+    fresh.check_state(method.state_dict(), "p.pt", 3)
     fresh.load_state_dict(method.state_dict(), "p.pt")
     assert fresh.current == [1, 2, 3]
-    for bad in ({"current": [1, 3, 3]}, {"current": [1, 2]}, {}, {"current": "x"}):
-        with pytest.raises(ValueError, match=r"p\.pt.*'current'"):
-            fresh.load_state_dict(bad, "p.pt")
-    with pytest.raises(ValueError, match="method state"):
-        get_method("fedpa")(FedPAConfig(), plan).load_state_dict({"current": [1]}, "p.pt")
+    for bad in ({"current": [1, 3, 3]}, {"current": [1, 2]}, {}, {"current": "x"}, {"current": [1, 2, 3], "x": 1}):
+        with pytest.raises(ValueError, match=r"p\.pt.*: field 'method_state\.current'"):
+            fresh.check_state(bad, "p.pt", 3)
+    with pytest.raises(ValueError, match=r"p\.pt.*: field 'method_state' holds \['current'\], which fedpa does not"):
+        get_method("fedpa")(FedPAConfig(), plan).check_state({"current": [1]}, "p.pt", 3)
 
 
 # ---------------------------------------------------------------------------------------------- issue 88: files
@@ -183,17 +186,11 @@ def test_a_malformed_rng_is_refused_naming_the_file_and_the_field():
             resume.check_server_fields(saved, "point.pt")
 
 
-def test_malformed_fs_results_generator_or_client_files_are_refused_naming_the_field():
-    for part, key, value, named in (
-        ("fs_results", "history_results", [1, 2], "field 'fs_results.history_results' is a list"),
-        ("fs_results", "best_results", None, "field 'fs_results.best_results' is a NoneType"),
-        ("aggregator", "generator", torch.zeros(5, dtype=torch.uint8), "field 'aggregator.generator' is a"),
-        (None, "client_files", {1: "x"}, "field 'client_files' is not a mapping"),
-    ):
-        saved = _whole_point()
-        (saved[part] if part else saved)[key] = value
-        with pytest.raises(ValueError, match=re.escape(named)):
-            resume.check_server_fields(saved, "p.pt")
+def test_malformed_client_files_are_refused_naming_the_field():
+    saved = _whole_point()
+    saved["client_files"] = {1: "x"}
+    with pytest.raises(ValueError, match=re.escape("field 'client_files' is not a mapping")):
+        resume.check_server_fields(saved, "p.pt")
 
 
 def test_a_resume_point_without_fs_model_or_round_is_refused_naming_the_field():
