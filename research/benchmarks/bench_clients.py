@@ -8,7 +8,7 @@ clients"): a training round at N = 1000 within 1.1x of N = 10; peak RSS at N = 1
 clients' states plus what N = 10 needs; FedPA-LoRA's round within 1.05x FedIT's; an evaluation round growing with N
 only by a per-client overhead (printed in ms per client).
 
-    python benchmarks/bench_clients.py [--clients 10 100 1000] [--sampled 10] [--rounds 6] [--budget-mb 64]
+    python research/benchmarks/bench_clients.py [--clients 10 100 1000] [--sampled 10] [--rounds 6] [--budget-mb 64]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def child(
@@ -31,7 +31,7 @@ def child(
     hidden: int = 256, r: int = 64, records: int = 20_000,
 ) -> dict:  # fmt: skip
     sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "research" / "benchmarks"))
     from _common import fs_runner
 
     from fs_fedpa.plugin import client_state

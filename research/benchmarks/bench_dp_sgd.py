@@ -1,14 +1,14 @@
 """What sample-level DP-SGD costs a client step: FS's seqcls trainer on all-MiniLM-L6-v2 with LoRA (r = 4 on query
 and value, the classifier head trained), SST-2 batches of 16 sentences, one thread, the protocol's setting.
 
-Timed round-robin in one loop (benchmarks/_common.py): a plain step (FS's batch forward and backward) and two DP-SGD
-steps (:mod:`fs_fedpa.plugin.dp_sgd`: per-example gradients, per-example clipping, noise), one with the per-example
-gradients from taps on batched forwards and backwards (the default: on a CPU, chunks of 4 length-sorted records; on
-a GPU, the whole batch), one from 16 per-example forwards and backwards (the fallback). Prints the median seconds a
-step and the ratios to the plain step.
+Timed round-robin in one loop (research/benchmarks/_common.py): a plain step (FS's batch forward and backward) and two
+DP-SGD steps (:mod:`fs_fedpa.plugin.dp_sgd`: per-example gradients, per-example clipping, noise), one with the
+per-example gradients from taps on batched forwards and backwards (the default: on a CPU, chunks of 4 length-sorted
+records; on a GPU, the whole batch), one from 16 per-example forwards and backwards (the fallback). Prints the median
+seconds a step and the ratios to the plain step.
 
-    python benchmarks/bench_dp_sgd.py --data ../shared/data/glue [--routines 5] [--local-steps 10] [--batch 16]
-        [--device cuda] [--model DIR] [--tok-len 128] [--limit 512] [--layers L]
+    python research/benchmarks/bench_dp_sgd.py --data ../shared/data/glue [--routines 5] [--local-steps 10]
+        [--batch 16] [--device cuda] [--model DIR] [--tok-len 128] [--limit 512] [--layers L]
         [--kinds plain taps loop cache cache_chunks plain_cache plain_chunks] [--train-chunk 32] [--dp-chunk 32]
         [--count]
 

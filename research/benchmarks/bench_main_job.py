@@ -5,7 +5,7 @@ accuracy under both protocols, and the ratio. A packed forward gives each record
 gradients to float summation order (tests/unit/test_sequence_packing.py and its FS twin in tests/integration/);
 dropout draws its masks on the packed shape, so the two runs' trajectories differ as two seeds' would.
 
-    python benchmarks/bench_main_job.py --data <GLUE dir> [--rounds 8] [--repeats 1] [--new KEY VALUE ...]
+    python research/benchmarks/bench_main_job.py --data <GLUE dir> [--rounds 8] [--repeats 1] [--new KEY VALUE ...]
 
 ``--rounds 8`` is the whole job (594 s and 266 s measured on an idle 2-core host whose probe read 0.44 s); fewer
 rounds time the training alone. ``--new`` gives the new job other FS overrides (e.g. ``model.seqcls.pack_len 0
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CFG = ROOT / "yaml_configs" / "fedpa_sst2_minilm_cpu.yaml"
 SLOW_HOST = {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "default"}
 
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     before = ["model.seqcls.pack_len", "0", "model.seqcls.train_chunk", "0", "model.seqcls.eval_chunk", "0"]
     jobs = [(n, o) for n, o in (("before", before), ("now", new)) if args.only in (None, n)]
     rows: dict[str, list[dict]] = {name: [] for name, _ in jobs}
-    from fs_fedpa.harness.compare import host_record
+    from research.harness.compare import host_record
 
     if args.slow_host:
         os.environ.update(SLOW_HOST)  # the probe's subprocess and every job's inherit it

@@ -31,8 +31,8 @@ per round) are printed beside ours. The paper's client table gives seconds a rou
 the local steps of the repo's paper configs (yaml_configs/fedpa_sst2.yaml: 20, yaml_configs/fedpa_gsm8k_llama3.yaml:
 30), an assumption, not the paper's statement.
 
-    python benchmarks/bench_paper_shapes.py [--device cuda] [--json FILE] [--repeats N] [--quick] [--threads T]
-        [--micro-repeats N] [--shapes roberta-large llama-3-8b] [--llama-layers L] [--llama-vocab V]
+    python research/benchmarks/bench_paper_shapes.py [--device cuda] [--json FILE] [--repeats N] [--quick]
+        [--threads T] [--micro-repeats N] [--shapes roberta-large llama-3-8b] [--llama-layers L] [--llama-vocab V]
         [--{roberta,llama}-{batch,seq,dense-layers} N]
 
 On a CPU, timings of the batched term move with other jobs on the machine (see --threads). The default run took 87 s

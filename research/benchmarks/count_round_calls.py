@@ -8,7 +8,7 @@ caller and callee are functions of two different ``fs_fedpa`` modules, per clien
 every client), the calls of the space conversions (``ClientSpace``'s methods) and of ``method.expand`` on the
 server per round, and prints the modules pairs most called.
 
-    python benchmarks/count_round_calls.py [--repo CHECKOUT] [--method fedpa] [--json FILE]
+    python research/benchmarks/count_round_calls.py [--repo CHECKOUT] [--method fedpa] [--json FILE]
 
 ``--repo``: the checkout whose ``fs_fedpa`` is imported (default: this one), so one command counts two commits:
 ``git worktree add /tmp/before <commit>`` and ``--repo /tmp/before``.
@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONVERSIONS = ("ClientSpace.upload", "ClientSpace.download", "ClientSpace.from_model", "ClientSpace.to_model")
 
 
@@ -34,7 +34,7 @@ def count(repo: Path, method: str, work: Path) -> dict:
 
     if Path(fs_fedpa.__file__).resolve().parent != (repo / "fs_fedpa").resolve():
         raise SystemExit(f"fs_fedpa imports from {fs_fedpa.__file__}, not from {repo}")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "research" / "benchmarks"))
     from _common import fs_runner
 
     from fs_fedpa.plugin import client as client_mod

@@ -1,10 +1,9 @@
-"""The comparison harness, apart from the library: FederatedScope runs as subprocesses and what they write.
+"""The comparison harness, beside the plugin: FederatedScope runs as subprocesses and what they write.
 
-- :mod:`~fs_fedpa.harness.compare`: a grid of methods x seeds x overrides through ``federatedscope.main``, resumable,
-  tabulated (``python -m fs_fedpa.harness.compare``, ``fs-fedpa compare``);
-- :mod:`~fs_fedpa.harness.plots`: its figures;
-- :mod:`~fs_fedpa.harness.fs_command`: KEY VALUE overrides safe from FS's client-config split;
-- :mod:`~fs_fedpa.harness.fs_results`: reading FS's ``eval_results.log`` and the clients' accounting files.
-
-Nothing in the plugin or the math imports this package, except :mod:`~fs_fedpa.harness.fs_results` where a run's
-own results are read back (the export's manifest, the console of ``fs-fedpa run``)."""
+- :mod:`~research.harness.compare`: a grid of methods x seeds x overrides through ``federatedscope.main``, resumable,
+  tabulated (``python -m research.harness.compare``);
+- :mod:`~research.harness.plots`: its figures;
+- :mod:`~research.harness.fs_command`: KEY VALUE overrides safe from FS's client-config split;
+- :mod:`~research.harness.fs_results`: each client's last evaluation and the DP-SGD clients' accounting files; the
+  weighted averages of FS's ``eval_results.log`` are the plugin's own reader (:mod:`fs_fedpa.fs_results`, which
+  ``fs-fedpa run`` and the export use)."""

@@ -1,6 +1,6 @@
 """Run a grid of federated methods x seeds x config overrides through FederatedScope; tabulate and plot it.
 
-    python -m fs_fedpa.harness.compare --cfg yaml_configs/fedpa_sst2_minilm_cpu.yaml --methods fedpa fedit flexlora \\
+    python -m research.harness.compare --cfg yaml_configs/fedpa_sst2_minilm_cpu.yaml --methods fedpa fedit flexlora \\
         [--cell fedpa_lam0 fedpa fedpa.lam 0] --seeds 0 1 2 --out exp/compare_sst2 [--metric val_acc] \\
         [--earlier exp/an_earlier_grid/runs.json] [KEY VALUE ...]
 
@@ -14,7 +14,7 @@ always rebuilt from the runs' files: FS's ``eval_results.log`` and the plugin's 
 Written to ``--out``: ``results.md`` and ``results.csv`` (mean ± std over seeds of the final and the best round
 for the paper protocol ``<metric>`` and the clients' own factors ``local.<metric>``, with E_agg, E_init,
 communication and time), ``runs.json`` (every run's curves and diagnostics) and the figures of
-:mod:`fs_fedpa.harness.plots`.
+:mod:`research.harness.plots`.
 """
 
 from __future__ import annotations
@@ -34,10 +34,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fs_fedpa.harness.fs_command import fs_overrides, read_config, with_yaml_keys
-from fs_fedpa.harness.fs_results import ROUND_START, clients_last_round, read_noise_signal, weighted_avg_by_round
+from fs_fedpa.files import read_config
+from fs_fedpa.fs_results import ROUND_START, weighted_avg_by_round
 from fs_fedpa.methods import names as method_names
 from fs_fedpa.record import CLIENT_STATS, DIAGNOSTICS_FILE, EVAL_SHARDS_FILE, OUTCOMES_FILE, PRIVACY_FILE, compact
+from research.harness.fs_command import fs_overrides, with_yaml_keys
+from research.harness.fs_results import clients_last_round, read_noise_signal
 
 
 @dataclass(frozen=True)
@@ -164,7 +166,9 @@ def host_record() -> dict:
 def code_commit() -> str | None:
     """The git commit of the checkout this ``fs_fedpa`` was imported from (the code a run ran), with ``+dirty``
     where tracked files differ from it; None for an installed copy outside a git checkout."""
-    root = Path(__file__).resolve().parents[1]
+    import fs_fedpa
+
+    root = Path(fs_fedpa.__file__).resolve().parent
     try:
         sha = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
         if sha.returncode != 0:
@@ -368,7 +372,8 @@ def protocol_note(metric: str, cfg: str, cells: list[Cell], seeds: list[int], op
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m research.harness.compare", 
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--cfg", required=True, help="the FS yaml every run shares")
     parser.add_argument(
         "--methods",
@@ -432,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "runs.json").write_text(json.dumps(runs))
     print(write_table(summarize(runs, args.metric, larger), args.metric, out, note))
     if not args.no_plots:
-        from fs_fedpa.harness.plots import plot_all
+        from research.harness.plots import plot_all
 
         for path in plot_all(runs, args.metric, out):
             print(f"wrote {path}")

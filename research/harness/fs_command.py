@@ -8,16 +8,12 @@ loses its value and pairs ``fedpa.dp.mode`` with the next key. A value written a
 FS's ``train.optimizer`` node takes any key (``new_allowed``, passed on to ``torch.optim``), but yacs accepts a key
 it does not know only from a yaml file, never from the command line: ``train.optimizer.momentum 0.9`` there fails
 with ``KeyError``. :func:`with_yaml_keys` moves such keys into a copy of the config.
-
-FS's own errors for a yaml it cannot read name neither the file nor the cause: :func:`read_config` reads it first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-
-from fs_fedpa.files import read_regular
 
 # FS's config nodes that take keys they do not define (federatedscope/core/configs/cfg_training.py), and the keys
 # FS defines in them, which the command line may set
@@ -55,35 +51,3 @@ def with_yaml_keys(cfg: str, opts: Sequence[str], folder: Path) -> tuple[str, li
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return str(path), keep
 
-
-CONFIG_LIMIT = 1 << 20  # bytes: an FS yaml is a few KiB; a larger file is not one
-
-
-def read_config(path: str, flag: str = "--cfg") -> dict:
-    """The mapping the FS yaml at ``path`` holds, read before FS starts. ValueError, one line naming ``flag``, the
-    file and the cause: no such file, not a regular file (a folder, a FIFO: never blocks), over
-    :data:`CONFIG_LIMIT`, not UTF-8, a YAML error (with its line and column), or no mapping at the top."""
-    import yaml  # an FS dependency; only here, so the tools' --help needs none
-
-    where = f"{flag} {path}"
-    raw = read_regular(path, CONFIG_LIMIT, f"{where}:")  # a FIFO is refused, never waited on
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{where}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        if (mark := getattr(exc, "problem_mark", None)) is not None:  # a syntax error
-            line, column, cause = mark.line + 1, mark.column + 1, exc.problem
-        else:  # a character YAML does not allow (ReaderError): its position in the text
-            before = text[: getattr(exc, "position", 0)]
-            line, column = before.count("\n") + 1, len(before) - before.rfind("\n")
-            character = getattr(exc, "character", "")
-            character = chr(character) if isinstance(character, int) else character
-            cause = f"character {character!r}: {getattr(exc, 'reason', None) or 'not allowed'}"
-        raise ValueError(f"{where}: not valid YAML at line {line}, column {column}: {cause}") from None
-    if not isinstance(data, dict):
-        got = "an empty file" if data is None else f"a YAML {type(data).__name__}"
-        raise ValueError(f"{where}: FS needs a mapping of keys (e.g. 'federate: ...') at the top; got {got}")
-    return data

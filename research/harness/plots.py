@@ -1,4 +1,4 @@
-"""The comparison's figures (matplotlib, PNG), from the runs :mod:`fs_fedpa.harness.compare` collects.
+"""The comparison's figures (matplotlib, PNG), from the runs :mod:`research.harness.compare` collects.
 
 A run is ``{"cell", "seed", "rounds": {round: FS weighted-average metrics}, "diagnostics": [per-round record]}``;
 each figure shows the mean over seeds of every cell (a band for the spread where there are several seeds):

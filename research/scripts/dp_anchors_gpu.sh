@@ -15,7 +15,7 @@ dp=(model.seqcls.pack_len 0 early_stop.patience 0 fedpa.dp.mode sample fedpa.dp.
 start=$(date +%s)
 launch() {
   local name=$1; shift
-  timeout 420 scripts/gpu_host.sh "$CARRY" -- python3 -m federatedscope.main --cfg yaml_configs/fedpa_sst2_minilm_cpu.yaml \
+  timeout 420 research/scripts/gpu_host.sh "$CARRY" -- python3 -m federatedscope.main --cfg yaml_configs/fedpa_sst2_minilm_cpu.yaml \
     outdir "$OUT/$name" expname "$name" "${common[@]}" "$@" >"$OUT/$name.log" 2>&1
   echo "$name rc=$? after $(( $(date +%s) - start )) s"
 }

@@ -13,7 +13,7 @@ dp=(fedpa.dp.mode sample fedpa.dp.clip 1.0 fedpa.dp.epsilon 8 fedpa.dp.sampling 
 start=$(date +%s)
 launch() {
   local name=$1 method=$2; shift 2
-  timeout 330 scripts/gpu_host.sh "$CARRY" -- python3 -m federatedscope.main --cfg yaml_configs/compare_sst2_protocol.yaml \
+  timeout 330 research/scripts/gpu_host.sh "$CARRY" -- python3 -m federatedscope.main --cfg yaml_configs/compare_sst2_protocol.yaml \
     outdir "$OUT/$name" expname "$name" federate.method "$method" "${common[@]}" "$@" >"$OUT/$name.log" 2>&1
   echo "$name rc=$? after $(( $(date +%s) - start )) s"
 }

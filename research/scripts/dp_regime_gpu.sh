@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 59's dpregime stage (fs_fedpa/study/sst2_dp_regime.py) on a lent GPU: the protocol's own runner, every decided run
+# Issue 59's dpregime stage (research/study/sst2_dp_regime.py) on a lent GPU: the protocol's own runner, every decided run
 # side by side (one thread each), for at most $LIMIT seconds; the stage's run files that finished come back as one
 # archive in $OUT (the device returns few files), to be unpacked into docs/reference/sst2_protocol/runs/ here and
 # committed. A run cut short by the limit leaves nothing; the stage resumes on any host. Needs the folder of
@@ -10,7 +10,7 @@ CARRY=${CARRY:-.gpu}
 LIMIT=${LIMIT:-520}
 JOBS=${JOBS:-16}
 start=$(date +%s)
-timeout --kill-after 5 "$LIMIT" scripts/gpu_host.sh "$CARRY" -- python3 -m fs_fedpa.study.sst2_compare \
+timeout --kill-after 5 "$LIMIT" research/scripts/gpu_host.sh "$CARRY" -- python3 -m research.study.sst2_compare \
   --data "$CARRY/glue" --work /tmp/dpregime_work --stage dpregime --jobs "$JOBS" use_gpu True device 0 \
   >"$OUT/runner.log" 2>&1
 echo "runner rc=$? after $(( $(date +%s) - start )) s"

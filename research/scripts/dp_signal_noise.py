@@ -4,7 +4,7 @@ drawn for it (:meth:`fs_fedpa.plugin.dp_sgd.DPSGD.signal_noise`, the plugin's ow
 all-MiniLM-L6-v2 and real SST-2). The bound of ``fs_fedpa.tools.dp_table`` compares the noise with the largest
 possible signal, b·C, reached only when every record's clipped gradient points the same way.
 
-    python scripts/dp_signal_noise.py --data ../shared/data/glue [--n 8000] [--batch 256] [--steps 30]
+    python research/scripts/dp_signal_noise.py --data ../shared/data/glue [--n 8000] [--batch 256] [--steps 30]
         [--layers 2] [--lr 5e-4] [--heads frozen noised] [--clips 1 0.1 0.01]
 
 For each head (``frozen``: held at its initial value, not trained, as ``fedpa.dp.local_tensors frozen``; ``noised``:
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-EPSILON, HORIZON = 8.0, 120  # the dpregime stage's (fs_fedpa/study/sst2_dp_regime.py), whose clip C is 1
+EPSILON, HORIZON = 8.0, 120  # the dpregime stage's (research/study/sst2_dp_regime.py), whose clip C is 1
 
 
 def client(args, z: float, clip: float, head: str):

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Set up a GPU host that has torch, transformers and PEFT but no network and no FederatedScope, from this checkout
-# and the folder that `python -m fs_fedpa.tools.gpu_check --prepare DIR` wrote on a machine with network
+# and the folder that `python -m research.tools.gpu_check --prepare DIR` wrote on a machine with network
 # (docs/gpu.md), then run a command there (default: the GPU check):
 #
-#   scripts/gpu_host.sh DIR [gpu_check options ...]        e.g. scripts/gpu_host.sh .gpu --out $OUT/gpu_check.json
-#   scripts/gpu_host.sh DIR -- COMMAND ...                 e.g. scripts/gpu_host.sh .gpu -- python3 -m \
-#       fs_fedpa.study.sst2_compare --data .gpu/glue --stage splits --jobs 12 use_gpu True device 0
+#   research/scripts/gpu_host.sh DIR [gpu_check options ...]        e.g. research/scripts/gpu_host.sh .gpu --out $OUT/gpu_check.json
+#   research/scripts/gpu_host.sh DIR -- COMMAND ...                 e.g. research/scripts/gpu_host.sh .gpu -- python3 -m \
+#       research.study.sst2_compare --data .gpu/glue --stage splits --jobs 12 use_gpu True device 0
 #
 # DIR/wheels (FS and the run-time imports a GPU image lacks) are installed into $SITE (default /tmp/fs_fedpa_site),
 # which goes first on PYTHONPATH with this checkout; the plugin's start-up hook (fs_fedpa.pth) is copied into the
@@ -40,7 +40,7 @@ if not (package / "model" / "config.json").is_file():
     AutoModel.from_pretrained(source, dtype=torch.float32).float().save_pretrained(str(package / "model"))
     AutoTokenizer.from_pretrained(source).save_pretrained(str(package / "model"))
     (package / "__init__.py").write_text(
-        '"""all-MiniLM-L6-v2 widened to float32 from an fp16 copy (scripts/gpu_host.sh)."""\n'
+        '"""all-MiniLM-L6-v2 widened to float32 from an fp16 copy (research/scripts/gpu_host.sh)."""\n'
         "from pathlib import Path\n\n\ndef get_model_path():\n    return str(Path(__file__).parent / 'model')\n"
     )
 EOF
@@ -49,4 +49,4 @@ if [ "${1:-}" = "--" ]; then
   shift
   exec "$@"
 fi
-exec "$PY" -m fs_fedpa.tools.gpu_check --data "$carry/glue" "$@"
+exec "$PY" -m research.tools.gpu_check --data "$carry/glue" "$@"

@@ -5,7 +5,7 @@ exactly as the protocol ran them (``selected.json``'s values, one thread, ``eval
 of their evaluations and diagnostics with the first 3 rounds of the committed run files. A change meant to move no
 bit (a refactor; a feature that is off) must print ``identical`` for every cell.
 
-    python scripts/reproduce_cells.py --data ../shared/data/glue [--jobs 2] [--cells fedpa fedit] [--work DIR]
+    python research/scripts/reproduce_cells.py --data ../shared/data/glue [--jobs 2] [--cells fedpa fedit] [--work DIR]
 
 Exit 0 when every field of every cell is equal, 1 otherwise (each difference is printed: cell, round, field, the
 committed and the new value). The committed runs were made with torch 2.13.0+cpu on one thread; another torch
@@ -13,7 +13,7 @@ build or CPU kernel (an AVX-512 host against an AVX2 one) can differ from the ro
 commit before a change first (the baseline), then after, on the same machine. Where the baseline itself differs
 from the committed runs (another CPU), compare the after run with the baseline's FS outputs instead:
 
-    python scripts/reproduce_cells.py --data ../shared/data/glue --work exp/after --against exp/baseline
+    python research/scripts/reproduce_cells.py --data ../shared/data/glue --work exp/after --against exp/baseline
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from fs_fedpa.harness import compare  # noqa: E402
-from fs_fedpa.study import protocol_results as pr  # noqa: E402
-from fs_fedpa.study import sst2_protocol as sp  # noqa: E402
+from research.harness import compare  # noqa: E402
+from research.study import protocol_results as pr  # noqa: E402
+from research.study import sst2_protocol as sp  # noqa: E402
 
 CELLS = ("fedpa", "fedit", "fedsa_lora", "feddpa_t", "flora")
 ROUNDS = 3

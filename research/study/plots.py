@@ -1,4 +1,4 @@
-"""The SST-2 study's own figures, drawn with the comparison's helpers (:mod:`fs_fedpa.harness.plots`).
+"""The SST-2 study's own figures, drawn with the comparison's helpers (:mod:`research.harness.plots`).
 
 - ``protocols.png`` (:func:`plot_protocols`): the metric vs round under both evaluation protocols;
 - ``staleness.png`` (:func:`plot_staleness`): a returning client's drift from the reference against the rounds it
@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from fs_fedpa.harness.plots import COLORS, MARKERS, band, by_cell, cell_series, integer_rounds, legend, mean_curve
-from fs_fedpa.harness.plots import metric_of, pyplot, save, style
+from research.harness.plots import COLORS, MARKERS, band, by_cell, cell_series, integer_rounds, legend, mean_curve
+from research.harness.plots import metric_of, pyplot, save, style
 
 
 def plot_protocols(runs: Sequence[dict], metric: str, path: Path) -> Path:

@@ -1,7 +1,7 @@
 """The SST-2 protocol's committed run files and what is read from them: one small JSON file a run under
 ``<report>/runs/<stage>/`` (:func:`load_results`, :func:`write_run`), a cell's values per seed, the paired
 intervals between cells with Holm's labels, the per-sentence scores of the long horizon and the time spent. Plain
-Python over the files; the protocol's declaration (:mod:`fs_fedpa.study.sst2_protocol`) and the report read it. No
+Python over the files; the protocol's declaration (:mod:`research.study.sst2_protocol`) and the report read it. No
 torch, no FS."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 import statistics
 from pathlib import Path
 
-from fs_fedpa.study import stats
+from research.study import stats
 
 
 def load_results(report: Path) -> dict[str, dict]:

@@ -1,9 +1,9 @@
-"""The SST-2 protocol's report, rebuilt from the committed run files alone (:mod:`fs_fedpa.study.sst2_protocol`).
+"""The SST-2 protocol's report, rebuilt from the committed run files alone (:mod:`research.study.sst2_protocol`).
 
 Writes into the report folder: ``report.md`` (setting, pilot, the whole tuning table, the selected values, the final
 table with paired intervals against FedPA-LoRA under both evaluation protocols, the settings beyond the main cell,
 the CPU time spent and what is still to run), ``tuning.csv``, and per finished stage the tables and figures of
-:mod:`fs_fedpa.harness.compare` (``final/results.md``, ``final/accuracy.png``, ``final/mechanism.png``, ...).
+:mod:`research.harness.compare` (``final/results.md``, ``final/accuracy.png``, ``final/mechanism.png``, ...).
 
 This module puts the sections in order; each is written by a module of its own: :mod:`.report_verdict` (verdict,
 deployment, head, client splits), :mod:`.report_tuning` (pilot, tuning, selection, stages, mechanism, λ),
@@ -15,13 +15,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fs_fedpa.study import protocol_results as pr
-from fs_fedpa.study import sst2_verdict as sv
-from fs_fedpa.study.report_dp_regime import dp_regime_section
-from fs_fedpa.study.report_dp_valid import dp_valid_section
-from fs_fedpa.study.report_long import long_section, partial_section
-from fs_fedpa.study.report_privacy import privacy_section
-from fs_fedpa.study.report_tuning import (
+from research.study import protocol_results as pr
+from research.study import sst2_verdict as sv
+from research.study.report_dp_regime import dp_regime_section
+from research.study.report_dp_valid import dp_valid_section
+from research.study.report_long import long_section, partial_section
+from research.study.report_privacy import privacy_section
+from research.study.report_tuning import (
     edge_section,
     lambda_section,
     mechanism_section,
@@ -30,7 +30,7 @@ from fs_fedpa.study.report_tuning import (
     stage_section,
     tuning_section,
 )
-from fs_fedpa.study.report_verdict import (
+from research.study.report_verdict import (
     deployment_section,
     head_section,
     splits_section,

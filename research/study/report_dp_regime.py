@@ -1,7 +1,7 @@
 """The SST-2 protocol report's ``dpregime`` section (issue 59), from the committed run files alone: the search
 (held-out score, macro-F1, each stepping client's z and the signal/noise bound b/(z√D)), the selected regime, the
 finals with ε in both conventions and their paired comparisons (Holm per family), the mechanism's diagnostics, and
-one figure, accuracy against b with and without DP. The design is :mod:`fs_fedpa.study.sst2_dp_regime`'s docstring.
+one figure, accuracy against b with and without DP. The design is :mod:`research.study.sst2_dp_regime`'s docstring.
 The stage's DP-SGD runs with a local head are withdrawn as not private (the head trained outside the mechanism), and
 the section says so first."""
 
@@ -11,13 +11,13 @@ import math
 import statistics
 from pathlib import Path
 
-from fs_fedpa.study import protocol_results as pr
-from fs_fedpa.study import sst2_dp_device as dd
-from fs_fedpa.study import sst2_dp_regime as dr
-from fs_fedpa.study import sst2_protocol as sp
-from fs_fedpa.study.report_privacy import agreement, macro_f1, paired
-from fs_fedpa.study.report_text import pm as _pm
-from fs_fedpa.study.report_text import score as _score
+from research.study import protocol_results as pr
+from research.study import sst2_dp_device as dd
+from research.study import sst2_dp_regime as dr
+from research.study import sst2_protocol as sp
+from research.study.report_privacy import agreement, macro_f1, paired
+from research.study.report_text import pm as _pm
+from research.study.report_text import score as _score
 
 FAMILIES = (
     ("FedPA-LoRA against each other method under DP, Holm over 3",
@@ -132,7 +132,7 @@ def device_lines(results: dict, plain: list[sp.Run], private: list[sp.Run]) -> l
     """Part E: per method, the dev accuracy at the last round without and with client-level DP, the clip, z, the
     bound K/(z√D) and ε."""
     lines = [
-        f"**Cross-device, client level (part E, `fs_fedpa/study/sst2_dp_device.py`).** N = {dd.CLIENTS:,} clients "
+        f"**Cross-device, client level (part E, `research/study/sst2_dp_device.py`).** N = {dd.CLIENTS:,} clients "
         f"(LDA α = {dd.ALPHA:g}), K = {dd.SAMPLED} a round, T = {dd.ROUNDS}, τ = {dd.LOCAL_STEPS} step of 16, LoRA on "
         f"MiniLM's top two layers, the head federated; client-level DP at ε = {dd.EPSILON:g} (replace-one, K of N "
         "without replacement), C the median contribution norm of the method's no-DP run. One seed: a measurement, "
@@ -282,7 +282,7 @@ def figure(results: dict, report: Path) -> list[str]:
     search = [r for k, r in results.items() if k.startswith(f"{dr.STAGE}/search_")]
     if not search:
         return []
-    from fs_fedpa.harness.plots import pyplot, save
+    from research.harness.plots import pyplot, save
 
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1, 1.3]})
@@ -353,7 +353,7 @@ def dp_regime_section(results: dict, stages: list[tuple[str, list[sp.Run]]], rep
         "affected: the search runs with a federated head and part E's client-level run. A re-measurement in a valid "
         "treatment (stage `dpvalid`, the head noised or frozen) is pending.",
         "",
-        f"Declared before its runs in `fs_fedpa/study/sst2_dp_regime.py`: sample-level DP-SGD at ε = {dr.EPSILON:g} "
+        f"Declared before its runs in `research/study/sst2_dp_regime.py`: sample-level DP-SGD at ε = {dr.EPSILON:g} "
         f"(Poisson sampling, add/remove adjacency, PLD; δ = min(1e-5, 1/(10 n_i)); C = {dr.CLIP:g} in parts A and B), "
         f"{dr.STEPS} noisy steps a client, clients under {dr.MIN_RECORDS:,} sentences taking none; FedIT searched on "
         "the held-out split (score: the mean of the last two of four evaluations), then the finals on the dev set. "
@@ -364,7 +364,8 @@ def dp_regime_section(results: dict, stages: list[tuple[str, list[sp.Run]]], rep
         "Part C (C ∈ {" + ", ".join(f"{c:g}" for c in dr.CLIPS) + "} × b ∈ {256, 1,024} at the best of A and B; "
         "b = 1,024 dropped by G below) "
         "was added on 2026-11-28, before its runs, and B's four top-layer runs dropped: every A and B run ends at "
-        "the shard-majority score, and the measured signal is one reason (`scripts/dp_signal_noise.py`, one client of "
+        "the shard-majority score, and the measured signal is one reason (`research/scripts/dp_signal_noise.py`, "
+        "one client of "
         "the training split, n = 8,000, b = 256, z = 0.62): with the head local a record's LoRA gradient is shorter "
         "than 0.1, far inside C = 1 (a step's clipped sum is the same at C = 0.1), so that sum is about 1.2 "
         "against noise of norm 68, 55 times it; 5 times at C = 0.1 and 2.5 times at C = 0.01, where every record is "

@@ -1,4 +1,4 @@
-"""The report's section on the ``dpvalid`` stage (:mod:`fs_fedpa.study.sst2_dp_valid`): the search and its gate, the
+"""The report's section on the ``dpvalid`` stage (:mod:`research.study.sst2_dp_valid`): the search and its gate, the
 finals under DP against themselves without DP in the same head treatment (Holm over the four DP costs) and
 FedPA-LoRA against each other method under DP (Holm over three), the diagnostics, part E′. No torch, no FS."""
 
@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import statistics
 
-from fs_fedpa.study import protocol_results as pr
-from fs_fedpa.study import sst2_dp_regime as dr
-from fs_fedpa.study import sst2_dp_valid as dv
-from fs_fedpa.study import sst2_protocol as sp
-from fs_fedpa.study.report_dp_regime import family_comparisons, other_reading
-from fs_fedpa.study.report_text import METRIC_NAMES, METRICS
-from fs_fedpa.study.report_text import pm as _pm
+from research.study import protocol_results as pr
+from research.study import sst2_dp_regime as dr
+from research.study import sst2_dp_valid as dv
+from research.study import sst2_protocol as sp
+from research.study.report_dp_regime import family_comparisons, other_reading
+from research.study.report_text import METRIC_NAMES, METRICS
+from research.study.report_text import pm as _pm
 
 OTHERS = tuple(m for m in dr.METHODS if m != "fedpa")
 
@@ -28,7 +28,7 @@ def families() -> tuple[tuple[str, dict[str, tuple[str, str]]], ...]:
 
 
 def comparisons(results: dict, metric: str) -> dict[str, dict]:
-    """Every row of :func:`families` under ``metric`` (:func:`~fs_fedpa.study.report_dp_regime.family_comparisons`)."""
+    """Every row of :func:`families` under ``metric`` (:func:`~research.study.report_dp_regime.family_comparisons`)."""
     return family_comparisons(pr.cell_values(results, metric, dv.STAGE), families())
 
 
@@ -168,7 +168,7 @@ def dp_valid_section(results: dict, selected_main: dict | None) -> list[str]:
     if not any(k.startswith(f"{dv.STAGE}/") for k in results):
         return []
     lines = ["## DP in a valid treatment (stage `dpvalid`)", "",
-             "Declared in `fs_fedpa/study/sst2_dp_valid.py` before its runs: the dpregime regime with each client's "
+             "Declared in `research/study/sst2_dp_valid.py` before its runs: the dpregime regime with each client's "
              "head inside DP-SGD's guarantee (noised, or frozen at its initial value), ε = 8 per client (Poisson, "
              "add/remove, PLD).", "", *search_lines(results)]  # fmt: skip
     _, _, top = dv.selected(results)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from fs_fedpa.study import protocol_results as pr
-from fs_fedpa.study import sst2_protocol as sp
-from fs_fedpa.study import sst2_verdict as sv
-from fs_fedpa.study import stats
-from fs_fedpa.study.report_text import pm as _pm
-from fs_fedpa.study.report_text import HOLM_NOTE, METRICS, SPREAD_NOTE, interval
-from fs_fedpa.study.report_tuning import mechanism_table
+from research.study import protocol_results as pr
+from research.study import sst2_protocol as sp
+from research.study import sst2_verdict as sv
+from research.study import stats
+from research.study.report_text import pm as _pm
+from research.study.report_text import HOLM_NOTE, METRICS, SPREAD_NOTE, interval
+from research.study.report_tuning import mechanism_table
 
 
 def _arm_runs(results: dict, report: Path, stage: str, arms: tuple) -> tuple[list[dict], Path]:
@@ -25,7 +25,7 @@ def _arm_runs(results: dict, report: Path, stage: str, arms: tuple) -> tuple[lis
     if runs:
         folder.mkdir(exist_ok=True)
         try:
-            from fs_fedpa.study.plots import plot_protocols
+            from research.study.plots import plot_protocols
 
             plot_protocols(runs, "val_acc", folder / "curves.png")
         except ImportError:  # matplotlib is an extra
@@ -48,7 +48,7 @@ def long_section(results: dict, report: Path) -> list[str]:
         f"mean of a run's last {sp.ENDPOINT_EVALS} evaluations; per FedPA-LoRA arm, the paired difference arm − "
         f"{sp.LONG_REFERENCE} with its 95% t interval over seeds (Holm over the three arms) and a paired bootstrap "
         "interval that resamples seeds and, independently, dev sentences within each client's shard "
-        "(`fs_fedpa.study.stats.paired_bootstrap`, 10,000 draws): a statement about SST-2 sentences, not only these "
+        "(`research.study.stats.paired_bootstrap`, 10,000 draws): a statement about SST-2 sentences, not only these "
         f"872. `long/curves.png`: the curves, {SPREAD_NOTE}.",
         "",
         *_long_endpoints(results, runs),
@@ -168,7 +168,7 @@ def partial_section(results: dict, report: Path) -> list[str]:
     if not runs:
         return [title, "", "Not run yet.", ""]
     try:
-        from fs_fedpa.study.plots import plot_staleness
+        from research.study.plots import plot_staleness
 
         plot_staleness(runs, folder / "staleness.png")
     except ImportError:  # matplotlib is an extra
@@ -234,7 +234,7 @@ def _partial_pairs(results: dict, n_seeds: int) -> list[str]:
 
 def _staleness_table(runs: list[dict]) -> list[str]:
     """Mean drift at round start per staleness bin and arm, over every returning client of every round and seed."""
-    from fs_fedpa.study.plots import stale_drift
+    from research.study.plots import stale_drift
 
     bins = list(zip(STALENESS_EDGES, (*STALENESS_EDGES[1:], None)))
     head = " | ".join(f"staleness [{low}, {high or '∞'})" for low, high in bins)

@@ -4,8 +4,8 @@
 selection, and the final runs: each cell's accuracy and ε, each DP method against FedIT under DP (paired by seed,
 Holm over the three, per protocol) and each against itself without DP (a second table, Holm over its four). (b)
 Client-level DP in the partial setting: each method without and with DP on one seed, its clip and the noise per
-entry. The design is fixed in :mod:`fs_fedpa.study.sst2_protocol` above
-:func:`~fs_fedpa.study.sst2_privacy.privacy_runs`.
+entry. The design is fixed in :mod:`research.study.sst2_protocol` above
+:func:`~research.study.sst2_privacy.privacy_runs`.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from __future__ import annotations
 import statistics
 
 from fs_fedpa import privacy
-from fs_fedpa.study import protocol_results as pr
-from fs_fedpa.study import sst2_privacy as spriv
-from fs_fedpa.study import sst2_protocol as sp
-from fs_fedpa.study import stats
-from fs_fedpa.study.report_text import pm as _pm
-from fs_fedpa.study.report_text import score as _score
+from research.study import protocol_results as pr
+from research.study import sst2_privacy as spriv
+from research.study import sst2_protocol as sp
+from research.study import stats
+from research.study.report_text import pm as _pm
+from research.study.report_text import score as _score
 
 METRICS = {"val_acc": "paper protocol", "local.val_acc": "own factors"}
 DP_CELLS = tuple(f"{m}_dp" for m in spriv.PRIVACY_METHODS)
@@ -60,7 +60,7 @@ def literature_epsilons(result: dict | None) -> list[float]:
 
 
 def macro_f1(result: dict | None) -> float | None:
-    """The held-out macro-F1 scored as :func:`~fs_fedpa.study.sst2_protocol.score` scores accuracy: the mean of the last
+    """The held-out macro-F1 scored as :func:`~research.study.sst2_protocol.score` scores accuracy: the mean of the last
     two evaluations. A model that predicts one class for every sentence has 0.43 on the held-out split."""
     f1 = [m["val_f1"] for _, m in sorted((result or {}).get("rounds", {}).items()) if m.get("val_f1") is not None]
     return sum(f1[-2:]) / len(f1[-2:]) if f1 else None
@@ -89,7 +89,7 @@ def paired(a: dict[int, float], b: dict[int, float]) -> dict | None:
 def final_comparisons(results: dict) -> dict[str, dict[str, dict]]:
     """Per protocol: ``"<cell> − fedit_dp"`` for the three other DP cells and ``"<cell> − no DP"`` for all four,
     each with ``holm_p`` and ``holm``, its Holm-adjusted p and label over its family of :data:`FAMILIES`
-    (:func:`fs_fedpa.study.protocol_results.with_holm`), once the whole family is in."""
+    (:func:`research.study.protocol_results.with_holm`), once the whole family is in."""
     out: dict[str, dict[str, dict]] = {}
     for metric in METRICS:
         rows: dict[str, dict] = {}

@@ -1,4 +1,4 @@
-"""How the SST-2 report prints its numbers and notes; shared by every section (:mod:`fs_fedpa.study.report`)."""
+"""How the SST-2 report prints its numbers and notes; shared by every section (:mod:`research.study.report`)."""
 
 from __future__ import annotations
 

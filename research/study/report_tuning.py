@@ -8,14 +8,14 @@ import json
 import statistics
 from pathlib import Path
 
-from fs_fedpa.harness import compare
-from fs_fedpa.study import protocol_results as pr
-from fs_fedpa.study import sst2_protocol as sp
-from fs_fedpa.study import sst2_verdict as sv
-from fs_fedpa.study import stats
-from fs_fedpa.study.report_text import pm as _pm
-from fs_fedpa.study.report_text import score as _score
-from fs_fedpa.study.report_text import HOLM_NOTE, METRICS, SPREAD_NOTE, interval, lr
+from research.harness import compare
+from research.study import protocol_results as pr
+from research.study import sst2_protocol as sp
+from research.study import sst2_verdict as sv
+from research.study import stats
+from research.study.report_text import pm as _pm
+from research.study.report_text import score as _score
+from research.study.report_text import HOLM_NOTE, METRICS, SPREAD_NOTE, interval, lr
 
 
 def pilot_section(results: dict) -> list[str]:
@@ -44,7 +44,7 @@ def pilot_section(results: dict) -> list[str]:
         f"trained {T + 1} rounds at its round {T}, and the later stages run T = {T} rounds (indices 0 to {T - 1}).",
         "",
         f"A second rule, which one high evaluation cannot trigger (the same rule on the mean of 3 consecutive "
-        f"evaluations, `fs_fedpa.study.stats.plateau_round_smoothed`), gives **T = {smoothed}** on this pilot. "
+        f"evaluations, `research.study.stats.plateau_round_smoothed`), gives **T = {smoothed}** on this pilot. "
         f"The committed protocol keeps T = {T}, the rule it was run with; the long-horizon stage asks what the "
         "rounds after it change.",
         "",
@@ -142,7 +142,7 @@ def stage_section(title: str, stage: str, results: dict, report: Path, pairs: di
     table_title = f"Stage `{stage}` of the SST-2 protocol (docs/study/sst2_protocol.md)."
     compare.write_table(summary, "val_acc", folder, table_title)
     try:
-        from fs_fedpa.harness.plots import plot_all
+        from research.harness.plots import plot_all
 
         plot_all(runs, "val_acc", folder)
     except ImportError:  # matplotlib is an extra

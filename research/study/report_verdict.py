@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fs_fedpa.study import protocol_results as pr
-from fs_fedpa.study import sst2_protocol as sp
-from fs_fedpa.study import sst2_verdict as sv
-from fs_fedpa.study import stats
-from fs_fedpa.study.report_text import pm as _pm
-from fs_fedpa.study.report_text import HOLM_NOTE, METRICS, interval
+from research.study import protocol_results as pr
+from research.study import sst2_protocol as sp
+from research.study import sst2_verdict as sv
+from research.study import stats
+from research.study.report_text import pm as _pm
+from research.study.report_text import HOLM_NOTE, METRICS, interval
 
 
 def verdict_section(results: dict) -> list[str]:
@@ -85,7 +85,7 @@ def head_section(results: dict) -> list[str]:
 def splits_section(results: dict) -> list[str]:
     """The client split as a factor: per beta and protocol, FedPA-LoRA − FedIT on each split; across splits the t
     interval on the split means (new splits) and the fixed-split interval (these splits only), the split's variance
-    component, and the stage's comparisons with Holm over them (:data:`fs_fedpa.study.sst2_verdict.ACROSS_SPLITS`)."""
+    component, and the stage's comparisons with Holm over them (:data:`research.study.sst2_verdict.ACROSS_SPLITS`)."""
     title = "## The client split as a factor"
     found = {(b, m): sv.split_analysis(results, b, m) for b in sp.SPLITS_BETAS for m in METRICS}
     if not any(len(f["splits"]) > 1 for f in found.values()):
@@ -99,10 +99,10 @@ def splits_section(results: dict) -> list[str]:
         f"β = {sp.MORE_SPLITS_BETA:g} also {', '.join(map(str, sp.MORE_SPLITS))} with seeds "
         f"{', '.join(map(str, sp.MORE_SPLITS_SEEDS))}. Per split: the paired 95% t interval over its seeds and in how "
         "many seeds FedPA-LoRA is ahead. Across splits: the t interval on the split means, k − 1 df "
-        "(`fs_fedpa.study.stats.split_means_interval`), which generalises to a new client split; beside it the "
+        "(`research.study.stats.split_means_interval`), which generalises to a new client split; beside it the "
         "fixed-split interval (within-split mean square, N − k df; `fixed_split_interval`), which covers only the "
         "splits run here; and the one-way random-effects decomposition of the paired differences by split "
-        "(`fs_fedpa.study.stats.split_variance`, ANOVA moments; sd in points).",
+        "(`research.study.stats.split_variance`, ANOVA moments; sd in points).",
         "",
     ]
     for beta in sp.SPLITS_BETAS:
@@ -225,9 +225,9 @@ def verdict_figure(results: dict, report: Path) -> list[str]:
     if not rows:
         return []
     try:
-        from fs_fedpa.study.plots import plot_verdict
+        from research.study.plots import plot_verdict
 
-        from fs_fedpa.study.plots import plot_headline
+        from research.study.plots import plot_headline
 
         plot_verdict(rows, report / "verdict.png")
         plot_headline(sv.headline_rows(results), report / "headline.png")

@@ -1,12 +1,12 @@
 """The tuned comparison protocol on real SST-2 with the embedded MiniLM (docs/study/sst2_protocol.md).
 
-    ./run.sh compare --data <GLUE dir>            # or: python -m fs_fedpa.study.sst2_compare --data <GLUE dir>
+    ./run.sh compare --data <GLUE dir>            # or: python -m research.study.sst2_compare --data <GLUE dir>
     ./run.sh compare --plan                       # the stages, their runs and the expected CPU time; writes nothing
     ./run.sh compare --report-only                # rebuild the report from the committed results, nothing else
     ./run.sh compare --data <GLUE dir> --stage partial --jobs 12 use_gpu True device 0   # one stage, on a GPU host
 
-The protocol itself (its stages, runs and plan) is :mod:`fs_fedpa.study.sst2_protocol`; the report is
-:mod:`fs_fedpa.study.report`. This module runs the plan: FS subprocesses, ``jobs`` at a time, each
+The protocol itself (its stages, runs and plan) is :mod:`research.study.sst2_protocol`; the report is
+:mod:`research.study.report`. This module runs the plan: FS subprocesses, ``jobs`` at a time, each
 finished run written to its committed file at once; a stopped grid continues where it stopped. ``--plan`` and
 ``--report-only`` import neither FederatedScope nor torch (``./run.sh`` runs them without installing anything).
 """
@@ -26,12 +26,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from fs_fedpa.harness import compare
-from fs_fedpa.study import sst2_dp_regime, sst2_dp_valid, sst2_privacy
-from fs_fedpa.study import sst2_protocol as sp
-from fs_fedpa.study.protocol_results import RUNNER_FIELDS, load_results, time_spent, write_run
-from fs_fedpa.study.report import write_report
-from fs_fedpa.study.sst2_protocol import (
+from fs_fedpa.tools import cli
+from research.harness import compare
+from research.study import sst2_dp_regime, sst2_dp_valid, sst2_privacy
+from research.study import sst2_protocol as sp
+from research.study.protocol_results import RUNNER_FIELDS, load_results, time_spent, write_run
+from research.study.report import write_report
+from research.study.sst2_protocol import (
     CFG,
     CFG_NAME,
     PILOT_ROUNDS,
@@ -44,8 +45,7 @@ from fs_fedpa.study.sst2_protocol import (
     seconds_per_round,
     whole_rounds,
 )
-from fs_fedpa.tools import cli
-from fs_fedpa.tools.sst2_demo import find_glue_dir
+from research.tools.sst2_demo import find_glue_dir
 
 
 def recollect(results: dict, report: Path, work: Path, stages: list[str]) -> list[str]:
@@ -222,9 +222,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plan(results: dict, report: Path) -> list[tuple[str, list[Run]]]:
-    """The protocol's stages as far as the committed results decide them (:func:`fs_fedpa.study.sst2_protocol.plan`),
-    then, once the main selection exists, the ``privacy`` stage's parts (:mod:`fs_fedpa.study.sst2_privacy`), the
-    ``dpregime`` stage's (:mod:`fs_fedpa.study.sst2_dp_regime`) and the ``dpvalid`` stage's."""
+    """The protocol's stages as far as the committed results decide them (:func:`research.study.sst2_protocol.plan`),
+    then, once the main selection exists, the ``privacy`` stage's parts (:mod:`research.study.sst2_privacy`), the
+    ``dpregime`` stage's (:mod:`research.study.sst2_dp_regime`) and the ``dpvalid`` stage's."""
     stages = sp.plan(results, report)
     selected = report / "selected.json"
     if any(part == "client splits" for part, _ in stages) and selected.is_file():
@@ -237,8 +237,8 @@ def plan(results: dict, report: Path) -> list[tuple[str, list[Run]]]:
 
 def minutes_left(runs: list[Run], results: dict) -> float:
     """The machine minutes the runs without a result will take: by rounds
-    (:func:`fs_fedpa.study.sst2_protocol.minutes_left`), the ``dpregime`` stage's by the records they train on
-    (:func:`fs_fedpa.study.sst2_dp_regime.minutes`)."""
+    (:func:`research.study.sst2_protocol.minutes_left`), the ``dpregime`` stage's by the records they train on
+    (:func:`research.study.sst2_dp_regime.minutes`)."""
     by_records = (sst2_dp_regime.STAGE, sst2_dp_valid.STAGE)
     regime = [r for r in runs if r.stage in by_records]
     return sp.minutes_left([r for r in runs if r.stage not in by_records], results) + sst2_dp_regime.minutes(
@@ -314,14 +314,14 @@ def print_plan(stages: list[tuple[str, list[Run]]], results: dict, scoped: bool 
     if any(r.stage == sst2_dp_regime.STAGE for _, runs in stages for r in runs):
         low, high = sst2_dp_regime.stage_hours()
         print(f"  dp regime, the whole stage before any run: {low:.0f}-{high:.0f} CPU-h here, as the search selects "
-              "(priced by records from the measured step cost, fs_fedpa/study/sst2_dp_regime.py)",
+              "(priced by records from the measured step cost, research/study/sst2_dp_regime.py)",
               flush=True)  # fmt: skip
     if any(r.stage == sst2_dp_valid.STAGE for _, runs in stages for r in runs):
         hours = sst2_dp_valid.stage_hours()
         print(f"  dp valid, the whole stage before any run: {hours:.0f} CPU-h here by the same pricing, which priced "
               "the dpregime finals at about 2x what they took (43 against 20 CPU-min a DP final): about "
               f"{hours * 20 / 43:.0f} CPU-h measured-rate, plus part E′ (about 1.2 CPU-h, priced as part E's runs "
-              "took) (fs_fedpa/study/sst2_dp_valid.py)", flush=True)  # fmt: skip
+              "took) (research/study/sst2_dp_valid.py)", flush=True)  # fmt: skip
     if scoped and not stages:
         print("[sst2_compare] no run of the stages known now matches --stage/--cell: nothing to run (a cell is a "
               "run's name without its seed, e.g. fedpa_dp or partial30_fedit)", flush=True)  # fmt: skip

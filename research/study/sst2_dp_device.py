@@ -29,9 +29,9 @@ their three DP runs (about 110 CPU-min here) are dropped unrun.
 
 from __future__ import annotations
 
-from fs_fedpa.study import protocol_results as pr
-from fs_fedpa.study import sst2_privacy as spriv
-from fs_fedpa.study import sst2_protocol as sp
+from research.study import protocol_results as pr
+from research.study import sst2_privacy as spriv
+from research.study import sst2_protocol as sp
 
 STAGE = "dpregime"
 CLIENTS, SAMPLED, ROUNDS, ALPHA, LOCAL_STEPS, EVERY, SEED = 2000, 400, 30, 1.0, 1, 10, 0

@@ -16,7 +16,7 @@ r = 4, alpha = 8):
 - Clients under :data:`MIN_RECORDS` sentences take no DP step (``fedpa.dp_min_records``: ε 0, weight 0; three of
   the ten, 634-956 sentences, whose z at b = 256 would be near 3). They still evaluate. Without DP they train.
 - The held-out split (``data.glue_holdout``) scores the search; the dev set only the finals. Evaluation every R/4
-  rounds; the search's score is :func:`fs_fedpa.study.sst2_protocol.score` (the mean of the last two).
+  rounds; the search's score is :func:`research.study.sst2_protocol.score` (the mean of the last two).
 
 The search (FedIT, seed 0, at the final runs' noise):
 
@@ -27,16 +27,15 @@ B. At A's best (b, τ, head): every optimizer of :data:`OPTIMIZERS` (AdamW 2e-4,
    2e-2) × trainable set of :data:`LAYERS` (the top two layers, the top one): 7 more runs.
 
 C. Amended on 2026-11-28, after A and B's first three runs, before any run of C (docs/study/sst2_protocol.md): at the
-   best of A and B, every clip C of :data:`CLIPS` × b ∈ :data:`BATCHES`: 4 runs. Every A and B run ends at the
-   clients' shard-majority score, and ``scripts/dp_signal_noise.py`` (one client of the training split, n = 8,000,
-   b = 256, z = 0.62) measured why: with the head local, a record's LoRA gradient is shorter than 0.1, far inside
-   C = 1 (a step's clipped sum is the same at C = 0.1), so that sum is about 1.2 while the noise, z·C·√D, is about
-   68, 55 times it, whatever the optimizer; 5 times it at C = 0.1, 2.5 times at C = 0.01, where every record is
-   clipped (and C = 0.001 is the same run under Adam, every gradient scaled by C). B's other four runs (the top
-   layer alone, at C = 1) are dropped for that reason. With the head federated its gradient is longer than 1, so
-   every record is clipped at any C ≤ 1: noise/signal 2.1 at C = 1, 0.1 and 0.01 alike, and under Adam the same run;
-   C does not vary it. b = 1,024 is tried again at the new clips: four times the signal against 1.4-2.5 times the
-   noise (its larger z).
+   best of A and B, every clip C of :data:`CLIPS` × b ∈ :data:`BATCHES`: 4 runs. Every A and B run ends at the clients'
+   shard-majority score, and ``research/scripts/dp_signal_noise.py`` (one client of the training split, n = 8,000,
+   b = 256, z = 0.62) measured why: with the head local, a record's LoRA gradient is shorter than 0.1, far inside C = 1
+   (a step's clipped sum is the same at C = 0.1), so that sum is about 1.2 while the noise, z·C·√D, is about 68, 55
+   times it, whatever the optimizer; 5 times it at C = 0.1, 2.5 times at C = 0.01, where every record is clipped (and
+   C = 0.001 is the same run under Adam, every gradient scaled by C). B's other four runs (the top layer alone, at
+   C = 1) are dropped for that reason. With the head federated its gradient is longer than 1, so every record is
+   clipped at any C ≤ 1: noise/signal 2.1 at C = 1, 0.1 and 0.01 alike, and under Adam the same run; C does not vary
+   it. b = 1,024 is tried again at the new clips: four times the signal against 1.4-2.5 times the noise (its larger z).
 
 D. Amended on 2026-11-28, after C's first run (C = 0.01, b = 256: the majority score again, the held-out loss of
    the C = 1 run, though its clients logged noise at 0.4-1.4 times the clipped sum), before any run of D. Diagnostics,
@@ -70,7 +69,7 @@ H. Amended on 2026-11-29, before any final: the finals forward a batch on the CP
    :data:`CHUNK` records, without DP ``model.seqcls.train_chunk`` (the batch's mean-loss gradient summed over the
    chunks) and under DP ``fedpa.dp_chunk`` (each record clipped alone, as in chunks of 4): the same steps (tests
    against autograd on the whole batch), measured side by side at 0.33 and 0.75 of the step time
-   (``benchmarks/bench_dp_sgd.py --batch 256 --layers 2 --tok-len 48``). An accelerator takes the whole batch.
+   (``research/benchmarks/bench_dp_sgd.py --batch 256 --layers 2 --tok-len 48``). An accelerator takes the whole batch.
 
 The finals, in that regime, on the dev set, seeds 0-2 (seed-major): FedPA-LoRA (the main cell's λ), FedIT, FFA-LoRA
 and FedSVD with DP and without; FedIT with DP calibrated to ε = 8 under fixed-size sampling and replace-one
@@ -85,15 +84,15 @@ I. Amended on 2026-11-29, after seed 0 of the finals and before seeds 1-2 (seed 
    added after seeing a seed, and the report says so.
 
 E. The cross-device client-level demonstration (issue 59 §3), declared on 2026-11-28 before its runs, in
-   :mod:`fs_fedpa.study.sst2_dp_device`; it does not depend on the search.
+   :mod:`research.study.sst2_dp_device`; it does not depend on the search.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fs_fedpa.study import sst2_dp_device
-from fs_fedpa.study import sst2_protocol as sp
+from research.study import sst2_dp_device
+from research.study import sst2_protocol as sp
 
 STAGE = "dpregime"
 EPSILON, CLIP, MIN_RECORDS = 8.0, 1.0, 1000  # CLIP: parts A and B's
@@ -317,7 +316,7 @@ def selected_regime(results: dict) -> Regime | None:
 
 # ------------------------------------------------------------------------------------------------ CPU cost
 # Measured on this CPU host (2 cores), one thread, nothing else running (2026-11-28):
-#   python benchmarks/bench_dp_sgd.py --data ../shared/data/glue --batch 256 --layers 2 --tok-len 48 \
+#   python research/benchmarks/bench_dp_sgd.py --data ../shared/data/glue --batch 256 --layers 2 --tok-len 48 \
 #       --kinds cache plain_cache --local-steps 2 --routines 3
 # seconds per record of a step with LoRA on the top two layers and the prefix cache: DP-SGD 10.2 ms (its taps take
 # length-sorted chunks of 4 records), plain 16.9 ms (one batch padded to its longest record); a record's first pass

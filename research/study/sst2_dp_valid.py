@@ -6,19 +6,19 @@ Why: the dpregime stage trained each client's head on the batch's exact gradient
 outside the mechanism; through the head one record moved every other record's clipped gradient, so its ε = 8 was no
 guarantee and its DP runs are withdrawn (docs/privacy.md). ``plain`` is refused now.
 
-Fixed for every run: the dpregime stage's selected regime (:mod:`fs_fedpa.study.sst2_dp_regime`: b = 256 Poisson-
+Fixed for every run: the dpregime stage's selected regime (:mod:`research.study.sst2_dp_regime`: b = 256 Poisson-
 sampled records a step, τ = 1, 120 rounds, LoRA on MiniLM's top two layers over the prefix cache, AdamW with a
 linear warm-up over 12 steps, clients under 1,000 sentences taking no DP step, CPU chunks of 32), DP-SGD at ε = 8 per
 client with Poisson sampling, add/remove adjacency and the PLD accountant, δ = min(1e-5, 1/(10 n_i)); each client's
 head local (``personalization.local_param ['classifier']``). The ledgers also give every run's ε read as replace-one
 (its Poisson sampling kept, PLD).
 
-Before the runs, ``scripts/dp_signal_noise.py --heads frozen noised --clips 0.1 --lr 5e-3`` (one client of 8,000
-training sentences, z = 0.62) measured the frozen head at C = 0.1: a record's gradient is about 0.01, inside C, and
-the noise is 2.7-3.2 times the clipped sum per step over 30 steps, the train loss not falling. So the search tries a
-clip that binds too.
+Before the runs, ``research/scripts/dp_signal_noise.py --heads frozen noised --clips 0.1 --lr 5e-3`` (one client of
+8,000 training sentences, z = 0.62) measured the frozen head at C = 0.1: a record's gradient is about 0.01, inside C,
+and the noise is 2.7-3.2 times the clipped sum per step over 30 steps, the train loss not falling. So the search tries
+a clip that binds too.
 
-The search (FedIT, seed 0, the held-out split; score :func:`fs_fedpa.study.sst2_protocol.score`):
+The search (FedIT, seed 0, the held-out split; score :func:`research.study.sst2_protocol.score`):
 
 S1. head ∈ :data:`HEADS` (``noised``: clipped and noised with the factors; ``frozen``: held at its initial value)
     × C ∈ :data:`CLIPS`, at AdamW 5e-3 (the rate the dpregime search selected): 4 runs.
@@ -49,7 +49,7 @@ diagnostic that does is run at seeds 1-2 too (with its FedIT counterpart for the
 against FedIT under DP on seeds 0-2, paired t intervals, Holm over the variants that run (:func:`followup_runs`).
 
 Part E′ (declared on 2026-12-02, before its runs; independent of the gate, since it is client-level DP): FedPA-LoRA in
-the dpregime stage's cross-device setting (:mod:`fs_fedpa.study.sst2_dp_device`: N = 2,000, K = 400, 30 rounds, the
+the dpregime stage's cross-device setting (:mod:`research.study.sst2_dp_device`: N = 2,000, K = 400, 30 rounds, the
 head federated), scoring each client's own adapter (``fedpa.eval_local True``, ``local.val_acc``) beside the global
 adapter, without DP and with client-level DP at ε = 8 (replace-one, K of N sampled, RDP as in part E). Under
 client-level DP a client's own factors never leave it, so its own adapter carries no noise of its own; only the
@@ -64,11 +64,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fs_fedpa.study import protocol_results as pr
-from fs_fedpa.study import sst2_dp_device as dd
-from fs_fedpa.study import sst2_dp_regime as dr
-from fs_fedpa.study import sst2_privacy as spriv
-from fs_fedpa.study import sst2_protocol as sp
+from research.study import protocol_results as pr
+from research.study import sst2_dp_device as dd
+from research.study import sst2_dp_regime as dr
+from research.study import sst2_privacy as spriv
+from research.study import sst2_protocol as sp
 
 STAGE = "dpvalid"
 HEADS, CLIPS, LRS = ("noised", "frozen"), (0.1, 0.01), (2e-3, 1e-2)

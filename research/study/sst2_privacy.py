@@ -1,6 +1,6 @@
 """The SST-2 protocol's ``privacy`` stage as data (declared before its runs; docs/study/sst2_protocol.md): what
 differential privacy costs, at sample level in the main cell and at client level in the partial setting. Built on
-:mod:`fs_fedpa.study.sst2_protocol`'s runs and selection; the runner (:mod:`fs_fedpa.study.sst2_compare`) appends
+:mod:`research.study.sst2_protocol`'s runs and selection; the runner (:mod:`research.study.sst2_compare`) appends
 :func:`privacy_runs` to the protocol's plan. No torch, no FS."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from fs_fedpa.study.sst2_protocol import (
+from research.study.sst2_protocol import (
     FINAL_EVAL,
     LR_GRID,
     ONE_THREAD,

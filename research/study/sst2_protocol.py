@@ -1,6 +1,6 @@
 """The SST-2 comparison protocol as data: its stages and runs, the plan that the committed results determine, and
 the reading of those results (docs/study/sst2_protocol.md). The runner
-(:mod:`fs_fedpa.study.sst2_compare`) executes the plan and the report (:mod:`fs_fedpa.study.report`) reads
+(:mod:`research.study.sst2_compare`) executes the plan and the report (:mod:`research.study.report`) reads
 it; both import this module, which imports neither. No torch, no FS.
 
 Why one module over 450 lines: it is the protocol's declaration, fixed before the runs it plans; one file keeps what
@@ -10,7 +10,7 @@ Stages, each on ``yaml_configs/compare_sst2_protocol.yaml`` (N = 10, every clien
 alpha = 8, local heads, 10 local steps of 16 sentences):
 
 1. ``pilot``: FedIT for up to :data:`PILOT_ROUNDS` rounds; T = the first round at which its held-out accuracy
-   gains less than 0.5 point over the last quarter of the rounds (:func:`fs_fedpa.study.stats.plateau_round`).
+   gains less than 0.5 point over the last quarter of the rounds (:func:`research.study.stats.plateau_round`).
 2. ``tune``: one seed, ceil(T/2) rounds, scored on a validation split held out of every client's *training* shard
    (``data.glue_holdout``; the dev set is never read). Every method over :data:`LR_GRID` (AdamW and the paper's
    plain SGD); FedPA-LoRA first over :data:`LAM_GRID` at the pilot's learning rate, then over the learning rates at
@@ -30,11 +30,11 @@ alpha = 8, local heads, 10 local steps of 16 sentences):
    are those of ``final`` and ``beta``. At beta 0.1 five more splits, :data:`MORE_SPLITS`, seeds 0-1
    (:func:`split_seeds`, :func:`split_training_seeds`).
 9. ``privacy``: what differential privacy costs (DP-SGD in the main cell, tuned on the held-out split; the
-   client-level mechanism in the partial setting), declared in :mod:`fs_fedpa.study.sst2_privacy`.
+   client-level mechanism in the partial setting), declared in :mod:`research.study.sst2_privacy`.
 10. ``dpregime``: a regime where sample-level DP-SGD learns, and the methods there
-    (:mod:`fs_fedpa.study.sst2_dp_regime`, which builds on this module; the runner appends its parts to :func:`plan`'s
+    (:mod:`research.study.sst2_dp_regime`, which builds on this module; the runner appends its parts to :func:`plan`'s
     and prices them). Its DP runs trained the heads outside the mechanism and are withdrawn as not private.
-11. ``dpvalid``: the same regime with the head inside DP-SGD's guarantee (:mod:`fs_fedpa.study.sst2_dp_valid`).
+11. ``dpvalid``: the same regime with the head inside DP-SGD's guarantee (:mod:`research.study.sst2_dp_valid`).
 
 Every finished run is reduced to one small JSON file in ``--report/runs/<stage>/`` (curves and diagnostics; no
 checkpoints), which is committed: a stopped grid continues where it stopped, on this machine or another. FS's own
@@ -49,10 +49,10 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from fs_fedpa.harness import compare
-from fs_fedpa.study import stats
-from fs_fedpa.study.protocol_results import final_metric, paired_rows
 from fs_fedpa.tasks.glue import FS_SPLIT_SEED
+from research.harness import compare
+from research.study import stats
+from research.study.protocol_results import final_metric, paired_rows
 
 CFG_NAME = Path("yaml_configs") / "compare_sst2_protocol.yaml"
 CFG = CFG_NAME if CFG_NAME.is_file() else Path(__file__).resolve().parents[1] / CFG_NAME
@@ -84,8 +84,9 @@ STAGES = (
     "pilot", "tune", "final", "ablation", "beta", "hetero", "adaptive", "head", "long", "partial", "splits", "privacy",
     "dpregime", "dpvalid",
 )  # fmt: skip
-# A DP-SGD step's time over a plain one's on one host (benchmarks/bench_dp_sgd.py: 1.12 with the batched taps, 1.19
-# with the per-example loop), for the estimate until a DP-SGD run is in. It was 4.0, from rounds timed on two hosts.
+# A DP-SGD step's time over a plain one's on one host (research/benchmarks/bench_dp_sgd.py: 1.12 with the batched taps,
+# 1.19 with the per-example loop), for the estimate until a DP-SGD run is in. It was 4.0, from rounds timed on two
+# hosts.
 DP_SGD_FACTOR = 1.2
 SECONDS_PER_ROUND = 28.0  # measured: 10 clients x 10 steps; used until a finished run gives a better figure
 
@@ -311,10 +312,10 @@ SPLITS_ARMS, SPLITS_BETAS = ("fedpa", "fedit"), (0.5, 0.1)  # 0.5: the main cell
 # splits, each with training seeds 0-1 (the split is the unit; two seeds a split suffice), FedPA-LoRA and FedIT as
 # selected, T rounds: 20 runs. Endpoint, unchanged: the final-round dev accuracy under both protocols. The primary
 # comparison: FedPA-LoRA − FedIT at beta = 0.1 under the paper protocol, by the t interval on the eight split means
-# (7 df; fs_fedpa.study.stats.split_means_interval), which generalises to new splits. With it, in one Holm family, the
+# (7 df; research.study.stats.split_means_interval), which generalises to new splits. With it, in one Holm family, the
 # same at beta = 0.1 on the own factors, the two at beta = 0.5 (three splits), and at beta = 0.1 the deployment
 # comparison (FedPA-LoRA's own adapter − FedIT's global adapter with the local head): five comparisons
-# (fs_fedpa.study.sst2_verdict.ACROSS_SPLITS). The fixed-split interval is reported beside each, labelled as covering
+# (research.study.sst2_verdict.ACROSS_SPLITS). The fixed-split interval is reported beside each, labelled as covering
 # only these splits.
 MORE_SPLITS, MORE_SPLITS_BETA, MORE_SPLITS_SEEDS = (3, 4, 5, 6, 7), 0.1, (0, 1)
 

@@ -3,26 +3,26 @@
 - :func:`split_analysis`: FedPA-LoRA − FedIT on each client split of the ``splits`` stage (per split: the paired t
   interval over seeds and the sign of each seed), across splits the t interval on the split means (new splits) and
   the fixed-split interval (these splits), and the one-way random-effects estimate of the split's share of the
-  variance (:mod:`fs_fedpa.study.stats`); :func:`across_split_rows`: the stage's comparisons, one Holm family;
+  variance (:mod:`research.study.stats`); :func:`across_split_rows`: the stage's comparisons, one Holm family;
 - :func:`deployment_rows`: the question of a user who deploys one model per client, "which model do I give client
   i": FedPA-LoRA's own adapter against FedIT's global adapter with the client's local head, and each method's two
   models against each other, fixed pairs by seed across the two evaluation protocols;
 - :func:`family_rows`: a stage table's rows against their references, one Holm family;
 - :func:`verdict_rows`: one row per setting and baseline, FedPA-LoRA − baseline under both protocols with its Holm
-  label, for ``verdict.png`` (:func:`fs_fedpa.study.plots.plot_verdict`).
+  label, for ``verdict.png`` (:func:`research.study.plots.plot_verdict`).
 
 Holm's correction is applied to one family per table and protocol: every comparison of that table made under that
 protocol; a table whose comparisons cross the protocols (the deployment table, the across-split comparisons) is one
-family. Every label, in every table and in the figure, comes from :func:`fs_fedpa.study.protocol_results.with_holm`.
+family. Every label, in every table and in the figure, comes from :func:`research.study.protocol_results.with_holm`.
 """
 
 from __future__ import annotations
 
 import statistics
 
-from fs_fedpa.study import stats
-from fs_fedpa.study import protocol_results as pr
-from fs_fedpa.study import sst2_protocol as sp
+from research.study import stats
+from research.study import protocol_results as pr
+from research.study import sst2_protocol as sp
 
 METRICS = ("val_acc", "local.val_acc")  # the paper protocol (global factors + local head), the clients' own factors
 
@@ -30,7 +30,7 @@ METRICS = ("val_acc", "local.val_acc")  # the paper protocol (global factors + l
 # ------------------------------------------------------------------------------------------------ client splits
 def split_values(results: dict, method: str, beta: float, metric: str) -> dict[int, dict[int, float]]:
     """split seed -> training seed -> the final-round ``metric`` of ``method`` at ``beta``, over
-    :func:`~fs_fedpa.study.sst2_protocol.split_seeds` and each split's training seeds (the committed split's runs come
+    :func:`~research.study.sst2_protocol.split_seeds` and each split's training seeds (the committed split's runs come
     from ``final`` and ``beta``, whose extra seeds 3-4 are left out so that those splits have the same seeds)."""
     out: dict[int, dict[int, float]] = {}
     for split in sp.split_seeds(beta):
@@ -59,8 +59,8 @@ def split_analysis(results: dict, beta: float, metric: str, theirs: str | None =
                    splits: tuple[int, ...] | None = None) -> dict:  # fmt: skip
     """Per split: n, mean, the paired t interval (n >= 2), its verdict and how many seeds FedPA-LoRA is ahead in.
     Across the splits that have at least 2 seeds (at least 2 such splits): ``"across"``, the t interval on the split
-    means (:func:`fs_fedpa.study.stats.split_means_interval`: generalises to new splits), ``"fixed"``, the fixed-split
-    interval (these splits only), and the split's variance component (:func:`fs_fedpa.study.stats.split_variance`).
+    means (:func:`research.study.stats.split_means_interval`: generalises to new splits), ``"fixed"``, the fixed-split
+    interval (these splits only), and the split's variance component (:func:`research.study.stats.split_variance`).
     ``splits``: only these split seeds (default: every split of the stage at ``beta``)."""
     differences = split_differences(results, beta, metric, theirs, splits)
     per_split = {}

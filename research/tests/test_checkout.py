@@ -1,4 +1,4 @@
-"""Tools that read the checkout's files (configs, scripts, benchmarks) find it from ``--repo`` or the working
+"""Tools that read the checkout's files (configs, scripts, research/) find it from ``--repo`` or the working
 directory, and outside any checkout stop at start with one line that says how to get one."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from fs_fedpa.tools import checkout
+from research.tools import checkout
 from tests.conftest import ROOT
 
-NEEDS = ("yaml_configs", "scripts", "benchmarks")
+NEEDS = ("yaml_configs", "scripts", "research")
 
 
 def test_repo_wins_then_the_working_directory(tmp_path, monkeypatch):
@@ -35,19 +35,19 @@ def test_outside_a_checkout_it_stops_with_one_line(tmp_path, monkeypatch):
 
 def test_a_repo_that_lacks_a_folder_is_named(tmp_path):
     (tmp_path / "yaml_configs").mkdir()
-    with pytest.raises(SystemExit, match=r"--repo .* lacks scripts, benchmarks"):
+    with pytest.raises(SystemExit, match=r"--repo .* lacks scripts, research"):
         checkout.find_checkout(str(tmp_path), NEEDS, "gpu_check")
 
 
 @pytest.mark.parametrize("tool", ["gpu_check", "sst2_demo"])
-def test_a_pip_installed_copy_stops_at_start(tool, tmp_path_factory):
-    """A regular (non-editable) install, as a user gets from ``pip install .``, run from outside a checkout: the
-    tool exits at once with one line on stderr instead of failing on a missing file after minutes of work."""
+def test_a_copy_outside_a_checkout_stops_at_start(tool, tmp_path_factory):
+    """The package and the research copied out of a checkout, run from outside one: the tool exits at once with one
+    line on stderr instead of failing on a missing file after minutes of work."""
     site = _installed_copy(tmp_path_factory)
     elsewhere = tmp_path_factory.mktemp("elsewhere")
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "HOME": str(elsewhere)}
     args = ["--tiny", "--device", "cpu"] if tool == "gpu_check" else ["--data", str(elsewhere)]
-    proc = subprocess.run([sys.executable, "-m", f"fs_fedpa.tools.{tool}", *args], cwd=elsewhere, env=env,
+    proc = subprocess.run([sys.executable, "-m", f"research.tools.{tool}", *args], cwd=elsewhere, env=env,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode != 0
     assert proc.stderr.strip().count("\n") == 0, proc.stderr
@@ -56,8 +56,9 @@ def test_a_pip_installed_copy_stops_at_start(tool, tmp_path_factory):
 
 
 def _installed_copy(factory):
-    """The package alone in a site folder, as a wheel install lays it out (``yaml_configs/`` and the rest stay in
-    the checkout)."""
+    """The package and the research in a site folder, without the checkout around them (``yaml_configs/`` and the
+    rest stay there)."""
     site = factory.mktemp("site")
-    shutil.copytree(ROOT / "fs_fedpa", site / "fs_fedpa", ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("fs_fedpa", "research"):
+        shutil.copytree(ROOT / package, site / package, ignore=shutil.ignore_patterns("__pycache__", "tests"))
     return site

@@ -3,8 +3,8 @@ report's per-client table of the dpregime finals (medians over seeds, noise/sign
 
 from __future__ import annotations
 
-from fs_fedpa.harness.fs_results import clients_last_round
-from fs_fedpa.study import report_dp_regime as rr
+from research.harness.fs_results import clients_last_round
+from research.study import report_dp_regime as rr
 
 
 def _row(role: str, rnd: int, raw: str) -> str:

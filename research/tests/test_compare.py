@@ -20,7 +20,7 @@ def test_micro_grid_writes_the_table_and_plots_and_skips_finished_runs(tiny_llm,
     # Prepare: FedPA and a FedIT cell with an override of its own, two seeds each
     cfg = dump_yaml(fedpa_cfg(tiny_llm, tmp_path, **{"federate.total_round_num": 2}), tmp_path / "base.yaml")
     out = tmp_path / "cmp"
-    cmd = [sys.executable, "-m", "fs_fedpa.harness.compare", "--cfg", cfg, "--methods", "fedpa"]
+    cmd = [sys.executable, "-m", "research.harness.compare", "--cfg", cfg, "--methods", "fedpa"]
     cmd += ["--cell", "fedit_fast", "fedit", "train.optimizer.lr", "0.05", "--seeds", "0", "1"]
     cmd += ["--out", str(out), "--metric", "val_avg_loss"]
     # Execute
@@ -51,7 +51,7 @@ def test_micro_grid_writes_the_table_and_plots_and_skips_finished_runs(tiny_llm,
     # --earlier: the runs of an earlier grid join the table; a cell and seed run here replaces the earlier one
     earlier = tmp_path / "earlier.json"
     earlier.write_text((out / "runs.json").read_text())
-    only = [sys.executable, "-m", "fs_fedpa.harness.compare", "--cfg", cfg, "--methods", "fedpa", "--seeds", "0", "1"]
+    only = [sys.executable, "-m", "research.harness.compare", "--cfg", cfg, "--methods", "fedpa", "--seeds", "0", "1"]
     third = subprocess.run([*only, "--out", str(out), "--earlier", str(earlier), "--no-plots"], cwd=ROOT, env=fs_env(),
                            capture_output=True, text=True, timeout=600)  # fmt: skip
     assert third.returncode == 0 and third.stdout.count("skipped") == 2, third.stdout[-3000:] + third.stderr[-3000:]
@@ -67,7 +67,7 @@ def runs_of(out):
 
 
 def test_bad_cells_are_refused_before_any_run(tmp_path, capsys):
-    from fs_fedpa.harness.compare import main
+    from research.harness.compare import main
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text("federate: {total_round_num: 1}\n")
@@ -89,7 +89,7 @@ def test_every_method_runs_through_the_runner_and_gets_its_row(tiny_llm, tmp_pat
 
     cfg = dump_yaml(fedpa_cfg(tiny_llm, tmp_path, **{"federate.total_round_num": 2}), tmp_path / "base.yaml")
     out = tmp_path / "cmp"
-    cmd = [sys.executable, "-m", "fs_fedpa.harness.compare", "--cfg", cfg, "--methods", "all", "--seeds", "0"]
+    cmd = [sys.executable, "-m", "research.harness.compare", "--cfg", cfg, "--methods", "all", "--seeds", "0"]
     proc = subprocess.run(
         [*cmd, "--out", str(out)], cwd=ROOT, env=fs_env(), capture_output=True, text=True, timeout=1200
     )

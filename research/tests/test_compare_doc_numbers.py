@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from fs_fedpa.study import stats
-from fs_fedpa.study import protocol_results as pr
-from fs_fedpa.study import sst2_protocol as sp
+from research.study import stats
+from research.study import protocol_results as pr
+from research.study import sst2_protocol as sp
 
 ROOT = Path(__file__).resolve().parents[2]
 NUMBER = r"([+−-]?\d+\.\d+)"

@@ -1,5 +1,5 @@
-"""yaml_configs/dp_sst2_minilm_cpu.yaml is what scripts/make_dp_regime_config.py writes from the committed search,
-and it is the protocol's config changed in exactly the selected regime's knobs and DP-SGD at ε = 8."""
+"""yaml_configs/dp_sst2_minilm_cpu.yaml is what research/scripts/make_dp_regime_config.py writes from the committed
+search, and it is the protocol's config changed in exactly the selected regime's knobs and DP-SGD at ε = 8."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def _flat(node: dict, prefix: str = "") -> dict:
 
 
 def test_the_committed_config_is_what_the_generator_writes():
-    proc = subprocess.run([sys.executable, "scripts/make_dp_regime_config.py", "--check"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "research/scripts/make_dp_regime_config.py", "--check"], cwd=ROOT,
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

@@ -3,7 +3,9 @@
 import ast
 from pathlib import Path
 
-from fs_fedpa.harness.fs_command import fs_overrides
+import pytest
+
+from research.harness.fs_command import fs_overrides
 
 
 def test_only_values_beginning_with_client_are_quoted_and_read_back_unchanged():
@@ -18,7 +20,7 @@ def test_only_values_beginning_with_client_are_quoted_and_read_back_unchanged():
 def test_the_protocol_runner_launches_fs_with_quoted_client_values(tmp_path, monkeypatch):
     import pytest
 
-    from fs_fedpa.harness import compare
+    from research.harness import compare
 
     seen = []
 
@@ -38,7 +40,7 @@ def test_optimizer_keys_fs_defines_only_by_yaml_go_into_a_copy_of_the_config_tha
     import pytest
     import yaml
 
-    from fs_fedpa.harness.fs_command import with_yaml_keys
+    from research.harness.fs_command import with_yaml_keys
 
     base = tmp_path / "base.yaml"
     base.write_text("train:\n  optimizer:\n    type: AdamW\n    lr: 0.002\nseed: 3\n")
@@ -57,3 +59,20 @@ def test_optimizer_keys_fs_defines_only_by_yaml_go_into_a_copy_of_the_config_tha
     cfg_node.merge_from_file(cfg)
     cfg_node.merge_from_list(kept)
     assert (cfg_node.train.optimizer.type, cfg_node.train.optimizer.momentum, cfg_node.seed) == ("SGD", 0.9, 1)
+
+
+def test_dp_mode_client_survives_fs_command_line_through_the_launchers_quoting():
+    # FS's main splits its overrides with parse_client_cfg, which takes any word beginning with "client" (values too)
+    # for the client config; the launchers' fs_overrides quotes such a value so FS reads back the same string
+    pytest.importorskip("federatedscope", reason="FederatedScope (branch llm) is not importable")
+    from federatedscope.core.cmd_args import parse_client_cfg
+    from federatedscope.core.configs.config import global_cfg
+
+    opts = ["fedpa.dp.mode", "client", "fedpa.dp.epsilon", "8", "fedpa.dp.clip", "0.5"]
+    raw, _ = parse_client_cfg(list(opts))
+    assert raw == ["fedpa.dp.mode", "8", "fedpa.dp.clip", "0.5"]  # FS's own split loses the value unquoted
+    cfg_opts, client_opts = parse_client_cfg(fs_overrides(opts))
+    assert client_opts == []
+    cfg = global_cfg.clone()
+    cfg.merge_from_list(cfg_opts)
+    assert (cfg.fedpa.dp.mode, cfg.fedpa.dp.epsilon, cfg.fedpa.dp.clip) == ("client", 8.0, 0.5)

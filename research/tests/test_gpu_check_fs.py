@@ -1,4 +1,4 @@
-"""``python -m fs_fedpa.tools.gpu_check --tiny --device cpu``: every step of the GPU-host check runs on the CPU at tiny
+"""``python -m research.tools.gpu_check --tiny --device cpu``: every step of the GPU-host check runs on the CPU at tiny
 sizes, so the command cannot rot between GPU loans; and the distributed GLUE route it found broken stays fixed."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 
 def test_gpu_check_tiny_on_the_cpu(tmp_path):
     out = tmp_path / "check.json"
-    cmd = [sys.executable, "-m", "fs_fedpa.tools.gpu_check", "--tiny", "--device", "cpu", "--out", str(out)]
+    cmd = [sys.executable, "-m", "research.tools.gpu_check", "--tiny", "--device", "cpu", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=fs_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     record = json.loads(out.read_text())
@@ -44,7 +44,7 @@ def test_gpu_check_tiny_on_the_cpu(tmp_path):
 
 def test_only_reruns_one_step(tmp_path):
     out = tmp_path / "check.json"
-    cmd = [sys.executable, "-m", "fs_fedpa.tools.gpu_check", "--tiny", "--device", "cpu", "--only", "reconstruct",
+    cmd = [sys.executable, "-m", "research.tools.gpu_check", "--tiny", "--device", "cpu", "--only", "reconstruct",
            "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=fs_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -54,7 +54,7 @@ def test_only_reruns_one_step(tmp_path):
 def test_repo_names_the_checkout_from_anywhere(tmp_path):
     """Run from another folder, ``--repo`` points the steps at the checkout's benchmarks."""
     out = tmp_path / "check.json"
-    cmd = [sys.executable, "-m", "fs_fedpa.tools.gpu_check", "--tiny", "--device", "cpu", "--only", "reconstruct",
+    cmd = [sys.executable, "-m", "research.tools.gpu_check", "--tiny", "--device", "cpu", "--only", "reconstruct",
            "--repo", str(ROOT), "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, env=fs_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,5 +1,5 @@
 """The GPU-host folder (``gpu_check --prepare``) gzips the large model files to fit a 64 MiB transfer, and
-``scripts/gpu_host.sh`` unpacks them on the host: the bytes that arrive are the bytes that left."""
+``research/scripts/gpu_host.sh`` unpacks them on the host: the bytes that arrive are the bytes that left."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import re
 import subprocess
 
-from fs_fedpa.tools.gpu_prepare import gzip_large_files
+from research.tools.gpu_prepare import gzip_large_files
 from tests.conftest import ROOT
 
 

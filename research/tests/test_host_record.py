@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from fs_fedpa.harness import compare
+from research.harness import compare
 
 
 def _probe(repeats: int) -> float:

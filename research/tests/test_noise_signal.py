@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from fs_fedpa.harness.fs_results import read_noise_signal
 from fs_fedpa.privacy.sample_level import SampleLevelClient, SamplePlan
 from fs_fedpa.record import CLIENT_PRIVACY_FILE
-from fs_fedpa.study.report_dp_regime import noise_shares
+from research.harness.fs_results import read_noise_signal
+from research.study.report_dp_regime import noise_shares
 
 
 def _client(tmp_path, client: int, norms, empty: int = 0) -> SampleLevelClient:

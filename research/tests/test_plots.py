@@ -6,8 +6,8 @@ import warnings
 
 import pytest
 
-from fs_fedpa.harness.plots import bytes_vs_metric, mean_curve, plot_all, style
-from fs_fedpa.study.plots import plot_staleness, stale_drift
+from research.harness.plots import bytes_vs_metric, mean_curve, plot_all, style
+from research.study.plots import plot_staleness, stale_drift
 
 
 def _run(seed, acc, sent, cell="fedpa"):
@@ -71,7 +71,7 @@ def test_runs_without_diagnostics_get_their_figures_without_empty_legends(tmp_pa
 
 def test_both_protocols_are_drawn_side_by_side(tmp_path):
     pytest.importorskip("matplotlib")
-    from fs_fedpa.study.plots import plot_protocols
+    from research.study.plots import plot_protocols
 
     runs = [_run(s, {2: 0.5 + s / 10, 5: 0.6}, {}, cell) for s in (0, 1) for cell in ("fedit", "fedpa")]
     for run in runs:
@@ -99,7 +99,7 @@ def test_staleness_points_are_per_client_pairs_where_recorded_else_round_means(t
 
 
 def test_the_verdict_figure_draws_every_row_and_a_missing_protocol(tmp_path):
-    from fs_fedpa.study.plots import plot_verdict
+    from research.study.plots import plot_verdict
 
     def row(mean, verdict, holm):
         return {"mean": mean, "low": mean - 0.01, "high": mean + 0.01, "verdict": verdict, "holm": holm}

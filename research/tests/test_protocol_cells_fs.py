@@ -11,8 +11,8 @@ import json
 import pytest
 import yaml
 
-from fs_fedpa.harness import compare
-from fs_fedpa.study import sst2_protocol as sp
+from research.harness import compare
+from research.study import sst2_protocol as sp
 from tests.conftest import ROOT
 from tests.integration.tiny_assets import dump_yaml, fs_env, fs_glue_yaml
 

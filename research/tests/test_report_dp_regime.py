@@ -8,9 +8,9 @@ import statistics
 
 import pytest
 
-from fs_fedpa.study import sst2_dp_regime as dr
-from fs_fedpa.study import sst2_protocol as sp
-from fs_fedpa.study import report_dp_regime as rr
+from research.study import sst2_dp_regime as dr
+from research.study import sst2_protocol as sp
+from research.study import report_dp_regime as rr
 
 SELECTED = {"methods": {m: {"method": m, "optimizer": "AdamW", "lr": 5e-3, "lam": 0.01 if m == "fedpa" else None}
                         for m in ("fedpa", "fedit", "ffa_lora")}}  # fmt: skip

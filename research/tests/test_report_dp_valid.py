@@ -8,9 +8,9 @@ import statistics
 import pytest
 from scipy import stats as scipy_stats
 
-from fs_fedpa.study import report_dp_valid as rv
-from fs_fedpa.study import sst2_dp_regime as dr
-from fs_fedpa.study import sst2_dp_valid as dv
+from research.study import report_dp_valid as rv
+from research.study import sst2_dp_regime as dr
+from research.study import sst2_dp_valid as dv
 
 
 def _run(cell: str, seed: int, acc: float, stage: str = "dpvalid") -> tuple[str, dict]:

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from scipy import stats
 
-from fs_fedpa.study import sst2_privacy as spriv
-from fs_fedpa.study import sst2_protocol as sp
-from fs_fedpa.study.report_privacy import final_comparisons, privacy_section
+from research.study import sst2_privacy as spriv
+from research.study import sst2_protocol as sp
+from research.study.report_privacy import final_comparisons, privacy_section
 
 SELECTED = json.loads((Path(__file__).resolve().parents[2] / sp.REPORT / "selected.json").read_text())
 
@@ -115,7 +115,7 @@ def _diagnostics(updates_by_round):
 def test_agreement_reads_orthogonal_and_shared_updates():
     import numpy as np
 
-    from fs_fedpa.study.report_privacy import agreement
+    from research.study.report_privacy import agreement
 
     rng = np.random.default_rng(0)
     shared = rng.normal(size=20000)

@@ -1,4 +1,4 @@
-"""scripts/reproduce_cells.py: the harness that checks a change moves no bit of the committed SST-2 runs."""
+"""research/scripts/reproduce_cells.py: the harness that checks a change moves no bit of the committed SST-2 runs."""
 
 from __future__ import annotations
 

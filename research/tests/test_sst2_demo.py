@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fs_fedpa.tools.sst2_demo import client_shards, find_glue_dir, progress
+from research.tools.sst2_demo import client_shards, find_glue_dir, progress
 
 EVAL_A = (
     "(client:156) INFO: {'Role': 'Client #2', 'Round': 7, 'Results_raw': {'val_avg_loss': 0.46, "
@@ -60,7 +60,7 @@ def test_missing_glue_folder_says_what_to_pass(tmp_path, monkeypatch):
 
 
 def test_eval_results_are_read_per_round_despite_numpy_reprs(tmp_path):
-    from fs_fedpa.harness.fs_results import weighted_avg_by_round
+    from fs_fedpa.fs_results import weighted_avg_by_round
 
     log = tmp_path / "eval_results.log"
     log.write_text(
@@ -74,7 +74,7 @@ def test_eval_results_are_read_per_round_despite_numpy_reprs(tmp_path):
 
 def test_the_main_job_estimates_the_time_left_after_the_first_round():
     """8 rounds; round 1 starts at t = 10 s, round 2 at 70 s, round 3 at 140 s: 60 then 65 s a round so far."""
-    from fs_fedpa.tools.sst2_demo import Clock
+    from research.tools.sst2_demo import Clock
 
     clock = Clock(8)
     assert clock.line("INFO: ----------- Starting training (Round #0) -------------", 10.0) is None

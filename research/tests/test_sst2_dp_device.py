@@ -9,9 +9,9 @@ import math
 
 import pytest
 
-from fs_fedpa.study import report_dp_regime as rr
-from fs_fedpa.study import sst2_dp_device as dd
-from fs_fedpa.study import sst2_dp_regime as dr
+from research.study import report_dp_regime as rr
+from research.study import sst2_dp_device as dd
+from research.study import sst2_dp_regime as dr
 
 SELECTED = {"methods": {
     "fedpa": {"method": "fedpa", "optimizer": "AdamW", "lr": 2e-3, "lam": 0.01},

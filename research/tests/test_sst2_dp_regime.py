@@ -8,9 +8,9 @@ import itertools
 
 import pytest
 
-from fs_fedpa.study import protocol_results as pr
-from fs_fedpa.study import sst2_dp_regime as dr
-from fs_fedpa.study import sst2_protocol as sp
+from research.study import protocol_results as pr
+from research.study import sst2_dp_regime as dr
+from research.study import sst2_protocol as sp
 
 SELECTED = {"methods": {m: {"method": m, "optimizer": "AdamW", "lr": 5e-3, "lam": 0.01 if m == "fedpa" else None}
                         for m in ("fedpa", "fedit", "ffa_lora")}}  # fmt: skip
@@ -158,7 +158,7 @@ def test_the_cpu_estimate_prices_records_not_rounds():
 
 
 def test_the_runners_plan_and_pricing_include_the_stage(tmp_path):
-    from fs_fedpa.study import sst2_compare as sc
+    from research.study import sst2_compare as sc
 
     assert dr.STAGE in sp.STAGES
     runs = dr.search_a()

@@ -3,8 +3,8 @@ another, the gate keeps the finals back, and each final has its no-DP run in the
 
 from __future__ import annotations
 
-from fs_fedpa.study import sst2_dp_valid as v
-from fs_fedpa.study import sst2_protocol as sp
+from research.study import sst2_dp_valid as v
+from research.study import sst2_protocol as sp
 
 
 def _opts(run):
@@ -60,7 +60,7 @@ def test_a_noised_heads_run_without_dp_is_plain_training():
 
 
 def test_part_e_prime_scores_fedpa_own_adapters_and_takes_its_clip_from_part_e():
-    from fs_fedpa.study import sst2_dp_device as dd
+    from research.study import sst2_dp_device as dd
 
     main = MAIN
     plain = dict(v.runs(main, {}))[PART_E]

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from fs_fedpa.harness import compare
-from fs_fedpa.study import protocol_results as pr
-from fs_fedpa.study import sst2_protocol as sp
+from research.harness import compare
+from research.study import protocol_results as pr
+from research.study import sst2_protocol as sp
 from fs_fedpa.record import EVAL_SHARDS_FILE, OUTCOMES_FILE
 
 COMMITTED = Path(__file__).resolve().parents[2] / sp.REPORT
@@ -118,8 +118,8 @@ def _results_with_long_runs(p_arm: float) -> dict:
 
 
 def test_the_long_horizon_section_states_endpoints_both_intervals_and_the_reproduction(tmp_path, monkeypatch):
-    from fs_fedpa.study import plots
-    from fs_fedpa.study.report_long import long_section
+    from research.study import plots
+    from research.study.report_long import long_section
 
     monkeypatch.setattr(plots, "plot_protocols", lambda *args: None)  # the figures are test_plots.py's
     results = _results_with_long_runs(0.6)
@@ -145,8 +145,8 @@ def test_the_long_horizon_section_states_endpoints_both_intervals_and_the_reprod
 
 
 def test_the_bootstrap_refuses_arms_whose_dev_shards_differ(tmp_path, monkeypatch):
-    from fs_fedpa.study import plots
-    from fs_fedpa.study.report_long import long_section
+    from research.study import plots
+    from research.study.report_long import long_section
 
     monkeypatch.setattr(plots, "plot_protocols", lambda *args: None)
     results = _results_with_long_runs(0.6)
@@ -161,7 +161,7 @@ def _final(cell: str, seed: int, acc: float, stage: str = "final") -> tuple[str,
 
 
 def test_the_head_section_pairs_each_comparison_on_its_shared_seeds():
-    from fs_fedpa.study.report_verdict import head_section
+    from research.study.report_verdict import head_section
 
     results = dict(
         [_final("fedpa", s, 0.88 + 0.001 * s) for s in range(5)]

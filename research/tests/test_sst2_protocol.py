@@ -1,4 +1,4 @@
-"""The SST-2 protocol's plan (fs_fedpa.study.sst2_compare) on fabricated results: held-out tuning, the selection
+"""The SST-2 protocol's plan (research.study.sst2_compare) on fabricated results: held-out tuning, the selection
 written to selected.json and final runs that use exactly its values; and the committed results, where present."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from fs_fedpa.study import sst2_privacy as spriv
-from fs_fedpa.study import protocol_results as pr
-from fs_fedpa.study import sst2_protocol as sp
-from fs_fedpa.study import sst2_compare as sc
+from research.study import sst2_privacy as spriv
+from research.study import protocol_results as pr
+from research.study import sst2_protocol as sp
+from research.study import sst2_compare as sc
 
 COMMITTED = Path(__file__).resolve().parents[2] / sp.REPORT
 
@@ -139,7 +139,7 @@ def test_committed_final_runs_used_the_committed_selection():
 def fake_fs_runs(monkeypatch, failing: tuple[str, ...] = ()) -> list:
     """Replace FS runs by instant ones (6 s, held-out accuracy 0.8; the cells in ``failing`` fail); returns the list
     of ``(cell, opts)`` they are called with."""
-    from fs_fedpa.harness import compare
+    from research.harness import compare
 
     calls = []
 
@@ -187,7 +187,7 @@ def test_the_hours_budget_stops_after_the_runs_under_way_and_keeps_their_results
 
 
 def test_the_report_states_a_verdict_per_baseline_from_the_committed_runs(tmp_path):
-    from fs_fedpa.study.report import write_report
+    from research.study.report import write_report
 
     selected = {"T": 4, "methods": {m: {"method": m, "optimizer": "AdamW", "lr": 2e-3, "lam": None} for m in sp.MAIN}}
     results = {}
@@ -203,7 +203,7 @@ def test_the_report_states_a_verdict_per_baseline_from_the_committed_runs(tmp_pa
 
 
 def test_the_report_sets_each_cells_accuracy_beside_its_last_rounds_mechanism():
-    from fs_fedpa.study.report_tuning import mechanism_section
+    from research.study.report_tuning import mechanism_section
 
     selected = {"T": 4, "methods": {m: {"method": m, "optimizer": "AdamW", "lr": 2e-3, "lam": None} for m in sp.MAIN}}
     cells = {"fedpa": (0.80, 3.0, 6.0), "fedit": (0.90, 9.0, 10.0), "fedsa_lora": (0.85, 0.0, 20.0)}
@@ -226,7 +226,7 @@ def test_the_report_sets_each_cells_accuracy_beside_its_last_rounds_mechanism():
 
 
 def test_the_mechanism_table_takes_the_heavy_tailed_gradient_ratio_as_a_median_over_seeds():
-    from fs_fedpa.study.report_tuning import mechanism_section
+    from research.study.report_tuning import mechanism_section
 
     selected = {"T": 4, "methods": {m: {"method": m, "optimizer": "AdamW", "lr": 2e-3, "lam": 0.01} for m in sp.MAIN}}
     results = {}
@@ -245,7 +245,7 @@ def test_a_run_records_the_cpu_time_its_process_reports_and_its_exit_status():
     import subprocess
     import sys
 
-    from fs_fedpa.harness import compare
+    from research.harness import compare
 
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\ntime.sleep(0.3)\n"
     burn += "print(time.process_time())"
@@ -299,7 +299,7 @@ def test_dp_sgd_runs_are_priced_by_their_own_rounds():
 
 
 def test_the_lambda_table_shows_fedpas_sweep_at_the_pilot_rate_beside_fedit_and_local_training():
-    from fs_fedpa.study.report_tuning import lambda_section
+    from research.study.report_tuning import lambda_section
 
     runs = sp.tune_runs(4, 0.1)
     results = {}
@@ -322,7 +322,7 @@ def test_the_lambda_table_shows_fedpas_sweep_at_the_pilot_rate_beside_fedit_and_
 
 
 def test_selections_at_the_grids_top_are_checked_one_step_above_without_changing_the_selection(tmp_path):
-    from fs_fedpa.study.report_tuning import edge_section
+    from research.study.report_tuning import edge_section
 
     results: dict = {}
     pilot = sp.pilot_run()
@@ -347,7 +347,7 @@ def test_selections_at_the_grids_top_are_checked_one_step_above_without_changing
         "partial participation",
         "client splits",
     ]
-    from fs_fedpa.study.sst2_compare import plan as runner_plan
+    from research.study.sst2_compare import plan as runner_plan
 
     after = [s for s, _ in runner_plan(results, tmp_path)][len(stages) :]  # the runner appends the later stages
     assert after[:3] == ["privacy: sample-level tuning", "privacy: client level, no DP", "privacy: client level, DP"]
@@ -378,8 +378,8 @@ def test_selections_at_the_grids_top_are_checked_one_step_above_without_changing
 
 
 def test_each_stage_beyond_the_main_cell_has_its_last_rounds_mechanism_beside_its_accuracy(tmp_path, monkeypatch):
-    from fs_fedpa.harness import plots
-    from fs_fedpa.study.report import write_report
+    from research.harness import plots
+    from research.study.report import write_report
 
     monkeypatch.setattr(plots, "plot_all", lambda *args: [])  # the figures are test_plots.py's
 
@@ -467,8 +467,8 @@ def test_recollect_refuses_outputs_of_another_run_than_the_committed_one(tmp_pat
 
 
 def test_the_adaptive_stage_shows_the_lambda_each_rule_chose_over_rounds(tmp_path, monkeypatch):
-    from fs_fedpa.harness import plots
-    from fs_fedpa.study.report import write_report
+    from research.harness import plots
+    from research.study.report import write_report
 
     monkeypatch.setattr(plots, "plot_all", lambda *args: [])
     results = {}
@@ -556,8 +556,8 @@ def test_every_run_of_the_plan_belongs_to_a_named_stage():
 def test_the_partial_participation_section_pairs_each_fedpa_arm_with_each_baseline_and_bins_drift_by_staleness(
     tmp_path, monkeypatch
 ):
-    from fs_fedpa.study import plots
-    from fs_fedpa.study.report import write_report
+    from research.study import plots
+    from research.study.report import write_report
 
     monkeypatch.setattr(plots, "plot_protocols", lambda *args: None)  # the figures are test_plots.py's
     monkeypatch.setattr(plots, "plot_staleness", lambda *args: None)
@@ -633,7 +633,7 @@ def test_the_split_stage_runs_both_methods_at_both_betas_on_the_two_new_splits_a
 def test_a_run_file_records_its_split_seed_from_the_config_fs_saved_and_the_commit_it_ran(tmp_path):
     import subprocess
 
-    from fs_fedpa.harness import compare
+    from research.harness import compare
 
     for value, expected in ((None, 12345), (-1, 12345), (7, 7)):
         folder = tmp_path / str(value)
@@ -749,7 +749,7 @@ def test_a_run_records_the_commit_of_the_code_it_started_with(tmp_path, monkeypa
     import subprocess
     import sys
 
-    from fs_fedpa.harness import compare
+    from research.harness import compare
 
     commits = iter(["at-start", "at-end"])
     monkeypatch.setattr(compare, "code_commit", lambda: next(commits))

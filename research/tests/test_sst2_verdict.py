@@ -1,4 +1,4 @@
-"""The verdict across settings (fs_fedpa.study.sst2_verdict) against direct computations from the committed runs."""
+"""The verdict across settings (research.study.sst2_verdict) against direct computations from the committed runs."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from fs_fedpa.study import protocol_results as pr
-from fs_fedpa.study import sst2_protocol as sp
-from fs_fedpa.study import sst2_verdict as sv
+from research.study import protocol_results as pr
+from research.study import sst2_protocol as sp
+from research.study import sst2_verdict as sv
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = ROOT / sp.REPORT / "runs"
@@ -102,7 +102,7 @@ def test_the_verdict_figure_draws_a_raw_win_that_fails_holm_hollow(tmp_path, mon
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from fs_fedpa.study import plots
+    from research.study import plots
 
     rows = sv.verdict_rows(_splits_results({12345: 0.015, 1: 0.03, 2: 0.02}))
     (row,) = [r for r in rows if r["setting"].startswith("β = 0.1 across client splits")]
@@ -126,7 +126,7 @@ def test_a_row_that_survives_holm_is_filled(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from fs_fedpa.study import plots
+    from research.study import plots
 
     rows = sv.verdict_rows(_splits_results({12345: 0.020, 1: 0.021, 2: 0.022}))
     (row,) = [r for r in rows if r["setting"].startswith("β = 0.1 across client splits")]

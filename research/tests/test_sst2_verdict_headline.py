@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fs_fedpa.study import protocol_results as pr
-from fs_fedpa.study import sst2_verdict as sv
+from research.study import protocol_results as pr
+from research.study import sst2_verdict as sv
 
 REPORT = Path(__file__).resolve().parents[2] / "docs" / "reference" / "sst2_protocol"
 

@@ -1,4 +1,4 @@
-"""The statistics of the tuned comparison (fs_fedpa.study.stats) against hand computations and scipy."""
+"""The statistics of the tuned comparison (research.study.stats) against hand computations and scipy."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fs_fedpa.study import stats
-from fs_fedpa.study.stats import paired_interval, plateau_round, select, t_quantile_975, verdict
+from research.study import stats
+from research.study.stats import paired_interval, plateau_round, select, t_quantile_975, verdict
 
 
 def test_paired_interval_of_a_hand_example():
@@ -83,7 +83,7 @@ def _committed_pilot() -> dict[int, float]:
 
 
 def test_the_smoothed_stopping_rule_on_the_committed_pilot():
-    from fs_fedpa.study.stats import moving_average, plateau_round_smoothed
+    from research.study.stats import moving_average, plateau_round_smoothed
 
     curve = _committed_pilot()
     # The committed rule stops at FS round 21: the best so far, 0.9109 (round 15, one high evaluation), is also the
@@ -105,7 +105,7 @@ def test_the_smoothed_stopping_rule_on_the_committed_pilot():
 
 
 def test_holm_of_a_hand_example():
-    from fs_fedpa.study.stats import holm, holm_verdicts
+    from research.study.stats import holm, holm_verdicts
 
     # p = 0.01, 0.03, 0.04, 0.20 (m = 4): 4 * 0.01 = 0.04; 3 * 0.03 = 0.09; max(0.09, 2 * 0.04) = 0.09; 0.20
     p = {"a": 0.03, "b": 0.01, "c": 0.20, "d": 0.04}
@@ -117,7 +117,7 @@ def test_holm_of_a_hand_example():
 
 def test_the_paired_t_p_value_agrees_with_scipy():
     scipy_stats = pytest.importorskip("scipy.stats")
-    from fs_fedpa.study.stats import paired_t_p
+    from research.study.stats import paired_t_p
 
     for d in ([0.01, 0.03, 0.02], [-0.012, 0.001, -0.02, -0.009, -0.015], [0.5, -0.4]):
         assert paired_t_p(d) == pytest.approx(scipy_stats.ttest_1samp(d, 0.0).pvalue, rel=1e-9)
@@ -130,7 +130,7 @@ def _strata(sizes):
 
 def test_the_bootstrap_matches_closed_forms():
     np = pytest.importorskip("numpy")
-    from fs_fedpa.study.stats import paired_bootstrap
+    from research.study.stats import paired_bootstrap
 
     rng = np.random.default_rng(3)
     sizes = (40, 25, 60)
@@ -158,7 +158,7 @@ def test_the_bootstrap_matches_closed_forms():
 
 def test_the_paired_bootstrap_is_narrower_than_resampling_that_ignores_the_pairing():
     np = pytest.importorskip("numpy")
-    from fs_fedpa.study.stats import paired_bootstrap
+    from research.study.stats import paired_bootstrap
 
     rng = np.random.default_rng(4)
     n = 300
@@ -177,7 +177,7 @@ def test_the_paired_bootstrap_is_narrower_than_resampling_that_ignores_the_pairi
 
 
 def test_the_bootstrap_refuses_mismatched_shapes():
-    from fs_fedpa.study.stats import paired_bootstrap
+    from research.study.stats import paired_bootstrap
 
     with pytest.raises(ValueError, match="seeds, sentences"):
         paired_bootstrap([[1.0, 0.0]], [[1.0, 0.0, 1.0]], [0, 0])
@@ -186,7 +186,7 @@ def test_the_bootstrap_refuses_mismatched_shapes():
 def test_the_seed_rule_simulation_against_an_independent_one():
     scipy_stats = pytest.importorskip("scipy.stats")
     np = pytest.importorskip("numpy")
-    from fs_fedpa.study.stats import seed_rule_exclusions
+    from research.study.stats import seed_rule_exclusions
 
     # one stage only (no more seeds): the t interval's own 5%
     rate, count = seed_rule_exclusions([0.01] * 4, more=0, sims=50_000, seed=1)

@@ -1,9 +1,9 @@
 """Where a tool finds the files of this project's checkout that are not part of the installed package.
 
-``yaml_configs/``, ``scripts/``, ``benchmarks/`` and ``docs/`` stay out of the wheel. A tool that needs them looks,
-in this order, at ``--repo DIR``, the working directory, and the checkout an editable install of ``fs_fedpa`` points
-at. A pip-installed copy elsewhere has no checkout beside it, so the tool stops at start with one line that says how
-to get one, rather than failing on a missing file half-way through.
+``yaml_configs/``, ``scripts/``, ``research/`` and ``docs/`` stay out of the wheel. A tool that needs them looks, in
+this order, at ``--repo DIR``, the working directory, and the checkout this module sits in. A copy of the tool
+outside a checkout has none beside it, so the tool stops at start with one line that says how to get one, rather
+than failing on a missing file half-way through.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-PACKAGE_CHECKOUT = Path(__file__).resolve().parents[2]  # a checkout when the install is editable
+PACKAGE_CHECKOUT = Path(__file__).resolve().parents[2]  # the checkout research/tools/ sits in
 CLONE_HINT = "git clone <fs_fedpa repository> && cd fs_fedpa"
 
 
@@ -26,7 +26,7 @@ def is_checkout(folder: Path, needs: Iterable[str]) -> bool:
 
 def find_checkout(repo: str | None, needs: Iterable[str], tool: str) -> Path:
     """The checkout root (absolute) holding ``needs``: ``repo`` when given, else the working directory, else the
-    folder an editable install imports ``fs_fedpa`` from. Exits with one line naming ``tool`` when none does."""
+    checkout this module sits in. Exits with one line naming ``tool`` when none does."""
     needs = tuple(needs)
     listed = ", ".join(f"{n}/" for n in needs)
     if repo is not None:

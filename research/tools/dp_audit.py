@@ -22,7 +22,7 @@ show is printed first (:func:`detection_line`): the largest bound it can give (:
 4,000 trials) and the smallest violation it can flag (:func:`detection_limit`; at the default ledger epsilon 1, a
 true epsilon of about 2.8, at best). A bound of 0.000 means no violation of that size, not that the ledger holds.
 
-    python -m fs_fedpa.tools.dp_audit [--trials 4000] [--epsilon 1] [--steps 2]
+    python -m research.tools.dp_audit [--trials 4000] [--epsilon 1] [--steps 2]
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ def torch_quantiles(null, alt, count: int = 200):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = cli.Parser(prog="python -m fs_fedpa.tools.dp_audit", description=__doc__.splitlines()[0])
+    parser = cli.Parser(prog="python -m research.tools.dp_audit", description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=cli.number(int, minimum=20), default=4000,
                         help="trials per dataset (half choose the threshold)")
     parser.add_argument("--epsilon", type=cli.number(above=0, below=50), default=1.0,

@@ -1,8 +1,8 @@
 """Does FedPA-LoRA work on this device, and what does it cost? One command, a few minutes, one table and its JSON.
 
-    python -m fs_fedpa.tools.gpu_check [--device cuda] [--tiny] [--only STEP ...] [--out FILE]
+    python -m research.tools.gpu_check [--device cuda] [--tiny] [--only STEP ...] [--out FILE]
         [--data GLUE_DIR] [--model MINILM_DIR]
-    python -m fs_fedpa.tools.gpu_check --prepare DIR     # what a GPU host needs beside the tree (docs/gpu.md)
+    python -m research.tools.gpu_check --prepare DIR     # what a GPU host needs beside the tree (docs/gpu.md)
 
 Steps (each timed; a failure is recorded and the next step runs; ``--only`` reruns some alone):
 
@@ -22,7 +22,7 @@ Steps (each timed; a failure is recorded and the next step runs; ``--only`` reru
 ``--tiny`` runs the same steps at tiny sizes (a random 2-layer BERT, synthetic SST-2) in a couple of minutes;
 with ``--device cpu`` it skips what the CPU refuses (half precision) and says so. The benchmarks, the launch script
 and the configs are read from a checkout of this project: ``--repo DIR``, else the working directory, else the
-checkout of an editable install (:mod:`fs_fedpa.tools.checkout`); without one it stops at start and says so.
+checkout of an editable install (:mod:`research.tools.checkout`); without one it stops at start and says so.
 
 Why one module over 450 lines: one command whose nine steps (10 to 45 lines each) read top to bottom in the order
 they run, with the few helpers they share; apart, a reader on a borrowed GPU host would follow one step across files.
@@ -44,10 +44,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fs_fedpa.tools import cli
-from fs_fedpa.tools.checkout import find_checkout
-from fs_fedpa.tools.gpu_prepare import MINILM, prepare
+from research.tools.checkout import find_checkout
+from research.tools.gpu_prepare import MINILM, prepare
 
-NEEDS = ("yaml_configs", "scripts", "benchmarks")  # what the steps read from the checkout
+NEEDS = ("yaml_configs", "scripts", "research")  # what the steps read from the checkout
 STEPS = ("env", "standalone", "cpu_match", "distributed", "reconstruct", "adapter", "penalty", "clients", "dp_sgd",
          "paper_shapes")
 # float32 on both sides, dropout off, the same weights and batches: only the kernels' summation order differs
@@ -81,7 +81,7 @@ class Check:
         self.work = Path(args.work).resolve()
         self.data, self.model = args.data, args.model
         self.timeout = args.step_timeout
-        self.repo: Path = args.repo  # the checkout: benchmarks/, scripts/ and yaml_configs/
+        self.repo: Path = args.repo  # the checkout: research/benchmarks/, scripts/ and yaml_configs/
         self._assets: tuple[str, str] | None = None
 
     @property
@@ -148,7 +148,7 @@ def child_env(repo: Path) -> dict:
 
 def fs_result(folder: Path, returncode: int | None) -> dict:
     """A finished FS run: exit status, its last evaluation (weighted over clients), time and device peak memory."""
-    from fs_fedpa.harness.fs_results import weighted_avg_by_round
+    from fs_fedpa.fs_results import weighted_avg_by_round
 
     text = (folder / "run.log").read_text(errors="replace")
     report = next((json.loads(x[10:]) for x in text.splitlines() if x.startswith("GPU_CHECK ")), None)
@@ -300,7 +300,7 @@ def step_distributed(check: Check) -> dict:
         env["GPUS"] = check.gpu_opts[3]
     start = time.perf_counter()
     code, stdout, stderr = run_group(["bash", str(script), *cfgs], env, check.work, check.timeout)
-    from fs_fedpa.harness.fs_results import weighted_avg_by_round
+    from fs_fedpa.fs_results import weighted_avg_by_round
 
     logs = sorted((folder / "server").rglob("eval_results.log"))
     rounds = weighted_avg_by_round(logs[-1]) if logs else {}
@@ -342,7 +342,7 @@ def free_ports(n: int) -> list[int]:
 
 def bench(check: Check, script: str, *args: str) -> dict:
     """One benchmark script on the device; its closing lines (the ratios) are the result, the rest is in a log."""
-    path = check.repo / "benchmarks" / script
+    path = check.repo / "research" / "benchmarks" / script
     argv = [sys.executable, str(path), "--device", check.device, *args]
     start = time.perf_counter()
     code, stdout, stderr = run_group(argv, child_env(check.repo), path.parent, check.timeout)
@@ -401,8 +401,8 @@ def step_dp_sgd(check: Check) -> dict:
 
 
 def step_paper_shapes(check: Check) -> dict:
-    """benchmarks/bench_paper_shapes.py: the client step, the term and the server at RoBERTa-large's and Llama-3-8B's
-    shapes beside the paper's tables; its JSON kept under the step (toy widths with --tiny)."""
+    """research/benchmarks/bench_paper_shapes.py: the client step, the term and the server at RoBERTa-large's and
+    Llama-3-8B's shapes beside the paper's tables; its JSON kept under the step (toy widths with --tiny)."""
     target = check.work / "paper_shapes.json"
     out = bench(check, "bench_paper_shapes.py", *(["--tiny"] if check.tiny else []), "--json", str(target))
     out["results"] = json.loads(target.read_text())
@@ -425,7 +425,7 @@ RUNNERS: dict[str, Callable[[Check], dict]] = {name: globals()[f"step_{name}"] f
 
 # ---------------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
-    parser = cli.Parser(prog="python -m fs_fedpa.tools.gpu_check", description=__doc__.splitlines()[0])
+    parser = cli.Parser(prog="python -m research.tools.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default=None, help="cuda, cuda:K or cpu (default: cuda when torch sees one)")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes: a random BERT and synthetic SST-2")
     parser.add_argument("--only", nargs="+", choices=STEPS, metavar="STEP", help=f"some of: {' '.join(STEPS)}")

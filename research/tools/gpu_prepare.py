@@ -1,5 +1,5 @@
-"""What a GPU host without network access needs beside the tree, for :mod:`fs_fedpa.tools.gpu_check`
-(``python -m fs_fedpa.tools.gpu_check --prepare DIR``; docs/gpu.md): the MiniLM weights in fp16, gzipped, an SST-2
+"""What a GPU host without network access needs beside the tree, for :mod:`research.tools.gpu_check`
+(``python -m research.tools.gpu_check --prepare DIR``; docs/gpu.md): the MiniLM weights in fp16, gzipped, an SST-2
 subset, and wheels of what FS imports that a GPU image typically lacks."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ PIP_SDISTS = ("fvcore", "iopath")  # sdists only: built into wheels here
 def gzip_large_files(folder: Path, min_bytes: int = 1 << 16) -> list[Path]:
     """Replace each file of ``folder`` of at least ``min_bytes`` by ``<name>.gz`` (gzip level 9); the small ones
     stay. fp16 weights shrink by about 8%, which keeps the full SST-2 and the model within a 64 MiB transfer;
-    ``scripts/gpu_host.sh`` unpacks them before it widens the weights."""
+    ``research/scripts/gpu_host.sh`` unpacks them before it widens the weights."""
     packed = []
     for path in sorted(p for p in folder.iterdir() if p.is_file() and p.suffix != ".gz"):
         if path.stat().st_size >= min_bytes:

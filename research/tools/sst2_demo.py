@@ -1,6 +1,6 @@
 """The main job: FedPA-LoRA on real SST-2 with the embedded MiniLM backbone, through stock FederatedScope.
 
-``python -m fs_fedpa.tools.sst2_demo --data <GLUE dir>`` runs ``python -m federatedscope.main`` on
+``python -m research.tools.sst2_demo --data <GLUE dir>`` runs ``python -m federatedscope.main`` on
 ``yaml_configs/fedpa_sst2_minilm_cpu.yaml`` in a subprocess, shows its progress as it goes, and ends with
 the final SST-2 dev accuracy under both evaluation protocols and where the logs and diagnostics are.
 """
@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from fs_fedpa.harness.fs_command import fs_overrides
-from fs_fedpa.harness.fs_results import ROUND_START, last_weighted_avg
-from fs_fedpa.tools.checkout import find_checkout
+from fs_fedpa.fs_results import ROUND_START, last_weighted_avg
+from research.harness.fs_command import fs_overrides
+from research.tools.checkout import find_checkout
 
 CFG_NAME = Path("yaml_configs") / "fedpa_sst2_minilm_cpu.yaml"  # in the checkout (./run.sh runs from its root)
 CLIENT = re.compile(
@@ -30,8 +30,8 @@ SHARD = re.compile(r"'val_(acc|total)': (?:np\.float64\()?([\d.]+)")  # 'local.v
 DIAGNOSTICS = re.compile(r"\[fedpa\] round (\d+): ([^\x1b]*)")
 METRIC = re.compile(r"'((?:local\.)?val_acc)': (?:np\.float64\()?([\d.]+)")
 # Wall minutes of the main job (the checkout's yaml, 2 free CPU cores) per CPU second of the host probe
-# (fs_fedpa.harness.compare.host_record): with packed rows the FS run took 266 s where the probe read 0.437 s
-# (10.1 min/s; benchmarks/bench_main_job.py), and 418 s on that host slowed to a probe of 0.964 s (7.2 min/s;
+# (research.harness.compare.host_record): with packed rows the FS run took 266 s where the probe read 0.437 s
+# (10.1 min/s; research/benchmarks/bench_main_job.py), and 418 s on that host slowed to a probe of 0.964 s (7.2 min/s;
 # --slow-host): part of the job does not scale with the probe, so this rate is an upper estimate on slower hosts;
 # padded rows took 22.6 min/s.
 MINUTES_PER_PROBE_SECOND = 10.0
@@ -75,7 +75,7 @@ class Clock:
 
 
 def expected_minutes(probe: float) -> str:
-    """The main job's expected wall time on a host whose probe (:func:`fs_fedpa.harness.compare.host_record`) reads
+    """The main job's expected wall time on a host whose probe (:func:`research.harness.compare.host_record`) reads
     ``probe`` CPU seconds, from :data:`MINUTES_PER_PROBE_SECOND`."""
     minutes = MINUTES_PER_PROBE_SECOND * probe
     return (f"this host's probe reads {probe:.2f} CPU s, so expect about {minutes:.0f} minutes on 2 free cores "
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     print(f"[fs_fedpa] FedPA-LoRA on SST-2 from {root}\n[fs_fedpa] {' '.join(cmd)}", flush=True)
     if default_cfg and not args.opts:  # the time of another config or overrides is its own
-        from fs_fedpa.harness.compare import host_record
+        from research.harness.compare import host_record
 
         if probe := host_record()["probe_cpu_seconds"]:
             print(f"[fs_fedpa] {expected_minutes(probe)}", flush=True)
