@@ -15,7 +15,7 @@
 set -euo pipefail
 carry=${1:?usage: $0 DIR [gpu_check options ... | -- COMMAND ...]}
 shift
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 SITE=${SITE:-/tmp/fs_fedpa_site}
 wheels=$(cd "$carry/wheels" && ls ./*.whl)

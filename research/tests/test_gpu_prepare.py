@@ -34,7 +34,7 @@ def test_large_files_are_gzipped_and_small_ones_left(tmp_path):
 def test_gpu_host_unpacks_what_prepare_packed(tmp_path):
     minilm, weights = _folder(tmp_path)
     gzip_large_files(minilm, min_bytes=1 << 16)
-    script = (ROOT / "scripts" / "gpu_host.sh").read_text()
+    script = (ROOT / "research" / "scripts" / "gpu_host.sh").read_text()
     loop = re.search(r"^for packed in .*?^done$", script, re.S | re.M)
     assert loop, "gpu_host.sh no longer unpacks DIR/minilm/*.gz"
     unpack = ["bash", "-c", f'set -euo pipefail; carry="{tmp_path}"\n{loop.group(0)}']

@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _harness():
-    spec = importlib.util.spec_from_file_location("reproduce_cells", ROOT / "scripts" / "reproduce_cells.py")
+    script = ROOT / "research" / "scripts" / "reproduce_cells.py"
+    spec = importlib.util.spec_from_file_location("reproduce_cells", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

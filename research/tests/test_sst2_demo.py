@@ -92,7 +92,7 @@ def test_the_start_estimate_scales_the_measured_minutes_by_the_probe_and_the_rea
     host) gives 11 minutes at 10 per probe second."""
     from pathlib import Path
 
-    from fs_fedpa.tools import sst2_demo
+    from research.tools import sst2_demo
 
     rate = sst2_demo.MINUTES_PER_PROBE_SECOND
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
