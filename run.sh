@@ -172,22 +172,22 @@ case "${1:-main}" in
   main | --data | --cfg | --outdir)
     [ "${1:-}" = main ] && shift
     if has -h "$@" || has --help "$@"; then
-      from_checkout -m fs_fedpa.tools.sst2_demo --help
+      from_checkout -m research.tools.sst2_demo --help
     fi
     ensure_torch
     install_package demo
     ensure_federatedscope
-    exec "$PY" -m fs_fedpa.tools.sst2_demo "$@"
+    exec "$PY" -m research.tools.sst2_demo "$@"
     ;;
   compare)
     shift
     if has --plan "$@" || has --report-only "$@" || has -h "$@" || has --help "$@"; then
-      from_checkout -m fs_fedpa.study.sst2_compare "$@"
+      from_checkout -m research.study.sst2_compare "$@"
     fi
     ensure_torch
     install_package demo
     ensure_federatedscope
-    exec "$PY" -m fs_fedpa.study.sst2_compare "$@"
+    exec "$PY" -m research.study.sst2_compare "$@"
     ;;
   -h | --help | help)
     usage

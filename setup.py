@@ -80,7 +80,7 @@ setup(
             "matplotlib",
             "scikit-learn",
             "scipy",
-            "statsmodels",  # Holm's correction in fs_fedpa/study/stats.py
+            "statsmodels",  # Holm's correction in research/study/stats.py (the study; tests only)
             "dp-accounting>=0.4.4",
             # opacus: the referee of the per-example gradients and the DP-SGD step (tests only; never imported by
             # the package)

@@ -2,9 +2,13 @@
 
     fs-fedpa run --cfg FILE [KEY VALUE ...]    train with FS's own main and the plugin (fs_fedpa.tools.run)
     fs-fedpa export RUN --out DIR [--clients]  a finished run's adapters as PEFT directories
-    fs-fedpa compare --cfg FILE --methods ...  several methods and seeds through one runner, with a table
     fs-fedpa dp-table [--sample ...]           the noise a DP setting adds against the largest signal
-    fs-fedpa gpu-check [--tiny]                what this host's accelerator does with the plugin
+    fs-fedpa eval-generation TASK --ckpt ...   a generation task's score (GSM8K, HumanEval) of a checkpoint
+    fs-fedpa tiny-llm DIR                      a tiny random causal LM and data, to try the plugin on a CPU
+    fs-fedpa config-doc [--check]              docs/config.md's tables of the ``fedpa:`` keys
+
+Comparing methods is FS's own runner with another ``federate.method``; the study's grid runner and the ops tools
+live in the checkout's ``research/``, outside the package.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ import sys
 COMMANDS = {
     "run": ("fs_fedpa.tools.run", "train with FederatedScope's own main and the plugin"),
     "export": ("fs_fedpa.tools.export", "a finished run's adapters as PEFT directories"),
-    "compare": ("fs_fedpa.harness.compare", "several methods and seeds through one runner, with a table"),
     "dp-table": ("fs_fedpa.tools.dp_table", "the noise a DP setting adds against the largest signal"),
-    "gpu-check": ("fs_fedpa.tools.gpu_check", "what this host's accelerator does with the plugin"),
+    "eval-generation": ("fs_fedpa.tools.eval_generation", "a generation task's score of a run's checkpoint"),
+    "tiny-llm": ("fs_fedpa.tools.tiny_llm", "a tiny random causal LM and data, to try the plugin on a CPU"),
+    "config-doc": ("fs_fedpa.tools.config_doc", "docs/config.md's tables of the fedpa: keys, from the config"),
 }
 
 

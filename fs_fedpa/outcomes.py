@@ -1,6 +1,6 @@
 """The per-example outcomes of ``fedpa.records.save_outcomes``, written into a run's folder for per-sentence analyses
 and
-paired bootstraps (:mod:`fs_fedpa.harness.compare` reads them): which examples of the evaluation file each client
+paired bootstraps (:mod:`research.harness.compare` reads them): which examples of the evaluation file each client
 holds (:data:`~fs_fedpa.record.EVAL_SHARDS_FILE`, once, when the data is built) and, per evaluation, whether each
 was predicted correctly (:data:`~fs_fedpa.record.OUTCOMES_FILE`, one JSON line per client, round and protocol).
 No torch and no FederatedScope import: FS's data is read by duck typing (each client's ``<split>_data``)."""

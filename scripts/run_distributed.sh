@@ -38,7 +38,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 # FS's parse_client_cfg takes any word beginning with "client" (and the next) for the client config, values too:
-# write such a value as a Python string literal, which FS reads back as the same string (fs_fedpa/harness/fs_command.py)
+# write such a value as a Python string literal, which FS reads back as the same string (research/harness/fs_command.py)
 for k in "${!opts[@]}"; do
   if (( k % 2 )) && [[ ${opts[k]} == client* ]]; then opts[k]="'${opts[k]}'"; fi
 done

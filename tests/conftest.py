@@ -60,7 +60,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--run-slow", action="store_true", help="run tests marked slow (real data, long runs)")
+    try:
+        parser.addoption("--run-slow", action="store_true", help="run tests marked slow (real data, long runs)")
+    except ValueError:  # research/tests/conftest.py, which shares this file's hooks, added it first
+        pass
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

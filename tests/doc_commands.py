@@ -1,4 +1,4 @@
-"""What README.md, yaml_configs/README.md and docs/*.md tell a user to run or open, read out of the Markdown.
+"""What README.md, yaml_configs/README.md, research/README.md and docs/*.md tell a user to run or open, read out of the Markdown.
 
 The doc tests (tests/unit/test_docs.py, tests/integration/test_docs_fs.py) check each item against the checkout:
 links and repository paths exist, every command's program exists, its flags are in its ``--help``, its config keys
@@ -14,14 +14,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 USER_DOCS = sorted((ROOT / "docs").glob("*.md"))  # the user's guide; the study and the developers' notes apart
-DOC_FILES = sorted([ROOT / "README.md", ROOT / "yaml_configs" / "README.md", *(ROOT / "docs").glob("**/*.md")])
+DOC_FILES = sorted([ROOT / "README.md", ROOT / "yaml_configs" / "README.md", ROOT / "research" / "README.md",
+                    *(ROOT / "docs").glob("**/*.md")])  # fmt: skip
 
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 SPAN = re.compile(r"`([^`\n]+)`")
 LINK = re.compile(r"!?\[[^\]\n]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^#{1,6} (.+?)\s*$", re.M)
-PROGRAMS = ("python ", "python3 ", "./run.sh", "scripts/", "benchmarks/")
-REPO_PATH = re.compile(r"^(?:fs_fedpa|docs|yaml_configs|scripts|benchmarks|tests|\.ci)/[\w./{},*-]*$")
+PROGRAMS = ("python ", "python3 ", "./run.sh", "scripts/", "research/")
+REPO_PATH = re.compile(r"^(?:fs_fedpa|research|docs|yaml_configs|scripts|tests|\.ci)/[\w./{},*-]*$")
 PLACEHOLDER = re.compile(r"[<>…]|\.\.\.|^[A-Z][A-Z_]+$|\{|^\[|\]$")
 FS_MAIN = ("federatedscope.main", "federatedscope/main.py")  # FS's entry point: as a module, from an FS checkout
 CONFIG_KEY = re.compile(r"^[a-z][a-z_0-9]*(?:\.[a-z][a-z_0-9]*)+$")
@@ -78,7 +79,7 @@ def _words(line: str) -> tuple[str, ...]:
 
 def commands(path: Path) -> list[Command]:
     """The commands a doc shows: fenced lines and inline spans that run python, ./run.sh, scripts/ or
-    benchmarks/ (after any VAR=value prefix)."""
+    research/ (after any VAR=value prefix)."""
     text, out = path.read_text(encoding="utf-8"), []
     candidates = []
     for block in FENCE.findall(text):

@@ -44,7 +44,7 @@ from fs_fedpa.privacy.per_example import (
 )
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
-CPU_CHUNK = 4  # records a batched forward takes on the CPU (benchmarks/bench_dp_sgd.py)
+CPU_CHUNK = 4  # records a batched forward takes on the CPU (research/benchmarks/bench_dp_sgd.py)
 
 
 class DPSGD:

@@ -404,7 +404,7 @@ def _unlink_links(folder: Path) -> None:
 
 def run_info(cfg, outdir: Path, rounds: int, missing: list[int]) -> dict:
     """What the README says of the run: rounds, config hash, final metrics from FS's eval_results.log."""
-    from fs_fedpa.harness.fs_results import last_weighted_avg
+    from fs_fedpa.fs_results import last_weighted_avg
 
     log = Path(outdir) / "eval_results.log"
     last = last_weighted_avg(log) if log.is_file() else {}

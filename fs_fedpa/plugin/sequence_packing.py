@@ -7,7 +7,7 @@ Exactness: a record's logits and gradients are those of the padded forward up to
 weighs exactly 0); dropout draws its masks on the packed shape, so a training step is the padded one in distribution,
 as with chunked forwards. Speed (CPU, MiniLM, SST-2 batches of 32, 14 tokens a record on average, 41 padded): the
 dense layers run on about 14 positions a record in one large matrix product instead of 41, or of small chunks
-(benchmarks/bench_main_job.py).
+(research/benchmarks/bench_main_job.py).
 """
 
 from __future__ import annotations

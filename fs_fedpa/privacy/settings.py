@@ -133,7 +133,7 @@ class DPSettings:
             "help": (
                 "sample mode: records a batched DP-SGD forward takes on a CPU (0: 4; an accelerator takes the whole "
                 "batch). Chunks are length-sorted and each record is clipped alone, so the step is the same; larger "
-                "chunks of a large b cost less (benchmarks/bench_dp_sgd.py --kinds cache cache_chunks)"
+                "chunks of a large b cost less (research/benchmarks/bench_dp_sgd.py --kinds cache cache_chunks)"
             ),
         },
     )

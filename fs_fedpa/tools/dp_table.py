@@ -148,7 +148,7 @@ def sample_table(epsilon: float, steps: int, ns: list[int], batches: list[int], 
               "inside C gives less than C while the noise grows with C. MiniLM's LoRA gradients are shorter than "
               "0.1 (docs/privacy.md), so at C = 1, n = 8,000, b = 256 and Poisson's z = 0.62 the measured noise was "
               "55 times the signal where this bound promised a signal 3.7 times the noise. Measure the real ratio "
-              "before a run with scripts/dp_signal_noise.py, or read it in each client's log (noise/signal)."]
+              "before a run with research/scripts/dp_signal_noise.py, or read it in each client's log (noise/signal)."]
     return "\n".join(lines)
 
 

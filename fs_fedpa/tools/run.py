@@ -17,8 +17,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from fs_fedpa.harness.fs_command import read_config
-from fs_fedpa.harness.fs_results import ROUND_START, last_weighted_avg
+from fs_fedpa.files import read_config
+from fs_fedpa.fs_results import ROUND_START, last_weighted_avg
 from fs_fedpa.tools import cli
 
 PROG = "fs-fedpa run"

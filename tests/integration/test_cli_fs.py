@@ -54,15 +54,15 @@ def test_the_dispatcher_names_its_commands(tmp_path):
 
     proc = subprocess.run([sys.executable, "-m", "fs_fedpa", "nope"], capture_output=True, text=True, cwd=tmp_path,
                           env=fs_env({"PYTHONPATH": str(ROOT)}))  # fmt: skip
-    assert proc.returncode == 2 and "unknown command 'nope'; one of run, export, compare, dp-table, gpu-check" in (
-        proc.stderr)
+    commands = "run, export, dp-table, eval-generation, tiny-llm, config-doc"
+    assert proc.returncode == 2 and f"unknown command 'nope'; one of {commands}" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "fs_fedpa", "dp-table", "--rounds", "0"], capture_output=True,
                           text=True, cwd=tmp_path, env=fs_env({"PYTHONPATH": str(ROOT)}))  # fmt: skip
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--rounds" in proc.stderr
 
 
 # A config FS cannot read: refused by the tool itself, before FS starts, in one line naming the file and the cause
-# (issue 88: "FS exited with 1", an internal error, or for compare a traceback after FS had started)
+# (issue 88: "FS exited with 1" or an internal error; the comparison runner's: research/tests/test_compare_cli.py)
 BAD_CFGS = {
     "malformed": (b"federate:\n  method: fedpa\n total_round_num: 3\n", "not valid YAML at line 3, column 2: "),
     "a list": (b"- federate\n- fedpa\n", "FS needs a mapping of keys (e.g. 'federate: ...') at the top; got a YAML "
@@ -74,9 +74,8 @@ BAD_CFGS = {
 }
 
 
-@pytest.mark.parametrize("command", ["run", "compare"])
 @pytest.mark.parametrize("case", BAD_CFGS)
-def test_a_bad_cfg_ends_in_one_line_naming_the_file_and_the_cause_before_fs_starts(tmp_path, command, case):
+def test_a_bad_cfg_ends_in_one_line_naming_the_file_and_the_cause_before_fs_starts(tmp_path, case):
     import subprocess
 
     content, cause = BAD_CFGS[case]
@@ -85,12 +84,10 @@ def test_a_bad_cfg_ends_in_one_line_naming_the_file_and_the_cause_before_fs_star
         cfg.mkdir()
     elif content is not None:
         cfg.write_bytes(content)
-    argv = ["run", "--cfg", str(cfg)] if command == "run" else [
-        "compare", "--cfg", str(cfg), "--methods", "fedpa", "--out", str(tmp_path / "out")]  # fmt: skip
-    proc = subprocess.run([sys.executable, "-m", "fs_fedpa", *argv], capture_output=True, text=True, cwd=tmp_path,
-                          env=fs_env({"PYTHONPATH": str(ROOT)}), timeout=300)  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "fs_fedpa", "run", "--cfg", str(cfg)], capture_output=True,
+                          text=True, cwd=tmp_path, env=fs_env({"PYTHONPATH": str(ROOT)}), timeout=300)  # fmt: skip
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert len(lines) == 1 and lines[0].startswith(f"fs-fedpa {command}: error: --cfg {cfg}: "), proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith(f"fs-fedpa run: error: --cfg {cfg}: "), proc.stderr[-3000:]
     assert cause in lines[0]
     assert not (tmp_path / "exp").exists() and not (tmp_path / "out").exists()  # FS never started

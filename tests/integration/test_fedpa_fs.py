@@ -382,7 +382,7 @@ def test_ablation_configs_are_the_rows_of_table_5():
 def test_paper_configs_are_what_the_generator_writes():
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
-        [sys.executable, "scripts/make_paper_configs.py", "--check"], cwd=root, capture_output=True, text=True
+        [sys.executable, "research/scripts/make_paper_configs.py", "--check"], cwd=root, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stdout
 

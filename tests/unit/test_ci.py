@@ -6,6 +6,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 CI = ROOT / ".ci" / "run"
@@ -42,3 +44,16 @@ def test_an_interpreter_without_the_plugin_is_refused(tmp_path):
     python.chmod(0o755)
     done = check_env(str(python))
     assert done.returncode != 0 and "start-up hook" in done.stderr
+
+
+def test_the_research_runs_once_in_a_step_of_its_own():
+    """The main suite (``./run.sh test`` with no path) collects tests/ alone, so that the research's tests, which
+    ``.ci/run`` runs as a timed step of their own, do not run twice."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    pytest_config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert pytest_config["testpaths"] == ["tests"]
+    steps = [line.strip() for line in CI.read_text().splitlines() if "./run.sh test" in line and "PATH=" in line]
+    research = [s for s in steps if "research/tests" in s]
+    assert len(research) == 1 and not any("research" in s for s in steps if s not in research), steps
+    text = CI.read_text()
+    assert text.index("[ci] main suite:") < text.index(research[0]) < text.index('[ci] research: $((')

@@ -33,7 +33,8 @@ def _help_targets() -> dict[str, tuple[str, str]]:
     out = {}
     for c in dc.all_commands():
         argv = c.argv
-        if argv[0].startswith("python") and len(argv) > 2 and argv[1] == "-m" and argv[2].startswith("fs_fedpa"):
+        tool = len(argv) > 2 and argv[1] == "-m" and argv[2].startswith(("fs_fedpa", "research"))
+        if argv[0].startswith("python") and tool:
             if dc.is_placeholder(argv[2].split(".")[-1]):
                 continue
             out[argv[2]] = ("module", argv[2])
@@ -149,7 +150,7 @@ def _command_problems(commands: list[dc.Command]) -> list[str]:
                 continue
             if argv[1] == "-m":
                 module = argv[2]
-                if not module.startswith("fs_fedpa") or dc.is_placeholder(module.split(".")[-1]):
+                if not module.startswith(("fs_fedpa", "research")) or dc.is_placeholder(module.split(".")[-1]):
                     continue
                 spec = importlib.util.find_spec(module)
                 if spec is None or spec.origin is None:
@@ -180,7 +181,7 @@ def _command_problems(commands: list[dc.Command]) -> list[str]:
                 continue
             options = _long_options(help_text)
             problems += [f"{c}: {flag} is not in ./run.sh --help" for flag in dc.flags(argv) if flag not in options]
-        elif not argv[0].endswith("/"):  # scripts/..., benchmarks/...; a bare folder is named, not run
+        elif not argv[0].endswith("/"):  # scripts/..., research/benchmarks/...; a bare folder is named, not run
             if not (ROOT / argv[0]).is_file():
                 problems.append(f"{c}: no file {argv[0]}")
             problems += [f"{c}: no file {w}" for w in argv[1:] if w.endswith(".yaml") and not (ROOT / w).is_file()]
@@ -285,11 +286,13 @@ def test_the_plugin_map_names_every_module_of_the_fs_glue():
 
 
 def test_a_module_over_450_lines_says_why_in_its_docstring():
-    """Issue 60: no module of the package over 450 lines, unless its docstring says why it must be one file."""
+    """Issue 60: no module of the package, nor of the research's packages (study, harness, ops tools: the package's
+    before issue 89), over 450 lines, unless its docstring says why it must be one file."""
     import ast
 
     long = {}
-    for path in sorted((ROOT / "fs_fedpa").rglob("*.py")):
+    research = [ROOT / "research" / package for package in ("study", "harness", "tools")]
+    for path in sorted(p for folder in (ROOT / "fs_fedpa", *research) for p in folder.rglob("*.py")):
         text = path.read_text(encoding="utf-8")
         if text.count("\n") > 450:
             doc = ast.get_docstring(ast.parse(text)) or ""

@@ -48,13 +48,15 @@ def test_the_method_list_comes_from_the_package_files_without_torch():
 
 
 def _package_imports() -> dict[str, set[str]]:
-    """Module -> the package modules it imports anywhere in its source (at the top or inside a function), read with
-    ``ast``; ``from fs_fedpa.x import y`` counts as importing ``fs_fedpa.x.y`` where that is a module, else ``x``."""
+    """Module -> the modules of the package and of the research's packages it imports anywhere in its source (at the
+    top or inside a function), read with ``ast``; ``from fs_fedpa.x import y`` counts as importing ``fs_fedpa.x.y``
+    where that is a module, else ``x``."""
     import ast
 
-    package = ROOT / "fs_fedpa"
+    research = [ROOT / "research" / "__init__.py"]  # and its packages; its scripts, benchmarks and tests sit on top
+    research += [p for package in ("study", "harness", "tools") for p in (ROOT / "research" / package).glob("*.py")]
     modules = {}
-    for path in package.rglob("*.py"):
+    for path in [*(ROOT / "fs_fedpa").rglob("*.py"), *research]:
         name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
         modules[name.removesuffix(".__init__")] = path
     edges: dict[str, set[str]] = {}
@@ -115,19 +117,24 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_no_module_of_the_package_imports_one_that_imports_it_back():
     edges = _package_imports()
-    assert "fs_fedpa.privacy" in edges["fs_fedpa.study.sst2_protocol"]  # the reader sees lazy imports too (dp_sgd)
+    assert "fs_fedpa.privacy" in edges["research.study.sst2_protocol"]  # the reader sees lazy imports too (dp_sgd)
     assert _cycles(edges) == []
 
 
 def test_imports_run_down_the_layers_tools_sit_on_top():
-    """The SST-2 study sits on top and nothing of the library imports it; below it only the command-line tools import
-    ``fs_fedpa.tools``; only the plugin and the tools (e.g. the export command) import FederatedScope's glue."""
+    """The research (study, harness, ops tools) sits on top, outside the package, and nothing of the package imports
+    it; in the research, only the study imports the study; below it only the command-line tools import
+    ``fs_fedpa.tools``; only the plugin, the tools (e.g. the export command) and the research import FederatedScope's
+    glue."""
     edges = _package_imports()
-    study = {m: sorted(t for t in ts if t.startswith("fs_fedpa.study")) for m, ts in edges.items()}
-    assert {m: ts for m, ts in study.items() if ts and not m.startswith("fs_fedpa.study")} == {}
+    assert {m for m in edges if m.startswith("research.")} >= {"research.study.stats", "research.harness.compare"}
+    research = {m: sorted(t for t in ts if t.startswith("research")) for m, ts in edges.items()}
+    assert {m: ts for m, ts in research.items() if ts and not m.startswith("research")} == {}
+    study = {m: sorted(t for t in ts if t.startswith("research.study")) for m, ts in edges.items()}
+    assert {m: ts for m, ts in study.items() if ts and not m.startswith("research.study")} == {}
     upward = {m: sorted(t for t in ts if t.startswith("fs_fedpa.tools")) for m, ts in edges.items()}
-    top = ("fs_fedpa.tools", "fs_fedpa.study", "fs_fedpa.__main__")  # __main__: the fs-fedpa command, over the tools
+    top = ("fs_fedpa.tools", "research", "fs_fedpa.__main__")  # __main__: the fs-fedpa command, over the tools
     assert {m: ts for m, ts in upward.items() if ts and not m.startswith(top)} == {}
     plugin = {m: sorted(t for t in ts if t.startswith("fs_fedpa.plugin")) for m, ts in edges.items()}
-    allowed = ("fs_fedpa.plugin", "fs_fedpa._boot", "fs_fedpa.tools")
+    allowed = ("fs_fedpa.plugin", "fs_fedpa._boot", "fs_fedpa.tools", "research")
     assert {m: ts for m, ts in plugin.items() if ts and not m.startswith(allowed)} == {}

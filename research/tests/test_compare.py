@@ -1,0 +1,104 @@
+"""The comparison runner on a 2-method x 2-seed micro grid: table written, finished runs skipped."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT
+from tests.integration.conftest import fedpa_cfg
+from tests.integration.tiny_assets import dump_yaml, fs_env
+
+pytestmark = pytest.mark.integration
+
+
+def test_micro_grid_writes_the_table_and_plots_and_skips_finished_runs(tiny_llm, tmp_path):
+    # Prepare: FedPA and a FedIT cell with an override of its own, two seeds each
+    cfg = dump_yaml(fedpa_cfg(tiny_llm, tmp_path, **{"federate.total_round_num": 2}), tmp_path / "base.yaml")
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, "-m", "research.harness.compare", "--cfg", cfg, "--methods", "fedpa"]
+    cmd += ["--cell", "fedit_fast", "fedit", "train.optimizer.lr", "0.05", "--seeds", "0", "1"]
+    cmd += ["--out", str(out), "--metric", "val_avg_loss"]
+    # Execute
+    first = subprocess.run(cmd, cwd=ROOT, env=fs_env(), capture_output=True, text=True, timeout=600)
+    second = subprocess.run(cmd, cwd=ROOT, env=fs_env(), capture_output=True, text=True, timeout=600)
+    # Assert: progress of every run, then nothing re-run
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert first.stdout.count("round 2/2") == 4 and "[4/4]" in first.stdout
+    assert second.returncode == 0 and "round 1" not in second.stdout and second.stdout.count("skipped") == 4
+    table = (out / "results.md").read_text()
+    assert "| fedpa | fedpa | 2 |" in table and "| fedit_fast | fedit | 2 |" in table
+    assert "paper protocol" in table and "train.optimizer.lr 0.05" in table
+    rows = (out / "results.csv").read_text().splitlines()
+    assert len(rows) == 3 and rows[0].startswith("cell,method,seeds,val_avg_loss final mean")
+    # the cell's override reached FS, the others did not get it
+    lrs = {c: yaml.safe_load((out / "runs" / f"{c}_s1" / "run" / "config.yaml").read_text()) for c in runs_of(out)}
+    assert lrs["fedit_fast"]["train"]["optimizer"]["lr"] == 0.05 and lrs["fedpa"]["train"]["optimizer"]["lr"] != 0.05
+    # diagnostics collected per run: FedPA clients keep their factors (E_init 0), FedIT clients do not
+    runs = {(r["cell"], r["seed"]): r for r in json.loads((out / "runs.json").read_text())}
+    for seed in (0, 1):
+        fedpa, fedit = runs["fedpa", seed]["diagnostics"], runs["fedit_fast", seed]["diagnostics"]
+        assert [d["round"] for d in fedpa] == [0, 1] and fedpa[1]["e_init_B"] == 0.0 and fedpa[1]["e_init_A"] == 0.0
+        assert fedit[1]["e_init_A"] > 0 and fedit[1]["bytes_total"] > fedit[0]["bytes_total"] > 0
+        assert fedpa[0]["spectrum_probe"] and fedpa[0]["e_agg_probe"] >= 0
+    for name in ("accuracy", "mismatch", "spectrum", "bytes"):
+        png = out / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000, name
+    # --earlier: the runs of an earlier grid join the table; a cell and seed run here replaces the earlier one
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text((out / "runs.json").read_text())
+    only = [sys.executable, "-m", "research.harness.compare", "--cfg", cfg, "--methods", "fedpa", "--seeds", "0", "1"]
+    third = subprocess.run([*only, "--out", str(out), "--earlier", str(earlier), "--no-plots"], cwd=ROOT, env=fs_env(),
+                           capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert third.returncode == 0 and third.stdout.count("skipped") == 2, third.stdout[-3000:] + third.stderr[-3000:]
+    table = (out / "results.md").read_text()
+    assert "| fedit_fast | fedit | 2 |" in table and "| fedpa | fedpa | 2 |" in table
+    assert f"Earlier runs from `{earlier}`" in table and table.index("| fedit_fast |") < table.index("| fedpa |")
+    merged = [(r["cell"], r["seed"]) for r in json.loads((out / "runs.json").read_text())]
+    assert sorted(merged) == sorted(runs) and len(merged) == 4
+
+
+def runs_of(out):
+    return sorted({p.name.rsplit("_s", 1)[0] for p in (out / "runs").iterdir()})
+
+
+def test_bad_cells_are_refused_before_any_run(tmp_path, capsys):
+    from research.harness.compare import main
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("federate: {total_round_num: 1}\n")
+    for argv, match in (
+        (["--cell", "x", "fedpa", "fedpa.lam"], "KEY VALUE pairs"),
+        (["--methods", "fedpa", "--cell", "fedpa", "fedpa", "fedpa.lam", "0"], "unique"),
+        (["--cell", "a/b", "fedpa"], "folder names"),
+        (["--methods", "fedpa", "fedavg"], "unknown federate.method"),
+    ):
+        with pytest.raises(SystemExit, match=match):
+            main(["--cfg", str(cfg), "--out", str(tmp_path / "o"), *argv])
+    with pytest.raises(SystemExit) as refusal:  # argparse's exit: code 2, the one line on stderr
+        main(["--cfg", str(tmp_path / "missing.yaml"), "--out", str(tmp_path / "o"), "--methods", "fedpa"])
+    assert refusal.value.code == 2 and "missing.yaml: cannot be read: no such file" in capsys.readouterr().err
+
+
+def test_every_method_runs_through_the_runner_and_gets_its_row(tiny_llm, tmp_path):
+    from fs_fedpa.methods import names
+
+    cfg = dump_yaml(fedpa_cfg(tiny_llm, tmp_path, **{"federate.total_round_num": 2}), tmp_path / "base.yaml")
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, "-m", "research.harness.compare", "--cfg", cfg, "--methods", "all", "--seeds", "0"]
+    proc = subprocess.run(
+        [*cmd, "--out", str(out)], cwd=ROOT, env=fs_env(), capture_output=True, text=True, timeout=1200
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = (out / "results.md").read_text()
+    assert all(f"| {m} | {m} | 1 |" in table for m in names()), table
+    runs = {r["cell"]: r for r in json.loads((out / "runs.json").read_text())}
+    for exact in ("fedex_lora", "flora"):
+        assert all(d["e_agg_rel"] < 1e-5 for d in runs[exact]["diagnostics"]), exact
+    assert (
+        runs["fedex_lora"]["diagnostics"][1]["bytes_total"] > runs["fedit"]["diagnostics"][1]["bytes_total"]
+    )  # dense
