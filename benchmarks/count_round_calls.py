@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONVERSIONS = ("ClientSpace.upload", "ClientSpace.download", "ClientSpace.from_model", "ClientSpace.to_model")
+CONVERSIONS = ("ClientSpace.into_model", "ClientSpace.from_model")
 
 
 def count(repo: Path, method: str, work: Path) -> dict:

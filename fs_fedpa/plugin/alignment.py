@@ -34,7 +34,7 @@ class Alignment:
         self.method, self.watched = method, watched
         self.grads = GradientSplit()
         self.penalty_weight = 1.0
-        self.reference: Pairs = {}  # X_g,i: the received rank-R_i reference, client space, on the model's device
+        self.reference: Pairs = {}  # X_g,i / s_i: the rank-R_i reference in the model's frame, on its device
         self.live: Pairs = {}  # the model's trainable factors the term is computed on
         self.batched: ProductTerm | None = None  # the product penalty of the round, batched by shape
         self.lam = method.cfg.lam

@@ -46,7 +46,7 @@ def test_well_formed_factors_pass_and_a_nan_is_still_named():
 
 
 def test_a_resume_point_of_another_version_is_refused_naming_both():
-    with pytest.raises(ValueError, match=r"version 1; this fs_fedpa reads version 4"):
+    with pytest.raises(ValueError, match=r"version 1; this fs_fedpa reads version 5"):
         resume.check_server_fields({"method": "fedpa", "round": 2}, "old.pt")  # before version 2: no field
 
 
