@@ -143,7 +143,8 @@ class FederatedMethod:
     # ------------------------------------------------------------------ server
     def init_global(self, shapes: dict[str, tuple[int, int]], generator: torch.Generator) -> Factors:
         """Rank-r_g global factors: B = 0, A Kaiming-uniform as PEFT (Alg. 1 l.2). ``shapes[name] = (d, k)``."""
-        return {name: init_global_factors(d, k, self.plan.r_g, generator=generator) for name, (d, k) in shapes.items()}
+        r_g = self.plan.r_g
+        return {name: init_global_factors(d, k, r_g, generator=generator) for name, (d, k) in shapes.items()}
 
     def weights(self, round_samples: Sequence[float], data_sizes: Sequence[float | None]) -> list[float]:
         """Aggregation weights w_i (normalised later) from FS's sample counts of the round and the clients' training

@@ -138,9 +138,9 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
     def _open(self, message: Message) -> None:
         """The start of a training or evaluation message: its state from the store (continued from its resume file
         where the run resumed), and the round it answers. :meth:`_park` closes it."""
-        self._unpark()
-        initial, device = self.client_model.initial_factors, self.client_model.device
-        self.resume.restore(self.kept, self.ID, message.state, initial, device)
+        device = self.client_model.device
+        self.kept.unpark(self.ID, device)
+        self.resume.restore(self.kept, self.ID, message.state, self.client_model.initial_factors, device)
         self.state = message.state
         self.outbox.answering(message.state, message.timestamp)
 

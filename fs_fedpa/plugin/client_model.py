@@ -26,6 +26,9 @@ class ClientModel:
 
     def __init__(self, model, trainer, method, kept: ClientState):
         self.model, self.trainer, self.method, self.kept = model, trainer, method, kept
+        # whether the method ever changes the model's base weights (merges, folds or a personal phase): the rule that
+        # also refuses a quantized base, FederatedMethod.writes_base
+        self.moves_base = bool(method.writes_base())
         self.index = -1
         self.space: lora.ClientSpace | lora.UnitSpace = lora.UnitSpace()
 
@@ -46,12 +49,6 @@ class ClientModel:
         if device is None:
             return next(iter(lora.get_factors(self.model).values()))[0].device
         return torch.device(device)
-
-    @property
-    def moves_base(self) -> bool:
-        """Whether the method ever changes the model's base weights (merges, folds or a personal phase): the rule
-        that also refuses a quantized base, :meth:`FederatedMethod.writes_base`."""
-        return bool(self.method.writes_base())
 
     def snapshot(self, rnd: int) -> dict:
         """Everything the client keeps across rounds (applied factors, local tensors), on the CPU, with round

@@ -88,7 +88,8 @@ class ClientRound:
         """The end of round ``rnd``: the trained state kept (a client whose state became non-finite restarts from
         the reference), its resume file written where asked, and its upload (``lora``, ``stats``, ``shared``)."""
         client_model, kept, method = self.client_model, self.kept, self.method
-        self.alignment.grads.close()
+        if self.alignment.watched:
+            self.alignment.grads.close()
         trained = client_model.trained()
         local = client_model.read_tensors(self.local_names)
         finite = all(bool(torch.isfinite(t).all()) for B, A in trained.values() for t in (B, A))
@@ -104,7 +105,8 @@ class ClientRound:
             trained = method.end_round(trained, client_model.index, rnd)
         kept.keep(trained, local, rnd)
         if self.resume.out:  # federate.save_to
-            self.resume.write(client_model.snapshot(rnd), client_model.client_id, rnd)
+            snapshot = client_model.snapshot(rnd)
+            self.resume.write(snapshot, snapshot["client"], rnd)
         sent = kept.factors
         if "before_upload" in method.uses:
             sent = method.before_upload(sent, kept.received, rnd)
