@@ -267,8 +267,8 @@ class FederatedMethod:
         return True, True
 
     def alignment(self, local: Factors, reference: Factors, lam: float) -> Tensor | None:
-        """Extra local loss for factors ``local`` (the model's live parameters) and a fixed ``reference`` in their frame
-        (:meth:`fs_fedpa.lora.ClientSpace.into_model`); None for none."""
+        """Extra local loss for factors ``local`` (the model's live parameters) and a fixed ``reference`` in their
+        frame (:meth:`fs_fedpa.lora.ClientSpace.into_model`); None for none."""
         return None
 
     def product_alignment(self) -> bool:
