@@ -5,7 +5,7 @@ PEFT applies ``W_0 + s B A`` with ``s = lora_alpha / r`` (``/ sqrt(r)`` with rsL
 aggregation must average the *updates* ``Delta W_i = s_i B_i A_i``: with heterogeneous ranks the raw
 factors of different clients are on different scales. :class:`Scaling` gives ``s(r)`` per module and
 folds it into B (the *applied* space of the server, the aggregation and the downlink);
-:class:`ClientSpace` is the one space a client keeps, trains and aligns its factors in.
+:class:`ClientSpace` converts a client's factors, kept in that space too, into and out of its model.
 
 A client of rank r_i trains rank-r_i LoRA even when FS shares one model object between all
 clients: :func:`set_factors` swaps the ``lora_A``/``lora_B`` weights of every module for
@@ -279,13 +279,15 @@ class Scaling:
 
 @dataclass(frozen=True)
 class ClientSpace:
-    """The one factor space of client i, of computation rank r_i: applied factors divided by ``s_i = s(r_i)``.
+    """Client i's factor space, of computation rank r_i: the applied factors ``(s(r) B, A)`` of the server, the
+    aggregation and the uploads. The client receives, keeps, starts from, measures and uploads its factors in it;
+    they are converted only into the model (:meth:`into_model`, the round's start and its alignment reference) and
+    out of it (:meth:`from_model`, what it trained). Every method hook on the client works in this space; those that
+    compare or rescale factors are scale-equivariant.
 
-    At rank r_i these are PEFT's raw factors, so the client trains and keeps them bit for bit; a factor pair of
-    another rank r (the rank-R_i reference) is ``(Delta W / s_i)``'s factors. The conversions happen only at the
-    borders: :meth:`download` (server -> client), :meth:`upload` (client -> server), and :meth:`to_model` /
-    :meth:`from_model` when a pair of rank r != r_i is loaded into the model (PEFT then applies ``s(r)``).
-    Every method hook on the client works in this space; they are all scale-equivariant.
+    Bit for bit: a pair of rank r_i that goes into the model and out again is ``(B / s_i) s_i``, which is ``B``
+    wherever ``s_i`` is a power of two (``lora_alpha / r``: 8 / 4 in the protocol); another ``s_i`` costs one
+    rounding a round.
     """
 
     scaling: Scaling
@@ -294,27 +296,16 @@ class ClientSpace:
     def s_i(self, name: str) -> float:
         return self.scaling.s(name, self.rank)
 
-    def download(self, applied: Mapping[str, tuple[Tensor, Tensor]]) -> Factors:
-        """``(B / s_i, A)``: received applied factors, any rank, in this client's space."""
-        return {n: (B / self.s_i(n), A) for n, (B, A) in applied.items()}
+    def into_model(self, factors: Mapping[str, tuple[Tensor, Tensor]],
+                   reference: Mapping[str, tuple[Tensor, Tensor]] | None = None) -> tuple[Factors, Factors]:
+        """What goes into the model: the raw PEFT factors applying ``factors`` (``B / s(r)`` for a pair of rank r),
+        and ``reference`` (any rank) in the frame of the model's rank-r_i factors, ``B / s_i``: the alignment term is
+        ``||B_i A_i - X / s_i||^2`` (weighted by :meth:`penalty_weight`)."""
+        return self.scaling.raw(factors), {n: (B / self.s_i(n), A) for n, (B, A) in (reference or {}).items()}
 
-    def upload(self, own: Mapping[str, tuple[Tensor, Tensor]]) -> Factors:
-        """``(s_i B, A)``: this client's factors as the applied update ``Delta W_i = s_i B_i A_i``."""
-        return {n: (B * self.s_i(n), A) for n, (B, A) in own.items()}
-
-    def to_model(self, factors: Mapping[str, tuple[Tensor, Tensor]]) -> Factors:
-        """Raw PEFT factors applying the same update: ``B s_i / s(r)`` for a pair of rank r (unchanged at r_i)."""
-        return {n: (self._rescale(n, B, B.shape[-1], inverse=False), A) for n, (B, A) in factors.items()}
-
-    def from_model(self, factors: Mapping[str, tuple[Tensor, Tensor]]) -> Factors:
-        """Inverse of :meth:`to_model`."""
-        return {n: (self._rescale(n, B, B.shape[-1], inverse=True), A) for n, (B, A) in factors.items()}
-
-    def _rescale(self, name: str, B: Tensor, r: int, inverse: bool) -> Tensor:
-        if r == self.rank:
-            return B
-        ratio = self.s_i(name) / self.scaling.s(name, r)
-        return B / ratio if inverse else B * ratio
+    def from_model(self, raw: Mapping[str, tuple[Tensor, Tensor]]) -> Factors:
+        """``(s(r) B, A)``: the applied factors of the model's raw ones (inverse of :meth:`into_model`)."""
+        return self.scaling.applied(raw)
 
     def penalty_weight(self, reference_rank: int) -> float:
         """``(s_i / s(r))^2`` for the configured adapter rank r: the factor that turns the common lambda, quoted in
@@ -337,8 +328,11 @@ class UnitSpace(ClientSpace):
     def s_i(self, name: str) -> float:
         return 1.0
 
-    def _rescale(self, name: str, B: Tensor, r: int, inverse: bool) -> Tensor:
-        return B
+    def into_model(self, factors, reference=None) -> tuple[Factors, Factors]:
+        return dict(factors), dict(reference or {})
+
+    def from_model(self, raw) -> Factors:
+        return dict(raw)
 
     def penalty_weight(self, reference_rank: int) -> float:
         return 1.0

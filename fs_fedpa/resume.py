@@ -62,7 +62,8 @@ SERVER_FIELDS = (*HEAD_FIELDS, *PARTS)
 # 2: the method's own state (``method_state``: HetLoRA's pruned ranks reset on resume before it) and this field;
 # 3: one state dict per collaborator (PARTS) instead of fields picked out of them; 4: ``client_files`` (each client
 # file's ``file_id``), the ledger's size and SHA-256, and each client file's ``data`` (issue 88); 5: no round history
-# (the round log's part names the diagnostics file by its size and SHA-256; issue 89)
+# (the round log's part names the diagnostics file by its size and SHA-256), and the client files' factors are
+# applied, ``(s_i B_i, A_i)``, and say so (``space``) (issue 89)
 VERSION = 5
 # whose a client file is; ``file_id``: the token of the client's files in this run (a resumed client keeps it),
 # which the server's resume point records (another run's files, same settings or not, have another); ``data``: the

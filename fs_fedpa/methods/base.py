@@ -1,9 +1,10 @@
 """The small interface every federated LoRA method implements, and the registry of methods.
 
-Two spaces (both owned by :mod:`fs_fedpa.lora`): server-side hooks see *applied* factors ``(s B, A)`` whose product
-is the update ``Delta W`` the model applies; client-side hooks see the client's own space (applied / s_i; at rank
-r_i these are PEFT's raw factors). Client-side hooks only select, truncate, rotate or penalise factors, so they do
-not depend on the scale. A method decides:
+Every hook sees *applied* factors ``(s B, A)`` whose product is the update ``Delta W`` the model applies (owned by
+:mod:`fs_fedpa.lora`), server and client alike; only :meth:`~FederatedMethod.load`, :meth:`~FederatedMethod.read`
+and :meth:`~FederatedMethod.alignment` see the model's own (PEFT's raw factors, the reference in their frame).
+Client-side hooks only select, truncate, rotate or compare factors, so they do not depend on the scale. A method
+decides:
 
 - server: ``init_global`` (Alg. 1 l.2), ``aggregate``, ``merge`` (what the exact-aggregation methods fold into
   the frozen base weights), ``downlink`` (what client i receives), ``upload_parts`` and ``complete_upload`` (which
@@ -146,7 +147,8 @@ class FederatedMethod:
     # ------------------------------------------------------------------ server
     def init_global(self, shapes: dict[str, tuple[int, int]], generator: torch.Generator) -> Factors:
         """Rank-r_g global factors: B = 0, A Kaiming-uniform as PEFT (Alg. 1 l.2). ``shapes[name] = (d, k)``."""
-        return {name: init_global_factors(d, k, self.plan.r_g, generator=generator) for name, (d, k) in shapes.items()}
+        r_g = self.plan.r_g
+        return {name: init_global_factors(d, k, r_g, generator=generator) for name, (d, k) in shapes.items()}
 
     def weights(self, round_samples: Sequence[float], data_sizes: Sequence[float | None]) -> list[float]:
         """Aggregation weights w_i (normalised later) from FS's sample counts of the round and the clients' training
@@ -226,7 +228,7 @@ class FederatedMethod:
         return {n: truncate_factors(B, A, self.plan.client_ranks[client]) for n, (B, A) in received.items()}
 
     def fold(self, received: Factors, client: int, rnd: int) -> Factors | None:
-        """Factors (client space) whose product client ``client`` adds to its frozen base weights for round
+        """Applied factors whose product client ``client`` adds to its frozen base weights for round
         ``rnd``'s training only (Fed-PLoRA's Select-N-Fold: the modules it does not train); None (default): none."""
         return None
 
@@ -256,12 +258,12 @@ class FederatedMethod:
         return None
 
     def load(self, model, state: Factors, trainable: bool | tuple[bool, bool], client: int, rnd: int) -> None:
-        """Put client ``client``'s ``state`` (client space, as the model takes it) into ``model`` for round ``rnd``,
-        trainable as ``trainable`` says (default: as the LoRA factors, :func:`fs_fedpa.lora.set_factors`)."""
+        """Put client ``client``'s ``state`` (as the model takes it: PEFT's raw factors) into ``model`` for round
+        ``rnd``, trainable as ``trainable`` says (default: as the LoRA factors, :func:`fs_fedpa.lora.set_factors`)."""
         lora.set_factors(model, state, trainable=trainable)
 
     def read(self, model) -> Factors:
-        """The state ``model`` holds (default: its live LoRA factors)."""
+        """The state ``model`` holds (default: its live LoRA factors, PEFT's raw ones)."""
         return lora.get_factors(model)
 
     def trainable(self, rnd: int) -> tuple[bool, bool]:
@@ -269,7 +271,8 @@ class FederatedMethod:
         return True, True
 
     def alignment(self, local: Factors, reference: Factors, lam: float) -> Tensor | None:
-        """Extra local loss for factors ``local`` (live parameters) and a fixed ``reference``; None for none."""
+        """Extra local loss for factors ``local`` (the model's live parameters) and a fixed ``reference`` in their
+        frame (:meth:`fs_fedpa.lora.ClientSpace.into_model`); None for none."""
         return None
 
     def product_alignment(self) -> bool:

@@ -34,12 +34,14 @@ class Alignment:
         self.method, self.watched = method, watched
         self.grads = GradientSplit()
         self.penalty_weight = 1.0
-        self.reference: Pairs = {}  # X_g,i: the received rank-R_i reference, client space, on the model's device
+        self.reference: Pairs = {}  # X_g,i / s_i: the rank-R_i reference in the model's frame, on its device
         self.live: Pairs = {}  # the model's trainable factors the term is computed on
         self.batched: ProductTerm | None = None  # the product penalty of the round, batched by shape
         self.lam = method.cfg.lam
         self.lam_pending = False  # adaptive lam: set from the round's first mini-batch
         self.penalty_steps = 0  # the round's steps that trained with the term
+        # FedPA-LoRA's product penalty, batched: a property of the method's config, asked once
+        self.product = "alignment" in method.uses and method.product_alignment()
 
     def start_round(self, live: Pairs, reference: Pairs) -> None:
         """A new round toward ``reference`` on the factors ``live``: lam back to ``fedpa.lam`` (the adaptive rule
@@ -51,7 +53,7 @@ class Alignment:
         self.penalty_steps = 0
         if self.watched:
             self.grads.watch(live)
-        if reference and "alignment" in self.method.uses and self.method.product_alignment():
+        if reference and self.product:
             self.batched = ProductTerm(live, reference, self.grads.add_alignment if self.watched else None)
 
     def release(self) -> None:
@@ -88,13 +90,15 @@ class Alignment:
 
     def term(self, ctx) -> Tensor | None:
         """lam/2 * sum of the method's alignment term over LoRA modules, for the trainer hook (train only)."""
-        self.grads.end_step()  # the previous step's backward is complete
+        if self.watched:
+            self.grads.end_step()  # the previous step's backward is complete
         if not self.reference:
             return None
         if self.lam_pending and not getattr(ctx, "skip_this_batch", False):
             self.lam = self._adaptive_lam(ctx.loss_batch)
             self.lam_pending = False
-            self.grads.discard()  # the probe's autograd.grad is not a training step
+            if self.watched:
+                self.grads.discard()  # the probe's autograd.grad is not a training step
         if "alignment" not in self.method.uses:
             return None
         if self.batched is not None:

@@ -8,8 +8,9 @@ FS's model), :class:`~fs_fedpa.plugin.client_state.ClientState` (what it keeps, 
 :class:`~fs_fedpa.plugin.resume_fs.ClientResume`, :class:`~fs_fedpa.plugin.record_fs.RoundStats` (its upload's
 statistics), the DP policy (:func:`fs_fedpa.privacy.client_policy`) and
 :class:`~fs_fedpa.plugin.evaluation.Evaluation`. The mixins :mod:`~fs_fedpa.plugin.liveness` (the watchdog) and
-:mod:`~fs_fedpa.plugin.evaluation` hold FS handlers too. Factors live in the client's one space
-(:class:`fs_fedpa.lora.ClientSpace`) and are converted only at download, upload and when loaded into the model.
+:mod:`~fs_fedpa.plugin.evaluation` hold FS handlers too. Factors live in the client's one space,
+the applied one of the uploads and the server, and are converted only into and out of the model
+(:class:`fs_fedpa.lora.ClientSpace`).
 """
 
 from __future__ import annotations
@@ -137,9 +138,9 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
     def _open(self, message: Message) -> None:
         """The start of a training or evaluation message: its state from the store (continued from its resume file
         where the run resumed), and the round it answers. :meth:`_park` closes it."""
-        self._unpark()
-        initial, device = self.client_model.initial_factors, self.client_model.device
-        self.resume.restore(self.kept, self.ID, message.state, initial, device)
+        device = self.client_model.device
+        self.kept.unpark(self.ID, device)
+        self.resume.restore(self.kept, self.ID, message.state, self.client_model.initial_factors, device)
         self.state = message.state
         self.outbox.answering(message.state, message.timestamp)
 

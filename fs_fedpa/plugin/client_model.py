@@ -1,7 +1,8 @@
 """FS's model as one client sees it (:class:`ClientModel`, a collaborator of
-:class:`~fs_fedpa.plugin.client.FedPAClient`): what a server message's reference and merges are in the client's
-space, and what goes into the model before a routine (factors through the method, local and shared tensors, the
-base weights with the client's merges). Training and evaluation both use it; the round is
+:class:`~fs_fedpa.plugin.client.FedPAClient`): what a server message's reference and merges are (applied factors,
+the client's one space, as they arrive), and what goes into the model before a routine (factors through the method
+and the client's space, local and shared tensors, the base weights with the client's merges). Training and
+evaluation both use it; the round is
 :class:`~fs_fedpa.plugin.client_round.ClientRound`."""
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ from fs_fedpa.plugin.payload import decode_factors, decode_merge, decode_tensors
 class ClientModel:
     """Client ``index`` (0-based) of ``method``, with ``kept`` its state, on FS's ``model`` and ``trainer``.
 
-    ``space`` is its factor space (:class:`fs_fedpa.lora.ClientSpace` at rank r_i); :meth:`bind` sets it and the
-    index when they are known (distributed mode: when the client has joined)."""
+    ``space`` converts its applied factors into and out of the model (:class:`fs_fedpa.lora.ClientSpace` at rank
+    r_i); :meth:`bind` sets it and the index when they are known (distributed mode: when the client has joined)."""
 
     def __init__(self, model, trainer, method, kept: ClientState):
         self.model, self.trainer, self.method, self.kept = model, trainer, method, kept
+        # whether the method ever changes the model's base weights (merges, folds or a personal phase): the rule that
+        # also refuses a quantized base, FederatedMethod.writes_base
+        self.moves_base = bool(method.writes_base())
         self.index = -1
         self.space: lora.ClientSpace | lora.UnitSpace = lora.UnitSpace()
 
@@ -46,24 +50,18 @@ class ClientModel:
             return next(iter(lora.get_factors(self.model).values()))[0].device
         return torch.device(device)
 
-    @property
-    def moves_base(self) -> bool:
-        """Whether the method ever changes the model's base weights (merges, folds or a personal phase): the rule
-        that also refuses a quantized base, :meth:`FederatedMethod.writes_base`."""
-        return bool(self.method.writes_base())
-
     def snapshot(self, rnd: int) -> dict:
-        """Everything the client keeps across rounds (raw factors, local tensors), on the CPU, with round ``rnd``,
-        its id and rank r_i."""
+        """Everything the client keeps across rounds (applied factors, local tensors), on the CPU, with round
+        ``rnd``, its id and rank r_i, and the space of its factors (``"space": "applied"``: ``(s_i B_i, A_i)``)."""
         rank = self.method.plan.client_ranks[self.index]
-        return {"round": rnd, "client": self.client_id, "rank": rank, **self.kept.state_dict()}
+        return {"round": rnd, "client": self.client_id, "rank": rank, "space": "applied", **self.kept.state_dict()}
 
     # ------------------------------------------------------------------------------------ its factors
     def initial_factors(self) -> Factors:
         """Alg. 1 l.4 from the global initialisation that server and clients draw from one seed (drawn on the host,
         then put on the client's device, like the factors it keeps)."""
         device = self.device
-        initial = self.method.client_init(self.space.download(global_init(self.model, self.method)), self.index)
+        initial = self.method.client_init(global_init(self.model, self.method), self.index)
         return {n: (B.to(device), A.to(device)) for n, (B, A) in initial.items()}
 
     def restart_factors(self, rnd: int, received: Factors) -> Factors:
@@ -94,13 +92,11 @@ class ClientModel:
         return received
 
     def receive(self, payload: dict) -> Factors:
-        """The reference of a server message in the client's space (zero at rank r_i where the method sends none),
-        after adding any merge it carries to the client's base offset."""
-        # on the client's device, where it computes with it (its own factors, its round's statistics); the scaling
-        # is applied first, on the host, so the values are those of a CPU run
+        """The reference of a server message (applied factors; zero at rank r_i where the method sends none), after
+        adding any merge it carries to the client's base offset."""
+        # on the client's device, where it computes with it (its own factors, its round's statistics)
         device, kept = self.device, self.kept
-        received = {n: (B.to(device), A.to(device)) for n, (B, A) in
-                    self.space.download(decode_factors(payload.get("lora", {}))).items()}  # fmt: skip
+        received = {n: (B.to(device), A.to(device)) for n, (B, A) in decode_factors(payload.get("lora", {})).items()}
         for name, (B, A) in kept.factors.items():
             if name not in received:
                 received[name] = (torch.zeros_like(B, device=device), torch.zeros_like(A, device=device))
@@ -117,17 +113,27 @@ class ClientModel:
     # ------------------------------------------------------------------------------------ into the model
     def set_base(self, fold: Factors | None = None) -> None:
         """The model's base weights: W_0 plus the client's merges (another client may have changed a shared model),
-        plus the applied product of ``fold`` (client space) for this round's training."""
+        plus the product of ``fold`` (applied factors) for this round's training."""
         if not self.moves_base:
             return
         offsets = dict(self.kept.base_offset)
-        for name, (B, A) in self.space.upload(fold or {}).items():
+        for name, (B, A) in (fold or {}).items():
             offsets[name] = offsets[name] + B @ A if name in offsets else B @ A
         lora.set_base_offsets(self.model, offsets)
 
-    def load(self, state: Factors, rnd: int, trainable: bool | tuple[bool, bool] = True) -> None:
-        """The client's ``state`` (its space) into the model, through the method (LoRA factors for most)."""
-        self.method.load(self.model, self.space.to_model(state), trainable, self.index, rnd)
+    def load(self, state: Factors, rnd: int, trainable: bool | tuple[bool, bool] = True,
+             reference: Factors | None = None) -> Factors:  # fmt: skip
+        """The client's ``state`` (applied factors) into the model, through the method (LoRA factors for most), in
+        the round's one conversion into the model (:meth:`fs_fedpa.lora.ClientSpace.into_model`), which also returns
+        ``reference`` in the frame of the model's factors (the alignment term's)."""
+        raw, reference = self.space.into_model(state, reference)
+        self.method.load(self.model, raw, trainable, self.index, rnd)
+        return reference
+
+    def trained(self) -> Factors:
+        """Copies of the state the model holds after a routine (through the method), as applied factors: the round's
+        one conversion out of the model."""
+        return self.space.from_model(lora.copy_factors(self.method.read(self.model)))
 
     def load_tensors(self, tensors: dict[str, Tensor]) -> None:
         """Named non-LoRA tensors (shared or local) into the model's parameters."""

@@ -6,8 +6,9 @@ Entering, the method picks the round's starting factors from what the client rec
 its own, never the server's); they and the local tensors go into the model, whether or not FS shares one model
 object between clients, and the alignment term starts toward the reference. A method with a personal phase
 (FedDPA) trains it first. Leaving, the client keeps the trained factors and local tensors and builds its upload: the
-factors (applied, ``s_i B_i``), any shared non-LoRA tensors, and the round's statistics that may leave it. Local
-tensors never leave the client."""
+factors, any shared non-LoRA tensors, and the round's statistics that may leave it. Local tensors never leave the
+client. Every factor here is applied (``s_i B_i``, the uploads' and the server's space): a training phase converts
+once into the model and once out of it (:class:`fs_fedpa.lora.ClientSpace`)."""
 
 from __future__ import annotations
 
@@ -40,8 +41,7 @@ class ClientRound:
         self.method, self.kept = client_model.method, client_model.kept
         self.local_names, self.shared_names, self.wire = local_names, shared_names, wire
         self.restarted = False  # its factors or local tensors became non-finite this round
-        self.staleness: dict[str, float] = {}
-        self.init_error: dict[str, float] = {}
+        self.at_start: dict[str, float] = {}  # the statistics of the round's start
         self.start: Factors | None = None  # the round's starting factors (diagnostics only)
 
     def enter(self, payload: dict, rnd: int) -> None:
@@ -49,18 +49,16 @@ class ClientRound:
         client_model, kept, method = self.client_model, self.kept, self.method
         kept.draw(client_model.initial_factors)
         received = client_model.own_and_received(payload, rnd)
-        self.staleness = self.stats.staleness(client_model.space, kept, received, rnd)
         self.train_personal(received, payload, rnd)
         start = method.start_round(received, kept.factors, client_model.index, rnd)
-        self.init_error = self.stats.init_error(start, kept.factors, kept.rounds_trained)
-        self.start = lora.copy_factors(start) if method.cfg.records.full else None
+        self.at_start = self.stats.at_start(kept, received, start, client_model.space, rnd)
+        self.start = lora.copy_factors(start) if self.stats.full else None
         fold = method.fold(received, client_model.index, rnd) if "fold" in method.uses else None
         kept.open_round(received, fold)  # a lost state is reported now
         client_model.set_base(kept.fold)
-        client_model.load(start, rnd, trainable=method.trainable(rnd) if "trainable" in method.uses else (True, True))
+        trainable = method.trainable(rnd) if "trainable" in method.uses else (True, True)
+        reference = client_model.load(start, rnd, trainable, reference=received)
         client_model.load_round_tensors(payload)
-        device = client_model.device
-        reference = {n: (B.to(device), A.to(device)) for n, (B, A) in received.items()}
         self.alignment.start_round(method.read(client_model.model), reference)
 
     def train_personal(self, received: Factors, payload: dict, rnd: int) -> None:
@@ -73,10 +71,9 @@ class ClientRound:
         start = self.method.personal_start(received, kept.personal, client_model.index, rnd)
         if start is None or self.privacy.sits_out:
             return
-        a, model, space = self.method.personal_weight, client_model.model, client_model.space
-        frozen = {n: (1 - a) * (B @ A) for n, (B, A) in space.upload(received).items()}
-        lora.set_base_offsets(model, frozen)
-        lora.set_factors(model, space.to_model(start))
+        a, model = self.method.personal_weight, client_model.model
+        lora.set_base_offsets(model, {n: (1 - a) * (B @ A) for n, (B, A) in received.items()})
+        lora.set_factors(model, client_model.space.into_model(start)[0])
         lora.scale_adapters(model, a)
         client_model.load_round_tensors(payload)
         try:
@@ -84,15 +81,16 @@ class ClientRound:
                 self.trainer.train()
         finally:
             lora.set_base_offsets(model, {})  # back to W_0
-        kept.keep_personal(space.from_model(lora.copy_factors(lora.get_factors(model))),
+        kept.keep_personal(client_model.space.from_model(lora.copy_factors(lora.get_factors(model))),
                            client_model.read_tensors(self.local_names))  # fmt: skip
 
     def leave(self, rnd: int) -> dict:
         """The end of round ``rnd``: the trained state kept (a client whose state became non-finite restarts from
         the reference), its resume file written where asked, and its upload (``lora``, ``stats``, ``shared``)."""
         client_model, kept, method = self.client_model, self.kept, self.method
-        self.alignment.grads.close()
-        trained = client_model.space.from_model(lora.copy_factors(method.read(client_model.model)))
+        if self.alignment.watched:
+            self.alignment.grads.close()
+        trained = client_model.trained()
         local = client_model.read_tensors(self.local_names)
         finite = all(bool(torch.isfinite(t).all()) for B, A in trained.values() for t in (B, A))
         self.restarted = not (finite and all(bool(torch.isfinite(t).all()) for t in local.values()))
@@ -107,11 +105,11 @@ class ClientRound:
             trained = method.end_round(trained, client_model.index, rnd)
         kept.keep(trained, local, rnd)
         if self.resume.out:  # federate.save_to
-            self.resume.write(client_model.snapshot(rnd), client_model.client_id, rnd)
+            snapshot = client_model.snapshot(rnd)
+            self.resume.write(snapshot, snapshot["client"], rnd)
         sent = kept.factors
         if "before_upload" in method.uses:
             sent = method.before_upload(sent, kept.received, rnd)
-        sent = client_model.space.upload(sent)
         sent = self.privacy.upload(sent, rnd)  # what leaves, as the DP policy has it (without DP: as trained)
         upload = {
             "lora": encode_parts(method.upload_payload(sent, client_model.index, rnd), wire=self.wire),
@@ -122,9 +120,8 @@ class ClientRound:
                     "num_train_data": int(getattr(self.trainer.ctx, "num_train_data", 0) or 0),
                     "restarted": int(self.restarted),
                     "state_lost": int(kept.lost_this_round),
-                    **self.staleness,
-                    **self.init_error,
-                    **self.stats.round_stats(sent, client_model.space, kept.received, kept.fold, self.start, rnd),
+                    **self.at_start,
+                    **self.stats.round_stats(sent, kept.received, kept.fold, self.start, rnd),
                 },
                 kept.rounds_trained,
             ),

@@ -22,7 +22,8 @@ PARKED_PAIRS = {"factors": "factors", "personal": "personal", "fold": "fold", "r
 
 
 class ClientState:
-    """One client's state, in its space (:class:`fs_fedpa.lora.ClientSpace`):
+    """One client's state, its factors applied (``(s_i B_i, A_i)``, the uploads' space, which
+    :class:`fs_fedpa.lora.ClientSpace` converts into and out of the model):
 
     - ``factors``: its own ``(B_i, A_i)`` per module, kept across rounds (None until it first trains);
     - ``local``: its local tensors (``personalization.local_param``, e.g. the head), which never leave it;
@@ -150,7 +151,7 @@ class ClientState:
         self.base_offset = {n: t.to(device) for n, t in parts.get("base_offset", {}).items()}
 
     def state_dict(self) -> dict:
-        """Everything kept across rounds (raw factors, local tensors, merges, personal adapter) on the CPU, and the
+        """Everything kept across rounds (applied factors, local tensors, merges, personal adapter) on the CPU, and the
         rounds it trained: what its resume files hold beside whose they are."""
         return {
             "factors": lora.copy_factors(self.factors, "cpu"),

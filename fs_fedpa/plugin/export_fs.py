@@ -70,19 +70,18 @@ class Exporter:
 
     # ----------------------------------------------------------------------------------------------- clients
     def received(self, client: int, global_: dict, own: dict) -> dict:
-        """What client ``client`` received with the final evaluation, in its space (a zero reference where the
-        method sends none), as the client decodes it."""
-        received = self._space(client - 1).download(self.method.downlink(global_, client - 1))
+        """What client ``client`` received with the final evaluation, applied (a zero reference where the method sends
+        none), as the client decodes it."""
+        received = self.method.downlink(global_, client - 1)
         for name, (B, A) in own.items():
             received.setdefault(name, (torch.zeros_like(B), torch.zeros_like(A)))
         return received
 
     def client_entry(self, client: int, state: dict, received: dict, *, own_models: bool) -> dict:
         """Client ``client``'s parts from its end state (``ClientState.state_dict()`` plus ``fold``) and the reference it
-        ``received`` last (its space): its head, and with ``own_models`` its own model and any client-specific
-        paper-protocol model. Returns its manifest entry."""
+        ``received`` last (both applied, the client's space): its head, and with ``own_models`` its own model and any
+        client-specific paper-protocol model. Returns its manifest entry."""
         idx, method = client - 1, self.method
-        space = self._space(idx)
         own = state["factors"]
         personal = state.get("personal") or None
         offsets = dict(state.get("base_offset") or {})
@@ -96,19 +95,19 @@ class Exporter:
         if method.instance_mix is not None and personal is not None:
             if own_models:
                 folder = f"paper_client_{client}"
-                self._write(self.out / folder / "global", self._adapter(space.upload(received), {}, {}))
-                self._write(self.out / folder / "personal", self._adapter(space.upload(personal), {}, {}))
+                self._write(self.out / folder / "global", self._adapter(received, {}, {}))
+                self._write(self.out / folder / "personal", self._adapter(personal, {}, {}))
                 entry["paper"] = {"mix": {"global": f"{folder}/global", "personal": f"{folder}/personal",
                                           "w": method.instance_mix}, "head": head_file}  # fmt: skip
         elif paper is received:  # the global model at its reference rank R_i (fs_fedpa.export.load finds it)
             entry["paper"] = {"global": True, "head": head_file}
         elif own_models:
             folder = f"paper_client_{client}"
-            self._write_view(self.out / folder, space, paper, offsets, None, head)
+            self._write_view(self.out / folder, paper, offsets, None, head)
             entry["paper"] = self._where(folder)
         if own_models:
             folder = f"client_{client}"
-            self._write_view(self.out / folder, space, own, offsets, state.get("fold"), head)
+            self._write_view(self.out / folder, own, offsets, state.get("fold"), head)
             entry["local"] = self._where(folder)
         return entry
 
@@ -119,24 +118,14 @@ class Exporter:
     def _merges_dense(self) -> bool:
         return self.method.merges and self.method.merge_encoding == "dense"
 
-    def _space(self, idx: int) -> lora.ClientSpace:
-        if self.method.state_is_factors:
-            return lora.ClientSpace(self.scaling, self.method.plan.client_ranks[idx])
-        return lora.UnitSpace()
-
-    def _write_view(self, folder: Path, space, state: dict, offsets: dict, fold: dict | None, head: dict) -> None:
-        """A client's model: ``state`` (its space) loaded as the client loads it, on its base offsets, plus the
-        applied product of ``fold``; the head as ``modules_to_save``."""
-        if self.method.state_is_factors and not offsets and not fold:
-            adapter = export.Adapter({self.paths[n]: pair for n, pair in space.to_model(state).items()}, self.alpha,
-                                     self.rslora, head)  # fmt: skip
-            self._write(folder, adapter)  # the raw factors the client's model held, bit for bit
-            return
-        applied = self.method.expand(space.upload(state))
+    def _write_view(self, folder: Path, state: dict, offsets: dict, fold: dict | None, head: dict) -> None:
+        """A client's model: ``state`` (applied, the client's space) on its base offsets, plus the product of ``fold``
+        (applied); the head as ``modules_to_save``. Without either, the raw factors are those the client loads into
+        its model (``B / s(r)``, :meth:`fs_fedpa.lora.ClientSpace.into_model`)."""
+        applied = self.method.expand(state)
         if fold:
-            folded = space.upload(fold)
-            applied = {n: (torch.cat([B, folded[n][0].to(B)], 1), torch.cat([A, folded[n][1].to(A)], 0))
-                       if n in folded else (B, A) for n, (B, A) in applied.items()}  # fmt: skip
+            applied = {n: (torch.cat([B, fold[n][0].to(B)], 1), torch.cat([A, fold[n][1].to(A)], 0))
+                       if n in fold else (B, A) for n, (B, A) in applied.items()}  # fmt: skip
         if self._merges_dense:
             self._write_merged(folder, applied, offsets, head, saved=True)
             return

@@ -187,13 +187,17 @@ def require_finite(value, path: Path) -> None:
 
 
 def check_state(state, path: Path, client: int, method: FederatedMethod) -> None:
-    """A client's end state must be that client's, of this rank plan and model."""
+    """A client's end state must be that client's, of this rank plan and model, its factors applied."""
     if not isinstance(state, dict) or not isinstance(state.get("factors"), dict):
         raise ValueError(f"{path}: not a client end state of fs_fedpa")
     rank = method.plan.client_ranks[client - 1]
     if state.get("client") != client or state.get("rank") != rank:
         raise ValueError(f"{path}: written by client {state.get('client')} at rank {state.get('rank')}; expected "
                          f"client {client} at rank {rank}")  # fmt: skip
+    if state.get("space") != "applied":  # an older fs_fedpa kept raw factors (B_i, not s_i B_i)
+        raise ValueError(f"{path}: field 'space' is {state.get('space')!r:.40}, not 'applied': its factors are not "
+                         "the applied ones (s_i B_i, A_i) this fs_fedpa keeps; export it with the fs_fedpa that wrote "
+                         "it")
     if unknown := sorted(set(state["factors"]) - set(method.shapes)):
         raise ValueError(f"{path}: factors of modules {unknown[:3]} that the model does not have")
 

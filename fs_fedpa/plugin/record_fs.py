@@ -20,48 +20,43 @@ from fs_fedpa.record import DIAGNOSTICS_FILE
 from fs_fedpa.state_checks import check_fields, check_int, is_int
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
+EPS = 1e-8  # E_init's eps (fs_fedpa.core.diagnostics.initialization_error's default), in the raw factors' scale
 
 
 class RoundStats:
     """The statistics a client adds to its upload (a collaborator of :class:`~fs_fedpa.plugin.client.FedPAClient`),
-    from what it is given: its space, its state and the round's factors. Only under ``fedpa.records.diagnostics
-    full``."""
+    from its state and the round's factors, all applied (the client's one space: none is converted for them). Only
+    under ``fedpa.records.diagnostics full``."""
 
     def __init__(self, method, alignment):
         self.method, self.alignment = method, alignment
-        self._reference: tuple[Factors, Factors] | None = None  # (the round's reference, as applied factors)
+        self.full = method.cfg.records.full  # fedpa.records.diagnostics full: else none is computed
+        self._reference: tuple[Factors, Factors] | None = None  # (the round's reference, expanded)
 
-    def applied_reference(self, space, received: Factors, last: bool = False) -> Factors:
-        """The round's reference ``received`` as applied factors, converted once a round: the start's staleness and
-        the end's statistics both read it. ``last``: the round's last reader, after which it is not held (it lives
-        on the client's device)."""
+    def expanded_reference(self, received: Factors, last: bool = False) -> Factors:
+        """The round's reference ``received`` expanded (:meth:`~fs_fedpa.methods.base.FederatedMethod.expand`) once a
+        round: the start's staleness and the end's statistics both read it. ``last``: the round's last reader, after
+        which it is not held (it lives on the client's device)."""
         if self._reference is None or self._reference[0] is not received:
-            self._reference = (received, self.method.expand(space.upload(received)))
-        applied = self._reference[1]
+            self._reference = (received, self.method.expand(received))
+        expanded = self._reference[1]
         if last:
             self._reference = None
-        return applied
+        return expanded
 
-    def whole_update(self, sent: Factors, space, fold: Factors | None) -> Factors:
-        """The client's whole update as applied factors: what it sends plus what it folded into its base weights
-        for the round (Fed-PLoRA's undrawn modules), so its diagnostics compare like with like."""
-        if fold is None:
-            return sent
-        folded = space.upload(fold)
-        return {n: (torch.cat([B, folded[n][0].to(B)], 1), torch.cat([A, folded[n][1].to(A)], 0)) for n, (B, A) in
-                sent.items()}  # fmt: skip
-
-    def round_stats(self, sent: Factors, space, received: Factors, fold: Factors | None, start: Factors | None,
+    def round_stats(self, sent: Factors, received: Factors, fold: Factors | None, start: Factors | None,
                     rnd: int) -> dict[str, float]:  # fmt: skip
-        """This round's mechanism, summed over LoRA modules, of its whole update (``sent`` and any ``fold``):
-        ||Delta W_i||_F, the drift ||Delta W_i - X_g,i||_F from the reference X_g,i it ``received`` (and relative to
-        ||X_g,i||_F, absent while the reference is 0), ``change_norm`` from the round's ``start``, and ||grad of the
-        alignment term|| / ||grad of the task loss|| on its factors at the round's first and last step (absent for
-        methods without a term). Only under ``fedpa.records.diagnostics full``."""
-        if not self.method.cfg.records.full:
+        """This round's mechanism, summed over LoRA modules, of its whole update (``sent`` and what it folded into its
+        base weights for the round, ``fold``: Fed-PLoRA's undrawn modules): ||Delta W_i||_F, the drift
+        ||Delta W_i - X_g,i||_F from the reference X_g,i it ``received`` (and relative to ||X_g,i||_F, absent while
+        the reference is 0), ``change_norm`` from the round's ``start``, and ||grad of the alignment term|| / ||grad
+        of the task loss|| on its factors at the round's first and last step (absent for methods without a term)."""
+        if not self.full:
             return {}
-        whole = self.method.expand(self.whole_update(sent, space, fold))
-        reference = self.applied_reference(space, received, last=True)
+        if fold is not None:
+            sent = {n: (torch.cat([B, fold[n][0].to(B)], 1), torch.cat([A, fold[n][1].to(A)], 0)) for n, (B, A) in
+                    sent.items()}  # fmt: skip
+        whole, reference = self.method.expand(sent), self.expanded_reference(received, last=True)
         delta_sq = drift_sq = ref_sq = 0.0
         for name, (B, A) in whole.items():
             B_ref, A_ref = reference[name]
@@ -69,7 +64,7 @@ class RoundStats:
             drift_sq += float(product_distance(B, A, B_ref, A_ref)) ** 2
             ref_sq += float(factored_norm(B_ref, A_ref)) ** 2
         stats = {"delta_norm": delta_sq**0.5, "drift": drift_sq**0.5}
-        stats.update(self.change_norm(whole, space, start, fold, rnd))
+        stats.update(self.change_norm(whole, start, fold, rnd))
         if ref_sq > 0:
             stats["drift_rel"] = (drift_sq / ref_sq) ** 0.5
         if self.alignment.penalty_steps:
@@ -77,39 +72,34 @@ class RoundStats:
                 stats[f"grad_ratio_{when}"] = align / task if task > 0 else float("inf")
         return stats
 
-    def change_norm(self, sent: Factors, space, start: Factors | None, fold: Factors | None, rnd: int) -> dict:
+    def change_norm(self, sent: Factors, start: Factors | None, fold: Factors | None, rnd: int) -> dict:
         """``change_norm``: ||X_i - X_i^0||_F over the uploaded factors X of every module, from the factors the round
-        started from (``start``, client space; applied here; what client-level DP clips for factor methods).
-        Absent for a method whose state is not factors, or that folds part of its model."""
+        started from (``start``; what client-level DP clips for factor methods). Absent for a method whose state is
+        not factors, or that folds part of its model."""
         if not start or not self.method.state_is_factors or fold is not None:
             return {}
         try:
-            sq = change_sq_norm(sent, space.upload(start), self.method.upload_parts(rnd))
+            sq = change_sq_norm(sent, start, self.method.upload_parts(rnd))
         except ValueError:  # a part whose shape changed in the round (a pruned rank): no change to measure
             return {}
         return {"change_norm": sq**0.5}
 
-    def staleness(self, space, kept, received: Factors, rnd: int) -> dict[str, float]:
-        """For a client that trained before: the rounds since it last trained, and ``||s_i B_i A_i - X_g,i||_F`` of
-        its preserved factors (``kept``, a :class:`~fs_fedpa.plugin.client_state.ClientState`) against the reference
-        ``received`` at the start of round ``rnd`` (partial participation: does a preserved factor that sat out drift
-        from the reference?). None without diagnostics."""
-        if not self.method.cfg.records.full or kept.last_trained is None or kept.factors is None:
+    def at_start(self, kept, received: Factors, start: Factors, space, rnd: int) -> dict[str, float]:
+        """For a client that trained before (``kept``, a :class:`~fs_fedpa.plugin.client_state.ClientState`, as it
+        enters round ``rnd``): the rounds since it last trained, ``||s_i B_i A_i - X_g,i||_F`` of its preserved
+        factors against the reference ``received`` (partial participation: does a preserved factor that sat out drift
+        from the reference?), and E_init(B), E_init(A) of the round's ``start`` for the first LoRA module (§3.3; the
+        paper plots one module). E_init is that of the raw factors: on applied ones ``s_i B``, with its eps scaled by
+        ``s_i`` (``space``'s) alike, the same number. None without diagnostics or before it first trained."""
+        if not self.full or kept.last_trained is None or kept.factors is None:
             return {}
-        own, reference = self.method.expand(space.upload(kept.factors)), self.applied_reference(space, received)
+        own, reference = self.method.expand(kept.factors), self.expanded_reference(received)
         sq = sum(float(product_distance(B, A, *reference[n])) ** 2 for n, (B, A) in own.items() if n in reference)
-        return {"staleness": rnd - kept.last_trained, "drift_start": sq**0.5}
-
-    def init_error(self, start: Factors, previous: Factors, rounds_trained: int) -> dict[str, float]:
-        """E_init(B), E_init(A) of this client for the first LoRA module (§3.3; the paper plots one module); none
-        without diagnostics or before it first trained."""
-        if not self.method.cfg.records.full or rounds_trained == 0:
-            return {}
         name = next(iter(start))
-        return {
-            "e_init_B": initialization_error([start[name][0]], [previous[name][0]]),
-            "e_init_A": initialization_error([start[name][1]], [previous[name][1]]),
-        }
+        (B_0, A_0), (B, A) = start[name], kept.factors[name]
+        return {"staleness": rnd - kept.last_trained, "drift_start": sq**0.5,
+                "e_init_B": initialization_error([B_0], [B], eps=EPS * space.s_i(name)),
+                "e_init_A": initialization_error([A_0], [A])}  # fmt: skip
 
 
 class RoundLog:

@@ -6,7 +6,10 @@ only copy what passes through the plugin's own seams; they change nothing:
 
 - ``enter``: per client and round, the factors the model trains from, the ranks it received and, for the methods
   that merge into the base weights, those weights; for Ravan its heads and which of them train;
-- ``leave``: per client and round, the factors it keeps and the keys/ranks of its upload;
+- ``leave``: per client and round, the factors it keeps (in PEFT's raw scale of its rank r_i, ``B / s_i``, as every
+  record of a client's kept factors here: the scale of its model's factors) and the keys/ranks of its upload;
+- ``conversions``: per client and round, how many times its factors were converted between spaces (calls of
+  ``ClientSpace``'s methods but ``s_i`` and ``penalty_weight``) from the start of its round to its upload;
 - ``aggregate``: per round, an independent decode of the uploads, their weights and clients, and
   the global factors the server adopted;
 - ``loss_gap``: ``loss_task - loss_batch`` of every training batch (the added alignment term);
@@ -54,6 +57,13 @@ def _copy(factors):
     return {n: (B.detach().cpu().clone(), A.detach().cpu().clone()) for n, (B, A) in factors.items()}
 
 
+def _raw(client_model, factors):
+    """A client's kept (applied) factors in PEFT's raw scale of its rank r_i, ``B / s_i``: the tests compare them with
+    its model's factors (computed here, not by the plugin's conversions, which ``conversions`` counts)."""
+    s_i = client_model.space.s_i
+    return {n: (B.detach().cpu() / s_i(n), A.detach().cpu().clone()) for n, (B, A) in factors.items()}
+
+
 def _heads(model) -> dict:
     """Ravan's heads as the model trains them: ``heads`` (cores, scales) and ``trainable`` (which have gradients)."""
     from fs_fedpa import lora
@@ -89,7 +99,19 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
     from fs_fedpa.plugin.payload import decode_factors, decode_parts, from_wire
     from tests.integration.fault_cases import corrupt
 
-    record = {"enter": [], "leave": [], "aggregate": [], "loss_gap": [], "sent": []}
+    record = {"enter": [], "leave": [], "aggregate": [], "loss_gap": [], "sent": [], "conversions": []}
+    converted = [0]  # calls of the client space's conversions so far
+
+    def counted(fn):
+        def conversion(*args, **kwargs):
+            converted[0] += 1
+            return fn(*args, **kwargs)
+
+        return conversion
+
+    for name, fn in list(vars(lora.ClientSpace).items()):
+        if callable(fn) and not name.startswith("_") and name not in ("s_i", "penalty_weight"):
+            setattr(lora.ClientSpace, name, counted(fn))
     if damages := _damages(os.environ.get("FS_PROBE_DAMAGE_SPILL", "")):
         from fs_fedpa.state_store import StateStore
 
@@ -158,6 +180,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
             self.outbox.deliver = spy_send
 
     def enter(self, payload, rnd):  # a ClientRound's
+        self.converted_before = converted[0]
         orig_enter(self, payload, rnd)
         received = decode_factors(payload.get("lora", {}))
         model = self.client_model.model
@@ -175,7 +198,7 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
         )
 
     def train_personal(self, received, payload, rnd):
-        before = None if self.kept.personal is None else _copy(self.kept.personal)
+        before = None if self.kept.personal is None else _raw(self.client_model, self.kept.personal)
         seen = {}
         train = self.trainer.train
 
@@ -193,8 +216,8 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
             self.trainer.train = train
         if seen:
             entry = {"client": self.client_model.client_id, "round": rnd, "before": before,
-                     "after": _copy(self.kept.personal)}  # fmt: skip
-            record["personal"].append({**entry, **seen, "received": _copy(received)})
+                     "after": _raw(self.client_model, self.kept.personal)}  # fmt: skip
+            record["personal"].append({**entry, **seen, "received": _raw(self.client_model, received)})
 
     def leave(self, rnd):
         if (self.client_model.client_id, rnd) in poison_local:  # a training step gone wrong: NaN in the live factors
@@ -202,11 +225,13 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
             with torch.no_grad():
                 B[0, 0] = float("nan")
         upload = orig_leave(self, rnd)
+        client = self.client_model.client_id
+        record["conversions"].append({"client": client, "round": rnd, "n": converted[0] - self.converted_before})
         record["leave"].append(
             {
-                "client": self.client_model.client_id,
+                "client": client,
                 "round": rnd,
-                "end": _copy(self.kept.factors),
+                "end": _raw(self.client_model, self.kept.factors),
                 "local": {n: t.detach().cpu().clone() for n, t in self.kept.local.items()},
                 "upload_keys": sorted(upload["lora"]) + sorted(upload.get("shared", {})),
                 "upload_ranks": sorted({_rank(p) for p in decode_parts(upload["lora"]).values()}),
@@ -311,9 +336,9 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
     def finish(self, message):  # each client's end state, as the run leaves it, before the client lets it go
         def snapshot():
             ends[self.ID] = {
-                "factors": _copy(self.kept.factors) if self.kept.factors is not None else None,
+                "factors": _raw(self.client_model, self.kept.factors) if self.kept.factors is not None else None,
                 "offsets": {n: t.cpu().clone() for n, t in self.kept.base_offset.items()},
-                "personal": _copy(self.kept.personal) if self.kept.personal is not None else None,
+                "personal": _raw(self.client_model, self.kept.personal) if self.kept.personal is not None else None,
                 "local": {n: t.cpu().clone() for n, t in self.kept.local.items()},
             }
 

@@ -274,9 +274,10 @@ def test_causal_lm_run_exports_global_and_client_adapters(tiny_llm, tmp_path):
         state = torch.load(ckpt / f"fedpa_client_{client}_model.pt", weights_only=True)
         model = load(AutoModelForCausalLM.from_pretrained(tiny_llm["model"]), out, client=client, protocol="local")
         layers = {module_path(n): m for n, m in model.named_modules() if hasattr(m, "get_delta_weight")}
-        for name, (B, A) in state["factors"].items():
-            want = alpha / B.shape[1] * (B.double() @ A.double())
-            assert torch.equal(layers[module_path(name)].lora_B["default"].weight, B)  # bit for bit
+        for name, (B, A) in state["factors"].items():  # applied: (s_i B_i, A_i)
+            want = B.double() @ A.double()
+            raw = B / (alpha / B.shape[1])
+            assert torch.equal(layers[module_path(name)].lora_B["default"].weight, raw)  # bit for bit
             assert torch.allclose(layers[module_path(name)].get_delta_weight("default").double(), want, atol=1e-7)
     assert (tmp_path / "at_end" / "global" / "adapter_model.safetensors").is_file()
     _check_readme(out, "CAUSAL_LM", "global")

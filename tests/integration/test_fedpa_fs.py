@@ -205,9 +205,13 @@ def test_penalty_changes_training_and_lambda_zero_trains_on_the_task_loss_alone(
     assert any(not torch.equal(a[n][0], b[n][0]) for n in a)
 
 
-def test_heterogeneous_client_and_reference_ranks(tiny_llm, tmp_path):
-    cfg = fedpa_cfg(tiny_llm, tmp_path, **{"fedpa.client_ranks": [2, 4, 8], "fedpa.reference_ranks": [1, 2, 4]})
-    run = probe(cfg, tmp_path)
+def test_heterogeneous_client_and_reference_ranks_and_two_conversions_a_round(tiny_llm, tmp_path):
+    # with every diagnostic and resume files: nothing of a round converts factors but into and out of the model
+    overrides = {"fedpa.client_ranks": [2, 4, 8], "fedpa.reference_ranks": [1, 2, 4],
+                 "federate.save_to": str(tmp_path / "fedpa.ckpt")}  # fmt: skip
+    run = probe(fedpa_cfg(tiny_llm, tmp_path, **overrides), tmp_path)
+    conversions = {(c["client"], c["round"]): c["n"] for c in run["conversions"]}
+    assert len(conversions) == 9 and set(conversions.values()) == {2}, conversions
     upload_ranks = {r["client"]: r["upload_ranks"] for r in run["leave"]}
     assert upload_ranks == {1: [2], 2: [4], 3: [8]}
     received = {(r["client"], r["round"]): r["received_ranks"] for r in run["enter"] if r["round"] > 0}
@@ -283,12 +287,12 @@ def test_checkpoints_hold_the_global_adapter_and_every_clients_own_state(tiny_ll
         assert torch.equal(final["fedpa"]["global"][name][0], B) and torch.equal(final["fedpa"]["global"][name][1], A)
     lora_B = [v for k, v in final["model"].items() if "lora_B" in k]
     assert lora_B and all(t.shape[1] == 8 for t in lora_B)
-    # and each client's file its own final factors, of its own rank
+    # and each client's file its own final factors, of its own rank, applied: (s_i B_i, A_i) with s_i = 8 / r_i
     for client, rank in zip((1, 2, 3), (2, 4, 8)):
         state = torch.load(tmp_path / f"fedpa_client_{client}_fedpa.ckpt", weights_only=False)
-        assert state["rank"] == rank
+        assert state["rank"] == rank and state["space"] == "applied"
         for name, (B, A) in run["final"]["clients"][client].items():
-            assert torch.equal(state["factors"][name][0], B) and torch.equal(state["factors"][name][1], A)
+            assert torch.equal(state["factors"][name][0], (8 / rank) * B) and torch.equal(state["factors"][name][1], A)
             assert B.shape[1] == rank
 
 

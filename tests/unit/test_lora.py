@@ -90,29 +90,46 @@ def _random_factors(model, r, g):
 
 
 @pytest.mark.parametrize("rslora", [False, True])
-def test_client_space_loads_a_reference_of_another_rank_as_the_same_update(rslora):
-    # Prepare: a rank-2 client receives a rank-5 applied reference X
+def test_client_space_loads_an_applied_pair_of_another_rank_as_the_same_update(rslora):
+    # Prepare: a rank-2 client evaluates a rank-5 applied reference X
     model = _peft_model(r=4, rslora=rslora)
     space = lora.ClientSpace(lora.Scaling.of(model), rank=2)
     g = torch.Generator().manual_seed(4)
     X = _random_factors(model, 5, g)
     x = torch.randn(5, 12, generator=g)
     # Execute
-    lora.set_factors(model, space.to_model(space.download(X)))
+    lora.set_factors(model, space.into_model(X)[0])
     # Assert
     torch.testing.assert_close(_delta(model, x), _applied_delta(x, X), rtol=1e-4, atol=1e-4)
 
 
-def test_client_space_keeps_own_factors_bit_for_bit_and_uploads_the_applied_update():
-    model = _peft_model(r=4)
-    space = lora.ClientSpace(lora.Scaling.of(model), rank=3)
+def test_client_space_round_trips_applied_factors_bit_for_bit_where_the_scale_is_a_power_of_two():
+    # Prepare: alpha 8 at rank 4 (s = 2, the protocol's) and at rank 3 (s = 8/3)
     g = torch.Generator().manual_seed(5)
-    own = _random_factors(model, 3, g)
-    x = torch.randn(5, 12, generator=g)
-    lora.set_factors(model, space.to_model(own))
-    back = space.from_model(lora.copy_factors(lora.get_factors(model)))
-    assert all(torch.equal(back[n][0], B) and torch.equal(back[n][1], A) for n, (B, A) in own.items())
-    torch.testing.assert_close(_delta(model, x), _applied_delta(x, space.upload(own)), rtol=1e-5, atol=1e-5)
+    for r_i, exact in ((4, True), (2, True), (3, False)):
+        model = _peft_model(r=4)
+        space = lora.ClientSpace(lora.Scaling.of(model), rank=r_i)
+        own = _random_factors(model, r_i, g)
+        x = torch.randn(5, 12, generator=g)
+        # Execute: into the model and out again
+        lora.set_factors(model, space.into_model(own)[0])
+        back = space.from_model(lora.copy_factors(lora.get_factors(model)))
+        # Assert: PEFT applies the applied update; the pair comes back bit for bit where 8 / r_i is a power of two
+        torch.testing.assert_close(_delta(model, x), _applied_delta(x, own), rtol=1e-5, atol=1e-5)
+        same = all(torch.equal(back[n][0], B) and torch.equal(back[n][1], A) for n, (B, A) in own.items())
+        assert same or not exact
+        for n, (B, A) in own.items():
+            torch.testing.assert_close(back[n][0], B, rtol=1e-6, atol=0)
+
+
+def test_the_alignment_reference_goes_into_the_frame_of_the_models_rank_r_i_factors():
+    # A rank-3 applied reference for a rank-2 client: X / s_i, whatever the reference's own rank
+    model = _peft_model(r=4, alpha=8)
+    space = lora.ClientSpace(lora.Scaling.of(model), rank=2)
+    X = _random_factors(model, 3, torch.Generator().manual_seed(6))
+    _, reference = space.into_model({}, X)
+    for n, (B, A) in X.items():
+        assert torch.equal(reference[n][0], B / 4.0) and reference[n][1] is A  # s(2) = 8 / 2
 
 
 @pytest.mark.parametrize(("rslora", "alpha"), [(False, 8), (False, 3), (True, 8)])

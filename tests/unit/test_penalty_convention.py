@@ -31,7 +31,8 @@ def _term(r_i, own, X, rslora=False):
     plan = RankPlan.build(2, ADAPTER_RANK, client_ranks=[r_i, ADAPTER_RANK])
     method = get_method("fedpa")(FedPAConfig(lam=LAM), plan)
     weight = space.penalty_weight(plan.lam_rank)
-    return method.alignment({"q": own}, space.download({"q": X}), LAM * weight)
+    _, reference = space.into_model({}, {"q": X})  # the reference in the frame of the model's factors
+    return method.alignment({"q": own}, reference, LAM * weight)
 
 
 def _same_update_at_rank(delta_W, r_i, rslora=False, seed=0):
