@@ -47,128 +47,15 @@ import gc
 import json
 import math
 import os
-import sys
 import time
 import warnings
 
 import torch
-import torch.nn.functional as F
 from _common import client_factors, fmt, interleaved_times, median_time
 from torch import nn
-
-LAM = 1.0  # the paper's optimal lambda for FedPA-LoRA on SST-2 (Table tab:hyperparameters)
-COEF = LAM / 2
-
-SHAPES = {
-    "roberta-large": {
-        "layers": 24, "targets": {"query": (1024, 1024), "value": (1024, 1024)},  # (d = out, k = in)
-        "r": 4, "R_i": 4, "N": 10, "R_g": 4, "local_steps": 20,
-    },
-    "llama-3-8b": {
-        "layers": 32, "targets": {"q_proj": (4096, 4096), "v_proj": (1024, 4096)},
-        "r": 8, "R_i": 8, "N": 6, "R_g": 8, "local_steps": 30,
-    },
-}  # fmt: skip
-MODELS = {  # the models' widths (depth and vocabulary: settings())
-    "roberta-large": {"hidden": 1024, "heads": 16, "kv_heads": 16, "intermediate": 4096},
-    "llama-3-8b": {"hidden": 4096, "heads": 32, "kv_heads": 8, "intermediate": 14336},
-}
-# --tiny: the same two layouts at toy widths, so that the script itself runs in seconds (gpu_check --tiny, the tests)
-TINY_SHAPES = {
-    "roberta-large": {**SHAPES["roberta-large"], "layers": 2, "targets": {"query": (64, 64), "value": (64, 64)},
-                      "r": 4, "R_i": 4, "N": 3, "R_g": 4},
-    "llama-3-8b": {**SHAPES["llama-3-8b"], "layers": 2, "targets": {"q_proj": (64, 64), "v_proj": (32, 64)},
-                   "r": 4, "R_i": 4, "N": 3, "R_g": 4},
-}  # fmt: skip
-TINY_MODELS = {
-    "roberta-large": {"hidden": 64, "heads": 4, "kv_heads": 4, "intermediate": 128},
-    "llama-3-8b": {"hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 128},
-}
-
-# The paper's numbers, seconds. Client: Table tab:client_wallclock (per client and round, first round excluded);
-# "full" is the Full LoRA Update row (FedIT, FlexLoRA), "fedpa" the Product-Regularized LoRA Update row.
-# Server: Table tab:server_wallclock (per round, homogeneous ranks); randomized with p = 8 (l = R_g + 8), the
-# oversampling reconstruct's randomized mode uses by default.
-PAPER = {
-    "roberta-large": {
-        "client": {"single": 9.1388, "full": 9.2053, "fedrot": 9.2121, "feddpa": 10.3431, "fedpa": 9.4603},
-        "server": {"averaging": 0.0298, "single_averaging": 0.0206, "dense": 4.7340, "reduced": 0.0840,
-                   "randomized_p0": 0.0473, "randomized": 0.0493, "randomized_p16": 0.0529, "randomized_p32": 0.0615},
-    },
-    "llama-3-8b": {
-        "client": {"single": 3.8015, "full": 3.8324, "fedrot": 3.9323, "feddpa": 3.8371, "fedpa": 5.1343},
-        "server": {"averaging": 0.0199, "single_averaging": 0.0109, "dense": 152.3957, "reduced": 0.1169,
-                   "randomized_p0": 0.0596, "randomized": 0.0638, "randomized_p16": 0.0706, "randomized_p32": 0.0901},
-    },
-}  # fmt: skip
-
-T0 = time.perf_counter()
-
-
-def say(msg: str) -> None:
-    print(f"[{time.perf_counter() - T0:7.1f} s] {msg}", flush=True)
-
-
-def module_names(spec: dict, layers: int | None = None) -> dict[str, tuple[int, int]]:
-    """``name -> (d, k)`` of the adapter's modules, layer by layer (the first ``layers`` layers, default all)."""
-    n = spec["layers"] if layers is None else layers
-    return {f"layers.{i}.{t}": dk for i in range(n) for t, dk in spec["targets"].items()}
-
-
-def make_factors(spec: dict, device: str, seed: int = 0):
-    """Live factors (parameters, B mid-training size) and a rank-R_i reference for every module of the adapter."""
-    g = torch.Generator().manual_seed(seed)
-    r, R = spec["r"], spec["R_i"]
-    live, reference = {}, {}
-    for name, (d, k) in module_names(spec).items():
-        live[name] = (nn.Parameter((torch.randn(d, r, generator=g) * 0.01).to(device)),
-                      nn.Parameter((torch.randn(r, k, generator=g) / k**0.5).to(device)))  # fmt: skip
-        reference[name] = ((torch.randn(d, R, generator=g) * 0.01).to(device),
-                           (torch.randn(R, k, generator=g) / k**0.5).to(device))  # fmt: skip
-    return live, reference
-
-
-def old_term(live, reference) -> torch.Tensor:
-    """The old path: lam/2 * sum over modules of product_penalty, through autograd."""
-    from fs_fedpa.core.penalty import product_penalty
-
-    return 0.5 * LAM * torch.stack([product_penalty(B, A, *reference[n]) for n, (B, A) in live.items()]).sum()
-
-
-def aten_calls(fn) -> int:
-    """aten operator calls (every event, nested included) of one call of ``fn``. Kineto writes a line to the
-    process's stderr at each start and stop of the profiler: stderr goes to /dev/null meanwhile."""
-    from torch.profiler import ProfilerActivity, profile
-
-    sys.stderr.flush()
-    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)
-    try:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            fn()
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved), os.close(null)
-    return sum(1 for e in prof.events() if e.name.startswith("aten::"))
-
-
-def factor_steps(live, reference, term):
-    params = [p for pair in live.values() for p in pair]
-
-    def zero():
-        for p in params:
-            p.grad = None
-
-    def stub():
-        return sum(B.sum() + A.sum() for B, A in live.values())
-
-    return {
-        "stub": lambda: (zero(), stub().backward()),
-        "stub+new": lambda: (zero(), (stub() + term(COEF)).backward()),
-        "stub+old": lambda: (zero(), (stub() + old_term(live, reference)).backward()),
-        "new": lambda: (zero(), term(COEF).backward()),
-        "old": lambda: (zero(), old_term(live, reference).backward()),
-    }
+from paper_client_step import client_step
+from paper_shapes_common import (LAM, MODELS, PAPER, SHAPES, T0, TINY_MODELS, TINY_SHAPES, aten_calls, factor_steps,
+                                 make_factors, module_names, ms, ratio, say)  # fmt: skip
 
 
 def term_alone(spec: dict, device: str, repeats: int) -> dict:
@@ -224,146 +111,6 @@ def term_alone(spec: dict, device: str, repeats: int) -> dict:
         out["groups"].append({"d": d, "k": k, "r": r, "R": R, "modules": len(names),
                               "term_ops_per_step": c["stub+new"] - c["stub"],
                               "term_ops_per_step_old": c["stub+old"] - c["stub"]})  # fmt: skip
-    return out
-
-
-def build_model(shape: str, spec: dict, device: str, layers: int, vocab: int, seq: int, width: dict):
-    import peft
-    from transformers import LlamaConfig, LlamaForCausalLM, RobertaConfig, RobertaForSequenceClassification
-
-    if shape == "roberta-large":
-        config = RobertaConfig(vocab_size=vocab, hidden_size=width["hidden"], num_hidden_layers=layers,
-                               num_attention_heads=width["heads"], intermediate_size=width["intermediate"],
-                               max_position_embeddings=514, type_vocab_size=1, layer_norm_eps=1e-5, pad_token_id=1,
-                               bos_token_id=0, eos_token_id=2, num_labels=2)  # fmt: skip
-        with torch.device(device):
-            model = RobertaForSequenceClassification(config)
-    else:
-        config = LlamaConfig(vocab_size=vocab, hidden_size=width["hidden"], intermediate_size=width["intermediate"],
-                             num_hidden_layers=layers, num_attention_heads=width["heads"],
-                             num_key_value_heads=width["kv_heads"], max_position_embeddings=max(seq, 8192),
-                             rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)  # fmt: skip
-        with torch.device(device):
-            model = LlamaForCausalLM(config)
-    lora_cfg = peft.LoraConfig(r=spec["r"], lora_alpha=2 * spec["r"], lora_dropout=0.0,
-                               target_modules=list(spec["targets"]))  # fmt: skip
-    return peft.get_peft_model(model.float(), lora_cfg).to(device)
-
-
-def client_step(shape: str, spec: dict, device: str, layers: int, vocab: int, batch: int, seq: int,
-                repeats: int, width: dict) -> dict:  # fmt: skip
-    """Item 2: plain, with the term (new, old), DP-SGD steps of one client, round-robin."""
-    from fs_fedpa import lora
-    from fs_fedpa.core.batched_penalty import ProductTerm
-    from fs_fedpa.privacy.mechanism import dp_generator, gaussian_flat
-
-    try:  # the project's pure-torch DP-SGD pieces (no FederatedScope); a missing piece skips the DP-SGD step only
-        from fs_fedpa.privacy.per_example import (
-            LinearTaps,
-            clipped_sum_flat,
-            describe_gaps,
-            linear_owners,
-            per_example_matrix,
-            sum_gaps,
-            sum_mismatch,
-        )
-
-        skipped = ""
-    except ImportError as err:
-        skipped = f"DP-SGD step skipped: {err}"
-
-    torch.manual_seed(0)
-    model = build_model(shape, spec, device, layers, vocab, seq, width)
-    model.train()
-    live = lora.get_factors(model)
-    with torch.no_grad():  # B mid-training, not PEFT's zeros (a zero B gives A no gradient)
-        for B, _ in live.values():
-            B.normal_(0, 0.01)
-    R = spec["R_i"]
-    reference = {n: (torch.randn(B.shape[0], R, device=device) * 0.01,
-                     torch.randn(R, A.shape[1], device=device) / A.shape[1] ** 0.5)
-                 for n, (B, A) in live.items()}  # fmt: skip
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-5)
-    term = ProductTerm(live, reference)
-    ids = torch.randint(3, vocab, (batch, seq), device=device)
-    labels = torch.randint(0, 2, (batch,), device=device)
-
-    def losses() -> torch.Tensor:
-        """(batch,): each record's task loss."""
-        if shape == "roberta-large":
-            logits = model(input_ids=ids).logits
-            return F.cross_entropy(logits.float(), labels, reduction="none")
-        logits = model(input_ids=ids).logits
-        tok = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none")
-        return tok.view(batch, -1).mean(1)
-
-    def plain():
-        optimizer.zero_grad()
-        losses().mean().backward()
-        optimizer.step()
-
-    def with_term():
-        optimizer.zero_grad()
-        (losses().mean() + term(COEF)).backward()
-        optimizer.step()
-
-    def with_term_old():
-        optimizer.zero_grad()
-        (losses().mean() + old_term(live, reference)).backward()
-        optimizer.step()
-
-    owners, why = linear_owners(model, params) if not skipped else (None, skipped)
-    if owners is None and not skipped:
-        skipped = f"DP-SGD step skipped: the taps refused the model: {why}"
-    C, z = 1.0, 1.0
-    generator = dp_generator(0, "bench_paper_shapes")  # seeded MT19937 (fedpa.dp.seed), not the OS's secure one
-    dp_state = {"check": ""}
-
-    sizes = [p.numel() for p in params]
-
-    def dp():
-        """DP-SGD as the plugin's batched path (fs_fedpa.plugin.dp_sgd) takes it for one chunk: taps on the LoRA
-        linears, one backward of the sum of the records' losses, the per-example gradients as one matrix, the check
-        against autograd's gradient and the clip on the device, the chunk's one host read, the step's noise
-        N(0, (z C)^2) drawn on the host in one buffer, (sum + noise) / b, AdamW step."""
-        optimizer.zero_grad()
-        with LinearTaps([m for m, _ in owners]) as taps:
-            part = losses()
-        grads = torch.autograd.grad(part.sum(), params + taps.outputs(), allow_unused=True)
-        found = per_example_matrix(taps, owners, grads[len(params) :], batch)
-        gaps = sum_gaps(found, grads[: len(params)], sizes)
-        flat, scales = clipped_sum_flat(found, C)
-        mismatch, _ = torch.stack([sum_mismatch(gaps, 1e-3), (scales == 0).sum()]).tolist()
-        dp_state["check"] = describe_gaps(gaps, 1e-3) if mismatch else ""
-        with torch.no_grad():
-            step = flat.add_(gaussian_flat(sizes, z * C, generator, flat)).div_(batch)
-            for p, g in zip(params, step.split(sizes)):
-                p.grad = g.view(p.shape).to(p.dtype)
-        optimizer.step()
-
-    fns = {"plain": plain, "term": with_term, "term_old": with_term_old, **({} if skipped else {"dp": dp})}
-    t = interleaved_times(fns, repeats, warmup=1)
-    term.release()
-    out = {
-        "model_modules": len(live),
-        "step_ms": t["plain"] * 1e3,
-        "step_term_ms": t["term"] * 1e3,
-        "step_term_old_ms": t["term_old"] * 1e3,
-        "step_dp_ms": t["dp"] * 1e3 if "dp" in t else None,
-        "term_ms": (t["term"] - t["plain"]) * 1e3,
-        "term_old_ms": (t["term_old"] - t["plain"]) * 1e3,
-        "dp_check": skipped or dp_state["check"] or "per-example gradients sum to autograd's gradient",
-        "layers": layers,
-        "vocab": vocab,
-        "batch": batch,
-        "seq": seq,
-        "repeats": repeats,
-    }
-    del model, optimizer, live, reference, params, owners, term
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
     return out
 
 
@@ -437,14 +184,6 @@ def settings(shape: str, args) -> dict:
         if value is not None:
             s[key] = value
     return s
-
-
-def ratio(a, b) -> str:
-    return "      --" if a is None or b is None or b == 0 else f"{a / b:7.2f}x"
-
-
-def ms(x) -> str:
-    return "        --" if x is None else f"{x:10.1f}" if abs(x) >= 100 else f"{x:10.3f}"
 
 
 def main() -> None:
