@@ -116,7 +116,7 @@ def test_a_killed_client_neither_hangs_the_server_nor_the_others(tiny_llm, tmp_p
     import time
 
     changes = {"federate.save_to": "", "fedpa.net.round_timeout_s": 8.0, "fedpa.net.min_received": min_received}
-    changes["federate.total_round_num"] = 4
+    changes["federate.total_round_num"] = 2  # a round after the one that timed out: the timeout holds again
     base = fedpa_cfg(tiny_llm, tmp_path, **changes)
     cfgs = distributed_cfgs(base, tmp_path / "dist")
     env = fs_env({"PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"})  # the log shows when training starts
@@ -146,7 +146,7 @@ def test_a_killed_client_neither_hangs_the_server_nor_the_others(tiny_llm, tmp_p
     assert codes == [0, 0, 0], server[-3000:]
     assert "no update from clients [3] within fedpa.net.round_timeout_s=8 s; aggregating the 2 that arrived" in server
     rounds = [line for line in server.splitlines() if "[fedpa] round" in line and "E_agg" in line]
-    assert len(rounds) == 4  # every round aggregated
+    assert len(rounds) == 2  # every round aggregated
 
 
 def test_a_client_puts_what_it_receives_on_its_trainers_device_not_where_fs_parked_the_model():
