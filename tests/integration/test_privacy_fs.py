@@ -726,7 +726,7 @@ def test_client_level_messages_time_stamp_the_sample_count_they_carry():
     sent = []
     cfg = SimpleNamespace(llm=SimpleNamespace(deepspeed=SimpleNamespace(use=False)))
     fake = SimpleNamespace(ID=2, state=0, comp_speed=0.5, comm_bandwidth=4.0, model_size=8.0, schedule=None,
-                           kept=SimpleNamespace(rounds_trained=1), _cfg=cfg,
+                           kept=SimpleNamespace(rounds_trained=1, unpark=lambda *a: None), _cfg=cfg,
                            client_model=SimpleNamespace(initial_factors=None, device="cpu"),
                            round=SimpleNamespace(enter=lambda *a: None, leave=lambda rnd: {"lora": {}}),
                            outbox=SimpleNamespace(answering=lambda *a: None),
