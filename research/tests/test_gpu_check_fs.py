@@ -57,7 +57,8 @@ def test_repo_names_the_checkout_from_anywhere(tmp_path):
     out = tmp_path / "check.json"
     cmd = [sys.executable, "-m", "research.tools.gpu_check", "--tiny", "--device", "cpu", "--only", "reconstruct",
            "--repo", str(ROOT), "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, env=fs_env({"PYTHONPATH": str(ROOT)}), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=fs_env({"PYTHONPATH": str(ROOT)}), capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert json.loads(out.read_text())["steps"]["reconstruct"]["status"] == "ok"
 
