@@ -17,8 +17,7 @@ def is_int(value) -> bool:
 
 def check_fields(saved, at: str, part: str, keys) -> None:
     """``saved`` is a mapping holding every key of ``keys``; else ValueError naming ``part`` (or ``part.key``)."""
-    if not isinstance(saved, dict):
-        raise ValueError(f"{at}: field {part!r} is a {type(saved).__name__}, not a mapping")
+    check_mapping(saved, at, part)
     if missing := [k for k in keys if k not in saved]:
         raise ValueError(f"{at} has no field '{part}.{missing[0]}'; it is not a whole FedPA resume point")
 

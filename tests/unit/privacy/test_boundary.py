@@ -51,13 +51,18 @@ def test_the_finder_finds_each_way_of_asking_the_mode():
         assert _tests_of_the_mode(line + "\n") == [], line
 
 
-def test_no_module_outside_the_privacy_package_asks_which_dp_mode_runs():
+def _outside_privacy(finder) -> dict[str, list]:
+    """``path -> what finder finds in it`` for every module of the package outside ``fs_fedpa/privacy/`` where it
+    finds anything."""
     found = {}
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.is_relative_to(PACKAGE / "privacy"):
-            continue
-        if lines := _tests_of_the_mode(path.read_text(encoding="utf-8")):
-            found[path.relative_to(ROOT).as_posix()] = lines
+        if not path.is_relative_to(PACKAGE / "privacy") and (hits := finder(path.read_text(encoding="utf-8"))):
+            found[path.relative_to(ROOT).as_posix()] = hits
+    return found
+
+
+def test_no_module_outside_the_privacy_package_asks_which_dp_mode_runs():
+    found = _outside_privacy(_tests_of_the_mode)
     assert found == {}, f"modules that test fedpa.dp.mode instead of asking its policy: {found}"
 
 
@@ -87,10 +92,5 @@ def test_the_flag_finder_finds_each_way_of_reading_a_flag():
 
 
 def test_no_module_outside_the_privacy_package_reads_a_flag_of_the_policy():
-    found = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if path.is_relative_to(PACKAGE / "privacy"):
-            continue
-        if reads := _flag_reads(path.read_text(encoding="utf-8")):
-            found[path.relative_to(ROOT).as_posix()] = reads
+    found = _outside_privacy(_flag_reads)
     assert found == {}, f"modules that ask the DP policy what kind it is instead of calling it: {found}"
