@@ -24,6 +24,8 @@ PRIVATE_FAULTS_FILE = "fedpa_dp_faults.jsonl"
 # "steps", "n", "b", "z", "clip", "sampling", "accountant", "nonfinite", "empty", "clipped_sum", "noise"}); the last
 # two are the round's mean per step, read from its records, so the file is the client's and never sent
 CLIENT_PRIVACY_FILE = "fedpa_client_privacy.jsonl"
+# beside a client's evaluation metrics: the wall seconds the evaluation took (the server takes it out before FS's merge)
+EVAL_SECONDS = "fedpa.eval_seconds"
 
 # What each client reports about its round (fs_fedpa.plugin.client); the record keeps them per client and summarised.
 CLIENT_STATS = (
@@ -36,6 +38,12 @@ CLIENT_STATS = (
     "staleness",
     "drift_start",
 )
+
+# the systems fields a client reports (as ``sys_<name>``, fs_fedpa.systems.SYSTEMS_STATS), kept per client
+SYSTEMS = ("train_seconds", "train_batches", "train_examples", "train_tokens", "peak_memory")
+# the fields that measure time or memory: they differ between two runs of the same computation
+TIMING_FIELDS = ("train_seconds", "examples_per_s", "tokens_per_s", "peak_memory", "aggregate_seconds",
+                 "server_peak_memory", "wall_seconds")  # fmt: skip
 
 
 def _f(help: str, default: Any = None, factory: Any = None):
@@ -114,6 +122,22 @@ class RoundRecord:
     bytes_down: dict = _f("per client: tensor bytes it received this round", factory=dict)
     bytes_up_total: int = _f("uplink bytes of the run so far", 0)
     bytes_down_total: int = _f("downlink bytes of the run so far", 0)
+    train_seconds: dict = _f("per client: wall seconds of its local training this round (absent under DP)",
+                             factory=dict)
+    train_batches: dict = _f("per client: the batches it trained on this round", factory=dict)
+    train_examples: dict = _f("per client: the examples in those batches", factory=dict)
+    train_tokens: dict = _f("per client: the tokens in those batches (attention mask), where its batches have any",
+                            factory=dict)
+    examples_per_s: dict = _f("per client: train_examples / train_seconds", factory=dict)
+    tokens_per_s: dict = _f("per client: train_tokens / train_seconds", factory=dict)
+    peak_memory: dict = _f(
+        "per client: peak bytes of its training, CUDA's allocator on a GPU, else the process's resident set",
+        factory=dict,
+    )
+    aggregate_seconds: float = _f("wall seconds of the server's aggregation (decoding and checks included)", 0.0)
+    server_peak_memory: int = _f("peak bytes of the server's aggregation, of memory_kind", 0)
+    memory_kind: str = _f("the server's memory measure: 'cuda' (allocator peak) or 'rss' (resident set)", "rss")
+    wall_seconds: float = _f("wall seconds since the run began (a resumed run's included) at the round's end", 0.0)
 
     def add_client_stats(self, clients: list[int], stats: list[dict]) -> None:
         """Fill the per-client fields from the clients' uploaded ``stats`` and summarise each in :attr:`spread`. A
@@ -128,28 +152,34 @@ class RoundRecord:
         terms = {str(c): float(t) for c, s in zip(clients, stats) if _number(t := s.get("alignment_loss", 0.0))}
         self.alignment_loss = terms
         self.alignment_loss_mean = statistics.mean(terms.values()) if terms else 0.0
+        for key in SYSTEMS:
+            values = {str(c): s[f"sys_{key}"] for c, s in zip(clients, stats) if _number(s.get(f"sys_{key}"))}
+            setattr(self, key, {c: int(v) if key != "train_seconds" else float(v) for c, v in values.items()})
+        for rate, count in (("examples_per_s", "train_examples"), ("tokens_per_s", "train_tokens")):
+            counts = getattr(self, count)
+            setattr(self, rate, {c: counts[c] / s for c, s in self.train_seconds.items() if c in counts and s > 0})
         self.nonfinite_stats = {
             str(c): bad for c, s in zip(clients, stats) if (bad := sorted(k for k, v in s.items() if not _number(v)))
         }
 
     def not_finite(self) -> list[str]:
         """The fields that hold a NaN or an Inf (a diagnostic that overflowed); :meth:`to_dict` writes them as None."""
-        return [f.name for f in fields(self) if _finite(getattr(self, f.name)) != getattr(self, f.name)]
+        return [f.name for f in fields(self) if finite(getattr(self, f.name)) != getattr(self, f.name)]
 
     def to_dict(self) -> dict:
         """The record as plain data, every NaN or Inf in it as None: null in the JSON file, which stays standard
         JSON (``Infinity`` is not), and a diagnostic's overflow is recorded, not raised."""
-        return _finite(asdict(self))
+        return finite(asdict(self))
 
 
-def _finite(value: Any) -> Any:
+def finite(value: Any) -> Any:
     """``value`` with every float that is not finite, however deep in dicts and lists, replaced by None."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: finite(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_finite(v) for v in value]
+        return [finite(v) for v in value]
     return value
 
 
@@ -173,7 +203,17 @@ def compact(record: dict) -> dict:
     if pairs := [[stale[c], start[c]] for c in sorted(stale, key=int) if _number(stale[c]) and _number(start.get(c))]:
         out["stale_drift"] = pairs
     out["bytes_total"] = record.get("bytes_up_total", 0) + record.get("bytes_down_total", 0)
+    for key in ("train_seconds", "examples_per_s", "tokens_per_s"):
+        if values := [v for v in (record.get(key) or {}).values() if _number(v)]:
+            out[f"{key}_mean"] = statistics.mean(values)
+    if peaks := [v for v in (record.get("peak_memory") or {}).values() if _number(v)]:
+        out["peak_memory_max"] = max(peaks)
     return out
+
+
+def without_timings(record: dict) -> dict:
+    """``record`` without :data:`TIMING_FIELDS`: what two runs of the same computation agree on."""
+    return {k: v for k, v in record.items() if k not in TIMING_FIELDS}
 
 
 def describe() -> list[tuple[str, str]]:

@@ -57,14 +57,16 @@ PARTS = (
     "fs_results",  # FS's own result history (plugin.resume_fs.FSResults)
     "privacy",  # the server's DP policy (fs_fedpa.privacy)
     "method_state",  # the method's (methods.base.FederatedMethod.state_dict)
+    "run_report",  # run_summary.RunReport: the evaluations so far, the peak memory and the wall seconds
 )
 SERVER_FIELDS = (*HEAD_FIELDS, *PARTS)
 # 2: the method's own state (``method_state``: HetLoRA's pruned ranks reset on resume before it) and this field;
 # 3: one state dict per collaborator (PARTS) instead of fields picked out of them; 4: ``client_files`` (each client
 # file's ``file_id``), the ledger's size and SHA-256, and each client file's ``data`` (issue 88); 5: no round history
 # (the round log's part names the diagnostics file by its size and SHA-256), and the client files' factors are
-# applied, ``(s_i B_i, A_i)``, and say so (``space``) (issue 89)
-VERSION = 5
+# applied, ``(s_i B_i, A_i)``, and say so (``space``) (issue 89); 6: ``run_report``, what summary.json continues
+# from (issue 90)
+VERSION = 6
 # whose a client file is; ``file_id``: the token of the client's files in this run (a resumed client keeps it),
 # which the server's resume point records (another run's files, same settings or not, have another); ``data``: the
 # client's training set (``n``: size)
@@ -266,8 +268,9 @@ def check_server_fields(saved: dict, path) -> None:
     fields are its owner's to check (their ``check_state``)."""
     at = f"federate.restore_from {path!r}"
     if saved.get("version") != VERSION:
-        old = saved.get("version") == 4  # the last that carried the round history, which the diagnostics file is now
-        why = " (it carries the whole round history; the diagnostics file is the history now)" if old else ""
+        why = {4: " (it carries the whole round history; the diagnostics file is the history now)",
+               5: " (it has no run report: the resumed run's summary.json would lose the evaluations before it)",
+               }.get(saved.get("version"), "")  # fmt: skip
         raise ValueError(
             f"{at} is a resume point of version {saved.get('version', 1)!r}{why}; this fs_fedpa reads version "
             f"{VERSION} only: continue that run with the fs_fedpa that wrote it, or start it again"

@@ -17,6 +17,7 @@ from fs_fedpa.plugin.record_fs import RoundLog
 from fs_fedpa.privacy.policy import ServerPolicy
 from fs_fedpa.rng_states import check_generator_state
 from fs_fedpa.state_checks import check_fields, check_int
+from fs_fedpa.systems import Span
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
@@ -29,15 +30,16 @@ class FedPAAggregator(Aggregator):
     ``global_model`` (the server's :class:`~fs_fedpa.plugin.global_model.GlobalModel`: ``round_input`` is the round
     FS aggregates now, as the server opened it; ``adopt`` writes an :class:`~fs_fedpa.aggregation.Aggregated` into
     the server's model; ``save_checkpoint``/``load_checkpoint`` are FS's checkpoint, tagged with ``run``, the run's
-    identity). :meth:`aggregate` returns {}, the state FS merges into its model: the model holds the round's result
+    identity), and the run's ``report`` (:class:`~fs_fedpa.run_summary.RunReport`), told of every round. Each record
+carries the aggregation's wall seconds and peak memory. :meth:`aggregate` returns {}, the state FS merges into its model: the model holds the round's result
     already. It stops the run on a count of its own, :attr:`failed_in_a_row`, which its :meth:`state_dict` carries
     with the generator's state."""
 
     def __init__(self, method, round_log: RoundLog, *, global_model=None, run: dict | None = None, privacy=None,
                  generator: torch.Generator | None = None, shapes=({}, {}), distributed=False,
-                 ignore_weight=False):  # fmt: skip
+                 ignore_weight=False, report=None):  # fmt: skip
         super().__init__()
-        self.method, self.round_log = method, round_log
+        self.method, self.round_log, self.report = method, round_log, report
         self.privacy = privacy if privacy is not None else ServerPolicy()  # without DP: everything through
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
         self.shapes, self.distributed, self.ignore_weight = shapes, distributed, ignore_weight
@@ -66,12 +68,21 @@ class FedPAAggregator(Aggregator):
         (:func:`~fs_fedpa.aggregation.aggregate_round`), recorded and written into the server's model; returns {}:
         FS merges nothing more into its model."""
         round_input = self.global_model.round_input()
-        result, record = aggregate_round(self.method, self.privacy, round_input, self.uploads(agg_info, round_input),
-                                         generator=self.generator, ignore_weight=self.ignore_weight)  # fmt: skip
+        factors = round_input.global_factors
+        with Span(next(iter(factors.values()))[0].device if factors else None) as span:
+            result, record = aggregate_round(self.method, self.privacy, round_input,
+                                             self.uploads(agg_info, round_input), generator=self.generator,
+                                             ignore_weight=self.ignore_weight)  # fmt: skip
+            if isinstance(result, Aggregated):
+                self.global_model.adopt(result)
+        record.update(aggregate_seconds=span.seconds, server_peak_memory=span.peak, memory_kind=span.kind)
+        if self.report is not None:
+            record["wall_seconds"] = self.report.wall_seconds()
         self.round_log.add(record)
+        if self.report is not None:
+            self.report.round_done(record, self.privacy.spent())
         if isinstance(result, Aggregated):
             self.failed_in_a_row = 0
-            self.global_model.adopt(result)
         elif result.failed:
             limit = self.method.cfg.max_failed_rounds
             self.failed_in_a_row += 1

@@ -41,7 +41,8 @@ from fs_fedpa.plugin.record_fs import RoundStats
 from fs_fedpa.plugin.resume_fs import ClientResume
 from fs_fedpa.plugin.run_folder_fs import identity, in_run_folder
 from fs_fedpa.plugin.schedule import RunSchedule
-from fs_fedpa.plugin.trainer import install_alignment_hook
+from fs_fedpa.plugin.trainer import install_alignment_hook, install_counter_hook
+from fs_fedpa.systems import Span, TrainCounter, round_stats
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
@@ -79,6 +80,8 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
             self.resume.check_data(self.ID, self.kept.local)
         self.evaluation = Evaluation(self.trainer, self.client_model, self.kept, self._cfg)
         install_alignment_hook(self.trainer, self.alignment)
+        self.counter = TrainCounter()  # the round's batches, examples and tokens
+        install_counter_hook(self.trainer, self.counter)
         self.privacy = policy(self._cfg, self.method, self.trainer, local_names, DPSGD)
         wire = self._cfg.federate.mode.lower() == "distributed"  # tensors as explicit encodings, never pickled
         stats = RoundStats(self.method, self.alignment)
@@ -116,13 +119,17 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
         if self.schedule is not None:
             self.schedule.new_round(self.state)
         self.round.enter(message.content, self.state)
+        systems = {}  # its training's time, memory and counts (fs_fedpa.systems)
         if self.privacy.sits_out:  # fedpa.dp.min_records: no DP-SGD step; its upload weighs 0
             sample_size, results = 0, {}
         else:
-            sample_size, _, results = self.trainer.train()
+            self.counter.take()
+            with Span(self.client_model.device) as span:
+                sample_size, _, results = self.trainer.train()
+            systems = round_stats(span, self.counter.take())
         sample_size = self.privacy.sample_size(sample_size)  # client-level DP: 1, in the content and the timestamp
         release_optimizer(self.trainer, self._cfg)
-        upload = self.round.leave(self.state)
+        upload = self.round.leave(self.state, systems)
         self.privacy.log_round(self.kept.rounds_trained)
         self._park()
         logger.info(self._monitor.format_eval_res(results, rnd=self.state, role=f"Client #{self.ID}", return_raw=True))
@@ -137,10 +144,12 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
 
     def _open(self, message: Message) -> None:
         """The start of a training or evaluation message: its state from the store (continued from its resume file
-        where the run resumed), and the round it answers. :meth:`_park` closes it."""
+        where the run resumed: the newest before the round it trains, or after the round it evaluates), and the
+        round it answers. :meth:`_park` closes it."""
         device = self.client_model.device
         self.kept.unpark(self.ID, device)
-        self.resume.restore(self.kept, self.ID, message.state, self.client_model.initial_factors, device)
+        before = message.state + (message.msg_type == "evaluate")  # an evaluation closes its round
+        self.resume.restore(self.kept, self.ID, before, self.client_model.initial_factors, device)
         self.state = message.state
         self.outbox.answering(message.state, message.timestamp)
 

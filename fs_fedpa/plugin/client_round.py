@@ -84,9 +84,11 @@ class ClientRound:
         kept.keep_personal(client_model.space.from_model(lora.copy_factors(lora.get_factors(model))),
                            client_model.read_tensors(self.local_names))  # fmt: skip
 
-    def leave(self, rnd: int) -> dict:
+    def leave(self, rnd: int, systems: dict | None = None) -> dict:
         """The end of round ``rnd``: the trained state kept (a client whose state became non-finite restarts from
-        the reference), its resume file written where asked, and its upload (``lora``, ``stats``, ``shared``)."""
+        the reference), its resume file written where asked, and its upload (``lora``, ``stats``, ``shared``; the
+        statistics with the round's ``systems`` ones, :data:`fs_fedpa.systems.SYSTEMS_STATS`, where the DP policy
+        lets them leave)."""
         client_model, kept, method = self.client_model, self.kept, self.method
         if self.alignment.watched:
             self.alignment.grads.close()
@@ -122,6 +124,7 @@ class ClientRound:
                     "state_lost": int(kept.lost_this_round),
                     **self.at_start,
                     **self.stats.round_stats(sent, kept.received, kept.fold, self.start, rnd),
+                    **(systems or {}),
                 },
                 kept.rounds_trained,
             ),

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 from federatedscope.core.auxiliaries.utils import merge_dict_of_results
@@ -17,6 +18,7 @@ from fs_fedpa.core import head_refit
 from fs_fedpa.core.instance import instance_weights, representation
 from fs_fedpa.outcomes import append_outcomes
 from fs_fedpa.plugin.common import send, without_empty_splits
+from fs_fedpa.record import EVAL_SECONDS
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 INSTANCES = 5  # FedDPA's test time: training inputs compared with each test input (the authors' instance_num)
@@ -32,7 +34,9 @@ class ClientEvaluation:
         # after the client's last upload only (the evaluation closing the last round, numbered from 0): the refitted
         # head sees its training records exactly
         last = message.state >= self._cfg.federate.total_round_num - 1
+        start = time.perf_counter()
         metrics = self.evaluation.evaluate(message.content, self.state, self.ID, last=last)
+        seconds = time.perf_counter() - start
         formatted = self._monitor.format_eval_res(
             metrics, rnd=self.state, role=f"Client #{self.ID}", forms=["raw"], return_raw=True
         )
@@ -43,7 +47,7 @@ class ClientEvaluation:
             )
         self.history_results = merge_dict_of_results(self.history_results, formatted["Results_raw"])
         self._park()
-        send(self, "metrics", message.sender, metrics, message.timestamp)
+        send(self, "metrics", message.sender, {**metrics, EVAL_SECONDS: seconds}, message.timestamp)
 
 
 class Evaluation:

@@ -20,6 +20,7 @@ from fs_fedpa.plugin.intake import check_message_content
 from fs_fedpa.plugin.liveness import TIMEOUT
 from fs_fedpa.plugin.messages import ServerView, message_problem
 from fs_fedpa.plugin.payload import shown
+from fs_fedpa.record import EVAL_SECONDS
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
@@ -117,6 +118,10 @@ class ServerInbox:
                                f"{str(sender)[:40]}, which {what}")  # fmt: skip
             return False
         self._progress = time.monotonic()
+        if isinstance(message.content, dict) and EVAL_SECONDS in message.content:  # the run's report's, not FS's
+            content = dict(message.content)
+            self.report.eval_seconds(rnd, sender, content.pop(EVAL_SECONDS))
+            message.content = content
         return super().callback_funcs_for_metrics(message)
 
     def callback_funcs_model_para(self, message: Message):

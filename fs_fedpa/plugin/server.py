@@ -35,6 +35,7 @@ from fs_fedpa.plugin.liveness import ServerLiveness
 from fs_fedpa.plugin.record_fs import RoundLog
 from fs_fedpa.plugin.resume_fs import FSResults, ServerResume, check_resume_file
 from fs_fedpa.plugin.run_folder_fs import identity, in_run_folder, warn_if_taken
+from fs_fedpa.run_summary import RunReport, code_commit
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
 
@@ -75,11 +76,13 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
         self.sample_client_num = self.privacy.most_replies(self.sample_client_num)  # FS: no round waits for more
         # the records, carried by resume points
         self.round_log = RoundLog(self._cfg.outdir, self.method.cfg.records)
+        self.report = open_report(self._cfg, self.method)  # summary.json and the tracker
+        self._commit = code_commit(__file__)  # the code this run runs, for its summary
         shapes = (layer_shapes(self.model), {n: tuple(params[n].shape) for n in self.shared_names})
         self.aggregator = FedPAAggregator(
             self.method, self.round_log, global_model=self.globals, run=self.identity, privacy=self.privacy,
             generator=self.generator, shapes=shapes, distributed=self._cfg.federate.mode.lower() == "distributed",
-            ignore_weight=self._cfg.federate.ignore_weight,
+            ignore_weight=self._cfg.federate.ignore_weight, report=self.report,
         )  # fmt: skip
         self.aggregators[0] = self.aggregator
         self._install_inbox()  # before any client's message reaches FS
@@ -89,6 +92,7 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
         if explicit:
             warn_if_taken(self._cfg, self._cfg.federate.save_to, resume.server_path(self._cfg.federate.save_to))
         self._pending_rng: dict | None = None
+        self._evaluate_first = False  # a resumed run: the evaluation that closed the round before it, asked again
         self._expected: set[int] = set()  # receivers of this round's model: the only valid senders of updates
         self._eval_round: int | None = None  # the round of the last evaluation asked for, and whom it was asked of
         self._eval_expected: set[int] = set()
@@ -106,10 +110,15 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
 
     def terminate(self, msg_type="finish"):
         """FS's end of the run; with ``fedpa.export.dir``, the global adapter is written first (the clients write
-        their own parts when they receive the finish message)."""
+        their own parts when they receive the finish message); then the run's summary and tracker are closed."""
         if self.method.cfg.export.dir and msg_type == "finish":
             self.export(self.method.cfg.export.dir)
         super().terminate(msg_type=msg_type)
+        path = self.write_summary()
+        logger.info(f"[fedpa] the run's summary: {path}")
+        if command := (self.report.tracker.open_command() if self.report.tracker is not None else None):
+            logger.info(f"[fedpa] its {self.report.tracker.kind} records: {command}")
+        self.report.close()
         summary = self.privacy.summary()
         if summary and self._cfg.federate.mode.lower() == "distributed":  # standalone: at the end
             logger.info(summary)
@@ -132,6 +141,9 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
     def broadcast_model_para(self, msg_type="model_para", sample_client_num=-1, filter_unseen_clients=True):
         """As FS's broadcast (same sampling and bookkeeping), but each receiver gets its own rank-R_i reference."""
         if msg_type == "model_para":  # a round starts: the resume point, before the sampler draws
+            if self._evaluate_first:  # as the interrupted run did before this round: its results were not saved
+                self._evaluate_first = False
+                self.eval()
             if self._pending_rng is not None:
                 resume.set_rng_state(self._pending_rng)
                 self._pending_rng = None
@@ -174,11 +186,34 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
             self.msg_buffer["train"].setdefault(self.state, {})  # FS reads it even when nothing arrived
         return super().check_and_move_on(check_eval_result=check_eval_result, min_received_num=min_received_num)
 
+    # ---------------------------------------------------------------------------------- the run's summary
+    def merge_eval_results_from_all_clients(self):
+        """FS's merge of an evaluation; the run's report takes its weighted means and each client's metrics, and
+        ``summary.json`` is written anew."""
+        rnd = max(self.msg_buffer["eval"].keys())
+        formatted = super().merge_eval_results_from_all_clients()
+        weighted = formatted.get("Results_weighted_avg") or formatted.get("Results_avg") or {}
+        clients = {c: m for c, m in self.msg_buffer["eval"][rnd].items() if isinstance(m, dict)}
+        totals = self.round_log.totals
+        self.report.evaluated(rnd, weighted, clients, totals["up"] + totals["down"])
+        self.write_summary()
+        return formatted
+
+    def write_summary(self) -> str:
+        """``<outdir>/summary.json`` (:mod:`fs_fedpa.run_summary`) as the run stands."""
+        totals, export = self.round_log.totals, self.method.cfg.export.dir
+        summary = self.report.summary(
+            rounds_done=min(self.state, self.total_round_num), bytes_up=totals["up"], bytes_down=totals["down"],
+            privacy=self.privacy.spent(), export=os.path.abspath(export) if export else None, commit=self._commit,
+        )  # fmt: skip
+        return self.report.write(summary)
+
     # ---------------------------------------------------------------------------------- resume points
     def resume_parts(self) -> dict:
         """The collaborators a resume point saves, by their names in :data:`fs_fedpa.resume.PARTS`."""
         return {"global_model": self.globals, "round_log": self.round_log, "aggregator": self.aggregator,
-                "fs_results": FSResults(self), "privacy": self.privacy, "method_state": self.method}  # fmt: skip
+                "fs_results": FSResults(self), "privacy": self.privacy, "method_state": self.method,
+                "run_report": self.report}  # fmt: skip
 
     def write_resume_point(self) -> str:
         """The resume point of round ``self.state`` (:class:`~fs_fedpa.plugin.resume_fs.ServerResume`)."""
@@ -194,5 +229,24 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
                                    rounds=self.total_round_num)  # fmt: skip
         self._pending_rng = head["rng"]  # set when the round starts, as it was taken
         self.state = head["round"]
+        # FS evaluates the round before this one after the point was written: asked again, as the clients restore
+        self._evaluate_first = 0 < self.state < self.total_round_num and self.state % self._cfg.eval.freq == 0
         logger.info(f"[fedpa] resumed from {path} at round {self.state}")
         return self.state
+
+
+def open_report(cfg, method) -> RunReport:
+    """The run's :class:`~fs_fedpa.run_summary.RunReport`, with its tracker (``fedpa.track``) open in
+    ``<outdir>/tracking``."""
+    from fs_fedpa.tracking import open_tracker
+
+    plan = method.plan
+    head = {"method": method.name, "rounds": cfg.federate.total_round_num,
+            "metric": cfg.eval.best_res_update_round_wise_key,
+            "rank_plan": {"client_ranks": list(plan.client_ranks), "reference_ranks": list(plan.reference_ranks),
+                          "R_g": plan.R_g}}  # fmt: skip
+    config = {"method": method.name, "seed": cfg.seed, "rounds": cfg.federate.total_round_num,
+              "clients": cfg.federate.client_num, **head["rank_plan"]}  # fmt: skip
+    name = os.path.basename(os.path.normpath(cfg.outdir))
+    tracker = open_tracker(getattr(method.cfg, "track", "none"), os.path.join(cfg.outdir, "tracking"), name, config)
+    return RunReport(cfg.outdir, head, tracker)

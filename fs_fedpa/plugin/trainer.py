@@ -1,4 +1,4 @@
-"""The alignment term as an FS train hook: works with FS-LLM's stock ``llmtrainer`` and any trainer
+"""The alignment term and the training counts as FS train hooks: works with FS-LLM's stock ``llmtrainer`` and any trainer
 built on ``GeneralTorchTrainer`` (the plugin's classification trainer included).
 
 The hook runs last in ``on_batch_forward``, after FS has set ``ctx.loss_task`` (task loss plus any
@@ -22,3 +22,12 @@ def install_alignment_hook(trainer, alignment) -> None:
             ctx.loss_task = CtxVar(ctx.loss_task + term, LIFECYCLE.BATCH)
 
     trainer.register_hook_in_train(new_hook=_hook_on_batch_forward_fedpa_alignment, trigger="on_batch_forward")
+
+
+def install_counter_hook(trainer, counter) -> None:
+    """Count each training batch in ``counter`` (:class:`~fs_fedpa.systems.TrainCounter`) at the batch's end."""
+
+    def _hook_on_batch_end_fedpa_count(ctx):
+        counter.count(ctx.get("data_batch"), ctx.get("batch_size"))
+
+    trainer.register_hook_in_train(new_hook=_hook_on_batch_end_fedpa_count, trigger="on_batch_end", insert_pos=0)

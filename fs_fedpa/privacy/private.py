@@ -116,6 +116,16 @@ class GaussianServer(ServerPolicy):
         if (warning := seed_warning(fedpa.dp.seed)) is not None:
             logger.warning(warning)
 
+    def spent(self) -> dict | None:
+        last = self.last
+        if not last:
+            return None
+        clients = last.get("dp_clients") or {}  # sample level: each client's own; client level: one for all
+        return {"level": last["dp_mode"], "epsilon_max": last.get("dp_epsilon"), "delta": last.get("dp_delta"),
+                "epsilon": {c: v.get("epsilon") if v else None for c, v in clients.items()},
+                "adjacency": last.get("dp_adjacency"), "sampling": last.get("dp_sampling"),
+                "accountant": last.get("dp_accountant")}  # fmt: skip
+
     def write(self, line: dict) -> dict:
         """Append ``line`` to the ledger; it is the last line from now on."""
         self.last = line

@@ -22,7 +22,9 @@ logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its ow
 
 # what a client sends of its statistics: everything computed from its DP factors, but not the task-gradient ratios
 # (raw data); with what it reports it spent (SampleLevelClient.spent; SampleLevelServer.admit)
-RAW_DATA_STATS = ("grad_ratio_",)
+# kept on the client: the raw task gradient's norms, and its timings and counts (fs_fedpa.systems.SYSTEMS_STATS), which
+# depend on how many records the round drew
+RAW_DATA_STATS = ("grad_ratio_", "sys_")
 SAT_OUT = ("took no DP-SGD step (its account: 0 steps; fedpa.dp.min_records): its upload carries no training and is "
            "not aggregated")  # fmt: skip
 

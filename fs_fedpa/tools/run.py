@@ -3,8 +3,8 @@
 FS's main runs unchanged in a child process (``python -m federatedscope.main``, which is how FS users call it); this
 reads what it prints. The config dump stays in the run's ``config.yaml`` (FS writes it there) instead of the screen; a
 warning repeated word for word is shown once and counted; a bar shows the rounds with the time left; and the end says
-where the run went, its final metrics under both evaluation protocols, and the command that exports it. Everything
-the child printed is kept, unfiltered, in ``<run folder>/console.log``.
+where the run went, its final metrics under both evaluation protocols, its summary file (and tracker), and the
+command that exports it. Everything the child printed is kept, unfiltered, in ``<run folder>/console.log``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 
 from fs_fedpa.files import read_config
 from fs_fedpa.fs_results import ROUND_START, last_weighted_avg
+from fs_fedpa.run_summary import SUMMARY_FILE, read_summary
 from fs_fedpa.tools import cli
 
 PROG = "fs-fedpa run"
@@ -95,15 +96,22 @@ class Console:
 
 
 def final_metrics(run_folder: Path) -> dict[str, float]:
-    """The last server evaluation's weighted means (FS's ``eval_results.log``): accuracies and losses."""
-    log = run_folder / "eval_results.log"
-    last = last_weighted_avg(log) if log.is_file() else {}
+    """The last server evaluation's weighted means: from the run's ``summary.json`` (each client's own factors as
+    ``local.<key>``), or FS's ``eval_results.log`` for a run without one; accuracies, F1 and losses."""
+    summary = read_summary(run_folder)
+    if summary is not None:
+        final = summary.get("final") or {}
+        last = {**final.get("global", {}), **{f"local.{k}": v for k, v in final.get("own", {}).items()}}
+    else:
+        log = run_folder / "eval_results.log"
+        last = last_weighted_avg(log) if log.is_file() else {}
     return {k: float(v) for k, v in last.items() if k.endswith(("_acc", "_f1", "avg_loss")) and v is not None}
 
 
 def summary(run_folder: Path, seconds: float) -> str:
     """The end of a run: where it went, its final metrics under the paper protocol (the global reference with the
-    client's own local tensors) and each client's own factors (``local.``), and the export command."""
+    client's own local tensors) and each client's own factors (``local.``), its summary file and tracker, and the
+    export command."""
     metrics = final_metrics(run_folder)
     paper = {k: v for k, v in metrics.items() if not k.startswith("local.")}
     own = {k[len("local.") :]: v for k, v in metrics.items() if k.startswith("local.")}
@@ -112,6 +120,11 @@ def summary(run_folder: Path, seconds: float) -> str:
              f"  final, global adapter (paper protocol): {show(paper)}"]  # fmt: skip
     if own:
         lines.append(f"  final, each client's own factors:       {show(own)}")
+    if (run_folder / SUMMARY_FILE).is_file():
+        lines.append(f"  its summary (time, memory, bytes, privacy, every evaluation): {run_folder / SUMMARY_FILE}")
+        tracker = (read_summary(run_folder) or {}).get("tracker") or {}
+        if tracker.get("open"):
+            lines.append(f"  its {tracker['kind']} records: {tracker['open']}")
     if (run_folder / "final_checkpoint.pt").is_file() or (run_folder / "checkpoint.pt").is_file():
         lines.append(f"  export it as PEFT adapters: fs-fedpa export {run_folder} --out {run_folder / 'export'}")
     lines.append(f"  FS's full output: {run_folder / 'console.log'}; the config it ran: {run_folder / 'config.yaml'}")

@@ -219,12 +219,12 @@ def main(cfg_file: str, out: str, opts: list[str]) -> None:
                      "after": _raw(self.client_model, self.kept.personal)}  # fmt: skip
             record["personal"].append({**entry, **seen, "received": _raw(self.client_model, received)})
 
-    def leave(self, rnd):
+    def leave(self, rnd, systems=None):
         if (self.client_model.client_id, rnd) in poison_local:  # a training step gone wrong: NaN in the live factors
             B = next(iter(self.alignment.live.values()))[0]
             with torch.no_grad():
                 B[0, 0] = float("nan")
-        upload = orig_leave(self, rnd)
+        upload = orig_leave(self, rnd, systems)
         client = self.client_model.client_id
         record["conversions"].append({"client": client, "round": rnd, "n": converted[0] - self.converted_before})
         record["leave"].append(

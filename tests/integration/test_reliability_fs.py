@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from fs_fedpa.methods import names
+from fs_fedpa.record import without_timings
+from fs_fedpa.run_summary import TIMING_KEYS
 from tests.conftest import ROOT
 from tests.integration.conftest import fedpa_cfg, probe
 from tests.integration.tiny_assets import dump_yaml, fs_env, run_fs, run_module
@@ -20,7 +22,24 @@ pytestmark = pytest.mark.integration
 
 
 def _diagnostics(run) -> list[dict]:
-    return [json.loads(line) for line in (Path(run["final"]["outdir"]) / "fedpa_diagnostics.jsonl").open()]
+    """The run's round records without the fields that measure time or memory."""
+    path = Path(run["final"]["outdir"]) / "fedpa_diagnostics.jsonl"
+    return [without_timings(json.loads(line)) for line in path.open()]
+
+
+SUMMARY_KEYS = {"format", "method", "rank_plan", "metric", "rounds", "final", "best", "bytes", "wall_minutes",
+                "peak_memory", "privacy", "export", "commit", "tracker", "curve"}  # fmt: skip
+
+
+def _summary(run) -> dict:
+    """The run's summary.json, every key of docs/observability.md there, without its times and memory."""
+    summary = json.loads((Path(run["final"]["outdir"]) / "summary.json").read_text())
+    assert set(summary) == SUMMARY_KEYS
+    assert summary["wall_minutes"] > 0 and summary["peak_memory"]["bytes"] > 0
+    assert summary["final"]["global"] and summary["bytes"]["total"] > 0
+    for entry in summary["curve"]:
+        assert entry.pop("minutes") > 0 and entry.pop("eval_seconds")
+    return {k: v for k, v in summary.items() if k not in TIMING_KEYS}
 
 
 def _product(factors):
@@ -259,6 +278,10 @@ def test_a_run_killed_after_round_k_resumes_to_the_same_result(tiny_llm, tmp_pat
     # (the bytes each client received and sent among them)
     assert [d["round"] for d in _diagnostics(resumed)] == [0, 1, 2, 3]
     assert _diagnostics(resumed) == _diagnostics(full)
+    # the summary (issue 90): every key, and the same as the uninterrupted run's but for times and memory (the
+    # evaluation that closed the round before the kill, whose results the resume point could not hold, asked again)
+    assert [e["round"] for e in _summary(full)["curve"]] == [0, 1, 2, 3]
+    assert _summary(resumed) == _summary(full)
 
 
 def test_restore_from_a_file_that_is_not_a_resume_point_is_refused(tiny_llm, tmp_path):

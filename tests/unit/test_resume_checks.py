@@ -46,14 +46,20 @@ def test_well_formed_factors_pass_and_a_nan_is_still_named():
 
 
 def test_a_resume_point_of_another_version_is_refused_naming_both():
-    with pytest.raises(ValueError, match=r"version 1; this fs_fedpa reads version 5"):
+    with pytest.raises(ValueError, match=r"version 1; this fs_fedpa reads version 6"):
         resume.check_server_fields({"method": "fedpa", "round": 2}, "old.pt")  # before version 2: no field
 
 
 def test_a_version_4_point_is_refused_saying_it_carries_the_history():
     with pytest.raises(ValueError, match=r"old\.pt' is a resume point of version 4 \(it carries the whole round "
-                       r"history; the diagnostics file is the history now\); this fs_fedpa reads version 5 only"):
+                       r"history; the diagnostics file is the history now\); this fs_fedpa reads version 6 only"):
         resume.check_server_fields({**_whole_point(), "version": 4}, "old.pt")
+
+
+def test_a_version_5_point_is_refused_saying_it_has_no_run_report():
+    with pytest.raises(ValueError, match=r"version 5 \(it has no run report: the resumed run's summary.json would "
+                       r"lose the evaluations before it\); this fs_fedpa reads version 6 only"):
+        resume.check_server_fields({**_whole_point(), "version": 5}, "old.pt")
 
 
 def _whole_point() -> dict:
