@@ -77,7 +77,7 @@ class RunReport:
 
     def round_done(self, record: dict, spent: dict | None) -> None:
         """Round ``record`` (a :class:`~fs_fedpa.record.RoundRecord` as a dict) aggregated, ``spent`` the privacy
-        spent so far (:meth:`~fs_fedpa.privacy.policy.ServerPolicy.spent`): the peak memory, and the tracker."""
+        spent so far (:meth:`~fs_fedpa.privacy.policy.ServerPolicy.epsilons`): the peak memory, and the tracker."""
         peaks = [v for v in (record.get("peak_memory") or {}).values() if _number(v)]
         peak = max([record.get("server_peak_memory") or 0, *peaks])
         if peak >= self.peak_memory["bytes"]:

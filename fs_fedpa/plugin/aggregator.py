@@ -80,7 +80,7 @@ carries the aggregation's wall seconds and peak memory. :meth:`aggregate` return
             record["wall_seconds"] = self.report.wall_seconds()
         self.round_log.add(record)
         if self.report is not None:
-            self.report.round_done(record, self.privacy.spent())
+            self.report.round_done(record, self.privacy.epsilons())
         if isinstance(result, Aggregated):
             self.failed_in_a_row = 0
         elif result.failed:

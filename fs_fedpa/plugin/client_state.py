@@ -151,13 +151,14 @@ class ClientState:
         self.base_offset = {n: t.to(device) for n, t in parts.get("base_offset", {}).items()}
 
     def state_dict(self) -> dict:
-        """Everything kept across rounds (applied factors, local tensors, merges, personal adapter) on the CPU, and the
-        rounds it trained: what its resume files hold beside whose they are."""
+        """Everything kept across rounds (applied factors, local tensors, merges, personal adapter, the round's fold)
+        on the CPU, and the rounds it trained: what its resume files hold beside whose they are."""
         return {
             "factors": lora.copy_factors(self.factors, "cpu"),
             "local": {n: t.detach().cpu().clone() for n, t in self.local.items()},
             "base_offset": {n: t.cpu() for n, t in self.base_offset.items()},
             "personal": lora.copy_factors(self.personal, "cpu") if self.personal is not None else {},
+            "fold": lora.copy_factors(self.fold or {}, "cpu"),  # what its own model's evaluation adds to the base
             "rounds_trained": self.rounds_trained,
         }
 
@@ -174,6 +175,10 @@ class ClientState:
         check_pairs(saved.get("factors"), at, "factors", shapes, max_rank=None, lower_rank=prunes)
         if saved.get("personal"):  # a personal adapter (FedDPA) has the client's rank
             check_pairs(saved["personal"], at, "personal", shapes, max_rank=None, lower_rank=False)
+        if fold := saved.get("fold"):  # Fed-PLoRA's undrawn modules of the round, of a reference's rank
+            known = {n: shapes[n] for n in fold if n in shapes} if isinstance(fold, dict) else shapes
+            check_pairs(fold, at, "fold", known if len(known) == len(fold) else shapes, max_rank=method.plan.R_g,
+                        lower_rank=True)  # fmt: skip
         check_tensors(saved.get("local"), at, "local", {n: tuple(t.shape) for n, t in local.items()})
         check_tensors(saved.get("base_offset", {}), at, "base_offset", method.shapes, exact=False)
 
@@ -184,6 +189,7 @@ class ClientState:
         self.local = {n: t.to(device) for n, t in saved["local"].items()}
         self.base_offset = {n: t.to(device) for n, t in saved.get("base_offset", {}).items()}
         self.personal = _on(saved.get("personal", {}), device) or None
+        self.fold = _on(saved.get("fold", {}), device) or None
         self.rounds_trained = saved["rounds_trained"]
         self.last_trained = saved["round"]  # a client writes its file in the round it trains
 

@@ -204,7 +204,7 @@ class FedPAServer(ServerLiveness, ServerInbox, Server):
         totals, export = self.round_log.totals, self.method.cfg.export.dir
         summary = self.report.summary(
             rounds_done=min(self.state, self.total_round_num), bytes_up=totals["up"], bytes_down=totals["down"],
-            privacy=self.privacy.spent(), export=os.path.abspath(export) if export else None, commit=self._commit,
+            privacy=self.privacy.epsilons(), export=os.path.abspath(export) if export else None, commit=self._commit,
         )  # fmt: skip
         return self.report.write(summary)
 

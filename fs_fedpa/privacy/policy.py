@@ -90,7 +90,7 @@ class ServerPolicy:
         """The run's last log line on what it spent (None: nothing to say)."""
         return None
 
-    def spent(self) -> dict | None:
+    def epsilons(self) -> dict | None:
         """What the run has spent so far, for its summary and tracker (None without DP): ``level``, ``epsilon``
         (per client id, where each client has its own), ``epsilon_max`` (None where a client has no guarantee),
         ``delta`` and the convention (``adjacency``, ``sampling``, ``accountant``)."""

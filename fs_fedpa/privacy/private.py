@@ -116,7 +116,7 @@ class GaussianServer(ServerPolicy):
         if (warning := seed_warning(fedpa.dp.seed)) is not None:
             logger.warning(warning)
 
-    def spent(self) -> dict | None:
+    def epsilons(self) -> dict | None:
         last = self.last
         if not last:
             return None

@@ -280,6 +280,11 @@ def test_a_run_killed_after_round_k_resumes_to_the_same_result(tiny_llm, tmp_pat
     assert _diagnostics(resumed) == _diagnostics(full)
     # the summary (issue 90): every key, and the same as the uninterrupted run's but for times and memory (the
     # evaluation that closed the round before the kill, whose results the resume point could not hold, asked again)
+    for record in map(json.loads, (Path(full["final"]["outdir"]) / "fedpa_diagnostics.jsonl").open()):
+        assert record["aggregate_seconds"] > 0 and record["server_peak_memory"] > 0 and record["memory_kind"] == "rss"
+        clients = {str(c) for c in record["clients"]}  # each aggregated client measured its training
+        assert set(record["train_seconds"]) == set(record["train_batches"]) == clients
+        assert all(record["train_batches"][c] > 0 and record["examples_per_s"][c] > 0 for c in clients)
     assert [e["round"] for e in _summary(full)["curve"]] == [0, 1, 2, 3]
     assert _summary(resumed) == _summary(full)
 
