@@ -248,5 +248,5 @@ def open_report(cfg, method) -> RunReport:
     config = {"method": method.name, "seed": cfg.seed, "rounds": cfg.federate.total_round_num,
               "clients": cfg.federate.client_num, **head["rank_plan"]}  # fmt: skip
     name = os.path.basename(os.path.normpath(cfg.outdir))
-    tracker = open_tracker(getattr(method.cfg, "track", "none"), os.path.join(cfg.outdir, "tracking"), name, config)
+    tracker = open_tracker(method.cfg.track, os.path.join(cfg.outdir, "tracking"), name, config)
     return RunReport(cfg.outdir, head, tracker)
