@@ -84,13 +84,15 @@ class _Backend(Tracker):
     """What every backend shares: values filtered to finite floats, and a failure warned once and turned off."""
 
     def __init__(self) -> None:
-        self._on = True
+        self._on, self._bad_step = True, False
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         if not self._on:
             return
         if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-            self._fail("log", f"step {step!r} is not a round >= 0")
+            if not self._bad_step:  # skipped, the tracker kept on: warned once
+                logger.warning(f"fedpa.track {self.kind}: step {step!r} is not a round >= 0; its scalars are skipped")
+            self._bad_step = True
             return
         values = finite_scalars(scalars)
         if values:
