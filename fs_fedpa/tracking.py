@@ -257,18 +257,23 @@ def _mlflow_name(name: str) -> str:
 
 
 def _plain(value):
-    """A nested mapping (an FS ``CN`` included) as plain dicts and lists, JSON-able (anything else as its str)."""
-    return json.loads(json.dumps(value, default=lambda v: list(v) if isinstance(v, (tuple, set)) else str(v)))
+    """A nested mapping (an FS ``CN`` included) as plain dicts and lists, JSON-able (anything else as its str),
+    without dunder keys (a ``CN``'s ``__help_info__`` and ``__cfg_check_funcs__`` are no settings)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items() if not (str(k).startswith("__") and str(k).endswith("__"))}
+    if isinstance(value, (list, tuple, set)):
+        return [_plain(v) for v in value]
+    return json.loads(json.dumps(value, default=str))
 
 
 def _flatten(config, prefix: str = "") -> dict[str, str]:
     """``{"train.optimizer.lr": "0.01", ...}``: the leaves of a nested mapping under dotted keys, as strings."""
     out: dict[str, str] = {}
-    for key, value in dict(config or {}).items():
+    for key, value in _plain(dict(config or {})).items():
         if isinstance(value, dict) and value:
             out.update(_flatten(value, f"{prefix}{key}."))
         else:
-            out[f"{prefix}{key}"] = json.dumps(_plain(value)) if not isinstance(value, str) else value
+            out[f"{prefix}{key}"] = value if isinstance(value, str) else json.dumps(value)
     return out
 
 
