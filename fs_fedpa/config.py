@@ -29,6 +29,7 @@ from fs_fedpa.config_sections import describe as _describe
 from fs_fedpa.core.schedule import SCHEDULES  # torch-free
 from fs_fedpa.privacy.settings import SEED_MAX, DPSettings
 from fs_fedpa.quantization import CHOICES as QUANTIZATION_CHOICES
+from fs_fedpa.tracking import KINDS as TRACKERS  # no backend imported
 from fs_fedpa.values import int_list as _int_list
 from fs_fedpa.values import integer as _integer
 from fs_fedpa.values import number as _number
@@ -182,6 +183,17 @@ class FedPAConfig:
         default=0,
         metadata={"help": "global steps of linear warm-up from lr / warmup to lr (with lr_schedule)"},
     )
+    track: Literal["none", "tensorboard", "wandb", "mlflow"] = field(
+        default="none",
+        metadata={
+            "help": (
+                "experiment tracker the server feeds each round's metrics, diagnostics and systems fields into "
+                "<outdir>/tracking (the track extra): 'tensorboard'; 'wandb' (offline unless WANDB_MODE=online; "
+                "WANDB_PROJECT); 'mlflow' (SQLite store mlflow.db there unless MLFLOW_TRACKING_URI; "
+                "MLFLOW_EXPERIMENT_NAME); 'none' imports none of them"
+            )
+        },
+    )
     seed: int = field(
         default=-1,
         metadata={
@@ -246,6 +258,8 @@ class FedPAConfig:
                 f"fedpa.seed(={self.seed}) must be <= 2**32 - 1 (= {SEED_MAX}), the range of FS's top-level seed "
                 "(torch's generators overflow beyond 2**64 - 1)"
             )
+        if self.track not in TRACKERS:
+            raise ValueError(f"fedpa.track(={self.track!r}) must be one of {TRACKERS}")
         self.dp.check_with(self)  # fs_fedpa.privacy.settings: what DP refuses of the section's other keys
         if self.lr_schedule not in SCHEDULES:
             raise ValueError(f"fedpa.lr_schedule(={self.lr_schedule!r}) must be one of {SCHEDULES}")

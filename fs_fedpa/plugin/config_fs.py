@@ -30,6 +30,7 @@ _UNSUPPORTED = (
     ("quantization.method", lambda c: c.quantization.method != "none", "uplink quantization"),
     ("aggregator.robust_rule", lambda c: c.aggregator.robust_rule not in ("", "fedavg"), "robust aggregation rules"),
     ("model.model_num_per_trainer", lambda c: c.model.model_num_per_trainer != 1, "several models per trainer"),
+    ("wandb.use", lambda c: c.wandb.use, "FederatedScope's W&B logging (wandb.use True)"),
     (
         "federate.share_local_model",
         lambda c: c.federate.mode == "distributed" and c.federate.share_local_model,
@@ -39,6 +40,10 @@ _UNSUPPORTED = (
 
 # What to use instead, where there is something: appended to the refusal.
 _INSTEAD = {
+    "wandb.use": (
+        ": it would start a W&B run of its own beside the plugin's, online, with credentials. Use fedpa.track wandb "
+        "instead (it logs the plugin's diagnostics too, offline unless WANDB_MODE=online)"
+    ),
     "federate.process_num": (
         ". FS's multi-process standalone runner (federatedscope/core/parallel) moves every model_para message "
         "over torch.distributed as tensors shaped like the model's state_dict, and FedPA's messages are per-client "

@@ -130,3 +130,13 @@ def test_the_keys_given_are_kept_per_config_and_by_its_clones():
     dp.merge_from_list(DP)
     dp.merge_from_other_cfg(dp.clone())  # FS's main merges its data-modified clone back: old keys at default stay unset
     assert dp.fedpa.dp.mode == "sample" and "fedpa.dp_mode" not in config_fs.given_keys(dp)
+
+
+def test_fs_own_wandb_logging_is_refused_naming_the_plugin_tracker():
+    """FS's ``wandb.use True`` would start a second W&B run beside ``fedpa.track wandb`` (online, with credentials),
+    one that never sees the plugin's diagnostics."""
+    with pytest.raises(ValueError, match=r"federate.method 'fedpa' does not support FederatedScope's W&B logging "
+                                         r"\(wandb.use True\); unset wandb.use: .* Use fedpa.track wandb instead"):
+        _fresh().merge_from_list(["federate.method", "fedpa", "wandb.use", True])
+    _fresh().merge_from_list(["federate.method", "fedpa", "fedpa.track", "wandb"])
+    _fresh().merge_from_list(["federate.method", "FedAvg", "wandb.use", True])  # FS's own method: FS's own logging

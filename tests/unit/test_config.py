@@ -26,6 +26,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "config.md"
         (dict(reference_ranks="4"), r"fedpa.reference_ranks\(='4'\) must be a list"),
         (dict(group_sizes=[3, -1]), r"fedpa.group_sizes\[1\]\(=-1\)"),
         (dict(adaptive_lam="cos"), r"fedpa.adaptive_lam\(='cos'\) must be one of"),
+        (dict(track="comet"), r"^fedpa.track\(='comet'\) must be one of \('none', 'tensorboard', 'wandb', 'mlflow'\)"),
         (dict(adaptive_lam="grad", reg="b"), r"adapts the product penalty; it needs fedpa.reg 'product'"),
         (dict(lam_min=2.0, lam_max=1.0), r"fedpa.lam_max\(=1.0\) must be > fedpa.lam_min\(=2.0\)"),
         (dict(eval={"local": "yes"}), r"fedpa.eval.local must be True or False"),
