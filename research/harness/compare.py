@@ -9,12 +9,14 @@ none, ``--cell NAME METHOD [KEY VALUE ...]`` one with overrides (an ablation, an
 Each run is one ``python -m federatedscope.main`` subprocess with ``federate.method``, ``seed``, ``outdir`` and
 ``expname`` set, so every cell shares the config, the data split (FS seeds it with 12345) and the evaluation
 protocol. A finished run (its ``result.json`` exists) is skipped when the command is repeated; the report is
-always rebuilt from the runs' files: FS's ``eval_results.log`` and the plugin's ``fedpa_diagnostics.jsonl``.
+always rebuilt from the runs' files: the run's ``summary.json`` (the metrics of every evaluation with the wall
+minutes and bytes spent up to it; FS's ``eval_results.log`` for runs from before summary.json) and the plugin's
+``fedpa_diagnostics.jsonl``.
 
 Written to ``--out``: ``results.md`` and ``results.csv`` (mean ± std over seeds of the final and the best round
 for the paper protocol ``<metric>`` and the clients' own factors ``local.<metric>``, with E_agg, E_init,
-communication and time), ``runs.json`` (every run's curves and diagnostics) and the figures of
-:mod:`research.harness.plots`.
+communication and wall minutes), ``runs.json`` (every run's curves and diagnostics) and the figures of
+:mod:`research.harness.plots` (among them the metric against wall minutes and against bytes).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import argparse
 import csv
 import functools
 import json
+import math
 import os
 import platform
 import re
@@ -37,9 +40,10 @@ from pathlib import Path
 from fs_fedpa.files import read_config
 from fs_fedpa.fs_results import ROUND_START, weighted_avg_by_round
 from fs_fedpa.methods import names as method_names
-from fs_fedpa.record import CLIENT_STATS, DIAGNOSTICS_FILE, EVAL_SHARDS_FILE, OUTCOMES_FILE, PRIVACY_FILE, compact
+from fs_fedpa.record import CLIENT_STATS, DIAGNOSTICS_FILE, compact
+from fs_fedpa.run_summary import SUMMARY_FILE, read_summary
 from research.harness.fs_command import fs_overrides, with_yaml_keys
-from research.harness.fs_results import clients_last_round, read_noise_signal
+from research.harness.fs_results import clients_last_round, read_noise_signal, read_outcomes, read_privacy
 
 
 @dataclass(frozen=True)
@@ -211,12 +215,20 @@ def _mean(values) -> float | None:
 
 
 def collect(out: Path) -> dict:
-    """A finished run: its ``result.json`` plus per-round metrics and compact diagnostics read from its files."""
+    """A finished run: its ``result.json`` plus per-round metrics and compact diagnostics read from its files.
+
+    ``rounds``: ``{round: metrics}``, the paper protocol's keys as they are and the clients' own as ``local.<key>``,
+    from the run's ``summary.json`` (then also ``curve``: ``[{"round", "minutes", "bytes"}]`` cumulative at each
+    evaluation, and ``wall_minutes``), or from FS's ``eval_results.log`` for runs from before summary.json."""
     run = json.loads((out / "result.json").read_text())
     run.setdefault("cell", run.get("method"))
     run["split_seed"] = split_seed(out / "run")
-    run["rounds"] = {int(r): m for r, m in weighted_avg_by_round(out / "run" / "eval_results.log").items()}
-    if clients := clients_last_round(out / "run" / "eval_results.log"):
+    log = out / "run" / "eval_results.log"
+    if (summary := read_summary(out / "run")) is not None:
+        run.update(from_summary(summary, out / "run" / SUMMARY_FILE))
+    else:
+        run["rounds"] = {int(r): m for r, m in weighted_avg_by_round(log).items()}
+    if log.is_file() and (clients := clients_last_round(log)):
         run["clients"] = clients
     path = out / "run" / DIAGNOSTICS_FILE
     lines = path.read_text().splitlines() if path.is_file() else []
@@ -230,47 +242,23 @@ def collect(out: Path) -> dict:
     return run
 
 
-def read_privacy(folder: Path) -> dict | None:
-    """What a DP run spent, from its ledger (None without one): the ledger's last line (the final ε at the run's δ,
-    the sampling, adjacency, clip and sensitivity; in sample mode each client's ε, δ, noise multiplier and steps)
-    and ``epsilon_by_round``, the cumulative ε after each round."""
-    path = folder / PRIVACY_FILE
-    if not path.is_file():
-        return None
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if not lines:
-        return None
-    return {**lines[-1], "epsilon_by_round": {int(r["round"]): r["dp_epsilon"] for r in lines}}
+def from_summary(summary: dict, path: Path) -> dict:
+    """``rounds``, ``curve`` and ``wall_minutes`` of a run from its summary (``path`` names it in errors); NaN
+    becomes None, as :func:`~fs_fedpa.fs_results.weighted_avg_by_round` reads it from FS's log."""
 
+    def finite(v):
+        return None if isinstance(v, float) and not math.isfinite(v) else v
 
-OUTCOME_EVALS = 3  # a run file keeps the per-example outcomes of its last this many evaluations
-
-
-def read_outcomes(folder: Path, last: int = OUTCOME_EVALS) -> dict | None:
-    """The per-example outcomes of a run with ``fedpa.records.save_outcomes`` (None without them), for its ``last``
-    evaluations: ``{"size": n, "split": s, "shards": {client: [index into the evaluation file, ...]},
-    "rounds": {round: {protocol: {client: "0110..."}}}}``, the bits in the order of the client's shard."""
-    shards_file, outcomes_file = folder / EVAL_SHARDS_FILE, folder / OUTCOMES_FILE
-    if not (shards_file.is_file() and outcomes_file.is_file()):
-        return None
-    shards = json.loads(shards_file.read_text())
-    lines = [json.loads(line) for line in outcomes_file.read_text().splitlines() if line.strip()]
-    splits = {line["split"] for line in lines} & set(shards["splits"])
-    if len(splits) != 1:
-        raise ValueError(f"{outcomes_file}: expected outcomes of one split of the evaluation file, got {splits}")
-    split = splits.pop()
-    clients = shards["splits"][split]
-    rounds: dict[int, dict[str, dict[str, str]]] = {}
-    for line in (line for line in lines if line["split"] == split):
-        client, bits = str(line["client"]), line["correct"]
-        if len(bits) != len(clients.get(client, ())):
-            raise ValueError(
-                f"{outcomes_file}: round {line['round']}, {line['protocol']}, client {client}: {len(bits)} outcomes "
-                f"for a shard of {len(clients.get(client, ()))} examples"
-            )
-        rounds.setdefault(line["round"], {}).setdefault(line["protocol"], {})[client] = bits
-    kept = sorted(rounds)[-last:]
-    return {"size": shards["size"], "split": split, "shards": clients, "rounds": {r: rounds[r] for r in kept}}
+    rounds, curve = {}, []
+    try:
+        for point in summary["curve"]:
+            metrics = {k: finite(v) for k, v in point["global"].items()}
+            metrics.update({f"local.{k}": finite(v) for k, v in point["own"].items()})
+            rounds[int(point["round"])] = metrics
+            curve.append({"round": int(point["round"]), "minutes": point["minutes"], "bytes": point["bytes"]})
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise ValueError(f"{path}: curve entries need round, minutes, bytes, global and own ({exc!r})") from None
+    return {"rounds": dict(sorted(rounds.items())), "curve": curve, "wall_minutes": summary.get("wall_minutes")}
 
 
 def _stat(values: list[float]) -> tuple[float, float] | None:
@@ -282,7 +270,7 @@ def _stat(values: list[float]) -> tuple[float, float] | None:
 
 def summarize(runs: list[dict], metric: str, larger_is_better: bool) -> list[dict]:
     """Per cell: mean and std over seeds of the final and best ``metric`` / ``local.metric``, of E_agg (relative)
-    and E_init averaged over rounds, of the total bytes and of the wall time."""
+    and E_init averaged over rounds, of the total bytes and of the wall time (the summary's, else the runner's)."""
     rows = []
     for cell in dict.fromkeys(r["cell"] for r in runs):
         group = [r for r in runs if r["cell"] == cell]
@@ -295,7 +283,8 @@ def summarize(runs: list[dict], metric: str, larger_is_better: bool) -> list[dic
         for key in MEAN_OVER_ROUNDS:
             row[key] = _stat([v for r in group if (v := _mean(d.get(key) for d in r["diagnostics"])) is not None])
         row["MiB"] = _stat([r["diagnostics"][-1]["bytes_total"] / 2**20 for r in group if r["diagnostics"]])
-        row["minutes"] = _stat([r["seconds"] / 60 for r in group if r.get("seconds")])
+        minutes = [r.get("wall_minutes") or (r.get("seconds") or 0) / 60 for r in group]
+        row["minutes"] = _stat([m for m in minutes if m])
         rows.append(row)
     return rows
 
@@ -365,15 +354,15 @@ def protocol_note(metric: str, cfg: str, cells: list[Cell], seeds: list[int], op
             "||sum_i w_i Delta W_i||_F; `delta_norm_mean` ||Delta W_i||_F; `drift_mean` ||Delta W_i - X_g,i||_F "
             "from the reference received, `drift_rel_mean` the same over ||X_g,i||_F; `grad_ratio_last_mean` "
             "||grad alignment|| / ||grad task|| at a round's last step (– for methods without an alignment term).",
-            "- `MiB`: uplink + downlink payloads of the whole run; `minutes`: wall time of one run.",
+            "- `MiB`: uplink + downlink payloads of the whole run; `minutes`: wall time of one run (its "
+            "summary.json's where it wrote one).",
             *([f"- Cell overrides: {overrides}."] if overrides else []),
         ]
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m research.harness.compare", 
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m research.harness.compare", description=__doc__.splitlines()[0])
     parser.add_argument("--cfg", required=True, help="the FS yaml every run shares")
     parser.add_argument(
         "--methods",
@@ -423,7 +412,10 @@ def main(argv: list[str] | None = None) -> int:
             print("    finished before; skipped", flush=True)
         else:
             times.append(seconds)
-    runs = [collect(out / "runs" / f"{c.name}_s{s}") for c, s in grid]
+    try:
+        runs = [collect(out / "runs" / f"{c.name}_s{s}") for c, s in grid]
+    except ValueError as exc:  # a run file that is not what its name says
+        parser.exit(1, f"{parser.prog}: error: {exc}\n")
     note = protocol_note(args.metric, args.cfg, cells, args.seeds, args.opts)
     if args.earlier:
         earlier = json.loads(Path(args.earlier).read_text())

@@ -1,16 +1,20 @@
 """The comparison's figures (matplotlib, PNG), from the runs :mod:`research.harness.compare` collects.
 
-A run is ``{"cell", "seed", "rounds": {round: FS weighted-average metrics}, "diagnostics": [per-round record]}``;
+A run is ``{"cell", "seed", "rounds": {round: FS weighted-average metrics}, "diagnostics": [per-round record]}``,
+with ``"curve": [{"round", "minutes", "bytes"}]`` (cumulative at each evaluation) where it wrote a summary.json;
 each figure shows the mean over seeds of every cell (a band for the spread where there are several seeds):
 
 - ``accuracy.png``: the metric vs round;
 - ``mismatch.png``: E_agg, E_init(B) and E_init(A) vs round for one LoRA module (the paper's Figure 2), on log
   axes where an exact zero (FedPA's E_init) lies on the floor;
 - ``spectrum.png``: singular values of the aggregate sum_i w_i B_i A_i of that module, one curve per round;
-- ``bytes.png``: the metric vs cumulative uplink + downlink bytes;
+- ``bytes.png``: the metric vs cumulative uplink + downlink MiB at each evaluation (the summary's curve; the
+  diagnostics' ``bytes_total`` for runs from before summary.json, drawn without a band as before);
 - ``mechanism.png``: what explains a ranking, per round: the norm of the global update ||sum_i w_i Delta W_i||_F,
   the clients' own ||Delta W_i||_F, their drift from the reference they received (relative), and the ratio of the
   alignment term's gradient to the task loss's gradient at a round's last step (client fields: mean over clients);
+- ``minutes.png``: the metric vs cumulative wall minutes at each evaluation (the summary's curve; written only where
+  some run has one).
 """
 
 from __future__ import annotations
@@ -175,22 +179,52 @@ def plot_spectrum(runs: Sequence[dict], path: Path) -> Path:
     return save(fig, path)
 
 
-def bytes_vs_metric(runs: Sequence[dict], metric: str) -> list[tuple[float, float]]:
-    """``(MiB sent up to round t, metric after round t)`` for every evaluated round t, mean over ``runs``."""
-    acc_rounds, acc, _ = mean_curve(cell_series(runs, metric_of(metric)))
-    byte_rounds, sent, _ = mean_curve(cell_series(runs, diag_of("bytes_total")))
-    by_round = dict(zip(byte_rounds, sent))  # evaluated rounds may be a subset of the aggregated ones
-    return [(by_round[r] / 2**20, a) for r, a in zip(acc_rounds, acc) if r in by_round]
+def cost_of(cost: str):
+    """``(round, cumulative cost at that evaluation)`` of a run: ``minutes`` or ``bytes`` from its summary's curve;
+    for runs from before summary.json, no minutes and the diagnostics' ``bytes_total`` of the evaluated round."""
+    if cost not in ("minutes", "bytes"):
+        raise ValueError(f"cost must be minutes or bytes, got {cost!r}")
+
+    def points(run):
+        if run.get("curve"):
+            return ((p["round"], p[cost]) for p in run["curve"])
+        return diag_of("bytes_total")(run) if cost == "bytes" else iter(())
+
+    return points
 
 
-def plot_bytes(runs: Sequence[dict], metric: str, path: Path) -> Path:
-    """The metric after each round vs the cumulative uplink + downlink bytes up to that round."""
+def cost_curve(runs: Sequence[dict], metric: str, cost: str) -> tuple[list[float], list[float], list[float]]:
+    """At the rounds evaluated in every run that records ``cost``: the mean cost (x), the mean and the sample
+    standard deviation of ``metric`` over those runs (the seeds of a cell). Runs without the cost are left out."""
+    pairs = [(c, m) for c, m in zip(cell_series(runs, cost_of(cost)), cell_series(runs, metric_of(metric))) if c]
+    if not pairs:
+        return [], [], []
+    cost_rounds, xs, _ = mean_curve([c for c, _ in pairs])
+    rounds, means, stds = mean_curve([m for _, m in pairs])
+    by_round = dict(zip(cost_rounds, xs))  # evaluated rounds may be a subset of the aggregated ones
+    kept = [(by_round[r], m, s) for r, m, s in zip(rounds, means, stds) if r in by_round]
+    return [x for x, _, _ in kept], [m for _, m, _ in kept], [s for _, _, s in kept]
+
+
+COSTS = {  # cost -> (scale of its unit, x label)
+    "minutes": (1.0, "cumulative wall time (minutes)"),
+    "bytes": (2**-20, "cumulative uplink + downlink (MiB)"),
+}
+
+
+def plot_cost(runs: Sequence[dict], metric: str, cost: str, path: Path) -> Path:
+    """The metric at each evaluation vs the wall minutes or the bytes spent up to it, mean ± std over seeds."""
     plt = pyplot()
+    scale, xlabel = COSTS[cost]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (cell, group) in enumerate(by_cell(runs).items()):
-        if points := bytes_vs_metric(group, metric):
-            ax.plot(*zip(*points), label=cell, **style(i))
-    ax.set(xlabel="cumulative uplink + downlink (MiB)", ylabel=metric, title=f"{metric} vs communication")
+        xs, means, stds = cost_curve(group, metric, cost)
+        if not any(r.get("curve") for r in group):
+            stds = [0.0] * len(stds)  # runs from before summary.json: drawn as the committed reports drew them
+        if xs:
+            band(ax, [x * scale for x in xs], means, stds, cell, **style(i))
+    title = "wall time" if cost == "minutes" else "communication"
+    ax.set(xlabel=xlabel, ylabel=metric, title=f"{metric} vs {title}")
     ax.grid(alpha=0.3)
     legend(ax, fontsize=8, ncol=2)
     return save(fig, path)
@@ -224,12 +258,20 @@ def plot_mechanism(runs: Sequence[dict], path: Path) -> Path:
     return save(fig, path)
 
 
+FIGURES = ("accuracy.png", "mismatch.png", "spectrum.png", "bytes.png", "mechanism.png", "minutes.png")
+
+
 def plot_all(runs: Sequence[dict], metric: str, out: Path) -> list[Path]:
+    """Writes :data:`FIGURES` into ``out`` and returns their paths in that order; ``minutes.png`` only where some
+    run has a summary's curve (runs from before summary.json record no wall time per evaluation)."""
     out.mkdir(parents=True, exist_ok=True)
-    return [
+    paths = [
         plot_accuracy(runs, metric, out / "accuracy.png"),
         plot_mismatch(runs, out / "mismatch.png"),
         plot_spectrum(runs, out / "spectrum.png"),
-        plot_bytes(runs, metric, out / "bytes.png"),
+        plot_cost(runs, metric, "bytes", out / "bytes.png"),
         plot_mechanism(runs, out / "mechanism.png"),
     ]
+    if any(run.get("curve") for run in runs):
+        paths.append(plot_cost(runs, metric, "minutes", out / "minutes.png"))
+    return paths

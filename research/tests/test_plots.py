@@ -6,7 +6,8 @@ import warnings
 
 import pytest
 
-from research.harness.plots import bytes_vs_metric, mean_curve, plot_all, style
+from research.harness import plots
+from research.harness.plots import FIGURES, cost_curve, mean_curve, plot_all, style
 from research.study.plots import plot_staleness, stale_drift
 
 
@@ -34,9 +35,55 @@ def _run(seed, acc, sent, cell="fedpa"):
 
 
 def test_evaluated_rounds_are_paired_with_the_bytes_of_the_same_round():
-    # evaluation every 2nd round (1, 3), aggregation every round (0..3)
+    # a run from before summary.json: evaluation every 2nd round (1, 3), aggregation every round (0..3)
     runs = [_run(0, {1: 0.5, 3: 0.7}, {0: 2**20, 1: 2 * 2**20, 2: 3 * 2**20, 3: 4 * 2**20})]
-    assert bytes_vs_metric(runs, "val_acc") == [(2.0, 0.5), (4.0, 0.7)]
+    assert cost_curve(runs, "val_acc", "bytes") == ([2 * 2**20, 4 * 2**20], [0.5, 0.7], [0.0, 0.0])
+    assert cost_curve(runs, "val_acc", "minutes") == ([], [], [])  # no wall time per evaluation recorded
+
+
+def _curve_run(seed, points, cell="fedpa"):
+    """A run with a summary's curve and no diagnostics: ``points`` = [(round, minutes, bytes, val_acc)]."""
+    return {
+        "cell": cell,
+        "seed": seed,
+        "rounds": {r: {"val_acc": a} for r, _, _, a in points},
+        "curve": [{"round": r, "minutes": m, "bytes": b} for r, m, b, _ in points],
+        "diagnostics": [],
+    }
+
+
+def test_the_cost_curves_are_the_summarys_minutes_and_bytes_mean_over_seeds():
+    runs = [
+        _curve_run(0, [(0, 0.5, 100, 0.5), (2, 1.5, 300, 0.7)]),
+        _curve_run(1, [(0, 0.7, 100, 0.6), (2, 1.9, 300, 0.9), (4, 2.5, 500, 0.9)]),  # round 4: this seed only
+    ]
+    minutes, acc, spread = cost_curve(runs, "val_acc", "minutes")
+    assert minutes == pytest.approx([0.6, 1.7]) and acc == pytest.approx([0.55, 0.8])
+    assert spread == pytest.approx([0.1 / 2**0.5, 0.2 / 2**0.5])  # sample sd of two values: |a - b| / sqrt(2)
+    assert cost_curve(runs, "val_acc", "bytes")[0] == [100, 300]
+
+
+def test_the_minutes_figure_draws_the_summarys_minutes(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    drawn = {}
+    monkeypatch.setattr(plots, "save", lambda fig, path: drawn.setdefault(path.name, fig) and path)
+    runs = [_curve_run(0, [(0, 0.25, 2**20, 0.5), (3, 1.75, 3 * 2**20, 0.8)], cell=c) for c in ("a", "b")]
+    plots.plot_cost(runs, "val_acc", "minutes", tmp_path / "minutes.png")
+    plots.plot_cost(runs, "val_acc", "bytes", tmp_path / "bytes.png")
+    minutes_lines, bytes_lines = drawn["minutes.png"].axes[0].lines, drawn["bytes.png"].axes[0].lines
+    assert [list(line.get_xdata()) for line in minutes_lines] == [[0.25, 1.75]] * 2
+    assert [list(line.get_ydata()) for line in minutes_lines] == [[0.5, 0.8]] * 2
+    assert [list(line.get_xdata()) for line in bytes_lines] == [[1.0, 3.0]] * 2  # MiB
+
+
+def test_runs_with_a_summary_get_the_minutes_figure_too(tmp_path):
+    pytest.importorskip("matplotlib")
+    runs = [_curve_run(s, [(0, 0.5 + s, 100, 0.5 + s / 10), (1, 1.0 + s, 200, 0.6)], c) for s in (0, 1) for c in "ab"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        paths = plot_all(runs, "val_acc", tmp_path)
+    assert [p.name for p in paths] == list(FIGURES)
+    assert all(p.stat().st_size > 5000 for p in paths)
 
 
 def test_mean_curve_keeps_the_rounds_every_seed_has():
