@@ -69,7 +69,7 @@ def test_a_summary_nan_reads_as_none_like_the_fs_log(tmp_path):
 
 def test_a_file_that_is_no_summary_is_refused_naming_it(tmp_path):
     out = _run_folder(tmp_path, summary={"curve": []})  # no "format"
-    with pytest.raises(ValueError, match=r"run/summary.json: not a run summary"):
+    with pytest.raises(ValueError, match=r"run/summary.json is not an fs_fedpa summary"):
         collect(out)
     bad = _run_folder(tmp_path, "b_s0", summary={"format": "fs_fedpa.summary/1", "curve": [{"round": 0}]})
     with pytest.raises(ValueError, match=r"b_s0/run/summary.json: curve entries need round, minutes, bytes"):
