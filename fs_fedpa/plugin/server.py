@@ -245,8 +245,7 @@ def open_report(cfg, method) -> RunReport:
             "metric": cfg.eval.best_res_update_round_wise_key,
             "rank_plan": {"client_ranks": list(plan.client_ranks), "reference_ranks": list(plan.reference_ranks),
                           "R_g": plan.R_g}}  # fmt: skip
-    config = {"method": method.name, "seed": cfg.seed, "rounds": cfg.federate.total_round_num,
-              "clients": cfg.federate.client_num, **head["rank_plan"]}  # fmt: skip
     name = os.path.basename(os.path.normpath(cfg.outdir))
-    tracker = open_tracker(method.cfg.track, os.path.join(cfg.outdir, "tracking"), name, config)
+    # the run's whole config, the tracker's record of its hyper-parameters
+    tracker = open_tracker(method.cfg.track, os.path.join(cfg.outdir, "tracking"), name, cfg)
     return RunReport(cfg.outdir, head, tracker)
