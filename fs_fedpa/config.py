@@ -185,14 +185,8 @@ class FedPAConfig:
     )
     track: Literal["none", "tensorboard", "wandb", "mlflow"] = field(
         default="none",
-        metadata={
-            "help": (
-                "experiment tracker the server feeds each round's metrics, diagnostics and systems fields into "
-                "<outdir>/tracking (the track extra): 'tensorboard'; 'wandb' (offline unless WANDB_MODE=online; "
-                "WANDB_PROJECT); 'mlflow' (SQLite store mlflow.db there unless MLFLOW_TRACKING_URI; "
-                "MLFLOW_EXPERIMENT_NAME); 'none' imports none of them"
-            )
-        },
+        metadata={"help": "the tracker the server feeds every round, in <outdir>/tracking (the track extra): "
+                          "'tensorboard', 'wandb', 'mlflow' or 'none' (docs/observability.md)"},
     )
     seed: int = field(
         default=-1,
