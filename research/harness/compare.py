@@ -171,17 +171,9 @@ def code_commit() -> str | None:
     """The git commit of the checkout this ``fs_fedpa`` was imported from (the code a run ran), with ``+dirty``
     where tracked files differ from it; None for an installed copy outside a git checkout."""
     import fs_fedpa
+    from fs_fedpa.run_summary import code_commit as commit_of
 
-    root = Path(fs_fedpa.__file__).resolve().parent
-    try:
-        sha = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
-        if sha.returncode != 0:
-            return None
-        status = ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"]
-        dirty = subprocess.run(status, capture_output=True, text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return sha.stdout.strip() + ("+dirty" if dirty else "")
+    return commit_of(fs_fedpa.__file__)
 
 
 def split_seed(folder: Path) -> int | None:
