@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -33,6 +34,10 @@ def test_run_shows_progress_and_a_summary_and_keeps_fs_output_in_the_run_folder(
     assert f"the run's folder: {Path('runs') / 'fedpa_tiny_llm_cpu'}" in proc.stdout
     assert "final, global adapter (paper protocol): test_avg_loss" in proc.stdout
     assert "final, each client's own factors:" in proc.stdout
+    summary = json.loads((run / "summary.json").read_text())  # the final metrics are the summary's
+    assert f"test_avg_loss {summary['final']['global']['test_avg_loss']:.4f}" in proc.stdout
+    assert f"its summary (time, memory, bytes, privacy, every evaluation): {Path('runs') / 'fedpa_tiny_llm_cpu'}" in (
+        proc.stdout)  # fmt: skip
     export = next(line for line in proc.stdout.splitlines() if "fs-fedpa export" in line).split(": ", 1)[1]
     assert export.startswith("fs-fedpa export runs/fedpa_tiny_llm_cpu --out")
     console = (run / "console.log").read_text()
