@@ -24,7 +24,7 @@ PRIVATE_FAULTS_FILE = "fedpa_dp_faults.jsonl"
 # "steps", "n", "b", "z", "clip", "sampling", "accountant", "nonfinite", "empty", "clipped_sum", "noise"}); the last
 # two are the round's mean per step, read from its records, so the file is the client's and never sent
 CLIENT_PRIVACY_FILE = "fedpa_client_privacy.jsonl"
-# beside a client's evaluation metrics: the wall seconds the evaluation took (the server takes it out before FS's merge)
+# beside a client's evaluation metrics: the wall seconds the evaluation took (the server takes it out before FS merges)
 EVAL_SECONDS = "fedpa.eval_seconds"
 
 # What each client reports about its round (fs_fedpa.plugin.client); the record keeps them per client and summarised.

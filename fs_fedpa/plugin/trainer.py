@@ -1,7 +1,7 @@
-"""The alignment term and the training counts as FS train hooks: works with FS-LLM's stock ``llmtrainer`` and any trainer
-built on ``GeneralTorchTrainer`` (the plugin's classification trainer included).
+"""The alignment term and the training counts as FS train hooks: they work with FS-LLM's stock ``llmtrainer`` and
+any trainer built on ``GeneralTorchTrainer`` (the plugin's classification trainer included).
 
-The hook runs last in ``on_batch_forward``, after FS has set ``ctx.loss_task`` (task loss plus any
+The alignment hook runs last in ``on_batch_forward``, after FS has set ``ctx.loss_task`` (task loss plus any
 FS regularizer), and adds the client's lam/2 * penalty to it. It is registered for training only:
 evaluation forwards never pay for, nor report, the penalty.
 """
