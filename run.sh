@@ -67,10 +67,10 @@ MSG
 }
 
 package_ready() {
-  # Whether this checkout is installed editable with its extra $1: `import fs_fedpa` finds this checkout's own files
-  # (not a copy elsewhere, which the tests' subprocesses and the tools would run instead), its start-up hook
-  # (fs_fedpa.pth) ran, and every requirement setup.py names for the package and the extra is installed (in a
-  # version it allows, where `packaging` can tell).
+  # Whether this checkout is installed editable with its extras $1 (comma-separated): `import fs_fedpa` finds this
+  # checkout's own files (not a copy elsewhere, which the tests' subprocesses and the tools would run instead), its
+  # start-up hook (fs_fedpa.pth) ran, and every requirement setup.py names for the package and the extras is
+  # installed (in a version it allows, where `packaging` can tell).
   local here=$PWD  # checked from / so that the working directory cannot shadow an install elsewhere
   (cd / && "$PY" - "$1" "$here" >/dev/null 2>&1) <<'PY'
 import ast
@@ -91,7 +91,8 @@ try:
     from packaging.requirements import Requirement
 except ImportError:
     Requirement = None
-for requirement in [*given["install_requires"], *given["extras_require"][extra]]:
+extras = [r for name in extra.split(",") for r in given["extras_require"][name]]
+for requirement in [*given["install_requires"], *extras]:
     if Requirement is None:
         metadata.version(re.split(r"[\s<>=!~;\[]", requirement)[0])  # raises when it is missing
     else:
@@ -158,7 +159,7 @@ case "${1:-main}" in
   test)
     shift || true
     ensure_torch
-    install_package test
+    install_package test,track  # track: the trackers' tests read back with each backend's own reader
     ensure_federatedscope optional
     # Tests import the checkout, not the installed copy (rootdir conftest puts it first on sys.path).
     # One pytest worker per core (pytest-xdist, from the test extra), unless the arguments choose (-n, -p no:xdist);

@@ -85,23 +85,14 @@ setup(
             # opacus: the referee of the per-example gradients and the DP-SGD step (tests only; never imported by
             # the package)
             "opacus>=1.5",
-            # the track extra's packages (the tracker tests read back with each backend's own reader): same pins
-            "protobuf>=3.20,<4",
-            "tensorboardX>=2.6",
-            "tensorboard>=2.14,<2.21",
-            "wandb<0.25.1",
-            "mlflow-skinny>=3,<4",
-            "sqlalchemy>=2",
-            "alembic",
-            "databricks-sdk<0.68",
-            "opentelemetry-proto<1.28",
         ],
         # differential privacy (fedpa.dp.mode): Google's accountant, imported only when DP is on
         "dp": ["dp-accounting>=0.4.4"],
         # a frozen base in int8 or NF4 (fedpa.base_quantization): bitsandbytes 0.46.1 (the floor of transformers 5) to
         # 0.50.2 train LoRA on both on the CPU, no CUDA needed; transformers loads bitsandbytes models with accelerate
         "quant": ["bitsandbytes>=0.46.1", "accelerate>=1.1"],
-        # experiment trackers (fedpa.track), each imported only when a run names it. FederatedScope's generated gRPC
+        # experiment trackers (fedpa.track), each imported only when a run names it; the tests install it beside
+        # "test" (run.sh test, .ci/run): they read a run's trackers back with each backend's own reader. FederatedScope's generated gRPC
         # code needs protobuf 3.20 (it fails to import under protobuf 4 and later), so each upper bound is the last
         # release that accepts protobuf 3: without them pip upgrades protobuf for the newest wandb (and FS's import
         # breaks), or backtracks through dozens of releases. tensorboard < 2.21: 2.21 imports protobuf 5's
