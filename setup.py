@@ -92,10 +92,10 @@ setup(
         # 0.50.2 train LoRA on both on the CPU, no CUDA needed; transformers loads bitsandbytes models with accelerate
         "quant": ["bitsandbytes>=0.46.1", "accelerate>=1.1"],
         # experiment trackers (fedpa.track), each imported only when a run names it; the tests install it beside
-        # "test" (run.sh test, .ci/run): they read a run's trackers back with each backend's own reader. FederatedScope's generated gRPC
-        # code needs protobuf 3.20 (it fails to import under protobuf 4 and later), so each upper bound is the last
-        # release that accepts protobuf 3: without them pip upgrades protobuf for the newest wandb (and FS's import
-        # breaks), or backtracks through dozens of releases. tensorboard < 2.21: 2.21 imports protobuf 5's
+        # "test" (run.sh test, .ci/run): they read a run's trackers back with each backend's own reader.
+        # FederatedScope's generated gRPC code needs protobuf 3.20 (it fails to import under protobuf 4 and later),
+        # so each upper bound is the last release that accepts protobuf 3: without them pip upgrades protobuf for the
+        # newest wandb (and FS's import breaks), or backtracks through dozens of releases. tensorboard < 2.21: 2.21 imports protobuf 5's
         # runtime_version (tensorboard is the reader, EventAccumulator, and the UI; tensorboardX writes the events);
         # wandb < 0.25.1, databricks-sdk < 0.68, opentelemetry-proto < 1.28 (the last two MLflow's): the next releases
         # need protobuf > 4.21, >= 4.21 and >= 5. MLflow 3 refuses its plain file store: runs go to SQLite, through

@@ -32,8 +32,8 @@ class FedPAAggregator(Aggregator):
     the server's model; ``save_checkpoint``/``load_checkpoint`` are FS's checkpoint, tagged with ``run``, the run's
     identity), and the run's ``report`` (:class:`~fs_fedpa.run_summary.RunReport`), told of every round. Each record
     carries the aggregation's wall seconds and peak memory. :meth:`aggregate` returns {}, the state FS merges into
-    its model: the model holds the round's result already. It stops the run on a count of its own, :attr:`failed_in_a_row`, which its :meth:`state_dict` carries
-    with the generator's state."""
+    its model: the model holds the round's result already. It stops the run on a count of its own,
+    :attr:`failed_in_a_row`, which its :meth:`state_dict` carries with the generator's state."""
 
     def __init__(self, method, round_log: RoundLog, *, global_model=None, run: dict | None = None, privacy=None,
                  generator: torch.Generator | None = None, shapes=({}, {}), distributed=False,
