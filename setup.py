@@ -95,11 +95,11 @@ setup(
         # "test" (run.sh test, .ci/run): they read a run's trackers back with each backend's own reader.
         # FederatedScope's generated gRPC code needs protobuf 3.20 (it fails to import under protobuf 4 and later),
         # so each upper bound is the last release that accepts protobuf 3: without them pip upgrades protobuf for the
-        # newest wandb (and FS's import breaks), or backtracks through dozens of releases. tensorboard < 2.21: 2.21 imports protobuf 5's
-        # runtime_version (tensorboard is the reader, EventAccumulator, and the UI; tensorboardX writes the events);
-        # wandb < 0.25.1, databricks-sdk < 0.68, opentelemetry-proto < 1.28 (the last two MLflow's): the next releases
-        # need protobuf > 4.21, >= 4.21 and >= 5. MLflow 3 refuses its plain file store: runs go to SQLite, through
-        # sqlalchemy and alembic
+        # newest wandb (and FS's import breaks), or backtracks through dozens of releases. tensorboard < 2.21: 2.21
+        # imports protobuf 5's runtime_version (tensorboard is the reader, EventAccumulator, and the UI; tensorboardX
+        # writes the events); wandb < 0.25.1, databricks-sdk < 0.68, opentelemetry-proto < 1.28 (the last two
+        # MLflow's): the next releases need protobuf > 4.21, >= 4.21 and >= 5. MLflow 3 refuses its plain file store:
+        # runs go to SQLite, through sqlalchemy and alembic
         "track": [
             "protobuf>=3.20,<4",
             "tensorboardX>=2.6",
