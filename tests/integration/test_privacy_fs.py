@@ -722,13 +722,15 @@ def test_client_level_messages_time_stamp_the_sample_count_they_carry():
     from fs_fedpa.config import FedPAConfig
     from fs_fedpa.plugin.client import FedPAClient
     from fs_fedpa.privacy import client_policy
+    from fs_fedpa.systems import TrainCounter
 
     sent = []
     cfg = SimpleNamespace(llm=SimpleNamespace(deepspeed=SimpleNamespace(use=False)))
     fake = SimpleNamespace(ID=2, state=0, comp_speed=0.5, comm_bandwidth=4.0, model_size=8.0, schedule=None,
                            kept=SimpleNamespace(rounds_trained=1, unpark=lambda *a: None), _cfg=cfg,
                            client_model=SimpleNamespace(initial_factors=None, device="cpu"),
-                           round=SimpleNamespace(enter=lambda *a: None, leave=lambda rnd: {"lora": {}}),
+                           round=SimpleNamespace(enter=lambda *a: None, leave=lambda *a: {"lora": {}}),
+                           counter=TrainCounter(),
                            outbox=SimpleNamespace(answering=lambda *a: None),
                            resume=SimpleNamespace(restore=lambda *a: None),
                            method=SimpleNamespace(cfg=FedPAConfig(dp={"mode": "client", "clip": 1.0,

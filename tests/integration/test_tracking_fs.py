@@ -23,6 +23,7 @@ def _run(tiny_llm, tmp_path, kind: str, dp: bool) -> tuple[dict, dict]:
     pytest.importorskip(PACKAGES[kind], reason=f"fedpa.track {kind} is NOT tested: pip install 'fs_fedpa[track]'")
     cfg = fedpa_cfg(tiny_llm, tmp_path, **{"federate.total_round_num": ROUNDS, "fedpa.track": kind,
                                            **(DP if dp else {})})  # fmt: skip
+    # W&B offline (the tests' environment disables it for FS), MLflow in the run folder
     proc = run_fs(cfg, tmp_path, env={"WANDB_MODE": "offline", "MLFLOW_TRACKING_URI": ""})
     assert proc.returncode == 0, proc.stderr[-3000:]
     folder = outdir_of(cfg)

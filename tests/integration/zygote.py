@@ -124,7 +124,8 @@ def _fork_limit() -> float:
         return max(0.0, float(os.environ.get(FORK_LIMIT) or 300))
     except ValueError:
         return 300.0
-_RUNTIME_KEYS = ("FS_PROBE_", "PYTEST_", "FS_FEDPA_TEST_")  # read while a run runs (or not at all), never on import
+# read while a run runs (or not at all), never on import; the trackers' (fedpa.track) when the server opens one
+_RUNTIME_KEYS = ("FS_PROBE_", "PYTEST_", "FS_FEDPA_TEST_", "WANDB_", "MLFLOW_")
 
 
 def _import_env(env: dict) -> dict:
