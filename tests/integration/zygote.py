@@ -124,8 +124,10 @@ def _fork_limit() -> float:
         return max(0.0, float(os.environ.get(FORK_LIMIT) or 300))
     except ValueError:
         return 300.0
-# read while a run runs (or not at all), never on import; the trackers' (fedpa.track) when the server opens one
-_RUNTIME_KEYS = ("FS_PROBE_", "PYTEST_", "FS_FEDPA_TEST_", "WANDB_", "MLFLOW_")
+# read while a run runs (or not at all), never on import; the trackers' (fedpa.track) when the server opens one.
+# CRC32C_SW_MODE: set by tensorboardX's import (a test that imports it changes its process's environment) and read
+# by the crc32c package, which nothing the zygote preloads imports
+_RUNTIME_KEYS = ("FS_PROBE_", "PYTEST_", "FS_FEDPA_TEST_", "WANDB_", "MLFLOW_", "CRC32C_")
 
 
 def _import_env(env: dict) -> dict:
