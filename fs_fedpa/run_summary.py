@@ -1,5 +1,6 @@
 """A run in one file: ``<outdir>/summary.json``, rewritten after every evaluation and at the end, with the same keys
-for every method, and the per-round scalars a tracker (:mod:`fs_fedpa.tracking`) is fed. No FederatedScope here.
+for every method, and the per-round scalars a tracker (:mod:`fs_fedpa.tracking`) is fed. No FederatedScope here,
+and no torch on import (the comparison reads summaries without it).
 
 :class:`RunReport` (a collaborator of the server) owns what the summary needs beyond the server's other parts: the
 evaluations so far (``curve``: each evaluation's weighted means under both protocols, the clients' evaluation
@@ -19,7 +20,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fs_fedpa.record import compact, finite
-from fs_fedpa.state_checks import check_fields, check_mapping
 
 SUMMARY_FILE = "summary.json"
 FORMAT = "fs_fedpa.summary/1"
@@ -169,6 +169,8 @@ class RunReport:
 
     def check_state(self, state: dict, path: str, rnd: int) -> None:
         """ValueError naming ``path`` and the field ``run_report.<key>`` unless ``state`` is :meth:`state_dict`'s."""
+        from fs_fedpa.state_checks import check_fields, check_mapping  # torch: not for the summary's readers
+
         at = f"federate.restore_from {path!r}"
         check_fields(state, at, "run_report", self.FIELDS)
         curve = state["curve"]
