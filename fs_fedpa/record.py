@@ -11,6 +11,8 @@ import statistics
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from fs_fedpa.values import finite_number as _number
+
 DIAGNOSTICS_FILE = "fedpa_diagnostics.jsonl"
 # fedpa.records.save_outcomes: one JSON line per client, evaluation and protocol ({"round", "client", "protocol",
 # "split", "correct": "0110..."}, the examples of the client's split in the loader's order), and the clients'
@@ -220,6 +222,3 @@ def describe() -> list[tuple[str, str]]:
     """``(field, meaning)`` of every record field, in order: the source of docs/dev/plugin.md's table."""
     return [(f.name, f.metadata["help"]) for f in fields(RoundRecord)]
 
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

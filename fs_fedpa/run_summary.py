@@ -11,7 +11,6 @@ a resumed run. A resume point carries it (:meth:`RunReport.state_dict`).
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -20,18 +19,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fs_fedpa.record import compact, finite
+from fs_fedpa.values import finite_number
 
 SUMMARY_FILE = "summary.json"
 FORMAT = "fs_fedpa.summary/1"
 OWN = "local."  # the metrics of each client's own factors (fedpa.eval.local): ``local.<split>_<metric>``
 # the keys of summary.json whose values are times or memory: they differ between two runs of the same computation
 TIMING_KEYS = ("wall_minutes", "peak_memory")
+# the record's systems scalars (fs_fedpa.record.compact's), which a tracker shows under systems/
+SYSTEMS_SCALARS = ("train_seconds_mean", "examples_per_s_mean", "tokens_per_s_mean", "peak_memory_max",
+                   "aggregate_seconds", "server_peak_memory", "wall_seconds")  # fmt: skip
 
 
 def protocols(metrics: dict) -> tuple[dict, dict]:
     """``metrics`` split into the paper protocol's (``global``) and each client's own factors' (``own``, the
     ``local.`` prefix taken off); only finite numbers."""
-    numbers = {k: float(v) for k, v in metrics.items() if _number(v)}
+    numbers = {k: float(v) for k, v in metrics.items() if finite_number(v)}
     own = {k[len(OWN) :]: v for k, v in numbers.items() if k.startswith(OWN)}
     return {k: v for k, v in numbers.items() if not k.startswith(OWN)}, own
 
@@ -72,24 +75,21 @@ class RunReport:
     # ---------------------------------------------------------------------------------------------- what comes in
     def eval_seconds(self, rnd: int, client, seconds) -> None:
         """Client ``client``'s wall seconds of its evaluation of round ``rnd`` (beside its metrics)."""
-        if _number(seconds):
+        if finite_number(seconds):
             self._eval_seconds.setdefault(rnd, {})[str(client)] = float(seconds)
 
     def round_done(self, record: dict, spent: dict | None) -> None:
         """Round ``record`` (a :class:`~fs_fedpa.record.RoundRecord` as a dict) aggregated, ``spent`` the privacy
         spent so far (:meth:`~fs_fedpa.privacy.policy.ServerPolicy.epsilons`): the peak memory, and the tracker."""
-        peaks = [v for v in (record.get("peak_memory") or {}).values() if _number(v)]
+        peaks = [v for v in (record.get("peak_memory") or {}).values() if finite_number(v)]
         peak = max([record.get("server_peak_memory") or 0, *peaks])
         if peak >= self.peak_memory["bytes"]:
             self.peak_memory = {"bytes": int(peak), "kind": record.get("memory_kind", "rss")}
         if self.tracker is None:
             return
-        scalars = {f"diagnostics/{k}": v for k, v in compact(record).items() if _number(v)}
-        for key in ("train_seconds", "examples_per_s", "tokens_per_s"):
-            if values := [v for v in (record.get(key) or {}).values() if _number(v)]:
-                scalars[f"systems/{key}_mean"] = statistics.mean(values)
-        for key in ("aggregate_seconds", "wall_seconds"):
-            scalars[f"systems/{key}"] = record.get(key)
+        # compact's scalars, the systems ones (its means over clients included) under systems/
+        scalars = {f"{'systems' if k in SYSTEMS_SCALARS else 'diagnostics'}/{k}": v
+                   for k, v in compact(record).items() if finite_number(v)}  # fmt: skip
         scalars["systems/peak_memory_mib"] = peak / 2**20
         for client, seconds in (record.get("train_seconds") or {}).items():
             scalars[f"client/{client}/train_seconds"] = seconds
@@ -113,7 +113,7 @@ class RunReport:
         if seconds := entry["eval_seconds"]:
             scalars["systems/eval_seconds_mean"] = statistics.mean(seconds.values())
         for client, metrics in clients.items():
-            scalars |= {f"client/{client}/{k}": v for k, v in metrics.items() if _number(v)}
+            scalars |= {f"client/{client}/{k}": v for k, v in metrics.items() if finite_number(v)}
         self.tracker.log(rnd, scalars)
 
     # ---------------------------------------------------------------------------------------------- the file
@@ -122,7 +122,7 @@ class RunReport:
         """The summary as plain data (the keys of docs/observability.md's table)."""
         final = self.curve[-1] if self.curve else None
         metric = self.head.get("metric", "")
-        scored = [e for e in self.curve if _number(e["global"].get(metric))]
+        scored = [e for e in self.curve if finite_number(e["global"].get(metric))]
         best = None
         if scored:
             pick = min if "loss" in metric else max
@@ -176,11 +176,12 @@ class RunReport:
         curve = state["curve"]
         if not isinstance(curve, list) or not all(
             isinstance(e, dict) and isinstance(e.get("round"), int) and isinstance(e.get("global"), dict)
-            and isinstance(e.get("own"), dict) and _number(e.get("minutes")) and _number(e.get("bytes"))
+            and isinstance(e.get("own"), dict) and finite_number(e.get("minutes")) and finite_number(e.get("bytes"))
             for e in curve):  # fmt: skip
             raise ValueError(f"{at}: field 'run_report.curve' is not a list of evaluations ({str(curve)[:100]})")
         check_mapping(state["peak_memory"], at, "run_report.peak_memory")
-        if not _number(state["peak_memory"].get("bytes")) or not _number(state["seconds"]) or state["seconds"] < 0:
+        seconds = state["seconds"]
+        if not finite_number(state["peak_memory"].get("bytes")) or not finite_number(seconds) or seconds < 0:
             raise ValueError(f"{at}: field 'run_report.peak_memory' or 'run_report.seconds' is not a number >= 0")
 
     def load_state_dict(self, state: dict, path: str) -> None:
@@ -203,8 +204,4 @@ def code_commit(module_file: str) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return sha.stdout.strip() + ("+dirty" if dirty else "")
-
-
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 

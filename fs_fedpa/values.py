@@ -1,5 +1,6 @@
 """Checks of one ``fedpa.*`` config value each, shared by :mod:`fs_fedpa.config` and
-:mod:`fs_fedpa.privacy.settings`: a ValueError naming the key and the value. No torch here."""
+:mod:`fs_fedpa.privacy.settings`: a ValueError naming the key and the value; and :func:`finite_number`, the test of a
+reported number. No torch here."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ import math
 import operator
 from typing import Any
 
+
+def finite_number(value: Any) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 def number(value: Any, name: str, minimum: float) -> float:
     """``value`` as a finite float >= ``minimum``."""

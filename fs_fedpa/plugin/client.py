@@ -123,7 +123,7 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
         if self.privacy.sits_out:  # fedpa.dp.min_records: no DP-SGD step; its upload weighs 0
             sample_size, results = 0, {}
         else:
-            self.counter.take()
+            self.counter.take()  # not the personal phase's batches (FedDPA's, in round.enter): this training's only
             with Span(self.client_model.device) as span:
                 sample_size, _, results = self.trainer.train()
             systems = round_stats(span, self.counter.take())

@@ -176,9 +176,9 @@ class ClientState:
         if saved.get("personal"):  # a personal adapter (FedDPA) has the client's rank
             check_pairs(saved["personal"], at, "personal", shapes, max_rank=None, lower_rank=False)
         if fold := saved.get("fold"):  # Fed-PLoRA's undrawn modules of the round, of a reference's rank
-            known = {n: shapes[n] for n in fold if n in shapes} if isinstance(fold, dict) else shapes
-            check_pairs(fold, at, "fold", known if len(known) == len(fold) else shapes, max_rank=method.plan.R_g,
-                        lower_rank=True)  # fmt: skip
+            # the modules it names, where known: an unknown one is refused by name
+            drawn = {n: shapes[n] for n in fold if n in shapes} if isinstance(fold, dict) else shapes
+            check_pairs(fold, at, "fold", drawn, max_rank=method.plan.R_g, lower_rank=True)
         check_tensors(saved.get("local"), at, "local", {n: tuple(t.shape) for n, t in local.items()})
         check_tensors(saved.get("base_offset", {}), at, "base_offset", method.shapes, exact=False)
 

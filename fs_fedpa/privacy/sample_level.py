@@ -15,7 +15,7 @@ from fs_fedpa.privacy.mechanism import dp_generator
 from fs_fedpa.privacy.policy import ClientPolicy
 from fs_fedpa.privacy.private import GaussianMechanism, GaussianServer, common_settings, split_exports
 from fs_fedpa.privacy.sample_plan import SPENT_STATS, SamplePlan, account_problem, routines, sample_plan
-from fs_fedpa.privacy.sample_plan import finite_number as _number
+from fs_fedpa.values import finite_number as _number
 from fs_fedpa.record import CLIENT_PRIVACY_FILE, PRIVATE_FAULTS_FILE
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only

@@ -11,6 +11,7 @@ from functools import lru_cache
 from typing import Callable
 
 from fs_fedpa.privacy.settings import dp_delta_for
+from fs_fedpa.values import finite_number
 
 # what a client reports it spent with each upload (SampleLevelClient.spent; SampleLevelServer.admit)
 SPENT_STATS = ("dp_n", "dp_b", "dp_steps", "dp_z", "dp_clip", "dp_delta", "dp_epsilon")
@@ -119,7 +120,3 @@ def account_problem(mine: dict, plan: Callable[[int], SamplePlan], delta_setting
             return f"dp_steps {steps}: {err}"
     return None
 
-
-def finite_number(x) -> bool:
-    """A finite int or float (not a bool): what a reported size must be before any plan is computed for it."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

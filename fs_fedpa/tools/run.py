@@ -19,7 +19,7 @@ from pathlib import Path
 
 from fs_fedpa.files import read_config
 from fs_fedpa.fs_results import ROUND_START, last_weighted_avg
-from fs_fedpa.run_summary import SUMMARY_FILE, read_summary
+from fs_fedpa.run_summary import SUMMARY_FILE, protocols, read_summary
 from fs_fedpa.tools import cli
 
 PROG = "fs-fedpa run"
@@ -112,17 +112,15 @@ def summary(run_folder: Path, seconds: float) -> str:
     """The end of a run: where it went, its final metrics under the paper protocol (the global reference with the
     client's own local tensors) and each client's own factors (``local.``), its summary file and tracker, and the
     export command."""
-    metrics = final_metrics(run_folder)
-    paper = {k: v for k, v in metrics.items() if not k.startswith("local.")}
-    own = {k[len("local.") :]: v for k, v in metrics.items() if k.startswith("local.")}
+    paper, own = protocols(final_metrics(run_folder))
     show = lambda m: ", ".join(f"{k} {v:.4f}" for k, v in sorted(m.items())) or "none recorded"  # noqa: E731
     lines = [f"done in {seconds:.0f} s; the run's folder: {run_folder}",
              f"  final, global adapter (paper protocol): {show(paper)}"]  # fmt: skip
     if own:
         lines.append(f"  final, each client's own factors:       {show(own)}")
-    if (run_folder / SUMMARY_FILE).is_file():
+    if (recorded := read_summary(run_folder)) is not None:
         lines.append(f"  its summary (time, memory, bytes, privacy, every evaluation): {run_folder / SUMMARY_FILE}")
-        tracker = (read_summary(run_folder) or {}).get("tracker") or {}
+        tracker = recorded.get("tracker") or {}
         if tracker.get("open"):
             lines.append(f"  its {tracker['kind']} records: {tracker['open']}")
     if (run_folder / "final_checkpoint.pt").is_file() or (run_folder / "checkpoint.pt").is_file():

@@ -25,7 +25,6 @@ import argparse
 import csv
 import functools
 import json
-import math
 import os
 import platform
 import re
@@ -40,7 +39,7 @@ from pathlib import Path
 from fs_fedpa.files import read_config
 from fs_fedpa.fs_results import ROUND_START, weighted_avg_by_round
 from fs_fedpa.methods import names as method_names
-from fs_fedpa.record import CLIENT_STATS, DIAGNOSTICS_FILE, compact
+from fs_fedpa.record import CLIENT_STATS, DIAGNOSTICS_FILE, compact, finite
 from fs_fedpa.run_summary import SUMMARY_FILE, read_summary
 from research.harness.fs_command import fs_overrides, with_yaml_keys
 from research.harness.fs_results import clients_last_round, read_noise_signal, read_outcomes, read_privacy
@@ -237,15 +236,10 @@ def collect(out: Path) -> dict:
 def from_summary(summary: dict, path: Path) -> dict:
     """``rounds``, ``curve`` and ``wall_minutes`` of a run from its summary (``path`` names it in errors); NaN
     becomes None, as :func:`~fs_fedpa.fs_results.weighted_avg_by_round` reads it from FS's log."""
-
-    def finite(v):
-        return None if isinstance(v, float) and not math.isfinite(v) else v
-
     rounds, curve = {}, []
     try:
         for point in summary["curve"]:
-            metrics = {k: finite(v) for k, v in point["global"].items()}
-            metrics.update({f"local.{k}": finite(v) for k, v in point["own"].items()})
+            metrics = finite({**point["global"], **{f"local.{k}": v for k, v in point["own"].items()}})
             rounds[int(point["round"])] = metrics
             curve.append({"round": int(point["round"]), "minutes": point["minutes"], "bytes": point["bytes"]})
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
