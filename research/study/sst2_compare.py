@@ -28,7 +28,7 @@ from pathlib import Path
 
 from fs_fedpa.tools import cli
 from research.harness import compare
-from research.study import sst2_dp_regime, sst2_dp_valid, sst2_privacy
+from research.study import sst2_dp_fedpa, sst2_dp_regime, sst2_dp_valid, sst2_privacy
 from research.study import sst2_protocol as sp
 from research.study.protocol_results import RUNNER_FIELDS, load_results, time_spent, write_run
 from research.study.report import write_report
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
 def plan(results: dict, report: Path) -> list[tuple[str, list[Run]]]:
     """The protocol's stages as far as the committed results decide them (:func:`research.study.sst2_protocol.plan`),
     then, once the main selection exists, the ``privacy`` stage's parts (:mod:`research.study.sst2_privacy`), the
-    ``dpregime`` stage's (:mod:`research.study.sst2_dp_regime`) and the ``dpvalid`` stage's."""
+    ``dpregime`` stage's (:mod:`research.study.sst2_dp_regime`), the ``dpvalid`` stage's and the ``dpfedpa`` stage's."""
     stages = sp.plan(results, report)
     selected = report / "selected.json"
     if any(part == "client splits" for part, _ in stages) and selected.is_file():
@@ -232,6 +232,7 @@ def plan(results: dict, report: Path) -> list[tuple[str, list[Run]]]:
         stages += sst2_privacy.privacy_runs(main, results, main["T"])
         stages += sst2_dp_regime.runs(main, results)
         stages += sst2_dp_valid.runs(main, results)
+        stages += sst2_dp_fedpa.runs(main, results)
     return stages
 
 
@@ -239,7 +240,7 @@ def minutes_left(runs: list[Run], results: dict) -> float:
     """The machine minutes the runs without a result will take: by rounds
     (:func:`research.study.sst2_protocol.minutes_left`), the ``dpregime`` stage's by the records they train on
     (:func:`research.study.sst2_dp_regime.minutes`)."""
-    by_records = (sst2_dp_regime.STAGE, sst2_dp_valid.STAGE)
+    by_records = (sst2_dp_regime.STAGE, sst2_dp_valid.STAGE, sst2_dp_fedpa.STAGE)
     regime = [r for r in runs if r.stage in by_records]
     return sp.minutes_left([r for r in runs if r.stage not in by_records], results) + sst2_dp_regime.minutes(
         regime, results
@@ -322,6 +323,11 @@ def print_plan(stages: list[tuple[str, list[Run]]], results: dict, scoped: bool 
               "the dpregime finals at about 2x what they took (43 against 20 CPU-min a DP final): about "
               f"{hours * 20 / 43:.0f} CPU-h measured-rate, plus part E′ (about 1.2 CPU-h, priced as part E's runs "
               "took) (research/study/sst2_dp_valid.py)", flush=True)  # fmt: skip
+    if any(r.stage == sst2_dp_fedpa.STAGE for _, runs in stages for r in runs):
+        hours = sst2_dp_fedpa.stage_hours()
+        print(f"  dp fedpa, the whole stage before any run: {hours:.1f} CPU-h here by the same pricing (about "
+              f"{hours * 20 / 43:.1f} CPU-h at the rate the dpvalid finals took; research/study/sst2_dp_fedpa.py)",
+              flush=True)  # fmt: skip
     if scoped and not stages:
         print("[sst2_compare] no run of the stages known now matches --stage/--cell: nothing to run (a cell is a "
               "run's name without its seed, e.g. fedpa_dp or partial30_fedit)", flush=True)  # fmt: skip

@@ -35,6 +35,8 @@ alpha = 8, local heads, 10 local steps of 16 sentences):
     (:mod:`research.study.sst2_dp_regime`, which builds on this module; the runner appends its parts to :func:`plan`'s
     and prices them). Its DP runs trained the heads outside the mechanism and are withdrawn as not private.
 11. ``dpvalid``: the same regime with the head inside DP-SGD's guarantee (:mod:`research.study.sst2_dp_valid`).
+12. ``dpfedpa``: why FedPA-LoRA predicts one label there, and its variants inside the guarantee
+    (:mod:`research.study.sst2_dp_fedpa`).
 
 Every finished run is reduced to one small JSON file in ``--report/runs/<stage>/`` (curves and diagnostics; no
 checkpoints), which is committed: a stopped grid continues where it stopped, on this machine or another. FS's own
@@ -82,7 +84,7 @@ MAIN_R, HETERO_R = 4, 16  # model.seqcls.r of the config and of the heterogeneou
 HETERO_LAM = (MAIN_R / HETERO_R) ** 2
 STAGES = (
     "pilot", "tune", "final", "ablation", "beta", "hetero", "adaptive", "head", "long", "partial", "splits", "privacy",
-    "dpregime", "dpvalid",
+    "dpregime", "dpvalid", "dpfedpa",
 )  # fmt: skip
 # A DP-SGD step's time over a plain one's on one host (research/benchmarks/bench_dp_sgd.py: 1.12 with the batched taps,
 # 1.19 with the per-example loop), for the estimate until a DP-SGD run is in. It was 4.0, from rounds timed on two
@@ -394,7 +396,7 @@ def seconds_per_round(results: dict, sample_dp: bool = False) -> float:
         r["seconds"] / r["rounds_planned"] / r.get("jobs", 1)
         for r in list(results.values())  # a snapshot: the runner's threads add finished runs meanwhile
         if r.get("rounds_planned") and not on_gpu(r) and dp_sgd(r.get("opts", ())) == sample_dp
-        and r.get("stage") not in ("dpregime", "dpvalid")  # rounds of other sizes: priced by records (sst2_dp_regime)
+        and r.get("stage") not in ("dpregime", "dpvalid", "dpfedpa")  # rounds of other sizes: priced by records (sst2_dp_regime)
     ]
     if rates:
         return statistics.median(rates)
