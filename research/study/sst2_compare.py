@@ -224,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
 def plan(results: dict, report: Path) -> list[tuple[str, list[Run]]]:
     """The protocol's stages as far as the committed results decide them (:func:`research.study.sst2_protocol.plan`),
     then, once the main selection exists, the ``privacy`` stage's parts (:mod:`research.study.sst2_privacy`), the
-    ``dpregime`` stage's (:mod:`research.study.sst2_dp_regime`), the ``dpvalid`` stage's and the ``dpfedpa`` stage's."""
+    ``dpregime`` stage's (:mod:`research.study.sst2_dp_regime`), the ``dpvalid`` stage's and the ``dpfedpa`` stage's.
+    """
     stages = sp.plan(results, report)
     selected = report / "selected.json"
     if any(part == "client splits" for part, _ in stages) and selected.is_file():

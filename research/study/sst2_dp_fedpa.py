@@ -99,16 +99,28 @@ def step_1(lam: float) -> list[sp.Run]:
     """Step 1's four runs, in the order they run (the fourth is the least informative)."""
     final = sp.FINAL_EVAL
     runs = {
-        "sep_clip": sp.Run(STAGE, "sep_clip", "fedpa", (*_mechanism(POINT.clip, NO_Z, lam), *final), DIAG_SEED,
-                           dv.REGIME.rounds),  # fmt: skip
-        "sep_noise": sp.Run(STAGE, "sep_noise", "fedpa",
-                            (*_mechanism(NO_CLIP, MEDIAN_Z * POINT.clip / NO_CLIP, lam), *final), DIAG_SEED,
-                            dv.REGIME.rounds),  # fmt: skip
-        "sep_neither": sp.Run(STAGE, "sep_neither", "fedpa", (*_mechanism(NO_CLIP, NO_Z, lam), *final), DIAG_SEED,
-                              dv.REGIME.rounds),  # fmt: skip
-        "base_refit": sp.Run(STAGE, "base_refit", "fedit",
-                             _without((*POINT.opts(), *final, *dv.REFIT), ("train.optimizer.lr",),
-                                      ("train.optimizer.lr", "0")), DIAG_SEED, 1),  # fmt: skip
+        "sep_clip": sp.Run(
+            STAGE, "sep_clip", "fedpa", (*_mechanism(POINT.clip, NO_Z, lam), *final), DIAG_SEED, dv.REGIME.rounds
+        ),  # fmt: skip
+        "sep_noise": sp.Run(
+            STAGE,
+            "sep_noise",
+            "fedpa",
+            (*_mechanism(NO_CLIP, MEDIAN_Z * POINT.clip / NO_CLIP, lam), *final),
+            DIAG_SEED,
+            dv.REGIME.rounds,
+        ),  # fmt: skip
+        "sep_neither": sp.Run(
+            STAGE, "sep_neither", "fedpa", (*_mechanism(NO_CLIP, NO_Z, lam), *final), DIAG_SEED, dv.REGIME.rounds
+        ),  # fmt: skip
+        "base_refit": sp.Run(
+            STAGE,
+            "base_refit",
+            "fedit",
+            _without((*POINT.opts(), *final, *dv.REFIT), ("train.optimizer.lr",), ("train.optimizer.lr", "0")),
+            DIAG_SEED,
+            1,
+        ),  # fmt: skip
     }
     return [runs[name] for name in STEP_1]
 
@@ -117,12 +129,20 @@ def variants(lam: float) -> list[sp.Run]:
     """Step 2's runs: each variant under DP, seed 0, the held-out split."""
     dp = _dp(lam)
     cells = [
-        ("var_grouped", "fedpa", _without(dp, ("fedpa.dp_local_tensors",),
-                                          ("fedpa.dp.local_tensors", "grouped", "fedpa.dp.local_clip",
-                                           f"{POINT.clip:g}"))),  # fmt: skip
+        (
+            "var_grouped",
+            "fedpa",
+            _without(
+                dp,
+                ("fedpa.dp_local_tensors",),
+                ("fedpa.dp.local_tensors", "grouped", "fedpa.dp.local_clip", f"{POINT.clip:g}"),
+            ),
+        ),  # fmt: skip
         ("var_prior", "fedpa", (*dp, "fedpa.dp.label_prior", f"{PRIOR_SIGMA:g}")),
-        *((f"var_restart_mu{mu:g}", "fedpa_partial_restart", (*dp, "fedpa.fedpa_partial_restart.mu", f"{mu:g}"))
-          for mu in MUS),
+        *(
+            (f"var_restart_mu{mu:g}", "fedpa_partial_restart", (*dp, "fedpa.fedpa_partial_restart.mu", f"{mu:g}"))
+            for mu in MUS
+        ),
         ("var_moments", "fedpa", (*dp, "fedpa.keep_moments", "True")),
     ]
     return [sp.Run(STAGE, name, method, (*opts, *sp.TUNE_EVAL), DIAG_SEED, dv.REGIME.rounds)
