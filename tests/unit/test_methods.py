@@ -257,7 +257,8 @@ def test_what_each_method_starts_from_trains_and_aligns():
             for j, kept in enumerate(keeps.get(name, (False, False))):
                 assert torch.equal(start[n][j], (own if kept else received)[n][j]), (name, n, j)
         assert [method.trainable(0), method.trainable(1)] == trains.get(name, [(True, True)] * 2), name
-        aligns = name in ("fedpa", "fedpa_no_preservation", "fedpa_partial_restart", "hetlora")  # hetlora: its self-pruning term
+        # hetlora: its self-pruning term
+        aligns = name in ("fedpa", "fedpa_no_preservation", "fedpa_partial_restart", "hetlora")
         assert (method.alignment(own, received, 1.0) is not None) is aligns, name
 
 

@@ -17,7 +17,8 @@ SHAPES = {"q": (7, 5), "v": (6, 4)}
 
 def _factors(r, seed):
     g = torch.Generator().manual_seed(seed)
-    return {n: (torch.randn(d, r, generator=g, dtype=torch.float64), torch.randn(r, k, generator=g, dtype=torch.float64))
+    f64 = torch.float64
+    return {n: (torch.randn(d, r, generator=g, dtype=f64), torch.randn(r, k, generator=g, dtype=f64))
             for n, (d, k) in SHAPES.items()}  # fmt: skip
 
 
