@@ -41,7 +41,7 @@ from fs_fedpa.plugin.record_fs import RoundStats
 from fs_fedpa.plugin.resume_fs import ClientResume
 from fs_fedpa.plugin.run_folder_fs import identity, in_run_folder
 from fs_fedpa.plugin.schedule import RunSchedule
-from fs_fedpa.plugin.trainer import install_alignment_hook, install_counter_hook
+from fs_fedpa.plugin.trainer import install_alignment_hook, install_counter_hook, install_moments_hook
 from fs_fedpa.systems import Span, TrainCounter, round_stats
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
@@ -82,6 +82,8 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
         install_alignment_hook(self.trainer, self.alignment)
         self.counter = TrainCounter()  # the round's batches, examples and tokens
         install_counter_hook(self.trainer, self.counter)
+        if self.method.cfg.keep_moments:  # after FS builds the routine's optimizer
+            install_moments_hook(self.trainer, self.kept)
         self.privacy = policy(self._cfg, self.method, self.trainer, local_names, DPSGD)
         wire = self._cfg.federate.mode.lower() == "distributed"  # tensors as explicit encodings, never pickled
         stats = RoundStats(self.method, self.alignment)

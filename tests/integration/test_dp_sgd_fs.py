@@ -735,3 +735,59 @@ def test_the_dp_regime_config_passes_fs_and_the_plugins_checks():
     assert (cfg.dataloader.batch_size, cfg.train.local_update_steps, cfg.federate.total_round_num) == (256, 1, 120)
     assert cfg.model.seqcls.layers_to_transform == [4, 5] and cfg.personalization.local_param == ["classifier"]
     assert cfg.fedpa.dp.local_tensors == "frozen"  # inside the guarantee
+
+
+def _restarted_starts(leak_own: bool, mu: float = 0.5, C: float = 0.05) -> tuple[float, float]:
+    """fedpa_partial_restart after one released DP-SGD step, on the records and on the neighbour (same draw and
+    noise): the two-layer model as a rank-2 LoRA pair (B, A) = (head weight (1, 2), body weight (2, 3)), the upload
+    its factors after the step, and one reference (the server's release, the same for both). ``leak_own``: the
+    restart reads factors that also took the batch's exact gradient step, outside the mechanism. Returns ||start on
+    the records - start on the neighbour|| and the largest gap between a start and (1 - mu) upload + mu reference."""
+    from fs_fedpa.config import FedPAConfig
+    from fs_fedpa.core.ranks import RankPlan
+    from fs_fedpa.methods import get_method
+    from fs_fedpa.plugin.dp_sgd import DPSGD
+    from fs_fedpa.privacy.mechanism import dp_generator
+    from fs_fedpa.privacy.sample_level import SamplePlan
+
+    cls = get_method("fedpa_partial_restart")
+    method = cls(FedPAConfig(methods={cls.name: cls.options(mu=mu)}), RankPlan.build(1, 2, client_ranks=[2]))
+    g = torch.Generator().manual_seed(7)
+    reference = {"m": (torch.randn(1, 2, generator=g), torch.randn(2, 3, generator=g))}
+    seed = 3
+    starts, off_formula = [], 0.0
+    for neighbour in (None, _chosen(seed)[0]):
+        trainer, model = _neighbour_trainer(neighbour, None)
+        DPSGD(trainer, lambda n: SamplePlan(n, B, 1, 1.0, 1e-5, "wor"), lambda routine: dp_generator(seed, "t"),
+              clip=C, batched=True)  # fmt: skip
+        trainer.train()
+        upload = {"m": (model[1].weight.detach().clone(), model[0].weight.detach().clone())}  # released
+        own = upload
+        if leak_own:
+            X, y = trainer.ctx.data["train"].dataset.tensors
+            loss = ((model(X) - y) ** 2).mean()
+            gB, gA = torch.autograd.grad(loss, [model[1].weight, model[0].weight])
+            own = {"m": (upload["m"][0] - gB, upload["m"][1] - gA)}
+        start = method.start_round(reference, own, 0, 1)
+        want = [(1 - mu) * u + mu * r for u, r in zip(upload["m"], reference["m"])]
+        off_formula = max(off_formula, *(float((s - w).abs().max()) for s, w in zip(start["m"], want)))
+        starts.append(torch.cat([t.flatten().double() for t in start["m"]]))
+    return float((starts[0] - starts[1]).norm()), off_formula
+
+
+def test_the_partial_restart_is_post_processing_of_released_tensors():
+    """fedpa_partial_restart's start is (1 - mu) the client's upload + mu the reference, both released (checked
+    against the formula here), so between neighbours it moves at most (1 - mu) lr 2C / b apart (lr 1)."""
+    C, mu = 0.05, 0.5
+    gap, off = _restarted_starts(False, mu, C)
+    bound = (1 - mu) * 2 * C / B
+    assert off < 1e-6, off
+    assert 0.1 * bound < gap <= bound * (1 + 1e-6) + 1e-9, (gap, bound)
+
+
+def test_the_restart_check_fails_where_it_mixes_in_factors_trained_outside_the_mechanism():
+    """The check above can fail: a restart that mixes in the client's factors after an exact-gradient step (not its
+    released upload) is off the formula and moves the start between neighbours far past (1 - mu) lr 2C / b."""
+    C, mu = 0.05, 0.5
+    gap, off = _restarted_starts(True, mu, C)
+    assert off > 1e-3 and gap > 10 * (1 - mu) * 2 * C / B, (gap, off)
