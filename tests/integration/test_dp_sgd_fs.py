@@ -611,7 +611,7 @@ def _released_steps(frozen: frozenset, sampling: str, batched: bool, leak: str |
             trainer.train()
             moves.append({n: p.detach().double() - before[n] for n, p in model.named_parameters()})
 
-        def gap(names) -> float:
+        def gap(names, moves=moves) -> float:
             return float(torch.cat([(moves[0][n] - moves[1][n]).flatten() for n in names]).norm())
 
         if local:
@@ -866,7 +866,8 @@ def _remove_grouped_clip(monkeypatch, leak: str) -> None:
     def opened(clips):
         return (clips[0], math.inf) if leak == "head_unclipped" else (math.inf, clips[1])
 
-    monkeypatch.setattr(dp_sgd, "clipped_sum_groups", lambda g, cols, clips: clipped_sum_groups(g, cols, opened(clips)))
+    monkeypatch.setattr(dp_sgd, "clipped_sum_groups",
+                        lambda g, cols, clips: clipped_sum_groups(g, cols, opened(clips)))  # fmt: skip
     monkeypatch.setattr(dp_sgd, "add_clipped_groups",
                         lambda t, g, groups, clips: add_clipped_groups(t, g, groups, opened(clips)))  # fmt: skip
 
