@@ -919,3 +919,64 @@ def test_the_grouped_option_groups_the_local_tensors_or_refuses():
     assert grouped_names("frozen", sorted(HEAD)) == frozenset() == grouped_names("noised", sorted(HEAD))
     with pytest.raises(ValueError, match="'grouped' with no local tensor to group"):
         grouped_names("grouped", [])
+
+
+def test_the_studys_grouped_variant_passes_fs_and_the_plugins_checks():
+    """The declared study's ``var_grouped`` override list (fedpa.dp.local_tensors grouped and fedpa.dp.local_clip
+    beside the flat fedpa.dp_* keys) on the study's yaml, as FS merges it for method fedpa: its checks accept it when
+    frozen."""
+    import importlib
+
+    from federatedscope.core.configs.config import global_cfg
+
+    importlib.import_module("fs_fedpa")
+    from research.study.sst2_dp_fedpa import POINT, variants
+    from research.study.sst2_protocol import CFG_NAME
+    from tests.conftest import ROOT
+
+    (run,) = [r for r in variants(0.1) if r.name == "var_grouped"]
+    cfg = global_cfg.clone()
+    cfg.merge_from_file(str(ROOT / CFG_NAME))
+    cfg.merge_from_list(["federate.method", run.method, *run.opts])
+    cfg.freeze(save=False)
+    dp = cfg.fedpa.dp
+    assert (dp.mode, dp.local_tensors, dp.local_clip) == ("sample", "grouped", POINT.clip)
+    assert cfg.fedpa.dp.clip == POINT.clip and cfg.personalization.local_param == ["classifier"]
+
+
+@pytest.mark.parametrize("treatment", ["frozen", "grouped"])
+def test_a_grouped_head_trains_through_fs_within_the_target(tiny_glue, tmp_path, treatment):
+    """DP-SGD through FS on the tiny BERT with local classifier heads (Poisson, PLD, epsilon 8): under 'grouped' each
+    client's exported head has left the initial one all clients share (under 'frozen', the control, none has); the
+    ledger and each client's own file state the groups and the head's clip, every epsilon within the target, and
+    the server admitted every client's account (the two compute one plan)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from fs_fedpa.record import PRIVATE_FAULTS_FILE
+    from tests.integration.test_export_fs import _run
+
+    C, C_h = 0.5, 2.0
+    dp = {"fedpa.dp.mode": "sample", "fedpa.dp.clip": C, "fedpa.dp.epsilon": 8.0, "fedpa.dp.horizon": 5,
+          "fedpa.dp.sampling": "poisson", "fedpa.dp.accountant": "pld",
+          "fedpa.dp.local_tensors": treatment}  # fmt: skip
+    if treatment == "grouped":
+        dp["fedpa.dp.local_clip"] = C_h
+    cfg, outdir = _run(tiny_glue, tmp_path, "fedpa", **dp)
+    heads = [load_file(str(p)) for p in sorted((tmp_path / "at_end" / "heads").glob("client_*.safetensors"))]
+    assert len(heads) == 3
+    moved = [any(not torch.equal(h[k], heads[0][k]) for k in h) for h in heads[1:]]
+    last = json.loads((outdir / "fedpa_privacy.jsonl").read_text().splitlines()[-1])
+    own = [json.loads(line) for line in (outdir / "fedpa_client_privacy.jsonl").read_text().splitlines()]
+    assert last["dp_epsilon"] <= 8.0 and "dp_no_guarantee" not in last and len(last["dp_clients"]) == 3
+    assert all(e["epsilon"] <= 8.0 for e in last["dp_clients"].values())
+    faults = outdir / PRIVATE_FAULTS_FILE  # a refused account would be written here
+    assert not faults.exists() or not faults.read_text().strip()
+    if treatment == "frozen":
+        assert not any(moved) and "dp_groups" not in last and all("groups" not in r for r in own)
+        return
+    assert all(moved)
+    assert (last["dp_groups"], last["dp_clip_local"], last["dp_clip"]) == (2, C_h, C)
+    assert own and all(r["groups"] == 2 and r["clip_local"] == C_h for r in own)
+    assert "2 clipping groups, the local tensors' at C_h=2" in (outdir / "exp_print.log").read_text()
