@@ -142,13 +142,11 @@ class DPSettings:
         metadata={
             "was": "dp_local_tensors",
             "help": (
-                "sample mode: the client's local tensors (personalization.local_param, e.g. a local head) train "
-                "under DP-SGD with the rest, clipped and noised ('noised'), or stay at their initial value, which no "
-                "record touches, while the rest trains ('frozen'), or train as their own clipping group ('grouped', "
-                "dp.local_clip). Either way every tensor the client trains is "
-                "inside the mechanism, so the guarantee covers all it sends and its exports. 'plain' (the head on "
-                "the batch's exact gradient) is refused: through the head one record moves every other record's "
-                "clipped gradient, so a step's sensitivity is not 2C and the stated epsilon would be no guarantee"
+                "sample mode: the client's local tensors (personalization.local_param, e.g. a head) train under "
+                "DP-SGD with the rest, clipped and noised ('noised'), stay at their initial value, which no record "
+                "touches ('frozen'), or train as their own clipping group ('grouped', dp.local_clip). Each way the "
+                "guarantee covers all the client sends and exports; 'plain' (the head on the batch's exact gradient) "
+                "is refused: it breaks DP-SGD's sensitivity bound"
             ),
         },
     )
@@ -156,8 +154,8 @@ class DPSettings:
         default=0.0,
         metadata={
             "help": (
-                "sample mode, dp.local_tensors grouped: the local tensors' own per-example clip C_h (0: dp.clip); "
-                "each group is noised at z sqrt(2) times its clip, z the accounted multiplier"
+                "sample mode, dp.local_tensors grouped: the local tensors' own clip C_h (0: dp.clip); each group g "
+                "is noised at z sqrt(2) C_g, z the accounted multiplier"
             ),
         },
     )

@@ -891,7 +891,7 @@ def test_the_grouped_step_check_fails_where_the_groups_clip_is_removed(monkeypat
 
 def test_each_groups_noise_is_z_sqrt2_times_its_clip_over_b():
     """Zero data and weights: a grouped step (SGD lr 1) is its noise over b alone; per group its entries have standard
-    deviation z_g C_g / b with z_g = z sqrt(2), the accounted z (empirical, over some 800 body and 10,050 head
+    deviation z_g C_g / b with z_g = z sqrt(2), the accounted z (empirical, over 8,000 body and 2,001 head
     entries): the noise the accounting of z at sensitivity 1 rests on."""
     import math
 
@@ -900,7 +900,7 @@ def test_each_groups_noise_is_z_sqrt2_times_its_clip_over_b():
     from fs_fedpa.privacy.sample_level import SamplePlan
 
     z, C, C_h = 1.5, 0.05, 0.2
-    trainer, model, X, y = _two_layer_trainer(zero_data=True, hidden=200, out=50)
+    trainer, model, X, y = _two_layer_trainer(zero_data=True, hidden=2000)
     DPSGD(trainer, lambda n: SamplePlan(n, B, 1, z, 1e-5, groups=2), lambda routine: dp_generator(5, "t"), clip=C,
           local=HEAD, local_clip=C_h)  # fmt: skip
     trainer.train()
