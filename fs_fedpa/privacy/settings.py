@@ -154,8 +154,8 @@ class DPSettings:
         default=0.0,
         metadata={
             "help": (
-                "sample mode, dp.local_tensors grouped: the local tensors' own clip C_h (0: dp.clip); each group g "
-                "is noised at z sqrt(2) C_g, z the accounted multiplier"
+                "sample mode, local_tensors grouped: their clip C_h (0: dp.clip); each group g is noised at z "
+                "sqrt(2) C_g, z the accounted multiplier"
             ),
         },
     )
