@@ -151,6 +151,15 @@ class DPSettings:
             ),
         },
     )
+    label_prior: float = field(
+        default=0.0,
+        metadata={
+            "help": (
+                "sample mode, seqcls: sigma > 0 adds log pi^ from a Gaussian label count to each client's logits "
+                "(docs/privacy.md); 0: off"
+            ),
+        },
+    )
     secure_rng: bool = field(
         default=True,
         metadata={
@@ -177,7 +186,7 @@ class DPSettings:
         """ValueError, one line naming the key, for DP settings no mechanism can honour (the rules that read the
         section's other keys: :meth:`check_with`)."""
         kind = registry.entry(self.mode)
-        for key in ("clip", "noise_multiplier", "epsilon", "delta"):
+        for key in ("clip", "noise_multiplier", "epsilon", "delta", "label_prior"):
             setattr(self, key, number(getattr(self, key), f"dp.{key}", minimum=0.0))
         for key in ("clip", "noise_multiplier"):
             if getattr(self, key) > DP_VALUE_MAX:
@@ -264,6 +273,7 @@ OWN_KEY_WHY = {
     "min_records": "without DP-SGD a client's update is clipped and noised whatever its size",
     "chunk": "it sizes DP-SGD's forward",
     "local_tensors": "without DP-SGD a client's local tensors train on its data and never leave it",
+    "label_prior": "its count is composed with DP-SGD's steps",
 }
 
 
