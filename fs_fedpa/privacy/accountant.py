@@ -314,7 +314,9 @@ def _composed(kind: Sampled, count: int, delta: float, prior_sigma: float) -> fl
     prior_orders, prior_one = _rdp_one(prior)
     if prior_orders != orders:  # both the accountant's default orders
         raise ArithmeticError("the label count's RDP orders are not the steps'")
-    return float(rdp.compute_epsilon(orders, [count * r + p for r, p in zip(one, prior_one)], delta)[0])
+    # no step: the count alone (0 x an order's inf, where dp-accounting gives one, would be nan)
+    steps = [count * r if count else 0.0 for r in one]
+    return float(rdp.compute_epsilon(orders, [r + p for r, p in zip(steps, prior_one)], delta)[0])
 
 
 def calibrate(population: int, sample_size: int, count: int, target_epsilon: float, delta: float,
