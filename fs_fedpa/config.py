@@ -183,6 +183,11 @@ class FedPAConfig:
         default=0,
         metadata={"help": "global steps of linear warm-up from lr / warmup to lr (with lr_schedule)"},
     )
+    keep_moments: bool = field(
+        default=False,
+        metadata={"help": "keep each client's optimizer state (AdamW moments, step) across rounds, by parameter "
+                          "name; for methods keeping their own factors; refused with a personal phase"},
+    )
     track: Literal["none", "tensorboard", "wandb", "mlflow"] = field(
         default="none",
         metadata={"help": "the tracker the server feeds every round, in <outdir>/tracking (the track extra): "
@@ -233,6 +238,8 @@ class FedPAConfig:
         if 0 < self.norm_outlier <= 1:
             raise ValueError(f"fedpa.norm_outlier(={self.norm_outlier}) must be 0 (off) or > 1")
         self.num_threads = _integer(self.num_threads, "num_threads", minimum=0)
+        if not isinstance(self.keep_moments, bool):
+            raise ValueError(f"fedpa.keep_moments must be True or False, got {self.keep_moments!r}")
         self.max_clients = _integer(self.max_clients, "max_clients", minimum=1)
         if self.base_quantization not in QUANTIZATION_CHOICES:
             raise ValueError(

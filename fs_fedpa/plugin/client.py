@@ -42,7 +42,7 @@ from fs_fedpa.plugin.record_fs import RoundStats
 from fs_fedpa.plugin.resume_fs import ClientResume
 from fs_fedpa.plugin.run_folder_fs import identity, in_run_folder
 from fs_fedpa.plugin.schedule import RunSchedule
-from fs_fedpa.plugin.trainer import install_alignment_hook, install_counter_hook
+from fs_fedpa.plugin.trainer import install_alignment_hook, install_counter_hook, install_moments_hook
 from fs_fedpa.systems import Span, TrainCounter, round_stats
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
@@ -83,6 +83,8 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
         install_alignment_hook(self.trainer, self.alignment)
         self.counter = TrainCounter()  # the round's batches, examples and tokens
         install_counter_hook(self.trainer, self.counter)
+        if self.method.cfg.keep_moments:  # after FS builds the routine's optimizer
+            install_moments_hook(self.trainer, self.kept)
         self.privacy = policy(self._cfg, self.method, self.trainer, local_names, DPSGD)
         install_logit_bias(self.trainer, self.privacy.logit_bias)  # fedpa.dp.label_prior; without it none
         wire = self._cfg.federate.mode.lower() == "distributed"  # tensors as explicit encodings, never pickled

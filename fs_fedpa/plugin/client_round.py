@@ -103,6 +103,7 @@ class ClientRound:
                 "last round)"
             )
             trained, local = client_model.restart_factors(rnd, kept.received), kept.local or local
+            kept.moments.clear()  # the optimizer's state of a diverged round goes too
         if "end_round" in method.uses:
             trained = method.end_round(trained, client_model.index, rnd)
         kept.keep(trained, local, rnd)

@@ -11,9 +11,10 @@ import torch
 from torch import Tensor
 
 from fs_fedpa import lora
+from fs_fedpa.core.moments import KeptMoments
 from fs_fedpa.lora import Factors
 from fs_fedpa.methods.base import FederatedMethod
-from fs_fedpa.state_checks import check_int, check_pairs, check_tensors
+from fs_fedpa.state_checks import check_finite, check_int, check_pairs, check_tensor, check_tensors
 from fs_fedpa.state_store import SpillError, StateStore, flatten, unflatten
 
 logger = logging.getLogger(f"federatedscope.{__name__}")  # FS configures its own logger tree only
@@ -30,6 +31,7 @@ class ClientState:
     - ``base_offset``: per module the (d, k) sum of the merges it received (exact-aggregation methods);
     - ``personal``: a personal adapter that is never sent (FedDPA); ``fold``: the base part of the model it trained
       last (Fed-PLoRA's undrawn modules); ``last_received``: its last evaluation's reference (kept for an export);
+    - ``moments``: its optimizer's state at the end of its last routine (``fedpa.keep_moments``; else empty);
     - ``received``: this round's reference (never parked); ``rounds_trained`` and ``last_trained`` (the last round
       it trained), which its resume files carry;
     - ``lost``: its parked state could not be read back, so it restarts from the next reference; ``lost_this_round``
@@ -55,6 +57,7 @@ class ClientState:
         self.fold: Factors | None = None
         self.last_received: Factors | None = None
         self.received: Factors = {}
+        self.moments = KeptMoments()
         self.rounds_trained, self.last_trained = 0, None
         self.parked = False
         self.lost = self.lost_this_round = self.lost_unreported = False
@@ -119,7 +122,7 @@ class ClientState:
         """After each message: what client ``client`` keeps goes to the store, and nothing of it, nor of the round's
         reference, stays on the model's device."""
         parts = {"factors": self.factors, "local": self.local, "base_offset": self.base_offset,
-                 "personal": self.personal, "fold": self.fold}  # fmt: skip
+                 "personal": self.personal, "fold": self.fold, "moments": self.moments.tensors}  # fmt: skip
         if self.keep_received:
             parts["received"] = self.last_received
         self.store.put(client, flatten(parts))
@@ -130,6 +133,7 @@ class ClientState:
         """Drop the references to the state and to the round's reference (parked, or the run is over)."""
         self.factors = self.personal = self.fold = self.last_received = None
         self.local, self.base_offset, self.received = {}, {}, {}
+        self.moments.clear()
 
     def unpark(self, client: int, device: torch.device) -> None:
         """Before each message: the state of client ``client`` from the store onto ``device``. A stored state that
@@ -149,6 +153,7 @@ class ClientState:
             setattr(self, name, _on(parts[part], device) if part in parts else None)
         self.local = {n: t.to(device) for n, t in parts.get("local", {}).items()}
         self.base_offset = {n: t.to(device) for n, t in parts.get("base_offset", {}).items()}
+        self.moments.load_state_dict(parts.get("moments", {}))
 
     def state_dict(self) -> dict:
         """Everything kept across rounds (applied factors, local tensors, merges, personal adapter, the round's fold)
@@ -160,6 +165,7 @@ class ClientState:
             "personal": lora.copy_factors(self.personal, "cpu") if self.personal is not None else {},
             "fold": lora.copy_factors(self.fold or {}, "cpu"),  # what its own model's evaluation adds to the base
             "rounds_trained": self.rounds_trained,
+            **({"moments": self.moments.state_dict()} if self.moments.tensors else {}),
         }
 
     @staticmethod
@@ -181,6 +187,12 @@ class ClientState:
             check_pairs(fold, at, "fold", drawn, max_rank=method.plan.R_g, lower_rank=True)
         check_tensors(saved.get("local"), at, "local", {n: tuple(t.shape) for n, t in local.items()})
         check_tensors(saved.get("base_offset", {}), at, "base_offset", method.shapes, exact=False)
+        moments = saved.get("moments", {})
+        if not isinstance(moments, dict):
+            raise ValueError(f"{at}: field 'moments' is a {type(moments).__name__}, not a mapping of names to tensors")
+        for name, t in moments.items():
+            check_tensor(t, f"{at}: field 'moments[{name!r}]'")
+            check_finite(t, f"{at}: field 'moments[{name!r}]'")
 
     def load_state_dict(self, saved: dict, device: torch.device) -> None:
         """A resume file's state (:meth:`state_dict`'s keys and ``round``, checked by :meth:`check_state`) onto
@@ -190,6 +202,7 @@ class ClientState:
         self.base_offset = {n: t.to(device) for n, t in saved.get("base_offset", {}).items()}
         self.personal = _on(saved.get("personal", {}), device) or None
         self.fold = _on(saved.get("fold", {}), device) or None
+        self.moments.load_state_dict(saved.get("moments", {}))
         self.rounds_trained = saved["rounds_trained"]
         self.last_trained = saved["round"]  # a client writes its file in the round it trains
 

@@ -263,6 +263,13 @@ def check_fedpa_cfg(cfg) -> None:
 
     check_run(cfg, fedpa)  # what the run's DP mechanism refuses
     run_checks.check(cfg, fedpa, get_method(cfg.federate.method.lower()))  # and any DP run, of FS's own options
+    if fedpa.keep_moments:
+        personal = "personal_start" in get_method(cfg.federate.method.lower()).uses
+        why = ("its personal phase trains a second adapter every round" if personal else
+               "llm.deepspeed.use: deepspeed's engine keeps its own optimizer" if cfg.llm.deepspeed.use else "")
+        if why:
+            raise ValueError(f"fedpa.keep_moments with federate.method {cfg.federate.method!r}: {why}; unset "
+                             "fedpa.keep_moments")  # fmt: skip
     if fedpa.lr_schedule != "none" and cfg.train.scheduler.type:
         raise ValueError(
             f"fedpa.lr_schedule {fedpa.lr_schedule!r} and train.scheduler.type {cfg.train.scheduler.type!r} both set "

@@ -6,7 +6,10 @@ knows): b of the client's n_i records drawn uniformly without replacement from t
 rate b/n_i (``fedpa.dp.sampling poisson``, b then the expected size); the gradient of each
 record's task loss over every tensor that trains (LoRA factors and head; a head held at its initial value by
 ``fedpa.dp.local_tensors frozen`` takes no step) clipped to C; the sum plus N(0, (z C)^2),
-divided by b, is the step's task gradient. What does not touch the data, FedPA-LoRA's alignment term at a fixed lambda
+divided by b, is the step's task gradient. With ``fedpa.dp.local_tensors grouped`` the local tensors are a clipping
+group of their own: each record's part there is clipped to C_h (``fedpa.dp.local_clip``), the rest to C, and each group
+is noised at z_g C_g with z_g = z sqrt(2) (:attr:`~fs_fedpa.privacy.sample_plan.SamplePlan.z_group`).
+What does not touch the data, FedPA-LoRA's alignment term at a fixed lambda
 and FS's parameter regularizer, is differentiated as usual and added after clipping and noise.
 
 The per-example gradients come from batched forwards and backwards with taps on the trainable ``nn.Linear`` modules
@@ -32,10 +35,19 @@ from torch import Tensor
 
 from fs_fedpa.core.batches import length_chunks, select_records
 from fs_fedpa.plugin import fs_patches
-from fs_fedpa.privacy.mechanism import add_clipped, gaussian_flat, sample_poisson, sample_without_replacement
+from fs_fedpa.privacy.mechanism import (
+    add_clipped,
+    add_clipped_groups,
+    gaussian_flat,
+    gaussian_groups,
+    sample_poisson,
+    sample_without_replacement,
+)
 from fs_fedpa.privacy.per_example import (
     LinearTaps,
     clipped_sum_flat,
+    clipped_sum_groups,
+    column_groups,
     describe_gaps,
     linear_owners,
     per_example_matrix,
@@ -52,15 +64,20 @@ class DPSGD:
     :class:`~fs_fedpa.privacy.sample_level.SamplePlan` for its training set size, ``make_generator(k)`` its DP
     generator for the k-th training routine of the current round (a fresh stream per routine: with ``fedpa.dp.seed`` a
     resumed run draws what the uninterrupted one drew, and in distributed mode the stream is named by the id the
-    client learns when it joins)."""
+    client learns when it joins). ``local`` names the tensors clipped as their own group to ``local_clip`` (0:
+    ``clip``; ``fedpa.dp.local_tensors grouped``)."""
 
     def __init__(self, trainer, plan, make_generator, clip: float, batched: bool = True, chunk: int | None = None,
-                 frozen: frozenset[str] = frozenset()):  # fmt: skip
+                 frozen: frozenset[str] = frozenset(), local: frozenset[str] = frozenset(),
+                 local_clip: float = 0.0):  # fmt: skip
         # Every tensor that moves is clipped and noised; ``frozen`` names trainable tensors held at their value
         # (fedpa.dp.local_tensors frozen). None may train on the exact gradient (the withdrawn 'plain'): through it
         # one record would move every other record's clipped gradient, and a step's sensitivity would not be 2C
         self.plan, self.C = plan, clip
         self.frozen = frozenset(frozen)
+        self.local, self.C_local = frozenset(local), float(local_clip or clip)
+        if self.local & self.frozen:
+            raise ValueError(f"DP-SGD: tensors both frozen and grouped: {sorted(self.local & self.frozen)}")
         self.batched = batched  # per-example gradients from batched backwards; False: the per-example loop
         # records a batched forward takes on a CPU (None: CPU_CHUNK); an accelerator takes the whole batch
         self.chunk = chunk
@@ -193,6 +210,7 @@ class DPSGD:
             return self._give_up(why)
         chunk = size if _device(ctx.model).type != "cpu" else (self.chunk or CPU_CHUNK)
         sizes = [p.numel() for p in params]
+        columns = column_groups(tuple(sizes), self._groups(ctx.model), _device(ctx.model)) if self.local else None
         total, dropped, losses, y_true, y_prob = None, 0, [], [], []
         for index in length_chunks(batch, size, chunk):
             n = len(index)
@@ -216,7 +234,11 @@ class DPSGD:
             gaps = sum_gaps(found, grads[: len(params)], sizes)
             # clipped chunk by chunk: the clip is per record, so the sum is the same, and only one chunk's
             # per-example gradients are alive at a time (a logical batch of b records in bounded memory)
-            part_sum, scales = clipped_sum_flat(found, self.C)
+            if columns is None:
+                part_sum, scales = clipped_sum_flat(found, self.C)
+            else:
+                part_sum, scales = clipped_sum_groups(found, columns, self.clips)
+                scales = scales.amin(1)  # 0 only where the record's norm was not finite
             del found, grads
             flags = torch.stack([~torch.isfinite(loss).all(), ~_agrees(mean, loss), ~torch.isfinite(part).all(),
                                  sum_mismatch(gaps, rtol), (scales == 0).sum()])  # fmt: skip
@@ -257,6 +279,16 @@ class DPSGD:
         """The tensors DP-SGD trains: the trainable ones less ``self.frozen``."""
         return [p for n, p in model.named_parameters() if p.requires_grad and n not in self.frozen]
 
+    def _groups(self, model) -> tuple[int, ...]:
+        """The clipping group of each tensor of :meth:`_params`: 1 for a ``self.local`` one, else 0."""
+        return tuple(int(n in self.local) for n, p in model.named_parameters()
+                     if p.requires_grad and n not in self.frozen)  # fmt: skip
+
+    @property
+    def clips(self) -> tuple[float, ...]:
+        """The clip of each group: C, and C_h where the local tensors are their own group."""
+        return (self.C, self.C_local) if self.local else (self.C,)
+
     def _give_up(self, why: str, warn: bool = False) -> bool:
         self.batched = False
         (logger.warning if warn else logger.info)(f"DP-SGD: per-example gradients from a per-example loop: {why}")
@@ -265,6 +297,7 @@ class DPSGD:
     def _loop(self, ctx, batch, size: int, params) -> None:
         """Per record: FS's forward on it alone and the gradient of its loss, clipped into the running sum."""
         total, losses, y_true, y_prob = None, [], [], []
+        groups = self._groups(ctx.model) if self.local else None
         for j in range(size):  # one record's gradient alive at a time
             ctx.data_batch = CtxVar(_row(batch, j, size), LIFECYCLE.BATCH)
             self._forward(ctx)
@@ -273,7 +306,10 @@ class DPSGD:
             else:  # e.g. a causal-LM record with no label token: it contributes zero, within the clip bound
                 grads = [None] * len(params)
             grads = [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(grads, params)]
-            total, c = add_clipped(total, grads, self.C)
+            if groups is None:
+                total, c = add_clipped(total, grads, self.C)
+            else:
+                total, c = add_clipped_groups(total, grads, groups, self.clips)
             self.round_nonfinite += c == 0.0
             losses.append(ctx.loss_batch.detach())
             y_true.append(ctx.y_true.detach())
@@ -285,8 +321,14 @@ class DPSGD:
         ctx.y_prob = CtxVar(torch.cat(y_prob), LIFECYCLE.BATCH)
 
     def _hook_on_batch_backward_dp(self, ctx):
-        """grad = d(alignment + regularizer) + (clipped sum + N(0, (z C)^2)) / b, then FS's optimizer step."""
+        """grad = d(alignment + regularizer) + (clipped sum + N(0, (z C)^2)) / b, then FS's optimizer step (per
+        clipping group N(0, (z_g C_g)^2))."""
         plan = self._plan
+        if plan.groups != len(self.clips):
+            raise RuntimeError(
+                f"DP-SGD clips {len(self.clips)} group(s) but its plan's noise is for {plan.groups}: the accounting "
+                "would not cover the step"
+            )
         self.round_steps += 1
         if self.round_steps > plan.steps_per_round:
             raise RuntimeError(
@@ -308,7 +350,12 @@ class DPSGD:
             else:
                 # the noise of every tensor in one flat buffer (the generator's numbers as one draw a tensor), one
                 # copy to the device; the norms and the step a few operations on the flat sum, not a few a tensor
-                drawn = gaussian_flat([p.numel() for p in params], plan.z * self.C, self.generator, flat)
+                sizes = [p.numel() for p in params]
+                if self.local:
+                    stds = [plan.z_group * self.clips[g] for g in self._groups(ctx.model)]
+                    drawn = gaussian_groups(sizes, stds, self.generator, flat)
+                else:
+                    drawn = gaussian_flat(sizes, plan.z * self.C, self.generator, flat)
                 signal, noise = flat.dot(flat), drawn.dot(drawn)
                 step = flat.add_(drawn).div_(plan.b)  # the sum is spent: (sum + noise) / b in its place
                 dtypes = {p.dtype for p in params}

@@ -31,3 +31,18 @@ def install_counter_hook(trainer, counter) -> None:
         counter.count(ctx.get("data_batch"), ctx.get("batch_size"))
 
     trainer.register_hook_in_train(new_hook=_hook_on_batch_end_fedpa_count, trigger="on_batch_end", insert_pos=0)
+
+
+def install_moments_hook(trainer, kept) -> None:
+    """``fedpa.keep_moments``: after FS builds the routine's optimizer (``on_fit_start``), put the client's kept
+    optimizer state into it (``kept.moments``, :class:`~fs_fedpa.core.moments.KeptMoments`, by parameter name); at
+    the routine's end take it back. ``kept``: the client's :class:`~fs_fedpa.plugin.client_state.ClientState`."""
+
+    def _hook_on_fit_start_fedpa_moments(ctx):
+        kept.moments.restore(ctx.optimizer, dict(ctx.model.named_parameters()))
+
+    def _hook_on_fit_end_fedpa_moments(ctx):
+        kept.moments.save(ctx.optimizer, dict(ctx.model.named_parameters()))
+
+    trainer.register_hook_in_train(new_hook=_hook_on_fit_start_fedpa_moments, trigger="on_fit_start")
+    trainer.register_hook_in_train(new_hook=_hook_on_fit_end_fedpa_moments, trigger="on_fit_end", insert_pos=0)

@@ -9,7 +9,9 @@ accountant sees the noise multiplier z/2 (under Poisson sampling, adding or remo
 
 Sample level (DP-SGD on a client): b of its n_i records are drawn without replacement at every step (or each record
 at rate b/n_i, and b is the expected count); the per-example gradients g_j are clipped to C (:func:`add_clipped`)
-and the step uses ``(sum_j c_j g_j + N(0, (z C)^2 I)) / b``.
+and the step uses ``(sum_j c_j g_j + N(0, (z C)^2 I)) / b``; with clipping groups (a client's local head apart from
+its LoRA factors) each group's part is clipped to its own C_g and noised at z_g C_g (:func:`add_clipped_groups`,
+:func:`gaussian_groups`).
 
 Every draw comes from the ``generator`` handed in (the DP generator, :func:`dp_generator`), on the host: noise is
 then moved to the tensor's device, so a run's randomness does not depend on where it computes. Without a seed that
@@ -134,6 +136,15 @@ def gaussian_flat(sizes: Sequence[int], std: float, generator: Generator | Secur
     return noise.mul_(std).to(device=like.device, dtype=like.dtype)
 
 
+def gaussian_groups(sizes: Sequence[int], stds: Sequence[float], generator: Generator | SecureGenerator,
+                    like: Tensor) -> Tensor:  # fmt: skip
+    """:func:`gaussian_flat` with a standard deviation a tensor: entry block i (``sizes[i]`` entries) is
+    N(0, stds[i]^2), from the same numbers ``gaussian_flat`` draws at std 1."""
+    noise = gaussian_flat(sizes, 1.0, generator, like)
+    scale = torch.repeat_interleave(torch.tensor(list(stds), dtype=torch.float64), torch.tensor(list(sizes)))
+    return noise.mul_(scale.to(device=noise.device, dtype=noise.dtype))
+
+
 def noisy_mean(tensors: Sequence[Tensor], scales: Sequence[float], K: int, std: float, generator: Generator,
                like: Tensor) -> Tensor:  # fmt: skip
     """``(1/K) sum_i c_i t_i + N(0, std^2)``, entrywise, for tensors of one shape (none: the noise alone, in
@@ -170,6 +181,25 @@ def add_clipped(total: list[Tensor] | None, grads: Sequence[Tensor], C: float) -
     for t, g in zip(total, grads):
         t.add_(g.double(), alpha=c)
     return total, c
+
+
+def add_clipped_groups(total: list[Tensor] | None, grads: Sequence[Tensor], groups: Sequence[int],
+                       clips: Sequence[float]) -> tuple[list[Tensor], float]:  # fmt: skip
+    """:func:`add_clipped` with the tensors in clipping groups: tensor i is in group ``groups[i]``, and each group's
+    part of the example's gradient is clipped to its own ``clips[g]`` (``||c_g g_g|| <= C_g``); also the smallest
+    c_g. A gradient whose norm is not finite in any group contributes exactly zero in all (c = 0)."""
+    sq = [0.0] * len(clips)
+    for g, k in zip(grads, groups):
+        sq[k] += float(g.double().pow(2).sum())
+    c = [clip_scale(v, C) for v, C in zip(sq, clips)]
+    if min(c) == 0.0:
+        c = [0.0] * len(clips)
+        grads = [torch.zeros_like(g, dtype=torch.float64) for g in grads]
+    if total is None:
+        return [c[k] * g.double() for g, k in zip(grads, groups)], min(c)
+    for t, g, k in zip(total, grads, groups):
+        t.add_(g.double(), alpha=c[k])
+    return total, min(c)
 
 
 def release_products(uploads: Sequence[dict[str, tuple[Tensor, Tensor]]], shapes: dict[str, tuple[int, int]], K: int,

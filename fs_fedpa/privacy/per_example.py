@@ -203,6 +203,28 @@ def clipped_sum_flat(per_example: Tensor, C: float) -> tuple[Tensor, Tensor]:
     return c @ g, c
 
 
+@functools.lru_cache(maxsize=16)
+def column_groups(sizes: tuple[int, ...], groups: tuple[int, ...], device: torch.device) -> Tensor:
+    """``(sum(sizes),)``: the clipping group of each flat entry, tensor i's ``sizes[i]`` entries in ``groups[i]``."""
+    return torch.tensor(groups, device=device)[_segments(sizes, device)]
+
+
+def clipped_sum_groups(per_example: Tensor, columns: Tensor, clips: Sequence[float]) -> tuple[Tensor, Tensor]:
+    """:func:`clipped_sum_flat` with the columns in clipping groups (``columns``, ``(P,)``: the group of each,
+    :func:`column_groups`): ``sum_j c_jg g_jg`` with each record's part in group g clipped on its own norm to
+    ``clips[g]``, ``c_jg = min(1, C_g / ||g_jg||)``; also the ``(b, k)`` c_jg. A record with a non-finite norm in any
+    group contributes exactly zero (c_j = 0 in every group). On the device, no host read."""
+    g = per_example.to(torch.float64, copy=True)
+    sq = torch.zeros(g.shape[0], len(clips), dtype=torch.float64, device=g.device)
+    sq.index_add_(1, columns, g * g)
+    norm = sq.sqrt_()
+    finite = torch.isfinite(norm).all(1)
+    C = torch.tensor(list(clips), dtype=torch.float64, device=g.device).expand_as(norm)
+    c = C.div(norm).clamp_(max=1.0).masked_fill_(~finite[:, None], 0.0)
+    g.masked_fill_(~finite[:, None], 0.0)
+    return g.mul_(c[:, columns]).sum(0), c
+
+
 def _rows(pe: Tensor) -> Tensor:
     """``(b, *shape)`` as ``(b, prod(shape))`` (also for b = 0 or a 0-d shape)."""
     return pe.reshape(pe.shape[0], math.prod(pe.shape[1:]))

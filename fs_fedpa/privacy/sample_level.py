@@ -3,7 +3,8 @@
 upload; the server checks each account against the plan its own config gives that client and states in its ledger
 what each client spent (:class:`SampleLevelServer`).
 
-Why one module over 450 lines: the client's account and the server's check of it must agree field by field.
+Why one module over 450 lines: the client's account and the server's check of it must read the same plan and change
+together.
 """
 
 from __future__ import annotations
@@ -36,12 +37,22 @@ def frozen_names(treatment: str, local_names: list[str]) -> frozenset[str]:
     """The tensors DP-SGD holds still: with ``fedpa.dp.local_tensors frozen`` the client's local tensors (a head),
     which keep the value they were built with, a value no record touches; DP-SGD clips and noises every tensor that
     moves, so what the client releases is post-processing of the mechanism alone."""
-    if treatment != "frozen":
+    return _local(treatment, "frozen", "freeze", local_names)
+
+
+def grouped_names(treatment: str, local_names: list[str]) -> frozenset[str]:
+    """The tensors DP-SGD clips as a group of their own (``fedpa.dp.local_tensors grouped``): the client's local
+    tensors, clipped to ``fedpa.dp.local_clip`` and noised at z sqrt(2) times it, the rest at z sqrt(2) C."""
+    return _local(treatment, "grouped", "group", local_names)
+
+
+def _local(treatment: str, wanted: str, verb: str, local_names: list[str]) -> frozenset[str]:
+    if treatment != wanted:
         return frozenset()
     if not local_names:
         raise ValueError(
-            "fedpa.dp.local_tensors 'frozen' with no local tensor to freeze: personalization.local_param names none "
-            "of the model's trainable non-LoRA tensors"
+            f"fedpa.dp.local_tensors {wanted!r} with no local tensor to {verb}: personalization.local_param names "
+            "none of the model's trainable non-LoRA tensors"
         )
     return frozenset(local_names)
 
@@ -74,8 +85,9 @@ class SampleLevelClient(ClientPolicy):
         # fedpa.dp.label_prior: the count is drawn at the first training routine (logit_bias)
         self.prior = LabelPrior(fedpa.dp.label_prior, cfg.model.seqcls.num_labels) if fedpa.dp.label_prior else None
         frozen = frozen_names(fedpa.dp.local_tensors, local_names)
+        local = grouped_names(fedpa.dp.local_tensors, local_names)
         self.dp_sgd = dp_sgd(trainer, plan, make_generator, fedpa.dp.clip, chunk=fedpa.dp.chunk or None,
-                             frozen=frozen)  # fmt: skip
+                             frozen=frozen, local=local, local_clip=fedpa.dp.local_clip)  # fmt: skip
         n = trainer.ctx.get("num_train_data")
         if isinstance(n, int) and n > 0:
             plan(n)  # now, not in the first batch: a delta above min(1e-5, 1/(10 n_i)) is refused at start
@@ -160,8 +172,11 @@ class SampleLevelClient(ClientPolicy):
         logger.info(
             f"[fedpa] client #{self.client}: DP-SGD epsilon {line['epsilon']:.4g} at delta {plan.delta:.3g} after "
             f"{line['steps']} steps (n={plan.n}, b={plan.b}{' expected' if plan.sampling == 'poisson' else ''}, "
-            f"z={plan.z:.4g}, C={self.fedpa.dp.clip:g}; {plan.sampling} sampling, {plan.accounting}"
-            + (f"; with its label count, sigma={plan.prior_sigma:g})" if plan.prior_sigma else ")")
+            f"z={plan.z:.4g}, C={self.fedpa.dp.clip:g}"
+            + (f"; {plan.groups} clipping groups, the local tensors' at C_h={self.dp_sgd.C_local:g}, each noised at "
+               f"z_g={plan.z_group:.4g}" if plan.groups > 1 else "")
+            + (f"; with its label count, sigma={plan.prior_sigma:g}" if plan.prior_sigma else "")
+            + f"; {plan.sampling} sampling, {plan.accounting})"
             + (f"; {line['nonfinite']} records of this round had a non-finite gradient and contributed "
                "zero" if line["nonfinite"] else "")
             + (f"; {line['empty']} steps drew no record (Poisson) and were noise alone" if line["empty"] else "")
@@ -182,8 +197,11 @@ class SampleLevelClient(ClientPolicy):
         round's signal against noise (per step: the clipped sum's norm and the noise's; None without a step)."""
         plan = self.dp_sgd.plan_in_use
         norms = self.dp_sgd.signal_noise()
-        return {**self._account(rounds_trained), "sampling": plan.sampling, "accountant": plan.accounting,
-                "prior_sigma": plan.prior_sigma, "nonfinite": self.dp_sgd.round_nonfinite, "empty": self.dp_sgd.round_empty,
+        # clipping groups: z is the accounted multiplier, each group noised at z sqrt(groups) times its clip
+        groups = {"groups": plan.groups, "clip_local": self.dp_sgd.C_local} if plan.groups > 1 else {}
+        return {**self._account(rounds_trained), **groups, "sampling": plan.sampling, "accountant": plan.accounting,
+                "prior_sigma": plan.prior_sigma, "nonfinite": self.dp_sgd.round_nonfinite,
+                "empty": self.dp_sgd.round_empty,
                 "clipped_sum": None if norms is None else float(norms[0]),
                 "noise": None if norms is None else float(norms[1])}  # fmt: skip
 
@@ -336,6 +354,9 @@ class SampleLevelServer(GaussianServer):
                                   "reason": self.no_guarantee[c], "n": self.sizes.get(c), "steps": None}  # fmt: skip
         known = [v for v in per_client.values() if v and v.get("guarantee") != "none"]
         none = [c for c, v in per_client.items() if v and v.get("guarantee") == "none"]
+        dp = self.method.cfg.dp  # clipping groups: dp_z is the accounted z, each group noised at z sqrt(2) C_g
+        grouped = dp.local_tensors == "grouped"
+        groups = {"dp_groups": 2, "dp_clip_local": float(dp.local_clip or dp.clip)} if grouped else {}
         line = {
             "round": rnd,
             "dp_mode": "sample",
@@ -346,6 +367,7 @@ class SampleLevelServer(GaussianServer):
             "dp_adjacency": self.adjacency,
             "dp_sensitivity": (2 if self.sampling == "wor" else 1) * self.C,
             "dp_clip": self.C,
+            **groups,
             "dp_clients": per_client,
             "dp_accountant": self.accountant,
         }  # fmt: skip

@@ -22,7 +22,12 @@ MAX_RECORDS = 1e15  # more records than any client has (the intake's bound on a 
 class SamplePlan:
     """Client i's DP-SGD: b of its n records a step (``sampling`` "poisson": each at rate b/n, b expected),
     ``steps_per_round`` steps a round, noise multiplier z, epsilon from ``accounting``; ``prior_sigma`` > 0: its
-    label count (``fedpa.dp.label_prior``), released before its first step, composed with the steps."""
+    label count (``fedpa.dp.label_prior``), released before its first step, composed with the steps.
+
+    ``groups`` k: each record's gradient is clipped per group g to its own C_g and each group noised at
+    N(0, (z_g C_g)^2) (``fedpa.dp.local_tensors grouped``: k = 2). Scaled by 1/C_g, that is one Gaussian mechanism of
+    sensitivity sqrt(k) and noise z_g, so z_g = z sqrt(k) (:attr:`z_group`) and ``z``, the accounted multiplier at
+    sensitivity 1, is what epsilon and the account read."""
 
     n: int
     b: int
@@ -31,7 +36,13 @@ class SamplePlan:
     delta: float
     sampling: str = "wor"
     accounting: str = "rdp"
+    groups: int = 1
     prior_sigma: float = 0.0
+
+    @property
+    def z_group(self) -> float:
+        """The noise multiplier of each clipping group: z sqrt(groups)."""
+        return self.z * math.sqrt(self.groups)
 
     @property
     def kind(self):
@@ -60,23 +71,30 @@ def sample_plan(cfg, n: int, routines: int = 1) -> SamplePlan:
         per_epoch = n // b if cfg.dataloader.drop_last else math.ceil(n / b)
         tau = int(cfg.train.local_update_steps) * max(per_epoch, 1)
     tau *= routines
+    groups = clip_groups(fedpa.dp.local_tensors)
     if n < fedpa.dp.min_records:  # left out of DP training: no step, epsilon 0, no noise to calibrate
         delta = dp_delta_for(float(fedpa.dp.delta), n, "n_i records")
-        return SamplePlan(n, b, 0, 0.0, delta, fedpa.dp.sampling, fedpa.dp.accountant)
+        return SamplePlan(n, b, 0, 0.0, delta, fedpa.dp.sampling, fedpa.dp.accountant, groups)
     return _plan(n, b, tau, int(fedpa.dp.horizon or cfg.federate.total_round_num), float(fedpa.dp.noise_multiplier),
                  float(fedpa.dp.epsilon), float(fedpa.dp.delta), fedpa.dp.sampling, fedpa.dp.accountant,
-                 float(fedpa.dp.label_prior))  # fmt: skip
+                 groups, float(fedpa.dp.label_prior))  # fmt: skip
+
+
+def clip_groups(local_tensors: str) -> int:
+    """The clipping groups of DP-SGD under ``fedpa.dp.local_tensors``: 2 when the local tensors are their own
+    ('grouped'), else 1."""
+    return 2 if local_tensors == "grouped" else 1
 
 
 @lru_cache(maxsize=1024)
 def _plan(n: int, b: int, tau: int, rounds: int, z: float, target: float, delta_setting: float, sampling: str,
-          accounting: str, prior_sigma: float = 0.0) -> SamplePlan:  # fmt: skip
+          accounting: str, groups: int = 1, prior_sigma: float = 0.0) -> SamplePlan:  # fmt: skip
     from fs_fedpa.privacy.accountant import calibrate, check_pld_cost
 
     delta = dp_delta_for(delta_setting, n, "n_i records")
-    if not z:
+    if not z:  # the accounted z: the groups' noise is z sqrt(groups) each (SamplePlan.z_group)
         z = calibrate(n, b, rounds * tau, target, delta, sampling, accounting, prior_sigma)
-    plan = SamplePlan(n, b, tau, z, delta, sampling, accounting, prior_sigma)
+    plan = SamplePlan(n, b, tau, z, delta, sampling, accounting, groups, prior_sigma)
     check_pld_cost(plan.kind, rounds * tau)  # the whole horizon's accounting, at the client's start
     return plan
 

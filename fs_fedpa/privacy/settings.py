@@ -17,7 +17,7 @@ from fs_fedpa.values import integer, number, shown
 
 DP_SAMPLINGS = ("wor", "poisson")
 DP_ACCOUNTANTS = ("rdp", "pld")
-DP_LOCAL_TENSORS = ("noised", "frozen")  # "plain" is refused by name: it broke DP-SGD's guarantee
+DP_LOCAL_TENSORS = ("noised", "frozen", "grouped")  # "plain" is refused by name: it broke DP-SGD's guarantee
 DP_DELTA_MAX = 1e-5  # the largest delta a run may take, whatever the population (docs/privacy.md)
 # bound of dp.clip and dp.noise_multiplier: the server drops any factor entry beyond 1e6 (docs/dev/faults.md), and
 # noise of standard deviation z C up to 1e12 stays finite in float32 even squared and summed; 1e308 overflowed later
@@ -137,17 +137,25 @@ class DPSettings:
             ),
         },
     )
-    local_tensors: Literal["noised", "frozen"] = field(
+    local_tensors: Literal["noised", "frozen", "grouped"] = field(
         default="noised",
         metadata={
             "was": "dp_local_tensors",
             "help": (
-                "sample mode: the client's local tensors (personalization.local_param, e.g. a local head) train "
-                "under DP-SGD with the rest, clipped and noised ('noised'), or stay at their initial value, which no "
-                "record touches, while the rest trains ('frozen'). Either way every tensor the client trains is "
-                "inside the mechanism, so the guarantee covers all it sends and its exports. 'plain' (the head on "
-                "the batch's exact gradient) is refused: through the head one record moves every other record's "
-                "clipped gradient, so a step's sensitivity is not 2C and the stated epsilon would be no guarantee"
+                "sample mode: the client's local tensors (personalization.local_param, e.g. a head) train under "
+                "DP-SGD with the rest, clipped and noised ('noised'), stay at their initial value, which no record "
+                "touches ('frozen'), or train as their own clipping group ('grouped', dp.local_clip). Each way the "
+                "guarantee covers all the client sends and exports; 'plain' (the head on the batch's exact gradient) "
+                "is refused: it breaks DP-SGD's sensitivity bound"
+            ),
+        },
+    )
+    local_clip: float = field(
+        default=0.0,
+        metadata={
+            "help": (
+                "sample mode, local_tensors grouped: their clip C_h (0: dp.clip); each group g is noised at z "
+                "sqrt(2) C_g, z the accounted multiplier"
             ),
         },
     )
@@ -186,9 +194,9 @@ class DPSettings:
         """ValueError, one line naming the key, for DP settings no mechanism can honour (the rules that read the
         section's other keys: :meth:`check_with`)."""
         kind = registry.entry(self.mode)
-        for key in ("clip", "noise_multiplier", "epsilon", "delta", "label_prior"):
+        for key in ("clip", "noise_multiplier", "epsilon", "delta", "local_clip", "label_prior"):
             setattr(self, key, number(getattr(self, key), f"dp.{key}", minimum=0.0))
-        for key in ("clip", "noise_multiplier"):
+        for key in ("clip", "noise_multiplier", "local_clip"):
             if getattr(self, key) > DP_VALUE_MAX:
                 raise ValueError(
                     f"fedpa.dp.{key}(={getattr(self, key):g}) must be <= {DP_VALUE_MAX:g}: the noise z C would "
@@ -212,6 +220,11 @@ class DPSettings:
                              ("local_tensors", DP_LOCAL_TENSORS)):  # fmt: skip
             if getattr(self, key) not in choices:
                 raise ValueError(f"fedpa.dp.{key}(={getattr(self, key)!r}) must be one of {choices}")
+        if self.local_clip and self.local_tensors != "grouped":
+            raise ValueError(
+                f"fedpa.dp.local_clip(={self.local_clip:g}) is the clip of the local tensors' own group: it needs "
+                f"fedpa.dp.local_tensors grouped, not {self.local_tensors!r}"
+            )
         defaults = dp_defaults()
         if not kind.noised:
             stray = [f"fedpa.dp.{k}={shown(getattr(self, k))}" for k, off in defaults.items()
@@ -273,6 +286,7 @@ OWN_KEY_WHY = {
     "min_records": "without DP-SGD a client's update is clipped and noised whatever its size",
     "chunk": "it sizes DP-SGD's forward",
     "local_tensors": "without DP-SGD a client's local tensors train on its data and never leave it",
+    "local_clip": "without DP-SGD a client's local tensors train on its data and never leave it",
     "label_prior": "its count is composed with DP-SGD's steps",
 }
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from research.study import protocol_results as pr
 from research.study import sst2_verdict as sv
 from research.study.report_dp_regime import dp_regime_section
+from research.study.report_dp_fedpa import dp_fedpa_section
 from research.study.report_dp_valid import dp_valid_section
 from research.study.report_long import long_section, partial_section
 from research.study.report_privacy import privacy_section
@@ -75,8 +76,9 @@ def write_report(report: Path, results: dict, stages: list) -> Path:
         *splits_section(results),
         *privacy_section(results, stages),
         *dp_regime_section(results, stages, report),
-        *dp_valid_section(results, json.loads(selected.read_text()) if (selected := report / "selected.json").is_file()
-                          else None),
+        *dp_valid_section(results, main := json.loads(selected.read_text())
+                          if (selected := report / "selected.json").is_file() else None),
+        *dp_fedpa_section(results, main),
     ]  # fmt: skip
     path = report / "report.md"
     path.write_text("\n".join(lines) + "\n")

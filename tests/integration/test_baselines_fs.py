@@ -125,6 +125,29 @@ def test_fedpa_without_preservation_restarts_from_the_reference_and_still_aligns
     assert any(gap > 0 for gap in run["loss_gap"])
 
 
+def test_fedpa_partial_restart_starts_between_its_own_factors_and_the_reference(tiny_llm, tmp_path):
+    # heterogeneous ranks with references below and at r_i: the reference's missing columns/rows are zero
+    mu, R = 0.3, {1: 2, 2: 2, 3: 4}
+    options = {"federate.method": "fedpa_partial_restart", "fedpa.fedpa_partial_restart.mu": mu,
+               "fedpa.client_ranks": [2, 4, 8], "fedpa.reference_ranks": [2, 2, 4]}  # fmt: skip
+    run = probe(fedpa_cfg(tiny_llm, tmp_path, **options), tmp_path)
+    ends = {(r["client"], r["round"]): r["end"] for r in run["leave"]}  # PEFT's raw B / s_i, A
+    checked = 0
+    for entry in run["enter"]:
+        if entry["round"] == 0:
+            continue
+        c, B_g = entry["client"], run["aggregate"][entry["round"] - 1]["global"]
+        for name, (B, A) in entry["start"].items():
+            r, m = B.shape[1], R[c]
+            B_end, A_end = ends[(c, entry["round"] - 1)][name]
+            B_ref, A_ref = torch.zeros_like(B), torch.zeros_like(A)
+            B_ref[:, :m], A_ref[:m] = B_g[name][0][:, :m] / (8 / r), B_g[name][1][:m]  # PEFT alpha / r
+            torch.testing.assert_close(B, (1 - mu) * B_end + mu * B_ref)
+            torch.testing.assert_close(A, (1 - mu) * A_end + mu * A_ref)
+            checked += 1
+    assert checked > 0 and any(gap > 0 for gap in run["loss_gap"])
+
+
 def test_hetlora_self_pruning_only_lowers_ranks_and_the_server_follows(tiny_llm, tmp_path):
     # gamma 0.7 prunes visibly: rank 8 -> 5 -> 3 ..., rank 2 -> 1, never below 1
     options = {"federate.method": "hetlora", "fedpa.client_ranks": [2, 4, 8], "fedpa.hetlora.gamma": 0.7}

@@ -441,7 +441,7 @@ def test_layers_to_transform_reduces_the_trainable_set_to_the_chosen_layers(tiny
         global_cfg.clone().merge_from_list(["model.seqcls.layers_to_transform", [-1]])
 
 
-def _two_layer_trainer(zero_data: bool = False):
+def _two_layer_trainer(zero_data: bool = False, hidden: int = 2, out: int = 1):
     """FS's trainer on a body (``0``) and a head (``1``), SGD at lr 1, N records of 3 features."""
     from federatedscope.core.configs.config import global_cfg
     from federatedscope.core.monitors.monitor import Monitor
@@ -452,10 +452,10 @@ def _two_layer_trainer(zero_data: bool = False):
                          "train.batch_or_epoch", "batch", "dataloader.batch_size", B, "criterion.type", "MSELoss",
                          "use_gpu", False])  # fmt: skip
     torch.manual_seed(1)
-    X, y = torch.randn(N, 3), torch.randn(N, 1)
+    X, y = torch.randn(N, 3), torch.randn(N, out)
     if zero_data:
         X, y = X * 0, y * 0
-    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(3, hidden), torch.nn.Linear(hidden, out))
     if zero_data:
         for p in model.parameters():
             torch.nn.init.zeros_(p)
@@ -569,13 +569,14 @@ def _flat(model) -> torch.Tensor:
 
 
 def _released_steps(frozen: frozenset, sampling: str, batched: bool, leak: str | None = None, steps: int = 3,
-                    clip: float = 0.05, z: float = 1.0, bias: torch.Tensor | None = None,
-                    moves_out: list | None = None) -> tuple[list[float], int]:  # fmt: skip
+                    clip: float = 0.05, z: float = 1.0, local: frozenset = frozenset(), local_clip: float = 0.0,
+                    bias: torch.Tensor | None = None, moves_out: list | None = None) -> tuple[list, int]:  # fmt: skip
     """DP-SGD's released steps through FS's trainer and optimizer (SGD at lr 1 on every tensor, noise z): a run of
     ``steps`` steps on the records gives the model and the DP generator's state before each step; from each, one
     step on the records and one on the neighbour (the first record the first step draws replaced), with the same
     generator state, so the same draw and noise. Returns, per step, ||move on the records - move on the neighbour||
-    over every tensor of the model, and the seed."""
+    over every tensor of the model, and the seed; with ``local`` (the head as its own clipping group, clipped to
+    ``local_clip``), per step the pair (gap over the other tensors, gap over ``local``)."""
     from fs_fedpa.plugin.dp_sgd import DPSGD
     from fs_fedpa.privacy.mechanism import dp_generator
     from fs_fedpa.privacy.sample_level import SamplePlan
@@ -588,8 +589,9 @@ def _released_steps(frozen: frozenset, sampling: str, batched: bool, leak: str |
             g = dp_generator(seed, "t")
             return g if state is None else g.set_state(state)
 
-        return DPSGD(trainer, lambda n: SamplePlan(n, B, count, z, 1e-5, sampling), generator, clip=clip,
-                     batched=batched, frozen=frozen)  # fmt: skip
+        groups = 2 if local else 1
+        return DPSGD(trainer, lambda n: SamplePlan(n, B, count, z, 1e-5, sampling, groups=groups), generator,
+                     clip=clip, batched=batched, frozen=frozen, local=local, local_clip=local_clip)  # fmt: skip
 
     trainer, model = _neighbour_trainer(None, leak, bias)
     hooks = dp(trainer, steps)
@@ -609,11 +611,18 @@ def _released_steps(frozen: frozenset, sampling: str, batched: bool, leak: str |
         for neighbour in (None, canary):
             trainer, model = _neighbour_trainer(neighbour, leak, bias)
             model.load_state_dict(weights)
-            before = _flat(model)
+            before = {n: p.detach().double().clone() for n, p in model.named_parameters()}
             dp(trainer, 1, state)
             trainer.train()
-            moves.append(_flat(model) - before)
-        gaps.append(float((moves[0] - moves[1]).norm()))
+            moves.append({n: p.detach().double() - before[n] for n, p in model.named_parameters()})
+
+        def gap(names, moves=moves) -> float:
+            return float(torch.cat([(moves[0][n] - moves[1][n]).flatten() for n in names]).norm())
+
+        if local:
+            gaps.append((gap([n for n in moves[0] if n not in local]), gap(sorted(local))))
+        else:
+            gaps.append(gap(list(moves[0])))
         if moves_out is not None:
             moves_out.append(moves[0])
     return gaps, seed
@@ -648,7 +657,8 @@ def test_a_released_step_with_the_label_prior_bias_moves_at_most_lr_2c_over_b(sa
     bound = 1.0 * 2 * C / B
     assert gaps[0] > 0.1 * bound, gaps
     assert max(gaps) <= bound * (1 + 1e-6) + 1e-9, (gaps, bound)
-    assert float((with_bias[0] - without[0]).norm()) > 1e-3 * bound  # the bias is in the loss DP-SGD clips
+    changed = torch.cat([(with_bias[0][n] - without[0][n]).flatten() for n in without[0]]).norm()
+    assert float(changed) > 1e-3 * bound  # the bias is in the loss DP-SGD clips
 
 
 @pytest.mark.parametrize("frozen", [frozenset(), HEAD], ids=["head_noised", "head_frozen"])
@@ -759,3 +769,238 @@ def test_the_dp_regime_config_passes_fs_and_the_plugins_checks():
     assert (cfg.dataloader.batch_size, cfg.train.local_update_steps, cfg.federate.total_round_num) == (256, 1, 120)
     assert cfg.model.seqcls.layers_to_transform == [4, 5] and cfg.personalization.local_param == ["classifier"]
     assert cfg.fedpa.dp.local_tensors == "frozen"  # inside the guarantee
+
+
+def _restarted_starts(leak_own: bool, mu: float = 0.5, C: float = 0.05) -> tuple[float, float]:
+    """fedpa_partial_restart after one released DP-SGD step, on the records and on the neighbour (same draw and
+    noise): the two-layer model as a rank-2 LoRA pair (B, A) = (head weight (1, 2), body weight (2, 3)), the upload
+    its factors after the step, and one reference (the server's release, the same for both). ``leak_own``: the
+    restart reads factors that also took the batch's exact gradient step, outside the mechanism. Returns ||start on
+    the records - start on the neighbour|| and the largest gap between a start and (1 - mu) upload + mu reference."""
+    from fs_fedpa.config import FedPAConfig
+    from fs_fedpa.core.ranks import RankPlan
+    from fs_fedpa.methods import get_method
+    from fs_fedpa.plugin.dp_sgd import DPSGD
+    from fs_fedpa.privacy.mechanism import dp_generator
+    from fs_fedpa.privacy.sample_level import SamplePlan
+
+    cls = get_method("fedpa_partial_restart")
+    method = cls(FedPAConfig(methods={cls.name: cls.options(mu=mu)}), RankPlan.build(1, 2, client_ranks=[2]))
+    g = torch.Generator().manual_seed(7)
+    reference = {"m": (torch.randn(1, 2, generator=g), torch.randn(2, 3, generator=g))}
+    seed = 3
+    starts, off_formula = [], 0.0
+    for neighbour in (None, _chosen(seed)[0]):
+        trainer, model = _neighbour_trainer(neighbour, None)
+        DPSGD(trainer, lambda n: SamplePlan(n, B, 1, 1.0, 1e-5, "wor"), lambda routine: dp_generator(seed, "t"),
+              clip=C, batched=True)  # fmt: skip
+        trainer.train()
+        upload = {"m": (model[1].weight.detach().clone(), model[0].weight.detach().clone())}  # released
+        own = upload
+        if leak_own:
+            X, y = trainer.ctx.data["train"].dataset.tensors
+            loss = ((model(X) - y) ** 2).mean()
+            gB, gA = torch.autograd.grad(loss, [model[1].weight, model[0].weight])
+            own = {"m": (upload["m"][0] - gB, upload["m"][1] - gA)}
+        start = method.start_round(reference, own, 0, 1)
+        want = [(1 - mu) * u + mu * r for u, r in zip(upload["m"], reference["m"])]
+        off_formula = max(off_formula, *(float((s - w).abs().max()) for s, w in zip(start["m"], want)))
+        starts.append(torch.cat([t.flatten().double() for t in start["m"]]))
+    return float((starts[0] - starts[1]).norm()), off_formula
+
+
+def test_the_partial_restart_is_post_processing_of_released_tensors():
+    """fedpa_partial_restart's start is (1 - mu) the client's upload + mu the reference, both released (checked
+    against the formula here), so between neighbours it moves at most (1 - mu) lr 2C / b apart (lr 1)."""
+    C, mu = 0.05, 0.5
+    gap, off = _restarted_starts(False, mu, C)
+    bound = (1 - mu) * 2 * C / B
+    assert off < 1e-6, off
+    assert 0.1 * bound < gap <= bound * (1 + 1e-6) + 1e-9, (gap, bound)
+
+
+def test_the_restart_check_fails_where_it_mixes_in_factors_trained_outside_the_mechanism():
+    """The check above can fail: a restart that mixes in the client's factors after an exact-gradient step (not its
+    released upload) is off the formula and moves the start between neighbours far past (1 - mu) lr 2C / b."""
+    C, mu = 0.05, 0.5
+    gap, off = _restarted_starts(True, mu, C)
+    assert off > 1e-3 and gap > 10 * (1 - mu) * 2 * C / B, (gap, off)
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["taps", "loop"])
+def test_a_grouped_head_is_clipped_apart_from_the_body(batched):
+    """fedpa.dp.local_tensors grouped: each record's body gradient is clipped to C on the body's norm alone and its
+    head gradient to C_h on the head's alone. Expected step from torch.func's per-example gradients (no noise)."""
+    from torch.func import functional_call, grad, vmap
+
+    from fs_fedpa.plugin.dp_sgd import DPSGD
+    from fs_fedpa.privacy.mechanism import dp_generator
+    from fs_fedpa.privacy.sample_level import SamplePlan
+
+    C, C_h = 0.05, 0.02
+    trainer, model, X, y = _two_layer_trainer()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    DPSGD(trainer, lambda n: SamplePlan(n, B, 1, 0.0, 1e-5, groups=2), lambda routine: dp_generator(3, "t"), clip=C,
+          batched=batched, local=HEAD, local_clip=C_h)  # fmt: skip
+    trainer.train()
+    idx = _chosen()
+
+    def loss(params, x, t):
+        return ((functional_call(model, params, (x[None],)) - t) ** 2).mean()
+
+    per = vmap(grad(loss), in_dims=(None, 0, 0))(before, X[idx], y[idx])
+    scale = {}
+    for names, clip in ((sorted(set(before) - HEAD), C), (sorted(HEAD), C_h)):
+        norms = sum(per[n].flatten(1).pow(2).sum(1) for n in names).sqrt()
+        c = torch.clamp(clip / norms, max=1.0)
+        assert (c < 1).all()  # the clip bites on every record, in each group
+        scale.update({n: c for n in names})
+    for n, p in model.named_parameters():
+        c = scale[n].view(-1, *[1] * (per[n].ndim - 1))
+        torch.testing.assert_close(p.detach(), before[n] - (c * per[n]).sum(0) / B, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["taps", "loop"])
+@pytest.mark.parametrize("sampling", ["wor", "poisson"])
+def test_a_grouped_released_step_moves_each_group_at_most_lr_2cg_over_b_between_neighbours(sampling, batched):
+    """fedpa.dp.local_tensors grouped, C = 0.05 on the body and C_h = 0.2 on the head: between neighbours
+    (replace-one, the same draw and noise) a released step (SGD lr 1, noise on) moves the body at most 2C/b apart and
+    the head at most 2C_h/b apart, the bounds the accounting's sensitivity sqrt(2) per rescaled group rests on."""
+    C, C_h = 0.05, 0.2
+    gaps, _ = _released_steps(frozenset(), sampling, batched, clip=C, local=HEAD, local_clip=C_h)
+    body, head = zip(*gaps)
+    assert body[0] > 0.1 * 2 * C / B and head[0] > 0.1 * 2 * C_h / B, gaps  # the canary is drawn and moves both
+    assert max(body) <= 2 * C / B * (1 + 1e-6) + 1e-9, (body, 2 * C / B)
+    assert max(head) <= 2 * C_h / B * (1 + 1e-6) + 1e-9, (head, 2 * C_h / B)
+    assert max(head) > 2 * C / B  # the head's own clip, not C, bounds it
+
+
+GROUPED_LEAKS = ("head_unclipped", "body_unclipped")
+
+
+def _remove_grouped_clip(monkeypatch, leak: str) -> None:
+    """The grouped clip replaced in both per-example paths by one that leaves the head (``head_unclipped``) or the
+    body (``body_unclipped``) unclipped, the other group clipped as before."""
+    import math
+
+    from fs_fedpa.plugin import dp_sgd
+    from fs_fedpa.privacy.mechanism import add_clipped_groups
+    from fs_fedpa.privacy.per_example import clipped_sum_groups
+
+    def opened(clips):
+        return (clips[0], math.inf) if leak == "head_unclipped" else (math.inf, clips[1])
+
+    monkeypatch.setattr(dp_sgd, "clipped_sum_groups",
+                        lambda g, cols, clips: clipped_sum_groups(g, cols, opened(clips)))  # fmt: skip
+    monkeypatch.setattr(dp_sgd, "add_clipped_groups",
+                        lambda t, g, groups, clips: add_clipped_groups(t, g, groups, opened(clips)))  # fmt: skip
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["taps", "loop"])
+@pytest.mark.parametrize("leak", GROUPED_LEAKS)
+def test_the_grouped_step_check_fails_where_the_groups_clip_is_removed(monkeypatch, leak, batched):
+    """The check above can fail: with the head's group left unclipped, the head's step moves far past 2C_h/b between
+    neighbours; with the body's left unclipped, the body's moves far past 2C/b."""
+    C, C_h = 0.05, 0.2
+    _remove_grouped_clip(monkeypatch, leak)
+    gaps, _ = _released_steps(frozenset(), "wor", batched, clip=C, local=HEAD, local_clip=C_h)
+    body, head = zip(*gaps)
+    print(f"{leak} ({'taps' if batched else 'loop'}): body gaps {body} (bound {2 * C / B:g}), head gaps {head} "
+          f"(bound {2 * C_h / B:g})")  # fmt: skip
+    if leak == "head_unclipped":
+        assert max(head) > 10 * (2 * C_h / B), head
+    else:
+        assert max(body) > 10 * (2 * C / B), body
+
+
+def test_each_groups_noise_is_z_sqrt2_times_its_clip_over_b():
+    """Zero data and weights: a grouped step (SGD lr 1) is its noise over b alone; per group its entries have standard
+    deviation z_g C_g / b with z_g = z sqrt(2), the accounted z (empirical, over 8,000 body and 2,001 head
+    entries): the noise the accounting of z at sensitivity 1 rests on."""
+    import math
+
+    from fs_fedpa.plugin.dp_sgd import DPSGD
+    from fs_fedpa.privacy.mechanism import dp_generator
+    from fs_fedpa.privacy.sample_level import SamplePlan
+
+    z, C, C_h = 1.5, 0.05, 0.2
+    trainer, model, X, y = _two_layer_trainer(zero_data=True, hidden=2000)
+    DPSGD(trainer, lambda n: SamplePlan(n, B, 1, z, 1e-5, groups=2), lambda routine: dp_generator(5, "t"), clip=C,
+          local=HEAD, local_clip=C_h)  # fmt: skip
+    trainer.train()
+    step = {n: p.detach().double().flatten() for n, p in model.named_parameters()}
+    body = torch.cat([step[n] for n in step if n not in HEAD])
+    head = torch.cat([step[n] for n in sorted(HEAD)])
+    for moved, clip in ((body, C), (head, C_h)):
+        expected = z * math.sqrt(2) * clip / B
+        assert abs(float(moved.std()) / expected - 1) < 0.1, (float(moved.std()), expected)
+
+
+def test_the_grouped_option_groups_the_local_tensors_or_refuses():
+    from fs_fedpa.privacy.sample_level import frozen_names, grouped_names
+
+    assert grouped_names("grouped", sorted(HEAD)) == HEAD and frozen_names("grouped", sorted(HEAD)) == frozenset()
+    assert grouped_names("frozen", sorted(HEAD)) == frozenset() == grouped_names("noised", sorted(HEAD))
+    with pytest.raises(ValueError, match="'grouped' with no local tensor to group"):
+        grouped_names("grouped", [])
+
+
+def test_the_studys_grouped_variant_passes_fs_and_the_plugins_checks():
+    """The declared study's ``var_grouped`` override list (fedpa.dp.local_tensors grouped and fedpa.dp.local_clip
+    beside the flat fedpa.dp_* keys) on the study's yaml, as FS merges it for method fedpa: its checks accept it when
+    frozen."""
+    import importlib
+
+    from federatedscope.core.configs.config import global_cfg
+
+    importlib.import_module("fs_fedpa")
+    from research.study.sst2_dp_fedpa import POINT, variants
+    from research.study.sst2_protocol import CFG_NAME
+    from tests.conftest import ROOT
+
+    (run,) = [r for r in variants(0.1) if r.name == "var_grouped"]
+    cfg = global_cfg.clone()
+    cfg.merge_from_file(str(ROOT / CFG_NAME))
+    cfg.merge_from_list(["federate.method", run.method, *run.opts])
+    cfg.freeze(save=False)
+    dp = cfg.fedpa.dp
+    assert (dp.mode, dp.local_tensors, dp.local_clip) == ("sample", "grouped", POINT.clip)
+    assert cfg.fedpa.dp.clip == POINT.clip and cfg.personalization.local_param == ["classifier"]
+
+
+@pytest.mark.parametrize("treatment", ["frozen", "grouped"])
+def test_a_grouped_head_trains_through_fs_within_the_target(tiny_glue, tmp_path, treatment):
+    """DP-SGD through FS on the tiny BERT with local classifier heads (Poisson, PLD, epsilon 8): under 'grouped' each
+    client's exported head has left the initial one all clients share (under 'frozen', the control, none has); the
+    ledger and each client's own file state the groups and the head's clip, every epsilon within the target, and
+    the server admitted every client's account (the two compute one plan)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from fs_fedpa.record import PRIVATE_FAULTS_FILE
+    from tests.integration.test_export_fs import _run
+
+    C, C_h = 0.5, 2.0
+    dp = {"fedpa.dp.mode": "sample", "fedpa.dp.clip": C, "fedpa.dp.epsilon": 8.0, "fedpa.dp.horizon": 5,
+          "fedpa.dp.sampling": "poisson", "fedpa.dp.accountant": "pld",
+          "fedpa.dp.local_tensors": treatment}  # fmt: skip
+    if treatment == "grouped":
+        dp["fedpa.dp.local_clip"] = C_h
+    cfg, outdir = _run(tiny_glue, tmp_path, "fedpa", **dp)
+    heads = [load_file(str(p)) for p in sorted((tmp_path / "at_end" / "heads").glob("client_*.safetensors"))]
+    assert len(heads) == 3
+    moved = [any(not torch.equal(h[k], heads[0][k]) for k in h) for h in heads[1:]]
+    last = json.loads((outdir / "fedpa_privacy.jsonl").read_text().splitlines()[-1])
+    own = [json.loads(line) for line in (outdir / "fedpa_client_privacy.jsonl").read_text().splitlines()]
+    assert last["dp_epsilon"] <= 8.0 and "dp_no_guarantee" not in last and len(last["dp_clients"]) == 3
+    assert all(e["epsilon"] <= 8.0 for e in last["dp_clients"].values())
+    faults = outdir / PRIVATE_FAULTS_FILE  # a refused account would be written here
+    assert not faults.exists() or not faults.read_text().strip()
+    if treatment == "frozen":
+        assert not any(moved) and "dp_groups" not in last and all("groups" not in r for r in own)
+        return
+    assert all(moved)
+    assert (last["dp_groups"], last["dp_clip_local"], last["dp_clip"]) == (2, C_h, C)
+    assert own and all(r["groups"] == 2 and r["clip_local"] == C_h for r in own)
+    assert "2 clipping groups, the local tensors' at C_h=2" in (outdir / "exp_print.log").read_text()

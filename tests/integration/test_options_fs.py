@@ -140,3 +140,19 @@ def test_fs_own_wandb_logging_is_refused_naming_the_plugin_tracker():
         _fresh().merge_from_list(["federate.method", "fedpa", "wandb.use", True])
     _fresh().merge_from_list(["federate.method", "fedpa", "fedpa.track", "wandb"])
     _fresh().merge_from_list(["federate.method", "FedAvg", "wandb.use", True])  # FS's own method: FS's own logging
+
+
+def test_keep_moments_parses_beside_the_flat_dp_keys_and_is_refused_with_a_personal_phase():
+    """fedpa.keep_moments as the study passes it (a string, beside the old flat fedpa.dp_* keys), and refused where a
+    personal phase trains a second adapter each round (FedDPA)."""
+    from fs_fedpa.plugin.config_fs import fedpa_config
+
+    flat = ["federate.method", "fedpa", "early_stop.patience", 0, "eval.split", ["val"], "fedpa.dp_mode", "sample",
+            "fedpa.dp_clip", "0.01", "fedpa.dp_epsilon", "8", "fedpa.dp_horizon", "120", "fedpa.keep_moments", "True"]
+    cfg = _fresh()
+    cfg.merge_from_list(flat)
+    assert fedpa_config(cfg).keep_moments is True and fedpa_config(_fresh()).keep_moments is False
+    with pytest.raises(ValueError, match=r"fedpa.keep_moments with federate.method 'feddpa_t': its personal phase"):
+        _fresh().merge_from_list([*flat, "federate.method", "feddpa_t"])
+    with pytest.raises(ValueError, match=r"fedpa.keep_moments"):  # FS's own type check names it
+        _fresh().merge_from_list(["fedpa.keep_moments", "1.5"])

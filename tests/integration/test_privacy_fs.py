@@ -180,6 +180,10 @@ def test_an_unsupported_method_is_refused_through_fs_naming_dp(tiny_llm, tmp_pat
         (["fedpa.dp.mode", "sample", "fedpa.dp.accountant", "prv"], r"fedpa.dp.accountant\(='prv'\) must be one of"),
         (["fedpa.dp.mode", "sample", "fedpa.dp.sampling", "shuffle"], r"fedpa.dp.sampling\(='shuffle'\) must be one"),
         (["fedpa.dp.mode", "client", "fedpa.dp.local_tensors", "frozen"], "is a choice of DP-SGD"),
+        (["fedpa.dp.mode", "client", "fedpa.dp.local_tensors", "grouped"], "is a choice of DP-SGD"),
+        (["fedpa.dp.mode", "sample", "fedpa.dp.local_clip", "0.5"], "local_clip.*needs fedpa.dp.local_tensors grouped"),
+        (["fedpa.dp.mode", "sample", "fedpa.dp.local_tensors", "grouped", "fedpa.dp.local_clip", "-1.0"],
+         r"fedpa.dp.local_clip\(=-1.0\) must be a finite number >= 0"),
         # issue 73: before, accepted; the first two then asked for 15-30 GiB, or stopped with an ArithmeticError
         (["fedpa.dp.mode", "sample", "fedpa.dp.noise_multiplier", "0.001", "fedpa.dp.accountant", "pld"],
          r"the PLD accountant would need about .* GiB for noise multiplier z=0.001"),

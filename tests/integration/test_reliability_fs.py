@@ -216,12 +216,14 @@ def _resume_cases():
     loaded into the model the clients share (issue 88: Ravan could not resume so)."""
     for method in names():
         if mixed := _takes_mixed_ranks(method):
-            yield pytest.param(method, True, id=method)
-        yield pytest.param(method, False, id=f"{method}-equal_ranks" if mixed else method)
+            yield pytest.param(method, True, {}, id=method)
+        yield pytest.param(method, False, {}, id=f"{method}-equal_ranks" if mixed else method)
+    # the clients' AdamW moments, kept across rounds, go through the state store and the resume files
+    yield pytest.param("fedpa", True, {"fedpa.keep_moments": True}, id="fedpa-keep_moments")
 
 
-@pytest.mark.parametrize(("method", "mixed_ranks"), _resume_cases())
-def test_a_run_killed_after_round_k_resumes_to_the_same_result(tiny_llm, tmp_path, method, mixed_ranks):
+@pytest.mark.parametrize(("method", "mixed_ranks", "options"), _resume_cases())
+def test_a_run_killed_after_round_k_resumes_to_the_same_result(tiny_llm, tmp_path, method, mixed_ranks, options):
     # Prepare: 4 rounds, 2 of 3 clients sampled per round (the sampler's state matters), one model shared by the
     # clients (FS's default for LLMs), resume points on
     def cfg(name, **more):
@@ -234,7 +236,7 @@ def test_a_run_killed_after_round_k_resumes_to_the_same_result(tiny_llm, tmp_pat
         if method.startswith("hetlora"):  # a strong tail penalty prunes all of client 3's modules in round 2
             changes["fedpa.hetlora.lam"] = 50.0
         changes["federate.save_to"] = str(tmp_path / name / "ckpt" / "run.pt")
-        return fedpa_cfg(tiny_llm, tmp_path / name, **changes, **more)
+        return fedpa_cfg(tiny_llm, tmp_path / name, **changes, **options, **more)
 
     full = probe(cfg("full"), tmp_path / "full")
     # Execute: the same run ended without clean-up once round 2's resume point is written (as a kill would; the tests

@@ -252,11 +252,13 @@ def test_what_each_method_starts_from_trains_and_aligns():
     for name in PLUGIN_METHODS:
         method = _method(name, [2])
         start = method.start_round(received, own, 0, 0)
-        for n in own if name not in ("flora", "ravan") else ():  # a fresh LoRA; received cores, scales 1 (own tests)
+        # a fresh LoRA; received cores, scales 1; a mix of both (own tests)
+        for n in own if name not in ("flora", "ravan", "fedpa_partial_restart") else ():
             for j, kept in enumerate(keeps.get(name, (False, False))):
                 assert torch.equal(start[n][j], (own if kept else received)[n][j]), (name, n, j)
         assert [method.trainable(0), method.trainable(1)] == trains.get(name, [(True, True)] * 2), name
-        aligns = name in ("fedpa", "fedpa_no_preservation", "hetlora")  # hetlora: its self-pruning term
+        # hetlora: its self-pruning term
+        aligns = name in ("fedpa", "fedpa_no_preservation", "fedpa_partial_restart", "hetlora")
         assert (method.alignment(own, received, 1.0) is not None) is aligns, name
 
 
