@@ -23,8 +23,9 @@ PRIVACY_FILE = "fedpa_privacy.jsonl"  # the DP ledger, one line a round (fs_fedp
 # client-level DP: which client's upload the server dropped and why, server-private and outside epsilon
 PRIVATE_FAULTS_FILE = "fedpa_dp_faults.jsonl"
 # sample-level DP: each client's own accounting, one line a round it trains ({"round", "client", "epsilon", "delta",
-# "steps", "n", "b", "z", "clip", "sampling", "accountant", "nonfinite", "empty", "clipped_sum", "noise"}); the last
-# two are the round's mean per step, read from its records, so the file is the client's and never sent
+# "steps", "n", "b", "z", "clip", "sampling", "accountant", "prior_sigma" (the label count's, 0: none), "nonfinite",
+# "empty", "clipped_sum", "noise"}); the last two are the round's mean per step, read from its records, so the file is
+# the client's and never sent
 CLIENT_PRIVACY_FILE = "fedpa_client_privacy.jsonl"
 # beside a client's evaluation metrics: the wall seconds the evaluation took (the server takes it out before FS merges)
 EVAL_SECONDS = "fedpa.eval_seconds"

@@ -36,6 +36,7 @@ from fs_fedpa.plugin.evaluation import ClientEvaluation, Evaluation
 from fs_fedpa.plugin.export_fs import export_client
 from fs_fedpa.plugin.fs_patches import grpc_comm_manager, sized_once, warn_once
 from fs_fedpa.plugin.liveness import ClientLiveness
+from fs_fedpa.plugin.logit_bias import install_logit_bias
 from fs_fedpa.plugin.outbox import ClientOutbox
 from fs_fedpa.plugin.record_fs import RoundStats
 from fs_fedpa.plugin.resume_fs import ClientResume
@@ -85,6 +86,7 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
         if self.method.cfg.keep_moments:  # after FS builds the routine's optimizer
             install_moments_hook(self.trainer, self.kept)
         self.privacy = policy(self._cfg, self.method, self.trainer, local_names, DPSGD)
+        install_logit_bias(self.trainer, self.privacy.logit_bias)  # fedpa.dp.label_prior; without it none
         wire = self._cfg.federate.mode.lower() == "distributed"  # tensors as explicit encodings, never pickled
         stats = RoundStats(self.method, self.alignment)
         self.round = ClientRound(self.client_model, self.trainer, self.alignment, stats, self.privacy, self.resume,
@@ -151,7 +153,7 @@ class FedPAClient(ClientLiveness, ClientEvaluation, Client):
         device = self.client_model.device
         self.kept.unpark(self.ID, device)
         before = message.state + (message.msg_type == "evaluate")  # an evaluation closes its round
-        self.resume.restore(self.kept, self.ID, before, self.client_model.initial_factors, device)
+        self.resume.restore(self.kept, self.ID, before, self.client_model.initial_factors, device, self.privacy)
         self.state = message.state
         self.outbox.answering(message.state, message.timestamp)
 

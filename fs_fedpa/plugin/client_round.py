@@ -109,6 +109,8 @@ class ClientRound:
         kept.keep(trained, local, rnd)
         if self.resume.out:  # federate.save_to
             snapshot = client_model.snapshot(rnd)
+            if privacy := self.privacy.state_dict():  # e.g. the label prior's b, which a resume must not draw again
+                snapshot["privacy"] = privacy
             self.resume.write(snapshot, snapshot["client"], rnd)
         sent = kept.factors
         if "before_upload" in method.uses:

@@ -64,9 +64,10 @@ class ClientResume:
         for _, path in sorted(resume.client_files(self.out, client).items())[:-2]:
             path.unlink(missing_ok=True)
 
-    def restore(self, kept, client: int, rnd: int, initial, device) -> None:
-        """Once, in a resumed run: client ``client``'s newest state from before round ``rnd`` into ``kept``, if it
-        ever trained. ``initial()``: the client's initial factors, which the file's shapes are checked against."""
+    def restore(self, kept, client: int, rnd: int, initial, device, privacy=None) -> None:
+        """Once, in a resumed run: client ``client``'s newest state from before round ``rnd`` into ``kept`` (and its
+        ``privacy`` field into its DP policy), if it ever trained. ``initial()``: the client's initial factors, which
+        the file's shapes are checked against."""
         if self.pending is None:
             return
         path, self.pending = self.pending, None
@@ -77,6 +78,8 @@ class ClientResume:
         # the server checked it too; this client checks what it actually reads
         check_client_file(saved, older[max(older)], max(older), cfg=self.cfg, method=self.method, client=client,
                           initial=initial(), local=kept.local, data=self.data)  # fmt: skip
+        if privacy is not None:  # checked by the policy before the state is loaded
+            privacy.load_state_dict(saved.get("privacy") or {}, f"resume file {older[max(older)]}")
         kept.load_state_dict(saved, device)
         self.file_id = saved["file_id"]  # the run goes on: its later files carry the token the server recorded
         if self.cfg.federate.mode == "distributed":  # its own process: its own random stream

@@ -34,6 +34,10 @@ Two accountants (``fedpa.dp.accountant``), both valid upper bounds on the same m
 
   tests/unit/privacy/test_accountant.py checks it against hockey-stick divergences integrated by hand (one and two
   releases, the worst datasets of a small case) and against the RDP bound, which it never exceeds.
+
+A client's label count (``fedpa.dp.label_prior`` sigma) is one more Gaussian, not subsampled, of L2 sensitivity 1
+(add/remove) or sqrt(2) (replace-one): :func:`composed_epsilon` composes it with the steps (PLD: the two PLDs; RDP:
+the curves added at each order), and :func:`calibrate` calibrates z for the composition.
 """
 
 from __future__ import annotations
@@ -274,9 +278,51 @@ def _symmetric_wor_pmf(z: float, q: float):
     return pld_pmf.DensePLDPmf(step, -top, dense, remove._infinity_mass, pessimistic_estimate=True)
 
 
+COUNT_SENSITIVITY = {"poisson": 1.0, "wor": 2.0**0.5}  # a label count's L2 sensitivity under the sampling's adjacency
+
+
+def count_event(sigma: float, sampling: str, accounting: str) -> Sampled:
+    """A label count of noise sigma as one event: the Gaussian of multiplier sigma / sensitivity at unit sensitivity
+    (rate 1, so no subsampling; "poisson" here only sets unit sensitivity)."""
+    return Sampled(1, 1, sigma / COUNT_SENSITIVITY[sampling], "poisson", accounting)
+
+
+def composed_epsilon(kind: Sampled, count: int, delta: float, prior_sigma: float = 0.0) -> float:
+    """epsilon at ``delta`` of ``count`` events of ``kind`` composed with one label count of noise ``prior_sigma``
+    (0: none; :func:`count_event`)."""
+    if not prior_sigma:
+        return kind.epsilon(count, delta)
+    return _composed(kind, int(count), float(delta), float(prior_sigma))
+
+
+@lru_cache(maxsize=4096)
+def _composed(kind: Sampled, count: int, delta: float, prior_sigma: float) -> float:
+    prior = count_event(prior_sigma, kind.sampling, kind.accounting)
+    if kind.accounting == "pld":
+        check_pld_cost(prior, None)
+        pld = prior.pld()
+        if count > 0:
+            check_pld_cost(kind, count)
+            pld = kind.pld().self_compose(count).compose(pld)
+        epsilon = float(pld.get_epsilon_for_delta(delta))
+        if not epsilon < float("inf"):
+            raise ValueError(f"the PLD accountant gives no finite epsilon at delta {delta:g} for the label count and "
+                             f"{count} events of z={kind.z:g}")  # fmt: skip
+        return epsilon
+    _, rdp = _dpa()
+    orders, one = _rdp_one(kind)
+    prior_orders, prior_one = _rdp_one(prior)
+    if prior_orders != orders:  # both the accountant's default orders
+        raise ArithmeticError("the label count's RDP orders are not the steps'")
+    # no step: the count alone (0 x an order's inf, where dp-accounting gives one, would be nan)
+    steps = [count * r if count else 0.0 for r in one]
+    return float(rdp.compute_epsilon(orders, [r + p for r, p in zip(steps, prior_one)], delta)[0])
+
+
 def calibrate(population: int, sample_size: int, count: int, target_epsilon: float, delta: float,
-              sampling: str = "wor", accounting: str = "rdp") -> float:  # fmt: skip
-    """The smallest z (to 0.5 %) whose ``count`` events give at most ``target_epsilon`` at ``delta``."""
+              sampling: str = "wor", accounting: str = "rdp", prior_sigma: float = 0.0) -> float:  # fmt: skip
+    """The smallest z (to 0.5 %) whose ``count`` events, composed with a label count of noise ``prior_sigma`` (0:
+    none), give at most ``target_epsilon`` at ``delta``."""
     if count <= 0:
         raise ValueError("calibrating a noise multiplier needs at least one event")
     if accounting == "pld":
@@ -288,9 +334,15 @@ def calibrate(population: int, sample_size: int, count: int, target_epsilon: flo
             "it the PLD grid no longer resolves the losses and no guarantee is meaningful"
         )
 
+    if prior_sigma and composed_epsilon(Sampled(population, sample_size, 1.0, sampling, accounting), 0, delta,
+                                        prior_sigma) >= target_epsilon:  # fmt: skip
+        raise ValueError(f"fedpa.dp.label_prior(={prior_sigma:g}) alone spends epsilon {target_epsilon:g} or more at "
+                         f"delta {delta:g}: raise it")  # fmt: skip
+
     def spent(z: float) -> float:
         try:
-            return Sampled(population, sample_size, z, sampling, accounting).epsilon(count, delta)
+            return composed_epsilon(Sampled(population, sample_size, z, sampling, accounting), count, delta,
+                                    prior_sigma)  # fmt: skip
         except ValueError:  # too little noise for the accountant (no finite epsilon, or past its memory cap)
             return float("inf")
 

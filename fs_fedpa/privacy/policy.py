@@ -155,6 +155,18 @@ class ClientPolicy:
     def log_round(self, rounds_trained: int) -> None:
         """After the round: the client's own account, where the mechanism keeps one."""
 
+    def logit_bias(self, labels: Callable, training: bool):
+        """b ``(K,)`` the client adds to its logits in a training (``training``) or evaluation routine, or None
+        (without DP: none); ``labels()`` gives its training split's labels ``(n_i,)``."""
+        return None
+
+    def state_dict(self) -> dict:
+        """What of the policy a client's resume file carries (tensors only)."""
+        return {}
+
+    def load_state_dict(self, saved: dict, at: str) -> None:
+        """The policy's part ``saved`` of the resume file ``at``."""
+
 
 class Mechanism:
     """A DP mechanism: its two policies and the run-level rules."""

@@ -45,7 +45,7 @@ _ENTRIES: dict[str, Entry] = {
     "client": Entry("fs_fedpa.privacy.client_level:ClientLevel", refuses=_CLIENT_REFUSES,
                     title="differential privacy at client level"),
     "sample": Entry("fs_fedpa.privacy.sample_level:SampleLevel", population="n_i records",
-                    own_keys=("min_records", "chunk", "local_tensors", "local_clip"), per_example=True,
+                    own_keys=("min_records", "chunk", "local_tensors", "local_clip", "label_prior"), per_example=True,
                     title="DP-SGD"),
 }  # fmt: skip
 

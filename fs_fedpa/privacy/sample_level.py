@@ -14,6 +14,7 @@ import logging
 import os
 from pathlib import Path
 
+from fs_fedpa.privacy.label_prior import LabelPrior
 from fs_fedpa.privacy.mechanism import dp_generator
 from fs_fedpa.privacy.policy import ClientPolicy
 from fs_fedpa.privacy.private import GaussianMechanism, GaussianServer, common_settings, split_exports
@@ -81,6 +82,8 @@ class SampleLevelClient(ClientPolicy):
             stream = f"client {self.client} round {self.rnd} routine {routine}"
             return dp_generator(fedpa.dp.seed, stream, fedpa.dp.secure_rng)
 
+        # fedpa.dp.label_prior: the count is drawn at the first training routine (logit_bias)
+        self.prior = LabelPrior(fedpa.dp.label_prior, cfg.model.seqcls.num_labels) if fedpa.dp.label_prior else None
         frozen = frozen_names(fedpa.dp.local_tensors, local_names)
         local = grouped_names(fedpa.dp.local_tensors, local_names)
         self.dp_sgd = dp_sgd(trainer, plan, make_generator, fedpa.dp.clip, chunk=fedpa.dp.chunk or None,
@@ -100,6 +103,25 @@ class SampleLevelClient(ClientPolicy):
             return False
         n = self.trainer.ctx.get("num_train_data")
         return isinstance(n, int) and n < self.fedpa.dp.min_records
+
+    def logit_bias(self, labels, training: bool):
+        """b = log pi^ of the label prior (``fedpa.dp.label_prior``), released at the first training routine
+        from its own DP stream (a seeded resumed run draws the same); None without it, before it, or for a client
+        that sits out (it draws no count)."""
+        if self.prior is None or self.sits_out:
+            return None
+        if self.prior.bias is None and training:
+            stream = f"client {self.client} label prior"
+            self.prior.release(labels(), dp_generator(self.fedpa.dp.seed, stream, self.fedpa.dp.secure_rng))
+        return self.prior.bias
+
+    def state_dict(self) -> dict:
+        """b once released, so a resumed run adds the same without a second count."""
+        return self.prior.state_dict() if self.prior is not None else {}
+
+    def load_state_dict(self, saved: dict, at: str) -> None:
+        if self.prior is not None and not self.sits_out:
+            self.prior.load_state_dict(saved, at)
 
     def stats(self, stats: dict, rounds_trained: int = 0) -> dict:
         """Every statistic but the raw-gradient ones, with what it spent after ``rounds_trained`` rounds
@@ -139,7 +161,8 @@ class SampleLevelClient(ClientPolicy):
                 f"(={self.fedpa.dp.min_records}): it takes no DP-SGD step, sends the factors it started "
                 "from with sample size 0 (no weight), and spends epsilon 0"
             )
-            self._write({**self._account(rounds_trained), "sits_out": True, "clipped_sum": None, "noise": None})
+            self._write({**self._account(rounds_trained), "sits_out": True, "prior_sigma": 0.0, "clipped_sum": None,
+                         "noise": None})  # fmt: skip
             return
         if self.dp_sgd.plan_in_use is None:
             return
@@ -152,6 +175,7 @@ class SampleLevelClient(ClientPolicy):
             f"z={plan.z:.4g}, C={self.fedpa.dp.clip:g}"
             + (f"; {plan.groups} clipping groups, the local tensors' at C_h={self.dp_sgd.C_local:g}, each noised at "
                f"z_g={plan.z_group:.4g}" if plan.groups > 1 else "")
+            + (f"; with its label count, sigma={plan.prior_sigma:g}" if plan.prior_sigma else "")
             + f"; {plan.sampling} sampling, {plan.accounting})"
             + (f"; {line['nonfinite']} records of this round had a non-finite gradient and contributed "
                "zero" if line["nonfinite"] else "")
@@ -176,7 +200,8 @@ class SampleLevelClient(ClientPolicy):
         # clipping groups: z is the accounted multiplier, each group noised at z sqrt(groups) times its clip
         groups = {"groups": plan.groups, "clip_local": self.dp_sgd.C_local} if plan.groups > 1 else {}
         return {**self._account(rounds_trained), **groups, "sampling": plan.sampling, "accountant": plan.accounting,
-                "nonfinite": self.dp_sgd.round_nonfinite, "empty": self.dp_sgd.round_empty,
+                "prior_sigma": plan.prior_sigma, "nonfinite": self.dp_sgd.round_nonfinite,
+                "empty": self.dp_sgd.round_empty,
                 "clipped_sum": None if norms is None else float(norms[0]),
                 "noise": None if norms is None else float(norms[1])}  # fmt: skip
 
@@ -290,13 +315,14 @@ class SampleLevelServer(GaussianServer):
         trained more, or it reported another size): the epsilon of its steps on its n_i and b at the server's z for
         that n_i, or the epsilon it reported if larger. Floats cross FS's wire as float32, so the reported figure
         alone could state a little less than was spent; the integers are exact."""
-        from fs_fedpa.privacy.accountant import Sampled
+        from fs_fedpa.privacy.accountant import Sampled, composed_epsilon
 
         n, b, steps = int(own["dp_n"]), int(own["dp_b"]), int(own["dp_steps"])
         plan = self._plan(n)
-        ours = Sampled(max(n, 1), max(b, 1), plan.z, self.sampling, self.accounting).epsilon(steps, plan.delta)
+        kind = Sampled(max(n, 1), max(b, 1), plan.z, self.sampling, self.accounting)
+        ours = composed_epsilon(kind, steps, plan.delta, plan.prior_sigma if steps > 0 else 0.0)
         return {"epsilon": max(ours, float(own["dp_epsilon"])), "delta": plan.delta, "noise_multiplier": plan.z,
-                "steps": steps, "n": n, "b": b, "source": "client"}  # fmt: skip
+                "steps": steps, "n": n, "b": b, "prior_sigma": plan.prior_sigma, "source": "client"}  # fmt: skip
 
     def account(self, rnd: int, receivers: list[int], stats: dict[int, dict]) -> dict:
         """Round ``rnd``'s ledger line: per client that was asked to train, the epsilon of the rounds it trained at
@@ -355,7 +381,7 @@ class SampleLevelServer(GaussianServer):
         plan = self._plan(self.sizes[c])
         steps = self.trained[c] * plan.steps_per_round
         entry = {"epsilon": plan.epsilon(steps), "delta": plan.delta, "noise_multiplier": plan.z,
-                 "steps": steps, "n": plan.n, "b": plan.b}  # fmt: skip
+                 "steps": steps, "n": plan.n, "b": plan.b, "prior_sigma": plan.prior_sigma}  # fmt: skip
         own = self.spent.get(c)
         if own is not None and own["dp_epsilon"] > entry["epsilon"]:
             entry = self._own_entry(own)
@@ -427,6 +453,11 @@ class SampleLevel(GaussianMechanism):
                 "model.seqcls.train_chunk with fedpa.dp.mode sample: DP-SGD forwards its batches in chunks of its own "
                 "(fs_fedpa.plugin.dp_sgd); leave train_chunk at 0"
             )
+        if fedpa.dp.label_prior and cfg.trainer.type != "seqcls":
+            raise ValueError(
+                f"fedpa.dp.label_prior needs a sequence classifier (trainer.type seqcls), not trainer.type "
+                f"{cfg.trainer.type!r}: it corrects a classifier's logits by its label counts"
+            )
         if cfg.grad.grad_clip > 0:
             message = f"grad.grad_clip(={cfg.grad.grad_clip:g}) is not applied under fedpa.dp.mode sample: each "
             message += f"example's gradient is clipped to fedpa.dp.clip(={fedpa.dp.clip:g}) instead"
@@ -440,7 +471,8 @@ class SampleLevel(GaussianMechanism):
                 "train.batch_or_epoch": str(cfg.train.batch_or_epoch),
                 # who takes steps at all, and what the clip and noise cover
                 "fedpa.dp.min_records": int(cfg.fedpa.dp.min_records),
-                "fedpa.dp.local_tensors": str(cfg.fedpa.dp.local_tensors)}  # fmt: skip
+                "fedpa.dp.local_tensors": str(cfg.fedpa.dp.local_tensors),
+                "fedpa.dp.label_prior": float(cfg.fedpa.dp.label_prior)}  # fmt: skip
 
     @classmethod
     def export_info(cls, fedpa, outdir: Path) -> dict:

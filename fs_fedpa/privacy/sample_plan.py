@@ -21,7 +21,8 @@ MAX_RECORDS = 1e15  # more records than any client has (the intake's bound on a 
 @dataclass(frozen=True)
 class SamplePlan:
     """Client i's DP-SGD: b of its n records a step (``sampling`` "poisson": each at rate b/n, b expected),
-    ``steps_per_round`` steps a round, noise multiplier z, epsilon from ``accounting``.
+    ``steps_per_round`` steps a round, noise multiplier z, epsilon from ``accounting``; ``prior_sigma`` > 0: its
+    label count (``fedpa.dp.label_prior``), released before its first step, composed with the steps.
 
     ``groups`` k: each record's gradient is clipped per group g to its own C_g and each group noised at
     N(0, (z_g C_g)^2) (``fedpa.dp.local_tensors grouped``: k = 2). Scaled by 1/C_g, that is one Gaussian mechanism of
@@ -36,6 +37,7 @@ class SamplePlan:
     sampling: str = "wor"
     accounting: str = "rdp"
     groups: int = 1
+    prior_sigma: float = 0.0
 
     @property
     def z_group(self) -> float:
@@ -49,15 +51,18 @@ class SamplePlan:
         return Sampled(self.n, self.b, self.z, self.sampling, self.accounting)
 
     def epsilon(self, steps: int) -> float:
-        return self.kind.epsilon(steps, self.delta)
+        """epsilon after ``steps`` steps, with the label count once a step was taken (0 for none)."""
+        from fs_fedpa.privacy.accountant import composed_epsilon
+
+        return composed_epsilon(self.kind, steps, self.delta, self.prior_sigma if steps > 0 else 0.0)
 
 
 def sample_plan(cfg, n: int, routines: int = 1) -> SamplePlan:
     """The plan of a client with ``n`` training records under FS config ``cfg``: b = min(batch size, n); steps a
     round as FS runs them (``local_update_steps`` batches, or that many epochs of ceil(n / b) batches, n // b with
     ``drop_last``), times the ``routines`` a round trains (2 with a personal phase); z as given, or calibrated so that
-    every step it could take over the run (T rounds, or ``fedpa.dp.horizon``) spends at most ``fedpa.dp.epsilon``
-    at its delta."""
+    every step it could take over the run (T rounds, or ``fedpa.dp.horizon``), with its label count
+    (``fedpa.dp.label_prior``), spends at most ``fedpa.dp.epsilon`` at its delta."""
     fedpa = cfg.fedpa
     b = max(1, min(int(cfg.dataloader.batch_size), n))
     if cfg.train.batch_or_epoch == "batch":
@@ -72,7 +77,7 @@ def sample_plan(cfg, n: int, routines: int = 1) -> SamplePlan:
         return SamplePlan(n, b, 0, 0.0, delta, fedpa.dp.sampling, fedpa.dp.accountant, groups)
     return _plan(n, b, tau, int(fedpa.dp.horizon or cfg.federate.total_round_num), float(fedpa.dp.noise_multiplier),
                  float(fedpa.dp.epsilon), float(fedpa.dp.delta), fedpa.dp.sampling, fedpa.dp.accountant,
-                 groups)  # fmt: skip
+                 groups, float(fedpa.dp.label_prior))  # fmt: skip
 
 
 def clip_groups(local_tensors: str) -> int:
@@ -83,13 +88,13 @@ def clip_groups(local_tensors: str) -> int:
 
 @lru_cache(maxsize=1024)
 def _plan(n: int, b: int, tau: int, rounds: int, z: float, target: float, delta_setting: float, sampling: str,
-          accounting: str, groups: int = 1) -> SamplePlan:  # fmt: skip
+          accounting: str, groups: int = 1, prior_sigma: float = 0.0) -> SamplePlan:  # fmt: skip
     from fs_fedpa.privacy.accountant import calibrate, check_pld_cost
 
     delta = dp_delta_for(delta_setting, n, "n_i records")
     if not z:  # the accounted z: the groups' noise is z sqrt(groups) each (SamplePlan.z_group)
-        z = calibrate(n, b, rounds * tau, target, delta, sampling, accounting)
-    plan = SamplePlan(n, b, tau, z, delta, sampling, accounting, groups)
+        z = calibrate(n, b, rounds * tau, target, delta, sampling, accounting, prior_sigma)
+    plan = SamplePlan(n, b, tau, z, delta, sampling, accounting, groups, prior_sigma)
     check_pld_cost(plan.kind, rounds * tau)  # the whole horizon's accounting, at the client's start
     return plan
 

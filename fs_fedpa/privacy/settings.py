@@ -159,6 +159,15 @@ class DPSettings:
             ),
         },
     )
+    label_prior: float = field(
+        default=0.0,
+        metadata={
+            "help": (
+                "sample mode, seqcls: sigma > 0 adds log pi^ from a Gaussian label count to each client's logits "
+                "(docs/privacy.md); 0: off"
+            ),
+        },
+    )
     secure_rng: bool = field(
         default=True,
         metadata={
@@ -185,7 +194,7 @@ class DPSettings:
         """ValueError, one line naming the key, for DP settings no mechanism can honour (the rules that read the
         section's other keys: :meth:`check_with`)."""
         kind = registry.entry(self.mode)
-        for key in ("clip", "noise_multiplier", "epsilon", "delta", "local_clip"):
+        for key in ("clip", "noise_multiplier", "epsilon", "delta", "local_clip", "label_prior"):
             setattr(self, key, number(getattr(self, key), f"dp.{key}", minimum=0.0))
         for key in ("clip", "noise_multiplier", "local_clip"):
             if getattr(self, key) > DP_VALUE_MAX:
@@ -278,6 +287,7 @@ OWN_KEY_WHY = {
     "chunk": "it sizes DP-SGD's forward",
     "local_tensors": "without DP-SGD a client's local tensors train on its data and never leave it",
     "local_clip": "without DP-SGD a client's local tensors train on its data and never leave it",
+    "label_prior": "its count is composed with DP-SGD's steps",
 }
 
 

@@ -527,12 +527,17 @@ def test_a_frozen_head_takes_no_step_under_noise_or_a_regularizer():
 LEAKS = ("loss_after_noise", "plain_head")
 
 
-def _neighbour_trainer(canary: int | None, leak: str | None):
+def _neighbour_trainer(canary: int | None, leak: str | None, bias: torch.Tensor | None = None):
     """The two-layer trainer with record ``canary`` replaced by a far-off one (None: the records as they are), a
     data-free term on every tensor (as FedPA-LoRA's alignment and FS's regularizer add after the noise), and
     ``leak``: a data-dependent term the mechanism must not let through, the drawn batch's exact loss added after the
-    noise (``loss_after_noise``) or the head on its exact gradient (``plain_head``, the withdrawn 'plain')."""
+    noise (``loss_after_noise``) or the head on its exact gradient (``plain_head``, the withdrawn 'plain'); ``bias``:
+    a fixed logit correction added to the model's output (fedpa.dp.label_prior's hook)."""
     trainer, model, X, y = _two_layer_trainer()
+    if bias is not None:
+        from fs_fedpa.plugin.logit_bias import add_logit_bias
+
+        add_logit_bias(model, bias)
     if canary is not None:
         X[canary], y[canary] = X[canary] * 10, 50.0  # the dataset is the trainer's tensors: this is its neighbour
     head = [p for n, p in model.named_parameters() if n in HEAD]
@@ -565,7 +570,7 @@ def _flat(model) -> torch.Tensor:
 
 def _released_steps(frozen: frozenset, sampling: str, batched: bool, leak: str | None = None, steps: int = 3,
                     clip: float = 0.05, z: float = 1.0, local: frozenset = frozenset(), local_clip: float = 0.0,
-                    ) -> tuple[list, int]:  # fmt: skip
+                    bias: torch.Tensor | None = None, moves_out: list | None = None) -> tuple[list, int]:  # fmt: skip
     """DP-SGD's released steps through FS's trainer and optimizer (SGD at lr 1 on every tensor, noise z): a run of
     ``steps`` steps on the records gives the model and the DP generator's state before each step; from each, one
     step on the records and one on the neighbour (the first record the first step draws replaced), with the same
@@ -588,7 +593,7 @@ def _released_steps(frozen: frozenset, sampling: str, batched: bool, leak: str |
         return DPSGD(trainer, lambda n: SamplePlan(n, B, count, z, 1e-5, sampling, groups=groups), generator,
                      clip=clip, batched=batched, frozen=frozen, local=local, local_clip=local_clip)  # fmt: skip
 
-    trainer, model = _neighbour_trainer(None, leak)
+    trainer, model = _neighbour_trainer(None, leak, bias)
     hooks = dp(trainer, steps)
     trainer.cfg.defrost()
     trainer.cfg.train.local_update_steps = steps
@@ -604,7 +609,7 @@ def _released_steps(frozen: frozenset, sampling: str, batched: bool, leak: str |
     for weights, state in starts:
         moves = []
         for neighbour in (None, canary):
-            trainer, model = _neighbour_trainer(neighbour, leak)
+            trainer, model = _neighbour_trainer(neighbour, leak, bias)
             model.load_state_dict(weights)
             before = {n: p.detach().double().clone() for n, p in model.named_parameters()}
             dp(trainer, 1, state)
@@ -618,6 +623,8 @@ def _released_steps(frozen: frozenset, sampling: str, batched: bool, leak: str |
             gaps.append((gap([n for n in moves[0] if n not in local]), gap(sorted(local))))
         else:
             gaps.append(gap(list(moves[0])))
+        if moves_out is not None:
+            moves_out.append(moves[0])
     return gaps, seed
 
 
@@ -635,6 +642,23 @@ def test_a_released_step_moves_at_most_lr_2c_over_b_between_neighbours(frozen, s
     bound = 1.0 * 2 * C / B
     assert gaps[0] > 0.1 * bound, gaps  # the canary is drawn at the first step and moves it
     assert max(gaps) <= bound * (1 + 1e-6) + 1e-9, (gaps, bound)
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["taps", "loop"])
+@pytest.mark.parametrize("sampling", ["wor", "poisson"])
+def test_a_released_step_with_the_label_prior_bias_moves_at_most_lr_2c_over_b(sampling, batched):
+    """fedpa.dp.label_prior: a fixed b added to the logits by the plugin's hook (post-processing of the count, the
+    same on both neighbours) is inside DP-SGD's per-record losses, so a released step still moves at most lr 2C / b
+    between neighbours; and b changes the steps (the hook is in the forward DP-SGD differentiates)."""
+    C = 0.05
+    bias, with_bias, without = torch.tensor([3.0]), [], []
+    gaps, _ = _released_steps(frozenset(), sampling, batched, clip=C, bias=bias, moves_out=with_bias)
+    _released_steps(frozenset(), sampling, batched, clip=C, moves_out=without)
+    bound = 1.0 * 2 * C / B
+    assert gaps[0] > 0.1 * bound, gaps
+    assert max(gaps) <= bound * (1 + 1e-6) + 1e-9, (gaps, bound)
+    changed = torch.cat([(with_bias[0][n] - without[0][n]).flatten() for n in without[0]]).norm()
+    assert float(changed) > 1e-3 * bound  # the bias is in the loss DP-SGD clips
 
 
 @pytest.mark.parametrize("frozen", [frozenset(), HEAD], ids=["head_noised", "head_frozen"])

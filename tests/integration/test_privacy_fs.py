@@ -772,3 +772,96 @@ def test_clients_below_dp_min_records_take_no_step_and_spend_nothing(tiny_llm, t
     assert all(r["clients"] == [] and sorted(r["dropped"]) == ["1", "2", "3"] for r in records)
     assert all("no DP-SGD step" in reason for r in records for reason in r["dropped"].values())
     assert "every upload was set aside (took no DP-SGD step" in (out / "exp_print.log").read_text()
+
+
+def test_the_label_prior_key_parses_beside_the_studys_flat_keys_and_needs_a_sequence_classifier():
+    """research/study/sst2_dp_fedpa.py's var_prior overrides (old flat fedpa.dp_* keys beside fedpa.dp.label_prior)
+    on the study's FS config; the key is refused, naming it, on a trainer that is not seqcls."""
+    from federatedscope.core.configs.config import global_cfg
+
+    from research.study import sst2_dp_fedpa as study
+    from research.study import sst2_protocol as sp
+
+    run = next(r for r in study.variants(1.0) if r.name == "var_prior")
+    cfg = global_cfg.clone()
+    cfg.merge_from_file(str(sp.CFG_NAME))
+    cfg.merge_from_list([*run.opts, "federate.method", run.method])
+    assert cfg.fedpa.dp.label_prior == study.PRIOR_SIGMA and cfg.fedpa.dp.mode == "sample"
+    assert cfg.fedpa.dp.epsilon == 8.0 and cfg.fedpa.dp.local_tensors == "frozen"
+    with pytest.raises(ValueError, match=r"fedpa.dp.label_prior needs a sequence classifier \(trainer.type seqcls\)"):
+        global_cfg.clone().merge_from_list([*run.opts, "federate.method", run.method, "trainer.type", "general"])
+
+
+PRIOR = 4.0
+
+
+def _label_prior_cfg(tiny_glue, tmp_path: Path, name: str, **more) -> dict:
+    from tests.integration.tiny_assets import fs_glue_yaml
+
+    (tmp_path / name).mkdir()
+    return fs_glue_yaml(tmp_path / name, tiny_glue["model"], tiny_glue["glue"], **{
+        "federate.total_round_num": 3, "federate.save_to": str(tmp_path / name / "ckpt" / "run.pt"),
+        "fedpa.dp.mode": "sample", "fedpa.dp.clip": 1.0, "fedpa.dp.epsilon": 8.0, "fedpa.dp.seed": 5,
+        "fedpa.dp.label_prior": PRIOR, **more})  # fmt: skip
+
+
+def _client_biases(ckpt: Path) -> dict[int, dict[int, torch.Tensor]]:
+    """client -> round -> the b its resume file holds."""
+    from fs_fedpa import resume
+
+    out = {}
+    for client in (1, 2, 3):
+        for rnd, path in resume.client_files(resume.server_path(str(ckpt / "run.pt")), client).items():
+            saved = torch.load(path, weights_only=True, map_location="cpu")
+            out.setdefault(client, {})[rnd] = saved["privacy"]["label_prior"]
+    return out
+
+
+@SLOW
+def test_label_prior_through_fs_composes_on_the_ledger_and_resumes_with_the_same_bias(tiny_glue, tmp_path):
+    """fedpa.dp.label_prior on the tiny GLUE run: every stepping client holds b = log pi^ (a distribution over the 2
+    labels) in its resume files; the ledger's epsilon per client is dp-accounting's composition of the count
+    (Gaussian(sigma / sqrt 2), replace-one) with the steps, at most the target and above the steps alone; a run
+    killed after round 2 whose clients' b is replaced in their files goes on with that b (loaded, not drawn again)."""
+    import math
+
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    from tests.integration.test_reliability_fs import _kill_after_resume_point
+
+    out = _finished(_label_prior_cfg(tiny_glue, tmp_path, "full"), tmp_path / "full")
+    ledger = _jsonl(out / "fedpa_privacy.jsonl")
+    entries = ledger[-1]["dp_clients"]
+    assert len(entries) == 3
+    for entry in entries.values():
+        assert entry["prior_sigma"] == PRIOR and entry["steps"] > 0
+        relation = dpa.NeighboringRelation.REPLACE_ONE
+        step = dpa.SampledWithoutReplacementDpEvent(entry["n"], entry["b"],
+                                                    dpa.GaussianDpEvent(entry["noise_multiplier"] / 2))  # fmt: skip
+        steps = dpa.SelfComposedDpEvent(step, entry["steps"])
+        both = dpa.ComposedDpEvent([dpa.GaussianDpEvent(PRIOR / math.sqrt(2)), steps])
+        expected = rdp_privacy_accountant.RdpAccountant(neighboring_relation=relation).compose(both)
+        alone = rdp_privacy_accountant.RdpAccountant(neighboring_relation=relation).compose(steps)
+        assert entry["epsilon"] == pytest.approx(expected.get_epsilon(entry["delta"]), rel=1e-6)
+        assert alone.get_epsilon(entry["delta"]) < entry["epsilon"] <= 8.0
+    lines = [line for line in _jsonl(out / "fedpa_client_privacy.jsonl") if not line.get("sits_out")]
+    assert lines and all(line["prior_sigma"] == PRIOR for line in lines)
+    biases = _client_biases(tmp_path / "full" / "ckpt")
+    assert set(biases) == {1, 2, 3}
+    for per_round in biases.values():
+        first, *rest = per_round.values()
+        assert first.shape == (2,) and float(first.exp().sum()) == pytest.approx(1.0, rel=1e-5)
+        assert all(torch.equal(first, b) for b in rest)  # drawn once
+    point = _kill_after_resume_point(_label_prior_cfg(tiny_glue, tmp_path, "killed"), tmp_path / "killed", rnd=2)
+    planted = torch.log(torch.tensor([0.875, 0.125]))
+    for client in (1, 2, 3):
+        from fs_fedpa import resume
+
+        for path in resume.client_files(str(point), client).values():
+            saved = torch.load(path, weights_only=True, map_location="cpu")
+            saved["privacy"]["label_prior"] = planted.clone()
+            torch.save(saved, path)
+    _finished(_label_prior_cfg(tiny_glue, tmp_path, "resumed", **{"federate.restore_from": str(point)}),
+              tmp_path / "resumed")  # fmt: skip
+    resumed = _client_biases(tmp_path / "resumed" / "ckpt")
+    assert resumed and all(torch.equal(b, planted) for per_round in resumed.values() for b in per_round.values())
