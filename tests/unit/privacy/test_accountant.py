@@ -138,7 +138,7 @@ def test_bad_names_are_refused():
 
 
 def test_the_docs_table_of_one_run_under_both_conventions_is_recomputed():
-    """docs/privacy.md's table 'One run, both conventions, both accountants' from the committed run file."""
+    """The measured study's table 'One run, both conventions, both accountants' from the committed run file."""
     import json
     import re
     from pathlib import Path
@@ -146,8 +146,8 @@ def test_the_docs_table_of_one_run_under_both_conventions_is_recomputed():
     root = Path(__file__).resolve().parents[3]
     run = json.loads((root / "docs/reference/sst2_protocol/runs/privacy/fedit_dp_s0.json").read_text())
     clients = run["privacy"]["dp_clients"]
-    text = (root / "docs" / "privacy.md").read_text()
-    table = text[text.index("**One run, both conventions") :]
+    text = (root / "docs" / "study" / "privacy_measured.md").read_text()
+    table = text[text.index("### One run, both conventions") :]
     rows = re.findall(r"^\| (\d+) \| ([\d,]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", table,
                       re.MULTILINE)  # fmt: skip
     assert len(rows) == 3
