@@ -166,8 +166,10 @@ def test_the_runners_plan_and_pricing_include_the_stage(tmp_path):
     # the committed protocol: its stages, then this one's parts once the selection exists
     stages = sc.plan(pr.load_results(sp.REPORT), sp.REPORT)
     names = [part for part, _ in stages]
-    assert names[-1].startswith("dp valid") and "privacy: sample-level final" in dict(stages)  # then dpvalid's
-    assert names[max(i for i, n in enumerate(names) if not n.startswith("dp valid"))].startswith("dp regime")
+    assert names[-1].startswith("dp fedpa") and "privacy: sample-level final" in dict(stages)  # then dpvalid's, dpfedpa's
+    later = ("dp valid", "dp fedpa")
+    assert names[max(i for i, n in enumerate(names) if not n.startswith(later))].startswith("dp regime")
+    assert names[max(i for i, n in enumerate(names) if not n.startswith("dp fedpa"))].startswith("dp valid")
     assert not any(part.startswith("dp regime") for part, _ in sc.plan({}, tmp_path))
     # the committed runs' per-round rate ignores this stage's runs, whose rounds are of other sizes
     other = {"seconds": 100.0, "rounds_planned": 10, "opts": [], "stage": "final"}
