@@ -396,7 +396,8 @@ def seconds_per_round(results: dict, sample_dp: bool = False) -> float:
         r["seconds"] / r["rounds_planned"] / r.get("jobs", 1)
         for r in list(results.values())  # a snapshot: the runner's threads add finished runs meanwhile
         if r.get("rounds_planned") and not on_gpu(r) and dp_sgd(r.get("opts", ())) == sample_dp
-        and r.get("stage") not in ("dpregime", "dpvalid", "dpfedpa")  # rounds of other sizes: priced by records (sst2_dp_regime)
+        # rounds of other sizes: priced by records (sst2_dp_regime)
+        and r.get("stage") not in ("dpregime", "dpvalid", "dpfedpa")
     ]
     if rates:
         return statistics.median(rates)
