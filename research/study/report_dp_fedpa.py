@@ -79,7 +79,8 @@ def step_1_lines(results: dict) -> list[str]:
 
 def step_2_lines(results: dict, lam: float) -> list[str]:
     lines = ["Step 2, the variants under DP (seed 0, the held-out split; score: the mean of the last two "
-             "evaluations):", "", "| variant | held-out accuracy by evaluation | score |", "|---|---|---|"]  # fmt: skip
+             "evaluations):", "", "| variant | held-out accuracy by evaluation | score |",
+             "|---|---|---|"]  # fmt: skip
     for run in df.variants(lam):
         result = results.get(run.key)
         if result is None:
@@ -158,7 +159,8 @@ def plainly_lines(results: dict, lam: float) -> list[str]:
                 f"({sp.score(results[top.key]):.4f}), {gate} the gate ({dv.GATE:.4f}); its finals are not all in.", ""]
     return [f"**In one sentence each.** {said}The best variant on the held-out split, {top.name}, {gate} the gate "
             f"({sp.score(results[top.key]):.4f} against {dv.GATE:.4f}); against FedIT under DP it scores "
-            f"{_points(against)} points (n={against['seeds']}, Holm p {against['holm_p']:.3f}, {against['holm']}).", ""]
+            f"{_points(against)} points (n={against['seeds']}, Holm p {against['holm_p']:.3f}, {against['holm']}).",
+            ""]
 
 
 def dp_fedpa_section(results: dict, selected_main: dict | None) -> list[str]:
