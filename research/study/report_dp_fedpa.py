@@ -129,6 +129,10 @@ def final_lines(results: dict, lam: float) -> list[str]:
              "head's treatment). Paired 95% t intervals over seeds, in accuracy points, Holm over the two:", "",
              "| comparison | paper protocol (the endpoint) |", "|---|---|",
              *(f"| {key} | {_interval(rows.get(key))} |" for key in family(cell))]  # fmt: skip
+    shares = majority_shares(results)
+    locked = [prior_locked(results.get(r.key), shares) for r in df.final_runs(df.selected(results, lam))]
+    shown = ", ".join("–" if x is None else f"{x[0]}/{x[1]}" for x in locked)
+    lines.append(f"\nStepping clients whose own model scores exactly its shard's majority share, seeds 0-2: {shown}.")
     for metric in METRICS:
         _, values = final_values(results, lam, metric)
         means = ", ".join(f"{c} {statistics.fmean(v.values()):.4f} (n={len(v)})" for c, v in values.items() if v)

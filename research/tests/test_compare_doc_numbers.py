@@ -21,6 +21,7 @@ INTERVAL = re.compile(NUMBER + r" \[" + NUMBER + r", " + NUMBER + r"\]")
 MEAN_STD = re.compile(r"(\d\.\d+) ± (\d\.\d+)")
 STAGES = (
     "final", "beta", "hetero", "ablation", "adaptive", "head", "long", "partial", "privacy", "dpregime", "dpvalid",
+    "dpfedpa",
 )  # fmt: skip
 
 
@@ -76,6 +77,8 @@ def _report_values() -> tuple[list[tuple[float, float, float]], list[tuple[float
             else:
                 cells = pr.cell_values(results, metric, stage)
             joined = {**{f"final:{c}": v for c, v in finals[metric].items()}, **ablation[metric]}
+            if stage == "dpfedpa":  # its finals pair with dpvalid's cells (FedIT under DP, FedPA-LoRA without DP)
+                joined |= {f"dpvalid:{c}": v for c, v in pr.cell_values(results, metric, "dpvalid").items()}
             cells = {**joined, **cells}  # the head asymmetry pairs with the final runs and the ablation
             for values in cells.values():
                 if len(values) > 1:

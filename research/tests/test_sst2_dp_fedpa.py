@@ -128,6 +128,7 @@ def test_the_finals_are_t_intervals_over_seeds_with_holm_over_two():
     assert sorted(rows[k]["holm_p"] for k in rows) == pytest.approx(sorted([min(1, 2 * min(p)), max(p)]))
     text = "\n".join(rf.dp_fedpa_section(results, SELECTED))
     assert "The best variant on the held-out split, var_moments, passes the gate" in text and "Holm p" in text
+    assert "majority share, seeds 0-2: –, –, –." in text  # fabricated runs carry no per-client scores
 
 
 def test_the_section_gives_the_gates_verdict_beside_the_finals():
