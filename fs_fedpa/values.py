@@ -13,6 +13,7 @@ def finite_number(value: Any) -> bool:
     """A finite int or float (not a bool)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
+
 def number(value: Any, name: str, minimum: float) -> float:
     """``value`` as a finite float >= ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < minimum:

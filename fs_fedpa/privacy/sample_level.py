@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from fs_fedpa.privacy.label_prior import LabelPrior
 from fs_fedpa.privacy.mechanism import dp_generator
 from fs_fedpa.privacy.policy import ClientPolicy
 from fs_fedpa.privacy.private import GaussianMechanism, GaussianServer, common_settings, split_exports
-from fs_fedpa.privacy.sample_plan import SPENT_STATS, SamplePlan, account_problem, routines, sample_plan
+from fs_fedpa.privacy.sample_plan import SPENT_STATS, SamplePlan, account_problem, clip_groups, routines, sample_plan
 from fs_fedpa.values import finite_number as _number
 from fs_fedpa.record import CLIENT_PRIVACY_FILE, PRIVATE_FAULTS_FILE
 
@@ -315,12 +316,9 @@ class SampleLevelServer(GaussianServer):
         trained more, or it reported another size): the epsilon of its steps on its n_i and b at the server's z for
         that n_i, or the epsilon it reported if larger. Floats cross FS's wire as float32, so the reported figure
         alone could state a little less than was spent; the integers are exact."""
-        from fs_fedpa.privacy.accountant import Sampled, composed_epsilon
-
         n, b, steps = int(own["dp_n"]), int(own["dp_b"]), int(own["dp_steps"])
         plan = self._plan(n)
-        kind = Sampled(max(n, 1), max(b, 1), plan.z, self.sampling, self.accounting)
-        ours = composed_epsilon(kind, steps, plan.delta, plan.prior_sigma if steps > 0 else 0.0)
+        ours = replace(plan, n=max(n, 1), b=max(b, 1)).epsilon(steps)  # its n_i and b, the server's z and count
         return {"epsilon": max(ours, float(own["dp_epsilon"])), "delta": plan.delta, "noise_multiplier": plan.z,
                 "steps": steps, "n": n, "b": b, "prior_sigma": plan.prior_sigma, "source": "client"}  # fmt: skip
 
@@ -354,9 +352,9 @@ class SampleLevelServer(GaussianServer):
                                   "reason": self.no_guarantee[c], "n": self.sizes.get(c), "steps": None}  # fmt: skip
         known = [v for v in per_client.values() if v and v.get("guarantee") != "none"]
         none = [c for c, v in per_client.items() if v and v.get("guarantee") == "none"]
-        dp = self.method.cfg.dp  # clipping groups: dp_z is the accounted z, each group noised at z sqrt(2) C_g
-        grouped = dp.local_tensors == "grouped"
-        groups = {"dp_groups": 2, "dp_clip_local": float(dp.local_clip or dp.clip)} if grouped else {}
+        dp = self.method.cfg.dp  # clipping groups: dp_z is the accounted z, each group noised at z sqrt(k) C_g
+        k = clip_groups(dp.local_tensors)
+        groups = {"dp_groups": k, "dp_clip_local": float(dp.local_clip or dp.clip)} if k > 1 else {}
         line = {
             "round": rnd,
             "dp_mode": "sample",

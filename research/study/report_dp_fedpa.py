@@ -12,6 +12,7 @@ from research.study import sst2_dp_fedpa as df
 from research.study import sst2_dp_valid as dv
 from research.study import sst2_protocol as sp
 from research.study.report_dp_regime import family_comparisons, noise_shares
+from research.study.report_dp_valid import holm_interval
 from research.study.report_text import METRIC_NAMES, METRICS
 
 LOCKED_TOL = 1.5e-4  # a client's accuracies are stored to 4 decimals
@@ -116,19 +117,12 @@ def final_rows(results: dict, lam: float) -> tuple[str, dict[str, dict]]:
     return cell, family_comparisons(values, (("finals", family(cell)),))
 
 
-def _interval(row: dict | None) -> str:
-    if row is None:
-        return "–"
-    holm = f"; Holm p {row['holm_p']:.3f}, {row['holm']}" if "holm" in row else "; Holm: the family is not complete"
-    return f"{100 * row['mean']:+.1f} [{100 * row['low']:+.1f}, {100 * row['high']:+.1f}] (n={row['seeds']}){holm}"
-
-
 def final_lines(results: dict, lam: float) -> list[str]:
     cell, rows = final_rows(results, lam)
     lines = [f"Finals of {cell} (dev set, last round; `fedpa_nodp` is dpvalid's FedPA-LoRA without DP in the frozen "
              "head's treatment). Paired 95% t intervals over seeds, in accuracy points, Holm over the two:", "",
              "| comparison | paper protocol (the endpoint) |", "|---|---|",
-             *(f"| {key} | {_interval(rows.get(key))} |" for key in family(cell))]  # fmt: skip
+             *(f"| {key} | {holm_interval(rows.get(key))} |" for key in family(cell))]  # fmt: skip
     shares = majority_shares(results)
     locked = [prior_locked(results.get(r.key), shares) for r in df.final_runs(df.selected(results, lam))]
     shown = ", ".join("–" if x is None else f"{x[0]}/{x[1]}" for x in locked)

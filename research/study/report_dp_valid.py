@@ -32,7 +32,8 @@ def comparisons(results: dict, metric: str) -> dict[str, dict]:
     return family_comparisons(pr.cell_values(results, metric, dv.STAGE), families())
 
 
-def _interval(row: dict | None) -> str:
+def holm_interval(row: dict | None) -> str:
+    """A paired row in accuracy points with its n and Holm label (or that its family is not complete)."""
     if row is None:
         return "–"
     holm = f"; Holm p {row['holm_p']:.3f}, {row['holm']}" if "holm" in row else "; Holm: the family is not complete"
@@ -80,7 +81,7 @@ def final_lines(results: dict) -> list[str]:
         for title, family in families():
             lines += ["", f"{title}, {METRIC_NAMES[metric]}: paired 95% t intervals over seeds, in accuracy points.",
                       "", "| comparison | interval |", "|---|---|"]  # fmt: skip
-            lines += [f"| {key} | {_interval(rows.get(key))} |" for key in family]
+            lines += [f"| {key} | {holm_interval(rows.get(key))} |" for key in family]
     return [*lines, ""]
 
 
@@ -134,7 +135,7 @@ def closing_lines(results: dict, point: dv.Valid, lam: float) -> list[str]:
                   f"{dv.refit_metric(results, point, lam)}, fixed at seed 0")
     rows = family_comparisons(values, ((title, family),))
     lines += [f"{title}: paired 95% t intervals over seeds, in accuracy points.", "", "| comparison | interval |",
-              "|---|---|", *(f"| {key} | {_interval(rows.get(key))} |" for key in family), ""]  # fmt: skip
+              "|---|---|", *(f"| {key} | {holm_interval(rows.get(key))} |" for key in family), ""]  # fmt: skip
     return lines
 
 
